@@ -1,0 +1,108 @@
+"""Atomic checkpoints: ``output_dir/checkpoint-STEP/`` holds the adapter (PEFT format) or the full model,
+the optimizer, the scheduler, the RNG states and the trainer state (step, data position).
+
+A checkpoint is written into a hidden temporary directory and renamed into place, so a crash mid-write
+leaves the previous checkpoints intact and no half-written ``checkpoint-STEP``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.json"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
+                    save_total_limit: int = 0) -> Path:
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng_state.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+    if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside first
+        old = output_dir / f".old-checkpoint-{step}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    if save_total_limit > 0:
+        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    found = []
+    for p in Path(output_dir).glob("checkpoint-*"):
+        m = _CHECKPOINT.search(p.name)
+        if m and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and RNG from ``path``; return the trainer state dict."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        weights = load_file(str(path / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(model, weights)
+        if getattr(result, "unexpected_keys", None):
+            raise RuntimeError(f"checkpoint {path}: adapter has unexpected keys {result.unexpected_keys[:5]}")
+    else:
+        weights = load_file(str(path / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected:
+            raise RuntimeError(f"checkpoint {path}: unexpected keys {unexpected[:5]}")
+    device = next(model.parameters()).device
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng_state.pt", weights_only=False))
+    return json.loads((path / STATE_FILE).read_text())

@@ -1,0 +1,304 @@
+"""One dataclass tree for a run; YAML files and ``dotted.key=value`` overrides; validation with clear errors.
+
+Field names follow TRL's GRPOConfig where TRL has the same concept. Every value is checked before
+any model loads: an unknown key, a wrong type or an out-of-range value raises :class:`ConfigError`
+naming the key path, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, or builtin:tiny-arith
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+    attn_implementation: Optional[str] = "sdpa"
+    gradient_checkpointing: bool = False
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class DataConfig:
+    source: str = "task:arithmetic"  # file (.jsonl/.json/.parquet/.csv), hf:NAME[:CONFIG], or task:NAME
+    split: str = "train"
+    prompt_column: str = "prompt"
+    max_prompt_length: int = 512
+    overlong_prompt: Literal["error", "truncate_left", "skip"] = "error"
+    shuffle: bool = True
+    num_examples: int = 2000  # rows generated for task: sources
+
+
+@dataclass
+class GenerationConfig:
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class GRPOConfig:
+    num_generations: int = 8
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    delta: Optional[float] = None
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    num_iterations: int = 1
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    mask_truncated_completions: bool = False
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    prompts_per_step: int = 8  # each optimizer step sees prompts_per_step × num_generations completions
+    micro_batch_size: int = 16  # completions per forward/backward; gradients accumulate over micro-batches
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    logprob_chunk_size: int = 1024
+
+
+@dataclass
+class RewardSpec:
+    function: str = ""  # path/to/file.py:function or package.module:function
+    weight: float = 1.0
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = "longrl-output"
+    logging_steps: int = 1
+    save_steps: int = 0  # 0: save only at the end
+    save_total_limit: int = 0  # 0: keep all checkpoints
+    resume: bool = False
+    log_completions: int = 4  # completions written to completions.jsonl per logging step
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rewards: list[RewardSpec] = field(default_factory=list)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- parsing and validation
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, key: str):
+    """Return ``value`` converted to type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}': got {value!r}; expected {_describe(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"config key '{key}': got {value!r}; allowed: {_describe(tp)[7:]}")
+    if origin is list:
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            if typing.get_args(tp)[0] is str and isinstance(value, str):
+                return [value]
+            raise ConfigError(f"config key '{key}': got {value!r}; expected {_describe(tp)}")
+        return [_convert(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': got {value!r}; expected {_describe(tp)}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"config key '{key}': got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            path = f"{prefix}.{k}" if prefix else k
+            raise ConfigError(f"unknown config key '{path}'; allowed keys here: {', '.join(sorted(names))}")
+    obj = cls()
+    for k, v in data.items():
+        path = f"{prefix}.{k}" if prefix else k
+        setattr(obj, k, _convert(v, hints[k], path))
+    return obj
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {} if node.get(part) is None else node[part]
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"config key '{dotted}': '{part}' is not a section")
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+    """``["train.max_steps=10", ...]`` → ``[("train.max_steps", 10), ...]`` (values parsed as YAML)."""
+    pairs = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.max_steps=10)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: Config | None = None) -> Config:
+    """Config from ``base`` (or defaults), then the YAML file at ``path``, then KEY=VALUE overrides."""
+    tree = (base or Config()).to_dict()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        _merge(tree, loaded)
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def _merge(tree: dict, new: dict, prefix: str = "") -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(tree.get(k), dict):
+            _merge(tree[k], v, f"{prefix}{k}.")
+        else:
+            tree[k] = v
+
+
+def _check(cond: bool, key: str, value, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': got {value!r}; allowed: {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks beyond types."""
+    g, t, gen, o = cfg.grpo, cfg.train, cfg.generation, cfg.output
+    _check(g.num_generations >= 2, "grpo.num_generations", g.num_generations, "an integer >= 2 (advantages compare a group)")
+    _check(g.beta >= 0, "grpo.beta", g.beta, ">= 0")
+    _check(0 <= g.epsilon < 1, "grpo.epsilon", g.epsilon, "0 <= epsilon < 1")
+    _check(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", g.epsilon_high, "null or > 0")
+    _check(g.delta is None or g.delta > 1, "grpo.delta", g.delta, "null or > 1")
+    _check(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "an integer >= 1")
+    _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "an integer >= 1")
+    _check(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "an integer >= 1")
+    _check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
+    _check(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "> 0")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
+    _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, ">= 0 (0 disables clipping)")
+    _check(t.logprob_chunk_size >= 1, "train.logprob_chunk_size", t.logprob_chunk_size, "an integer >= 1")
+    _check(gen.max_completion_length >= 1, "generation.max_completion_length", gen.max_completion_length, ">= 1")
+    _check(gen.temperature > 0, "generation.temperature", gen.temperature, "> 0")
+    _check(0 < gen.top_p <= 1, "generation.top_p", gen.top_p, "0 < top_p <= 1")
+    _check(gen.top_k >= 0, "generation.top_k", gen.top_k, ">= 0 (0 disables)")
+    _check(0 <= gen.min_p < 1, "generation.min_p", gen.min_p, "0 <= min_p < 1")
+    _check(gen.repetition_penalty > 0, "generation.repetition_penalty", gen.repetition_penalty, "> 0")
+    _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", cfg.data.max_prompt_length, ">= 1")
+    _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
+    _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
+    _check(0 <= cfg.lora.dropout < 1, "lora.dropout", cfg.lora.dropout, "0 <= dropout < 1")
+    _check(o.logging_steps >= 1, "output.logging_steps", o.logging_steps, "an integer >= 1")
+    _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
+    _check(o.save_steps % g.num_iterations == 0, "output.save_steps", o.save_steps,
+           f"a multiple of grpo.num_iterations ({g.num_iterations}): checkpoints fall between rollout batches")
+    _check(bool(cfg.rewards), "rewards", cfg.rewards, "at least one reward function")
+    for i, r in enumerate(cfg.rewards):
+        _check(":" in r.function, f"rewards[{i}].function", r.function,
+               "'path/to/file.py:function' or 'package.module:function'")

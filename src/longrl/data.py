@@ -1,0 +1,142 @@
+"""Prompt datasets: files (JSONL, JSON, Parquet, CSV), the ``datasets`` library (``hf:NAME[:CONFIG]``) and
+built-in tasks (``task:NAME``). Prompts are plain strings or chat messages ``[{"role", "content"}, ...]``.
+
+Prompts longer than ``max_prompt_length`` tokens follow ``overlong_prompt``:
+  error          stop before training, naming the first overlong row (default: never train on a silently
+                 altered prompt)
+  truncate_left  keep the last ``max_prompt_length`` tokens (the end of a prompt is where the question is)
+  skip           drop the row, and report how many were dropped
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """The dataset cannot be used; the message names the file, column or row."""
+
+
+def read_rows(source: str, split: str = "train", num_examples: int = 2000, seed: int = 0) -> list[dict]:
+    """All rows of ``source`` as dicts."""
+    if source.startswith("task:"):
+        name = source[5:]
+        if name not in TASKS:
+            raise DataError(f"config key 'data.source': unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
+        return TASKS[name](num_examples, seed=seed)
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source.startswith("hf:"):
+        name, _, config = source[3:].partition(":")
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split)
+        except Exception as e:
+            raise DataError(f"config key 'data.source': cannot load dataset {name!r} split {split!r}: {e}") from e
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise DataError(f"config key 'data.source': dataset file not found: {source}")
+        fmt = FILE_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise DataError(f"dataset file {source}: unsupported extension {path.suffix!r}; "
+                            f"use one of {', '.join(FILE_FORMATS)}")
+        try:
+            ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as e:
+            raise DataError(f"dataset file {source} could not be read: {type(e).__name__}: {e}") from e
+    return [dict(r) for r in ds]
+
+
+@dataclass
+class PromptDataset:
+    rows: list[dict]  # every column of each kept row
+    prompt_ids: list[list[int]]  # tokenized prompt of each row (chat template applied for chat prompts)
+    prompt_column: str
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+
+
+def tokenize_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of one prompt: chat messages through the chat template (with the generation prompt)."""
+    if _is_chat(prompt):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def load_prompts(cfg, tokenizer, seed: int = 0) -> PromptDataset:
+    """Read, check and tokenize the prompts of data config ``cfg``."""
+    rows = read_rows(cfg.source, cfg.split, cfg.num_examples, seed)
+    if not rows:
+        raise DataError(f"dataset {cfg.source!r} is empty")
+    column = cfg.prompt_column
+    if column not in rows[0]:
+        raise DataError(f"dataset {cfg.source!r} has no prompt column {column!r} (config key 'data.prompt_column'); "
+                        f"columns: {', '.join(rows[0])}")
+    kept_rows, kept_ids, skipped = [], [], 0
+    for i, row in enumerate(rows):
+        prompt = row[column]
+        if not (isinstance(prompt, str) and prompt) and not (_is_chat(prompt) and prompt):
+            raise DataError(f"dataset {cfg.source!r} row {i}: prompt must be a non-empty string or a list of "
+                            f"{{'role', 'content'}} messages; got {prompt!r:.80}")
+        ids = tokenize_prompt(tokenizer, prompt)
+        if len(ids) > cfg.max_prompt_length:
+            if cfg.overlong_prompt == "error":
+                raise DataError(f"dataset {cfg.source!r} row {i}: prompt has {len(ids)} tokens, more than "
+                                f"data.max_prompt_length={cfg.max_prompt_length}; raise it, or set "
+                                f"data.overlong_prompt to truncate_left or skip")
+            if cfg.overlong_prompt == "skip":
+                skipped += 1
+                continue
+            ids = ids[-cfg.max_prompt_length:]
+        kept_rows.append(row)
+        kept_ids.append(ids)
+    if skipped:
+        log.warning("skipped %d of %d prompts longer than %d tokens", skipped, len(rows), cfg.max_prompt_length)
+    if not kept_rows:
+        raise DataError(f"dataset {cfg.source!r}: every prompt is longer than data.max_prompt_length")
+    return PromptDataset(kept_rows, kept_ids, column)
+
+
+class PromptSampler:
+    """Deterministic stream of row indices: epoch e is a permutation drawn from (seed, e).
+
+    Its whole state is ``position`` (rows consumed), so a checkpoint resumes it exactly.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True, position: int = 0):
+        self.num_rows, self.seed, self.shuffle, self.position = num_rows, seed, shuffle, position
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_rows, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            epoch, offset = divmod(self.position, self.num_rows)
+            order = self._order(epoch)
+            take = min(k - len(out), self.num_rows - offset)
+            out += order[offset:offset + take]
+            self.position += take
+        return out

@@ -1,0 +1,66 @@
+"""Group-relative advantages.
+
+Rewards r [P·G] come grouped by prompt (G completions per prompt, contiguous). With μ_g the group mean,
+
+    A = r − μ_g                       scale_rewards = "none"   (Dr. GRPO)
+    A = (r − μ_g) / (σ_g + 1e-4)      scale_rewards = "group"  (GRPO; σ_g the group's std)
+    A = (r − μ_g) / (σ + 1e-4)        scale_rewards = "batch"  (σ the std over the whole batch)
+
+Samples whose reward is NaN (a reward function failed on them) are left out of μ and σ and get A = 0.
+A group whose rewards are all equal gets A = 0. Standard deviations are unbiased (as torch.std).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased std along ``dim`` ignoring NaNs (0 where fewer than two values); keeps ``dim``."""
+    valid = ~torch.isnan(x)
+    n = valid.sum(dim, keepdim=True)
+    mean = torch.nansum(x, dim, keepdim=True) / n.clamp(min=1)
+    sq = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
+    return (sq.sum(dim, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """Advantages [P·G] from rewards [P·G] (float; NaN marks a sample with no learning signal)."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}; got {scale_rewards!r}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
+    r = rewards.to(torch.float32).view(-1, num_generations)  # [P, G]
+    valid = ~torch.isnan(r)
+    count = valid.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.nansum(r, -1, keepdim=True) / count  # [P, 1]
+    centred = torch.where(valid, r - mean, torch.zeros_like(r))
+    if scale_rewards == "group":
+        centred = centred / (_nanstd(r, dim=-1) + 1e-4)
+    elif scale_rewards == "batch":
+        centred = centred / (_nanstd(r.reshape(-1), dim=0) + 1e-4)
+    return centred.reshape(-1)
+
+
+def reference_group_advantages(rewards, num_generations, scale_rewards="group"):
+    """Loop-per-group twin of :func:`group_advantages`; for tests."""
+    out = []
+    flat_valid = [x for x in rewards.tolist() if x == x]
+    batch_std = torch.tensor(flat_valid).std() if len(flat_valid) > 1 else torch.tensor(0.0)
+    for g in range(0, rewards.numel(), num_generations):
+        group = rewards[g:g + num_generations].tolist()
+        valid = [x for x in group if x == x]
+        mean = sum(valid) / len(valid) if valid else 0.0
+        std = torch.tensor(valid).std().item() if len(valid) > 1 else 0.0
+        for x in group:
+            if x != x:
+                out.append(0.0)
+            elif scale_rewards == "group":
+                out.append((x - mean) / (std + 1e-4))
+            elif scale_rewards == "batch":
+                out.append((x - mean) / (float(batch_std) + 1e-4))
+            else:
+                out.append(x - mean)
+    return torch.tensor(out)

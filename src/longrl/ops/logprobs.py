@@ -1,0 +1,145 @@
+"""Per-token log-probabilities of target tokens, computed from hidden states and the LM head in chunks.
+
+For hidden state h (row of ``hidden``), LM-head weight W and target token y:
+
+    z   = softcap(m · (W h + b)) / T            softcap(x) = c · tanh(x / c)  (only when c is set)
+    lp  = z_y − logsumexp(z)                    log-probability of y
+    H   = logsumexp(z) − Σ_j p_j z_j            entropy of p = softmax(z)
+
+m is the model's logit multiplier (Cohere ``logit_scale``, 1 / Granite ``logits_scaling``), c its
+``final_logit_softcapping`` (Gemma 2/3), T the sampling temperature. Only ``chunk_size`` rows of logits
+exist at any time, in forward and in backward (which recomputes them). The gradient with respect to z is
+
+    ∂lp/∂z_j = 1[j = y] − p_j            ∂H/∂z_j = −p_j (log p_j + H)
+
+and flows back through 1/T, tanh and m to h (and to W, b only when they require grad).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, multiplier: float,
+                  softcap: float | None, temperature: float):
+    """Return (z, tanh_or_None) in float32 for a chunk of rows h [n, H]. z: [n, V]."""
+    raw = torch.nn.functional.linear(h, weight, bias)  # [n, V] in the compute dtype
+    raw = raw.to(torch.float32) if raw.dtype in (torch.float16, torch.bfloat16) else raw
+    if multiplier != 1.0:
+        raw = raw * multiplier
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(raw / softcap)
+        raw = tanh * softcap
+    if temperature != 1.0:
+        raw = raw / temperature
+    return raw, tanh
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """Autograd Function behind :func:`chunked_logprobs`; see the module docstring for the math."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, multiplier, softcap, temperature, chunk_size, with_entropy):
+        n = hidden.shape[0]
+        out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logps = torch.empty(n, dtype=out_dtype, device=hidden.device)  # [N]
+        entropy = torch.empty(n, dtype=out_dtype, device=hidden.device) if with_entropy else None  # [N]
+        lse_all = torch.empty(n, dtype=out_dtype, device=hidden.device)  # [N]
+        with torch.no_grad():
+            for start in range(0, n, chunk_size):
+                stop = min(start + chunk_size, n)
+                z, _ = _chunk_logits(hidden[start:stop], weight, bias, multiplier, softcap, temperature)
+                lse = torch.logsumexp(z, dim=-1)  # [n]
+                lse_all[start:stop] = lse
+                logps[start:stop] = z.gather(1, targets[start:stop, None]).squeeze(1) - lse
+                if with_entropy:
+                    p = torch.exp(z - lse[:, None])
+                    entropy[start:stop] = lse - (p * z).sum(-1)
+                del z
+        ctx.set_materialize_grads(False)  # an unused output (e.g. entropy kept for logging) costs nothing
+        ctx.save_for_backward(hidden, weight, bias, targets, lse_all, entropy)
+        ctx.params = (multiplier, softcap, temperature, chunk_size, with_entropy)
+        if with_entropy:
+            return logps, entropy
+        return logps, torch.empty(0, dtype=out_dtype, device=hidden.device)
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, targets, lse_all, entropy = ctx.saved_tensors
+        multiplier, softcap, temperature, chunk_size, with_entropy = ctx.params
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
+                             device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=grad_w.dtype if grad_w is not None else torch.float32,
+                             device=bias.device) if need_b else None
+        use_entropy_grad = with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lse_all)
+        n = hidden.shape[0]
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            h = hidden[start:stop]
+            z, tanh = _chunk_logits(h, weight, bias, multiplier, softcap, temperature)  # [n, V]
+            logp = z - lse_all[start:stop, None]
+            p = torch.exp(logp)
+            # dL/dz = g_lp * (onehot - p) + g_H * (-p * (log p + H))
+            dz = p * (-grad_logps[start:stop, None].to(z.dtype))
+            dz.scatter_add_(1, targets[start:stop, None], grad_logps[start:stop, None].to(z.dtype))
+            if use_entropy_grad:
+                dz -= grad_entropy[start:stop, None].to(z.dtype) * p * (logp + entropy[start:stop, None])
+            del logp, p, z
+            if temperature != 1.0:
+                dz = dz / temperature
+            if softcap is not None:
+                dz = dz * (1.0 - tanh * tanh)
+            if multiplier != 1.0:
+                dz = dz * multiplier
+            dz = dz.to(h.dtype)  # [n, V] in the compute dtype, like the forward matmul
+            if need_h:
+                grad_h[start:stop] = dz @ weight
+            if need_w:
+                grad_w += (dz.t() @ h).to(grad_w.dtype)
+            if need_b:
+                grad_b += dz.sum(0).to(grad_b.dtype)
+            del dz, tanh
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                     bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                     multiplier: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False):
+    """Log-probs (and optionally entropies) of ``targets`` under ``softcap(m·(hidden Wᵀ + b)) / T``.
+
+    hidden [N, H], weight [V, H], targets [N] (int64) → logps [N] float32 (float64 for float64 input),
+    entropy [N] or None. Peak extra memory is one [chunk_size, V] block of logits.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and softcap <= 0:
+        softcap = None
+    logps, entropy = ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), float(multiplier), softcap,
+                                           float(temperature), int(chunk_size), bool(with_entropy))
+    return logps, (entropy if with_entropy else None)
+
+
+def reference_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, multiplier=1.0,
+                       with_entropy=False):
+    """Plain full-logits twin of :func:`chunked_logprobs` (materialises [N, V]); for tests."""
+    z = torch.nn.functional.linear(hidden, weight, bias) * multiplier
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logps = logp_all.gather(1, targets[:, None].long()).squeeze(1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logps, entropy

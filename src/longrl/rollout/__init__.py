@@ -1,0 +1,3 @@
+from .hf_generate import Rollout, generate_completions
+
+__all__ = ["Rollout", "generate_completions"]

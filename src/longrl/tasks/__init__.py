@@ -1,0 +1,7 @@
+"""Built-in tasks: procedurally generated prompt datasets with their reward functions (``task:NAME``)."""
+
+from .arithmetic import make_arithmetic_rows
+
+TASKS = {"arithmetic": make_arithmetic_rows}
+
+__all__ = ["TASKS", "make_arithmetic_rows"]

@@ -1,0 +1,251 @@
+"""The GRPO loop: rollout → rewards → advantages → log-probs → loss → optimizer step.
+
+One optimizer step (``_step``) reads top to bottom. Every ``num_iterations`` steps a new rollout batch is
+sampled (prompts_per_step prompts × num_generations completions); the steps in between reuse it with the
+old policy's log-probs in the importance ratio. Gradients accumulate over micro-batches with the step's
+loss weights (see ``longrl.ops.losses``), so the split never changes the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config
+from .data import PromptSampler, load_prompts
+from .models import load_model, resolve_device
+from .ops.advantages import group_advantages
+from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
+from .policy import completion_mask, reference_mode, sequence_logprobs
+from .reporting import RunReporter
+from .rewards import RewardScorer
+from .rollout import generate_completions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutBatch:
+    prompts: list  # [P·G] prompts as given (string or chat messages)
+    completions: list  # [P·G] decoded completions (string, or [{"role": "assistant", ...}] for chat prompts)
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    rewards: torch.Tensor  # [P·G] weighted total, NaN where a reward function failed
+    rewards_per_function: torch.Tensor  # [P·G, F]
+    advantages: torch.Tensor  # [P·G]
+    mask: torch.Tensor  # [P·G, T] completion tokens that count in the loss
+    weights: torch.Tensor  # [P·G, T] loss weights ω of the step
+    old_logps: torch.Tensor | None  # [P·G, T] when num_iterations > 1
+    ref_logps: torch.Tensor | None  # [P·G, T] when beta > 0
+    truncated: torch.Tensor  # [P·G] bool
+    num_reward_failures: int
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the base learning rate at step s: linear warm-up, then constant / linear / cosine decay."""
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return f
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    return float(torch.nanmean(x)) if (~torch.isnan(x)).any() else float("nan")
+
+
+class GRPOTrainer:
+    """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train."""
+
+    def __init__(self, cfg: Config, model=None, tokenizer=None, scorer: RewardScorer | None = None):
+        self.cfg = cfg
+        torch.manual_seed(cfg.train.seed)
+        # Cheap checks first: reward functions and data fail before the model loads when they can.
+        self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
+        self.device = resolve_device(cfg.model.device)
+        if model is None:
+            model, tokenizer = load_model(cfg.model.name_or_path, lora=cfg.lora, dtype=cfg.model.dtype,
+                                          device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code,
+                                          revision=cfg.model.revision,
+                                          attn_implementation=cfg.model.attn_implementation,
+                                          gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed)
+        self.model, self.tokenizer = model, tokenizer
+        self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed)
+        self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                           weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))
+        g = cfg.grpo
+        self.loss_settings = PolicyLossSettings(g.loss_type, g.epsilon, g.epsilon_high, g.delta, g.beta,
+                                                g.importance_sampling_level)
+        self.step_idx = 0
+        self.batch: RolloutBatch | None = None
+        self.output_dir = Path(cfg.output.output_dir)
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def train(self) -> list[dict]:
+        cfg = self.cfg
+        if cfg.output.resume:
+            self._resume()
+        self.model.train()
+        reporter = RunReporter(self.output_dir, cfg.train.max_steps, cfg.output.tensorboard,
+                               cfg.output.progress_bar, resume_step=self.step_idx)
+        (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        history = []
+        try:
+            while self.step_idx < cfg.train.max_steps:
+                metrics = self._step()
+                history.append(metrics)
+                reporter.log_step(metrics)
+                if self.step_idx % cfg.output.logging_steps == 0 and cfg.output.log_completions:
+                    reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
+                save_every = cfg.output.save_steps
+                if (save_every and self.step_idx % save_every == 0) or self.step_idx == cfg.train.max_steps:
+                    self.save()
+        finally:
+            reporter.close()
+        return history
+
+    def _step(self) -> dict:
+        start = time.perf_counter()
+        rollout_s = 0.0
+        if self.step_idx % self.cfg.grpo.num_iterations == 0:
+            self.batch = self._rollout_batch()
+            rollout_s = time.perf_counter() - start
+        stats = self._policy_update(self.batch)
+        self.step_idx += 1
+        b = self.batch
+        metrics = {
+            "step": self.step_idx,
+            "reward": _nanmean(b.rewards),
+            "reward_std": float(b.rewards[~torch.isnan(b.rewards)].std()) if (~torch.isnan(b.rewards)).sum() > 1 else 0.0,
+            **{f"rewards/{n}": _nanmean(b.rewards_per_function[:, j]) for j, n in enumerate(self.scorer.names)},
+            **stats,
+            "completion_length": float(sum(len(c) for c in b.completion_ids) / len(b.completion_ids)),
+            "truncated_ratio": float(b.truncated.float().mean()),
+            "reward_failures": b.num_reward_failures,
+            "frac_reward_zero_std": self._frac_zero_std(b.rewards),
+            "lr": self.scheduler.get_last_lr()[0],
+            "rollout_time_s": rollout_s,
+            "step_time_s": time.perf_counter() - start,
+        }
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ phases
+    def _rollout_batch(self) -> RolloutBatch:
+        cfg, G = self.cfg, self.cfg.grpo.num_generations
+        rows_idx = self.sampler.next(cfg.train.prompts_per_step)
+        rows = [self.data.rows[i] for i in rows_idx]
+        rollout = generate_completions(self.model, self.tokenizer, [self.data.prompt_ids[i] for i in rows_idx], G,
+                                       cfg.generation, self.device)
+        column = self.data.prompt_column
+        prompts = [row[column] for row in rows for _ in range(G)]
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != column}
+        columns["completion_ids"] = rollout.completion_ids
+        columns["truncated"] = rollout.truncated
+        per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
+        advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
+        width = max(len(c) for c in rollout.completion_ids)
+        mask = completion_mask(rollout.completion_ids, width)  # [P·G, T]
+        truncated = torch.tensor(rollout.truncated)
+        mask[torch.isnan(rewards)] = 0.0  # no learning signal for samples whose reward failed
+        if cfg.grpo.mask_truncated_completions:
+            mask[truncated] = 0.0
+        weights = loss_token_weights(mask, cfg.grpo.loss_type, cfg.generation.max_completion_length)
+        old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width) \
+            if cfg.grpo.num_iterations > 1 else None
+        ref_logps = None
+        if cfg.grpo.beta != 0.0:
+            with reference_mode(self.model):
+                ref_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
+        return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
+                            advantages, mask, weights, old_logps, ref_logps, truncated, len(failures))
+
+    @torch.no_grad()
+    def _logprobs(self, prompt_ids, completion_ids, width) -> torch.Tensor:
+        out = []
+        for s in range(0, len(prompt_ids), self.cfg.train.micro_batch_size):
+            e = s + self.cfg.train.micro_batch_size
+            out.append(sequence_logprobs(self.model, prompt_ids[s:e], completion_ids[s:e], width,
+                                         pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
+                                         chunk_size=self.cfg.train.logprob_chunk_size)[0].cpu())
+        return torch.cat(out)
+
+    def _policy_update(self, b: RolloutBatch) -> dict:
+        cfg, dev = self.cfg, self.device
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, kl_sum, clip_sum, ent_sum = 0.0, 0.0, 0.0, 0.0
+        n_tokens = float(b.mask.sum())
+        width = b.mask.shape[1]
+        for s in range(0, len(b.prompt_ids), cfg.train.micro_batch_size):
+            e = s + cfg.train.micro_batch_size
+            logps, entropy = sequence_logprobs(self.model, b.prompt_ids[s:e], b.completion_ids[s:e], width,
+                                               pad_id=self.tokenizer.pad_token_id,
+                                               temperature=cfg.generation.temperature,
+                                               chunk_size=cfg.train.logprob_chunk_size, with_entropy=True)
+            mask = b.mask[s:e].to(dev)
+            old = b.old_logps[s:e].to(dev) if b.old_logps is not None else logps.detach()
+            ref = b.ref_logps[s:e].to(dev) if b.ref_logps is not None else None
+            per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[s:e].to(dev), mask,
+                                                    self.loss_settings)
+            loss = weighted_loss(per_token, b.weights[s:e].to(dev))
+            loss.backward()
+            total_loss += float(loss.detach())
+            clip_sum += float((diag["clipped"] * mask).sum())
+            ent_sum += float((entropy.detach() * mask).sum())
+            if "kl" in diag:
+                kl_sum += float((diag["kl"] * mask).sum())
+        clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        denom = max(n_tokens, 1.0)
+        return {"loss": total_loss, "kl": kl_sum / denom if b.ref_logps is not None else None,
+                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm}
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _frac_zero_std(self, rewards: torch.Tensor) -> float:
+        groups = rewards.view(-1, self.cfg.grpo.num_generations)
+        spread = torch.nan_to_num(groups, nan=0.0).amax(-1) - torch.nan_to_num(groups, nan=0.0).amin(-1)
+        return float((spread == 0).float().mean())
+
+    def _completion_samples(self, k: int) -> list[dict]:
+        b = self.batch
+        return [{"prompt": b.prompts[i], "completion": b.completions[i],
+                 "reward": None if math.isnan(float(b.rewards[i])) else float(b.rewards[i])}
+                for i in range(min(k, len(b.prompts)))]
+
+    def save(self) -> Path:
+        state = {"data_position": self.sampler.position, "config": self.cfg.to_dict()}
+        path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
+                               self.cfg.output.save_total_limit)
+        log.info("saved %s", path)
+        return path
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.output_dir)
+        if path is None:
+            log.warning("resume=true but no checkpoint in %s: starting from scratch", self.output_dir)
+            return
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step_idx = state["step"]
+        self.sampler.position = state["data_position"]
+        log.info("resumed from %s (step %d)", path, self.step_idx)
