@@ -27,7 +27,7 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     trust_remote_code: bool = False
     revision: Optional[str] = None
-    attn_implementation: Optional[str] = "sdpa"
+    attn_implementation: Optional[str] = None  # None: transformers picks (sdpa where supported)
     gradient_checkpointing: bool = False
     device: str = "auto"  # auto: cuda if available, else cpu
 

@@ -113,7 +113,7 @@ class GRPOTrainer:
                 metrics = self._step()
                 history.append(metrics)
                 reporter.log_step(metrics)
-                if self.step_idx % cfg.output.logging_steps == 0 and cfg.output.log_completions:
+                if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0 or self.step_idx == 1):
                     reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
                 save_every = cfg.output.save_steps
                 if (save_every and self.step_idx % save_every == 0) or self.step_idx == cfg.train.max_steps:

@@ -44,7 +44,7 @@ def _looks_local(name: str) -> bool:
 
 def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto", device: str = "auto",
                trust_remote_code: bool = False, revision: str | None = None,
-               attn_implementation: str | None = "sdpa", gradient_checkpointing: bool = False, seed: int = 0):
+               attn_implementation: str | None = None, gradient_checkpointing: bool = False, seed: int = 0):
     """Return (model, tokenizer). ``lora``: a :class:`longrl.config.LoraConfig` (or None for no adapters).
 
     The model is a ``peft.PeftModel`` when LoRA is enabled, else the plain transformers model; its base
