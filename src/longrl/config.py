@@ -29,6 +29,8 @@ class ModelConfig:
     revision: Optional[str] = None
     attn_implementation: Optional[str] = None  # None: transformers picks (sdpa where supported)
     gradient_checkpointing: bool = False
+    offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
+    gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
     device: str = "auto"  # auto: cuda if available, else cpu
 
 
@@ -81,6 +83,7 @@ class TrainConfig:
     max_steps: int = 100
     prompts_per_step: int = 8  # each optimizer step sees prompts_per_step × num_generations completions
     micro_batch_size: int = 16  # completions per forward/backward; gradients accumulate over micro-batches
+    micro_batch_tokens: int = 0  # >0: group completions by this token budget instead (packed, no padding)
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -283,6 +286,7 @@ def validate(cfg: Config) -> None:
     _check(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "> 0")
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
     _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, ">= 0 (0 disables clipping)")
+    _check(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", t.micro_batch_tokens, ">= 0 (0: use micro_batch_size)")
     _check(t.logprob_chunk_size >= 1, "train.logprob_chunk_size", t.logprob_chunk_size, "an integer >= 1")
     _check(gen.max_completion_length >= 1, "generation.max_completion_length", gen.max_completion_length, ">= 1")
     _check(gen.temperature > 0, "generation.temperature", gen.temperature, "> 0")

@@ -34,34 +34,56 @@ def reference_mode(model):
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
 
+def _packed_inputs(seqs: list[list[int]], device):
+    """One row holding every sequence back to back, with positions restarting at each: [1, Σ len].
+
+    With ``attention_mask=None``, transformers reads sequence boundaries from the position ids and attends
+    within each sequence only (no padding, no cross-sequence attention).
+    """
+    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
+    position_ids = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)[None]
+    return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+
+
+def _padded_inputs(seqs: list[list[int]], pad_id: int, device):
+    """Right-padded rows [b, max len] with an attention mask (the reference layout)."""
+    input_ids = pad_right(seqs, pad_id).to(device)
+    lengths = torch.tensor([len(s) for s in seqs])
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long().to(device)
+    return dict(input_ids=input_ids, attention_mask=attention_mask)
+
+
 def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int, *,
-                      pad_id: int, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False):
+                      pad_id: int, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                      packed: bool = True):
     """(logps [b, width], entropy [b, width] or None), zero beyond each completion's length.
 
+    ``packed``: all sequences in one row with restarting positions (no padding); else right-padded rows.
     Differentiable with respect to the model's trainable parameters when grad is enabled.
     """
     backbone, head, spec = model_parts(model)
     device = head.weight.device
     seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
-    input_ids = pad_right(seqs, pad_id).to(device)  # [b, L]
-    lengths = torch.tensor([len(s) for s in seqs])
-    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long().to(device)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [b, L, H]
-    rows, cols, slots = [], [], []
+    inputs = _packed_inputs(seqs, device) if packed else _padded_inputs(seqs, pad_id, device)
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # [rows, H]
+    row_stride = 0 if packed else inputs["input_ids"].shape[1]
+    rows, slots, offset = [], [], 0
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        rows += [i] * len(c)
-        cols += range(len(p), len(p) + len(c))
-        slots += range(len(c))
-    rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-    h = hidden[rows_t, cols_t - 1]  # [N, H]: the state before each completion token predicts it
-    targets = input_ids[rows_t, cols_t]  # [N]
+        start = offset + len(p) - 1 if packed else i * row_stride + len(p) - 1
+        rows += range(start, start + len(c))  # the state before each completion token predicts it
+        slots += [(i, j) for j in range(len(c))]
+        offset += len(p) + len(c)
+    rows_t = torch.tensor(rows, device=device)
+    h = hidden[rows_t]  # [N, H]
+    targets = torch.tensor([t for c in completion_ids for t in c], dtype=torch.long, device=device)  # [N]
     logps_flat, ent_flat = chunked_logprobs(h, head.weight, targets, bias=head.bias, temperature=temperature,
                                             softcap=spec.softcap, multiplier=spec.multiplier, chunk_size=chunk_size,
                                             with_entropy=with_entropy)
-    slots_t = torch.tensor(slots, device=device)
-    logps = torch.zeros(len(seqs), width, dtype=logps_flat.dtype, device=device)
-    logps = logps.index_put((rows_t, slots_t), logps_flat)  # differentiable scatter
+    seq_idx = torch.tensor([i for i, _ in slots], device=device)
+    tok_idx = torch.tensor([j for _, j in slots], device=device)
+    logps = torch.zeros(len(seqs), width, dtype=logps_flat.dtype, device=device).index_put((seq_idx, tok_idx), logps_flat)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(len(seqs), width, dtype=ent_flat.dtype, device=device).index_put((rows_t, slots_t), ent_flat)
+        entropy = torch.zeros(len(seqs), width, dtype=ent_flat.dtype, device=device).index_put((seq_idx, tok_idx), ent_flat)
     return logps, entropy

@@ -19,6 +19,7 @@ import torch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import PromptSampler, load_prompts
+from .memory import count_groups, enable_offloaded_checkpointing, token_budget_groups
 from .models import load_model, resolve_device
 from .ops.advantages import group_advantages
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
@@ -81,6 +82,8 @@ class GRPOTrainer:
                                           attn_implementation=cfg.model.attn_implementation,
                                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed)
         self.model, self.tokenizer = model, tokenizer
+        self.offloader = enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers) \
+            if cfg.model.offload_activations else None
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed)
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -179,15 +182,22 @@ class GRPOTrainer:
         return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
                             advantages, mask, weights, old_logps, ref_logps, truncated, len(failures))
 
+    def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
+        t = self.cfg.train
+        if t.micro_batch_tokens > 0:
+            return token_budget_groups([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
+                                       t.micro_batch_tokens)
+        return count_groups(len(prompt_ids), t.micro_batch_size)
+
     @torch.no_grad()
     def _logprobs(self, prompt_ids, completion_ids, width) -> torch.Tensor:
-        out = []
-        for s in range(0, len(prompt_ids), self.cfg.train.micro_batch_size):
-            e = s + self.cfg.train.micro_batch_size
-            out.append(sequence_logprobs(self.model, prompt_ids[s:e], completion_ids[s:e], width,
-                                         pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
-                                         chunk_size=self.cfg.train.logprob_chunk_size)[0].cpu())
-        return torch.cat(out)
+        out = torch.zeros(len(prompt_ids), width)
+        for idx in self._micro_batches(prompt_ids, completion_ids):
+            lp, _ = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
+                                      pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
+                                      chunk_size=self.cfg.train.logprob_chunk_size)
+            out[idx] = lp.cpu()
+        return out
 
     def _policy_update(self, b: RolloutBatch) -> dict:
         cfg, dev = self.cfg, self.device
@@ -195,18 +205,18 @@ class GRPOTrainer:
         total_loss, kl_sum, clip_sum, ent_sum = 0.0, 0.0, 0.0, 0.0
         n_tokens = float(b.mask.sum())
         width = b.mask.shape[1]
-        for s in range(0, len(b.prompt_ids), cfg.train.micro_batch_size):
-            e = s + cfg.train.micro_batch_size
-            logps, entropy = sequence_logprobs(self.model, b.prompt_ids[s:e], b.completion_ids[s:e], width,
+        for idx in self._micro_batches(b.prompt_ids, b.completion_ids):
+            logps, entropy = sequence_logprobs(self.model, [b.prompt_ids[i] for i in idx],
+                                               [b.completion_ids[i] for i in idx], width,
                                                pad_id=self.tokenizer.pad_token_id,
                                                temperature=cfg.generation.temperature,
                                                chunk_size=cfg.train.logprob_chunk_size, with_entropy=True)
-            mask = b.mask[s:e].to(dev)
-            old = b.old_logps[s:e].to(dev) if b.old_logps is not None else logps.detach()
-            ref = b.ref_logps[s:e].to(dev) if b.ref_logps is not None else None
-            per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[s:e].to(dev), mask,
+            mask = b.mask[idx].to(dev)
+            old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
+            ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
+            per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask,
                                                     self.loss_settings)
-            loss = weighted_loss(per_token, b.weights[s:e].to(dev))
+            loss = weighted_loss(per_token, b.weights[idx].to(dev))
             loss.backward()
             total_loss += float(loss.detach())
             clip_sum += float((diag["clipped"] * mask).sum())

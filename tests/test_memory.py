@@ -1,0 +1,128 @@
+"""Offloaded checkpointing is lossless; packed micro-batches equal padded ones; token-budget grouping."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from longrl.config import LoraConfig
+from longrl.memory import ActivationOffloader, enable_offloaded_checkpointing, token_budget_groups
+from longrl.models import apply_lora
+from longrl.policy import sequence_logprobs
+
+
+def _base(seed=0, layers=3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def _batch(seed, n=5):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 61) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+    completions = [[rng.randrange(1, 61) for _ in range(rng.randint(1, 11))] for _ in range(n)]
+    return prompts, completions
+
+
+def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0):
+    model = copy.deepcopy(base)
+    if lora:
+        torch.manual_seed(3)
+        model = apply_lora(model, LoraConfig(r=4, dropout=dropout))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_()
+    model.train()
+    inner = model.get_base_model() if lora else model
+    if mode == "plain":
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif mode == "offload":
+        enable_offloaded_checkpointing(model, gpu_resident=gpu_resident)
+    prompts, completions = batch
+    torch.manual_seed(11)
+    lp, ent = sequence_logprobs(model, prompts, completions, 11, pad_id=0, with_entropy=True, packed=packed)
+    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype)
+    ((lp * w).sum() + ent.sum()).backward()
+    return lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("lora, dropout", [(True, 0.0), (True, 0.2), (False, 0.0)])
+@pytest.mark.parametrize("packed", [True, False])
+def test_offloaded_equals_plain_checkpointing_exactly(lora, dropout, packed):
+    base, batch = _base(), _batch(torch.seed() % 1000)
+    lp_plain, g_plain = _grads(base, "plain", lora, dropout, packed, batch)
+    lp_none, g_none = _grads(base, "none", lora, dropout, packed, batch)
+    for resident in (0, 2):
+        lp_off, g_off = _grads(base, "offload", lora, dropout, packed, batch, gpu_resident=resident)
+        assert torch.equal(lp_off, lp_plain)
+        assert g_off.keys() == g_plain.keys() and len(g_off) > 0
+        for k in g_plain:
+            assert torch.equal(g_off[k], g_plain[k]), k
+    for k in g_plain:  # and plain checkpointing equals no checkpointing
+        assert torch.equal(g_none[k], g_plain[k]), k
+
+
+def test_packed_equals_padded():
+    """In float64, so that only a real difference (not summation order) can fail it."""
+    base, batch = _base(1).double(), _batch(torch.seed() % 1000, n=6)
+    lp_packed, g_packed = _grads(base, "none", True, 0.0, True, batch)
+    lp_padded, g_padded = _grads(base, "none", True, 0.0, False, batch)
+    assert torch.allclose(lp_packed, lp_padded, atol=1e-10)
+    for k in g_padded:
+        assert (g_packed[k] - g_padded[k]).norm() <= 1e-10 * g_padded[k].norm(), k
+
+
+def test_pool_reuses_host_buffers_and_stack_empties():
+    base, batch = _base(2), _batch(4)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(r=4))
+    off = enable_offloaded_checkpointing(model)
+    for _ in range(3):
+        lp, _ = sequence_logprobs(model, *batch, 11, pad_id=0)
+        lp.sum().backward()
+        assert off.stack == []
+    total = sum(len(p) + len(c) for p, c in zip(*batch))
+    one_layer_bytes = total * 32 * 4
+    assert off.pool.allocated_bytes == 3 * one_layer_bytes  # 3 layers, buffers reused in later steps
+    assert off.peak_host_bytes == 3 * one_layer_bytes
+
+
+def test_gpu_resident_keeps_the_last_layers():
+    off = ActivationOffloader("cpu", gpu_resident=2, num_layers=3)
+    x = torch.randn(4, 5)
+    saved = [off.save(x) for _ in range(3)]
+    assert [s.host is None for s in saved] == [False, True, True]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_budget_groups(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 40))]
+    budget = rng.choice([50, 200, 600])
+    groups = token_budget_groups(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or sum(lengths[i] for i in g) <= budget
+    with pytest.raises(ValueError):
+        token_budget_groups(lengths, 0)
+
+
+def test_trainer_token_budget_and_offload_match_default(tmp_path):
+    """A run split by token budget, offloaded, matches the plain run's metrics (float tolerance)."""
+    from longrl.config import load_config
+    from longrl.demo import demo_config
+    from longrl.trainer import GRPOTrainer
+
+    common = ["train.max_steps=3", "train.prompts_per_step=4", "grpo.num_generations=4", "lora.enabled=true",
+              "output.progress_bar=false", "output.tensorboard=false", "grpo.beta=0.04", "grpo.num_iterations=1"]
+    a = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'a'}", "train.micro_batch_size=16"],
+                                base=demo_config())).train()
+    b = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'b'}", "train.micro_batch_tokens=20",
+                                                "model.offload_activations=true"], base=demo_config())).train()
+    for ma, mb in zip(a, b):
+        for k in ("reward", "loss", "kl", "grad_norm", "entropy"):
+            assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-6), k
