@@ -29,6 +29,17 @@ def completion_mask(completion_ids: list[list[int]], width: int) -> torch.Tensor
     return (torch.arange(width)[None, :] < lengths[:, None]).to(torch.float32)
 
 
+def compute_context(model):
+    """Mixed precision for 16-bit base weights with float32 LoRA weights: autocast to the base dtype (PEFT's
+    input up-casting is off for such models, see ``models.set_lora_input_casting``), so that no float32 copy of
+    an activation is made and saved for backward. Every forward of the model runs under it, recomputes too
+    (checkpointing restores the autocast state)."""
+    head = model_parts(model)[1].weight
+    if head.dtype not in (torch.bfloat16, torch.float16):
+        return contextlib.nullcontext()
+    return torch.autocast(head.device.type, dtype=head.dtype)
+
+
 def reference_mode(model):
     """Context in which ``model`` is the reference policy: PEFT adapters disabled (no second model)."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
@@ -65,7 +76,8 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
     device = head.weight.device
     seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
     inputs = _packed_inputs(seqs, device) if packed else _padded_inputs(seqs, pad_id, device)
-    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
+    with compute_context(model):
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [rows, H]
     row_stride = 0 if packed else inputs["input_ids"].shape[1]
     rows, slots, offset = [], [], 0

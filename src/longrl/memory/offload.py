@@ -11,7 +11,7 @@ so the GPU holds about one layer's working set plus the prefetched input, and th
 The copies use one side CUDA stream ordered against the compute stream by events only (no host sync).
 The last ``gpu_resident`` layer inputs of each forward stay on the GPU when memory allows (they are the
 first ones backward needs). Gradients are exactly those of plain checkpointing: the same recompute, with
-the RNG state (dropout) restored. On the CPU the "host copy" is a copy into the pool buffer, so the same
+the RNG state (dropout) and autocast state restored. On the CPU the "host copy" is a copy into the pool buffer, so the same
 path runs and is tested.
 
 It plugs into transformers through the model's gradient-checkpointing function (the layer calls
@@ -133,6 +133,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.offloader, ctx.function = offloader, function
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        ctx.autocast = (x.device.type, torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         with torch.no_grad():
             out = function(x)
         if not isinstance(out, torch.Tensor):
@@ -148,7 +149,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
-            with torch.enable_grad():
+            device_type, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 out = ctx.function(x)
         torch.autograd.backward(out, grad_out)
         return None, None, (x.grad if ctx.saved.requires_grad else None), None

@@ -1,5 +1,5 @@
-from .loading import LogitSpec, ModelLoadError, apply_lora, base_model, load_model, model_parts, resolve_device
+from .loading import LogitSpec, ModelLoadError, apply_lora, base_model, load_model, model_parts, resolve_device, set_lora_input_casting
 from .tiny import TINY_NAME, build_char_tokenizer, build_tiny_model
 
 __all__ = ["LogitSpec", "ModelLoadError", "apply_lora", "base_model", "load_model", "model_parts",
-           "resolve_device", "TINY_NAME", "build_char_tokenizer", "build_tiny_model"]
+           "resolve_device", "set_lora_input_casting", "TINY_NAME", "build_char_tokenizer", "build_tiny_model"]

@@ -94,9 +94,20 @@ def apply_lora(model, lora):
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target,
                              task_type="CAUSAL_LM", bias="none")
     try:
-        return peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         raise ModelLoadError(f"config key 'lora.target_modules': {e}") from e
+    if model.get_output_embeddings().weight.dtype in (torch.bfloat16, torch.float16):
+        set_lora_input_casting(wrapped, False)  # longrl runs 16-bit bases under autocast (policy.compute_context)
+    return wrapped
+
+
+def set_lora_input_casting(model, enabled: bool) -> None:
+    """PEFT up-casts each LoRA layer's input to the (float32) adapter dtype, a float32 copy of every activation
+    that autograd then saves. Under autocast the copy is unnecessary; this turns it off (or back on)."""
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            module.cast_input_dtype_enabled = enabled
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..policy import compute_context
+
 
 @dataclass
 class Rollout:
@@ -46,7 +48,8 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
         for start in range(0, len(expanded), batch_size):
             chunk = expanded[start:start + batch_size]
             ids, mask = _left_pad(chunk, tokenizer.pad_token_id, device)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
+            with compute_context(model):
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
             for row in out[:, ids.shape[1]:].tolist():
                 cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), None)
                 completions.append(row[:cut] if cut is not None else row)

@@ -1,0 +1,253 @@
+"""One GRPO training step (reference log-prob pass + policy forward/backward), longrl vs TRL, same GPU.
+
+Random-weight models of real shapes, LoRA r=32 on every linear projection, bf16 base, G completions of a
+fixed length (prompt 512), one fabricated batch shared by every implementation. Runs the variants
+alternately after a warm-up and writes a markdown + JSON table to benchmarks/results/.
+
+    python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 4096,20480 --impls longrl,longrl-plain,trl-frugal,trl-default
+    python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 131072 --G 1 --impls longrl   # length probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import trl_baseline as tb  # noqa: E402
+
+from longrl.config import LoraConfig  # noqa: E402
+from longrl.memory import enable_offloaded_checkpointing, token_budget_groups  # noqa: E402
+from longrl.memory.planner import GIB, ModelShape, make_plan  # noqa: E402
+from longrl.models import apply_lora, set_lora_input_casting  # noqa: E402
+from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
+from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
+
+
+def _host_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def set_checkpointing(model, mode: str, gpu_resident: int = 0):
+    base = model.get_base_model()
+    if mode == "offload":
+        return enable_offloaded_checkpointing(model, gpu_resident=gpu_resident)
+    from torch.utils.checkpoint import checkpoint
+    import functools
+
+    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False))
+    return None
+
+
+def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mode: str, gpu_resident: int = 0):
+    """One step the way longrl's trainer runs it; returns timings and peaks."""
+    offloader = set_checkpointing(model, mode, gpu_resident)
+    model.train()
+    prompts = batch["prompt_ids"].tolist()
+    completions = batch["completion_ids"].tolist()
+    adv = batch["advantages"].float()
+    width = len(completions[0])
+    mask = torch.ones(len(completions), width, device=adv.device)
+    settings = PolicyLossSettings(loss_type="dapo", beta=beta)
+    weights = loss_token_weights(mask, "dapo", width)
+    groups = token_budget_groups([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    ref = None
+    if beta:
+        ref = torch.zeros(len(completions), width, device=adv.device)
+        with torch.no_grad(), reference_mode(model):
+            for idx in groups:
+                lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width,
+                                          pad_id=0, chunk_size=chunk)
+                ref[idx] = lp
+    _sync()
+    t1 = time.perf_counter()
+    for idx in groups:
+        lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width, pad_id=0,
+                                  chunk_size=chunk)
+        ptl, _ = per_token_policy_loss(lp, lp.detach(), ref[idx] if ref is not None else None, adv[idx], mask[idx],
+                                       settings)
+        weighted_loss(ptl, weights[idx]).backward()
+        del lp, ptl
+    _sync()
+    t2 = time.perf_counter()
+    return {"ref_s": t1 - t0, "policy_s": t2 - t1, "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0,
+            "pinned_pool_gib": (offloader.pool.allocated_bytes / GIB) if offloader else 0.0, "oom": False}
+
+
+def grads_of(model):
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def zero_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def check_offload_equality(shape: str, device) -> dict:
+    """Gradients of offloaded vs plain checkpointing on the GPU (and plain vs plain, the noise floor)."""
+    model = tb.build_random_model(shape, device, torch.bfloat16)
+    model = apply_lora(model, LoraConfig(r=8, alpha=16, dropout=0.1))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    batch = tb.make_batch(4, 64, 200, model.config.vocab_size, device, seed=1)
+    out = {}
+    runs = {}
+    for name, mode in (("plain_a", "plain"), ("plain_b", "plain"), ("offload", "offload")):
+        zero_grads(model)
+        torch.manual_seed(7)
+        longrl_step(model, batch, beta=0.04, token_budget=600, chunk=256, mode=mode)
+        runs[name] = grads_of(model)
+
+    def maxdiff(a, b):
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    out["plain_vs_plain_max_abs"] = maxdiff(runs["plain_a"], runs["plain_b"])
+    out["offload_vs_plain_max_abs"] = maxdiff(runs["offload"], runs["plain_a"])
+    out["offload_equals_plain_exactly"] = all(torch.equal(runs["offload"][k], runs["plain_a"][k]) for k in runs["plain_a"])
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--lengths", default="4096,20480")
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--impls", default="longrl,longrl-plain,trl-frugal,trl-default")
+    ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--token-budget", type=int, default=0, help="0: the planner chooses")
+    ap.add_argument("--check-equality", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv)}
+    for mod in ("transformers", "peft", "trl", "triton"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    results = {"env": env, "args": vars(args), "rows": []}
+    if args.check_equality:
+        results["equality"] = check_offload_equality("qwen2.5-1.5b", device)
+        print("equality:", results["equality"], flush=True)
+
+    model = tb.build_random_model(args.shape, device, torch.bfloat16)
+    model = apply_lora(model, LoraConfig(r=32, alpha=64, dropout=0.0))
+    tokenizer = tb.make_tokenizer(model)
+    shape = ModelShape.from_config(model.config)
+    free, _ = torch.cuda.mem_get_info() if device.type == "cuda" else (64 * GIB, 0)
+    weights_now = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    impls = args.impls.split(",")
+    for length in [int(x) for x in args.lengths.split(",")]:
+        batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
+        plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=2,
+                         gpu_free_bytes=free + weights_now, host_free_bytes=200 * GIB, offload=True,
+                         chunk=args.chunk, token_budget=args.token_budget)
+        pred_gpu, _, _ = __import__("longrl.memory.planner", fromlist=["predict"]).predict(
+            shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
+            gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False)
+        pred0, _, _ = __import__("longrl.memory.planner", fromlist=["predict"]).predict(
+            shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
+            gpu_resident=0, chunk=args.chunk, optimizer=False)
+        print(f"--- length {length}: plan budget {plan.micro_batch_tokens} resident {plan.gpu_resident_layers} "
+              f"predicted (no optimizer) {pred_gpu / GIB:.2f} GiB", flush=True)
+        measured = {impl: [] for impl in impls}
+        for rep in range(args.reps + 1):  # rep 0 is the warm-up
+            for impl in impls:
+                zero_grads(model)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                try:
+                    if impl == "longrl-planned":  # the planner's choice for this GPU's free memory
+                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
+                                        chunk=args.chunk, mode="offload", gpu_resident=plan.gpu_resident_layers)
+                    elif impl == "longrl":  # the frugal layout: every layer input offloaded
+                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
+                                        chunk=args.chunk, mode="offload", gpu_resident=0)
+                    elif impl == "longrl-plain":
+                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
+                                        chunk=args.chunk, mode="plain")
+                    else:
+                        set_lora_input_casting(model, True)  # PEFT's default, as TRL users run it
+                        r = tb.trl_step(model, tokenizer, batch, layout=impl.split("-", 1)[1], beta=args.beta,
+                                        reps=1)
+                        tb.release_trl(model)
+                        set_lora_input_casting(model, False)
+                except torch.OutOfMemoryError:
+                    r = {"oom": True}
+                r["host_rss_peak_gib"] = _host_rss_gib()
+                if rep > 0:
+                    measured[impl].append(r)
+                print(f"  rep {rep} {impl}: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                          for k, v in r.items() if k in ("ref_s", "policy_s", "peak_gpu_gib", "oom", "pinned_pool_gib")), flush=True)
+        for impl, rs in measured.items():
+            ok = [r for r in rs if not r.get("oom")]
+            row = {"impl": impl, "length": length, "G": args.G, "oom": not ok}
+            if ok:
+                for k in ("ref_s", "policy_s", "peak_gpu_gib", "pinned_pool_gib", "host_rss_peak_gib"):
+                    vals = [r[k] for r in ok if r.get(k) is not None]
+                    row[k] = statistics.median(vals) if vals else None
+            if impl.startswith("longrl"):
+                row["planner_budget"] = plan.micro_batch_tokens
+                row["planner_gpu_resident"] = plan.gpu_resident_layers if impl == "longrl-planned" else 0
+                row["planner_predicted_gib"] = pred_gpu / GIB if impl == "longrl-planned" else pred0 / GIB
+            results["rows"].append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"grpo_memory_{args.shape}{('_' + args.tag) if args.tag else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    lines = [f"# GRPO step memory/time: {args.shape}, G={args.G}, prompt {args.prompt}, LoRA r=32, beta={args.beta}",
+             "", f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, "
+                 f"trl {env['trl']}, {env['date']}", "", f"`{env['command']}`", "",
+             "| impl | total tokens/seq | peak GPU GiB | ref s | policy s | ref+policy s | pinned host GiB | planner GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        if r["oom"]:
+            lines.append(f"| {r['impl']} | {r['length']} | OOM | | | | | |")
+            continue
+        tot = (r.get("ref_s") or 0) + (r.get("policy_s") or 0)
+        pg = r.get("planner_predicted_gib")
+        lines.append(f"| {r['impl']} | {r['length']} | {r['peak_gpu_gib']:.2f} | {r['ref_s']:.2f} | {r['policy_s']:.2f} | "
+                     f"{tot:.2f} | {r.get('pinned_pool_gib') or 0:.2f} | {'' if pg is None else f'{pg:.2f}'} |")
+    if "equality" in results:
+        lines += ["", f"GPU gradient check (qwen2.5-1.5b shape, bf16, LoRA dropout 0.1): {results['equality']}"]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
+
+
+if __name__ == "__main__":
+    main()

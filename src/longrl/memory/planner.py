@@ -1,0 +1,150 @@
+"""Memory planner: predict the GPU and host peak of a GRPO training step and choose its knobs.
+
+Counted in bytes, for a decoder of L layers, hidden H, MLP width I, KV width K (= kv heads × head dim),
+vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every linear projection:
+
+    weights      = base parameters × b                          (4-bit bases: about 0.56 bytes/param)
+    lora         = LoRA parameters × 4 × (1 + 1 + 2)            fp32 weights, grads, Adam moments
+    layer work   = T × (14 H + 2 K + 5 I) × b                   one layer recomputed with autograd for a micro-batch
+                                                                of T tokens (norm, q/k/v/o, attention, residuals,
+                                                                gate/up/act/product, their grads in flight)
+    stream       = T × H × b × (4 + 2 · [offloaded])            hidden state, its grad, the final hidden states and
+                                                                their grad, plus the offload copy and the prefetch
+    gpu inputs   = T × H × b × (L if not offloaded else gpu_resident)
+    log-prob     = chunk × V × 4 × 3                            one chunk of float32 logits, probabilities, grads
+    host         = (L − gpu_resident) × T × H × b               pinned pool of layer inputs (offloaded only)
+
+T is the micro-batch token budget: a sequence longer than the budget is a micro-batch alone, so the budget
+is at least the longest sequence. The planner picks the largest budget (up to the whole step) that fits,
+then keeps as many layer inputs on the GPU as the remaining memory allows. Coefficients were set by
+counting the tensors autograd saves in a Llama layer; `benchmarks/grpo_memory.py` compares them with
+measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2 ** 30
+_LAYER_H, _LAYER_K, _LAYER_I = 14, 2, 5
+_SAFETY = 0.92  # fraction of free GPU memory the plan may use (allocator fragmentation, CUDA workspaces)
+
+
+class PlanError(RuntimeError):
+    """The job cannot fit; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    q_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return cls(c.num_hidden_layers, c.hidden_size, c.intermediate_size, kv_heads * head_dim,
+                   c.num_attention_heads * head_dim, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))
+
+    def base_params(self) -> int:
+        h = self.hidden
+        attn = h * self.q_dim * 2 + h * self.kv_dim * 2
+        mlp = 3 * h * self.intermediate
+        head = 0 if self.tied else self.vocab * h
+        return self.layers * (attn + mlp + 2 * h) + self.vocab * h + head + h
+
+    def lora_params(self, r: int) -> int:
+        h, i = self.hidden, self.intermediate
+        per_layer = r * ((h + self.q_dim) * 2 + (h + self.kv_dim) * 2 + (h + i) * 3)
+        return self.layers * per_layer
+
+
+@dataclass
+class Plan:
+    micro_batch_tokens: int
+    gpu_resident_layers: int
+    offload: bool
+    logprob_chunk_size: int
+    predicted_gpu_bytes: int
+    predicted_host_bytes: int
+    parts_gpu_bytes: dict
+
+    def table(self) -> str:
+        rows = [("micro-batch token budget", f"{self.micro_batch_tokens:,}"),
+                ("offloaded checkpointing", "yes" if self.offload else "no"),
+                ("layer inputs kept on GPU", str(self.gpu_resident_layers)),
+                ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}")]
+        rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
+        rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB"),
+                 ("predicted peak host (pinned)", f"{self.predicted_host_bytes / GIB:8.2f} GiB")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
+            chunk: int, optimizer: bool = True, trainable_head: bool = False) -> tuple[int, int, dict]:
+    """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens."""
+    b = 2 if weight_bytes < 4 else 4
+    h, k, i, L = shape.hidden, shape.kv_dim, shape.intermediate, shape.layers
+    resident = L if not offload else min(gpu_resident, L)
+    parts = {
+        "base weights": int(shape.base_params() * weight_bytes),
+        "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
+        "layer recompute": tokens * (_LAYER_H * h + _LAYER_K * k + _LAYER_I * i) * b,
+        "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0)),
+        "layer inputs on GPU": tokens * h * b * resident,
+        "log-prob chunk": chunk * shape.vocab * 4 * 3,
+    }
+    if trainable_head:
+        parts["LoRA (+grads, Adam)"] += shape.vocab * h * 4 * 4
+    host = (L - resident) * tokens * h * b if offload else 0
+    return sum(parts.values()), host, parts
+
+
+def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
+              gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
+              token_budget: int = 0, gpu_resident: int | None = None) -> Plan:
+    """Choose the micro-batch token budget and GPU-resident layer inputs so the step fits; PlanError if not."""
+    longest, total = max(sequence_lengths), sum(sequence_lengths)
+    usable = int(gpu_free_bytes * _SAFETY)
+
+    def fits(tokens, resident):
+        gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
+                               gpu_resident=resident, chunk=chunk)
+        return gpu <= usable and host <= host_free_bytes
+
+    if token_budget:
+        budget = max(token_budget, longest)
+    else:
+        if not fits(longest, 0):
+            gpu, host, _ = predict(shape, tokens=longest, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
+                                   gpu_resident=0, chunk=chunk)
+            raise PlanError(
+                f"a single sequence of {longest:,} tokens needs {gpu / GIB:.1f} GiB of GPU memory "
+                f"(usable: {usable / GIB:.1f} GiB) and {host / GIB:.1f} GiB of host memory (free: "
+                f"{host_free_bytes / GIB:.1f} GiB); shorten generation.max_completion_length"
+                + ("" if offload else ", or set model.offload_activations=true")
+                + ", or use a 4-bit base")
+        lo, hi = longest, max(longest, total)
+        while lo < hi:  # largest budget that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, 0) else (lo, mid - 1)
+        budget = lo
+    resident = 0
+    if offload:
+        if gpu_resident is not None:
+            resident = gpu_resident
+        else:
+            while resident < shape.layers and fits(budget, resident + 1):
+                resident += 1
+    gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
+                               gpu_resident=resident, chunk=chunk)
+    if gpu > usable:
+        raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
+    return Plan(budget, resident, offload, chunk, gpu, host, parts)
