@@ -173,7 +173,8 @@ def main():
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
         plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=2,
-                         gpu_free_bytes=free + weights_now, host_free_bytes=200 * GIB, offload=True,
+                         gpu_free_bytes=free + weights_now,
+                         host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), offload=True,
                          chunk=args.chunk, token_budget=args.token_budget)
         pred_gpu, _, _ = __import__("longrl.memory.planner", fromlist=["predict"]).predict(
             shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
@@ -184,7 +185,7 @@ def main():
         print(f"--- length {length}: plan budget {plan.micro_batch_tokens} resident {plan.gpu_resident_layers} "
               f"predicted (no optimizer) {pred_gpu / GIB:.2f} GiB", flush=True)
         measured = {impl: [] for impl in impls}
-        for rep in range(args.reps + 1):  # rep 0 is the warm-up
+        for rep in range(max(args.reps, 0) + 1 if args.reps else 1):  # rep 0 is the warm-up
             for impl in impls:
                 zero_grads(model)
                 gc.collect()
@@ -209,7 +210,7 @@ def main():
                 except torch.OutOfMemoryError:
                     r = {"oom": True}
                 r["host_rss_peak_gib"] = _host_rss_gib()
-                if rep > 0:
+                if rep > 0 or args.reps == 0:  # --reps 0: a single, unwarmed run (long-length probes)
                     measured[impl].append(r)
                 print(f"  rep {rep} {impl}: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                                           for k, v in r.items() if k in ("ref_s", "policy_s", "peak_gpu_gib", "oom", "pinned_pool_gib")), flush=True)

@@ -126,3 +126,22 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
     for ma, mb in zip(a, b):
         for k in ("reward", "loss", "kl", "grad_norm", "entropy"):
             assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-6), k
+
+
+def test_no_grad_forward_saves_nothing():
+    """A forward without autograd (reference / old-policy pass) must not offload or keep anything."""
+    base, batch = _base(5), _batch(6)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(r=4))
+    off = enable_offloaded_checkpointing(model)
+    model.train()
+    with torch.no_grad():
+        sequence_logprobs(model, *batch, 11, pad_id=0)
+    assert off.stack == [] and off.pool.allocated_bytes == 0
+
+
+def test_equal_length_sequences_are_stacked_and_match_padded():
+    base = _base(7).double()
+    prompts, completions = [[1, 2, 3], [4, 5, 6]], [[7, 8], [9, 10]]
+    lp_stacked, g_stacked = _grads(base, "none", True, 0.0, True, (prompts, completions))
+    lp_padded, g_padded = _grads(base, "none", True, 0.0, False, (prompts, completions))
+    assert torch.allclose(lp_stacked, lp_padded, atol=1e-12)

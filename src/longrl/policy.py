@@ -69,13 +69,21 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
                       packed: bool = True):
     """(logps [b, width], entropy [b, width] or None), zero beyond each completion's length.
 
-    ``packed``: all sequences in one row with restarting positions (no padding); else right-padded rows.
+    ``packed``: all sequences in one row with restarting positions (no padding), or stacked rows when all
+    lengths are equal; else right-padded rows with an attention mask (the reference layout).
     Differentiable with respect to the model's trainable parameters when grad is enabled.
     """
     backbone, head, spec = model_parts(model)
     device = head.weight.device
     seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
-    inputs = _packed_inputs(seqs, device) if packed else _padded_inputs(seqs, pad_id, device)
+    if packed and len({len(s) for s in seqs}) == 1 and len(seqs) > 1:
+        # equal lengths: stack them without padding or a mask (plain causal attention, the fused kernels' fast path)
+        packed = False
+        inputs = dict(input_ids=torch.tensor(seqs, dtype=torch.long, device=device), attention_mask=None)
+    elif packed:
+        inputs = _packed_inputs(seqs, device)
+    else:
+        inputs = _padded_inputs(seqs, pad_id, device)
     with compute_context(model):
         hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [rows, H]

@@ -160,6 +160,8 @@ def offloaded_checkpoint(offloader: ActivationOffloader):
     """A gradient-checkpointing function for transformers' decoder layers that offloads layer inputs."""
 
     def checkpoint_fn(function, hidden_states, *args, **kwargs):
+        if not torch.is_grad_enabled():  # no backward will come (e.g. the reference pass): nothing to save
+            return function(hidden_states, *args, **kwargs)
         if args or kwargs:
             raise TypeError("offloaded checkpointing expects the layer input as the only positional argument")
         return _OffloadedCheckpoint.apply(offloader, function, hidden_states, offloader.grad_anchor)

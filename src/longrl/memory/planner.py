@@ -15,7 +15,8 @@ vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every li
     host         = (L − gpu_resident) × T × H × b               pinned pool of layer inputs (offloaded only)
 
 T is the micro-batch token budget: a sequence longer than the budget is a micro-batch alone, so the budget
-is at least the longest sequence. The planner picks the largest budget (up to the whole step) that fits,
+is at least the longest sequence. The planner picks the largest budget that fits, up to the longest sequence
+or MAX_PACKED_TOKENS, whichever is larger (packed micro-batches need a [T, T] attention mask),
 then keeps as many layer inputs on the GPU as the remaining memory allows. Coefficients were set by
 counting the tensors autograd saves in a Llama layer; `benchmarks/grpo_memory.py` compares them with
 measured peaks.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 GIB = 2 ** 30
 _LAYER_H, _LAYER_K, _LAYER_I = 14, 2, 5
 _SAFETY = 0.92  # fraction of free GPU memory the plan may use (allocator fragmentation, CUDA workspaces)
+MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
 
 
 class PlanError(RuntimeError):
@@ -131,7 +133,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 f"{host_free_bytes / GIB:.1f} GiB); shorten generation.max_completion_length"
                 + ("" if offload else ", or set model.offload_activations=true")
                 + ", or use a 4-bit base")
-        lo, hi = longest, max(longest, total)
+        lo, hi = longest, max(longest, min(total, MAX_PACKED_TOKENS))
         while lo < hi:  # largest budget that fits
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid, 0) else (lo, mid - 1)
