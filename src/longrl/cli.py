@@ -16,6 +16,11 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file (see `longrl demo --print-config`)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.max_steps=10")
+    plan = sub.add_parser("plan", help="print the memory plan of a config and its predicted peaks; exit 1 if it cannot fit")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="GPU memory to plan for (default: free memory of the current CUDA device)")
     demo = sub.add_parser("demo", help="offline demo: a tiny model learns arithmetic by GRPO on the CPU")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.add_argument("--print-config", action="store_true", help="print the demo's full YAML config and exit")
@@ -43,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return _demo(cfg)
         cfg = load_config(args.config, args.overrides)
+        if args.command == "plan":
+            return _plan(cfg, args.gpu_memory_gib)
         _run(cfg)
         return 0
     except ConfigError as e:
@@ -57,6 +64,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"longrl: error: {e}", file=sys.stderr)
             return 2
         raise
+
+
+def _plan(cfg, gpu_memory_gib: float | None) -> int:
+    import torch
+
+    from .memory.planner import GIB, PlanError, model_config_of, plan_for_config
+
+    if gpu_memory_gib is None:
+        if not torch.cuda.is_available():
+            print("longrl: error: no CUDA device here; pass --gpu-memory-gib to plan for one", file=sys.stderr)
+            return 2
+        gpu_memory_gib = torch.cuda.mem_get_info()[0] / GIB
+    try:
+        plan = plan_for_config(cfg, model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code),
+                               int(gpu_memory_gib * GIB))
+    except PlanError as e:
+        print(f"longrl: this job cannot fit: {e}", file=sys.stderr)
+        return 1
+    n = cfg.train.prompts_per_step * cfg.grpo.num_generations
+    print(f"plan for {cfg.model.name_or_path}: {n} completions × "
+          f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length:,} tokens, {gpu_memory_gib:.1f} GiB GPU")
+    print(plan.table())
+    return 0
 
 
 def _demo(cfg) -> int:

@@ -20,7 +20,8 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import PromptSampler, load_prompts
 from .memory import count_groups, enable_offloaded_checkpointing, token_budget_groups
-from .models import load_model, resolve_device
+from .memory.planner import plan_for_config
+from .models import base_model, load_model, resolve_device
 from .ops.advantages import group_advantages
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
 from .policy import completion_mask, reference_mode, sequence_logprobs
@@ -82,8 +83,16 @@ class GRPOTrainer:
                                           attn_implementation=cfg.model.attn_implementation,
                                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed)
         self.model, self.tokenizer = model, tokenizer
-        self.offloader = enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers) \
-            if cfg.model.offload_activations else None
+        self.plan = None
+        resident = cfg.model.gpu_resident_layers
+        if self.device.type == "cuda" and cfg.model.offload_activations:  # the same plan `longrl plan` prints
+            free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_allocated(self.device)
+            self.plan = plan_for_config(cfg, base_model(model).config, free)
+            if cfg.train.micro_batch_tokens == 0:
+                cfg.train.micro_batch_tokens = self.plan.micro_batch_tokens
+            resident = resident or self.plan.gpu_resident_layers
+            log.info("memory plan:\n%s", self.plan.table())
+        self.offloader = enable_offloaded_checkpointing(model, resident) if cfg.model.offload_activations else None
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed)
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         self.params = [p for p in model.parameters() if p.requires_grad]

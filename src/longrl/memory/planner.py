@@ -150,3 +150,35 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     if gpu > usable:
         raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
     return Plan(budget, resident, offload, chunk, gpu, host, parts)
+
+
+def host_memory_bytes() -> int:
+    """Physical host memory (pinned buffers are page-locked: the plan keeps 30% of it for everything else)."""
+    import os
+
+    return int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def model_config_of(name_or_path: str, trust_remote_code: bool = False):
+    """The transformers config of a model reference, without loading weights."""
+    from ..models.tiny import TINY_NAME, tiny_config_dict
+
+    if name_or_path == TINY_NAME:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**tiny_config_dict(), vocab_size=20)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+
+
+def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
+    """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt."""
+    length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
+    n = cfg.train.prompts_per_step * cfg.grpo.num_generations
+    weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
+    return make_plan(ModelShape.from_config(model_config), sequence_lengths=[length] * n,
+                     lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
+                     gpu_free_bytes=gpu_free_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
+                     offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
+                     token_budget=cfg.train.micro_batch_tokens)

@@ -1,0 +1,72 @@
+"""The memory planner's choices for known configurations, and `longrl plan` refusing what cannot fit."""
+
+import subprocess
+import sys
+
+import pytest
+
+from longrl.memory.planner import GIB, MAX_PACKED_TOKENS, ModelShape, PlanError, make_plan, predict
+
+LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
+QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
+
+
+def test_parameter_counts_match_the_published_sizes():
+    assert LLAMA_8B.base_params() == pytest.approx(8.03e9, rel=0.01)
+    assert QWEN_15B.base_params() == pytest.approx(1.54e9, rel=0.01)
+    # LoRA r=32 on all 7 projections of Llama-3.1-8B: 83.9M parameters (PEFT's count)
+    assert LLAMA_8B.lora_params(32) == 83_886_080
+
+
+def test_long_sequences_alone_short_ones_packed():
+    long = make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, lora_r=32, weight_bytes=2, gpu_free_bytes=139 * GIB,
+                     host_free_bytes=100 * GIB)
+    assert long.micro_batch_tokens == 20480 and long.gpu_resident_layers == 32  # plenty of memory: nothing offloaded
+    short = make_plan(QWEN_15B, sequence_lengths=[1024] * 64, lora_r=32, weight_bytes=2, gpu_free_bytes=80 * GIB,
+                      host_free_bytes=100 * GIB)
+    assert short.micro_batch_tokens == MAX_PACKED_TOKENS
+
+
+def test_tight_gpu_offloads_and_keeps_what_fits():
+    plan = make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, lora_r=32, weight_bytes=2, gpu_free_bytes=27 * GIB,
+                     host_free_bytes=100 * GIB)
+    assert plan.micro_batch_tokens == 20480 and 0 < plan.gpu_resident_layers < 32
+    assert plan.predicted_gpu_bytes <= 27 * GIB
+    assert plan.predicted_host_bytes == (32 - plan.gpu_resident_layers) * 20480 * 4096 * 2
+
+
+def test_prediction_grows_with_tokens_and_shrinks_with_offload():
+    kw = dict(lora_r=32, weight_bytes=2, chunk=1024)
+    a, _, _ = predict(LLAMA_8B, tokens=4096, offload=False, gpu_resident=0, **kw)
+    b, _, _ = predict(LLAMA_8B, tokens=20480, offload=False, gpu_resident=0, **kw)
+    c, host, _ = predict(LLAMA_8B, tokens=20480, offload=True, gpu_resident=0, **kw)
+    assert a < b and c < b and host == 32 * 20480 * 4096 * 2
+
+
+def test_cannot_fit_names_the_way_out():
+    with pytest.raises(PlanError, match="single sequence of 409,600 tokens.*max_completion_length"):
+        make_plan(LLAMA_8B, sequence_lengths=[409600], lora_r=32, weight_bytes=2, gpu_free_bytes=24 * GIB,
+                  host_free_bytes=500 * GIB)
+
+
+def _llama_dir(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama8b")
+    return tmp_path / "llama8b"
+
+
+def test_cli_plan_prints_and_refuses(tmp_path):
+    path = _llama_dir(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{name_or_path: {path}, dtype: bfloat16, offload_activations: true}}\n"
+                   "lora: {r: 32}\ndata: {max_prompt_length: 512}\ngeneration: {max_completion_length: 19968}\n"
+                   "train: {prompts_per_step: 1}\n"
+                   "rewards: [{function: 'longrl.tasks.arithmetic:format_reward'}]\n")
+    ok = subprocess.run([sys.executable, "-m", "longrl.cli", "plan", str(cfg), "--gpu-memory-gib", "139"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "predicted peak GPU" in ok.stdout and "20,480" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "longrl.cli", "plan", str(cfg), "--gpu-memory-gib", "16"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "cannot fit" in bad.stderr and "Traceback" not in bad.stderr
