@@ -46,10 +46,10 @@ class PinnedPool:
 class _Saved:
     """One layer input: on the GPU (resident) or in a host buffer, with the events that order its copies."""
 
-    __slots__ = ("gpu", "host", "shape", "dtype", "device", "offload_done", "fetch_done", "requires_grad", "rng")
+    __slots__ = ("gpu", "host", "shape", "dtype", "device", "offload_done", "fetch_done", "requires_grad", "pending")
 
     def __init__(self):
-        self.gpu = self.host = self.offload_done = self.fetch_done = None
+        self.gpu = self.host = self.offload_done = self.fetch_done = self.pending = None
 
 
 class ActivationOffloader:
@@ -63,6 +63,7 @@ class ActivationOffloader:
         self.gpu_resident = gpu_resident
         self.num_layers = num_layers
         self.stack: list[_Saved] = []  # saved inputs in forward order, popped by backward
+        self.in_flight: list[_Saved] = []  # offloads whose GPU source is still referenced
         self.peak_host_bytes = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
 
@@ -72,7 +73,19 @@ class ActivationOffloader:
             return False
         return len(self.stack) % self.num_layers >= self.num_layers - self.gpu_resident
 
+    def _retire_offloads(self) -> None:
+        """Order the compute stream after the pending offload copies, then drop their GPU sources. The sources
+        are compute-stream blocks, so their reuse is stream-ordered: no record_stream, whose deferred frees
+        would let memory grow while the host runs ahead of the GPU."""
+        for s in self.in_flight:
+            torch.cuda.current_stream(self.device).wait_event(s.offload_done)
+            s.pending = None
+        self.in_flight.clear()
+
     def save(self, x: torch.Tensor) -> _Saved:
+        """Start saving layer input ``x`` (called before the layer computes, so the copy overlaps it)."""
+        if self.cuda:
+            self._retire_offloads()
         s = _Saved()
         s.shape, s.dtype, s.device, s.requires_grad = x.shape, x.dtype, x.device, x.requires_grad
         if self._keep_on_gpu() or x.device.type != self.device.type:
@@ -87,7 +100,8 @@ class ActivationOffloader:
                     host_view.copy_(x.detach(), non_blocking=True)
                     s.offload_done = torch.cuda.Event()
                     s.offload_done.record(self.side)
-                x.record_stream(self.side)  # the allocator must not reuse x until the copy has read it
+                s.pending = x.detach()  # kept until the compute stream is ordered after the copy
+                self.in_flight.append(s)
             else:
                 host_view.copy_(x.detach())
         self.stack.append(s)
@@ -99,10 +113,16 @@ class ActivationOffloader:
     def _start_fetch(self, s: _Saved) -> None:
         if s.gpu is not None or s.fetch_done is not None:
             return
+        if s.pending is not None:  # its offload is still in flight: the GPU copy is right here
+            s.gpu = s.pending
+            return
         host_view = s.host.view(s.dtype).view(s.shape)
         if self.cuda:
-            with torch.cuda.stream(self.side):  # after the offload copy: same stream, in order
-                s.gpu = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            # allocated on the compute stream (stream-ordered reuse), written by the side stream after the
+            # compute work enqueued so far, read by compute only after the fetch event
+            s.gpu = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
                 s.gpu.copy_(host_view, non_blocking=True)
                 s.fetch_done = torch.cuda.Event()
                 s.fetch_done.record(self.side)
@@ -118,7 +138,9 @@ class ActivationOffloader:
         x = s.gpu
         if s.fetch_done is not None:
             torch.cuda.current_stream(self.device).wait_event(s.fetch_done)
-            x.record_stream(torch.cuda.current_stream(self.device))
+        if self.cuda:
+            self._retire_offloads()  # host buffers are reused only after their offload copy is done
+        s.gpu = s.pending = None
         self.stack.pop(idx)
         if s.host is not None:  # reusable now: its next writer is an offload on the same (ordered) side stream
             self.pool.give(s.host)
@@ -134,11 +156,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         ctx.autocast = (x.device.type, torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        ctx.saved = offloader.save(x)
         with torch.no_grad():
             out = function(x)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"offloaded checkpointing needs layers that return a tensor; got {type(out).__name__}")
-        ctx.saved = offloader.save(x)
         return out
 
     @staticmethod
