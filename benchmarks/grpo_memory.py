@@ -31,7 +31,7 @@ import trl_baseline as tb  # noqa: E402
 
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.memory import enable_offloaded_checkpointing, token_budget_groups  # noqa: E402
-from longrl.memory.planner import GIB, ModelShape, make_plan  # noqa: E402
+from longrl.memory.planner import GIB, ModelShape, make_plan, predict  # noqa: E402
 from longrl.models import apply_lora, set_lora_input_casting  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
@@ -176,10 +176,10 @@ def main():
                          gpu_free_bytes=free + weights_now,
                          host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), offload=True,
                          chunk=args.chunk, token_budget=args.token_budget)
-        pred_gpu, _, _ = __import__("longrl.memory.planner", fromlist=["predict"]).predict(
+        pred_gpu, _, _ = predict(
             shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
             gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False)
-        pred0, _, _ = __import__("longrl.memory.planner", fromlist=["predict"]).predict(
+        pred0, _, _ = predict(
             shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
             gpu_resident=0, chunk=args.chunk, optimizer=False)
         print(f"--- length {length}: plan budget {plan.micro_batch_tokens} resident {plan.gpu_resident_layers} "

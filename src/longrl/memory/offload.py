@@ -65,6 +65,7 @@ class ActivationOffloader:
         self.stack: list[_Saved] = []  # saved inputs in forward order, popped by backward
         self.in_flight: list[_Saved] = []  # offloads whose GPU source is still referenced
         self.peak_host_bytes = 0
+        self.host_bytes_in_use = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
 
     # -------------------------------------------------------------------------------- forward side
@@ -105,8 +106,9 @@ class ActivationOffloader:
             else:
                 host_view.copy_(x.detach())
         self.stack.append(s)
-        in_host = sum(e.host.numel() for e in self.stack if e.host is not None)
-        self.peak_host_bytes = max(self.peak_host_bytes, in_host)
+        if s.host is not None:
+            self.host_bytes_in_use += s.host.numel()
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         return s
 
     # -------------------------------------------------------------------------------- backward side
@@ -143,6 +145,7 @@ class ActivationOffloader:
         s.gpu = s.pending = None
         self.stack.pop(idx)
         if s.host is not None:  # reusable now: its next writer is an offload on the same (ordered) side stream
+            self.host_bytes_in_use -= s.host.numel()
             self.pool.give(s.host)
         return x
 
