@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 STATE_FILE = "trainer_state.json"
+BASE_WEIGHTS_FILE = "base_model.safetensors"  # the frozen base of a builtin model, which no hub or disk holds
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
 
@@ -44,7 +45,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
-                    save_total_limit: int = 0) -> Path:
+                    save_total_limit: int = 0, base_weights: dict | None = None) -> Path:
+    """``base_weights``: also save these tensors as ``base_model.safetensors`` (see :func:`frozen_base_weights`)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
@@ -55,6 +57,10 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng_state.pt")
+    if base_weights:
+        from safetensors.torch import save_file
+
+        save_file(base_weights, str(tmp / BASE_WEIGHTS_FILE))
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside first
         old = output_dir / f".old-checkpoint-{step}-{os.getpid()}"
@@ -67,6 +73,15 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         for old in list_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def frozen_base_weights(model) -> dict | None:
+    """The base weights under a PEFT wrapper, in the base model's own names (adapters left out); None when the
+    base is quantized (its weights are then not plain tensors and are rebuilt by loading instead)."""
+    base = model.get_base_model()
+    weights = {k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True).contiguous()
+               for k, v in base.state_dict().items() if ".lora_" not in k}
+    return weights if all(v.is_floating_point() for v in weights.values()) else None
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:

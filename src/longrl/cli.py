@@ -1,4 +1,5 @@
-"""Command line: ``longrl train CONFIG.yaml [KEY=VALUE ...]`` and ``longrl demo [KEY=VALUE ...]``."""
+"""Command line: ``longrl train CONFIG.yaml [KEY=VALUE ...]``, ``longrl demo [KEY=VALUE ...]``, ``longrl plan`` and
+``longrl export OUTPUT_DIR --from CHECKPOINT --format adapter|merged|gguf``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="GPU memory to plan for (default: free memory of the current CUDA device)")
+    export = sub.add_parser("export", help="export a checkpoint: PEFT adapter, merged 16-bit model, or GGUF + Modelfile")
+    export.add_argument("output_dir", help="directory to create (refused if non-empty, unless --overwrite)")
+    export.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT",
+                        help="a checkpoint-STEP directory, or a run's output directory (its latest checkpoint)")
+    export.add_argument("--format", choices=("adapter", "merged", "gguf"), required=True)
+    export.add_argument("--quant", choices=("f16", "q8_0"), default="f16", help="GGUF tensor type (gguf only)")
+    export.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                        help="merged weights (merged only; auto: float16 if the base was, else bfloat16)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     demo = sub.add_parser("demo", help="offline demo: a tiny model learns arithmetic by GRPO on the CPU")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.add_argument("--print-config", action="store_true", help="print the demo's full YAML config and exit")
@@ -38,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.command == "export":
+        return _export(args)
     try:
         if args.command == "demo":
             from .demo import demo_config
@@ -64,6 +76,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"longrl: error: {e}", file=sys.stderr)
             return 2
         raise
+
+
+def _export(args) -> int:
+    from .export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.output_dir, fmt=args.format, quant=args.quant, dtype=args.dtype,
+                                overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"longrl: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.format} to {out}")
+    return 0
 
 
 def _plan(cfg, gpu_memory_gib: float | None) -> int:

@@ -253,9 +253,19 @@ class GRPOTrainer:
                 for i in range(min(k, len(b.prompts)))]
 
     def save(self) -> Path:
-        state = {"data_position": self.sampler.position, "config": self.cfg.to_dict()}
+        from .checkpoint import frozen_base_weights
+        from .models import TINY_NAME
+
+        # the dtype the base really had (model.dtype=auto depends on the device), and the builtin model's
+        # frozen base, which only a seed and this torch version's initializers could otherwise rebuild:
+        # `longrl export` needs both to reproduce the trained model exactly
+        dtype = base_model(self.model).get_input_embeddings().weight.dtype
+        state = {"data_position": self.sampler.position, "config": self.cfg.to_dict(),
+                 "model_dtype": str(dtype).removeprefix("torch.")}
+        frozen = (frozen_base_weights(self.model)
+                  if self.cfg.model.name_or_path == TINY_NAME and hasattr(self.model, "peft_config") else None)
         path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
-                               self.cfg.output.save_total_limit)
+                               self.cfg.output.save_total_limit, base_weights=frozen)
         log.info("saved %s", path)
         return path
 

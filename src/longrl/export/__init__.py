@@ -1,0 +1,131 @@
+"""``longrl export``: a training checkpoint as a PEFT adapter, a merged 16-bit Hugging Face model, or a GGUF
+file (f16 / q8_0) with an Ollama Modelfile.
+
+Everything is checked (checkpoint, format, architecture, output directory) before any model loads, and the
+output is written into a hidden directory beside ``output_dir`` and renamed into place, so a failure never
+leaves a half-written export.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from .source import Checkpoint, ExportError, dequantize_4bit_linears, load_tokenizer, merged_model, read_checkpoint
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("adapter", "merged", "gguf")
+
+__all__ = ["FORMATS", "Checkpoint", "ExportError", "dequantize_4bit_linears", "export_checkpoint", "read_checkpoint"]
+
+
+def _base_config(ckpt: Checkpoint):
+    """The transformers config of the trained model (read without loading weights)."""
+    from ..models import TINY_NAME
+
+    if not ckpt.is_adapter:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(ckpt.path))
+    if ckpt.base_name == TINY_NAME:
+        from transformers import LlamaConfig
+
+        from ..models.tiny import tiny_config_dict
+
+        return LlamaConfig(**tiny_config_dict())
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(ckpt.base_name, revision=ckpt.model.get("revision"),
+                                          trust_remote_code=bool(ckpt.model.get("trust_remote_code")))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"could not read the config of base model {ckpt.base_name!r}: {e}") from e
+
+
+def _check_gguf(ckpt: Checkpoint, quant: str) -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ExportError("GGUF export needs the gguf package: pip install 'longrl[export]'") from e
+    from .gguf_writer import QUANTS, UnsupportedArchitecture, gguf_arch
+
+    if quant not in QUANTS:
+        raise ExportError(f"--quant must be one of {', '.join(QUANTS)}; got {quant!r}")
+    try:
+        gguf_arch(_base_config(ckpt))
+    except UnsupportedArchitecture as e:
+        raise ExportError(f"checkpoint {ckpt.path}: {e}") from e
+
+
+def _prepare_output(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ExportError(f"output {output_dir} exists and is not a directory")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise ExportError(f"output directory {output_dir} is not empty; pass --overwrite to replace it")
+
+
+def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str = "merged", quant: str = "f16",
+                      dtype: str = "auto", overwrite: bool = False, device: str = "cpu") -> Path:
+    """Export ``checkpoint`` (a ``checkpoint-STEP`` directory or a run directory: its latest checkpoint) to
+    ``output_dir`` as ``fmt`` (adapter, merged, gguf). ``quant``: gguf tensor type (f16, q8_0); ``dtype``: merged
+    weights (auto = the base's 16-bit type, bfloat16, float16, float32). Returns the output directory."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    ckpt = read_checkpoint(checkpoint)
+    output_dir = Path(output_dir).expanduser()
+    _prepare_output(output_dir, overwrite)
+    from .hf import merged_dtype, write_adapter, write_card, write_merged
+
+    torch_dtype = merged_dtype(ckpt, dtype) if fmt == "merged" else None
+    if fmt == "adapter" and not ckpt.is_adapter:
+        raise ExportError(f"checkpoint {ckpt.path} holds full weights (lora.enabled=false), not an adapter; "
+                          "export it with --format merged")
+    if fmt == "gguf":
+        _check_gguf(ckpt, quant)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        details: dict = {}
+        if fmt == "adapter":
+            write_adapter(staging, ckpt)
+        else:
+            model, tokenizer = merged_model(ckpt, device), load_tokenizer(ckpt)
+            if fmt == "merged":
+                write_merged(staging, model, tokenizer, torch_dtype)
+                details["dtype"] = str(torch_dtype).removeprefix("torch.")
+            else:
+                _write_gguf(staging, model, tokenizer, quant, ckpt)
+                details["quant"] = quant
+        write_card(staging, ckpt, fmt, details)
+        _replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("exported %s as %s to %s", ckpt.path, fmt, output_dir)
+    return output_dir
+
+
+def _write_gguf(out: Path, model, tokenizer, quant: str, ckpt: Checkpoint) -> None:
+    from .gguf_writer import write_gguf
+    from .modelfile import modelfile_text
+
+    write_gguf(out / "model.gguf", model, tokenizer, quant, name=f"{Path(ckpt.base_name).name}-{ckpt.path.name}")
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+    (out / "Modelfile").write_text(modelfile_text(tokenizer, "model.gguf", eos_ids))
+
+
+def _replace(staging: Path, output_dir: Path) -> None:
+    """Rename ``staging`` to ``output_dir``; an existing (empty or --overwrite) output is moved aside first."""
+    if not output_dir.exists():
+        os.replace(staging, output_dir)
+        return
+    old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
+    os.replace(output_dir, old)
+    os.replace(staging, output_dir)
+    shutil.rmtree(old, ignore_errors=True)
