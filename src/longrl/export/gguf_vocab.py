@@ -5,17 +5,8 @@ tokens as control tokens, merges, special ids and the chat template through ``gg
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 from pathlib import Path
-
-log = logging.getLogger(__name__)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    from gguf.vocab import bytes_to_unicode
-
-    return bytes_to_unicode()
 
 
 def tokenizer_kind(tokenizer_json: dict) -> str:
@@ -82,11 +73,12 @@ def add_tokenizer(writer, tokenizer, n_vocab: int, model_type: str) -> None:
 def _bpe_tokens(tokenizer, kind: str):
     """(texts, types) in id order: byte-level strings for BPE, byte-level-encoded characters for ``chars``."""
     import gguf
+    from gguf.vocab import bytes_to_unicode
 
     vocab = tokenizer.get_vocab()
     by_id = {i: t for t, i in vocab.items()}
     added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
-    encode = _bytes_to_unicode()
+    encode = bytes_to_unicode()
     texts, types = [], []
     for i in range(max(by_id) + 1):
         text = by_id.get(i)

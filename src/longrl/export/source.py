@@ -147,7 +147,14 @@ def dequantize_4bit_linears(model, dtype: torch.dtype | None = None) -> int:
         return 0  # without bitsandbytes there can be no 4-bit layers
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     for name, module in targets:
-        weight = dequantize_4bit(module.weight.data, module.weight.quant_state)
+        data, state = module.weight.data, module.weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            # a layer that has run on the CPU holds bitsandbytes' repacked CPU layout; its own inverse (which it
+            # also applies before saving a state dict) gives back the standard layout dequantize_4bit reads
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            data, state = _convert_weight_packed_for_cpu_inverse(data, state)
+        weight = dequantize_4bit(data, state)
         out_dtype = dtype or getattr(module, "compute_dtype", None) or weight.dtype
         linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                  device=weight.device, dtype=out_dtype)
