@@ -1,5 +1,6 @@
 from .microbatch import count_groups, token_budget_groups
 from .offload import ActivationOffloader, enable_offloaded_checkpointing, offloaded_checkpoint
+from .tiling import TiledMLP, disable_mlp_tiling, enable_mlp_tiling
 
-__all__ = ["ActivationOffloader", "count_groups", "enable_offloaded_checkpointing", "offloaded_checkpoint",
-           "token_budget_groups"]
+__all__ = ["ActivationOffloader", "TiledMLP", "count_groups", "disable_mlp_tiling", "enable_mlp_tiling",
+           "enable_offloaded_checkpointing", "offloaded_checkpoint", "token_budget_groups"]

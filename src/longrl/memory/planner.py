@@ -3,11 +3,13 @@
 Counted in bytes, for a decoder of L layers, hidden H, MLP width I, KV width K (= kv heads × head dim),
 vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every linear projection:
 
-    weights      = base parameters × b                          (4-bit bases: about 0.56 bytes/param)
+    weights      = base parameters × b                          (4-bit bases: nf4_weight_bytes)
     lora         = LoRA parameters × 4 × (1 + 1 + 2)            fp32 weights, grads, Adam moments
     layer work   = T × (14 H + 2 K + 5 I) × b                   one layer recomputed with autograd for a micro-batch
                                                                 of T tokens (norm, q/k/v/o, attention, residuals,
                                                                 gate/up/act/product, their grads in flight)
+                 → T × (16 H + 2 K) × b + t × 5 I × b           with the MLP in tiles of t < T tokens (memory/tiling.py):
+                                                                one tile's intermediates, plus tile outputs and input grads
     stream       = T × H × b × (4 + 2 · [offloaded])            hidden state, its grad, the final hidden states and
                                                                 their grad, plus the offload copy and the prefetch
     gpu inputs   = T × H × b × (L if not offloaded else gpu_resident)
@@ -17,9 +19,12 @@ vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every li
 T is the micro-batch token budget: a sequence longer than the budget is a micro-batch alone, so the budget
 is at least the longest sequence. The planner picks the largest budget that fits, up to the longest sequence
 or MAX_PACKED_TOKENS, whichever is larger (packed micro-batches need a [T, T] attention mask),
-then keeps as many layer inputs on the GPU as the remaining memory allows. Coefficients were set by
-counting the tensors autograd saves in a Llama layer; `benchmarks/grpo_memory.py` compares them with
-measured peaks.
+then keeps as many layer inputs on the GPU as the remaining memory allows. MLP tiles are chosen only when the
+longest micro-batch cannot fit untiled: the largest of T/2, T/3, ... (rounded up to MLP_TILE_ALIGN tokens) that
+fits. Tiling costs one extra MLP forward per token in backward, 2 × 3 H I FLOPs per token and layer: ~13% of a
+step at 20K tokens for Llama-3.1-8B (linear layers dominate), ~2% at 400K (attention dominates). Coefficients
+were set by counting the tensors autograd saves in a Llama layer; `benchmarks/grpo_memory.py` compares them
+with measured peaks.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ GIB = 2 ** 30
 _LAYER_H, _LAYER_K, _LAYER_I = 14, 2, 5
 _SAFETY = 0.92  # fraction of free GPU memory the plan may use (allocator fragmentation, CUDA workspaces)
 MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
+MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
 
 
 class PlanError(RuntimeError):
@@ -66,6 +72,22 @@ class ModelShape:
         per_layer = r * ((h + self.q_dim) * 2 + (h + self.kv_dim) * 2 + (h + i) * 3)
         return self.layers * per_layer
 
+    def linear_params(self) -> int:
+        """Weights of the decoder's linear projections (q, k, v, o, gate, up, down): what a 4-bit base quantizes."""
+        h = self.hidden
+        return self.layers * (h * self.q_dim * 2 + h * self.kv_dim * 2 + 3 * h * self.intermediate)
+
+
+def nf4_weight_bytes(shape: ModelShape, compute_bytes: int, exception_budget: float) -> int:
+    """Base weights of a 4-bit NF4 base: the linear projections at NF4_BYTES_PER_PARAM (4-bit codes, an 8-bit
+    absmax per 64 weights, a float32 scale per 256 absmax), everything else (embeddings, LM head, norms) at
+    ``compute_bytes``, times (1 + exception_budget): the most the 16-bit exceptions may add (models/quantize.py)."""
+    from ..models.quantize import NF4_BYTES_PER_PARAM
+
+    linear = shape.linear_params()
+    plain = linear * NF4_BYTES_PER_PARAM + (shape.base_params() - linear) * compute_bytes
+    return int(plain * (1 + exception_budget))
+
 
 @dataclass
 class Plan:
@@ -76,12 +98,14 @@ class Plan:
     predicted_gpu_bytes: int
     predicted_host_bytes: int
     parts_gpu_bytes: dict
+    mlp_tile_tokens: int | None = None  # MLP sequence tile (memory/tiling.py); None: untiled
 
     def table(self) -> str:
         rows = [("micro-batch token budget", f"{self.micro_batch_tokens:,}"),
                 ("offloaded checkpointing", "yes" if self.offload else "no"),
                 ("layer inputs kept on GPU", str(self.gpu_resident_layers)),
-                ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}")]
+                ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}"),
+                ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB"),
                  ("predicted peak host (pinned)", f"{self.predicted_host_bytes / GIB:8.2f} GiB")]
@@ -90,15 +114,16 @@ class Plan:
 
 
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
-            chunk: int, optimizer: bool = True, trainable_head: bool = False) -> tuple[int, int, dict]:
-    """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens."""
+            chunk: int, optimizer: bool = True, trainable_head: bool = False,
+            mlp_tile: int | None = None) -> tuple[int, int, dict]:
+    """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``."""
     b = 2 if weight_bytes < 4 else 4
     h, k, i, L = shape.hidden, shape.kv_dim, shape.intermediate, shape.layers
     resident = L if not offload else min(gpu_resident, L)
     parts = {
         "base weights": int(shape.base_params() * weight_bytes),
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
-        "layer recompute": tokens * (_LAYER_H * h + _LAYER_K * k + _LAYER_I * i) * b,
+        "layer recompute": _layer_work(tokens, h, k, i, mlp_tile) * b,
         "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0)),
         "layer inputs on GPU": tokens * h * b * resident,
         "log-prob chunk": chunk * shape.vocab * 4 * 3,
@@ -109,47 +134,73 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     return sum(parts.values()), host, parts
 
 
+def _layer_work(tokens: int, h: int, k: int, i: int, mlp_tile: int | None) -> int:
+    """Elements alive while one layer is recomputed and backpropagated (module docstring)."""
+    if not mlp_tile or mlp_tile >= tokens:
+        return tokens * (_LAYER_H * h + _LAYER_K * k + _LAYER_I * i)
+    return tokens * (_LAYER_H * h + _LAYER_K * k + 2 * h) + mlp_tile * _LAYER_I * i
+
+
+def choose_mlp_tile(tokens: int, fits) -> int | None:
+    """The largest tile ⌈tokens / n⌉ (n = 2, 3, ...; rounded up to MLP_TILE_ALIGN) with ``fits(tile)``, else None."""
+    n, tile = 2, tokens
+    while tile > MLP_TILE_ALIGN:
+        tile = -(-tokens // n)
+        tile = -(-tile // MLP_TILE_ALIGN) * MLP_TILE_ALIGN
+        if tile < tokens and fits(tile):
+            return tile
+        n += 1
+    return None
+
+
 def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
-              token_budget: int = 0, gpu_resident: int | None = None) -> Plan:
-    """Choose the micro-batch token budget and GPU-resident layer inputs so the step fits; PlanError if not."""
+              token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None) -> Plan:
+    """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
+    if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
 
-    def fits(tokens, resident):
+    def fits(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk)
+                               gpu_resident=resident, chunk=chunk, mlp_tile=tile)
         return gpu <= usable and host <= host_free_bytes
 
+    tile = mlp_tile_tokens or None
+    need = max(token_budget, longest)
+    if mlp_tile_tokens is None and not fits(need, 0):
+        tile = choose_mlp_tile(need, lambda t: fits(need, 0, t))
     if token_budget:
-        budget = max(token_budget, longest)
+        budget = need
     else:
-        if not fits(longest, 0):
+        if not fits(longest, 0, tile):
+            tried = tile or (MLP_TILE_ALIGN if mlp_tile_tokens is None else None)
             gpu, host, _ = predict(shape, tokens=longest, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                                   gpu_resident=0, chunk=chunk)
+                                   gpu_resident=0, chunk=chunk, mlp_tile=tried)
             raise PlanError(
                 f"a single sequence of {longest:,} tokens needs {gpu / GIB:.1f} GiB of GPU memory "
-                f"(usable: {usable / GIB:.1f} GiB) and {host / GIB:.1f} GiB of host memory (free: "
+                + (f"with MLP tiles of {tried:,} tokens " if tried and tried < longest else "")
+                + f"(usable: {usable / GIB:.1f} GiB) and {host / GIB:.1f} GiB of host memory (free: "
                 f"{host_free_bytes / GIB:.1f} GiB); shorten generation.max_completion_length"
                 + ("" if offload else ", or set model.offload_activations=true")
                 + ", or use a 4-bit base")
         lo, hi = longest, max(longest, min(total, MAX_PACKED_TOKENS))
         while lo < hi:  # largest budget that fits
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid, 0) else (lo, mid - 1)
+            lo, hi = (mid, hi) if fits(mid, 0, tile) else (lo, mid - 1)
         budget = lo
     resident = 0
     if offload:
         if gpu_resident is not None:
             resident = gpu_resident
         else:
-            while resident < shape.layers and fits(budget, resident + 1):
+            while resident < shape.layers and fits(budget, resident + 1, tile):
                 resident += 1
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk)
+                               gpu_resident=resident, chunk=chunk, mlp_tile=tile)
     if gpu > usable:
         raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
-    return Plan(budget, resident, offload, chunk, gpu, host, parts)
+    return Plan(budget, resident, offload, chunk, gpu, host, parts, tile)
 
 
 def host_memory_bytes() -> int:
@@ -177,8 +228,15 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
     weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
-    return make_plan(ModelShape.from_config(model_config), sequence_lengths=[length] * n,
+    shape = ModelShape.from_config(model_config)
+    if getattr(cfg.model, "load_in_4bit", False):  # as bytes per base parameter, the unit predict() takes
+        weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
+    plan = make_plan(shape, sequence_lengths=[length] * n,
                      lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                      gpu_free_bytes=gpu_free_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
-                     token_budget=cfg.train.micro_batch_tokens)
+                     token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens)
+    if getattr(cfg.model, "load_in_4bit", False):
+        plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
+                                for k, v in plan.parts_gpu_bytes.items()}
+    return plan

@@ -1,0 +1,116 @@
+"""Sequence-tiled MLPs: a long micro-batch's MLP intermediates exist one tile at a time.
+
+A decoder layer's MLP is position-wise, out[n] = down(act(gate(x[n])) · up(x[n])) depends on token n only,
+and its intermediates (gate, up, act, product: about 4·N·I values for N tokens, MLP width I) are the largest
+transient of a layer at long N. With tiles of t tokens (over the flattened [N, H] tokens of the micro-batch):
+
+    no grad:  out[s:s+t] = mlp(x[s:s+t]) tile by tile, into one output       transient ~4·t·I, not 4·N·I
+    grad:     each tile under a non-reentrant checkpoint, which saves only its input x[s:s+t] (a view of x);
+              backward recomputes the tile with autograd, backpropagates through it and frees it
+
+so the MLP needs O(t·I) memory instead of O(N·I), for one extra MLP forward per token in backward. The
+checkpoint restores the RNG state, so LoRA dropout masks in the recompute are the forward's. Results equal the
+untiled MLP's up to floating-point summation order (GEMM kernels may block a row subset differently, and weight
+gradients are summed tile by tile); with exactly representable values they are bit-identical (tested).
+N ≤ t runs the MLP untouched.
+
+``enable_mlp_tiling`` puts a :class:`TiledMLP` in each ``mlp`` slot. The wrapper shares the wrapped module's
+``_modules``/``_parameters``/``_buffers`` dicts, so parameter and state-dict names (``...layers.0.mlp.gate_proj
+.weight``) and PEFT adapters are unchanged, and a child replaced through either module (PEFT injecting LoRA
+after tiling, merging before un-tiling) is seen by both. No library class is modified.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class TiledMLP(nn.Module):
+    """``mlp`` applied to tiles of ``tile_tokens`` tokens; same parameters, same names, same results."""
+
+    def __init__(self, mlp: nn.Module, tile_tokens: int):
+        super().__init__()
+        object.__setattr__(self, "inner", mlp)  # not a child: its children are ours (shared dicts below)
+        self._modules = mlp._modules
+        self._parameters = mlp._parameters
+        self._buffers = mlp._buffers
+        self.training = mlp.training
+        self.tile_tokens = _check_tile(tile_tokens)
+        self.checkpoint_tiles = True  # False keeps every tile's intermediates: the slow twin, for tests
+
+    def train(self, mode: bool = True):
+        self.inner.training = mode
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f"tile_tokens={self.tile_tokens}, inner={type(self.inner).__name__}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., N, H]
+        n = x.shape[:-1].numel()
+        if n <= self.tile_tokens:
+            return self.inner(x)
+        tiles = x.reshape(n, x.shape[-1]).split(self.tile_tokens)  # views [t, H]
+        if torch.is_grad_enabled():
+            if self.checkpoint_tiles:
+                outs = [checkpoint(self.inner, tile, use_reentrant=False) for tile in tiles]
+            else:
+                outs = [self.inner(tile) for tile in tiles]
+            return torch.cat(outs).view(*x.shape[:-1], -1)  # cat's backward splits the grad into views
+        out, start = None, 0
+        for tile in tiles:
+            y = self.inner(tile)  # [t, H_out]
+            if out is None:
+                out = y.new_empty(n, y.shape[-1])
+            out[start:start + len(y)] = y
+            start += len(y)
+        return out.view(*x.shape[:-1], -1)
+
+
+def _check_tile(tile_tokens: int) -> int:
+    if not isinstance(tile_tokens, int) or isinstance(tile_tokens, bool) or tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be an integer >= 1, got {tile_tokens!r}")
+    return tile_tokens
+
+
+def _mlp_slots(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(parent, module) for every child named ``mlp`` (one per decoder layer)."""
+    return [(parent, child) for parent in model.modules() for name, child in parent.named_children() if name == "mlp"]
+
+
+def enable_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
+    """Tile every decoder layer's MLP of ``model`` (transformers or PEFT) in tiles of ``tile_tokens`` tokens.
+
+    Idempotent: an already tiled MLP gets the new tile size. Mixture-of-experts blocks (an ``experts`` child)
+    are left alone. Returns the number of tiled MLPs."""
+    _check_tile(tile_tokens)
+    count = 0
+    for parent, mlp in _mlp_slots(model):
+        if isinstance(mlp, TiledMLP):
+            mlp.tile_tokens = tile_tokens
+        elif hasattr(mlp, "experts"):
+            log.warning("MLP tiling skips the mixture-of-experts block %s", type(mlp).__name__)
+            continue
+        else:
+            setattr(parent, "mlp", TiledMLP(mlp, tile_tokens))
+        count += 1
+    return count
+
+
+def disable_mlp_tiling(model: nn.Module) -> int:
+    """Put the original MLP modules back (with any children replaced meanwhile). Returns how many."""
+    slots = [(parent, mlp) for parent, mlp in _mlp_slots(model) if isinstance(mlp, TiledMLP)]
+    for parent, mlp in slots:
+        mlp.inner.training = mlp.training
+        setattr(parent, "mlp", mlp.inner)
+    return len(slots)
+
+
+def mlp_tile_tokens(model: nn.Module) -> int | None:
+    """The tile size of ``model``'s tiled MLPs, or None when none is tiled."""
+    return next((m.tile_tokens for _, m in _mlp_slots(model) if isinstance(m, TiledMLP)), None)
