@@ -32,10 +32,6 @@ class ModelConfig:
     offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
     device: str = "auto"  # auto: cuda if available, else cpu
-    load_in_4bit: bool = False  # NF4 base (bitsandbytes, double quant), computing in dtype; needs LoRA (QLoRA)
-    quant_keep_modules: list[str] = field(default_factory=list)  # linear modules kept 16-bit (name or dotted suffix)
-    quant_exception_budget: float = 0.10  # extra bytes over plain 4-bit for the most sensitive modules in 16-bit
-    quant_calibration_text: Optional[str] = None  # text for the sensitivity scores; null: ids drawn from the vocab
 
 
 @dataclass
@@ -66,13 +62,6 @@ class GenerationConfig:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    backend: Literal["longrl", "hf"] = "longrl"  # longrl: the batched sampler; hf: transformers' generate
-    stop_token_ids: list[int] = field(default_factory=list)  # besides EOS
-    stop_strings: list[str] = field(default_factory=list)
-    ignore_eos: bool = False  # generate exactly max_completion_length tokens (benchmarks)
-    kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory)
-    cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
-    sync_every: int = 16  # sampler decode steps between host checks for finished sequences
 
 
 @dataclass
@@ -87,11 +76,6 @@ class GRPOConfig:
     num_iterations: int = 1
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
-    # importance-sampling correction for sampler/trainer mismatch (TRL: vllm_importance_sampling_correction):
-    # weight w = π_trainer_old / π_sampler per token (or per sequence), truncated at the cap or masked above it
-    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
-        "token_truncate"
-    rollout_correction_cap: float = 2.0
 
 
 @dataclass
@@ -313,21 +297,9 @@ def validate(cfg: Config) -> None:
     _check(gen.top_k >= 0, "generation.top_k", gen.top_k, ">= 0 (0 disables)")
     _check(0 <= gen.min_p < 1, "generation.min_p", gen.min_p, "0 <= min_p < 1")
     _check(gen.repetition_penalty > 0, "generation.repetition_penalty", gen.repetition_penalty, "> 0")
-    _check(gen.kv_cache_gib >= 0, "generation.kv_cache_gib", gen.kv_cache_gib, ">= 0 (0: automatic)")
-    _check(gen.sync_every >= 1, "generation.sync_every", gen.sync_every, ">= 1")
-    _check(all(isinstance(s, str) and s for s in gen.stop_strings), "generation.stop_strings", gen.stop_strings,
-           "non-empty strings")
-    _check(g.rollout_correction_cap >= 1, "grpo.rollout_correction_cap", g.rollout_correction_cap, ">= 1")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", cfg.data.max_prompt_length, ">= 1")
     _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
-    m = cfg.model
-    _check(not m.load_in_4bit or cfg.lora.enabled, "model.load_in_4bit", m.load_in_4bit,
-           "true only with lora.enabled=true (4-bit weights cannot be trained; QLoRA trains adapters on them)")
-    _check(m.quant_exception_budget >= 0, "model.quant_exception_budget", m.quant_exception_budget,
-           ">= 0 (a fraction of the plain 4-bit weight bytes; 0: no exceptions beyond the keep-list)")
-    _check(m.quant_calibration_text is None or m.quant_calibration_text.strip() != "", "model.quant_calibration_text",
-           m.quant_calibration_text, "null (token ids drawn from the vocabulary) or a non-empty text")
     _check(0 <= cfg.lora.dropout < 1, "lora.dropout", cfg.lora.dropout, "0 <= dropout < 1")
     _check(o.logging_steps >= 1, "output.logging_steps", o.logging_steps, "an integer >= 1")
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
