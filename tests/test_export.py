@@ -351,3 +351,36 @@ def test_4bit_base_merges_into_dequantized_weights(llama_ckpt, monkeypatch, warm
     assert err < 1e-2
     requantized = trained_4bit.merge_and_unload()
     assert (_logits(requantized) - want).abs().max() > 10 * err
+
+
+def test_qlora_checkpoint_exports_merged_with_trained_logits(tmp_path):
+    """End to end: one QLoRA step of the demo model (4-bit base) and a float32 merged export of it."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from longrl.config import ModelConfig
+
+    if not hasattr(ModelConfig(), "load_in_4bit"):
+        pytest.skip("this build has no model.load_in_4bit")
+    cfg = load_config(None, ["train.max_steps=1", "train.prompts_per_step=2", "grpo.num_generations=4",
+                             "train.micro_batch_size=8", "output.progress_bar=false", "output.tensorboard=false",
+                             "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05", "model.load_in_4bit=true",
+                             f"output.output_dir={tmp_path / 'run'}"], base=demo_config())
+    trainer = GRPOTrainer(cfg)
+    trainer.train()
+    trained = trainer.model.eval()
+    want = _logits(trained)
+    with trained.disable_adapter():
+        assert (_logits(trained) - want).abs().max() > 1e-2
+    merged = AutoModelForCausalLM.from_pretrained(
+        export_checkpoint(tmp_path / "run", tmp_path / "merged", fmt="merged", dtype="float32"))
+    assert torch.allclose(_logits(merged), want, atol=1e-4, rtol=0)
+
+
+def test_missing_gguf_package_is_named(llama_ckpt, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(ExportError, match=r"pip install 'longrl\[export\]'"):
+        export_checkpoint(llama_ckpt[0], tmp_path / "out", fmt="gguf")
+    assert not (tmp_path / "out").exists()
