@@ -272,8 +272,10 @@ def test_config_key_and_trainer_applies_it(tmp_path):
     common = ["train.max_steps=1", "train.prompts_per_step=2", "grpo.num_generations=2", "output.progress_bar=false",
               "output.tensorboard=false", f"output.output_dir={tmp_path}"]
     on = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=4"], base=demo_config()))
-    off = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=0"], base=demo_config()))
-    assert mlp_tile_tokens(on.model) == 4 and mlp_tile_tokens(off.model) is None
-    m_on, m_off = on.train()[0], off.train()[0]
+    assert mlp_tile_tokens(on.model) == 4
+    m_on = on.train()[0]
+    off = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=0"], base=demo_config()))  # same seed
+    assert mlp_tile_tokens(off.model) is None
+    m_off = off.train()[0]
     for k in ("reward", "loss", "grad_norm", "entropy"):
         assert m_on[k] == pytest.approx(m_off[k], rel=1e-5, abs=1e-7), k
