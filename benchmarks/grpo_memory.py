@@ -6,6 +6,7 @@ alternately after a warm-up and writes a markdown + JSON table to benchmarks/res
 
     python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 4096,20480 --impls longrl,longrl-plain,trl-frugal,trl-default
     python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 131072 --G 1 --impls longrl   # length probe
+    python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 --impls longrl --mlp-tile 0,4096  # tiling
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import trl_baseline as tb  # noqa: E402
 
 from longrl.config import LoraConfig  # noqa: E402
-from longrl.memory import enable_offloaded_checkpointing, token_budget_groups  # noqa: E402
-from longrl.memory.planner import GIB, ModelShape, make_plan, predict  # noqa: E402
+from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups  # noqa: E402,E501
+from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, predict  # noqa: E402
 from longrl.models import apply_lora, set_lora_input_casting  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
@@ -57,9 +58,13 @@ def set_checkpointing(model, mode: str, gpu_resident: int = 0):
     return None
 
 
-def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mode: str, gpu_resident: int = 0):
-    """One step the way longrl's trainer runs it; returns timings and peaks."""
+def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mode: str, gpu_resident: int = 0,
+                mlp_tile: int | None = None):
+    """One step the way longrl's trainer runs it (the MLP in tiles of ``mlp_tile`` tokens if set); returns
+    timings and peaks. Leaves the model untiled."""
     offloader = set_checkpointing(model, mode, gpu_resident)
+    if mlp_tile:
+        enable_mlp_tiling(model, mlp_tile)
     model.train()
     prompts = batch["prompt_ids"].tolist()
     completions = batch["completion_ids"].tolist()
@@ -92,6 +97,7 @@ def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mod
         del lp, ptl
     _sync()
     t2 = time.perf_counter()
+    disable_mlp_tiling(model)
     return {"ref_s": t1 - t0, "policy_s": t2 - t1, "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0,
             "pinned_pool_gib": (offloader.pool.allocated_bytes / GIB) if offloader else 0.0, "oom": False}
 
@@ -146,6 +152,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--token-budget", type=int, default=0, help="0: the planner chooses")
+    ap.add_argument("--mlp-tile", default="0", help="MLP tile sizes (tokens) for longrl and longrl-plain, comma-"
+                    "separated, 0: untiled; each runs as its own variant (longrl+tileN). longrl-planned: the planner's")
     ap.add_argument("--check-equality", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
@@ -169,21 +177,26 @@ def main():
     shape = ModelShape.from_config(model.config)
     free, _ = torch.cuda.mem_get_info() if device.type == "cuda" else (64 * GIB, 0)
     weights_now = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    impls = args.impls.split(",")
+    tiles = [int(t) for t in args.mlp_tile.split(",")]
+    impls = [f"{i}+tile{t}" if t else i for i in args.impls.split(",")
+             for t in (tiles if i in ("longrl", "longrl-plain") else [0])]
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
-        plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=2,
-                         gpu_free_bytes=free + weights_now,
-                         host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), offload=True,
-                         chunk=args.chunk, token_budget=args.token_budget)
+        try:
+            plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=2,
+                             gpu_free_bytes=free + weights_now,
+                             host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                             offload=True, chunk=args.chunk, token_budget=args.token_budget)
+        except PlanError as e:  # a length probe past the prediction: measure anyway, one sequence per micro-batch
+            print(f"--- length {length}: the planner refuses ({e}); measuring anyway", flush=True)
+            plan = Plan(max(args.token_budget, length), 0, True, args.chunk, 0, 0, {}, None)
         pred_gpu, _, _ = predict(
             shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
-            gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False)
-        pred0, _, _ = predict(
-            shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
-            gpu_resident=0, chunk=args.chunk, optimizer=False)
+            gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False, mlp_tile=plan.mlp_tile_tokens)
+        pred0 = {t: predict(shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
+                            gpu_resident=0, chunk=args.chunk, optimizer=False, mlp_tile=t)[0] for t in tiles}
         print(f"--- length {length}: plan budget {plan.micro_batch_tokens} resident {plan.gpu_resident_layers} "
-              f"predicted (no optimizer) {pred_gpu / GIB:.2f} GiB", flush=True)
+              f"MLP tile {plan.mlp_tile_tokens} predicted (no optimizer) {pred_gpu / GIB:.2f} GiB", flush=True)
         measured = {impl: [] for impl in impls}
         for rep in range(max(args.reps, 0) + 1 if args.reps else 1):  # rep 0 is the warm-up
             for impl in impls:
@@ -191,16 +204,19 @@ def main():
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                name, _, tile = impl.partition("+tile")
+                tile = int(tile or 0)
                 try:
-                    if impl == "longrl-planned":  # the planner's choice for this GPU's free memory
+                    if name == "longrl-planned":  # the planner's choice for this GPU's free memory
                         r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="offload", gpu_resident=plan.gpu_resident_layers)
-                    elif impl == "longrl":  # the frugal layout: every layer input offloaded
+                                        chunk=args.chunk, mode="offload", gpu_resident=plan.gpu_resident_layers,
+                                        mlp_tile=plan.mlp_tile_tokens)
+                    elif name == "longrl":  # the frugal layout: every layer input offloaded
                         r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="offload", gpu_resident=0)
-                    elif impl == "longrl-plain":
+                                        chunk=args.chunk, mode="offload", gpu_resident=0, mlp_tile=tile)
+                    elif name == "longrl-plain":
                         r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="plain")
+                                        chunk=args.chunk, mode="plain", mlp_tile=tile)
                     else:
                         set_lora_input_casting(model, True)  # PEFT's default, as TRL users run it
                         r = tb.trl_step(model, tokenizer, batch, layout=impl.split("-", 1)[1], beta=args.beta,
@@ -209,6 +225,7 @@ def main():
                         set_lora_input_casting(model, False)
                 except torch.OutOfMemoryError:
                     r = {"oom": True}
+                    disable_mlp_tiling(model)
                 r["host_rss_peak_gib"] = _host_rss_gib()
                 if rep > 0 or args.reps == 0:  # --reps 0: a single, unwarmed run (long-length probes)
                     measured[impl].append(r)
@@ -224,7 +241,9 @@ def main():
             if impl.startswith("longrl"):
                 row["planner_budget"] = plan.micro_batch_tokens
                 row["planner_gpu_resident"] = plan.gpu_resident_layers if impl == "longrl-planned" else 0
-                row["planner_predicted_gib"] = pred_gpu / GIB if impl == "longrl-planned" else pred0 / GIB
+                planned = impl == "longrl-planned"
+                row["mlp_tile"] = plan.mlp_tile_tokens if planned else (int(impl.partition("+tile")[2] or 0) or None)
+                row["planner_predicted_gib"] = (pred_gpu if planned else pred0[row["mlp_tile"] or 0]) / GIB
             results["rows"].append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +260,8 @@ def main():
             continue
         tot = (r.get("ref_s") or 0) + (r.get("policy_s") or 0)
         pg = r.get("planner_predicted_gib")
-        lines.append(f"| {r['impl']} | {r['length']} | {r['peak_gpu_gib']:.2f} | {r['ref_s']:.2f} | {r['policy_s']:.2f} | "
+        name = r["impl"] + (f" (tile {r['mlp_tile']})" if r["impl"] == "longrl-planned" and r.get("mlp_tile") else "")
+        lines.append(f"| {name} | {r['length']} | {r['peak_gpu_gib']:.2f} | {r['ref_s']:.2f} | {r['policy_s']:.2f} | "
                      f"{tot:.2f} | {r.get('pinned_pool_gib') or 0:.2f} | {'' if pg is None else f'{pg:.2f}'} |")
     if "equality" in results:
         lines += ["", f"GPU gradient check (qwen2.5-1.5b shape, bf16, LoRA dropout 0.1): {results['equality']}"]
