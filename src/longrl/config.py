@@ -32,6 +32,10 @@ class ModelConfig:
     offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
     device: str = "auto"  # auto: cuda if available, else cpu
+    load_in_4bit: bool = False  # NF4 base (bitsandbytes, double quant), computing in dtype; needs LoRA (QLoRA)
+    quant_keep_modules: list[str] = field(default_factory=list)  # linear modules kept 16-bit (name or dotted suffix)
+    quant_exception_budget: float = 0.10  # extra bytes over plain 4-bit for the most sensitive modules in 16-bit
+    quant_calibration_text: Optional[str] = None  # text for the sensitivity scores; null: ids drawn from the vocab
 
 
 @dataclass
@@ -300,6 +304,13 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", cfg.data.max_prompt_length, ">= 1")
     _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
+    m = cfg.model
+    _check(not m.load_in_4bit or cfg.lora.enabled, "model.load_in_4bit", m.load_in_4bit,
+           "true only with lora.enabled=true (4-bit weights cannot be trained; QLoRA trains adapters on them)")
+    _check(m.quant_exception_budget >= 0, "model.quant_exception_budget", m.quant_exception_budget,
+           ">= 0 (a fraction of the plain 4-bit weight bytes; 0: no exceptions beyond the keep-list)")
+    _check(m.quant_calibration_text is None or m.quant_calibration_text.strip() != "", "model.quant_calibration_text",
+           m.quant_calibration_text, "null (token ids drawn from the vocabulary) or a non-empty text")
     _check(0 <= cfg.lora.dropout < 1, "lora.dropout", cfg.lora.dropout, "0 <= dropout < 1")
     _check(o.logging_steps >= 1, "output.logging_steps", o.logging_steps, "an integer >= 1")
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")

@@ -81,7 +81,11 @@ class GRPOTrainer:
                                           device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code,
                                           revision=cfg.model.revision,
                                           attn_implementation=cfg.model.attn_implementation,
-                                          gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed)
+                                          gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed,
+                                          load_in_4bit=cfg.model.load_in_4bit,
+                                          quant_keep_modules=cfg.model.quant_keep_modules,
+                                          quant_exception_budget=cfg.model.quant_exception_budget,
+                                          quant_calibration_text=cfg.model.quant_calibration_text)
         self.model, self.tokenizer = model, tokenizer
         self.plan = None
         resident = cfg.model.gpu_resident_layers

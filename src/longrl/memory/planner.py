@@ -3,7 +3,7 @@
 Counted in bytes, for a decoder of L layers, hidden H, MLP width I, KV width K (= kv heads × head dim),
 vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every linear projection:
 
-    weights      = base parameters × b                          (4-bit bases: about 0.56 bytes/param)
+    weights      = base parameters × b                          (4-bit bases: nf4_weight_bytes)
     lora         = LoRA parameters × 4 × (1 + 1 + 2)            fp32 weights, grads, Adam moments
     layer work   = T × (14 H + 2 K + 5 I) × b                   one layer recomputed with autograd for a micro-batch
                                                                 of T tokens (norm, q/k/v/o, attention, residuals,
@@ -71,6 +71,22 @@ class ModelShape:
         h, i = self.hidden, self.intermediate
         per_layer = r * ((h + self.q_dim) * 2 + (h + self.kv_dim) * 2 + (h + i) * 3)
         return self.layers * per_layer
+
+    def linear_params(self) -> int:
+        """Weights of the decoder's linear projections (q, k, v, o, gate, up, down): what a 4-bit base quantizes."""
+        h = self.hidden
+        return self.layers * (h * self.q_dim * 2 + h * self.kv_dim * 2 + 3 * h * self.intermediate)
+
+
+def nf4_weight_bytes(shape: ModelShape, compute_bytes: int, exception_budget: float) -> int:
+    """Base weights of a 4-bit NF4 base: the linear projections at NF4_BYTES_PER_PARAM (4-bit codes, an 8-bit
+    absmax per 64 weights, a float32 scale per 256 absmax), everything else (embeddings, LM head, norms) at
+    ``compute_bytes``, times (1 + exception_budget): the most the 16-bit exceptions may add (models/quantize.py)."""
+    from ..models.quantize import NF4_BYTES_PER_PARAM
+
+    linear = shape.linear_params()
+    plain = linear * NF4_BYTES_PER_PARAM + (shape.base_params() - linear) * compute_bytes
+    return int(plain * (1 + exception_budget))
 
 
 @dataclass
@@ -212,8 +228,15 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
     weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
-    return make_plan(ModelShape.from_config(model_config), sequence_lengths=[length] * n,
+    shape = ModelShape.from_config(model_config)
+    if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
+        weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
+    plan = make_plan(shape, sequence_lengths=[length] * n,
                      lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                      gpu_free_bytes=gpu_free_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
                      token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens)
+    if cfg.model.load_in_4bit:
+        plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
+                                for k, v in plan.parts_gpu_bytes.items()}
+    return plan

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .quantize import (QuantizationError, calibration_ids, choose_exceptions, disable_cpu_repacking, quantize_model,
+                       require_bitsandbytes)
 from .tiny import TINY_NAME, build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -44,21 +47,39 @@ def _looks_local(name: str) -> bool:
 
 def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto", device: str = "auto",
                trust_remote_code: bool = False, revision: str | None = None,
-               attn_implementation: str | None = None, gradient_checkpointing: bool = False, seed: int = 0):
+               attn_implementation: str | None = None, gradient_checkpointing: bool = False, seed: int = 0,
+               load_in_4bit: bool = False, quant_keep_modules: list[str] = (), quant_exception_budget: float = 0.10,
+               quant_calibration_text: str | None = None):
     """Return (model, tokenizer). ``lora``: a :class:`longrl.config.LoraConfig` (or None for no adapters).
 
     The model is a ``peft.PeftModel`` when LoRA is enabled, else the plain transformers model; its base
     weights are frozen under LoRA. ``builtin:tiny-arith`` builds the demo model from ``seed``.
+
+    ``load_in_4bit``: linear layers in bitsandbytes NF4 (double quantization) computing in ``dtype`` (auto:
+    bf16 on CUDA, fp32 on CPU), except the LM head, MoE routers, ``quant_keep_modules`` and the most
+    quantization-sensitive modules that fit in ``quant_exception_budget`` (see :mod:`longrl.models.quantize`;
+    calibration on ``quant_calibration_text`` or on token ids drawn from the vocabulary). The choice is logged and
+    kept as ``base_model(model).longrl_quant_report``.
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    quant = dict(keep_modules=list(quant_keep_modules), exception_budget=quant_exception_budget,
+                 calibration_text=quant_calibration_text)
+    if load_in_4bit:
+        _quantize_or_fail(require_bitsandbytes)
     if name_or_path == TINY_NAME:
         model, tokenizer = build_tiny_model(seed=seed, dtype=torch_dtype)
+        model.to(dev)
+        if load_in_4bit:  # built in code: quantized in place through bitsandbytes' Linear4bit
+            model.longrl_quant_report = _quantize_or_fail(_quantize_built, model, tokenizer, dev, torch_dtype, **quant)
+    elif load_in_4bit:
+        model, tokenizer = _load_pretrained_4bit(name_or_path, torch_dtype, dev, trust_remote_code, revision,
+                                                 attn_implementation, **quant)
     else:
         model, tokenizer = _load_pretrained(name_or_path, torch_dtype, trust_remote_code, revision, attn_implementation)
+        model.to(dev)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(dev)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -67,7 +88,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     return model, tokenizer
 
 
-def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation):
+def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation, **model_kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name).expanduser()
@@ -79,9 +100,54 @@ def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implem
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation, **kwargs)
+                                                     attn_implementation=attn_implementation, **kwargs, **model_kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load model {name!r}: {e}") from e
+    return model, tokenizer
+
+
+def _quantize_or_fail(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except QuantizationError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def _quantize_built(model, tokenizer, dev, torch_dtype, *, keep_modules, exception_budget, calibration_text):
+    ids = calibration_ids(tokenizer, calibration_text).to(dev)
+    return quantize_model(model, ids, keep_modules=keep_modules, exception_budget=exception_budget,
+                          compute_dtype=torch_dtype)
+
+
+def _load_pretrained_4bit(name, torch_dtype, dev, trust_remote_code, revision, attn_implementation, *,
+                          keep_modules, exception_budget, calibration_text):
+    """Score on a 16-bit copy in host memory, then load in NF4 through transformers' ``BitsAndBytesConfig``.
+
+    The 16-bit copy stays on the CPU and runs one decoder layer at a time on ``dev`` (``layers_streamed_to``), so
+    the accelerator never holds more than the final 4-bit model plus one 16-bit layer; host memory peaks at one
+    16-bit copy, as a plain load to the CPU would. The copy is freed before the 4-bit load streams the weights
+    from disk again.
+    """
+    from transformers import BitsAndBytesConfig
+
+    model16, tokenizer = _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation)
+    ids = calibration_ids(tokenizer, calibration_text)
+    report = _quantize_or_fail(choose_exceptions, model16, ids, keep_modules=keep_modules,
+                               exception_budget=exception_budget, compute_dtype=torch_dtype, device=dev)
+    del model16
+    skip = [re.escape(n) for n in sorted(report.kept)]  # transformers reads the entries as anchored regexes
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_quant_storage=torch.uint8,
+                                llm_int8_skip_modules=skip)
+    model, tokenizer = _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation,
+                                        quantization_config=config, device_map={"": dev})
+    kept16 = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    if kept16 != set(report.kept):
+        raise ModelLoadError(f"4-bit load of {name!r} kept {sorted(kept16 ^ set(report.kept))[:5]} differently "
+                             "from the chosen exceptions")
+    disable_cpu_repacking(model)
+    report.log()
+    model.longrl_quant_report = report
     return model, tokenizer
 
 
