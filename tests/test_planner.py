@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from longrl.memory.planner import GIB, MAX_PACKED_TOKENS, ModelShape, PlanError, make_plan, predict
+from longrl.memory.planner import (GIB, MAX_PACKED_TOKENS, MLP_TILE_ALIGN, ModelShape, PlanError, choose_mlp_tile,
+                                   make_plan, predict)
 
 LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
 QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
@@ -70,3 +71,51 @@ def test_cli_plan_prints_and_refuses(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "longrl.cli", "plan", str(cfg), "--gpu-memory-gib", "16"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "cannot fit" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_mlp_tile_only_when_the_longest_sequence_needs_it():
+    kw = dict(lora_r=32, weight_bytes=2, host_free_bytes=500 * GIB)
+    assert make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, gpu_free_bytes=139 * GIB, **kw).mlp_tile_tokens is None
+    assert make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, gpu_free_bytes=27 * GIB, **kw).mlp_tile_tokens is None
+    # 409,600 tokens on an H200: 35 GiB of untiled MLP intermediates do not fit; two tiles do
+    plan = make_plan(LLAMA_8B, sequence_lengths=[409600], gpu_free_bytes=139 * GIB, **kw)
+    usable = 0.92 * 139 * GIB
+    untiled, _, _ = predict(LLAMA_8B, tokens=409600, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024)
+    assert untiled > usable >= plan.predicted_gpu_bytes
+    assert plan.mlp_tile_tokens is not None and plan.mlp_tile_tokens % MLP_TILE_ALIGN == 0
+    assert plan.mlp_tile_tokens < 409600 and plan.micro_batch_tokens == 409600
+    tiled, _, parts = predict(LLAMA_8B, tokens=409600, lora_r=32, weight_bytes=2, offload=True,
+                              gpu_resident=plan.gpu_resident_layers, chunk=1024, mlp_tile=plan.mlp_tile_tokens)
+    assert tiled == plan.predicted_gpu_bytes and parts == plan.parts_gpu_bytes
+    assert "MLP tile (tokens)" in plan.table() and f"{plan.mlp_tile_tokens:,}" in plan.table()
+    assert "MLP tile (tokens)             off" in make_plan(QWEN_15B, sequence_lengths=[1024] * 8,
+                                                              gpu_free_bytes=80 * GIB, **kw).table()
+
+
+def test_mlp_tile_fixed_or_off():
+    kw = dict(sequence_lengths=[409600], lora_r=32, weight_bytes=2, gpu_free_bytes=139 * GIB, host_free_bytes=500 * GIB)
+    assert make_plan(LLAMA_8B, mlp_tile_tokens=8192, **kw).mlp_tile_tokens == 8192
+    with pytest.raises(PlanError, match="409,600 tokens needs"):
+        make_plan(LLAMA_8B, mlp_tile_tokens=0, **kw)
+    small = make_plan(LLAMA_8B, mlp_tile_tokens=8192, **kw).predicted_gpu_bytes
+    large = make_plan(LLAMA_8B, **kw).predicted_gpu_bytes
+    assert small < large  # smaller tiles, less memory (and more layer inputs kept on the GPU)
+
+
+def test_tiled_prediction_counts_one_tile_of_mlp_intermediates():
+    kw = dict(lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024)
+    untiled, _, p0 = predict(LLAMA_8B, tokens=100_000, **kw)
+    tiled, _, p1 = predict(LLAMA_8B, tokens=100_000, mlp_tile=10_000, **kw)
+    same, _, _ = predict(LLAMA_8B, tokens=100_000, mlp_tile=100_000, **kw)
+    h, i = LLAMA_8B.hidden, LLAMA_8B.intermediate
+    assert same == untiled
+    # 5 I per token of MLP intermediates over 90,000 fewer tokens, plus tile outputs and input grads (2 H per token)
+    assert untiled - tiled == (90_000 * 5 * i - 100_000 * 2 * h) * 2
+
+
+def test_choose_mlp_tile_splits_evenly_and_aligns():
+    assert choose_mlp_tile(409600, lambda t: True) == 204800  # two tiles
+    assert choose_mlp_tile(409600, lambda t: t <= 100_000) == 81920  # 4 tiles: 102,400 > 100,000; 5 tiles
+    assert choose_mlp_tile(10_000, lambda t: t <= 3000) == 2048  # ⌈10,000 / 4⌉ = 2,500 → 3,072 > 3,000; /5 → 2,048
+    assert choose_mlp_tile(MLP_TILE_ALIGN, lambda t: True) is None  # nothing smaller to tile into
+    assert choose_mlp_tile(50_000, lambda t: False) is None
