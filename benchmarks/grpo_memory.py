@@ -6,6 +6,7 @@ alternately after a warm-up and writes a markdown + JSON table to benchmarks/res
 
     python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 4096,20480 --impls longrl,longrl-plain,trl-frugal,trl-default
     python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 131072 --G 1 --impls longrl   # length probe
+    python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 --impls longrl --load-in-4bit  # QLoRA
     python benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 --impls longrl --mlp-tile 0,4096  # tiling
 """
 
@@ -33,7 +34,7 @@ import trl_baseline as tb  # noqa: E402
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups  # noqa: E402,E501
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, predict  # noqa: E402
-from longrl.models import apply_lora, set_lora_input_casting  # noqa: E402
+from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
 
@@ -155,6 +156,8 @@ def main():
     ap.add_argument("--mlp-tile", default="0", help="MLP tile sizes (tokens) for longrl and longrl-plain, comma-"
                     "separated, 0: untiled; each runs as its own variant (longrl+tileN). longrl-planned: the planner's")
     ap.add_argument("--check-equality", action="store_true")
+    ap.add_argument("--load-in-4bit", action="store_true", help="NF4 base with dynamic 16-bit exceptions (longrl "
+                    "impls only): the bf16 random-weight model is quantized in place before LoRA; files get _4bit")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -172,6 +175,17 @@ def main():
         print("equality:", results["equality"], flush=True)
 
     model = tb.build_random_model(args.shape, device, torch.bfloat16)
+    weight_bytes = 2
+    if args.load_in_4bit:  # scored and quantized where it lies (bf16 on the GPU), then the bf16 weights are freed
+        if any(not i.startswith("longrl") for i in args.impls.split(",")):
+            ap.error("--load-in-4bit measures the longrl impls only")
+        report = quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(device))
+        results["quantization"] = report.lines()
+        print("\n".join(report.lines()), flush=True)
+        weight_bytes = report.total_bytes / ModelShape.from_config(model.config).base_params()  # per parameter
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     model = apply_lora(model, LoraConfig(r=32, alpha=64, dropout=0.0))
     tokenizer = tb.make_tokenizer(model)
     shape = ModelShape.from_config(model.config)
@@ -183,7 +197,7 @@ def main():
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
         try:
-            plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=2,
+            plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=weight_bytes,
                              gpu_free_bytes=free + weights_now,
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
                              offload=True, chunk=args.chunk, token_budget=args.token_budget)
@@ -191,9 +205,9 @@ def main():
             print(f"--- length {length}: the planner refuses ({e}); measuring anyway", flush=True)
             plan = Plan(max(args.token_budget, length), 0, True, args.chunk, 0, 0, {}, None)
         pred_gpu, _, _ = predict(
-            shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
+            shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=weight_bytes, offload=True,
             gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False, mlp_tile=plan.mlp_tile_tokens)
-        pred0 = {t: predict(shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=2, offload=True,
+        pred0 = {t: predict(shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=weight_bytes, offload=True,
                             gpu_resident=0, chunk=args.chunk, optimizer=False, mlp_tile=t)[0] for t in tiles}
         print(f"--- length {length}: plan budget {plan.micro_batch_tokens} resident {plan.gpu_resident_layers} "
               f"MLP tile {plan.mlp_tile_tokens} predicted (no optimizer) {pred_gpu / GIB:.2f} GiB", flush=True)
@@ -247,9 +261,10 @@ def main():
             results["rows"].append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"grpo_memory_{args.shape}{('_' + args.tag) if args.tag else ''}"
+    stem = f"grpo_memory_{args.shape}{'_4bit' if args.load_in_4bit else ''}{('_' + args.tag) if args.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
-    lines = [f"# GRPO step memory/time: {args.shape}, G={args.G}, prompt {args.prompt}, LoRA r=32, beta={args.beta}",
+    lines = [f"# GRPO step memory/time: {args.shape}{', NF4 4-bit base' if args.load_in_4bit else ''}, G={args.G}, "
+             f"prompt {args.prompt}, LoRA r=32, beta={args.beta}",
              "", f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, "
                  f"trl {env['trl']}, {env['date']}", "", f"`{env['command']}`", "",
              "| impl | total tokens/seq | peak GPU GiB | ref s | policy s | ref+policy s | pinned host GiB | planner GiB |",
@@ -263,6 +278,8 @@ def main():
         name = r["impl"] + (f" (tile {r['mlp_tile']})" if r["impl"] == "longrl-planned" and r.get("mlp_tile") else "")
         lines.append(f"| {name} | {r['length']} | {r['peak_gpu_gib']:.2f} | {r['ref_s']:.2f} | {r['policy_s']:.2f} | "
                      f"{tot:.2f} | {r.get('pinned_pool_gib') or 0:.2f} | {'' if pg is None else f'{pg:.2f}'} |")
+    if "quantization" in results:
+        lines += ["", "```", *results["quantization"], "```"]
     if "equality" in results:
         lines += ["", f"GPU gradient check (qwen2.5-1.5b shape, bf16, LoRA dropout 0.1): {results['equality']}"]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -107,7 +107,7 @@ def test_keep_list_honoured(tmp_path):
     model, _ = _load4(path, quant_keep_modules=["model.layers.0.mlp.down_proj", "k_proj"], quant_exception_budget=0.0)
     kept = model.longrl_quant_report.kept
     assert kept["model.layers.0.mlp.down_proj"].startswith("keep-list")
-    assert {n for n in kept if n.endswith("k_proj")} == {"model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.k_proj"}
+    assert {n for n in kept if n.endswith("k_proj")} == {f"model.layers.{i}.self_attn.k_proj" for i in (0, 1)}
     for name in kept:
         assert type(model.get_submodule(name)) is torch.nn.Linear
     assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj"), bnb.nn.Linear4bit)
@@ -181,22 +181,24 @@ def _dequantized_copy(model):
     for name, m in list(ref.named_modules()):
         if isinstance(m, bnb.nn.Linear4bit):
             lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-            lin.weight = torch.nn.Parameter(bnbF.dequantize_4bit(m.weight.data, m.weight.quant_state), requires_grad=False)
+            weight = bnbF.dequantize_4bit(m.weight.data, m.weight.quant_state)
+            lin.weight = torch.nn.Parameter(weight, requires_grad=False)
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent), child, lin)
     return ref
 
 
 QUICK = ["train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=8", "output.progress_bar=false",
-         "output.tensorboard=false", "model.load_in_4bit=true", "lora.enabled=true", "model.quant_exception_budget=0.3", "grpo.beta=0.05",
-         "model.offload_activations=true"]
+         "output.tensorboard=false", "model.load_in_4bit=true", "lora.enabled=true", "model.quant_exception_budget=0.3",
+         "grpo.beta=0.05", "model.offload_activations=true"]
 
 
 def test_qlora_grpo_resume_reproduces_uninterrupted_run(tmp_path):
     """GRPO on a 4-bit base with the reference pass (beta > 0) and offloaded checkpointing; a run resumed from its
     step-2 checkpoint logs the same metrics as an uninterrupted one."""
     def cfg(out, *extra):
-        return load_config(None, QUICK + [f"output.output_dir={out}", "output.save_steps=2", *extra], base=demo_config())
+        overrides = QUICK + [f"output.output_dir={out}", "output.save_steps=2", *extra]
+        return load_config(None, overrides, base=demo_config())
 
     full = GRPOTrainer(cfg(tmp_path / "full", "train.max_steps=4")).train()
     assert all(m["kl"] is not None and m["grad_norm"] > 0 for m in full)
@@ -220,7 +222,8 @@ def test_config_errors_name_the_key(overrides, key):
 
 def test_missing_bitsandbytes_names_the_key(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ModelLoadError, match=r"model\.load_in_4bit.*bitsandbytes"):
         load_model("builtin:tiny-arith", device="cpu", load_in_4bit=True)
 

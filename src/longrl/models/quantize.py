@@ -260,7 +260,8 @@ def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str]
     spent = 0
     for s in scores:  # the explicit keep-list first: its bytes count against the budget
         if matches_keep_list(s.name, list(keep_modules)):
-            kept[s.name] = f"keep-list (score {s.score:.4f}: weight {s.weight_error:.4f}, output {_fmt(s.output_error)})"
+            kept[s.name] = (f"keep-list (score {s.score:.4f}: weight {s.weight_error:.4f}, "
+                            f"output {_fmt(s.output_error)})")
             spent += costs[s.name]
     if spent > budget:
         log.warning("model.quant_keep_modules: the kept modules take %s, over the %s budget "
