@@ -246,3 +246,22 @@ def test_planner_counts_nf4_weights():
     assert weights == int(plain * 1.10) and 5.5 < weights / GIB < 6.0  # ≤ 10% exceptions over 5.3 GiB plain 4-bit
     assert bf16.parts_gpu_bytes["base weights"] / GIB > 14.9
     assert bf16.predicted_gpu_bytes - q.predicted_gpu_bytes > 9 * GIB
+
+
+def test_bf16_qlora_keeps_activations_in_the_compute_dtype():
+    """A bf16-compute 4-bit base runs under autocast: the LoRA layers see and return bf16 activations (no float32
+    copy of each input), while the adapter weights and their gradients stay float32."""
+    model, tok = load_model("builtin:tiny-arith", lora=LoraConfig(r=4), device="cpu", load_in_4bit=True,
+                            dtype="bfloat16", quant_exception_budget=0.5)
+    seen = set()
+    for name, m in model.named_modules():
+        if name.endswith("lora_A.default"):
+            m.register_forward_hook(lambda m, a, o: seen.add((a[0].dtype, o.dtype, m.weight.dtype)))
+    kinds = {type(m.base_layer).__name__ for m in model.modules() if hasattr(m, "lora_A")}
+    assert kinds == {"Linear4bit", "Linear"}  # NF4 layers and 16-bit exceptions both carry adapters
+    lp, _ = sequence_logprobs(model, [[1, 5, 14, 6, 17]], [[11, 2]], 2, pad_id=0)
+    lp.sum().backward()
+    assert seen == {(torch.bfloat16, torch.bfloat16, torch.float32)}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)  # lora_A's is 0 while B is 0

@@ -183,7 +183,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 + f"(usable: {usable / GIB:.1f} GiB) and {host / GIB:.1f} GiB of host memory (free: "
                 f"{host_free_bytes / GIB:.1f} GiB); shorten generation.max_completion_length"
                 + ("" if offload else ", or set model.offload_activations=true")
-                + ", or use a 4-bit base")
+                + (", or use a 4-bit base (model.load_in_4bit=true)" if weight_bytes >= 2 else ""))
         lo, hi = longest, max(longest, min(total, MAX_PACKED_TOKENS))
         while lo < hi:  # largest budget that fits
             mid = (lo + hi + 1) // 2

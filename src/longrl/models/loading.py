@@ -164,7 +164,10 @@ def apply_lora(model, lora):
     except ValueError as e:
         raise ModelLoadError(f"config key 'lora.target_modules': {e}") from e
     if model.get_output_embeddings().weight.dtype in (torch.bfloat16, torch.float16):
-        set_lora_input_casting(wrapped, False)  # longrl runs 16-bit bases under autocast (policy.compute_context)
+        # longrl runs 16-bit bases under autocast (policy.compute_context). A 4-bit base qualifies too: its LM head
+        # stays in the compute dtype, its NF4 layers dequantize to it, and PEFT's Linear4bit LoRA skips its float32
+        # cast under autocast; this turns the cast off for the 16-bit exceptions' plain LoRA Linear layers as well.
+        set_lora_input_casting(wrapped, False)
     return wrapped
 
 
