@@ -265,3 +265,14 @@ def test_bf16_qlora_keeps_activations_in_the_compute_dtype():
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)  # lora_A's is 0 while B is 0
+
+
+def test_calibration_batch_from_text_or_vocabulary():
+    tok = build_tiny_model()[1]
+    drawn = calibration_ids(tok)
+    assert drawn.shape == (8, 64) and torch.equal(drawn, calibration_ids(tok))  # fixed seed
+    assert not set(drawn.unique().tolist()) & set(tok.all_special_ids)
+    text = calibration_ids(tok, "12+30=42 ")
+    assert tok.decode(text[0, :9].tolist()) == "12+30=42 " and text.shape == (8, 64)
+    with pytest.raises(ModelLoadError, match="model.quant_calibration_text"):
+        load_model("builtin:tiny-arith", device="cpu", load_in_4bit=True, quant_calibration_text="")
