@@ -14,6 +14,11 @@ untiled MLP's up to floating-point summation order (GEMM kernels may block a row
 gradients are summed tile by tile); with exactly representable values they are bit-identical (tested).
 N ≤ t runs the MLP untouched.
 
+What else a layer holds grows as N·H, not N·I or N²: q/k/v/o and their LoRA inputs, norms, residuals, and
+attention through SDPA/flash without a mask (one long sequence is plain causal; packed micro-batches, which need a
+mask, are capped by the planner). Log-probs are chunked (ops/logprobs.py). So with tiles a layer's working set is
+~(16 H + 2 K)·N elements plus one tile, and the layer inputs (L·N·H) live in host memory (memory/offload.py).
+
 ``enable_mlp_tiling`` puts a :class:`TiledMLP` in each ``mlp`` slot. The wrapper shares the wrapped module's
 ``_modules``/``_parameters``/``_buffers`` dicts, so parameter and state-dict names (``...layers.0.mlp.gate_proj
 .weight``) and PEFT adapters are unchanged, and a child replaced through either module (PEFT injecting LoRA
