@@ -66,6 +66,13 @@ class GenerationConfig:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    backend: Literal["longrl", "hf"] = "longrl"  # longrl: the batched sampler; hf: transformers' generate
+    stop_token_ids: list[int] = field(default_factory=list)  # besides EOS
+    stop_strings: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # generate exactly max_completion_length tokens (benchmarks)
+    kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory)
+    cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
+    sync_every: int = 16  # sampler decode steps between host checks for finished sequences
 
 
 @dataclass
@@ -80,6 +87,11 @@ class GRPOConfig:
     num_iterations: int = 1
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
+    # importance-sampling correction for sampler/trainer mismatch (TRL: vllm_importance_sampling_correction):
+    # weight w = π_trainer_old / π_sampler per token (or per sequence), truncated at the cap or masked above it
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        "token_truncate"
+    rollout_correction_cap: float = 2.0
 
 
 @dataclass
@@ -301,6 +313,11 @@ def validate(cfg: Config) -> None:
     _check(gen.top_k >= 0, "generation.top_k", gen.top_k, ">= 0 (0 disables)")
     _check(0 <= gen.min_p < 1, "generation.min_p", gen.min_p, "0 <= min_p < 1")
     _check(gen.repetition_penalty > 0, "generation.repetition_penalty", gen.repetition_penalty, "> 0")
+    _check(gen.kv_cache_gib >= 0, "generation.kv_cache_gib", gen.kv_cache_gib, ">= 0 (0: automatic)")
+    _check(gen.sync_every >= 1, "generation.sync_every", gen.sync_every, ">= 1")
+    _check(all(isinstance(s, str) and s for s in gen.stop_strings), "generation.stop_strings", gen.stop_strings,
+           "non-empty strings")
+    _check(g.rollout_correction_cap >= 1, "grpo.rollout_correction_cap", g.rollout_correction_cap, ">= 1")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", cfg.data.max_prompt_length, ">= 1")
     _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")

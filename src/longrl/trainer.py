@@ -27,7 +27,9 @@ from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy
 from .policy import completion_mask, reference_mode, sequence_logprobs
 from .reporting import RunReporter
 from .rewards import RewardScorer
-from .rollout import generate_completions
+from .ops.rollout_correction import rollout_correction_weights
+from .rollout import Sampler, SamplingParams, generate_completions
+from .rollout.attention import unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RolloutBatch:
     weights: torch.Tensor  # [P·G, T] loss weights ω of the step
     old_logps: torch.Tensor | None  # [P·G, T] when num_iterations > 1
     ref_logps: torch.Tensor | None  # [P·G, T] when beta > 0
+    sampler_logps: torch.Tensor | None  # [P·G, T] the sampler's log-probs of the sampled tokens (longrl backend)
     truncated: torch.Tensor  # [P·G] bool
     num_reward_failures: int
 
@@ -103,6 +106,7 @@ class GRPOTrainer:
             enable_mlp_tiling(model, tile)
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed)
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
+        self.rollout_sampler = self._make_rollout_sampler()
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -172,8 +176,11 @@ class GRPOTrainer:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
         rows_idx = self.sampler.next(cfg.train.prompts_per_step)
         rows = [self.data.rows[i] for i in rows_idx]
-        rollout = generate_completions(self.model, self.tokenizer, [self.data.prompt_ids[i] for i in rows_idx], G,
-                                       cfg.generation, self.device)
+        prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
+        if self.rollout_sampler is not None:
+            rollout = self.rollout_sampler.generate(prompt_ids, G, self._sampling_params())
+        else:
+            rollout = generate_completions(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self.device)
         column = self.data.prompt_column
         prompts = [row[column] for row in rows for _ in range(G)]
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -196,8 +203,36 @@ class GRPOTrainer:
         if cfg.grpo.beta != 0.0:
             with reference_mode(self.model):
                 ref_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
+        sampler_logps = None
+        if rollout.logprobs is not None:
+            sampler_logps = torch.zeros(len(rollout.logprobs), width)
+            for i, lp in enumerate(rollout.logprobs):
+                sampler_logps[i, :len(lp)] = torch.tensor(lp)
         return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
-                            advantages, mask, weights, old_logps, ref_logps, truncated, len(failures))
+                            advantages, mask, weights, old_logps, ref_logps, sampler_logps, truncated, len(failures))
+
+    def _make_rollout_sampler(self) -> Sampler | None:
+        """longrl's sampler unless the config asks for transformers' generate or the model needs it."""
+        gen = self.cfg.generation
+        if gen.backend != "longrl":
+            return None
+        reason = unsupported_reason(base_model(self.model).config,
+                                    self.cfg.data.max_prompt_length + gen.max_completion_length)
+        if reason:
+            log.warning("longrl's sampler does not support %s: rollouts use transformers' generate", reason)
+            return None
+        budget = int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None
+        return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, cuda_graphs=gen.cuda_graphs,
+                       sync_every=gen.sync_every)
+
+    def _sampling_params(self) -> SamplingParams:
+        gen, eos = self.cfg.generation, self.tokenizer.eos_token_id
+        stops = [] if gen.ignore_eos or eos is None else (list(eos) if isinstance(eos, list) else [eos])
+        return SamplingParams(max_new_tokens=gen.max_completion_length, temperature=gen.temperature, top_p=gen.top_p,
+                              top_k=gen.top_k, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty,
+                              stop_token_ids=tuple(stops + list(gen.stop_token_ids)),
+                              stop_strings=tuple(gen.stop_strings),
+                              seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
 
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train
@@ -220,6 +255,7 @@ class GRPOTrainer:
         cfg, dev = self.cfg, self.device
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, kl_sum, clip_sum, ent_sum = 0.0, 0.0, 0.0, 0.0
+        correction_stats: list[tuple[float, dict]] = []
         n_tokens = float(b.mask.sum())
         width = b.mask.shape[1]
         for idx in self._micro_batches(b.prompt_ids, b.completion_ids):
@@ -231,8 +267,14 @@ class GRPOTrainer:
             mask = b.mask[idx].to(dev)
             old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
             ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
+            is_weights = None
+            if b.sampler_logps is not None and cfg.grpo.rollout_correction != "none":
+                is_weights, stats = rollout_correction_weights(old, b.sampler_logps[idx].to(dev), mask,
+                                                               cfg.grpo.rollout_correction,
+                                                               cfg.grpo.rollout_correction_cap)
+                correction_stats.append((float(mask.sum()), stats))
             per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask,
-                                                    self.loss_settings)
+                                                    self.loss_settings, is_weights)
             loss = weighted_loss(per_token, b.weights[idx].to(dev))
             loss.backward()
             total_loss += float(loss.detach())
@@ -245,8 +287,10 @@ class GRPOTrainer:
         self.optimizer.step()
         self.scheduler.step()
         denom = max(n_tokens, 1.0)
+        sampler_stats = {k: sum(n * st[k] for n, st in correction_stats) / denom
+                         for k in (correction_stats[0][1] if correction_stats else {})}
         return {"loss": total_loss, "kl": kl_sum / denom if b.ref_logps is not None else None,
-                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm}
+                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm, **sampler_stats}
 
     # ------------------------------------------------------------------------------------------ helpers
     def _frac_zero_std(self, rewards: torch.Tensor) -> float:

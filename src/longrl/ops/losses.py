@@ -54,10 +54,12 @@ class PolicyLossSettings:
 
 
 def per_token_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
-                          advantages: torch.Tensor, mask: torch.Tensor, s: PolicyLossSettings):
+                          advantages: torch.Tensor, mask: torch.Tensor, s: PolicyLossSettings,
+                          sampler_weights: torch.Tensor | None = None):
     """Per-token loss ℓ [B, T] and a dict of per-token diagnostics ([B, T] each, detached).
 
-    logps, old_logps, ref_logps, mask: [B, T]; advantages: [B].
+    logps, old_logps, ref_logps, mask: [B, T]; advantages: [B]. sampler_weights [B, T]: importance weights
+    for the sampler/trainer mismatch (``ops.rollout_correction``), applied to the policy term, not the KL.
     """
     mask = mask.to(logps.dtype)
     log_ratio = logps - old_logps
@@ -82,6 +84,8 @@ def per_token_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logp
         is_low = (ratio < 1.0 - s.epsilon) & (adv < 0)
         is_high = (ratio > 1.0 + eps_high) & (adv > 0)
         diagnostics["clipped"] = (is_low | is_high).to(logps.dtype).expand_as(logps).detach()
+    if sampler_weights is not None:
+        loss = loss * sampler_weights.to(loss.dtype)
     if s.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs reference log-probs")

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..policy import compute_context
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[list[int]]  # [P·G] prompt of each completion (repeated G times)
-    completion_ids: list[list[int]]  # [P·G] sampled tokens, ending with EOS unless truncated
-    truncated: list[bool]  # [P·G] True when no EOS came within max_completion_length
+from .sampler import Rollout
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,48 @@
+"""Importance-sampling correction for the mismatch between the sampler and the trainer.
+
+The sampler's kernels (bf16 decode, other reduction orders) give slightly different probabilities from the
+trainer's for the same weights, so completions come from π_sampler, not from π_old. Per token, with
+log r = log π_old − log π_sampler (π_old: the trainer's log-probs before the update):
+
+    token_truncate:     w_t = min(r_t, C)                 (truncated importance sampling)
+    token_mask:         w_t = r_t · [r_t ≤ C]
+    sequence_truncate:  w_t = min(R, C),  R = exp(Σ_t m_t log r_t)   (one weight per sequence)
+    sequence_mask:      w_t = R · [R ≤ C]
+
+The policy part of the per-token loss is multiplied by the (detached) w; TRL calls this
+``vllm_importance_sampling_correction`` with the same four modes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def rollout_correction_weights(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                               cap: float) -> tuple[torch.Tensor, dict]:
+    """Weights w [B, T] (detached) and diagnostics; old_logps, sampler_logps, mask: [B, T]."""
+    if mode not in MODES:
+        raise ValueError(f"rollout_correction must be one of {', '.join(MODES)}; got {mode!r}")
+    mask = mask.to(old_logps.dtype)
+    log_r = ((old_logps - sampler_logps.to(old_logps.dtype)) * mask).detach()  # [B, T]
+    if mode == "none":
+        w = torch.ones_like(log_r)
+    elif mode.startswith("token"):
+        r = torch.exp(log_r)
+        w = torch.clamp(r, max=cap) if mode == "token_truncate" else r * (r <= cap)
+    else:
+        R = torch.exp(log_r.sum(-1, keepdim=True))  # [B, 1]
+        R = torch.clamp(R, max=cap) if mode == "sequence_truncate" else R * (R <= cap)
+        w = R.expand_as(log_r)
+    n = mask.sum().clamp(min=1.0)
+    d = -log_r  # log π_sampler − log π_old per token
+    stats = {
+        "sampler/logp_abs_diff": float((log_r.abs() * mask).sum() / n),
+        "sampler/k3_kl": float(((torch.exp(d) - d - 1.0) * mask).sum() / n),  # KL(π_old ‖ π_sampler) estimate
+        "sampler/is_weight_mean": float((w * mask).sum() / n),
+        "sampler/is_weight_changed": float((((w - torch.exp(log_r)).abs() > 1e-6).to(mask.dtype) * mask).sum() / n)
+        if mode != "none" else 0.0,
+    }
+    return (w * mask).detach(), stats

@@ -1,0 +1,405 @@
+"""longrl's batched sampler: G completions per prompt on the training model's own weights.
+
+No second copy of any weight: the model runs as it is (LoRA adapters applied unmerged, any base dtype),
+with its attention switched to :mod:`longrl.rollout.attention` for the duration of a call. Each prompt is
+prefilled once; its keys/values live in a prefix store shared by its G completions. Every completion owns a
+decode slot; slots are filled from a queue (continuous batching): when a sequence finishes, its slot takes the
+next waiting one (prefilling its prompt if needed). When nothing waits and the active sequences fit a smaller
+batch bucket, they are compacted into it, so the long tail runs at the batch size it needs.
+
+A decode step is one forward of the active bucket (replayed as a CUDA graph on CUDA), then sampling and state
+updates on the device; the host reads the state only every ``sync_every`` steps (to retire finished sequences,
+check stop strings and admit waiting ones). The KV cache is allocated per call from a memory budget and freed
+when the call returns, so the training phase gets the memory back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..models.loading import base_model, model_parts
+from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
+                        unsupported_reason)
+from .sampling import SamplingParams, next_tokens, stop_index
+
+log = logging.getLogger(__name__)
+
+
+class SamplerUnsupported(RuntimeError):
+    """The sampler cannot run this model exactly; the message says why (use the ``hf`` backend)."""
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[list[int]]  # [P·G] prompt of each completion (repeated G times, contiguous per prompt)
+    completion_ids: list[list[int]]  # [P·G] sampled tokens, ending with the stop token unless truncated
+    truncated: list[bool]  # [P·G] True when no stop token / stop string came within max_new_tokens
+    logprobs: list[list[float]] | None = None  # [P·G][len] sampler's log softmax(z / T) of each sampled token
+
+
+def _model_dims(model) -> tuple[int, int, int]:
+    cfg = base_model(model).config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes a step may run at: powers of two below ``max_batch``, and ``max_batch``."""
+    sizes = [1 << i for i in range(max(1, max_batch).bit_length()) if (1 << i) < max_batch]
+    return sizes + [max_batch]
+
+
+class Sampler:
+    """``Sampler(model, tokenizer).generate(prompt_ids, G, SamplingParams(...))`` → :class:`Rollout`.
+
+    kv_cache_bytes: the KV budget (None: what the job needs, capped on CUDA by 90% of the free memory).
+    cuda_graphs: replay decode steps as CUDA graphs (CUDA only). sync_every: decode steps between host checks.
+    prefill_tokens: prompt tokens per prefill forward.
+    """
+
+    def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
+                 sync_every: int = 16, prefill_tokens: int = 16384):
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
+        self.backbone, self.head, self.logit_spec = model_parts(model)
+        self.device = self.head.weight.device
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.use_triton = self.device.type == "cuda" and _triton_available()
+        self.layers, self.kv_heads, self.head_dim = _model_dims(model)
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------------------------------ public
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        max_prompt = max(len(p) for p in prompt_ids)
+        reason = unsupported_reason(base_model(self.model).config, max_prompt + params.max_new_tokens)
+        if reason:
+            raise SamplerUnsupported(f"longrl's sampler does not support {reason}; use generation.backend=hf")
+        register_sampler_attention()
+        base = base_model(self.model)
+        saved_impl, was_training = base.config._attn_implementation, self.model.training
+        self.model.eval()
+        base.set_attn_implementation(SAMPLER_ATTENTION)
+        try:
+            run = _Run(self, prompt_ids, num_generations, params)
+            rollout = run.execute()
+            self.last_stats = run.stats
+            return rollout
+        finally:
+            base.set_attn_implementation(saved_impl)
+            self.model.train(was_training)
+
+    # ------------------------------------------------------------------------------------------ model calls
+    def compute_context(self):
+        """Autocast to the base's 16-bit dtype (without the weight-cast cache, which CUDA graphs cannot hold)."""
+        dtype = self.head.weight.dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, V] from final hidden states [N, d]: softcap(multiplier · head(h))."""
+        z = self.head(hidden).float()
+        spec = self.logit_spec
+        if spec.multiplier != 1.0:
+            z = z * spec.multiplier
+        if spec.softcap:
+            z = torch.tanh(z / spec.softcap) * spec.softcap
+        return z
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        w = self.head.weight.dtype
+        return w if w in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _Run:
+    """The state of one ``generate`` call (cache, slots, queue); dropped when the call returns."""
+
+    def __init__(self, sampler: Sampler, prompt_ids, G: int, params: SamplingParams):
+        self.s, self.params, self.G = sampler, params, G
+        self.prompts = [list(p) for p in prompt_ids]
+        self.N, self.T = len(prompt_ids) * G, params.max_new_tokens
+        self.Lp = max(len(p) for p in prompt_ids)
+        dev = sampler.device
+        self.S, self.P = self._capacity()
+        dims = dict(layers=sampler.layers, kv_heads=sampler.kv_heads, head_dim=sampler.head_dim)
+        self.cache = KVCache.allocate(**dims, prefix_slots=self.P, prefix_len=self.Lp, slots=self.S, suffix_len=self.T,
+                                      dtype=sampler.cache_dtype, device=dev)
+        S, long = self.S, dict(dtype=torch.long, device=dev)
+        self.cur_tok, self.position = torch.zeros(S, **long), torch.zeros(S, **long)
+        self.prefix_index, self.prefix_len = torch.zeros(S, **long), torch.zeros(S, **long)
+        self.write_index, self.gen_count = torch.zeros(S, **long), torch.zeros(S, **long)
+        self.active = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.tokens = torch.zeros(S, self.T, **long)
+        self.logps = torch.zeros(S, self.T, dtype=torch.float32, device=dev)
+        vocab = sampler.head.weight.shape[0]
+        self.seen = torch.zeros(S, vocab, dtype=torch.bool, device=dev) if params.repetition_penalty != 1.0 else None
+        self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], **long)
+        self.prompt_logits = torch.zeros(self.P, vocab, dtype=torch.float32, device=dev)
+        self.logits_buf = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
+        self.generator = torch.Generator(device=dev).manual_seed(params.seed)
+        self.buckets = batch_buckets(S)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None
+        # host bookkeeping
+        self.waiting = deque(range(self.N))
+        self.slot_seq = [-1] * S  # sequence in each slot (-1: free)
+        self.slot_gen = [0] * S  # host's count of tokens generated in each slot (exact at syncs)
+        self.slot_checked = [0] * S  # stop strings checked up to this token
+        self.prompt_slot: dict[int, int] = {}  # prompt → prefix-store entry
+        self.prompt_pending = [G] * len(self.prompts)  # completions of each prompt not yet finished
+        self.free_prefix = list(range(self.P))
+        self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.N
+        self.stats = {"slots": S, "prefix_slots": self.P, "decode_steps": 0, "prefills": 0, "compactions": 0,
+                      "kv_cache_bytes": sum(t.numel() * t.element_size() for t in vars(self.cache).values())}
+
+    # ------------------------------------------------------------------------------------------ sizing
+    def _capacity(self) -> tuple[int, int]:
+        s = self.s
+        dims = dict(layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim, dtype=s.cache_dtype)
+        per_slot = KVCache.nbytes(tokens=self.T, **dims)
+        per_prompt = KVCache.nbytes(tokens=self.Lp, **dims)
+        budget = s.kv_cache_bytes
+        if budget is None and s.device.type == "cuda":
+            free = torch.cuda.mem_get_info(s.device)[0]
+            free += torch.cuda.memory_reserved(s.device) - torch.cuda.memory_allocated(s.device)
+            budget = int(0.9 * free) - self._workspace_bytes()
+        P_total = len(self.prompts)
+
+        def need(slots: int) -> int:
+            return slots * per_slot + min(P_total, math.ceil(slots / self.G) + 1) * per_prompt
+
+        slots = self.N
+        if budget is not None:
+            while slots > 0 and need(slots) > budget:
+                slots = min(slots - 1, int(slots * budget / need(slots)))
+        if slots < 1:
+            raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB cannot hold one sequence of "
+                              f"{self.Lp} + {self.T} tokens (needs {need(1) / 2**30:.2f} GiB)")
+        return slots, min(P_total, math.ceil(slots / self.G) + 1)
+
+    def _workspace_bytes(self) -> int:
+        s = self.s
+        cfg = base_model(s.model).config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        hidden, inter = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+        vocab = s.head.weight.shape[0]
+        prefill = s.prefill_tokens * (6 * hidden + 3 * inter) * 2 + min(self.N, 1024) * vocab * 4 * 6
+        return prefill + (256 << 20)
+
+    # ------------------------------------------------------------------------------------------ main loop
+    def execute(self) -> Rollout:
+        self._admit()
+        while any(q >= 0 for q in self.slot_seq):
+            top = max(i for i, q in enumerate(self.slot_seq) if q >= 0) + 1
+            B = next(b for b in self.buckets if b >= top)
+            remaining = max(self.T - self.slot_gen[i] for i, q in enumerate(self.slot_seq) if q >= 0)
+            steps = max(1, min(self.s.sync_every, remaining))
+            for _ in range(steps):
+                self._decode_step(B)
+            self.stats["decode_steps"] += steps
+            self._sync(B, steps)
+        return self._rollout()
+
+    def _rollout(self) -> Rollout:
+        prompt_ids = [self.prompts[i // self.G] for i in range(self.N)]
+        done = [r for r in self.results if r is not None]
+        assert len(done) == self.N, "every sequence finishes"
+        return Rollout(prompt_ids, [r[0] for r in done], [r[2] for r in done], [r[1] for r in done])
+
+    # ------------------------------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        free = [i for i, q in enumerate(self.slot_seq) if q < 0]
+        to_prefill, admitted = [], []
+        while free and self.waiting:
+            seq = self.waiting[0]
+            p = seq // self.G
+            if p not in self.prompt_slot:
+                if not self.free_prefix:
+                    break
+                self.prompt_slot[p] = self.free_prefix.pop(0)
+                to_prefill.append(p)
+            self.waiting.popleft()
+            slot = free.pop(0)
+            self.slot_seq[slot], self.slot_gen[slot], self.slot_checked[slot] = seq, 1, 0
+            admitted.append((slot, seq))
+        if to_prefill:
+            self._prefill(to_prefill)
+        if admitted:
+            self._start(admitted)
+
+    def _prefill(self, prompts: list[int]) -> None:
+        """Run the prompts (right-padded, in chunks of ≤ prefill_tokens) and keep each one's last logits."""
+        s = self.s
+        chunk: list[int] = []
+        for p in prompts + [None]:
+            if p is not None and (not chunk or (len(chunk) + 1) * self.Lp <= s.prefill_tokens):
+                chunk.append(p)
+                continue
+            width = max(len(self.prompts[q]) for q in chunk)
+            ids = torch.full((len(chunk), width), 0, dtype=torch.long)
+            for row, q in enumerate(chunk):
+                ids[row, :len(self.prompts[q])] = torch.tensor(self.prompts[q])
+            ids = ids.to(s.device)
+            slots = torch.tensor([self.prompt_slot[q] for q in chunk], device=s.device)
+            last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=s.device)
+            positions = torch.arange(width, device=s.device)[None].expand(len(chunk), -1)
+            with s.compute_context():
+                hidden = s.backbone(input_ids=ids, position_ids=positions, use_cache=False,
+                                    longrl_kv=PrefillMeta(self.cache, slots)).last_hidden_state
+                self.prompt_logits[slots] = s.logits(hidden[torch.arange(len(chunk), device=s.device), last])
+            self.stats["prefills"] += 1
+            chunk = [p] if p is not None else []
+
+    def _start(self, admitted: list[tuple[int, int]]) -> None:
+        """Sample each admitted sequence's first token from its prompt's last logits."""
+        dev = self.s.device
+        slots = torch.tensor([a[0] for a in admitted], device=dev)
+        prompts = [a[1] // self.G for a in admitted]
+        entry = torch.tensor([self.prompt_slot[p] for p in prompts], device=dev)
+        lengths = torch.tensor([len(self.prompts[p]) for p in prompts], device=dev)
+        seen = None
+        if self.seen is not None:
+            self.seen[slots] = False
+            for slot, p in zip(slots.tolist(), prompts):
+                self.seen[slot, torch.tensor(self.prompts[p], device=dev)] = True
+            seen = self.seen[slots]
+        tok, lp = next_tokens(self.prompt_logits[entry], self.params, self.generator, seen)
+        self.tokens[slots, 0], self.logps[slots, 0] = tok, lp
+        if self.seen is not None:
+            self.seen[slots, tok] = True
+        self.cur_tok[slots], self.position[slots] = tok, lengths
+        self.prefix_index[slots], self.prefix_len[slots] = entry, lengths
+        self.write_index[slots], self.gen_count[slots] = 0, 1
+        self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.T <= 1))
+
+    # ------------------------------------------------------------------------------------------ decoding
+    def _forward(self, B: int) -> None:
+        s = self.s
+        meta = DecodeMeta(self.cache, self.prefix_index[:B], self.prefix_len[:B], self.write_index[:B], s.use_triton)
+        with s.compute_context():
+            hidden = s.backbone(input_ids=self.cur_tok[:B, None], position_ids=self.position[:B, None],
+                                use_cache=False, longrl_kv=meta).last_hidden_state  # [B, 1, d]
+            self.logits_buf[:B] = s.logits(hidden[:, 0])
+
+    def _run_forward(self, B: int) -> None:
+        if not self.s.cuda_graphs:
+            self._forward(B)
+            return
+        graph = self.graphs.get(B)
+        if graph is None:
+            side = torch.cuda.Stream(self.s.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture (rewrites this step's own K/V, harmless)
+                self._forward(B)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._forward(B)
+            self.graphs[B] = graph
+        graph.replay()
+
+    def _decode_step(self, B: int) -> None:
+        self._run_forward(B)
+        rows = torch.arange(B, device=self.s.device)
+        act = self.active[:B]
+        seen = self.seen[:B] if self.seen is not None else None
+        tok, lp = next_tokens(self.logits_buf[:B], self.params, self.generator, seen)
+        idx = self.gen_count[:B].clamp(max=self.T - 1)
+        self.tokens[rows, idx] = torch.where(act, tok, self.tokens[rows, idx])
+        self.logps[rows, idx] = torch.where(act, lp, self.logps[rows, idx])
+        if seen is not None:
+            self.seen[rows, tok] = seen[rows, tok] | act
+        step = act.long()
+        self.gen_count[:B] += step
+        self.write_index[:B] += step
+        self.position[:B] += step
+        self.cur_tok[:B] = torch.where(act, tok, self.cur_tok[:B])
+        done = act & (torch.isin(tok, self.stop_ids) | (self.gen_count[:B] >= self.T))
+        self.active[:B] = act & ~done
+
+    # ------------------------------------------------------------------------------------------ host checks
+    def _sync(self, B: int, steps: int) -> None:
+        active = self.active[:B].tolist()
+        gen = self.gen_count[:B].tolist()
+        occupied = [i for i in range(B) if self.slot_seq[i] >= 0]
+        by_string = set()
+        if self.params.stop_strings and self.s.tokenizer is not None:
+            rows = self.tokens[:B, :max(gen[i] for i in occupied)].tolist()
+            for i in occupied:
+                j = stop_index(rows[i][:gen[i]], self.params.stop_strings, self.s.tokenizer.decode,
+                               start=max(0, self.slot_checked[i] - 1))
+                self.slot_checked[i] = gen[i]
+                if j is not None:
+                    gen[i], active[i] = j + 1, False
+                    by_string.add(i)
+        finished = [i for i in occupied if not active[i]]
+        if finished:
+            idx = torch.tensor(finished, device=self.s.device)
+            self.active[idx] = False
+            toks = self.tokens[idx].tolist()
+            lps = self.logps[idx].tolist()
+            for k, i in enumerate(finished):
+                seq, n = self.slot_seq[i], gen[i]
+                stopped = i in by_string or (n > 0 and toks[k][n - 1] in self.params.stop_token_ids)
+                self.results[seq] = (toks[k][:n], lps[k][:n], not stopped)
+                self._release(i)
+        for i in occupied:
+            if self.slot_seq[i] >= 0:
+                self.slot_gen[i] = gen[i]
+        if self.waiting:
+            self._admit()
+        else:
+            self._compact()
+
+    def _release(self, slot: int) -> None:
+        p = self.slot_seq[slot] // self.G
+        self.slot_seq[slot] = -1
+        self.prompt_pending[p] -= 1
+        if self.prompt_pending[p] == 0:
+            self.free_prefix.append(self.prompt_slot.pop(p))
+
+    def _compact(self) -> None:
+        """Move the occupied slots to the front when they fit a smaller bucket (one copy of their state)."""
+        occupied = [i for i, q in enumerate(self.slot_seq) if q >= 0]
+        if not occupied:
+            return
+        top = occupied[-1] + 1
+        current = next(b for b in self.buckets if b >= top)
+        target = next(b for b in self.buckets if b >= len(occupied))
+        if target >= current:
+            return
+        dev = self.s.device
+        src = torch.tensor(occupied, device=dev)
+        dst = torch.arange(len(occupied), device=dev)
+        for buf in (self.cache.k_suf, self.cache.v_suf):
+            buf[:, dst] = buf[:, src]
+        tensors = [self.cur_tok, self.position, self.prefix_index, self.prefix_len, self.write_index, self.gen_count,
+                   self.active, self.tokens, self.logps] + ([self.seen] if self.seen is not None else [])
+        for t in tensors:
+            t[dst] = t[src]
+        moved = [(self.slot_seq[i], self.slot_gen[i], self.slot_checked[i]) for i in occupied]
+        self.slot_seq = [-1] * self.S
+        for k, (seq, gen, checked) in enumerate(moved):
+            self.slot_seq[k], self.slot_gen[k], self.slot_checked[k] = seq, gen, checked
+        self.active[len(occupied):] = False
+        self.stats["compactions"] += 1

@@ -1,0 +1,107 @@
+"""Sampling parameters and the logits → next-token step of the sampler, on the device, without host syncs.
+
+The processing order is transformers' ``generate``: repetition penalty, then temperature, top-k, top-p, min-p.
+The token is drawn with the exponential race  argmax_v p_v / E_v,  E_v ~ Exp(1)  (an exact draw from p), from
+a seeded generator, so a run is reproducible. The log-prob returned per token is log softmax(z / T) at the
+sampled token — the same quantity the trainer computes (no penalty, no filtering), so that
+exp(trainer − sampler) measures the numerical mismatch between the two and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # end a sequence (the stop token is kept, as EOS is)
+    stop_strings: tuple[str, ...] = ()  # end a sequence at the token that completes the string
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [(self.max_new_tokens >= 1, "max_new_tokens", ">= 1"), (self.temperature >= 0, "temperature", ">= 0"),
+                  (0 < self.top_p <= 1, "top_p", "in (0, 1]"), (self.top_k >= 0, "top_k", ">= 0"),
+                  (0 <= self.min_p < 1, "min_p", "in [0, 1)"),
+                  (self.repetition_penalty > 0, "repetition_penalty", "> 0")]
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ValueError(f"sampling parameter {name} must be {allowed}; got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """z_v / θ where z_v > 0 and z_v · θ where z_v ≤ 0, for tokens v already in the sequence (seen [B, V] bool)."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def filter_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits [B, V] with the tokens outside top-k / top-p / min-p set to −inf."""
+    out = scaled
+    if params.top_k > 0 and params.top_k < out.shape[-1]:
+        kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if params.top_p < 1.0:
+        # keep the smallest prefix (by descending probability) whose mass reaches top_p
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(out, dim=-1)
+        out = out.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return out
+
+
+def sampling_distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probabilities [B, V] of the distribution the sampler draws from (reference for tests)."""
+    z = logits.float()
+    if seen is not None:
+        z = apply_repetition_penalty(z, seen, params.repetition_penalty)
+    return torch.log_softmax(filter_logits(z / max(params.temperature, 1e-6), params), dim=-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] long, log-probs [B] float32) for logits [B, V]; see the module docstring."""
+    z = logits.float()
+    penalised = apply_repetition_penalty(z, seen, params.repetition_penalty) if seen is not None else z
+    if params.greedy:
+        tokens = penalised.argmax(-1)
+        logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens, logprobs
+    filtered = filter_logits(penalised / params.temperature, params)
+    race = torch.empty_like(filtered).exponential_(1.0, generator=generator)  # E_v ~ Exp(1)
+    tokens = (filtered - race.log()).argmax(-1)  # argmax log p_v − log E_v  ≡  argmax p_v / E_v
+    logprobs = torch.log_softmax(z / params.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def stop_index(tokens: list[int], stop_strings: tuple[str, ...], decode, start: int = 0) -> int | None:
+    """Smallest j ≥ start such that decode(tokens[:j+1]) contains a stop string, else None."""
+    if not stop_strings or not any(s in decode(tokens) for s in stop_strings):
+        return None
+    for j in range(start, len(tokens)):
+        text = decode(tokens[:j + 1])
+        if any(s in text for s in stop_strings):
+            return j
+    return None
+
+
+__all__ = ["SamplingParams", "apply_repetition_penalty", "filter_logits", "sampling_distribution", "next_tokens",
+           "stop_index"]

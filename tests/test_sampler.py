@@ -1,0 +1,216 @@
+"""longrl's batched sampler against transformers' generate and the sampling distribution it should draw from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from longrl.config import LoraConfig
+from longrl.models import apply_lora
+from longrl.models.tiny import build_char_tokenizer
+from longrl.ops.rollout_correction import rollout_correction_weights
+from longrl.rollout import Sampler, SamplingParams
+from longrl.rollout.attention import KVCache, decode_attention_reference, unsupported_reason
+from longrl.rollout.sampling import filter_logits, next_tokens, sampling_distribution
+
+PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 4, 4, 4, 4, 4, 5, 11, 12], [1, 13]]
+
+
+def tiny_model(seed=0, kv_heads=2, lora=False):
+    torch.manual_seed(seed)
+    tok = build_char_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg).eval()
+    if lora:
+        model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+        with torch.no_grad():  # PEFT starts B at zero; make the adapters matter
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2)
+    return model, tok
+
+
+def hf_greedy(model, prompt, n, **kw):
+    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("budget_slots", [None, 3])  # 3 slots for 8 sequences: queueing, refills, compaction
+def test_greedy_equals_transformers_generate(lora, budget_slots):
+    model, tok = tiny_model(lora=lora)
+    G, n = 2, 14
+    kv = None
+    if budget_slots:
+        per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+        kv = per * (budget_slots * n + 3 * 9)
+    sampler = Sampler(model, tok, kv_cache_bytes=kv, sync_every=3)
+    r = sampler.generate(PROMPTS, G, SamplingParams(max_new_tokens=n, temperature=0))
+    if budget_slots:
+        assert sampler.last_stats["slots"] == budget_slots
+    expected = [hf_greedy(model, p, n) for p in PROMPTS]
+    assert r.completion_ids == [e for e in expected for _ in range(G)]
+    assert r.prompt_ids == [p for p in PROMPTS for _ in range(G)]
+    assert r.truncated == [True] * len(r.completion_ids)
+    assert model.config._attn_implementation != "longrl_sampler"  # switched back
+
+
+def test_repetition_penalty_greedy_equals_transformers():
+    model, tok = tiny_model(seed=3)
+    r = Sampler(model, tok).generate(PROMPTS, 1, SamplingParams(max_new_tokens=10, temperature=0,
+                                                                repetition_penalty=1.7))
+    assert r.completion_ids == [hf_greedy(model, p, 10, repetition_penalty=1.7) for p in PROMPTS]
+
+
+def test_logprobs_equal_the_models():
+    model, tok = tiny_model(seed=1, lora=True)
+    T = 0.7
+    r = Sampler(model, tok).generate(PROMPTS[:3], 3, SamplingParams(max_new_tokens=9, temperature=T, seed=5))
+    for prompt, comp, lps in zip(r.prompt_ids, r.completion_ids, r.logprobs):
+        ids = torch.tensor([prompt + comp])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        want = torch.log_softmax(logits / T, -1).gather(-1, torch.tensor(comp)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lps), want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_sharing_equals_separate_prefill():
+    model, tok = tiny_model(seed=2)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=12, seed=11)
+    shared = Sampler(model, tok).generate(PROMPTS, 3, params)
+    separate = Sampler(model, tok).generate([p for p in PROMPTS for _ in range(3)], 1, params)
+    assert shared.completion_ids == separate.completion_ids
+    torch.testing.assert_close(torch.tensor(sum(shared.logprobs, [])), torch.tensor(sum(separate.logprobs, [])),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_and_reproducible():
+    model, tok = tiny_model(seed=4)
+    runs = [Sampler(model, tok).generate(PROMPTS, 4, SamplingParams(max_new_tokens=10, seed=s)).completion_ids
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_stop_ids_and_max_new_tokens_end_sequences_exactly():
+    model, tok = tiny_model(seed=5)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+    free = Sampler(model, tok).generate(PROMPTS, 4, params)
+    assert all(len(c) == 12 for c in free.completion_ids)
+    stop = free.completion_ids[0][4]  # a token that occurs in at least one completion
+    r = Sampler(model, tok).generate(PROMPTS, 4, SamplingParams(**{**params.__dict__, "stop_token_ids": (stop,)}))
+    for full, cut, truncated in zip(free.completion_ids, r.completion_ids, r.truncated):
+        if stop in full:  # same random stream up to the stop: the completion ends at its first occurrence
+            assert cut == full[:full.index(stop) + 1] and not truncated
+        else:
+            assert cut == full and truncated
+
+
+def test_stop_strings_end_at_the_completing_token():
+    model, tok = tiny_model(seed=6)
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    full = Sampler(model, tok).generate([PROMPTS[0]], 1, params).completion_ids[0]
+    text = tok.decode(full)
+    stop = text[5:7]
+    r = Sampler(model, tok, sync_every=5).generate([PROMPTS[0]], 1, SamplingParams(max_new_tokens=16, temperature=0,
+                                                                                   stop_strings=(stop,)))
+    cut = r.completion_ids[0]
+    assert stop in tok.decode(cut) and stop not in tok.decode(cut[:-1])
+    assert cut == full[:len(cut)] and not r.truncated[0]
+
+
+def test_filters_match_transformers_warpers():
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    for params in [SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1.3, top_p=0.6),
+                   SamplingParams(temperature=1.0, min_p=0.15), SamplingParams(temperature=0.5, top_k=20, top_p=0.9)]:
+        want = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+        if params.top_k:
+            want = TopKLogitsWarper(params.top_k)(None, want)
+        if params.top_p < 1:
+            want = TopPLogitsWarper(params.top_p)(None, want)
+        if params.min_p:
+            want = MinPLogitsWarper(params.min_p)(None, want)
+        got = filter_logits(logits / params.temperature, params)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), params
+        torch.testing.assert_close(got[~torch.isinf(got)], want[~torch.isinf(want)])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=6),
+                                    SamplingParams(temperature=1.2, top_p=0.8),
+                                    SamplingParams(temperature=1.0, min_p=0.05)])
+def test_sampled_frequencies_match_the_distribution(params):
+    """Pearson chi-square of 40,000 draws against the processed softmax, at a 1e-4 significance level."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 24) * 2
+    draws = 40_000
+    gen = torch.Generator().manual_seed(1)
+    tokens, logps = next_tokens(logits.expand(draws, -1), params, gen)
+    probs = sampling_distribution(logits, params)[0].exp()
+    counts = torch.bincount(tokens, minlength=24).double()
+    assert counts[probs == 0].sum() == 0  # nothing drawn outside the filters
+    keep = probs > 0
+    expected = probs[keep].double() * draws
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    # Wilson–Hilferty upper quantile of chi-square(dof) at p = 1e-4 (z = 3.719)
+    bound = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < bound, (chi2, bound)
+    torch.testing.assert_close(logps, torch.log_softmax(logits / params.temperature, -1)[0, tokens])
+
+
+def test_decode_attention_reference_equals_dense_attention():
+    torch.manual_seed(0)
+    P, S, Hq, Hkv, Lp, T, D = 3, 5, 6, 2, 7, 9, 8
+    k_pre, v_pre = torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D)
+    k_suf, v_suf = torch.randn(S, Hkv, T, D), torch.randn(S, Hkv, T, D)
+    q = torch.randn(S, Hq, D)
+    prefix_index = torch.tensor([2, 0, 1, 1, 2])
+    prefix_len = torch.tensor([7, 3, 5, 5, 1])
+    suffix_len = torch.tensor([1, 9, 4, 2, 6])
+    out = decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, 0.3)
+    for b in range(S):
+        p, lp, ls = int(prefix_index[b]), int(prefix_len[b]), int(suffix_len[b])
+        k = torch.cat([k_pre[p, :, :lp], k_suf[b, :, :ls]], 1).repeat_interleave(Hq // Hkv, 0)  # [Hq, n, D]
+        v = torch.cat([v_pre[p, :, :lp], v_suf[b, :, :ls]], 1).repeat_interleave(Hq // Hkv, 0)
+        weights = torch.softmax(torch.einsum("hd,hnd->hn", q[b], k) * 0.3, -1)  # [Hq, n]
+        want = torch.einsum("hn,hnd->hd", weights, v)
+        torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_architectures_are_named():
+    from transformers import Gemma2Config
+
+    assert "soft-capping" in unsupported_reason(Gemma2Config(), 100)
+    assert unsupported_reason(LlamaConfig(), 100000) is None
+    from transformers import MistralConfig
+
+    assert "sliding-window" in unsupported_reason(MistralConfig(sliding_window=64), 100)
+    assert unsupported_reason(MistralConfig(sliding_window=4096), 100) is None
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_rollout_correction_weights(mode):
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]])
+    sampler = torch.tensor([[-1.0, -3.0, -0.4], [-1.5, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w, stats = rollout_correction_weights(old, sampler, mask, mode, cap=2.0)
+    r = torch.exp((old - sampler) * mask)
+    if mode == "token_truncate":
+        want = torch.clamp(r, max=2.0)
+    elif mode == "token_mask":
+        want = r * (r <= 2.0)
+    else:
+        R = torch.exp(((old - sampler) * mask).sum(-1, keepdim=True)).expand_as(r)
+        want = torch.clamp(R, max=2.0) if mode == "sequence_truncate" else R * (R <= 2.0)
+    torch.testing.assert_close(w, want * mask)
+    assert stats["sampler/logp_abs_diff"] == pytest.approx(float(((old - sampler).abs() * mask).sum() / mask.sum()))
