@@ -1,0 +1,288 @@
+"""Rollout speed: longrl's sampler vs transformers' generate and continuous batching, same model, same GPU.
+
+Random-weight models of real shapes in bf16 with LoRA r=32 on every linear projection (unmerged, as in
+training), P prompts × G completions, fixed prompt length, exactly N new tokens each (EOS ignored). Reports
+tokens/s, the decode phase's achieved memory bandwidth (weights + KV bytes read per step) against the
+GPU's measured copy bandwidth, and the rollout's peak GPU memory against weights + KV cache.
+
+    python benchmarks/rollout_speed.py --shape llama-3.1-8b --prompts 16 --G 8 --prompt-len 512 --new-tokens 1024
+    python benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 --G 8 --prompt-len 512 --new-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import trl_baseline as tb  # noqa: E402
+
+from longrl.config import LoraConfig  # noqa: E402
+from longrl.models import apply_lora, base_model  # noqa: E402
+from longrl.rollout import Sampler, SamplingParams  # noqa: E402
+from longrl.rollout.attention import KVCache, decode_attention_reference  # noqa: E402
+
+GIB = 2 ** 30
+CUDA = torch.cuda.is_available()
+
+
+def _sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _start_peak() -> int:
+    """Reset the peak counter; return what is allocated now."""
+    if not CUDA:
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _peak_above(base: int) -> float:
+    return (torch.cuda.max_memory_allocated() - base) / GIB if CUDA else float("nan")
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of a 4 GiB buffer, best of 5)."""
+    src = torch.empty(GIB, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return 2 * 4 * GIB / best
+
+
+def check_kernel(device) -> float:
+    """Max |triton − reference| of the decode attention on odd, block-crossing shapes (GPU twin check)."""
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 32, 8, 77, 131, 128), (2, 5, 12, 2, 64, 65, 128), (1, 3, 4, 4, 1, 1, 64)]:
+        mk = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+        k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(S, Hkv, T, D), mk(S, Hkv, T, D), mk(S, Hq, D)
+        pidx = torch.randint(0, P, (S,), device=device)
+        plen = torch.randint(0, Lp + 1, (S,), device=device)
+        slen = torch.randint(1, T + 1, (S,), device=device)
+        args = (q, k_pre, v_pre, pidx, plen, k_suf, v_suf, slen, D ** -0.5)
+        ref = decode_attention_reference(*args).float()
+        got = decode_attention_triton(*args).float()
+        worst = max(worst, float((ref - got).abs().max()))
+    return worst
+
+
+def lora_in_bf16(model):
+    """transformers' generators run without autocast (continuous batching in its own thread): give them bf16
+    adapters, as a PEFT user would (it only makes their step cheaper than longrl's float32 adapters)."""
+    for p in model.parameters():
+        if p.dtype == torch.float32:
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def model_bytes(model) -> tuple[int, int]:
+    """(bytes read per decode step: every parameter but the input embedding; all parameter bytes)."""
+    embed = base_model(model).get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - embed.numel() * embed.element_size(), total
+
+
+def run_longrl(model, prompts, G, N, *, cuda_graphs=True):
+    sampler = Sampler(model, None, cuda_graphs=cuda_graphs)
+    params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
+    sampler.generate(prompts[:2], 2, SamplingParams(max_new_tokens=4))  # warm-up: kernels, allocator
+    base = _start_peak()
+    t = time.perf_counter()
+    first = sampler.generate(prompts, G, SamplingParams(max_new_tokens=1, seed=0))  # prefill + first token
+    _sync()
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    out = sampler.generate(prompts, G, params)
+    _sync()
+    total_s = time.perf_counter() - t
+    assert all(len(c) == N for c in out.completion_ids) and len(first.completion_ids) == len(prompts) * G
+    return dict(seconds=total_s, prefill_s=prefill_s, peak_gib=_peak_above(base),
+                kv_gib=sampler.last_stats["kv_cache_bytes"] / GIB, stats=sampler.last_stats)
+
+
+def run_hf_generate(model, prompts, G, N):
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=N,
+                           min_new_tokens=N, eos_token_id=None, pad_token_id=0, use_cache=True)
+    ids = torch.tensor([p for p in prompts for _ in range(G)], device=model.device)  # equal lengths: no padding
+    model.eval()
+    with torch.no_grad():
+        model.generate(input_ids=ids[:2], attention_mask=torch.ones_like(ids[:2]),
+                       generation_config=GenerationConfig(**{**cfg.to_dict(), "max_new_tokens": 4, "min_new_tokens": 4}))
+        base = _start_peak()
+        t = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        _sync()
+    assert out.shape[1] == ids.shape[1] + N
+    return dict(seconds=time.perf_counter() - t, peak_gib=_peak_above(base))
+
+
+def run_hf_continuous(model, prompts, G, N):
+    from transformers import GenerationConfig
+
+    base_m = base_model(model)
+    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=N,
+                           min_new_tokens=N, eos_token_id=None, pad_token_id=0)
+    inputs = [p for p in prompts for _ in range(G)]
+    saved = base_m.config._attn_implementation
+    try:
+        with torch.no_grad():
+            base_m.generate_batch(inputs=inputs[:2], generation_config=GenerationConfig(
+                **{**cfg.to_dict(), "max_new_tokens": 4, "min_new_tokens": 4}))
+            base = _start_peak()
+            t = time.perf_counter()
+            out = base_m.generate_batch(inputs=inputs, generation_config=cfg)
+            _sync()
+        lengths = [len(o.generated_tokens) for o in out.values()]
+        if sum(lengths) != len(inputs) * N:
+            raise RuntimeError(f"generate_batch returned {sum(lengths)} of {len(inputs) * N} tokens")
+        return dict(seconds=time.perf_counter() - t, peak_gib=_peak_above(base),
+                    generated=sum(lengths))
+    finally:
+        base_m.set_attn_implementation(saved)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(tb.SHAPES))
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--impls", default="longrl,longrl-nolora,hf-generate,hf-continuous")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
+    impls = args.impls.split(",")
+    model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
+    model.config.use_cache = True
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
+    results: dict = {"kernel_max_abs_err": check_kernel(dev) if CUDA else float("nan"),
+                     "copy_bandwidth_gbs": copy_bandwidth(dev) / 1e9 if CUDA else float("nan")}
+    print(f"decode kernel vs reference: max abs err {results['kernel_max_abs_err']:.3g}; "
+          f"copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s", flush=True)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_token = KVCache.nbytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                              tokens=1, dtype=torch.bfloat16)
+    n_seq, N, Lp = args.prompts * args.G, args.new_tokens, args.prompt_len
+    if "longrl-nolora" in impls:
+        step_bytes, _ = model_bytes(model)
+        r = run_longrl(model, prompts, args.G, N)
+        results["longrl-nolora"] = {**r, "step_weight_bytes": step_bytes, "weights_gib": model_bytes(model)[1] / GIB}
+        print("longrl-nolora", {k: v for k, v in r.items() if k != "stats"}, flush=True)
+    model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    step_bytes, weight_bytes = model_bytes(model)
+    for name in [i for i in impls if i != "longrl-nolora"]:
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+        try:
+            if name == "longrl":
+                r = run_longrl(model, prompts, args.G, N)
+            elif name == "longrl-eager":
+                r = run_longrl(model, prompts, args.G, N, cuda_graphs=False)
+            elif name == "hf-generate":
+                r = run_hf_generate(lora_in_bf16(model), prompts, args.G, N)
+            elif name == "hf-continuous":
+                r = run_hf_continuous(lora_in_bf16(model), prompts, args.G, N)
+            else:
+                raise ValueError(f"unknown impl {name}")
+            r["step_weight_bytes"], r["weights_gib"] = step_bytes, weight_bytes / GIB
+        except Exception as e:  # a baseline that fails is reported, not hidden
+            r = {"error": f"{type(e).__name__}: {e}"[:300]}
+        results[name] = r
+        print(name, {k: v for k, v in r.items() if k != "stats"}, flush=True)
+    # decode roofline: bytes read per step = weights (all but the input embedding) + every live KV (prefix read
+    # per sequence, as the kernel does); summed over the N − 1 decode steps
+    kv_bytes = sum(n_seq * (Lp + t + 1) * kv_token for t in range(N - 1))
+    bw = results["copy_bandwidth_gbs"] * 1e9
+    for name, r in results.items():
+        if not isinstance(r, dict) or "seconds" not in r:
+            continue
+        r["tokens_per_s"] = n_seq * N / r["seconds"]
+        if "prefill_s" in r:
+            decode_s = r["seconds"] - r["prefill_s"]
+            moved = (N - 1) * r["step_weight_bytes"] + kv_bytes
+            r["decode_s"] = decode_s
+            r["decode_bandwidth_gbs"] = moved / decode_s / 1e9
+            r["roofline_fraction"] = moved / decode_s / bw
+            r["roofline_floor_s"] = moved / bw
+    write_tables(args, results, weight_bytes)
+
+
+def write_tables(args, results, weight_bytes) -> None:
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    import transformers
+
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if CUDA else "CPU", torch=torch.__version__,
+                transformers=transformers.__version__, python=platform.python_version(),
+                command="python " + " ".join(sys.argv), shape=args.shape, prompts=args.prompts, G=args.G,
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB)
+    stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "results": results}, indent=2, default=str))
+    hf = results.get("hf-generate", {}).get("tokens_per_s")
+    cb = results.get("hf-continuous", {}).get("tokens_per_s")
+    lines = [f"# Rollout speed, {args.shape} shape (random weights, bf16, LoRA r=32 unmerged), {meta['gpu']}",
+             "", f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ",
+             f"`{meta['command']}`", "",
+             f"{args.prompts} prompts × {args.G} completions, prompt {args.prompt_len} tokens, exactly "
+             f"{args.new_tokens} new tokens each (EOS ignored), temperature 1. Weights {weight_bytes / GIB:.2f} GiB. "
+             f"Copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s; decode kernel vs its torch twin: max abs err "
+             f"{results['kernel_max_abs_err']:.2g} (bf16).", "",
+             "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
+             "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ("longrl", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
+        r = results.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 8)
+            continue
+        tps = r["tokens_per_s"]
+        peak = r["peak_gib"] + r["weights_gib"]
+        cells = [name, f"{r['seconds']:.2f}", f"{tps:,.0f}", f"{tps / hf:.2f}" if hf else "–",
+                 f"{tps / cb:.2f}" if cb else "–",
+                 f"{r['decode_bandwidth_gbs']:,.0f}" if "decode_bandwidth_gbs" in r else "–",
+                 f"{100 * r['roofline_fraction']:.0f}%" if "roofline_fraction" in r else "–", f"{peak:.2f}",
+                 f"{r['kv_gib']:.2f}" if "kv_gib" in r else "–",
+                 f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "longrl: prefill + first token timed separately (max_new_tokens=1 run) and subtracted for the decode "
+              "phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, the "
+              "shared prompt prefix counted once per sequence) / copy bandwidth. Peak: weights + the most allocated "
+              "during the call above what was allocated before it. hf-generate: `model.generate` with the dynamic cache "
+              "(sdpa); hf-continuous: `generate_batch` (transformers' continuous batching); both with the adapters cast to "
+              "bf16 (longrl keeps them float32 under autocast)."]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
