@@ -198,6 +198,8 @@ def main() -> None:
         print("longrl-nolora", {k: v for k, v in r.items() if k != "stats"}, flush=True)
     model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
     step_bytes, weight_bytes = model_bytes(model)
+    derive(results, n_seq, N, Lp, kv_token)
+    write_tables(args, results, weight_bytes)
     for name in [i for i in impls if i != "longrl-nolora"]:
         gc.collect()
         if CUDA:
@@ -218,11 +220,16 @@ def main() -> None:
             r = {"error": f"{type(e).__name__}: {e}"[:300]}
         results[name] = r
         print(name, {k: v for k, v in r.items() if k != "stats"}, flush=True)
-    # decode roofline: bytes read per step = weights (all but the input embedding) + every live KV (prefix read
-    # per sequence, as the kernel does); summed over the N − 1 decode steps
+        derive(results, n_seq, N, Lp, kv_token)
+        write_tables(args, results, weight_bytes)  # after every impl: a later one that hangs loses nothing
+
+
+def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int) -> None:
+    """tokens/s; decode roofline: bytes read per step = weights (all but the input embedding) + every live KV
+    byte (the prefix read once per sequence, as the kernel does), summed over the N − 1 decode steps."""
     kv_bytes = sum(n_seq * (Lp + t + 1) * kv_token for t in range(N - 1))
     bw = results["copy_bandwidth_gbs"] * 1e9
-    for name, r in results.items():
+    for r in results.values():
         if not isinstance(r, dict) or "seconds" not in r:
             continue
         r["tokens_per_s"] = n_seq * N / r["seconds"]
@@ -233,7 +240,6 @@ def main() -> None:
             r["decode_bandwidth_gbs"] = moved / decode_s / 1e9
             r["roofline_fraction"] = moved / decode_s / bw
             r["roofline_floor_s"] = moved / bw
-    write_tables(args, results, weight_bytes)
 
 
 def write_tables(args, results, weight_bytes) -> None:
