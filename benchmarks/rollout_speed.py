@@ -70,7 +70,8 @@ def copy_bandwidth(device) -> float:
 
 
 def check_kernel(device) -> float:
-    """Max |triton − reference| of the decode attention on odd, block-crossing shapes (GPU twin check)."""
+    """Max |triton − reference| of the decode attention on odd, block-crossing shapes, per-sequence and grouped
+    prefix reads (GPU twin check)."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
     torch.manual_seed(0)
@@ -79,12 +80,16 @@ def check_kernel(device) -> float:
         mk = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
         k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(S, Hkv, T, D), mk(S, Hkv, T, D), mk(S, Hq, D)
         pidx = torch.randint(0, P, (S,), device=device)
-        plen = torch.randint(0, Lp + 1, (S,), device=device)
+        entry_len = torch.randint(0, Lp + 1, (P,), device=device)
         slen = torch.randint(1, T + 1, (S,), device=device)
-        args = (q, k_pre, v_pre, pidx, plen, k_suf, v_suf, slen, D ** -0.5)
+        members = torch.full((P, S), -1, dtype=torch.long)
+        for b, e in enumerate(pidx.tolist()):
+            members[e, b] = b
+        args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
         ref = decode_attention_reference(*args).float()
-        got = decode_attention_triton(*args).float()
-        worst = max(worst, float((ref - got).abs().max()))
+        for kw in ({}, dict(members=members.to(device), prompt_len=entry_len)):
+            got = decode_attention_triton(*args, **kw).float()
+            worst = max(worst, float((ref - got).abs().max()))
     return worst
 
 

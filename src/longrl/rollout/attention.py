@@ -59,6 +59,8 @@ class DecodeMeta:
     prefix_len: torch.Tensor  # [B] long: prompt length
     write_index: torch.Tensor  # [B] long: where this step's key/value goes in the slot store
     use_triton: bool = False
+    members: torch.Tensor | None = None  # [P, G] long: slots reading each prefix entry (−1: none); Triton only
+    entry_len: torch.Tensor | None = None  # [P] long: prompt length of each prefix entry
 
 
 def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale):
@@ -105,7 +107,7 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
     if meta.use_triton:
         from .decode_kernel import decode_attention_triton
 
-        out = decode_attention_triton(*args)
+        out = decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len)
     else:
         out = decode_attention_reference(*args)
     return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]

@@ -155,6 +155,8 @@ class _Run:
         self.seen = torch.zeros(S, vocab, dtype=torch.bool, device=dev) if params.repetition_penalty != 1.0 else None
         self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], **long)
         self.prompt_logits = torch.zeros(self.P, vocab, dtype=torch.float32, device=dev)
+        self.members = torch.full((self.P, G), -1, **long)  # slots reading each prefix entry (grouped kernel)
+        self.entry_len = torch.zeros(self.P, **long)
         self.logits_buf = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
         self.generator = torch.Generator(device=dev).manual_seed(params.seed)
         self.buckets = batch_buckets(S)
@@ -246,6 +248,19 @@ class _Run:
             self._prefill(to_prefill)
         if admitted:
             self._start(admitted)
+            self._refresh_members()
+
+    def _refresh_members(self) -> None:
+        """Rebuild the prefix entry → slots table the grouped decode kernel reads (only when slots change)."""
+        members = torch.full(tuple(self.members.shape), -1, dtype=torch.long)
+        lengths = torch.zeros(self.P, dtype=torch.long)
+        for slot, seq in enumerate(self.slot_seq):
+            if seq >= 0:
+                entry = self.prompt_slot[seq // self.G]
+                members[entry, seq % self.G] = slot
+                lengths[entry] = len(self.prompts[seq // self.G])
+        self.members.copy_(members)
+        self.entry_len.copy_(lengths)
 
     def _prefill(self, prompts: list[int]) -> None:
         """Run the prompts (right-padded, in chunks of ≤ prefill_tokens) and keep each one's last logits."""
@@ -295,7 +310,8 @@ class _Run:
     # ------------------------------------------------------------------------------------------ decoding
     def _forward(self, B: int) -> None:
         s = self.s
-        meta = DecodeMeta(self.cache, self.prefix_index[:B], self.prefix_len[:B], self.write_index[:B], s.use_triton)
+        meta = DecodeMeta(self.cache, self.prefix_index[:B], self.prefix_len[:B], self.write_index[:B], s.use_triton,
+                          self.members, self.entry_len)
         with s.compute_context():
             hidden = s.backbone(input_ids=self.cur_tok[:B, None], position_ids=self.position[:B, None],
                                 use_cache=False, longrl_kv=meta).last_hidden_state  # [B, 1, d]
@@ -370,6 +386,8 @@ class _Run:
             self._admit()
         else:
             self._compact()
+        if finished:
+            self._refresh_members()
 
     def _release(self, slot: int) -> None:
         p = self.slot_seq[slot] // self.G
