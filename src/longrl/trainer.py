@@ -8,6 +8,7 @@ loss weights (see ``longrl.ops.losses``), so the split never changes the loss.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -120,6 +121,7 @@ class GRPOTrainer:
                                                 g.importance_sampling_level)
         self.step_idx = 0
         self.batch: RolloutBatch | None = None
+        self.phase_stats: dict[str, float] = {}
         self.output_dir = Path(cfg.output.output_dir)
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -146,13 +148,29 @@ class GRPOTrainer:
             reporter.close()
         return history
 
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time a phase of the step (and its peak GPU memory on CUDA) into ``self.phase_stats``."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.phase_stats[f"peak_gib/{name}"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.phase_stats[f"time_s/{name}"] = time.perf_counter() - start
+
     def _step(self) -> dict:
         start = time.perf_counter()
         rollout_s = 0.0
+        self.phase_stats = {}
         if self.step_idx % self.cfg.grpo.num_iterations == 0:
             self.batch = self._rollout_batch()
             rollout_s = time.perf_counter() - start
-        stats = self._policy_update(self.batch)
+        with self._phase("update"):
+            stats = self._policy_update(self.batch)
         self.step_idx += 1
         b = self.batch
         metrics = {
@@ -168,6 +186,7 @@ class GRPOTrainer:
             "lr": self.scheduler.get_last_lr()[0],
             "rollout_time_s": rollout_s,
             "step_time_s": time.perf_counter() - start,
+            **self.phase_stats,  # time_s/ and peak_gib/ of generation, rewards, reference, update
         }
         return metrics
 
@@ -177,10 +196,11 @@ class GRPOTrainer:
         rows_idx = self.sampler.next(cfg.train.prompts_per_step)
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
-        if self.rollout_sampler is not None:
-            rollout = self.rollout_sampler.generate(prompt_ids, G, self._sampling_params())
-        else:
-            rollout = generate_completions(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self.device)
+        with self._phase("generation"):
+            if self.rollout_sampler is not None:
+                rollout = self.rollout_sampler.generate(prompt_ids, G, self._sampling_params())
+            else:
+                rollout = generate_completions(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self.device)
         column = self.data.prompt_column
         prompts = [row[column] for row in rows for _ in range(G)]
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -188,7 +208,8 @@ class GRPOTrainer:
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != column}
         columns["completion_ids"] = rollout.completion_ids
         columns["truncated"] = rollout.truncated
-        per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
+        with self._phase("rewards"):
+            per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
         advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
         width = max(len(c) for c in rollout.completion_ids)
         mask = completion_mask(rollout.completion_ids, width)  # [P·G, T]
@@ -197,12 +218,13 @@ class GRPOTrainer:
         if cfg.grpo.mask_truncated_completions:
             mask[truncated] = 0.0
         weights = loss_token_weights(mask, cfg.grpo.loss_type, cfg.generation.max_completion_length)
-        old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width) \
-            if cfg.grpo.num_iterations > 1 else None
-        ref_logps = None
-        if cfg.grpo.beta != 0.0:
-            with reference_mode(self.model):
-                ref_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
+        with self._phase("reference"):  # old-policy and reference log-probs (no grad)
+            old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width) \
+                if cfg.grpo.num_iterations > 1 else None
+            ref_logps = None
+            if cfg.grpo.beta != 0.0:
+                with reference_mode(self.model):
+                    ref_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
         sampler_logps = None
         if rollout.logprobs is not None:
             sampler_logps = torch.zeros(len(rollout.logprobs), width)

@@ -1,0 +1,200 @@
+"""The whole GRPO loop on one GPU: full optimizer steps (rollout + rewards + reference pass + policy update).
+
+Random-weight models of real shapes in bf16, LoRA r=32 on every linear projection (float32 adapters and
+optimizer state), G=8, 512-token prompts, completions of exactly --completion tokens (EOS ignored), beta 0.04,
+offloaded checkpointing with the planner, longrl's sampler. Per phase: wall time, tokens/s, peak GPU memory
+(the trainer's own phase metrics), from the last of --steps steps (the first one captures CUDA graphs).
+Also a smoke run of the real CLI (`longrl train` on a tiny model directory + JSONL, checkpoint and resume).
+
+    python benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2
+    python benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 --steps 1
+    python benchmarks/grpo_e2e.py --cli-smoke-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import trl_baseline as tb  # noqa: E402
+
+from longrl.config import Config, LoraConfig, RewardSpec, validate  # noqa: E402
+from longrl.models import apply_lora  # noqa: E402
+from longrl.trainer import GRPOTrainer  # noqa: E402
+
+GIB = 2 ** 30
+REWARD_FILE = '''import random
+
+def random_reward(completions, **kwargs):
+    """A reward with spread (random weights generate noise): exercises advantages and the update."""
+    return [random.random() for _ in completions]
+'''
+
+
+def write_inputs(root: Path, prompts: int, prompt_len: int, vocab: int) -> tuple[Path, Path]:
+    g = torch.Generator().manual_seed(0)
+    data = root / "prompts.jsonl"
+    with open(data, "w") as f:
+        for _ in range(prompts):
+            ids = torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"<t{i}>" for i in ids)}) + "\n")
+    reward = root / "reward.py"
+    reward.write_text(REWARD_FILE)
+    return data, reward
+
+
+def run_loop(args, root: Path) -> dict:
+    dev = torch.device("cuda")
+    model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
+    tok = tb.make_tokenizer(model)
+    data, reward = write_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
+    first_prompt = json.loads(open(data).readline())["prompt"]
+    assert len(tok(first_prompt, add_special_tokens=False)["input_ids"]) == args.prompt_len
+    lora = LoraConfig(r=32, alpha=64.0, dropout=0.0)
+    model = apply_lora(model, lora)
+    cfg = Config()
+    cfg.model.offload_activations, cfg.model.device = True, "cuda"
+    cfg.lora = lora
+    cfg.data.source, cfg.data.max_prompt_length, cfg.data.shuffle = str(data), args.prompt_len, False
+    cfg.generation.max_completion_length, cfg.generation.ignore_eos = args.completion, True
+    cfg.grpo.num_generations, cfg.grpo.beta, cfg.grpo.loss_type = args.G, 0.04, "dapo"
+    cfg.train.prompts_per_step, cfg.train.max_steps, cfg.train.learning_rate = args.prompts, args.steps, 1e-5
+    cfg.rewards = [RewardSpec(function=f"{reward}:random_reward")]
+    cfg.output.output_dir, cfg.output.progress_bar, cfg.output.tensorboard = str(root / "run"), False, False
+    cfg.output.log_completions = 0
+    validate(cfg)
+    torch.cuda.reset_peak_memory_stats()
+    trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
+    history = trainer.train()
+    step_peak = torch.cuda.max_memory_allocated() / GIB
+    last = history[-1]
+    n_seq = args.prompts * args.G
+    gen_tokens = n_seq * args.completion
+    train_tokens = n_seq * (args.prompt_len + args.completion)
+    phases = {}
+    for name, tokens in (("generation", gen_tokens), ("rewards", None), ("reference", train_tokens),
+                         ("update", train_tokens)):
+        t = last.get(f"time_s/{name}")
+        phases[name] = dict(seconds=t, tokens_per_s=tokens / t if tokens and t else None,
+                            peak_gib=last.get(f"peak_gib/{name}"))
+    step_s = last["step_time_s"]
+    phase_peak = max(p["peak_gib"] for p in phases.values() if p["peak_gib"] is not None)
+    return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, max_phase_peak_gib=phase_peak,
+                peak_over_max_phase=step_peak / phase_peak, rollout_share=phases["generation"]["seconds"] / step_s,
+                kv_cache_gib=trainer.rollout_sampler.last_stats.get("kv_cache_bytes", 0) / GIB,
+                plan=trainer.plan.table() if trainer.plan is not None else None,
+                history=[{k: v for k, v in h.items() if not isinstance(v, str)} for h in history])
+
+
+def cli_smoke(root: Path) -> dict:
+    """`longrl train` on a tiny model directory and a JSONL file for 2 steps, then resumed to 3 (on this GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longrl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model_dir = root / "tiny-model"
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = root / "tiny.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(5) for b in range(5)))
+    (root / "tiny_reward.py").write_text(REWARD_FILE)
+    config = root / "tiny.yaml"
+    config.write_text(f"""model:
+  name_or_path: {model_dir}
+  offload_activations: true
+data:
+  source: {data}
+generation:
+  max_completion_length: 8
+grpo:
+  num_generations: 4
+  beta: 0.04
+train:
+  prompts_per_step: 2
+  max_steps: 2
+  learning_rate: 1.0e-3
+rewards:
+  - function: {root / 'tiny_reward.py'}:random_reward
+output:
+  output_dir: {root / 'tiny-run'}
+  save_steps: 1
+  progress_bar: false
+""")
+    cmd = [sys.executable, "-m", "longrl.cli", "train", str(config)]
+    first = subprocess.run(cmd, capture_output=True, text=True)
+    second = subprocess.run(cmd + ["train.max_steps=3", "output.resume=true"], capture_output=True, text=True)
+    metrics = [json.loads(line) for line in open(root / "tiny-run" / "metrics.jsonl")]
+    ok = (first.returncode == 0 and second.returncode == 0 and [m["step"] for m in metrics] == [1, 2, 3]
+          and "resumed from" in second.stderr and (root / "tiny-run" / "checkpoint-3").is_dir())
+    return dict(ok=ok, returncodes=[first.returncode, second.returncode], steps=[m["step"] for m in metrics],
+                stderr_tail=(first.stderr[-800:] + second.stderr[-800:]) if not ok else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(tb.SHAPES))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--completion", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--cli-smoke-only", action="store_true")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        smoke = cli_smoke(root)
+        print("cli smoke:", smoke, flush=True)
+        if args.cli_smoke_only:
+            return
+        start = time.perf_counter()
+        result = run_loop(args, root)
+    result["wall_seconds"] = time.perf_counter() - start
+    write(args, result, smoke)
+
+
+def write(args, r: dict, smoke: dict) -> None:
+    import transformers
+
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                transformers=transformers.__version__, command="python " + " ".join(sys.argv))
+    stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_h200{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps({**meta, **vars(args), **r, "cli_smoke": smoke}, indent=2,
+                                                 default=str))
+    lines = [f"# Whole GRPO step, {args.shape} shape (random weights, bf16, LoRA r=32), {meta['gpu']}", "",
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
+             f"{args.prompts} prompts × {args.G} completions of exactly {args.completion} tokens after a {args.prompt_len}-"
+             f"token prompt; beta 0.04 (reference pass), offloaded checkpointing + planner, longrl's sampler "
+             f"(KV cache {r['kv_cache_gib']:.2f} GiB). Figures of step {args.steps} of {args.steps}.", "",
+             "| phase | seconds | tokens/s | peak GPU GiB |", "|---|---|---|---|"]
+    for name, p in r["phases"].items():
+        tps = f"{p['tokens_per_s']:,.0f}" if p["tokens_per_s"] else "–"
+        peak = f"{p['peak_gib']:.2f}" if p["peak_gib"] is not None else "–"
+        lines.append(f"| {name} | {p['seconds']:.2f} | {tps} | {peak} |")
+    lines += [f"| **whole step** | **{r['step_seconds']:.2f}** | | **{r['step_peak_gib']:.2f}** |", "",
+              f"Step peak / max phase peak: {r['peak_over_max_phase']:.3f}. Rollout share of the step: "
+              f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "
+              f"{'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "", "Plan:", "", "```", r["plan"] or "", "```"]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
