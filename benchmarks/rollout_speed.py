@@ -203,7 +203,7 @@ def main() -> None:
         print("longrl-nolora", {k: v for k, v in r.items() if k != "stats"}, flush=True)
     model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
     step_bytes, weight_bytes = model_bytes(model)
-    derive(results, n_seq, N, Lp, kv_token)
+    derive(results, n_seq, N, Lp, kv_token, args.prompts)
     write_tables(args, results, weight_bytes)
     for name in [i for i in impls if i != "longrl-nolora"]:
         gc.collect()
@@ -225,14 +225,14 @@ def main() -> None:
             r = {"error": f"{type(e).__name__}: {e}"[:300]}
         results[name] = r
         print(name, {k: v for k, v in r.items() if k != "stats"}, flush=True)
-        derive(results, n_seq, N, Lp, kv_token)
+        derive(results, n_seq, N, Lp, kv_token, args.prompts)
         write_tables(args, results, weight_bytes)  # after every impl: a later one that hangs loses nothing
 
 
-def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int) -> None:
+def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: int) -> None:
     """tokens/s; decode roofline: bytes read per step = weights (all but the input embedding) + every live KV
-    byte (the prefix read once per sequence, as the kernel does), summed over the N − 1 decode steps."""
-    kv_bytes = sum(n_seq * (Lp + t + 1) * kv_token for t in range(N - 1))
+    byte, each prompt's prefix once (as the grouped kernel reads it), summed over the N − 1 decode steps."""
+    kv_bytes = sum((prompts * Lp + n_seq * (t + 1)) * kv_token for t in range(N - 1))
     bw = results["copy_bandwidth_gbs"] * 1e9
     for r in results.values():
         if not isinstance(r, dict) or "seconds" not in r:
@@ -286,8 +286,8 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "longrl: prefill + first token timed separately (max_new_tokens=1 run) and subtracted for the decode "
-              "phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, the "
-              "shared prompt prefix counted once per sequence) / copy bandwidth. Peak: weights + the most allocated "
+              "phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, each "
+              "prompt's shared prefix counted once) / copy bandwidth. Peak: weights + the most allocated "
               "during the call above what was allocated before it. hf-generate: `model.generate` with the dynamic cache "
               "(sdpa); hf-continuous: `generate_batch` (transformers' continuous batching); both with the adapters cast to "
               "bf16 (longrl keeps them float32 under autocast)."]

@@ -1,3 +1,4 @@
+# Written against benchmarks/rollout_speed.py at commit fd99e7f (derive() then counted the prefix once per sequence).
 """Tables of the 2026-11-30 H200 run (call 1), rebuilt from its logs: the run was cut by a timeout while
 transformers' continuous batching was still running, before the script wrote its tables."""
 import sys, argparse, json
