@@ -58,6 +58,9 @@ def run_loop(args, root: Path) -> dict:
     dev = torch.device("cuda")
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
     tok = tb.make_tokenizer(model)
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "<t17>" is one token, not "<", "t17", ">"
     data, reward = write_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
     first_prompt = json.loads(open(data).readline())["prompt"]
     assert len(tok(first_prompt, add_special_tokens=False)["input_ids"]) == args.prompt_len
