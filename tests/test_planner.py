@@ -1,12 +1,13 @@
 """The memory planner's choices for known configurations, and `longrl plan` refusing what cannot fit."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 from longrl.memory.planner import (GIB, MAX_PACKED_TOKENS, MLP_TILE_ALIGN, ModelShape, PlanError, choose_mlp_tile,
-                                   make_plan, predict)
+                                   kv_bytes_per_token, make_plan, plan_rollout, predict)
 
 LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
 QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
@@ -68,6 +69,7 @@ def test_cli_plan_prints_and_refuses(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "longrl.cli", "plan", str(cfg), "--gpu-memory-gib", "139"],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "predicted peak GPU" in ok.stdout and "20,480" in ok.stdout
+    assert "predicted peak GPU (rollout)" in ok.stdout and re.search(r"rollout: concurrent sequences\s+8 of 8", ok.stdout)
     bad = subprocess.run([sys.executable, "-m", "longrl.cli", "plan", str(cfg), "--gpu-memory-gib", "16"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "cannot fit" in bad.stderr and "Traceback" not in bad.stderr
@@ -119,3 +121,16 @@ def test_choose_mlp_tile_splits_evenly_and_aligns():
     assert choose_mlp_tile(10_000, lambda t: t <= 3000) == 2048  # ⌈10,000 / 4⌉ = 2,500 → 3,072 > 3,000; /5 → 2,048
     assert choose_mlp_tile(MLP_TILE_ALIGN, lambda t: True) is None  # nothing smaller to tile into
     assert choose_mlp_tile(50_000, lambda t: False) is None
+
+
+def test_rollout_plan_counts_kv_and_queues_when_tight():
+    kw = dict(prompts=16, G=8, prompt_len=512, completion_len=1024, lora_r=32, weight_bytes=2, compute_bytes=2)
+    roomy = plan_rollout(LLAMA_8B, gpu_free_bytes=139 * GIB, **kw)
+    kv_token = kv_bytes_per_token(LLAMA_8B, 2)
+    assert kv_token == 2 * 32 * 1024 * 2  # K and V, 32 layers, 8 kv heads x 128
+    assert roomy.slots == 128
+    assert roomy.parts_gpu_bytes["KV cache"] == (16 * 512 + 128 * 1024) * kv_token  # prompts once, completions each
+    tight = plan_rollout(LLAMA_8B, gpu_free_bytes=30 * GIB, **kw)
+    assert 0 < tight.slots < 128 and tight.predicted_gpu_bytes <= 30 * GIB
+    with pytest.raises(PlanError, match="cannot hold one sequence"):
+        plan_rollout(LLAMA_8B, gpu_free_bytes=18 * GIB, **{**kw, "completion_len": 400_000})

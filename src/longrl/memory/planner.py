@@ -16,6 +16,15 @@ vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every li
     log-prob     = chunk × V × 4 × 3                            one chunk of float32 logits, probabilities, grads
     host         = (L − gpu_resident) × T × H × b               pinned pool of layer inputs (offloaded only)
 
+The rollout phase (longrl's sampler) holds the weights, the LoRA weights and Adam moments (grads are freed),
+the KV cache and a workspace; its memory goes back to the allocator before the training phase, so a step's
+peak is the larger of the two phases:
+
+    kv cache     = (P × L_prompt + S × L_completion) × 2 L K × b   S concurrent sequences (all N when they fit;
+                                                                 fewer run with queueing when they do not)
+    workspace    = prefill_tokens × (6 H + 3 I) × b + min(N, 1024) × V × 4 × 6 + 256 MiB
+                   (one prefill forward; float32 logits and their sampling temporaries)
+
 T is the micro-batch token budget: a sequence longer than the budget is a micro-batch alone, so the budget
 is at least the longest sequence. The planner picks the largest budget that fits, up to the longest sequence
 or MAX_PACKED_TOKENS, whichever is larger (packed micro-batches need a [T, T] attention mask),
@@ -99,6 +108,7 @@ class Plan:
     predicted_host_bytes: int
     parts_gpu_bytes: dict
     mlp_tile_tokens: int | None = None  # MLP sequence tile (memory/tiling.py); None: untiled
+    rollout: "RolloutPlan | None" = None  # the sampler phase (plan_for_config sets it)
 
     def table(self) -> str:
         rows = [("micro-batch token budget", f"{self.micro_batch_tokens:,}"),
@@ -109,8 +119,58 @@ class Plan:
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB"),
                  ("predicted peak host (pinned)", f"{self.predicted_host_bytes / GIB:8.2f} GiB")]
+        if self.rollout is not None:
+            r = self.rollout
+            rows += [("rollout: concurrent sequences", f"{r.slots:,} of {r.sequences:,}")]
+            rows += [(f"rollout GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in r.parts_gpu_bytes.items()]
+            rows += [("predicted peak GPU (rollout)", f"{r.predicted_gpu_bytes / GIB:8.2f} GiB"),
+                     ("predicted peak GPU (step)",
+                      f"{max(r.predicted_gpu_bytes, self.predicted_gpu_bytes) / GIB:8.2f} GiB")]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass
+class RolloutPlan:
+    sequences: int  # N = prompts × G
+    slots: int  # sequences decoded at once (the rest wait for a free slot)
+    predicted_gpu_bytes: int
+    parts_gpu_bytes: dict
+
+
+def kv_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+    """Keys + values of one position in every layer."""
+    return 2 * shape.layers * shape.kv_dim * compute_bytes
+
+
+def sampler_workspace_bytes(hidden: int, intermediate: int, vocab: int, sequences: int, prefill_tokens: int,
+                            compute_bytes: int) -> int:
+    """The sampler's memory besides weights and KV cache: one prefill forward and the logits' sampling temporaries."""
+    return (prefill_tokens * (6 * hidden + 3 * intermediate) * compute_bytes
+            + min(sequences, 1024) * vocab * 4 * 6 + (256 << 20))
+
+
+def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
+                 weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
+                 prefill_tokens: int = 16384) -> RolloutPlan:
+    """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring)."""
+    n = prompts * G
+    kv_token = kv_bytes_per_token(shape, compute_bytes)
+    fixed = {"base weights": int(shape.base_params() * weight_bytes),
+             "LoRA (+Adam)": shape.lora_params(lora_r) * 4 * 3,
+             "workspace": sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, n, prefill_tokens,
+                                                  compute_bytes)}
+    room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
+    slots = n
+    while slots > 0 and (min(prompts, -(-slots // G) + 1) * prompt_len + slots * completion_len) * kv_token > room:
+        slots -= max(1, slots // 16)
+    if slots < 1:
+        raise PlanError(f"the rollout cannot hold one sequence of {prompt_len + completion_len:,} tokens: "
+                        f"{(prompt_len + completion_len) * kv_token / GIB:.2f} GiB of KV cache, "
+                        f"{max(room, 0) / GIB:.2f} GiB left after weights and workspace")
+    kv = (min(prompts, -(-slots // G) + 1) * prompt_len + slots * completion_len) * kv_token
+    parts = {**fixed, "KV cache": kv}
+    return RolloutPlan(n, slots, sum(parts.values()), parts)
 
 
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
@@ -239,4 +299,11 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
+    if cfg.generation.backend == "longrl":
+        compute = {"float32": 4}.get(cfg.model.dtype, 2)
+        plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step, G=cfg.grpo.num_generations,
+                                    prompt_len=cfg.data.max_prompt_length,
+                                    completion_len=cfg.generation.max_completion_length,
+                                    lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
+                                    compute_bytes=compute, gpu_free_bytes=gpu_free_bytes)
     return plan

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.planner import sampler_workspace_bytes
 from ..models.loading import base_model, model_parts
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
@@ -203,10 +204,10 @@ class _Run:
         s = self.s
         cfg = base_model(s.model).config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        hidden, inter = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
-        vocab = s.head.weight.shape[0]
-        prefill = s.prefill_tokens * (6 * hidden + 3 * inter) * 2 + min(self.N, 1024) * vocab * 4 * 6
-        return prefill + (256 << 20)
+        inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+        itemsize = torch.empty((), dtype=s.cache_dtype).element_size()
+        return sampler_workspace_bytes(cfg.hidden_size, inter, s.head.weight.shape[0], self.N, s.prefill_tokens,
+                                       itemsize)
 
     # ------------------------------------------------------------------------------------------ main loop
     def execute(self) -> Rollout:
