@@ -88,9 +88,9 @@ def run_loop(args, root: Path) -> dict:
     phases = {}
     for name, tokens in (("generation", gen_tokens), ("rewards", None), ("reference", train_tokens),
                          ("update", train_tokens)):
-        t = last.get(f"time_s/{name}")
+        t = last.get(f"{name}_time_s")
         phases[name] = dict(seconds=t, tokens_per_s=tokens / t if tokens and t else None,
-                            peak_gib=last.get(f"peak_gib/{name}"))
+                            peak_gib=last.get(f"{name}_peak_gib"))
     step_s = last["step_time_s"]
     phase_peak = max(p["peak_gib"] for p in phases.values() if p["peak_gib"] is not None)
     return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, max_phase_peak_gib=phase_peak,

@@ -159,8 +159,8 @@ class GRPOTrainer:
         yield
         if cuda:
             torch.cuda.synchronize(self.device)
-            self.phase_stats[f"peak_gib/{name}"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        self.phase_stats[f"time_s/{name}"] = time.perf_counter() - start
+            self.phase_stats[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.phase_stats[f"{name}_time_s"] = time.perf_counter() - start
 
     def _step(self) -> dict:
         start = time.perf_counter()
@@ -186,7 +186,7 @@ class GRPOTrainer:
             "lr": self.scheduler.get_last_lr()[0],
             "rollout_time_s": rollout_s,
             "step_time_s": time.perf_counter() - start,
-            **self.phase_stats,  # time_s/ and peak_gib/ of generation, rewards, reference, update
+            **self.phase_stats,  # <phase>_time_s and <phase>_peak_gib of generation, rewards, reference, update
         }
         return metrics
 
