@@ -214,3 +214,80 @@ def test_rollout_correction_weights(mode):
         want = torch.clamp(R, max=2.0) if mode == "sequence_truncate" else R * (R <= 2.0)
     torch.testing.assert_close(w, want * mask)
     assert stats["sampler/logp_abs_diff"] == pytest.approx(float(((old - sampler).abs() * mask).sum() / mask.sum()))
+
+
+def test_refills_and_compaction_keep_results_exact():
+    """Sequences of different lengths (a stop id) through 3 slots: queueing, prompt prefills as slots free,
+    compaction into smaller buckets; every completion must still equal transformers' greedy one, cut at the stop."""
+    model, tok = tiny_model(seed=0)
+    n = 14
+    expected = [hf_greedy(model, p, n) for p in PROMPTS]
+    stop = expected[0][3]
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    sampler = Sampler(model, tok, kv_cache_bytes=per * (3 * n + 3 * 9), sync_every=2)
+    r = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=(stop,)))
+    cut = [e[:e.index(stop) + 1] if stop in e else e for e in expected]
+    assert r.completion_ids == [c for c in cut for _ in range(2)]
+    assert r.truncated == [stop not in e for e in expected for _ in range(2)]
+    stats = sampler.last_stats
+    assert stats["slots"] == 3 and stats["prefills"] > 1 and stats["compactions"] > 0, stats
+
+
+def test_bad_prompts_are_named():
+    model, tok = tiny_model()
+    with pytest.raises(ValueError, match="prompt 1 has token id 999"):
+        Sampler(model, tok).generate([[1, 2], [1, 999]], 2, SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        Sampler(model, tok).generate([[]], 2, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("slots", [3, 5])
+def test_logprobs_stay_exact_through_queueing_and_compaction(slots):
+    """Sampled sequences of random lengths through few slots: every returned log-prob equals the model's own
+    (a slot reading the wrong prompt prefix after a refill or compaction would show here)."""
+    model, tok = tiny_model(seed=5)
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    n, compactions = 20, 0
+    for seed in range(3):
+        for stop in (8, 13, 18):
+            sampler = Sampler(model, tok, kv_cache_bytes=per * (slots * n + (slots // 2 + 2) * 9), sync_every=3)
+            r = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, seed=seed, stop_token_ids=(stop,)))
+            compactions += sampler.last_stats["compactions"]
+            ids = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
+            width = max(map(len, ids))
+            batch = torch.tensor([s + [0] * (width - len(s)) for s in ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=batch).logits.float(), -1)
+            for row, (p, c, lps) in enumerate(zip(r.prompt_ids, r.completion_ids, r.logprobs)):
+                want = logp[row, len(p) - 1:len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(lps), want, atol=1e-4, rtol=1e-4)
+    assert compactions > 0
+
+
+def test_sequence_modes_report_changed_weights_only_when_capped():
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+    sampler = old - 0.01  # ratio ~1.01 per token: under any cap of 2
+    mask = torch.ones_like(old)
+    for mode in ("token_truncate", "sequence_truncate", "sequence_mask"):
+        _, stats = rollout_correction_weights(old, sampler, mask, mode, cap=2.0)
+        assert stats["sampler/is_weight_changed"] == 0.0, mode
+        assert stats["sampler/k3_kl"] >= 0.0
+    _, stats = rollout_correction_weights(old, old - 1.0, mask, "sequence_mask", cap=2.0)  # R = e² > 2: masked
+    assert stats["sampler/is_weight_changed"] == 1.0 and stats["sampler/is_weight_mean"] == 0.0
+
+
+def test_hf_backend_honours_stop_rules():
+    from longrl.config import GenerationConfig
+    from longrl.rollout import generate_completions
+
+    model, tok = tiny_model(seed=0)
+    free = [hf_greedy(model, p, 10) for p in PROMPTS]
+    stop = free[0][3]
+    gen = GenerationConfig(max_completion_length=10, temperature=1e-4, stop_token_ids=[stop], ignore_eos=True)
+    r = generate_completions(model, tok, PROMPTS, 1, gen, "cpu")
+    assert r.completion_ids == [f[:f.index(stop) + 1] if stop in f else f for f in free]
+    assert r.truncated == [stop not in f for f in free]
+    text = tok.decode(free[1])
+    gen = GenerationConfig(max_completion_length=10, temperature=1e-4, stop_strings=[text[4:6]], ignore_eos=True)
+    cut = generate_completions(model, tok, [PROMPTS[1]], 1, gen, "cpu").completion_ids[0]
+    assert text[4:6] in tok.decode(cut) and text[4:6] not in tok.decode(cut[:-1])

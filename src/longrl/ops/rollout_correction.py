@@ -37,12 +37,13 @@ def rollout_correction_weights(old_logps: torch.Tensor, sampler_logps: torch.Ten
         R = torch.clamp(R, max=cap) if mode == "sequence_truncate" else R * (R <= cap)
         w = R.expand_as(log_r)
     n = mask.sum().clamp(min=1.0)
-    d = -log_r  # log π_sampler − log π_old per token
+    r = torch.exp(log_r)
+    raw = r if mode.startswith("token") or mode == "none" else torch.exp(log_r.sum(-1, keepdim=True)).expand_as(r)
     stats = {
         "sampler/logp_abs_diff": float((log_r.abs() * mask).sum() / n),
-        "sampler/k3_kl": float(((torch.exp(d) - d - 1.0) * mask).sum() / n),  # KL(π_old ‖ π_sampler) estimate
+        # k3 on tokens drawn from the sampler: r − log r − 1 estimates KL(π_sampler ‖ π_old) ≥ 0
+        "sampler/k3_kl": float(((r - log_r - 1.0) * mask).sum() / n),
         "sampler/is_weight_mean": float((w * mask).sum() / n),
-        "sampler/is_weight_changed": float((((w - torch.exp(log_r)).abs() > 1e-6).to(mask.dtype) * mask).sum() / n)
-        if mode != "none" else 0.0,
+        "sampler/is_weight_changed": float((((w - raw).abs() > 1e-6).to(mask.dtype) * mask).sum() / n),
     }
     return (w * mask).detach(), stats

@@ -63,10 +63,22 @@ class DecodeMeta:
     entry_len: torch.Tensor | None = None  # [P] long: prompt length of each prefix entry
 
 
-def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale):
+def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
+                               members=None, prompt_len=None):
     """Plain PyTorch decode attention. q [B, Hq, D]; k_pre/v_pre [P, Hkv, Lp, D]; k_suf/v_suf [≥B, Hkv, T, D];
-    prefix_index, prefix_len, suffix_len [B] (suffix_len: valid slot-store keys). Returns [B, Hq, D]."""
+    prefix_index, prefix_len, suffix_len [B] (suffix_len: valid slot-store keys). Returns [B, Hq, D].
+
+    With members [P, G] (slots of each prefix entry, −1: none) and prompt_len [P], the prefix of each slot is
+    found through that table, as the grouped Triton kernel finds it (a slot listed nowhere has no prefix)."""
     B, Hq, D = q.shape
+    if members is not None:
+        listed = members >= 0
+        if bool((members[listed] >= B).any()):
+            raise RuntimeError("prefix table lists a slot outside the decode batch")
+        entry = torch.full((B,), -1, dtype=torch.long, device=q.device)
+        entry[members[listed]] = torch.nonzero(listed)[:, 0]
+        prefix_index = entry.clamp(min=0)
+        prefix_len = torch.where(entry >= 0, prompt_len[prefix_index], torch.zeros_like(prefix_index))
     Hkv, Lp, T = k_pre.shape[1], k_pre.shape[2], k_suf.shape[2]
     k = torch.cat([k_pre[prefix_index], k_suf[:B]], dim=2).float()  # [B, Hkv, Lp + T, D]
     v = torch.cat([v_pre[prefix_index], v_suf[:B]], dim=2).float()
@@ -109,7 +121,7 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
 
         out = decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len)
     else:
-        out = decode_attention_reference(*args)
+        out = decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len)
     return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]
 
 

@@ -6,6 +6,7 @@ import torch
 
 from ..policy import compute_context
 from .sampler import Rollout
+from .sampling import stop_index
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,17 +22,20 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen_cfg,
                          device, batch_size: int = 256) -> Rollout:
-    """``num_generations`` sampled completions per prompt (contiguous per prompt), in eval mode."""
+    """``num_generations`` sampled completions per prompt (contiguous per prompt), in eval mode. Honours the
+    same stop rules as longrl's sampler: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop_strings``."""
     from transformers import GenerationConfig
 
     eos_ids = tokenizer.eos_token_id
-    eos_set = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    eos = [] if gen_cfg.ignore_eos or eos_ids is None else (eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    stop_ids = set(eos) | set(gen_cfg.stop_token_ids)
+    stop_strings = tuple(gen_cfg.stop_strings)
     generation_config = GenerationConfig(
         do_sample=True, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
         top_k=gen_cfg.top_k or None, min_p=gen_cfg.min_p or None, repetition_penalty=gen_cfg.repetition_penalty,
-        max_new_tokens=gen_cfg.max_completion_length, eos_token_id=list(eos_set), pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
+        max_new_tokens=gen_cfg.max_completion_length, eos_token_id=sorted(stop_ids) or None,
+        pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )  # stop strings are cut afterwards: transformers' StopStringCriteria cannot read every tokenizer's vocab
     expanded = [p for p in prompt_ids for _ in range(num_generations)]
     was_training = model.training
     model.eval()
@@ -43,7 +47,10 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
             with compute_context(model):
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
             for row in out[:, ids.shape[1]:].tolist():
-                cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), None)
+                cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
+                j = stop_index(row[:cut], stop_strings, tokenizer.decode)
+                if j is not None:
+                    cut = j + 1
                 completions.append(row[:cut] if cut is not None else row)
                 truncated.append(cut is None)
     finally:

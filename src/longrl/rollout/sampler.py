@@ -80,8 +80,15 @@ class Sampler:
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1; got {num_generations}")
+        vocab = self.head.weight.shape[0]
+        for row, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt {row} is empty: every prompt needs at least one token")
+            bad = next((t for t in p if not 0 <= int(t) < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {row} has token id {bad}, outside the model's vocabulary [0, {vocab})")
         max_prompt = max(len(p) for p in prompt_ids)
         reason = unsupported_reason(base_model(self.model).config, max_prompt + params.max_new_tokens)
         if reason:
@@ -196,7 +203,7 @@ class _Run:
             while slots > 0 and need(slots) > budget:
                 slots = min(slots - 1, int(slots * budget / need(slots)))
         if slots < 1:
-            raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB cannot hold one sequence of "
+            raise MemoryError(f"KV cache budget {(budget or 0) / 2**30:.2f} GiB cannot hold one sequence of "
                               f"{self.Lp} + {self.T} tokens (needs {need(1) / 2**30:.2f} GiB)")
         return slots, min(P_total, math.ceil(slots / self.G) + 1)
 
@@ -422,3 +429,4 @@ class _Run:
             self.slot_seq[k], self.slot_gen[k], self.slot_checked[k] = seq, gen, checked
         self.active[len(occupied):] = False
         self.stats["compactions"] += 1
+        self._refresh_members()
