@@ -4,6 +4,7 @@ quantization step), the tokenizer and chat template round-trip, a 4-bit base mer
 inputs fail before any output appears."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,6 +275,11 @@ def test_non_empty_output_needs_overwrite(llama_ckpt, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     export_checkpoint(llama_ckpt[0], out, fmt="adapter", overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "adapter_model.safetensors").is_file()
+    ckpt = Path(llama_ckpt[0])
+    for inside in (ckpt, ckpt.parent):  # the checkpoint itself or its run directory: refused, nothing removed
+        with pytest.raises(ExportError, match="holds the checkpoint"):
+            export_checkpoint(ckpt, inside, fmt="adapter", overwrite=True)
+    assert (ckpt / "trainer_state.json").is_file()
 
 
 def test_full_weight_checkpoint_merges_and_refuses_adapter(tmp_path):

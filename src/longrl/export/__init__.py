@@ -60,7 +60,11 @@ def _check_gguf(ckpt: Checkpoint, quant: str) -> None:
         raise ExportError(f"checkpoint {ckpt.path}: {e}") from e
 
 
-def _prepare_output(output_dir: Path, overwrite: bool) -> None:
+def _prepare_output(output_dir: Path, overwrite: bool, checkpoint: Path) -> None:
+    out, ckpt = output_dir.resolve(), checkpoint.resolve()
+    if out == ckpt or out in ckpt.parents:
+        raise ExportError(f"output {output_dir} holds the checkpoint {checkpoint}: exporting there would replace it; "
+                          "choose another output directory")
     if output_dir.exists() and not output_dir.is_dir():
         raise ExportError(f"output {output_dir} exists and is not a directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
@@ -76,7 +80,7 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     ckpt = read_checkpoint(checkpoint)
     output_dir = Path(output_dir).expanduser()
-    _prepare_output(output_dir, overwrite)
+    _prepare_output(output_dir, overwrite, Path(ckpt.path))
     from .hf import merged_dtype, write_adapter, write_card, write_merged
 
     torch_dtype = merged_dtype(ckpt, dtype) if fmt == "merged" else None
