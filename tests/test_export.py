@@ -364,10 +364,8 @@ def test_qlora_checkpoint_exports_merged_with_trained_logits(tmp_path):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
 
-    from longrl.config import ModelConfig
+    from longrl.models import base_model
 
-    if not hasattr(ModelConfig(), "load_in_4bit"):
-        pytest.skip("this build has no model.load_in_4bit")
     cfg = load_config(None, ["train.max_steps=1", "train.prompts_per_step=2", "grpo.num_generations=4",
                              "train.micro_batch_size=8", "output.progress_bar=false", "output.tensorboard=false",
                              "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05", "model.load_in_4bit=true",
@@ -378,6 +376,8 @@ def test_qlora_checkpoint_exports_merged_with_trained_logits(tmp_path):
     want = _logits(trained)
     with trained.disable_adapter():
         assert (_logits(trained) - want).abs().max() > 1e-2
+    state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["quant_kept"] == sorted(base_model(trained).longrl_quant_report.kept)  # export rebuilds this set
     merged = AutoModelForCausalLM.from_pretrained(
         export_checkpoint(tmp_path / "run", tmp_path / "merged", fmt="merged", dtype="float32"))
     assert torch.allclose(_logits(merged), want, atol=1e-4, rtol=0)

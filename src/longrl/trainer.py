@@ -336,6 +336,9 @@ class GRPOTrainer:
         dtype = base_model(self.model).get_input_embeddings().weight.dtype
         state = {"data_position": self.sampler.position, "config": self.cfg.to_dict(),
                  "model_dtype": str(dtype).removeprefix("torch.")}
+        report = getattr(base_model(self.model), "longrl_quant_report", None)
+        if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
+            state["quant_kept"] = sorted(report.kept)
         frozen = (frozen_base_weights(self.model)
                   if self.cfg.model.name_or_path == TINY_NAME and hasattr(self.model, "peft_config") else None)
         path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,

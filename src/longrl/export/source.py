@@ -103,6 +103,8 @@ def load_base(ckpt: Checkpoint, device: str = "cpu"):
     accepted = set(inspect.signature(load_model).parameters) - {"name_or_path", "lora", "device", "dtype", "seed",
                                                                  "gradient_checkpointing", "attn_implementation"}
     kwargs = {k: v for k, v in ckpt.model.items() if k in accepted}
+    if ckpt.state.get("quant_kept") is not None:  # the 16-bit exceptions training chose, not a re-scoring here
+        kwargs.update(quant_keep_modules=list(ckpt.state["quant_kept"]), quant_exception_budget=0.0)
     try:
         model, _ = load_model(ckpt.base_name, lora=None, dtype=ckpt.dtype, device=device,
                               seed=int(ckpt.config.get("train", {}).get("seed", 0)), **kwargs)
