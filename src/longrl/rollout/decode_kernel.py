@@ -1,12 +1,17 @@
 """Triton decode attention over a shared prompt prefix and a per-sequence suffix (GPU fast path).
 
-Twin of :func:`longrl.rollout.attention.decode_attention_reference` (tests compare them on the GPU). One
-program per (sequence b, key head h) reads the prefix keys of b's prompt and b's own suffix keys in blocks,
-with an online softmax over both (m: running max, l: running normaliser, acc: running Σ p·v):
+Twin of :func:`longrl.rollout.attention.decode_attention_reference` (tests/test_decode_kernel.py compares them
+on the CPU through Triton's interpreter; benchmarks/rollout_speed.py on the GPU). The keys of a
+sequence are cut into chunks of CHUNK positions, each handled by its own program (split-K, so that few long
+sequences still fill the GPU); a program keeps an online softmax over its chunk (m: running max, l: running
+normaliser, acc: running Σ p·v):
 
     m' = max(m, max_t s_t),  l' = l·e^(m−m') + Σ_t e^(s_t−m'),  acc' = acc·e^(m−m') + Σ_t e^(s_t−m') v_t
 
-The lengths are read on the device, so one launch serves any lengths (CUDA-graph safe, no host sync).
+and the partials (m_c, l_c, acc_c) of all chunks merge as  o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c,
+M = max_c m_c. With a prefix-entry table (``members``), each prompt's keys are read once for all the sequences
+sharing it (one program per prompt and key head, every sequence's query heads as rows), and those partials
+join the merge. Lengths are read on the device: one launch serves any lengths (CUDA-graph safe, no host sync).
 """
 
 from __future__ import annotations
@@ -15,22 +20,25 @@ import torch
 import triton
 import triton.language as tl
 
+BLOCK = 64
+
 
 @triton.jit
-def _attend_block(q, k_ptr, v_ptr, stride_t, length, m, l, acc, scale,
-                  D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
+            D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]."""
     dims = tl.arange(0, DP)
-    for start in range(0, length, BLOCK):
-        t = start + tl.arange(0, BLOCK)
-        in_range = t < length
+    for off in range(0, CHUNK, BLOCK):
+        t = start + off + tl.arange(0, BLOCK)
+        in_range = t < end
         ok = in_range[:, None] & (dims[None, :] < D)
         k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
         v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale  # [R, BLOCK] float32
         s = tl.where(in_range[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+        p = tl.where(in_range[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
@@ -39,11 +47,11 @@ def _attend_block(q, k_ptr, v_ptr, stride_t, length, m, l, acc, scale,
 
 @triton.jit
 def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
-                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem,
+                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART,
                    REP: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, LP: tl.constexpr):
     """One program per (prompt entry p, key head h): the queries of every sequence sharing prompt p (G × REP
-    rows) against p's keys, read once; writes each row's partial (m, l, acc)."""
+    rows) against p's keys, read once; writes each row's partial into column 0 of the partial buffers."""
     p = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, R)  # row = member j · REP + r
@@ -54,53 +62,61 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
     slot = tl.where(row_ok, slot, 0).to(tl.int64)
     dims = tl.arange(0, DP)
     io_mask = row_ok[:, None] & (dims[None, :] < D)
-    q_rows = slot * stride_qb + (h * REP + r) * stride_qh
-    q = tl.load(Q + q_rows[:, None] + dims[None, :], mask=io_mask, other=0.0)
+    q = tl.load(Q + (slot * stride_qb + (h * REP + r) * stride_qh)[:, None] + dims[None, :], mask=io_mask, other=0.0)
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
     p_len = tl.load(PLEN_P + p).to(tl.int32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
-    m, l, acc = _attend_block(q, KP + base, VP + base, stride_pt, p_len, m, l, acc, scale, D, DP, BLOCK)
-    out_rows = slot * (stride_qb // stride_qh) + h * REP + r  # index into [S·Hq] partial buffers
-    tl.store(M_OUT + out_rows, m, mask=row_ok)
-    tl.store(L_OUT + out_rows, l, mask=row_ok)
-    tl.store(ACC_OUT + out_rows[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
+    m, l, acc = _attend(q, KP + base, VP + base, stride_pt, 0, p_len, m, l, acc, scale, D, DP, BLOCK, LP)
+    part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART  # column 0 of row (slot, head)
+    tl.store(M_OUT + part, m, mask=row_ok)
+    tl.store(L_OUT + part, l, mask=row_ok)
+    tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
 
 
 @triton.jit
-def _decode_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, OUT, M_IN, L_IN, ACC_IN, scale,
-                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st,
-                   stride_ob, stride_oh,
-                   REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                   GROUPED: tl.constexpr):
+def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, scale,
+                  stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st, NPART,
+                  FIRST: tl.constexpr, NPRE: tl.constexpr, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
+    when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     rows = tl.arange(0, R)  # query heads of this key head, padded to R ≥ 16 for tl.dot
     dims = tl.arange(0, DP)
-    row_ok = rows[:, None] < REP
-    io_mask = row_ok & (dims[None, :] < D)
+    row_ok = rows < REP
+    io_mask = row_ok[:, None] & (dims[None, :] < D)
     q = tl.load(Q + b * stride_qb + (h * REP + rows)[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
-    s_len = tl.load(SLEN + b).to(tl.int32)
-    if GROUPED:  # the prefix part came from _prefix_kernel
-        part = b.to(tl.int64) * (stride_qb // stride_qh) + h * REP + rows
-        m = tl.load(M_IN + part, mask=rows < REP, other=float("-inf"))
-        l = tl.load(L_IN + part, mask=rows < REP, other=0.0)
-        acc = tl.load(ACC_IN + part[:, None] * DP + dims[None, :], mask=row_ok, other=0.0)
-    else:
-        m = tl.full([R], float("-inf"), tl.float32)
-        l = tl.zeros([R], tl.float32)
-        acc = tl.zeros([R, DP], tl.float32)
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, DP], tl.float32)
+    if c < NPRE:
         p_idx = tl.load(PIDX + b).to(tl.int64)
-        p_len = tl.load(PLEN + b).to(tl.int32)
-        m, l, acc = _attend_block(q, KP + p_idx * stride_pp + h * stride_ph, VP + p_idx * stride_pp + h * stride_ph,
-                                  stride_pt, p_len, m, l, acc, scale, D, DP, BLOCK)
-    m, l, acc = _attend_block(q, KS + b.to(tl.int64) * stride_sb + h * stride_sh,
-                              VS + b.to(tl.int64) * stride_sb + h * stride_sh, stride_st, s_len, m, l, acc, scale,
-                              D, DP, BLOCK)
-    out = acc / l[:, None]
-    tl.store(OUT + b * stride_ob + (h * REP + rows)[:, None] * stride_oh + dims[None, :],
-             out.to(OUT.dtype.element_ty), mask=io_mask)
+        end = tl.load(PLEN + b).to(tl.int32)
+        start = c * CHUNK
+        if start < end:
+            base = p_idx * stride_pp + h * stride_ph
+            m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK)
+    else:
+        end = tl.load(SLEN + b).to(tl.int32)
+        start = (c - NPRE) * CHUNK
+        if start < end:
+            base = b.to(tl.int64) * stride_sb + h * stride_sh
+            m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK)
+    part = (b.to(tl.int64) * (stride_qb // stride_qh) + h * REP + rows) * NPART + FIRST + c
+    tl.store(M_OUT + part, m, mask=row_ok)
+    tl.store(L_OUT + part, l, mask=row_ok)
+    tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
+
+
+def _chunk_size(positions: int, programs: int) -> int:
+    """Keys per program: enough chunks that B × Hkv × chunks ≳ 2048 programs, each chunk 64–1024 positions."""
+    want = max(1, -(-2048 // max(programs, 1)))
+    chunk = triton.next_power_of_2(max(1, -(-positions // want)))
+    return min(1024, max(BLOCK, chunk))
 
 
 def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
@@ -110,29 +126,36 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry)."""
     B, Hq, D = q.shape
-    P, Hkv = k_pre.shape[0], k_pre.shape[1]
+    P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
+    T = k_suf.shape[2]
     q = q.contiguous()
-    out = torch.empty_like(q)
     rep = Hq // Hkv
     DP = max(16, triton.next_power_of_2(D))
     grouped = members is not None and members.shape[1] * rep <= 64
+    chunk = _chunk_size(T, B * Hkv)
+    n_suf = -(-T // chunk)
+    n_pre = 0 if grouped else -(-Lp // chunk)
+    first = 1 if grouped else 0  # column 0: the grouped prefix partial
+    npart = first + n_pre + n_suf
+    # every column of every row is written below, except rows of slots that no prefix entry lists (column 0)
+    m_part = torch.full((B * Hq * npart,), float("-inf"), dtype=torch.float32, device=q.device)
+    l_part = torch.zeros_like(m_part)
+    acc_part = torch.zeros(B * Hq * npart, DP, dtype=torch.float32, device=q.device)
+    strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     if grouped:
         G = members.shape[1]
-        # rows of slots listed under no entry (free slots below B) keep an empty prefix part
-        m_part = torch.full((B * Hq,), float("-inf"), dtype=torch.float32, device=q.device)
-        l_part = torch.zeros_like(m_part)
-        acc_part = torch.zeros(B * Hq, DP, dtype=torch.float32, device=q.device)
         _prefix_kernel[(P, Hkv)](
-            q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale),
-            q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2), members.stride(0),
-            REP=rep, G=G, R=max(16, triton.next_power_of_2(G * rep)), D=D, DP=DP, BLOCK=64, num_warps=4,
-            num_stages=2)
-    else:
-        m_part = l_part = acc_part = out  # unused
-    _decode_kernel[(B, Hkv)](
-        q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, out, m_part, l_part, acc_part,
-        float(scale), q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2),
-        k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), out.stride(0), out.stride(1),
-        REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=64, GROUPED=grouped, num_warps=4,
-        num_stages=2)
-    return out
+            q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
+            members.stride(0), npart, REP=rep, G=G, R=max(16, triton.next_power_of_2(G * rep)), D=D, DP=DP,
+            BLOCK=BLOCK, LP=-(-Lp // BLOCK) * BLOCK, num_warps=4, num_stages=2)
+    _chunk_kernel[(B, Hkv, n_pre + n_suf)](
+        q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
+        *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
+        FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=BLOCK,
+        CHUNK=chunk, num_warps=4, num_stages=2)
+    m = m_part.view(B, Hq, npart)
+    top = m.amax(-1, keepdim=True)
+    weight = torch.exp(m - torch.where(torch.isinf(top), torch.zeros_like(top), top))  # e^(m_c − M), 0 for −inf
+    denom = (weight * l_part.view(B, Hq, npart)).sum(-1, keepdim=True)
+    out = (weight[..., None] * acc_part.view(B, Hq, npart, DP)).sum(2)[..., :D] / denom
+    return out.to(q.dtype)
