@@ -79,7 +79,7 @@ def run_loop(args, root: Path) -> dict:
     validate(cfg)
     torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
-    history = trainer.train()
+    history = trainer.train()  # metrics.jsonl in the run dir has every step's phases as they finish
     step_peak = torch.cuda.max_memory_allocated() / GIB
     last = history[-1]
     n_seq = args.prompts * args.G
@@ -160,6 +160,13 @@ def main() -> None:
     ap.add_argument("--no-cli-smoke", action="store_true")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "huggingface_hub", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for phases in ("longrl.trainer", "longrl.rollout.sampler"):  # each phase as it ends: a timeout still shows them
+        logging.getLogger(phases).setLevel(logging.DEBUG)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         smoke = {"ok": None} if args.no_cli_smoke else cli_smoke(root)

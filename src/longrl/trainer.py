@@ -161,6 +161,7 @@ class GRPOTrainer:
             torch.cuda.synchronize(self.device)
             self.phase_stats[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.phase_stats[f"{name}_time_s"] = time.perf_counter() - start
+        log.debug("step %d %s: %.2f s", self.step_idx + 1, name, self.phase_stats[f"{name}_time_s"])
 
     def _step(self) -> dict:
         start = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -99,9 +100,13 @@ class Sampler:
         self.model.eval()
         base.set_attn_implementation(SAMPLER_ATTENTION)
         try:
+            start = time.perf_counter()
             run = _Run(self, prompt_ids, num_generations, params)
             rollout = run.execute()
-            self.last_stats = run.stats
+            self.last_stats = {**run.stats, "seconds": time.perf_counter() - start,
+                               "tokens": sum(len(c) for c in rollout.completion_ids)}
+            log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
+                      "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
             return rollout
         finally:
             base.set_attn_implementation(saved_impl)
