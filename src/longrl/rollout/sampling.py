@@ -2,7 +2,8 @@
 
 The processing order is transformers' ``generate``: repetition penalty, then temperature, top-k, top-p, min-p.
 The token is drawn with the exponential race  argmax_v p_v / E_v,  E_v ~ Exp(1)  (an exact draw from p), from
-a seeded generator, so a run is reproducible. The log-prob returned per token is log softmax(z / T) at the
+a seeded generator, so a run is reproducible for a given slot layout (the draws of a step are one [B, V] batch:
+the same seed with a different number of slots gives other tokens). The log-prob returned per token is log softmax(z / T) at the
 sampled token — the same quantity the trainer computes (no penalty, no filtering), so that
 exp(trainer − sampler) measures the numerical mismatch between the two and nothing else.
 """
