@@ -5,9 +5,12 @@ optimizer state), G=8, 512-token prompts, completions of exactly --completion to
 offloaded checkpointing with the planner, longrl's sampler. Per phase: wall time, tokens/s, peak GPU memory
 (the trainer's own phase metrics), from the last of --steps steps (the first one captures CUDA graphs).
 Also a smoke run of the real CLI (`longrl train` on a tiny model directory + JSONL, checkpoint and resume).
+`--impl trl` runs TRL 1.15's `GRPOTrainer.train()` on the same shape and data instead (its transformers
+`generate` path: vLLM cannot be installed on the GPU machine), as the anchor: whole-step time and peak.
 
     python benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2
     python benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 --steps 1
+    python benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2 --impl trl
     python benchmarks/grpo_e2e.py --cli-smoke-only
 """
 
@@ -100,6 +103,67 @@ def run_loop(args, root: Path) -> dict:
                 history=[{k: v for k, v in h.items() if not isinstance(v, str)} for h in history])
 
 
+def run_trl(args, root: Path) -> dict:
+    """TRL's own loop on the same model shape, LoRA, data and reward: GRPOTrainer.train() for --steps steps,
+    4 prompts × 8 completions an optimizer step (batch 8 × 4 accumulation steps), generation forced to exactly
+    --completion tokens (min_new_tokens), gradient checkpointing, bf16, beta 0.04."""
+    import random
+
+    from peft import LoraConfig as PeftLoraConfig
+    from transformers import TrainerCallback
+
+    tb._import_trl()
+    from trl import GRPOConfig, GRPOTrainer
+
+    import huggingface_hub.constants as hf_constants
+
+    hf_constants.HF_HUB_DISABLE_TELEMETRY = True
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    model = tb.build_random_model(args.shape, dev, torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa")
+    tok = tb.make_tokenizer(model)
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    data, _ = write_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
+    prompts = [json.loads(line)["prompt"] for line in open(data)]
+    n_seq = args.prompts * args.G
+    per_device = min(n_seq, 8)
+    config = GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=per_device,
+                        gradient_accumulation_steps=n_seq // per_device, num_generations=args.G,
+                        max_completion_length=args.completion, generation_kwargs={"min_new_tokens": args.completion},
+                        temperature=1.0, beta=0.04, learning_rate=1e-5, max_steps=args.steps,
+                        gradient_checkpointing=True, bf16=cuda, use_cpu=not cuda, report_to=[], logging_steps=1,
+                        save_strategy="no", seed=0, dataloader_num_workers=0)
+    dataset = sys.modules["datasets"].Dataset.from_dict({"prompt": prompts * args.steps})
+    times, peaks = [], []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated() / GIB)
+            times.append(time.perf_counter() - self.start)
+            print(f"TRL step {len(times)}: {times[-1]:.2f} s", flush=True)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [random.random() for _ in completions],
+                          args=config, train_dataset=dataset, processing_class=tok,
+                          peft_config=PeftLoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear",
+                                                     task_type="CAUSAL_LM"),
+                          callbacks=[StepClock()])
+    trainer.train()
+    lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
+    return dict(step_seconds=times[-1], step_times=times, step_peak_gib=peaks[-1] if peaks else None,
+                mean_completion_length=lengths[-1] if lengths else None,
+                generated_tokens_per_s=n_seq * args.completion / times[-1])
+
+
 def cli_smoke(root: Path) -> dict:
     """`longrl train` on a tiny model directory and a JSONL file for 2 steps, then resumed to 3 (on this GPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -158,6 +222,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--cli-smoke-only", action="store_true")
     ap.add_argument("--no-cli-smoke", action="store_true")
+    ap.add_argument("--impl", default="longrl", choices=["longrl", "trl"])
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     import logging
@@ -174,9 +239,38 @@ def main() -> None:
         if args.cli_smoke_only:
             return
         start = time.perf_counter()
+        if args.impl == "trl":
+            result = run_trl(args, root)
+            print("trl:", result, flush=True)
+            write_trl(args, result)
+            return
         result = run_loop(args, root)
     result["wall_seconds"] = time.perf_counter() - start
     write(args, result, smoke)
+
+
+def write_trl(args, r: dict) -> None:
+    import transformers
+    import trl
+
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
+                transformers=transformers.__version__, trl=trl.__version__, command="python " + " ".join(sys.argv))
+    stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{'h200' if gpu != 'CPU' else 'cpu'}_trl"
+    (out / f"{stem}.json").write_text(json.dumps({**meta, **vars(args), **r}, indent=2, default=str))
+    peak = f"{r['step_peak_gib']:.2f} GiB" if r["step_peak_gib"] is not None else "–"
+    lines = [f"# TRL {meta['trl']} GRPOTrainer.train(), {args.shape} shape, {gpu}", "",
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
+             f"{args.prompts} prompts × {args.G} completions forced to {args.completion} tokens (`min_new_tokens`), "
+             "transformers `generate` (vLLM is not installable on the GPU machine), LoRA r=32 all-linear, gradient "
+             "checkpointing, bf16, beta 0.04.", "",
+             f"Step {args.steps} of {args.steps}: **{r['step_seconds']:.2f} s** ({r['generated_tokens_per_s']:,.0f} "
+             f"generated tokens/s over the whole step), peak {peak}; mean completion length "
+             f"{r['mean_completion_length']}. All steps: {', '.join(f'{t:.1f}' for t in r['step_times'])} s."]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def write(args, r: dict, smoke: dict) -> None:
