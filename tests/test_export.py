@@ -79,13 +79,22 @@ def _checkpoint_with_random_lora(tmp_path, family):
     return path, model.eval()
 
 
+def varied_reward(root) -> str:
+    """A rewards override whose values differ within a group almost surely (the demo task's rewards are all
+    zero for a random model's first steps, which would leave the adapter untrained)."""
+    path = root / "varied_reward.py"
+    path.write_text("def token_sum(completions, completion_ids, **kwargs):\n"
+                    "    return [float(sum(ids) % 7) for ids in completion_ids]\n")
+    return f"rewards=[{{function: '{path}:token_sum'}}]"
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """Two real GRPO steps of the builtin demo model with LoRA (a high learning rate so the adapter matters)."""
     out = tmp_path_factory.mktemp("tiny-run")
     cfg = load_config(None, ["train.max_steps=2", "train.prompts_per_step=2", "grpo.num_generations=4",
                              "train.micro_batch_size=8", "output.progress_bar=false", "output.tensorboard=false",
-                             "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05",
+                             "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05", varied_reward(out),
                              f"output.output_dir={out}"], base=demo_config())
     trainer = GRPOTrainer(cfg)
     trainer.train()
@@ -369,7 +378,7 @@ def test_qlora_checkpoint_exports_merged_with_trained_logits(tmp_path):
     cfg = load_config(None, ["train.max_steps=1", "train.prompts_per_step=2", "grpo.num_generations=4",
                              "train.micro_batch_size=8", "output.progress_bar=false", "output.tensorboard=false",
                              "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05", "model.load_in_4bit=true",
-                             f"output.output_dir={tmp_path / 'run'}"], base=demo_config())
+                             varied_reward(tmp_path), f"output.output_dir={tmp_path / 'run'}"], base=demo_config())
     trainer = GRPOTrainer(cfg)
     trainer.train()
     trained = trainer.model.eval()

@@ -153,8 +153,7 @@ def test_sampled_frequencies_match_the_distribution(params):
     torch.manual_seed(0)
     logits = torch.randn(1, 24) * 2
     draws = 40_000
-    gen = torch.Generator().manual_seed(1)
-    tokens, logps = next_tokens(logits.expand(draws, -1), params, gen)
+    tokens, logps = next_tokens(logits.expand(draws, -1), params, torch.arange(draws), torch.full((draws,), 3))
     probs = sampling_distribution(logits, params)[0].exp()
     counts = torch.bincount(tokens, minlength=24).double()
     assert counts[probs == 0].sum() == 0  # nothing drawn outside the filters
@@ -291,3 +290,32 @@ def test_hf_backend_honours_stop_rules():
     gen = GenerationConfig(max_completion_length=10, temperature=1e-4, stop_strings=[text[4:6]], ignore_eos=True)
     cut = generate_completions(model, tok, [PROMPTS[1]], 1, gen, "cpu").completion_ids[0]
     assert text[4:6] in tok.decode(cut) and text[4:6] not in tok.decode(cut[:-1])
+
+
+def test_uniforms_are_uniform_and_keyed():
+    from longrl.rollout.sampling import uniform_for
+
+    seq = torch.arange(200_000)
+    u = uniform_for(7, seq, torch.zeros_like(seq))
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.histc(u.float(), bins=20, min=0.0, max=1.0)  # chi-square, 19 dof, p = 1e-4 bound 50.1
+    assert float(((counts - 10_000) ** 2 / 10_000).sum()) < 50.1
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01  # neighbours independent
+    again = uniform_for(7, seq[:5], torch.zeros(5, dtype=torch.long))
+    assert torch.equal(again, u[:5])  # a pure function of (seed, sequence, position)
+    assert not torch.equal(uniform_for(8, seq[:5], torch.zeros(5, dtype=torch.long)), again)
+    assert not torch.equal(uniform_for(7, seq[:5], torch.ones(5, dtype=torch.long)), again)
+
+
+def test_sampled_completions_do_not_depend_on_the_slot_layout():
+    """Same seed: all 8 sequences at once, or 3 slots with queueing, refills and compaction, give the same
+    completions (each random number is keyed by sequence and position, not by slot)."""
+    model, tok = tiny_model(seed=5)
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=20, seed=4, top_p=0.9, stop_token_ids=(13,))
+    wide = Sampler(model, tok, sync_every=5).generate(PROMPTS, 2, params)
+    narrow_sampler = Sampler(model, tok, kv_cache_bytes=per * (3 * 20 + 3 * 9), sync_every=2)
+    narrow = narrow_sampler.generate(PROMPTS, 2, params)
+    assert narrow_sampler.last_stats["slots"] == 3
+    assert narrow.completion_ids == wide.completion_ids
+    assert len({len(c) for c in wide.completion_ids}) > 1  # lengths differ: the layouts really diverge

@@ -171,7 +171,7 @@ class _Run:
         self.members = torch.full((self.P, G), -1, **long)  # slots reading each prefix entry (grouped kernel)
         self.entry_len = torch.zeros(self.P, **long)
         self.logits_buf = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
-        self.generator = torch.Generator(device=dev).manual_seed(params.seed)
+        self.seq_id = torch.zeros(S, **long)  # the sequence (0..N-1) in each slot: keys its random numbers
         self.buckets = batch_buckets(S)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None
@@ -311,7 +311,9 @@ class _Run:
             for slot, p in zip(slots.tolist(), prompts):
                 self.seen[slot, torch.tensor(self.prompts[p], device=dev)] = True
             seen = self.seen[slots]
-        tok, lp = next_tokens(self.prompt_logits[entry], self.params, self.generator, seen)
+        sequences = torch.tensor([a[1] for a in admitted], device=dev)
+        self.seq_id[slots] = sequences
+        tok, lp = next_tokens(self.prompt_logits[entry], self.params, sequences, torch.zeros_like(sequences), seen)
         self.tokens[slots, 0], self.logps[slots, 0] = tok, lp
         if self.seen is not None:
             self.seen[slots, tok] = True
@@ -352,7 +354,7 @@ class _Run:
         rows = torch.arange(B, device=self.s.device)
         act = self.active[:B]
         seen = self.seen[:B] if self.seen is not None else None
-        tok, lp = next_tokens(self.logits_buf[:B], self.params, self.generator, seen)
+        tok, lp = next_tokens(self.logits_buf[:B], self.params, self.seq_id[:B], self.gen_count[:B], seen)
         idx = self.gen_count[:B].clamp(max=self.T - 1)
         self.tokens[rows, idx] = torch.where(act, tok, self.tokens[rows, idx])
         self.logps[rows, idx] = torch.where(act, lp, self.logps[rows, idx])
@@ -425,7 +427,7 @@ class _Run:
         for buf in (self.cache.k_suf, self.cache.v_suf):
             buf[:, dst] = buf[:, src]
         tensors = [self.cur_tok, self.position, self.prefix_index, self.prefix_len, self.write_index, self.gen_count,
-                   self.active, self.tokens, self.logps] + ([self.seen] if self.seen is not None else [])
+                   self.active, self.tokens, self.logps, self.seq_id] + ([self.seen] if self.seen is not None else [])
         for t in tensors:
             t[dst] = t[src]
         moved = [(self.slot_seq[i], self.slot_gen[i], self.slot_checked[i]) for i in occupied]

@@ -1,9 +1,10 @@
 """Sampling parameters and the logits → next-token step of the sampler, on the device, without host syncs.
 
 The processing order is transformers' ``generate``: repetition penalty, then temperature, top-k, top-p, min-p.
-The token is drawn with the exponential race  argmax_v p_v / E_v,  E_v ~ Exp(1)  (an exact draw from p), from
-a seeded generator, so a run is reproducible for a given slot layout (the draws of a step are one [B, V] batch:
-the same seed with a different number of slots gives other tokens). The log-prob returned per token is log softmax(z / T) at the
+The token is drawn by inverting the distribution's CDF at one uniform number per sequence and position,
+u = hash(seed, sequence, position) (splitmix64, counter-based): token = min{v : Σ_{w ≤ v} p_w > u}, an exact
+draw from p. Because u depends on nothing but those three integers, a completion is the same whatever slot,
+batch or order it is decoded in, so runs (and resumed runs) are reproducible for a seed. The log-prob returned per token is log softmax(z / T) at the
 sampled token — the same quantity the trainer computes (no penalty, no filtering), so that
 exp(trainer − sampler) measures the numerical mismatch between the two and nothing else.
 """
@@ -77,9 +78,33 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams, seen: to
     return torch.log_softmax(filter_logits(z / max(params.temperature, 1e-6), params), dim=-1)
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+_GOLDEN, _MIX1, _MIX2 = (0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64,
+                         0x94D049BB133111EB - 2 ** 64)  # splitmix64 constants as signed int64
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on signed integers)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic): a bijective, well-mixed hash."""
+    z = x + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def uniform_for(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """u ∈ [0, 1) float64 [B] from (seed, sequence id [B], position [B]); 53 random bits each."""
+    z = _splitmix64(_splitmix64(_splitmix64(torch.full_like(sequence, seed)) ^ sequence) ^ position)
+    return _shift_right(z, 11).to(torch.float64) / float(2 ** 53)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor, position: torch.Tensor,
                 seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B] long, log-probs [B] float32) for logits [B, V]; see the module docstring."""
+    """(tokens [B] long, log-probs [B] float32) for logits [B, V]; sequence, position [B] long key each row's
+    random number (see the module docstring)."""
     z = logits.float()
     penalised = apply_repetition_penalty(z, seen, params.repetition_penalty) if seen is not None else z
     if params.greedy:
@@ -87,8 +112,9 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]
         return tokens, logprobs
     filtered = filter_logits(penalised / params.temperature, params)
-    race = torch.empty_like(filtered).exponential_(1.0, generator=generator)  # E_v ~ Exp(1)
-    tokens = (filtered - race.log()).argmax(-1)  # argmax log p_v − log E_v  ≡  argmax p_v / E_v
+    cdf = torch.softmax(filtered, dim=-1).to(torch.float64).cumsum(-1)  # [B, V]
+    target = uniform_for(params.seed, sequence, position) * cdf[:, -1]  # u · total: rounding-free normalisation
+    tokens = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
     logprobs = torch.log_softmax(z / params.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
     return tokens, logprobs
 
