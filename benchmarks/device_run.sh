@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One GPU-machine call that runs the named stages in order, each under its own time limit, and packs every
+# result file and log into $OUT/results.tar.gz (the device tool returns at most 8 files). Run from the repo root
+# with the wheels carried in .whl/ (trl, datasets, dill, multiprocess; bitsandbytes unpacked in
+# .whl/bnb-0.50.2-slim for the 4-bit stage):
+#
+#   bash benchmarks/device_run.sh kernel rollout8b e2e8b_a      # e.g.; stages below, ~minutes each
+#
+# Stages:
+#   kernel     decode attention Triton vs PyTorch twin on the GPU + tests/test_sampler_gpu.py (~1 min)
+#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl with and without LoRA (~1.5 min)
+#   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
+#   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
+#   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
+#   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
+#   trl8b_a    TRL GRPOTrainer.train() anchor for e2e8b_a (long: transformers generate)
+#   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
+#   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/logs"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || echo "wheel install failed (continuing)"
+export PYTHONPATH=/tmp/site:$PWD/.whl/bnb-0.50.2-slim:$PWD/src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+python3 -c "import torch, transformers, peft, triton; print(torch.__version__, transformers.__version__, peft.__version__, triton.__version__)"
+
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc after $((SECONDS - start)) s"
+    grep -v -i "warn" "$OUT/logs/$name.log" | tail -25
+}
+
+for s in "$@"; do
+    case $s in
+        kernel) stage kernel 240 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
+print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
+            && stage sampler_gpu 240 python3 -m pytest -q tests/test_sampler_gpu.py ;;
+        rollout8b) stage rollout8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls longrl,longrl-nolora ;;
+        rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
+            --impls longrl,longrl-nolora,hf-generate ;;
+        hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;
+        e2e8b_a) stage e2e8b_a 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2 ;;
+        e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
+            --steps 1 --no-cli-smoke ;;
+        trl8b_a) stage trl8b_a 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke --impl trl ;;
+        probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \
+            --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
+        mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls longrl --mlp-tile 0,4096 --reps 2 --tag warm_20k ;;
+        *) echo "unknown stage $s" ;;
+    esac
+done
+tar -czf "$OUT/results.tar.gz" benchmarks/results "$OUT/logs" 2>/dev/null
+ls -la "$OUT"
