@@ -319,3 +319,21 @@ def test_sampled_completions_do_not_depend_on_the_slot_layout():
     assert narrow_sampler.last_stats["slots"] == 3
     assert narrow.completion_ids == wide.completion_ids
     assert len({len(c) for c in wide.completion_ids}) > 1  # lengths differ: the layouts really diverge
+
+
+def test_first_tokens_of_many_completions_follow_the_model():
+    """One prompt, 6,000 completions of one token: the first-token frequencies pass a chi-square test against
+    the model's softmax(z / T) (the sampler end to end: prefill, admission, keyed draws)."""
+    model, tok = tiny_model(seed=9)
+    T, draws = 1.5, 6000
+    r = Sampler(model, tok).generate([PROMPTS[2]], draws, SamplingParams(max_new_tokens=1, temperature=T, seed=2))
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([PROMPTS[2]])).logits[0, -1].double() / T, -1)
+    counts = torch.bincount(torch.tensor([c[0] for c in r.completion_ids]), minlength=probs.numel()).double()
+    keep = probs * draws >= 5  # chi-square cells with enough expected counts; the rest pooled
+    expected = torch.cat([probs[keep] * draws, (probs[~keep] * draws).sum()[None]])
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    dof = int(keep.sum())  # cells − 1, with the pooled cell
+    chi2 = float(((observed - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+    bound = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # p = 1e-4
+    assert chi2 < bound, (chi2, bound)
