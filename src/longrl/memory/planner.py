@@ -16,6 +16,9 @@ vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every li
     log-prob     = chunk × V × 4 × 3                            one chunk of float32 logits, probabilities, grads
     host         = (L − gpu_resident) × T × H × b               pinned pool of layer inputs (offloaded only)
 
+    peak GPU     = weights + lora + stream + gpu inputs + max(layer work, log-prob)
+                   (backward runs the log-prob chunks first and frees them before the first layer recomputes)
+
 The rollout phase (longrl's sampler) holds the weights, the LoRA weights and Adam moments (grads are freed),
 the KV cache and a workspace; its memory goes back to the allocator before the training phase, so a step's
 peak is the larger of the two phases:
@@ -117,7 +120,8 @@ class Plan:
                 ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}"),
                 ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
-        rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB"),
+        rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB  (of layer recompute and log-prob "
+                                        "chunk, only the larger: they are not live together)"),
                  ("predicted peak host (pinned)", f"{self.predicted_host_bytes / GIB:8.2f} GiB")]
         if self.rollout is not None:
             r = self.rollout
@@ -191,7 +195,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     if trainable_head:
         parts["LoRA (+grads, Adam)"] += shape.vocab * h * 4 * 4
     host = (L - resident) * tokens * h * b if offload else 0
-    return sum(parts.values()), host, parts
+    not_together = min(parts["layer recompute"], parts["log-prob chunk"])  # sequential in backward
+    return sum(parts.values()) - not_together, host, parts
 
 
 def _layer_work(tokens: int, h: int, k: int, i: int, mlp_tile: int | None) -> int:
