@@ -17,7 +17,6 @@ Also a smoke run of the real CLI (`longrl train` on a tiny model directory + JSO
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
+from results_io import run_meta, write_result  # noqa: E402
 
 from longrl.config import Config, LoraConfig, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora  # noqa: E402
@@ -250,16 +250,11 @@ def main() -> None:
 
 
 def write_trl(args, r: dict) -> None:
-    import transformers
     import trl
 
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
-                transformers=transformers.__version__, trl=trl.__version__, command="python " + " ".join(sys.argv))
+    meta = run_meta(trl=trl.__version__)
+    gpu = meta["gpu"]
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{'h200' if gpu != 'CPU' else 'cpu'}_trl"
-    (out / f"{stem}.json").write_text(json.dumps({**meta, **vars(args), **r}, indent=2, default=str))
     peak = f"{r['step_peak_gib']:.2f} GiB" if r["step_peak_gib"] is not None else "–"
     lines = [f"# TRL {meta['trl']} GRPOTrainer.train(), {args.shape} shape, {gpu}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
@@ -269,20 +264,12 @@ def write_trl(args, r: dict) -> None:
              f"Step {args.steps} of {args.steps}: **{r['step_seconds']:.2f} s** ({r['generated_tokens_per_s']:,.0f} "
              f"generated tokens/s over the whole step), peak {peak}; mean completion length "
              f"{r['mean_completion_length']}. All steps: {', '.join(f'{t:.1f}' for t in r['step_times'])} s."]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(stem, {**meta, **vars(args), **r}, lines)
 
 
 def write(args, r: dict, smoke: dict) -> None:
-    import transformers
-
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                transformers=transformers.__version__, command="python " + " ".join(sys.argv))
+    meta = run_meta()
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_h200{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps({**meta, **vars(args), **r, "cli_smoke": smoke}, indent=2,
-                                                 default=str))
     lines = [f"# Whole GRPO step, {args.shape} shape (random weights, bf16, LoRA r=32), {meta['gpu']}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"{args.prompts} prompts × {args.G} completions of exactly {args.completion} tokens after a {args.prompt_len}-"
@@ -297,8 +284,7 @@ def write(args, r: dict, smoke: dict) -> None:
               f"Step peak / max phase peak: {r['peak_over_max_phase']:.3f}. Rollout share of the step: "
               f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "
               f"{'not run' if smoke['ok'] is None else 'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "", "Plan:", "", "```", r["plan"] or "", "```"]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(stem, {**meta, **vars(args), **r, "cli_smoke": smoke}, lines)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,7 @@ GPU's measured copy bandwidth, and the rollout's peak GPU memory against weights
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
+from results_io import run_meta, write_result  # noqa: E402
 
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.models import apply_lora, base_model  # noqa: E402
@@ -248,16 +246,9 @@ def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: i
 
 
 def write_tables(args, results, weight_bytes) -> None:
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    import transformers
-
-    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if CUDA else "CPU", torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(),
-                command="python " + " ".join(sys.argv), shape=args.shape, prompts=args.prompts, G=args.G,
-                prompt_len=args.prompt_len, new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB)
+    meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
+                    new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB)
     stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps({**meta, "results": results}, indent=2, default=str))
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
     lines = [f"# Rollout speed, {args.shape} shape (random weights, bf16, LoRA r=32 unmerged), {meta['gpu']}",
@@ -291,8 +282,7 @@ def write_tables(args, results, weight_bytes) -> None:
               "during the call above what was allocated before it. hf-generate: `model.generate` with the dynamic cache "
               "(sdpa); hf-continuous: `generate_batch` (transformers' continuous batching); both with the adapters cast to "
               "bf16 (longrl keeps them float32 under autocast)."]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(stem, {**meta, "results": results}, lines)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import frozen_base_weights, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import PromptSampler, load_prompts
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.planner import plan_for_config
-from .models import base_model, load_model, resolve_device
+from .models import TINY_NAME, base_model, load_model, resolve_device
 from .ops.advantages import group_advantages
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
 from .policy import completion_mask, reference_mode, sequence_logprobs
@@ -328,9 +328,6 @@ class GRPOTrainer:
                 for i in range(min(k, len(b.prompts)))]
 
     def save(self) -> Path:
-        from .checkpoint import frozen_base_weights
-        from .models import TINY_NAME
-
         # the dtype the base really had (model.dtype=auto depends on the device), and the builtin model's
         # frozen base, which only a seed and this torch version's initializers could otherwise rebuild:
         # `longrl export` needs both to reproduce the trained model exactly

@@ -154,26 +154,44 @@ def sampler_workspace_bytes(hidden: int, intermediate: int, vocab: int, sequence
             + min(sequences, 1024) * vocab * 4 * 6 + (256 << 20))
 
 
+def prefix_entries(slots: int, prompts: int, G: int) -> int:
+    """Prompt entries of the sampler's prefix store for ``slots`` decode slots: the prompts they can hold at once,
+    plus one so that the next prompt can be prefilled while the last one's completions finish."""
+    return min(prompts, -(-slots // G) + 1)
+
+
+def rollout_kv_bytes(slots: int, *, prompts: int, G: int, prompt_len: int, completion_len: int, kv_token: int) -> int:
+    """KV cache of ``slots`` decode slots: each prompt entry holds prompt_len positions, each slot completion_len."""
+    return (prefix_entries(slots, prompts, G) * prompt_len + slots * completion_len) * kv_token
+
+
+def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
+    """The most decode slots (≤ sequences) whose KV cache fits in ``room`` bytes; 0 when not even one does."""
+    lo, hi = 0, sequences
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if rollout_kv_bytes(mid, **kv) <= room else (lo, mid - 1)
+    return lo
+
+
 def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
                  weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
                  prefill_tokens: int = 16384) -> RolloutPlan:
     """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring)."""
     n = prompts * G
-    kv_token = kv_bytes_per_token(shape, compute_bytes)
+    kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
+              kv_token=kv_bytes_per_token(shape, compute_bytes))
     fixed = {"base weights": int(shape.base_params() * weight_bytes),
              "LoRA (+Adam)": shape.lora_params(lora_r) * 4 * 3,
              "workspace": sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, n, prefill_tokens,
                                                   compute_bytes)}
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
-    slots = n
-    while slots > 0 and (min(prompts, -(-slots // G) + 1) * prompt_len + slots * completion_len) * kv_token > room:
-        slots -= max(1, slots // 16)
+    slots = max_rollout_slots(room, sequences=n, **kv)
     if slots < 1:
         raise PlanError(f"the rollout cannot hold one sequence of {prompt_len + completion_len:,} tokens: "
-                        f"{(prompt_len + completion_len) * kv_token / GIB:.2f} GiB of KV cache, "
+                        f"{(prompt_len + completion_len) * kv['kv_token'] / GIB:.2f} GiB of KV cache, "
                         f"{max(room, 0) / GIB:.2f} GiB left after weights and workspace")
-    kv = (min(prompts, -(-slots // G) + 1) * prompt_len + slots * completion_len) * kv_token
-    parts = {**fixed, "KV cache": kv}
+    parts = {**fixed, "KV cache": rollout_kv_bytes(slots, **kv)}
     return RolloutPlan(n, slots, sum(parts.values()), parts)
 
 

@@ -239,7 +239,8 @@ def plain_4bit_bytes(model, candidates: list[str], compute_dtype: torch.dtype) -
 def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str] = (),
                       exception_budget: float = 0.10, compute_dtype: torch.dtype = torch.bfloat16,
                       device: torch.device | None = None) -> QuantReport:
-    """Score every candidate linear module of a 16-bit ``model`` and choose the ones kept in 16-bit."""
+    """Score every candidate linear module of a 16-bit ``model`` (none at a zero budget) and choose the ones kept in
+    16-bit."""
     head = _head_name(model)
     kept: dict[str, str] = {}
     candidates = []
@@ -253,16 +254,20 @@ def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str]
     if unmatched:
         raise QuantizationError(f"config key 'model.quant_keep_modules': {unmatched} match no linear module of the "
                                 f"model (e.g. {candidates[:3]})")
-    scores = score_modules(model, input_ids, candidates, device)
+    # with no budget the keep-list alone decides (e.g. an export rebuilding a checkpoint's recorded exceptions):
+    # the calibration forward would only feed the log
+    scores = score_modules(model, input_ids, candidates, device) if exception_budget > 0 else []
+    score_of = {s.name: s for s in scores}
     costs = module_costs(model, candidates)
     plain = plain_4bit_bytes(model, candidates, compute_dtype)
     budget = int(exception_budget * plain)
     spent = 0
-    for s in scores:  # the explicit keep-list first: its bytes count against the budget
-        if matches_keep_list(s.name, list(keep_modules)):
-            kept[s.name] = (f"keep-list (score {s.score:.4f}: weight {s.weight_error:.4f}, "
-                            f"output {_fmt(s.output_error)})")
-            spent += costs[s.name]
+    for name in candidates:  # the explicit keep-list first: its bytes count against the budget
+        if matches_keep_list(name, list(keep_modules)):
+            s = score_of.get(name)
+            kept[name] = "keep-list" + (f" (score {s.score:.4f}: weight {s.weight_error:.4f}, "
+                                        f"output {_fmt(s.output_error)})" if s else "")
+            spent += costs[name]
     if spent > budget:
         log.warning("model.quant_keep_modules: the kept modules take %s, over the %s budget "
                     "(model.quant_exception_budget=%g); keeping them anyway", _size(spent), _size(budget),

@@ -22,9 +22,10 @@ import math
 import torch
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, multiplier: float,
+def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, multiplier: float,
                   softcap: float | None, temperature: float):
-    """Return (z, tanh_or_None) in float32 for a chunk of rows h [n, H]. z: [n, V]."""
+    """Return (z, tanh_or_None) in float32 for rows h [n, H]: z = softcap(m · (W h + b)) / T, [n, V]. Also the
+    sampler's logits (rollout/sampler.py)."""
     raw = torch.nn.functional.linear(h, weight, bias)  # [n, V] in the compute dtype
     raw = raw.to(torch.float32) if raw.dtype in (torch.float16, torch.bfloat16) else raw
     if multiplier != 1.0:
@@ -51,7 +52,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 stop = min(start + chunk_size, n)
-                z, _ = _chunk_logits(hidden[start:stop], weight, bias, multiplier, softcap, temperature)
+                z, _ = head_logits(hidden[start:stop], weight, bias, multiplier, softcap, temperature)
                 lse = torch.logsumexp(z, dim=-1)  # [n]
                 lse_all[start:stop] = lse
                 logps[start:stop] = z.gather(1, targets[start:stop, None]).squeeze(1) - lse
@@ -83,7 +84,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             h = hidden[start:stop]
-            z, tanh = _chunk_logits(h, weight, bias, multiplier, softcap, temperature)  # [n, V]
+            z, tanh = head_logits(h, weight, bias, multiplier, softcap, temperature)  # [n, V]
             logp = z - lse_all[start:stop, None]
             p = torch.exp(logp)
             # dL/dz = g_lp * (onehot - p) + g_H * (-p * (log p + H))

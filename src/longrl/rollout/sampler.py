@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from ..memory.planner import sampler_workspace_bytes
+from ..memory.planner import (ModelShape, max_rollout_slots, prefix_entries, rollout_kv_bytes,
+                              sampler_workspace_bytes)
 from ..models.loading import base_model, model_parts
+from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .sampling import SamplingParams, next_tokens, stop_index
@@ -121,14 +122,9 @@ class Sampler:
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, V] from final hidden states [N, d]: softcap(multiplier · head(h))."""
-        z = self.head(hidden).float()
+        """float32 logits [N, V] from final hidden states [N, d]: softcap(multiplier · head(h)), as in training."""
         spec = self.logit_spec
-        if spec.multiplier != 1.0:
-            z = z * spec.multiplier
-        if spec.softcap:
-            z = torch.tanh(z / spec.softcap) * spec.softcap
-        return z
+        return head_logits(hidden, self.head.weight, self.head.bias, spec.multiplier, spec.softcap, 1.0)[0]
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -172,6 +168,7 @@ class _Run:
         self.entry_len = torch.zeros(self.P, **long)
         self.logits_buf = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
         self.seq_id = torch.zeros(S, **long)  # the sequence (0..N-1) in each slot: keys its random numbers
+        self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
         self.buckets = batch_buckets(S)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None
@@ -189,42 +186,38 @@ class _Run:
 
     # ------------------------------------------------------------------------------------------ sizing
     def _capacity(self) -> tuple[int, int]:
+        """(decode slots, prefix-store entries): every sequence at once when the KV budget allows, else the most
+        that fit (memory/planner.py's rollout arithmetic, shared with ``longrl plan``)."""
         s = self.s
-        dims = dict(layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim, dtype=s.cache_dtype)
-        per_slot = KVCache.nbytes(tokens=self.T, **dims)
-        per_prompt = KVCache.nbytes(tokens=self.Lp, **dims)
+        kv_token = KVCache.nbytes(layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim, tokens=1,
+                                  dtype=s.cache_dtype)
         budget = s.kv_cache_bytes
         if budget is None and s.device.type == "cuda":
             free = torch.cuda.mem_get_info(s.device)[0]
             free += torch.cuda.memory_reserved(s.device) - torch.cuda.memory_allocated(s.device)
             budget = int(0.9 * free) - self._workspace_bytes()
-        P_total = len(self.prompts)
-
-        def need(slots: int) -> int:
-            return slots * per_slot + min(P_total, math.ceil(slots / self.G) + 1) * per_prompt
-
-        slots = self.N
-        if budget is not None:
-            while slots > 0 and need(slots) > budget:
-                slots = min(slots - 1, int(slots * budget / need(slots)))
+        prompts = len(self.prompts)
+        shape = dict(prompts=prompts, G=self.G, prompt_len=self.Lp, completion_len=self.T, kv_token=kv_token)
+        slots = self.N if budget is None else max_rollout_slots(budget, sequences=self.N, **shape)
         if slots < 1:
+            need = rollout_kv_bytes(1, **shape)
             raise MemoryError(f"KV cache budget {(budget or 0) / 2**30:.2f} GiB cannot hold one sequence of "
-                              f"{self.Lp} + {self.T} tokens (needs {need(1) / 2**30:.2f} GiB)")
-        return slots, min(P_total, math.ceil(slots / self.G) + 1)
+                              f"{self.Lp} + {self.T} tokens (needs {need / 2**30:.2f} GiB)")
+        return slots, prefix_entries(slots, prompts, self.G)
 
     def _workspace_bytes(self) -> int:
         s = self.s
-        cfg = base_model(s.model).config
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+        shape = ModelShape.from_config(base_model(s.model).config)
         itemsize = torch.empty((), dtype=s.cache_dtype).element_size()
-        return sampler_workspace_bytes(cfg.hidden_size, inter, s.head.weight.shape[0], self.N, s.prefill_tokens,
+        return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.N, s.prefill_tokens,
                                        itemsize)
 
     # ------------------------------------------------------------------------------------------ main loop
     def execute(self) -> Rollout:
         self._admit()
         while any(q >= 0 for q in self.slot_seq):
+            if self.slots_changed:
+                self._refresh_members()
             top = max(i for i, q in enumerate(self.slot_seq) if q >= 0) + 1
             B = next(b for b in self.buckets if b >= top)
             remaining = max(self.T - self.slot_gen[i] for i, q in enumerate(self.slot_seq) if q >= 0)
@@ -261,10 +254,9 @@ class _Run:
             self._prefill(to_prefill)
         if admitted:
             self._start(admitted)
-            self._refresh_members()
 
     def _refresh_members(self) -> None:
-        """Rebuild the prefix entry → slots table the grouped decode kernel reads (only when slots change)."""
+        """Rebuild the prefix entry → slots table the decode attention reads (after slots changed)."""
         members = torch.full(tuple(self.members.shape), -1, dtype=torch.long)
         lengths = torch.zeros(self.P, dtype=torch.long)
         for slot, seq in enumerate(self.slot_seq):
@@ -274,15 +266,14 @@ class _Run:
                 lengths[entry] = len(self.prompts[seq // self.G])
         self.members.copy_(members)
         self.entry_len.copy_(lengths)
+        self.slots_changed = False
 
     def _prefill(self, prompts: list[int]) -> None:
         """Run the prompts (right-padded, in chunks of ≤ prefill_tokens) and keep each one's last logits."""
         s = self.s
-        chunk: list[int] = []
-        for p in prompts + [None]:
-            if p is not None and (not chunk or (len(chunk) + 1) * self.Lp <= s.prefill_tokens):
-                chunk.append(p)
-                continue
+        per_forward = max(1, s.prefill_tokens // self.Lp)
+        for first in range(0, len(prompts), per_forward):
+            chunk = prompts[first:first + per_forward]
             width = max(len(self.prompts[q]) for q in chunk)
             ids = torch.full((len(chunk), width), 0, dtype=torch.long)
             for row, q in enumerate(chunk):
@@ -296,7 +287,6 @@ class _Run:
                                     longrl_kv=PrefillMeta(self.cache, slots)).last_hidden_state
                 self.prompt_logits[slots] = s.logits(hidden[torch.arange(len(chunk), device=s.device), last])
             self.stats["prefills"] += 1
-            chunk = [p] if p is not None else []
 
     def _start(self, admitted: list[tuple[int, int]]) -> None:
         """Sample each admitted sequence's first token from its prompt's last logits."""
@@ -321,6 +311,7 @@ class _Run:
         self.prefix_index[slots], self.prefix_len[slots] = entry, lengths
         self.write_index[slots], self.gen_count[slots] = 0, 1
         self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.T <= 1))
+        self.slots_changed = True
 
     # ------------------------------------------------------------------------------------------ decoding
     def _forward(self, B: int) -> None:
@@ -401,12 +392,11 @@ class _Run:
             self._admit()
         else:
             self._compact()
-        if finished:
-            self._refresh_members()
 
     def _release(self, slot: int) -> None:
         p = self.slot_seq[slot] // self.G
         self.slot_seq[slot] = -1
+        self.slots_changed = True
         self.prompt_pending[p] -= 1
         if self.prompt_pending[p] == 0:
             self.free_prefix.append(self.prompt_slot.pop(p))
@@ -436,4 +426,4 @@ class _Run:
             self.slot_seq[k], self.slot_gen[k], self.slot_checked[k] = seq, gen, checked
         self.active[len(occupied):] = False
         self.stats["compactions"] += 1
-        self._refresh_members()
+        self.slots_changed = True
