@@ -1,0 +1,52 @@
+"""The planner's current prediction against every measured longrl peak in benchmarks/results (no GPU needed).
+
+Each grpo_memory row records the peak, the micro-batch budget, the GPU-resident layer inputs and the MLP tile of
+the run; this recomputes ``planner.predict`` for exactly that configuration (no optimizer state, as the
+benchmark step) and writes results/planner_accuracy.{md,json}.
+
+    python benchmarks/planner_accuracy.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from results_io import RESULTS, run_meta, write_result  # noqa: E402
+
+from longrl.memory.planner import GIB, ModelShape, nf4_weight_bytes, predict  # noqa: E402
+
+LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
+SOURCES = {"grpo_memory_llama-3.1-8b_h200_offload_v2": 2, "grpo_memory_llama-3.1-8b_tiling": 2,
+           "grpo_memory_llama-3.1-8b_4bit": nf4_weight_bytes(LLAMA_8B, 2, 0.10) / LLAMA_8B.base_params()}
+
+
+def main() -> None:
+    rows = []
+    for stem, weight_bytes in SOURCES.items():
+        data = json.loads((RESULTS / f"{stem}.json").read_text())
+        for r in data["rows"]:
+            if not r["impl"].startswith("longrl") or r.get("oom"):
+                continue
+            plain = r["impl"].startswith("longrl-plain")
+            gpu, _, _ = predict(LLAMA_8B, tokens=r["planner_budget"], lora_r=32, weight_bytes=weight_bytes,
+                                offload=not plain, gpu_resident=r["planner_gpu_resident"], chunk=1024,
+                                optimizer=False, mlp_tile=r.get("mlp_tile"))
+            rows.append(dict(source=stem, impl=r["impl"], tokens=r["length"], mlp_tile=r.get("mlp_tile"),
+                             measured_gib=r["peak_gpu_gib"], predicted_gib=gpu / GIB,
+                             error=gpu / GIB / r["peak_gpu_gib"] - 1))
+    lines = ["# Planner prediction vs measured peak (Llama-3.1-8B shape, one H200, G=8, no optimizer state)", "",
+             "`python benchmarks/planner_accuracy.py` — the current `planner.predict` for each measured row's "
+             "configuration.", "", "| source | impl | tokens × 8 | MLP tile | measured GiB | predicted GiB | error |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['source']} | {r['impl']} | {r['tokens']:,} | {r['mlp_tile'] or '–'} | {r['measured_gib']:.2f} | "
+              f"{r['predicted_gib']:.2f} | {100 * r['error']:+.1f}% |" for r in rows]
+    write_result("planner_accuracy", {**run_meta(), "rows": rows}, lines)
+
+
+if __name__ == "__main__":
+    main()
