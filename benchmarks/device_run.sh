@@ -8,8 +8,10 @@
 #
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + tests/test_sampler_gpu.py (~1 min)
-#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl with and without LoRA (~1.5 min)
+#   profile8b  GPU time per kernel of 8B decode steps, fused LoRA and PEFT's forward (~1 min)
+#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min)
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
+#   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
@@ -42,9 +44,13 @@ for s in "$@"; do
         kernel) stage kernel 240 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
 print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
             && stage sampler_gpu 240 python3 -m pytest -q tests/test_sampler_gpu.py ;;
-        rollout8b) stage rollout8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls longrl,longrl-nolora ;;
+        profile8b) stage profile8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 64 ;;
+        rollout8b) stage rollout8b 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
+            --impls longrl,longrl-peft,longrl-nolora ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
-            --impls longrl,longrl-nolora,hf-generate ;;
+            --impls longrl,longrl-peft,longrl-nolora,hf-generate ;;
+        e2e15) stage e2e15 200 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke ;;
         hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;
         e2e8b_a) stage e2e8b_a 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2 ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \

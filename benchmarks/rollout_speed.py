@@ -107,8 +107,8 @@ def model_bytes(model) -> tuple[int, int]:
     return total - embed.numel() * embed.element_size(), total
 
 
-def run_longrl(model, prompts, G, N, *, cuda_graphs=True):
-    sampler = Sampler(model, None, cuda_graphs=cuda_graphs)
+def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True):
+    sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
     sampler.generate(prompts[:2], 2, SamplingParams(max_new_tokens=4))  # warm-up: kernels, allocator
     base = _start_peak()
@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--impls", default="longrl,longrl-nolora,hf-generate,hf-continuous")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
     args = ap.parse_args()
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
@@ -200,6 +202,9 @@ def main() -> None:
         results["longrl-nolora"] = {**r, "step_weight_bytes": step_bytes, "weights_gib": model_bytes(model)[1] / GIB}
         print("longrl-nolora", {k: v for k, v in r.items() if k != "stats"}, flush=True)
     model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    if args.profile:
+        profile_decode(args, model, prompts)
+        return
     step_bytes, weight_bytes = model_bytes(model)
     derive(results, n_seq, N, Lp, kv_token, args.prompts)
     write_tables(args, results, weight_bytes)
@@ -210,6 +215,8 @@ def main() -> None:
         try:
             if name == "longrl":
                 r = run_longrl(model, prompts, args.G, N)
+            elif name == "longrl-peft":
+                r = run_longrl(model, prompts, args.G, N, fuse_lora=False)
             elif name == "longrl-eager":
                 r = run_longrl(model, prompts, args.G, N, cuda_graphs=False)
             elif name == "hf-generate":
@@ -225,6 +232,31 @@ def main() -> None:
         print(name, {k: v for k, v in r.items() if k != "stats"}, flush=True)
         derive(results, n_seq, N, Lp, kv_token, args.prompts)
         write_tables(args, results, weight_bytes)  # after every impl: a later one that hangs loses nothing
+
+
+def profile_decode(args, model, prompts) -> None:
+    """GPU time per kernel over a short rollout (decode graphs replayed; the profiler sees their kernels), fused
+    LoRA and PEFT's forward, to results/rollout_profile_<shape>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    for fuse in (True, False):
+        sampler = Sampler(model, None, fuse_lora=fuse)
+        params = SamplingParams(max_new_tokens=args.profile, temperature=1.0, seed=0)
+        sampler.generate(prompts, args.G, params)  # warm-up and graph capture
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            sampler.generate(prompts, args.G, params)
+            _sync()
+            seconds = time.perf_counter() - t
+        lines += [f"## fuse_lora={fuse}: {args.prompts} x {args.G} x {args.profile} new tokens in {seconds:.3f} s "
+                  f"({seconds / args.profile * 1e3:.2f} ms a step incl. prefill)",
+                  prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), ""]
+        print(lines[-3], flush=True)
+    out = Path(__file__).resolve().parent / "results" / f"rollout_profile_{args.shape}{args.tag}.txt"
+    out.write_text("\n".join([run_meta(shape=args.shape)["command"], ""] + lines))
+    print("\n".join(lines))
 
 
 def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: int) -> None:
@@ -260,7 +292,7 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{results['kernel_max_abs_err']:.2g} (bf16).", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("longrl", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
+    for name in ("longrl", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
         r = results.get(name)
         if r is None:
             continue
@@ -276,7 +308,9 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{r['kv_gib']:.2f}" if "kv_gib" in r else "–",
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "longrl: prefill + first token timed separately (max_new_tokens=1 run) and subtracted for the decode "
+    lines += ["", "longrl: LoRA deltas added by fused products during the call (rollout/lora_fusion.py); longrl-peft: "
+              "PEFT's own LoRA forward; longrl-nolora: the base alone (before the adapters are attached). "
+              "longrl: prefill + first token timed separately (max_new_tokens=1 run) and subtracted for the decode "
               "phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, each "
               "prompt's shared prefix counted once) / copy bandwidth. Peak: weights + the most allocated "
               "during the call above what was allocated before it. hf-generate: `model.generate` with the dynamic cache "

@@ -29,6 +29,7 @@ from ..models.loading import base_model, model_parts
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
+from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,13 @@ class Sampler:
 
     kv_cache_bytes: the KV budget (None: what the job needs, capped on CUDA by 90% of the free memory).
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only). sync_every: decode steps between host checks.
-    prefill_tokens: prompt tokens per prefill forward.
+    prefill_tokens: prompt tokens per prefill forward. fuse_lora: add LoRA deltas by fused products for the call
+    (rollout/lora_fusion.py) instead of PEFT's per-layer forward.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
-                 sync_every: int = 16, prefill_tokens: int = 16384):
-        self.model, self.tokenizer = model, tokenizer
+                 sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True):
+        self.model, self.tokenizer, self.fuse_lora = model, tokenizer, fuse_lora
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
@@ -100,11 +102,13 @@ class Sampler:
         saved_impl, was_training = base.config._attn_implementation, self.model.training
         self.model.eval()
         base.set_attn_implementation(SAMPLER_ATTENTION)
+        fusion = fused_lora(self.model, self.compute_dtype) if self.fuse_lora else contextlib.nullcontext(False)
         try:
             start = time.perf_counter()
-            run = _Run(self, prompt_ids, num_generations, params)
-            rollout = run.execute()
-            self.last_stats = {**run.stats, "seconds": time.perf_counter() - start,
+            with fusion as fused:
+                run = _Run(self, prompt_ids, num_generations, params)
+                rollout = run.execute()
+            self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
                                "tokens": sum(len(c) for c in rollout.completion_ids)}
             log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
                       "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
@@ -114,12 +118,17 @@ class Sampler:
             self.model.train(was_training)
 
     # ------------------------------------------------------------------------------------------ model calls
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The base's 16-bit dtype (the head's; a 4-bit base keeps its head in it), else float32."""
+        dtype = self.head.weight.dtype
+        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
     def compute_context(self):
         """Autocast to the base's 16-bit dtype (without the weight-cast cache, which CUDA graphs cannot hold)."""
-        dtype = self.head.weight.dtype
-        if dtype not in (torch.bfloat16, torch.float16):
+        if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, cache_enabled=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, V] from final hidden states [N, d]: softcap(multiplier · head(h)), as in training."""
