@@ -95,11 +95,19 @@ def run_loop(args, root: Path) -> dict:
         phases[name] = dict(seconds=t, tokens_per_s=tokens / t if tokens and t else None,
                             peak_gib=last.get(f"{name}_peak_gib"))
     step_s = last["step_time_s"]
-    phase_peak = max(p["peak_gib"] for p in phases.values() if p["peak_gib"] is not None)
-    return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, max_phase_peak_gib=phase_peak,
-                peak_over_max_phase=step_peak / phase_peak, rollout_share=phases["generation"]["seconds"] / step_s,
-                kv_cache_gib=trainer.rollout_sampler.last_stats.get("kv_cache_bytes", 0) / GIB,
+    # the trainer resets the peak counter at each phase's start, so the step's peak is the largest phase peak
+    step_peak = max(p["peak_gib"] for p in phases.values() if p["peak_gib"] is not None)
+    kv_gib = trainer.rollout_sampler.last_stats.get("kv_cache_bytes", 0) / GIB
+    resident_gib = sum(t.numel() * t.element_size() for t in model.parameters()) / GIB  # base + LoRA weights
+    train_peak = max(phases["reference"]["peak_gib"], phases["update"]["peak_gib"])
+    return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, weights_gib=resident_gib,
+                kv_cache_gib=kv_gib, training_peak_gib=train_peak,
+                rollout_over_weights_kv=phases["generation"]["peak_gib"] / (resident_gib + kv_gib),
+                step_over_max_phase=step_peak / max(phases["generation"]["peak_gib"], train_peak),
+                rollout_share=phases["generation"]["seconds"] / step_s,
+                predicted_training_gib=trainer.plan.predicted_gpu_bytes / GIB if trainer.plan is not None else None,
                 plan=trainer.plan.table() if trainer.plan is not None else None,
+                sampler_stats=dict(trainer.rollout_sampler.last_stats),
                 history=[{k: v for k, v in h.items() if not isinstance(v, str)} for h in history])
 
 
@@ -280,8 +288,14 @@ def write(args, r: dict, smoke: dict) -> None:
         tps = f"{p['tokens_per_s']:,.0f}" if p["tokens_per_s"] else "–"
         peak = f"{p['peak_gib']:.2f}" if p["peak_gib"] is not None else "–"
         lines.append(f"| {name} | {p['seconds']:.2f} | {tps} | {peak} |")
+    pred = r.get("predicted_training_gib")
     lines += [f"| **whole step** | **{r['step_seconds']:.2f}** | | **{r['step_peak_gib']:.2f}** |", "",
-              f"Step peak / max phase peak: {r['peak_over_max_phase']:.3f}. Rollout share of the step: "
+              f"Peaks: the trainer resets the counter at each phase's start, so the step's peak is the largest phase "
+              f"peak. Rollout phase: {r['phases']['generation']['peak_gib']:.2f} GiB = "
+              f"{r['rollout_over_weights_kv']:.3f} × (weights {r['weights_gib']:.2f} + KV cache {r['kv_cache_gib']:.2f} "
+              f"GiB). Training phases (reference, update): {r['training_peak_gib']:.2f} GiB"
+              + (f" (planner: {pred:.2f} GiB without the KV cache, which was released)" if pred else "")
+              + f". Step peak / max(rollout, training) = {r['step_over_max_phase']:.3f}. Rollout share of the step: "
               f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "
               f"{'not run' if smoke['ok'] is None else 'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "", "Plan:", "", "```", r["plan"] or "", "```"]
     write_result(stem, {**meta, **vars(args), **r, "cli_smoke": smoke}, lines)

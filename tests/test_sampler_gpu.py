@@ -31,3 +31,16 @@ def test_cuda_graph_sampler_equals_transformers_greedy(lora, slots):
     assert sampler.cuda_graphs and sampler.use_triton
     r = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=(stop,)))
     assert r.completion_ids == [c for c in cut for _ in range(2)]
+
+
+def test_fused_lora_equals_peft_on_cuda_graphs():
+    """The rollout's fused LoRA (CUDA graphs, bf16 autocast off: float32) = PEFT's forward through the same path."""
+    from test_sampler import PROMPTS, tiny_model
+
+    model, tok = tiny_model(seed=1, lora=True)
+    model = model.cuda()
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3)
+    runs = [Sampler(model, tok, fuse_lora=fuse, sync_every=4).generate(PROMPTS, 3, params) for fuse in (True, False)]
+    assert runs[0].completion_ids == runs[1].completion_ids
+    torch.testing.assert_close(torch.tensor(sum(runs[0].logprobs, [])), torch.tensor(sum(runs[1].logprobs, [])),
+                               atol=1e-4, rtol=1e-4)

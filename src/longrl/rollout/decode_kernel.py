@@ -8,7 +8,7 @@ normaliser, acc: running Σ p·v):
 
     m' = max(m, max_t s_t),  l' = l·e^(m−m') + Σ_t e^(s_t−m'),  acc' = acc·e^(m−m') + Σ_t e^(s_t−m') v_t
 
-and the partials (m_c, l_c, acc_c) of all chunks merge as  o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c,
+and the partials (m_c, l_c, acc_c) of all chunks merge (one more program per output row) as  o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c,
 M = max_c m_c. With a prefix-entry table (``members``), each prompt's keys are read once for all the sequences
 sharing it (one program per prompt and key head, every sequence's query heads as rows), and those partials
 join the merge. Lengths are read on the device: one launch serves any lengths (CUDA-graph safe, no host sync).
@@ -25,7 +25,7 @@ BLOCK = 64
 
 @triton.jit
 def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
-            D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+            D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
     """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]."""
     dims = tl.arange(0, DP)
     for off in range(0, CHUNK, BLOCK):
@@ -34,13 +34,13 @@ def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
         ok = in_range[:, None] & (dims[None, :] < D)
         k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
         v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [R, BLOCK] float32
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [R, BLOCK] float32
         s = tl.where(in_range[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
         p = tl.where(in_range[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     return m, l, acc
 
@@ -49,7 +49,7 @@ def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
 def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
                    stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART,
                    REP: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   BLOCK: tl.constexpr, LP: tl.constexpr):
+                   BLOCK: tl.constexpr, LP: tl.constexpr, PREC: tl.constexpr):
     """One program per (prompt entry p, key head h): the queries of every sequence sharing prompt p (G × REP
     rows) against p's keys, read once; writes each row's partial into column 0 of the partial buffers."""
     p = tl.program_id(0)
@@ -68,7 +68,7 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
     acc = tl.zeros([R, DP], tl.float32)
     p_len = tl.load(PLEN_P + p).to(tl.int32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
-    m, l, acc = _attend(q, KP + base, VP + base, stride_pt, 0, p_len, m, l, acc, scale, D, DP, BLOCK, LP)
+    m, l, acc = _attend(q, KP + base, VP + base, stride_pt, 0, p_len, m, l, acc, scale, D, DP, BLOCK, LP, PREC)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART  # column 0 of row (slot, head)
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -79,7 +79,7 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
 def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, scale,
                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st, NPART,
                   FIRST: tl.constexpr, NPRE: tl.constexpr, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                  DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c."""
     b = tl.program_id(0)
@@ -99,17 +99,35 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
         start = c * CHUNK
         if start < end:
             base = p_idx * stride_pp + h * stride_ph
-            m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK)
+            m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
+                                PREC)
     else:
         end = tl.load(SLEN + b).to(tl.int32)
         start = (c - NPRE) * CHUNK
         if start < end:
             base = b.to(tl.int64) * stride_sb + h * stride_sh
-            m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK)
+            m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
+                                PREC)
     part = (b.to(tl.int64) * (stride_qb // stride_qh) + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
     tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
+
+
+@triton.jit
+def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr):
+    """One program per output row (sequence, query head): o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, NP)
+    m = tl.load(M + row * NPART + cols, mask=cols < NPART, other=float("-inf"))
+    live = m > float("-inf")  # chunks that saw a key (others may hold stale l / acc)
+    top = tl.max(m, 0)
+    w = tl.where(live, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
+    denom = tl.sum(w * tl.load(L + row * NPART + cols, mask=live, other=0.0), 0)
+    dims = tl.arange(0, DP)
+    acc = tl.load(ACC + (row * NPART + cols)[:, None] * DP + dims[None, :], mask=live[:, None], other=0.0)
+    o = tl.sum(w[:, None] * acc, 0) / denom
+    tl.store(OUT + row * D + dims, o.to(OUT.dtype.element_ty), mask=dims < D)
 
 
 def _chunk_size(positions: int, programs: int) -> int:
@@ -131,31 +149,31 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     q = q.contiguous()
     rep = Hq // Hkv
     DP = max(16, triton.next_power_of_2(D))
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 caches (float32 models) keep float32 products
     grouped = members is not None and members.shape[1] * rep <= 64
     chunk = _chunk_size(T, B * Hkv)
     n_suf = -(-T // chunk)
     n_pre = 0 if grouped else -(-Lp // chunk)
     first = 1 if grouped else 0  # column 0: the grouped prefix partial
     npart = first + n_pre + n_suf
-    # every column of every row is written below, except rows of slots that no prefix entry lists (column 0)
+    # m of every column starts at −inf (a prefix column of a slot no entry lists is never written); l and acc are
+    # read only where m was written
     m_part = torch.full((B * Hq * npart,), float("-inf"), dtype=torch.float32, device=q.device)
-    l_part = torch.zeros_like(m_part)
-    acc_part = torch.zeros(B * Hq * npart, DP, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(B * Hq * npart, DP, dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     if grouped:
         G = members.shape[1]
         _prefix_kernel[(P, Hkv)](
             q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             members.stride(0), npart, REP=rep, G=G, R=max(16, triton.next_power_of_2(G * rep)), D=D, DP=DP,
-            BLOCK=BLOCK, LP=-(-Lp // BLOCK) * BLOCK, num_warps=4, num_stages=2)
+            BLOCK=BLOCK, LP=-(-Lp // BLOCK) * BLOCK, PREC=prec, num_warps=4, num_stages=2)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
         *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
         FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=BLOCK,
-        CHUNK=chunk, num_warps=4, num_stages=2)
-    m = m_part.view(B, Hq, npart)
-    top = m.amax(-1, keepdim=True)
-    weight = torch.exp(m - torch.where(torch.isinf(top), torch.zeros_like(top), top))  # e^(m_c − M), 0 for −inf
-    denom = (weight * l_part.view(B, Hq, npart)).sum(-1, keepdim=True)
-    out = (weight[..., None] * acc_part.view(B, Hq, npart, DP)).sum(2)[..., :D] / denom
-    return out.to(q.dtype)
+        CHUNK=chunk, PREC=prec, num_warps=4, num_stages=2)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, npart, D=D, DP=DP,
+                             NP=max(2, triton.next_power_of_2(npart)), num_warps=4)
+    return out

@@ -28,20 +28,28 @@ SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1"
 
 @dataclass
 class _Group:
-    """Adapted projections that read the same input: their A rows stacked, and the last (x, A_g x) computed."""
+    """Adapted projections that read the same input: their A rows stacked; A_g x kept until every sibling took it."""
 
     a_t: torch.Tensor  # [in, Σ r] stacked Aᵀ in the compute dtype
+    size: int  # sibling projections
     x: torch.Tensor | None = None
     xa: torch.Tensor | None = None  # [N, Σ r]
+    left: int = 0  # siblings that have not taken xa yet
     reused: int = 0  # products saved by siblings sharing the input
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """A_g x for ``x`` [..., in] as [N, Σ r], computed once per input tensor (siblings reuse it)."""
-        if self.x is not x:
-            self.x, self.xa = x, x.reshape(-1, x.shape[-1]).to(self.a_t.dtype) @ self.a_t
-        else:
+        """A_g x for ``x`` [..., in] as [N, Σ r], computed once per input tensor (siblings reuse it). The cache
+        is dropped when the last sibling took it, so no layer's activations outlive their layer."""
+        if self.x is x and self.left > 0:
             self.reused += 1
-        return self.xa
+            xa = self.xa
+        else:
+            xa = x.reshape(-1, x.shape[-1]).to(self.a_t.dtype) @ self.a_t
+            self.x, self.xa, self.left = x, xa, self.size
+        self.left -= 1
+        if self.left == 0:
+            self.x = self.xa = None
+        return xa
 
 
 def _lora_layers(model) -> dict[str, torch.nn.Module]:
@@ -82,7 +90,7 @@ def fused_lora(model, dtype: torch.dtype):
         for members in _sibling_groups(layers):
             active = [(m, next(a for a in m.active_adapters if a in m.lora_A)) for _, m in members]
             a_rows = [m.lora_A[a].weight for m, a in active]  # each [r, in]
-            group = _Group(torch.cat(a_rows).to(dtype).t().contiguous())
+            group = _Group(torch.cat(a_rows).to(dtype).t().contiguous(), len(active))
             start = 0
             for (m, a), rows in zip(active, a_rows):
                 b_t = (m.lora_B[a].weight * m.scaling[a]).to(dtype).t().contiguous()  # [r, out]
