@@ -6,6 +6,10 @@
 #
 #   bash benchmarks/device_run.sh kernel rollout8b e2e8b_a      # e.g.; stages below, ~minutes each
 #
+# On a 2-GPU machine, two lists can run side by side (install once, then SKIP_INSTALL=1 and one GPU each):
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 SKIP_INSTALL=1 bash benchmarks/device_run.sh trl8b_a &
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 SKIP_INSTALL=1 bash benchmarks/device_run.sh e2e8b_b; wait
+#
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + tests/test_sampler_gpu.py (~1 min)
 #   profile8b  GPU time per kernel of 8B decode steps, fused LoRA and PEFT's forward (~1 min)
@@ -14,6 +18,7 @@
 #   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
+#   e2e8b_a4   the same with an NF4 4-bit base, 1 step
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
 #   trl8b_a    TRL GRPOTrainer.train() anchor for e2e8b_a (long: transformers generate)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
@@ -22,8 +27,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || echo "wheel install failed (continuing)"
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed (continuing)"
 export PYTHONPATH=/tmp/site:$PWD/.whl/bnb-0.50.2-slim:$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, peft, triton; print(torch.__version__, transformers.__version__, peft.__version__, triton.__version__)"
@@ -58,6 +63,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke ;;
         hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;
         e2e8b_a) stage e2e8b_a 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2 ;;
+        e2e8b_a4) stage e2e8b_a4 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke --load-in-4bit ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke ;;
         trl8b_a) stage trl8b_a 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \

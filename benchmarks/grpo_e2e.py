@@ -33,7 +33,7 @@ import trl_baseline as tb  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
 from longrl.config import Config, LoraConfig, RewardSpec, validate  # noqa: E402
-from longrl.models import apply_lora  # noqa: E402
+from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
 from longrl.trainer import GRPOTrainer  # noqa: E402
 
 GIB = 2 ** 30
@@ -67,10 +67,16 @@ def run_loop(args, root: Path) -> dict:
     data, reward = write_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
     first_prompt = json.loads(open(data).readline())["prompt"]
     assert len(tok(first_prompt, add_special_tokens=False)["input_ids"]) == args.prompt_len
+    quant = None
+    if args.load_in_4bit:  # NF4 with dynamic 16-bit exceptions, quantized where it lies; the bf16 weights are freed
+        quant = quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(dev)).lines()
+        print("\n".join(quant), flush=True)
+        torch.cuda.empty_cache()
     lora = LoraConfig(r=32, alpha=64.0, dropout=0.0)
     model = apply_lora(model, lora)
     cfg = Config()
     cfg.model.offload_activations, cfg.model.device = True, "cuda"
+    cfg.model.load_in_4bit = args.load_in_4bit  # the planner counts NF4 bytes
     cfg.lora = lora
     cfg.data.source, cfg.data.max_prompt_length, cfg.data.shuffle = str(data), args.prompt_len, False
     cfg.generation.max_completion_length, cfg.generation.ignore_eos = args.completion, True
@@ -106,7 +112,7 @@ def run_loop(args, root: Path) -> dict:
                 step_over_max_phase=step_peak / max(phases["generation"]["peak_gib"], train_peak),
                 rollout_share=phases["generation"]["seconds"] / step_s,
                 predicted_training_gib=trainer.plan.predicted_gpu_bytes / GIB if trainer.plan is not None else None,
-                plan=trainer.plan.table() if trainer.plan is not None else None,
+                plan=trainer.plan.table() if trainer.plan is not None else None, quantization=quant,
                 sampler_stats=dict(trainer.rollout_sampler.last_stats),
                 history=[{k: v for k, v in h.items() if not isinstance(v, str)} for h in history])
 
@@ -232,7 +238,11 @@ def main() -> None:
     ap.add_argument("--no-cli-smoke", action="store_true")
     ap.add_argument("--impl", default="longrl", choices=["longrl", "trl"])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--load-in-4bit", action="store_true",
+                    help="NF4 base with dynamic 16-bit exceptions (longrl only); files get _4bit")
     args = ap.parse_args()
+    if args.load_in_4bit:
+        args.tag = "_4bit" + args.tag
     import logging
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
@@ -278,7 +288,8 @@ def write_trl(args, r: dict) -> None:
 def write(args, r: dict, smoke: dict) -> None:
     meta = run_meta()
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_h200{args.tag}"
-    lines = [f"# Whole GRPO step, {args.shape} shape (random weights, bf16, LoRA r=32), {meta['gpu']}", "",
+    base = "NF4 4-bit base with 16-bit exceptions" if args.load_in_4bit else "bf16"
+    lines = [f"# Whole GRPO step, {args.shape} shape (random weights, {base}, LoRA r=32), {meta['gpu']}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"{args.prompts} prompts × {args.G} completions of exactly {args.completion} tokens after a {args.prompt_len}-"
              f"token prompt; beta 0.04 (reference pass), offloaded checkpointing + planner, longrl's sampler "
@@ -298,6 +309,8 @@ def write(args, r: dict, smoke: dict) -> None:
               + f". Step peak / max(rollout, training) = {r['step_over_max_phase']:.3f}. Rollout share of the step: "
               f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "
               f"{'not run' if smoke['ok'] is None else 'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "", "Plan:", "", "```", r["plan"] or "", "```"]
+    if r.get("quantization"):
+        lines += ["", "```", *r["quantization"], "```"]
     write_result(stem, {**meta, **vars(args), **r, "cli_smoke": smoke}, lines)
 
 
