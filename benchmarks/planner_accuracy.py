@@ -2,7 +2,8 @@
 
 Each grpo_memory row records the peak, the micro-batch budget, the GPU-resident layer inputs and the MLP tile of
 the run; this recomputes ``planner.predict`` for exactly that configuration (no optimizer state, as the
-benchmark step) and writes results/planner_accuracy.{md,json}.
+benchmark step). Each grpo_e2e run records its rollout phase's peak; this recomputes ``planner.plan_rollout``
+for its prompts × G × lengths. Writes results/planner_accuracy.{md,json}.
 
     python benchmarks/planner_accuracy.py
 """
@@ -18,11 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from results_io import RESULTS, run_meta, write_result  # noqa: E402
 
-from longrl.memory.planner import GIB, ModelShape, nf4_weight_bytes, predict  # noqa: E402
+from longrl.memory.planner import GIB, ModelShape, nf4_weight_bytes, plan_rollout, predict  # noqa: E402
 
 LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
+QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
+NF4_8B = nf4_weight_bytes(LLAMA_8B, 2, 0.10) / LLAMA_8B.base_params()
 SOURCES = {"grpo_memory_llama-3.1-8b_h200_offload_v2": 2, "grpo_memory_llama-3.1-8b_tiling": 2,
-           "grpo_memory_llama-3.1-8b_4bit": nf4_weight_bytes(LLAMA_8B, 2, 0.10) / LLAMA_8B.base_params()}
+           "grpo_memory_llama-3.1-8b_4bit": NF4_8B}
+ROLLOUTS = {"grpo_e2e_llama-3.1-8b_4x8x4096_h200": (LLAMA_8B, 2), "grpo_e2e_llama-3.1-8b_2x8x16384_h200": (LLAMA_8B, 2),
+            "grpo_e2e_llama-3.1-8b_4x8x4096_h200_4bit": (LLAMA_8B, NF4_8B),
+            "grpo_e2e_qwen2.5-1.5b_4x8x4096_h200": (QWEN_15B, 2)}
+H200_FREE = 139 * GIB
 
 
 def main() -> None:
@@ -45,7 +52,21 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['source']} | {r['impl']} | {r['tokens']:,} | {r['mlp_tile'] or '–'} | {r['measured_gib']:.2f} | "
               f"{r['predicted_gib']:.2f} | {100 * r['error']:+.1f}% |" for r in rows]
-    write_result("planner_accuracy", {**run_meta(), "rows": rows}, lines)
+    rollouts = []
+    for stem, (shape, weight_bytes) in ROLLOUTS.items():
+        data = json.loads((RESULTS / f"{stem}.json").read_text())
+        plan = plan_rollout(shape, prompts=data["prompts"], G=data["G"], prompt_len=data["prompt_len"],
+                            completion_len=data["completion"], lora_r=32, weight_bytes=weight_bytes, compute_bytes=2,
+                            gpu_free_bytes=H200_FREE)
+        measured = data["phases"]["generation"]["peak_gib"]
+        rollouts.append(dict(source=stem, measured_gib=measured, predicted_gib=plan.predicted_gpu_bytes / GIB,
+                             error=plan.predicted_gpu_bytes / GIB / measured - 1))
+    lines += ["", "Rollout phase of whole steps (`planner.plan_rollout`: weights, LoRA with Adam's moments and the "
+              "fused copy, prefill and sampling workspace, KV cache):", "",
+              "| source | measured GiB | predicted GiB | error |", "|---|---|---|---|"]
+    lines += [f"| {r['source']} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | {100 * r['error']:+.1f}% |"
+              for r in rollouts]
+    write_result("planner_accuracy", {**run_meta(), "rows": rows, "rollouts": rollouts}, lines)
 
 
 if __name__ == "__main__":

@@ -337,3 +337,18 @@ def test_first_tokens_of_many_completions_follow_the_model():
     chi2 = float(((observed - expected) ** 2 / expected.clamp(min=1e-9)).sum())
     bound = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # p = 1e-4
     assert chi2 < bound, (chi2, bound)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.9, seed=4),
+                                    SamplingParams(temperature=0, repetition_penalty=1.3),
+                                    SamplingParams(temperature=1.2, top_k=7, min_p=0.05, repetition_penalty=0.8)])
+def test_rows_drawn_in_chunks_equal_rows_drawn_together(params):
+    """next_tokens bounds its temporaries by drawing rows in chunks (odd sizes here): the same tokens and log-probs."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(23, 50, generator=g) * 3
+    seen = torch.rand(23, 50, generator=g) < 0.2
+    seq, pos = torch.arange(100, 123), torch.randint(0, 40, (23,), generator=g)
+    whole = next_tokens(logits, params, seq, pos, seen, rows=23)
+    for rows in (1, 5, 22):
+        tok, lp = next_tokens(logits, params, seq, pos, seen, rows=rows)
+        assert torch.equal(tok, whole[0]) and torch.equal(lp, whole[1])

@@ -147,11 +147,27 @@ def kv_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     return 2 * shape.layers * shape.kv_dim * compute_bytes
 
 
+SAMPLING_BYTES_PER_LOGIT = 24  # float32 scaled logits, probabilities and log-probs + the float64 CDF
+SAMPLING_CHUNK_BYTES = 512 << 20  # temporaries of the rows sampled together
+
+
+def sampling_rows(vocab: int) -> int:
+    """Rows the sampler draws tokens for at once: their temporaries stay within SAMPLING_CHUNK_BYTES."""
+    return max(1, SAMPLING_CHUNK_BYTES // (vocab * SAMPLING_BYTES_PER_LOGIT))
+
+
+def prefill_forward_tokens(prefill_tokens: int, prompts: int, prompt_len: int) -> int:
+    """Tokens of the sampler's largest prefill forward: as many whole prompts as fit in ``prefill_tokens``."""
+    return min(prompts, max(1, prefill_tokens // max(prompt_len, 1))) * prompt_len
+
+
 def sampler_workspace_bytes(hidden: int, intermediate: int, vocab: int, sequences: int, prefill_tokens: int,
                             compute_bytes: int) -> int:
-    """The sampler's memory besides weights and KV cache: one prefill forward and the logits' sampling temporaries."""
-    return (prefill_tokens * (6 * hidden + 3 * intermediate) * compute_bytes
-            + min(sequences, 1024) * vocab * 4 * 6 + (256 << 20))
+    """The sampler's memory besides weights and KV cache: one prefill forward of ``prefill_tokens`` tokens
+    (prefill_forward_tokens), the float32 logits of every sequence, and the sampling temporaries of one chunk of
+    rows."""
+    return (prefill_tokens * (6 * hidden + 3 * intermediate) * compute_bytes + sequences * vocab * 4
+            + min(sequences, sampling_rows(vocab)) * vocab * SAMPLING_BYTES_PER_LOGIT + (256 << 20))
 
 
 def prefix_entries(slots: int, prompts: int, G: int) -> int:
@@ -182,8 +198,10 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
               kv_token=kv_bytes_per_token(shape, compute_bytes))
     fixed = {"base weights": int(shape.base_params() * weight_bytes),
-             "LoRA (+Adam)": shape.lora_params(lora_r) * 4 * 3,
-             "workspace": sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, n, prefill_tokens,
+             # float32 adapters + Adam's two moments, and the rollout's fused copy in the compute dtype
+             "LoRA (+Adam, fused copy)": shape.lora_params(lora_r) * (4 * 3 + compute_bytes),
+             "workspace": sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, n,
+                                                  prefill_forward_tokens(prefill_tokens, prompts, prompt_len),
                                                   compute_bytes)}
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
     slots = max_rollout_slots(room, sequences=n, **kv)

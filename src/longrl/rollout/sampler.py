@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.planner import (ModelShape, max_rollout_slots, prefix_entries, rollout_kv_bytes,
-                              sampler_workspace_bytes)
+from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tokens, prefix_entries,
+                              rollout_kv_bytes, sampler_workspace_bytes)
 from ..models.loading import base_model, model_parts
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
@@ -218,8 +218,8 @@ class _Run:
         s = self.s
         shape = ModelShape.from_config(base_model(s.model).config)
         itemsize = torch.empty((), dtype=s.cache_dtype).element_size()
-        return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.N, s.prefill_tokens,
-                                       itemsize)
+        prefill = prefill_forward_tokens(s.prefill_tokens, len(self.prompts), self.Lp)
+        return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.N, prefill, itemsize)
 
     # ------------------------------------------------------------------------------------------ main loop
     def execute(self) -> Rollout:

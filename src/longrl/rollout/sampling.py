@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.planner import sampling_rows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -102,9 +104,19 @@ def uniform_for(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> to
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor, position: torch.Tensor,
-                seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                seen: torch.Tensor | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] long, log-probs [B] float32) for logits [B, V]; sequence, position [B] long key each row's
-    random number (see the module docstring)."""
+    random number (see the module docstring). Rows are drawn ``rows`` at a time (default: as many as keep the
+    temporaries within the planner's sampling chunk); the result does not depend on it."""
+    rows = rows or sampling_rows(logits.shape[-1])
+    if logits.shape[0] <= rows:
+        return _next_tokens(logits, params, sequence, position, seen)
+    parts = [_next_tokens(logits[i:i + rows], params, sequence[i:i + rows], position[i:i + rows],
+                          None if seen is None else seen[i:i + rows]) for i in range(0, logits.shape[0], rows)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _next_tokens(logits, params, sequence, position, seen):
     z = logits.float()
     penalised = apply_repetition_penalty(z, seen, params.repetition_penalty) if seen is not None else z
     if params.greedy:
