@@ -9,6 +9,10 @@
 # On a 2-GPU machine, two lists can run side by side (install once, then SKIP_INSTALL=1 and one GPU each):
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 SKIP_INSTALL=1 bash benchmarks/device_run.sh trl8b_a &
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 SKIP_INSTALL=1 bash benchmarks/device_run.sh e2e8b_b; wait
+# A run longer than one call (TRL's whole step at 8B): start it in the background on the last GPU and collect it
+# with a second call of the same kind made within the machine's 30 s warm period:
+#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/device_run.sh bg_trl8b_a e2e15_b e2e8b_b4   # call 1 (nvidia-h200-x2)
+#   bash benchmarks/device_run.sh collect                                              # call 2, right after
 #
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + tests/test_sampler_gpu.py (~1 min)
@@ -21,6 +25,10 @@
 #   e2e8b_a4   the same with an NF4 4-bit base, 1 step
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
 #   trl8b_a    TRL GRPOTrainer.train() anchor for e2e8b_a (long: transformers generate)
+#   bg_trl8b_a TRL's anchor started in the background on the LAST GPU (setsid: it outlives this call; give the
+#              other stages the first GPU with CUDA_VISIBLE_DEVICES=0), writing to /tmp/bg
+#   collect    wait for the background run (within the stage limit), then copy its files into results/ and logs
+#   e2e15_b    grpo_e2e 1.5B, 2 prompts x 8 x 16,384, 1 step;  e2e15_a4 / e2e15_b4 / e2e8b_b4: 4-bit variants
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
 set -u
@@ -69,6 +77,21 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke ;;
         trl8b_a) stage trl8b_a 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --impl trl ;;
+        bg_trl8b_a) mkdir -p /tmp/bg && last=$(( $(nvidia-smi -L | wc -l) - 1 )) && \
+            CUDA_VISIBLE_DEVICES=$last LONGRL_RESULTS_DIR=/tmp/bg setsid nohup python3 benchmarks/grpo_e2e.py \
+            --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 1 --no-cli-smoke --impl trl \
+            >/tmp/bg/trl8b_a.log 2>&1 </dev/null & echo $! >/tmp/bg/pid; echo "=== bg_trl8b_a: started on GPU $last" ;;
+        collect) stage collect 560 bash -c 'while kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null; do sleep 5; done'
+            cp /tmp/bg/*.json /tmp/bg/*.md benchmarks/results/ 2>/dev/null; cp /tmp/bg/*.log "$OUT/logs/" 2>/dev/null
+            tail -5 /tmp/bg/trl8b_a.log ;;
+        e2e15_b) stage e2e15_b 300 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 2 --completion 16384 \
+            --steps 1 --no-cli-smoke ;;
+        e2e15_a4) stage e2e15_a4 200 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke --load-in-4bit ;;
+        e2e15_b4) stage e2e15_b4 300 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 2 --completion 16384 \
+            --steps 1 --no-cli-smoke --load-in-4bit ;;
+        e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
+            --steps 1 --no-cli-smoke --load-in-4bit ;;
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# LONGRL_RESULTS_DIR redirects a run's files (a background run on the GPU machine writes outside the synced tree)
+RESULTS = Path(os.environ.get("LONGRL_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
 def run_meta(**extra) -> dict:
