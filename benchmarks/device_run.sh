@@ -29,6 +29,7 @@
 #              other stages the first GPU with CUDA_VISIBLE_DEVICES=0), writing to /tmp/bg
 #   collect    wait for the background run (within the stage limit), then copy its files into results/ and logs
 #   e2e15_b    grpo_e2e 1.5B, 2 prompts x 8 x 16,384, 1 step;  e2e15_a4 / e2e15_b4 / e2e8b_b4: 4-bit variants
+#   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
 set -u
@@ -92,6 +93,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke --load-in-4bit ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
+        lmhead) stage lmhead 60 python3 benchmarks/lm_head_gemm.py --vocab 128256 --hidden 4096 \
+            && stage lmhead15 60 python3 benchmarks/lm_head_gemm.py --vocab 151936 --hidden 1536 ;;
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

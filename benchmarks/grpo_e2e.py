@@ -303,8 +303,8 @@ def write(args, r: dict, smoke: dict) -> None:
     lines += [f"| **whole step** | **{r['step_seconds']:.2f}** | | **{r['step_peak_gib']:.2f}** |", "",
               f"Peaks: the trainer resets the counter at each phase's start, so the step's peak is the largest phase "
               f"peak. Rollout phase: {r['phases']['generation']['peak_gib']:.2f} GiB = "
-              f"{r['rollout_over_weights_kv']:.3f} × (weights {r['weights_gib']:.2f} + KV cache {r['kv_cache_gib']:.2f} "
-              f"GiB). Training phases (reference, update): {r['training_peak_gib']:.2f} GiB"
+              f"{r['rollout_over_weights_kv']:.3f} × (weights {r['weights_gib']:.2f} + KV cache "
+              f"{r['kv_cache_gib']:.2f} GiB). Training phases (reference, update): {r['training_peak_gib']:.2f} GiB"
               + (f" (planner: {pred:.2f} GiB without the KV cache, which was released)" if pred else "")
               + f". Step peak / max(rollout, training) = {r['step_over_max_phase']:.3f}. Rollout share of the step: "
               f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "

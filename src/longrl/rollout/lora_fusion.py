@@ -80,7 +80,8 @@ def fusable_reason(model) -> str | None:
 @contextlib.contextmanager
 def fused_lora(model, dtype: torch.dtype):
     """Within the context, ``model``'s LoRA adapters run fused (see the module docstring); yields whether they
-    do (False: no adapters or not fusable, PEFT's forward runs unchanged)."""
+    do (False: no adapters or not fusable, PEFT's forward runs unchanged). For inference: the copies are
+    detached and the delta is added in place, so no gradient reaches the adapters."""
     layers = _lora_layers(model)
     if not layers or not hasattr(model, "disable_adapter") or fusable_reason(model) is not None:
         yield False
