@@ -27,7 +27,10 @@
 #   trl8b_a    TRL GRPOTrainer.train() anchor for e2e8b_a (long: transformers generate)
 #   bg_trl8b_a TRL's anchor started in the background on the LAST GPU (setsid: it outlives this call; give the
 #              other stages the first GPU with CUDA_VISIBLE_DEVICES=0), writing to /tmp/bg
-#   collect    wait for the background run (within the stage limit), then copy its files into results/ and logs
+#   bg_probe400k  grpo_memory 8B, one 409,600-token sequence, the planner's layout (resident layers + MLP tile),
+#              in the background likewise (~8-10 min by FLOP count; one background run at a time: each needs
+#              most of a GPU)
+#   collect    wait for the background runs (within the stage limit), then copy their files into results/ and logs
 #   e2e15_b    grpo_e2e 1.5B, 2 prompts x 8 x 16,384, 1 step;  e2e15_a4 / e2e15_b4 / e2e8b_b4: 4-bit variants
 #   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
@@ -58,6 +61,16 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
     grep -v -i "warn" "$OUT/logs/$name.log" | tail -25
 }
 
+background() {  # background NAME COMMAND...: on the last GPU, in its own session (it outlives this call), files
+    local name=$1  # and log to /tmp/bg; `collect` in a later call of the same machine waits for it
+    shift
+    mkdir -p /tmp/bg
+    local last=$(( $(nvidia-smi -L | wc -l) - 1 ))
+    CUDA_VISIBLE_DEVICES=$last LONGRL_RESULTS_DIR=/tmp/bg setsid nohup "$@" >"/tmp/bg/$name.log" 2>&1 </dev/null &
+    echo $! >"/tmp/bg/$name.pid"
+    echo "=== $name: started in the background on GPU $last"
+}
+
 for s in "$@"; do
     case $s in
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
@@ -78,13 +91,14 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke ;;
         trl8b_a) stage trl8b_a 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --impl trl ;;
-        bg_trl8b_a) mkdir -p /tmp/bg && last=$(( $(nvidia-smi -L | wc -l) - 1 )) && \
-            CUDA_VISIBLE_DEVICES=$last LONGRL_RESULTS_DIR=/tmp/bg setsid nohup python3 benchmarks/grpo_e2e.py \
-            --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 1 --no-cli-smoke --impl trl \
-            >/tmp/bg/trl8b_a.log 2>&1 </dev/null & echo $! >/tmp/bg/pid; echo "=== bg_trl8b_a: started on GPU $last" ;;
-        collect) stage collect 560 bash -c 'while kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null; do sleep 5; done'
+        bg_trl8b_a) background trl8b_a python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
+            --completion 4096 --steps 1 --no-cli-smoke --impl trl ;;
+        bg_probe400k) background probe400k python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 409600 \
+            --G 1 --impls longrl-planned --reps 0 --tag probe_400k --out /tmp/bg ;;
+        collect) stage collect 560 bash -c 'for f in /tmp/bg/*.pid; do while kill -0 "$(cat "$f")" 2>/dev/null; do
+            sleep 5; done; done'
             cp /tmp/bg/*.json /tmp/bg/*.md benchmarks/results/ 2>/dev/null; cp /tmp/bg/*.log "$OUT/logs/" 2>/dev/null
-            tail -5 /tmp/bg/trl8b_a.log ;;
+            tail -n 5 /tmp/bg/*.log ;;
         e2e15_b) stage e2e15_b 300 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke ;;
         e2e15_a4) stage e2e15_a4 200 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \

@@ -37,6 +37,21 @@ def test_tight_gpu_offloads_and_keeps_what_fits():
     assert plan.predicted_host_bytes == (32 - plan.gpu_resident_layers) * 20480 * 4096 * 2
 
 
+def test_short_host_memory_keeps_layer_inputs_on_the_gpu():
+    """400K tokens of the 8B shape need ~100 GiB of layer inputs: with 60 GiB of host memory the planner keeps the
+    rest on a 139 GiB GPU instead of refusing; with too little of both it refuses, naming both."""
+    host = 60 * GIB
+    plan = make_plan(LLAMA_8B, sequence_lengths=[409600], lora_r=32, weight_bytes=2, gpu_free_bytes=139 * GIB,
+                     host_free_bytes=host)
+    per_layer = 409600 * 4096 * 2
+    assert plan.predicted_host_bytes == (32 - plan.gpu_resident_layers) * per_layer <= host
+    assert 32 - host // per_layer <= plan.gpu_resident_layers < 32
+    assert plan.predicted_gpu_bytes <= 139 * GIB and plan.mlp_tile_tokens is not None
+    with pytest.raises(PlanError, match="GPU memory.*host memory"):
+        make_plan(LLAMA_8B, sequence_lengths=[409600], lora_r=32, weight_bytes=2, gpu_free_bytes=80 * GIB,
+                  host_free_bytes=host)
+
+
 def test_prediction_grows_with_tokens_and_shrinks_with_offload():
     kw = dict(lora_r=32, weight_bytes=2, chunk=1024)
     a, _, _ = predict(LLAMA_8B, tokens=4096, offload=False, gpu_resident=0, **kw)

@@ -44,3 +44,36 @@ def test_fused_lora_equals_peft_on_cuda_graphs():
     assert runs[0].completion_ids == runs[1].completion_ids
     torch.testing.assert_close(torch.tensor(sum(runs[0].logprobs, [])), torch.tensor(sum(runs[1].logprobs, [])),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_kernels_round_like_transformers_in_bf16():
+    """The fused decode kernels in bfloat16 on the GPU = their PyTorch twins (transformers' arithmetic): residual
+    adds, the rotary embedding and the activation exactly; norms within one bf16 unit (float32 sums in another
+    order)."""
+    from longrl.rollout import fused_ops as f
+
+    torch.manual_seed(0)
+    bf, dev = torch.bfloat16, "cuda"
+
+    def one_unit(a, b):
+        return bool(((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs().clamp(min=1)).all())
+
+    for B, d in ((3, 48), (64, 4096), (5, 1536)):
+        h, delta = torch.randn(B, d, device=dev).to(bf), torch.randn(B, d, device=dev).to(bf)
+        w = (1 + 0.3 * torch.randn(d, device=dev)).to(bf)
+        want_h, want_x = f.add_rmsnorm_reference(h.clone(), delta, w, 1e-5)
+        got_h, got_x = f.add_rmsnorm(h.clone(), delta, w, 1e-5, True)
+        assert torch.equal(got_h, want_h) and one_unit(got_x, want_x)
+        g, u = (torch.randn(B, 3 * d, device=dev) * 3).to(bf), torch.randn(B, 3 * d, device=dev).to(bf)
+        assert torch.equal(f.silu_mul(g, u, True), f.silu_mul_reference(g, u))
+    for B, Hq, Hkv, D, norm in ((3, 6, 2, 16, False), (32, 32, 8, 128, False), (4, 16, 8, 128, True)):
+        q, k, v = (torch.randn(B, H * D, device=dev).to(bf) for H in (Hq, Hkv, Hkv))
+        ang = torch.rand(B, D // 2, device=dev) * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(bf), torch.cat([ang.sin()] * 2, -1).to(bf)
+        qw, kw = ((1 + 0.3 * torch.randn(D, device=dev)).to(bf) for _ in range(2)) if norm else (None, None)
+        widx = torch.randperm(11, device=dev)[:B] if B <= 11 else torch.randint(0, 11, (B,), device=dev)
+        caches = [[torch.zeros(B + 1, Hkv, 11, D, dtype=bf, device=dev) for _ in range(2)] for _ in range(2)]
+        want = f.rotary_kv_reference(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6)
+        got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6)
+        same = one_unit if norm else torch.equal
+        assert same(got, want) and same(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])

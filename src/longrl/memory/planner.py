@@ -262,22 +262,34 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
 
-    def fits(tokens, resident, tile=None):
+    def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile)
+        return gpu, host
+
+    def fewest_resident(tokens, tile=None) -> int:
+        """Fewest GPU-resident layer inputs that leave the offloaded ones within host memory (host need falls as
+        more stay on the GPU); all layers when even that is not enough."""
+        if not offload:
+            return 0
+        return next((r for r in range(shape.layers + 1) if cost(tokens, r, tile)[1] <= host_free_bytes),
+                    shape.layers)
+
+    def fits(tokens, tile=None) -> bool:
+        """Whether some split of layer inputs between GPU and host memory holds ``tokens``."""
+        gpu, host = cost(tokens, fewest_resident(tokens, tile), tile)
         return gpu <= usable and host <= host_free_bytes
 
     tile = mlp_tile_tokens or None
     need = max(token_budget, longest)
-    if mlp_tile_tokens is None and not fits(need, 0):
-        tile = choose_mlp_tile(need, lambda t: fits(need, 0, t))
+    if mlp_tile_tokens is None and not fits(need):
+        tile = choose_mlp_tile(need, lambda t: fits(need, t))
     if token_budget:
         budget = need
     else:
-        if not fits(longest, 0, tile):
+        if not fits(longest, tile):
             tried = tile or (MLP_TILE_ALIGN if mlp_tile_tokens is None else None)
-            gpu, host, _ = predict(shape, tokens=longest, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                                   gpu_resident=0, chunk=chunk, mlp_tile=tried)
+            gpu, host = cost(longest, fewest_resident(longest, tried), tried)
             raise PlanError(
                 f"a single sequence of {longest:,} tokens needs {gpu / GIB:.1f} GiB of GPU memory "
                 + (f"with MLP tiles of {tried:,} tokens " if tried and tried < longest else "")
@@ -288,14 +300,15 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
         lo, hi = longest, max(longest, min(total, MAX_PACKED_TOKENS))
         while lo < hi:  # largest budget that fits
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid, 0, tile) else (lo, mid - 1)
+            lo, hi = (mid, hi) if fits(mid, tile) else (lo, mid - 1)
         budget = lo
     resident = 0
     if offload:
         if gpu_resident is not None:
             resident = gpu_resident
-        else:
-            while resident < shape.layers and fits(budget, resident + 1, tile):
+        else:  # as many layer inputs on the GPU as fit (each one kept there is one host round trip saved)
+            resident = fewest_resident(budget, tile)
+            while resident < shape.layers and cost(budget, resident + 1, tile)[0] <= usable:
                 resident += 1
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile)

@@ -114,15 +114,21 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
     k_suf, v_suf = cache.k_suf[layer], cache.v_suf[layer]
     k_suf[rows, :, meta.write_index] = key[:, :, 0].to(k_suf.dtype)  # [B, Hkv, D] into [S, Hkv, T, D]
     v_suf[rows, :, meta.write_index] = value[:, :, 0].to(v_suf.dtype)
-    args = (query[:, :, 0].to(k_suf.dtype), cache.k_pre[layer], cache.v_pre[layer], meta.prefix_index,
-            meta.prefix_len, k_suf, v_suf, meta.write_index + 1, scale)
+    out = decode_attend(query[:, :, 0], layer, meta, scale)
+    return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]
+
+
+def decode_attend(q: torch.Tensor, layer: int, meta: DecodeMeta, scale: float) -> torch.Tensor:
+    """Attention of each sequence's new query q [B, Hq, D] over its prompt prefix and its slot-store keys (this
+    step's key already written at write_index): [B, Hq, D]."""
+    cache = meta.cache
+    args = (q.to(cache.k_suf.dtype), cache.k_pre[layer], cache.v_pre[layer], meta.prefix_index, meta.prefix_len,
+            cache.k_suf[layer], cache.v_suf[layer], meta.write_index + 1, scale)
     if meta.use_triton:
         from .decode_kernel import decode_attention_triton
 
-        out = decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len)
-    else:
-        out = decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len)
-    return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]
+        return decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len)
+    return decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len)
 
 
 def register_sampler_attention() -> None:

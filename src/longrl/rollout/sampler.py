@@ -29,6 +29,7 @@ from ..models.loading import base_model, model_parts
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
+from .fast_decode import FastDecoder
 from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index
 
@@ -67,11 +68,12 @@ class Sampler:
     kv_cache_bytes: the KV budget (None: what the job needs, capped on CUDA by 90% of the free memory).
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only). sync_every: decode steps between host checks.
     prefill_tokens: prompt tokens per prefill forward. fuse_lora: add LoRA deltas by fused products for the call
-    (rollout/lora_fusion.py) instead of PEFT's per-layer forward.
+    (rollout/lora_fusion.py) instead of PEFT's per-layer forward. fast_decode: run decode steps of Llama-family
+    models through rollout/fast_decode.py (fused elementwise kernels) instead of transformers' forward.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
-                 sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True):
+                 sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True):
         self.model, self.tokenizer, self.fuse_lora = model, tokenizer, fuse_lora
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
@@ -79,6 +81,7 @@ class Sampler:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.use_triton = self.device.type == "cuda" and _triton_available()
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
+        self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------------------------------ public
@@ -109,6 +112,7 @@ class Sampler:
                 run = _Run(self, prompt_ids, num_generations, params)
                 rollout = run.execute()
             self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
+                               "fast_decode": self.fast is not None,
                                "tokens": sum(len(c) for c in rollout.completion_ids)}
             log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
                       "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
@@ -328,9 +332,12 @@ class _Run:
         meta = DecodeMeta(self.cache, self.prefix_index[:B], self.prefix_len[:B], self.write_index[:B], s.use_triton,
                           self.members, self.entry_len)
         with s.compute_context():
-            hidden = s.backbone(input_ids=self.cur_tok[:B, None], position_ids=self.position[:B, None],
-                                use_cache=False, longrl_kv=meta).last_hidden_state  # [B, 1, d]
-            self.logits_buf[:B] = s.logits(hidden[:, 0])
+            if s.fast is not None:
+                hidden = s.fast(self.cur_tok[:B], self.position[:B], meta)  # [B, d]
+            else:
+                hidden = s.backbone(input_ids=self.cur_tok[:B, None], position_ids=self.position[:B, None],
+                                    use_cache=False, longrl_kv=meta).last_hidden_state[:, 0]  # [B, d]
+            self.logits_buf[:B] = s.logits(hidden)
 
     def _run_forward(self, B: int) -> None:
         if not self.s.cuda_graphs:

@@ -1,0 +1,173 @@
+"""The elementwise work of a Llama-family decode step, fused: three Triton kernels (GPU) and their PyTorch twins.
+
+transformers runs a decoder layer's glue as ~25 small kernels (norm statistics, casts, the rotary embedding's
+slices and concatenations, cache writes, the activation, residual adds); at decode batch sizes each costs a
+few microseconds regardless of size, ~3 ms a step for an 8B model. These do the same arithmetic, rounding to
+the activations' dtype wherever transformers does (``cast`` below), in three kernels:
+
+    add_rmsnorm:   h ← cast(h + δ);  x = cast(w ⊙ cast(h · rsqrt(mean(h²) + ε)))           (statistics in float32)
+    rotary_kv:     t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
+                   t ← cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))   for q and k;  k, v → the slot store
+    silu_mul:      y = cast(cast(silu(g)) ⊙ u)
+
+The twins are the reference (tests/test_fast_decode.py runs both, the kernels through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton use the twins
+    triton = None
+
+
+# ---------------------------------------------------------------------------------------------- PyTorch twins
+def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h + δ, RMSNorm(h + δ)) for rows h, δ [B, d], as transformers' residual add and LlamaRMSNorm."""
+    if delta is not None:
+        h = h + delta
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return h, weight * x.to(h.dtype)
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm=None, k_norm=None, eps=1e-6):
+    """q [B, Hq·D], k and v [B, Hkv·D] (projection outputs), cos and sin [B, D]; k_cache, v_cache [S, Hkv, T, D].
+    Norms q/k per head when weights are given, rotates q and k, writes k and v at write_index [B]; returns
+    q [B, Hq, D]."""
+    B, D = q.shape[0], cos.shape[-1]
+    q, k, v = q.view(B, -1, D), k.view(B, -1, D), v.view(B, -1, D)
+    if q_norm is not None:
+        q = add_rmsnorm_reference(q, None, q_norm, eps)[1]
+        k = add_rmsnorm_reference(k, None, k_norm, eps)[1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    rows = torch.arange(B, device=q.device)
+    k_cache[rows, :, write_index] = k.to(k_cache.dtype)
+    v_cache[rows, :, write_index] = v.to(v_cache.dtype)
+    return q
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------- Triton kernels
+if triton is not None:
+    @triton.jit
+    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row: h ← cast(h + δ) in place; x = cast(w · cast(h · rsqrt(mean(h²) + ε)))."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < d
+        h = tl.load(H + row * d + cols, mask=ok, other=0.0)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(DELTA + row * d + cols, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(H + row * d + cols, h, mask=ok)
+        hf = h.to(tl.float32)
+        y = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / d + eps)).to(h.dtype)
+        w = tl.load(W + cols, mask=ok, other=0.0)
+        tl.store(X + row * d + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                          HAS_NORM: tl.constexpr):
+        """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
+        (rotated, with their value head, into the slot store at WIDX[b])."""
+        b = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        is_q = head < HQ
+        kvh = head - HQ
+        src = tl.where(is_q, Q + (b * HQ + head) * (2 * HALF), K + (b * HKV + kvh) * (2 * HALF))
+        lo = tl.load(src + i)  # t[:D/2]
+        hi = tl.load(src + HALF + i)  # t[D/2:]
+        dt = lo.dtype
+        if HAS_NORM:
+            wsrc = tl.where(is_q, QW, KW)
+            lf, hf = lo.to(tl.float32), hi.to(tl.float32)
+            r = tl.rsqrt((tl.sum(lf * lf, 0) + tl.sum(hf * hf, 0)) / D + eps)
+            lo = (tl.load(wsrc + i).to(tl.float32) * (lf * r).to(dt).to(tl.float32)).to(dt)
+            hi = (tl.load(wsrc + HALF + i).to(tl.float32) * (hf * r).to(dt).to(tl.float32)).to(dt)
+        c_lo = tl.load(COS + b * D + i).to(tl.float32)
+        c_hi = tl.load(COS + b * D + HALF + i).to(tl.float32)
+        s_lo = tl.load(SIN + b * D + i).to(tl.float32)
+        s_hi = tl.load(SIN + b * D + HALF + i).to(tl.float32)
+        lf, hf = lo.to(tl.float32), hi.to(tl.float32)
+        # rotate_half(t) = (−t[D/2:], t[:D/2]); each product and the sum rounded as transformers rounds them
+        out_lo = ((lf * c_lo).to(dt).to(tl.float32) + (-hf * s_lo).to(dt).to(tl.float32)).to(dt)
+        out_hi = ((hf * c_hi).to(dt).to(tl.float32) + (lf * s_hi).to(dt).to(tl.float32)).to(dt)
+        if is_q:
+            dst = QO + (b * HQ + head) * D
+            tl.store(dst + i, out_lo)
+            tl.store(dst + HALF + i, out_hi)
+        else:
+            t = tl.load(WIDX + b)
+            off = b * stride_cs + kvh * stride_ch + t * stride_ct
+            tl.store(KC + off + i, out_lo.to(KC.dtype.element_ty))
+            tl.store(KC + off + HALF + i, out_hi.to(KC.dtype.element_ty))
+            vsrc = V + (b * HKV + kvh) * D
+            tl.store(VC + off + i, tl.load(vsrc + i).to(VC.dtype.element_ty))
+            tl.store(VC + off + HALF + i, tl.load(vsrc + HALF + i).to(VC.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        g = tl.load(G + offs, mask=ok, other=0.0)
+        u = tl.load(U + offs, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(Y + offs, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
+    """(h + δ, RMSNorm(h + δ)); with Triton h is updated in place (it must be a contiguous [B, d] buffer)."""
+    if not use_triton:
+        return add_rmsnorm_reference(h, delta, weight, eps)
+    B, d = h.shape
+    x = torch.empty(B, d, dtype=torch.result_type(weight, h), device=h.device)
+    _add_rmsnorm_kernel[(B,)](h, delta if delta is not None else h, weight, x, d, float(eps),
+                              HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d),
+                              num_warps=8 if d >= 2048 else 4)
+    return h, x
+
+
+def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool, q_norm=None, k_norm=None,
+              eps: float = 1e-6):
+    """Rotary embedding of q and k (after the per-head norms, if any), k and v into the slot store; q [B, Hq, D]."""
+    D = cos.shape[-1]
+    odd_norm = q_norm is not None and (q_norm.dtype != q.dtype or k_norm.dtype != k.dtype)
+    if not use_triton or odd_norm or D % 2 or (D // 2) & (D // 2 - 1):  # the kernel: a power-of-two half head
+        return rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm, k_norm, eps)
+    B = q.shape[0]
+    hq, hkv = q.shape[-1] // D, k.shape[-1] // D
+    out = torch.empty(B, hq, D, dtype=q.dtype, device=q.device)
+    cos, sin = cos.reshape(B, D).contiguous(), sin.reshape(B, D).contiguous()
+    _rotary_kv_kernel[(B, hq + hkv)](
+        q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, k_cache, v_cache, write_index,
+        q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, out, float(eps),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=hq, HKV=hkv, D=D, HALF=D // 2,
+        HAS_NORM=q_norm is not None, num_warps=1)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    if not use_triton:
+        return silu_mul_reference(gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate, dtype=torch.result_type(gate, up))
+    n = gate.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, num_warps=4)
+    return y

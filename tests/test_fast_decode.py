@@ -1,0 +1,146 @@
+"""The fused decode step (rollout/fast_decode.py + fused_ops.py) against transformers' own forward, for each
+architecture it takes; its Triton kernels against their PyTorch twins through Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from longrl.config import LoraConfig
+from longrl.models import apply_lora
+from longrl.rollout import Sampler, SamplingParams
+from longrl.rollout.fast_decode import FastDecoder, unsupported_reason
+
+PROMPTS = [[1, 5, 6, 7, 9], [2, 8], [3, 4, 4, 4, 4, 4, 5, 11, 12]]
+COMMON = dict(vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, max_position_embeddings=256)
+ARCHS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"use_sliding_window": False}),
+         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"use_sliding_window": False,
+                                                                             "head_dim": 16})}
+
+
+def build(arch: str, seed: int, dtype=torch.float32, lora: bool = False):
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**COMMON, **extra)).to(dtype).eval()
+    with torch.no_grad():  # larger weights than the init's, so that logits are far apart and the layers matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.normal_(0, 0.15)
+            else:
+                p.normal_(0, 0.1)  # biases (Qwen2's q/k/v)
+    if lora:
+        model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("lora", [False, True])
+def test_fast_decode_equals_transformers_forward(arch, lora):
+    model = build(arch, seed=len(arch), lora=lora)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    runs = {}
+    for fast in (True, False):
+        sampler = Sampler(model, None, fast_decode=fast, sync_every=3)
+        runs[fast] = sampler.generate(PROMPTS, 2, greedy)
+        assert sampler.last_stats["fast_decode"] is fast
+    assert runs[True].completion_ids == runs[False].completion_ids
+    torch.testing.assert_close(torch.tensor(sum(runs[True].logprobs, [])), torch.tensor(sum(runs[False].logprobs, [])),
+                               atol=1e-5, rtol=1e-5)
+    for prompt, comp in zip(PROMPTS, runs[True].completion_ids[::2]):  # and transformers' own greedy decoding
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == comp
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_rounding_follows_transformers(arch):
+    """In bfloat16 the twins round where transformers rounds: the final hidden state of a decode step matches
+    transformers' to within a few bf16 units, far closer than the difference one more layer makes."""
+    model = build(arch, seed=3, dtype=torch.bfloat16)
+    sampler = Sampler(model, None)
+    captured = {}
+    decoder = sampler.fast
+
+    def spy(ids, positions, meta):
+        captured["fast"] = decoder(ids, positions, meta)
+        return captured["fast"]
+
+    sampler.fast = spy
+    r = sampler.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2, temperature=0))
+    ids = torch.tensor([PROMPTS[0] + r.completion_ids[0][:1]])
+    with torch.no_grad():
+        want = model.model(input_ids=ids).last_hidden_state[0, -1].float()
+    got = captured["fast"][0].float()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 0.02 * scale
+
+
+def test_other_architectures_keep_transformers_forward():
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, head_dim=8))
+    assert "architecture" in unsupported_reason(gemma) and FastDecoder.build(gemma) is None
+    gelu = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, hidden_act="gelu"))
+    assert "activation" in unsupported_reason(gelu)
+
+
+# Triton's interpreter rounds float32 → bfloat16 toward zero where GPUs (and torch) round to nearest even, so in
+# bfloat16 the kernels are held here to 2^-5 relative (each of up to three rounding steps may differ by one bf16
+# unit, 2^-8..2^-7 relative); the exact bf16
+# comparison runs on the GPU (tests/test_sampler_gpu.py). float32 is compared to 1e-6.
+KERNEL_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.rollout import fused_ops as f
+
+    def close(got, want, dtype):
+        unit = 2 ** -5 if dtype == torch.bfloat16 else 0.0
+        return bool(((got.float() - want.float()).abs() <= 1e-6 + unit * want.float().abs().clamp(min=1)).all())
+
+    torch.manual_seed(int(__import__("sys").argv[1]))
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, d in ((3, 48), (1, 100), (5, 256)):
+            h, delta = torch.randn(B, d).to(dtype), torch.randn(B, d).to(dtype)
+            w = (1 + 0.3 * torch.randn(d)).to(dtype)
+            for dl in (None, delta):
+                want_h, want_x = f.add_rmsnorm_reference(h.clone(), dl, w, 1e-5)
+                got_h, got_x = f.add_rmsnorm(h.clone(), dl, w, 1e-5, True)
+                assert close(got_h, want_h, dtype) and close(got_x, want_x, dtype), ("add_rmsnorm", dtype, B, d)
+            g, u = (torch.randn(B, 3 * d + 5) * 3).to(dtype), torch.randn(B, 3 * d + 5).to(dtype)
+            assert close(f.silu_mul(g, u, True), f.silu_mul_reference(g, u), dtype), ("silu_mul", dtype, B, d)
+        for B, Hq, Hkv, D, norm in ((3, 6, 2, 16, False), (2, 4, 4, 32, True), (1, 8, 1, 64, True)):
+            S, T = B + 2, 9
+            q, k, v = (torch.randn(B, H * D).to(dtype) for H in (Hq, Hkv, Hkv))
+            ang = torch.rand(B, D // 2) * 6
+            cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+            qw, kw = ((1 + 0.3 * torch.randn(D)).to(dtype) for _ in range(2)) if norm else (None, None)
+            widx = torch.randperm(T)[:B]
+            caches = [[torch.zeros(S, Hkv, T, D, dtype=dtype) for _ in range(2)] for _ in range(2)]
+            want = f.rotary_kv_reference(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6)
+            got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6)
+            for a, b in ((got, want), (caches[1][0], caches[0][0]), (caches[1][1], caches[0][1])):
+                assert close(a, b, dtype), ("rotary_kv", dtype, B, D, norm)
+    print("fused ops ok")
+''')
+
+
+@pytest.mark.parametrize("seed", ["0", "1"])
+def test_triton_kernels_equal_their_twins(seed):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, seed], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fused ops ok" in out.stdout
