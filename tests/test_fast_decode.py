@@ -62,8 +62,9 @@ def test_fast_decode_equals_transformers_forward(arch, lora):
     torch.testing.assert_close(torch.tensor(sum(runs[True].logprobs, [])), torch.tensor(sum(runs[False].logprobs, [])),
                                atol=1e-5, rtol=1e-5)
     for prompt, comp in zip(PROMPTS, runs[True].completion_ids[::2]):  # and transformers' own greedy decoding
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == comp
 
 
