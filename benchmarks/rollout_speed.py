@@ -107,8 +107,8 @@ def model_bytes(model) -> tuple[int, int]:
     return total - embed.numel() * embed.element_size(), total
 
 
-def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True):
-    sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora)
+def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True):
+    sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
     sampler.generate(prompts[:2], 2, SamplingParams(max_new_tokens=4))  # warm-up: kernels, allocator
     base = _start_peak()
@@ -215,8 +215,10 @@ def main() -> None:
         try:
             if name == "longrl":
                 r = run_longrl(model, prompts, args.G, N)
+            elif name == "longrl-hf":
+                r = run_longrl(model, prompts, args.G, N, fast_decode=False)
             elif name == "longrl-peft":
-                r = run_longrl(model, prompts, args.G, N, fuse_lora=False)
+                r = run_longrl(model, prompts, args.G, N, fuse_lora=False, fast_decode=False)
             elif name == "longrl-eager":
                 r = run_longrl(model, prompts, args.G, N, cuda_graphs=False)
             elif name == "hf-generate":
@@ -240,8 +242,8 @@ def profile_decode(args, model, prompts) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     lines = []
-    for fuse in (True, False):
-        sampler = Sampler(model, None, fuse_lora=fuse)
+    for fuse in (True, False):  # fused: fast decode + fused LoRA; else transformers' forward + PEFT's LoRA
+        sampler = Sampler(model, None, fuse_lora=fuse, fast_decode=fuse)
         params = SamplingParams(max_new_tokens=args.profile, temperature=1.0, seed=0)
         sampler.generate(prompts, args.G, params)  # warm-up and graph capture
         _sync()
@@ -250,7 +252,8 @@ def profile_decode(args, model, prompts) -> None:
             sampler.generate(prompts, args.G, params)
             _sync()
             seconds = time.perf_counter() - t
-        lines += [f"## fuse_lora={fuse}: {args.prompts} x {args.G} x {args.profile} new tokens in {seconds:.3f} s "
+        lines += [f"## fast_decode=fuse_lora={fuse}: {args.prompts} x {args.G} x {args.profile} new tokens in "
+                  f"{seconds:.3f} s "
                   f"({seconds / args.profile * 1e3:.2f} ms a step incl. prefill)",
                   prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), ""]
         print(lines[-3], flush=True)
@@ -292,7 +295,7 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{results['kernel_max_abs_err']:.2g} (bf16).", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("longrl", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
+    for name in ("longrl", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
         r = results.get(name)
         if r is None:
             continue
@@ -308,8 +311,10 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{r['kv_gib']:.2f}" if "kv_gib" in r else "–",
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "longrl: LoRA deltas added by fused products during the call (rollout/lora_fusion.py); longrl-peft: "
-              "PEFT's own LoRA forward; longrl-nolora: the base alone (before the adapters are attached). "
+    lines += ["", "longrl: decode steps through rollout/fast_decode.py (fused glue kernels) and LoRA deltas added by "
+              "fused products (rollout/lora_fusion.py); longrl-hf: the same with transformers' forward for decode "
+              "steps; longrl-peft: transformers' forward and PEFT's own LoRA forward; longrl-nolora: the base alone "
+              "(before the adapters are attached). "
               "longrl: prefill + first token timed separately (max_new_tokens=1 run) and subtracted for the decode "
               "phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, each "
               "prompt's shared prefix counted once) / copy bandwidth. Peak: weights + the most allocated "
