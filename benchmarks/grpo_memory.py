@@ -50,8 +50,8 @@ def _sync():
 
 def set_checkpointing(model, mode: str, gpu_resident: int = 0):
     base = model.get_base_model()
-    if mode == "offload":
-        return enable_offloaded_checkpointing(model, gpu_resident=gpu_resident)
+    if mode in ("offload", "reuse"):  # reuse: attention outputs kept with the inputs (model.reuse_attention)
+        return enable_offloaded_checkpointing(model, gpu_resident=gpu_resident, reuse_attention=mode == "reuse")
     from torch.utils.checkpoint import checkpoint
     import functools
 
@@ -113,7 +113,8 @@ def zero_grads(model):
 
 
 def check_offload_equality(shape: str, device) -> dict:
-    """Gradients of offloaded vs plain checkpointing on the GPU (and plain vs plain, the noise floor)."""
+    """Gradients of offloaded (and offloaded with attention reuse) vs plain checkpointing on the GPU (and plain vs
+    plain, the noise floor)."""
     model = tb.build_random_model(shape, device, torch.bfloat16)
     model = apply_lora(model, LoraConfig(r=8, alpha=16, dropout=0.1))
     with torch.no_grad():
@@ -123,7 +124,7 @@ def check_offload_equality(shape: str, device) -> dict:
     batch = tb.make_batch(4, 64, 200, model.config.vocab_size, device, seed=1)
     out = {}
     runs = {}
-    for name, mode in (("plain_a", "plain"), ("plain_b", "plain"), ("offload", "offload")):
+    for name, mode in (("plain_a", "plain"), ("plain_b", "plain"), ("offload", "offload"), ("reuse", "reuse")):
         zero_grads(model)
         torch.manual_seed(7)
         longrl_step(model, batch, beta=0.04, token_budget=600, chunk=256, mode=mode)
@@ -135,6 +136,8 @@ def check_offload_equality(shape: str, device) -> dict:
     out["plain_vs_plain_max_abs"] = maxdiff(runs["plain_a"], runs["plain_b"])
     out["offload_vs_plain_max_abs"] = maxdiff(runs["offload"], runs["plain_a"])
     out["offload_equals_plain_exactly"] = all(torch.equal(runs["offload"][k], runs["plain_a"][k]) for k in runs["plain_a"])
+    out["reuse_vs_plain_max_abs"] = maxdiff(runs["reuse"], runs["plain_a"])
+    out["reuse_equals_plain_exactly"] = all(torch.equal(runs["reuse"][k], runs["plain_a"][k]) for k in runs["plain_a"])
     del model
     gc.collect()
     if torch.cuda.is_available():
@@ -193,7 +196,7 @@ def main():
     weights_now = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     tiles = [int(t) for t in args.mlp_tile.split(",")]
     impls = [f"{i}+tile{t}" if t else i for i in args.impls.split(",")
-             for t in (tiles if i in ("longrl", "longrl-plain") else [0])]
+             for t in (tiles if i in ("longrl", "longrl-plain", "longrl-reuse") else [0])]
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
         try:
@@ -228,6 +231,9 @@ def main():
                     elif name == "longrl":  # the frugal layout: every layer input offloaded
                         r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
                                         chunk=args.chunk, mode="offload", gpu_resident=0, mlp_tile=tile)
+                    elif name == "longrl-reuse":  # frugal layout + attention outputs kept, not recomputed
+                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
+                                        chunk=args.chunk, mode="reuse", gpu_resident=0, mlp_tile=tile)
                     elif name == "longrl-plain":
                         r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
                                         chunk=args.chunk, mode="plain", mlp_tile=tile)

@@ -1,5 +1,6 @@
 """Offloaded checkpointing is lossless; packed micro-batches equal padded ones; token-budget grouping."""
 
+import contextlib
 import copy
 import random
 
@@ -7,7 +8,10 @@ import pytest
 import torch
 
 from longrl.config import LoraConfig
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from longrl.memory import ActivationOffloader, enable_offloaded_checkpointing, token_budget_groups
+from longrl.memory.attention_reuse import ATTENTION_OPS
 from longrl.models import apply_lora
 from longrl.policy import sequence_logprobs
 
@@ -28,7 +32,7 @@ def _batch(seed, n=5):
     return prompts, completions
 
 
-def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0):
+def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None):
     model = copy.deepcopy(base)
     if lora:
         torch.manual_seed(3)
@@ -41,13 +45,14 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0):
     inner = model.get_base_model() if lora else model
     if mode == "plain":
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif mode == "offload":
-        enable_offloaded_checkpointing(model, gpu_resident=gpu_resident)
+    elif mode in ("offload", "reuse"):
+        enable_offloaded_checkpointing(model, gpu_resident=gpu_resident, reuse_attention=mode == "reuse")
     prompts, completions = batch
     torch.manual_seed(11)
     lp, ent = sequence_logprobs(model, prompts, completions, 11, pad_id=0, with_entropy=True, packed=packed)
     w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype)
-    ((lp * w).sum() + ent.sum()).backward()
+    with backward_mode or contextlib.nullcontext():
+        ((lp * w).sum() + ent.sum()).backward()
     return lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -67,6 +72,37 @@ def test_offloaded_equals_plain_checkpointing_exactly(lora, dropout, packed):
         assert torch.equal(g_none[k], g_plain[k]), k
 
 
+class _CountAttention(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("lora, dropout", [(True, 0.0), (True, 0.2), (False, 0.0)])
+@pytest.mark.parametrize("packed", [True, False])
+def test_reused_attention_equals_plain_checkpointing_exactly(lora, dropout, packed, monkeypatch):
+    """Attention outputs recorded in forward and replayed in the recompute (every output through the host pool
+    here): the same log-probs and gradients as plain checkpointing, bit for bit, and backward runs no attention
+    kernel (only their backward)."""
+    monkeypatch.setattr(ActivationOffloader, "EXTRA_MIN_BYTES", 0)
+    base, batch = _base(), _batch(torch.seed() % 1000)
+    lp_plain, g_plain = _grads(base, "plain", lora, dropout, packed, batch)
+    plain_count = _CountAttention()
+    _grads(base, "offload", lora, dropout, packed, batch, backward_mode=plain_count)
+    assert plain_count.calls > 0  # the recompute runs the fused attention op: there is something to save
+    for resident in (0, 2):
+        count = _CountAttention()
+        lp, g = _grads(base, "reuse", lora, dropout, packed, batch, gpu_resident=resident, backward_mode=count)
+        assert count.calls == 0
+        assert torch.equal(lp, lp_plain) and g.keys() == g_plain.keys()
+        for k in g_plain:
+            assert torch.equal(g[k], g_plain[k]), k
+
+
 def test_packed_equals_padded():
     """In float64, so that only a real difference (not summation order) can fail it."""
     base, batch = _base(1).double(), _batch(torch.seed() % 1000, n=6)
@@ -75,6 +111,21 @@ def test_packed_equals_padded():
     assert torch.allclose(lp_packed, lp_padded, atol=1e-10)
     for k in g_padded:
         assert (g_packed[k] - g_padded[k]).norm() <= 1e-10 * g_padded[k].norm(), k
+
+
+def test_reused_attention_outputs_share_the_pool(monkeypatch):
+    monkeypatch.setattr(ActivationOffloader, "EXTRA_MIN_BYTES", 0)
+    base, batch = _base(2), _batch(4)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(r=4))
+    off = enable_offloaded_checkpointing(model, reuse_attention=True)
+    for _ in range(2):
+        lp, _ = sequence_logprobs(model, *batch, 11, pad_id=0)
+        lp.sum().backward()
+        assert off.stack == [] and off.host_bytes_in_use == 0
+    total = sum(len(p) + len(c) for p, c in zip(*batch))
+    inputs_bytes = 3 * total * 32 * 4
+    # per layer also the attention output (tokens × heads × head dim, float32) and its log-sum-exp
+    assert off.peak_host_bytes >= inputs_bytes + 3 * total * 32 * 4
 
 
 def test_pool_reuses_host_buffers_and_stack_empties():
@@ -123,9 +174,20 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
                                 base=demo_config())).train()
     b = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'b'}", "train.micro_batch_tokens=20",
                                                 "model.offload_activations=true"], base=demo_config())).train()
-    for ma, mb in zip(a, b):
+    c = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'c'}", "train.micro_batch_tokens=20",
+                                                "model.offload_activations=true", "model.reuse_attention=true"],
+                                base=demo_config())).train()
+    for ma, mb, mc in zip(a, b, c):
         for k in ("reward", "loss", "kl", "grad_norm", "entropy"):
             assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-6), k
+            assert mc[k] == mb[k], k  # attention reuse is exact
+
+
+def test_reuse_attention_needs_offloading():
+    from longrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.reuse_attention"):
+        load_config(None, ["model.reuse_attention=true"])
 
 
 def test_no_grad_forward_saves_nothing():

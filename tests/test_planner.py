@@ -52,6 +52,22 @@ def test_short_host_memory_keeps_layer_inputs_on_the_gpu():
                   host_free_bytes=host)
 
 
+def test_attention_reuse_keeps_its_outputs_with_the_inputs():
+    """With attention reuse each offloaded layer also keeps its attention output (tokens × q_dim) and float32
+    log-sum-exp (tokens × heads): 20,480 tokens of the 8B shape need 5 GiB more host memory."""
+    shape = ModelShape.from_config(__import__("transformers").LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256))
+    kw = dict(tokens=20480, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024)
+    _, plain_host, _ = predict(shape, **kw)
+    _, reuse_host, _ = predict(shape, **kw, reuse_attention=True)
+    assert plain_host == 32 * 20480 * 4096 * 2
+    assert reuse_host - plain_host == 32 * 20480 * (4096 * 2 + 32 * 4)
+    plan = make_plan(shape, sequence_lengths=[20480] * 8, lora_r=32, weight_bytes=2, gpu_free_bytes=139 * GIB,
+                     host_free_bytes=100 * GIB, reuse_attention=True)
+    assert "layer inputs + attention outputs on GPU" in plan.parts_gpu_bytes
+
+
 def test_prediction_grows_with_tokens_and_shrinks_with_offload():
     kw = dict(lora_r=32, weight_bytes=2, chunk=1024)
     a, _, _ = predict(LLAMA_8B, tokens=4096, offload=False, gpu_resident=0, **kw)

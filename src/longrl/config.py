@@ -31,6 +31,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
+    reuse_attention: bool = False  # with offloading: keep each layer's attention output with its input; backward
+    #                                skips the attention kernel in the recompute (one more activation per layer)
     device: str = "auto"  # auto: cuda if available, else cpu
     load_in_4bit: bool = False  # NF4 base (bitsandbytes, double quant), computing in dtype; needs LoRA (QLoRA)
     quant_keep_modules: list[str] = field(default_factory=list)  # linear modules kept 16-bit (name or dotted suffix)
@@ -322,6 +324,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
     m = cfg.model
+    _check(not m.reuse_attention or m.offload_activations, "model.reuse_attention", m.reuse_attention,
+           "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
     _check(not m.load_in_4bit or cfg.lora.enabled, "model.load_in_4bit", m.load_in_4bit,
            "true only with lora.enabled=true (4-bit weights cannot be trained; QLoRA trains adapters on them)")
     _check(m.quant_exception_budget >= 0, "model.quant_exception_budget", m.quant_exception_budget,

@@ -100,7 +100,8 @@ class GRPOTrainer:
                 cfg.train.micro_batch_tokens = self.plan.micro_batch_tokens
             resident = resident or self.plan.gpu_resident_layers
             log.info("memory plan:\n%s", self.plan.table())
-        self.offloader = enable_offloaded_checkpointing(model, resident) if cfg.model.offload_activations else None
+        self.offloader = (enable_offloaded_checkpointing(model, resident, reuse_attention=cfg.model.reuse_attention)
+                          if cfg.model.offload_activations else None)
         tile = cfg.train.mlp_tile_tokens  # None: the plan's (CUDA + offloading), 0: off
         tile = getattr(self.plan, "mlp_tile_tokens", None) if tile is None else tile
         if tile:

@@ -20,7 +20,12 @@ It plugs into transformers through the model's gradient-checkpointing function (
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.utils._pytree import tree_map
+
+from .attention_reuse import RecordAttention, ReplayAttention
 
 
 class PinnedPool:
@@ -43,27 +48,53 @@ class PinnedPool:
         self.free.setdefault(buf.numel(), []).append(buf)
 
 
-class _Saved:
-    """One layer input: on the GPU (resident) or in a host buffer, with the events that order its copies."""
+class _Copy:
+    """One tensor kept for backward: on the GPU, or in a pool buffer with the events that order its copies."""
 
-    __slots__ = ("gpu", "host", "shape", "dtype", "device", "offload_done", "fetch_done", "requires_grad", "pending")
+    __slots__ = ("gpu", "host", "shape", "dtype", "device", "offload_done", "fetch_done", "pending")
 
-    def __init__(self):
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.gpu = self.host = self.offload_done = self.fetch_done = self.pending = None
 
 
-class ActivationOffloader:
-    """The checkpoint function: ``offloader(function, hidden_states)`` → function(hidden_states)."""
+class _Saved:
+    """What one layer keeps for its backward: its input, and (attention reuse) the outputs of its attention ops,
+    whose large tensors live in ``extras`` wherever the input lives."""
 
-    def __init__(self, device: torch.device | str, gpu_resident: int = 0, num_layers: int | None = None):
+    __slots__ = ("input", "requires_grad", "records", "extras")
+
+    def __init__(self, x: torch.Tensor):
+        self.input, self.requires_grad = _Copy(x), x.requires_grad
+        self.records, self.extras = None, []
+
+    @property
+    def host(self):
+        return self.input.host
+
+    def copies(self) -> list[_Copy]:
+        return [self.input] + self.extras
+
+
+class ActivationOffloader:
+    """The checkpoint function: ``offloader(function, hidden_states)`` → function(hidden_states).
+
+    reuse_attention: record each layer's fused attention outputs in forward and replay them in the recompute
+    (memory/attention_reuse.py), kept with the layer input (offloaded or resident)."""
+
+    EXTRA_MIN_BYTES = 1 << 20  # attention outputs below this stay on the GPU (seeds, offsets, small lse)
+
+    def __init__(self, device: torch.device | str, gpu_resident: int = 0, num_layers: int | None = None,
+                 reuse_attention: bool = False):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.pool = PinnedPool(pin=self.cuda)
         self.gpu_resident = gpu_resident
         self.num_layers = num_layers
-        self.stack: list[_Saved] = []  # saved inputs in forward order, popped by backward
-        self.in_flight: list[_Saved] = []  # offloads whose GPU source is still referenced
+        self.reuse_attention = reuse_attention
+        self.stack: list[_Saved] = []  # saved layers in forward order, popped by backward
+        self.in_flight: list[_Copy] = []  # offloads whose GPU source is still referenced
         self.peak_host_bytes = 0
         self.host_bytes_in_use = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
@@ -78,76 +109,115 @@ class ActivationOffloader:
         """Order the compute stream after the pending offload copies, then drop their GPU sources. The sources
         are compute-stream blocks, so their reuse is stream-ordered: no record_stream, whose deferred frees
         would let memory grow while the host runs ahead of the GPU."""
-        for s in self.in_flight:
-            torch.cuda.current_stream(self.device).wait_event(s.offload_done)
-            s.pending = None
+        for c in self.in_flight:
+            torch.cuda.current_stream(self.device).wait_event(c.offload_done)
+            c.pending = None
         self.in_flight.clear()
+
+    def _put(self, t: torch.Tensor, offload: bool) -> _Copy:
+        """Keep ``t`` on its device, or start copying it into a pool buffer (side stream, event-ordered)."""
+        c = _Copy(t)
+        if not offload:
+            c.gpu = t.detach()
+            return c
+        c.host = self.pool.take(t.numel() * t.element_size())
+        host_view = c.host.view(t.dtype).view(t.shape)
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                host_view.copy_(t.detach(), non_blocking=True)
+                c.offload_done = torch.cuda.Event()
+                c.offload_done.record(self.side)
+            c.pending = t.detach()  # kept until the compute stream is ordered after the copy
+            self.in_flight.append(c)
+        else:
+            host_view.copy_(t.detach())
+        self.host_bytes_in_use += c.host.numel()
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
+        return c
 
     def save(self, x: torch.Tensor) -> _Saved:
         """Start saving layer input ``x`` (called before the layer computes, so the copy overlaps it)."""
         if self.cuda:
             self._retire_offloads()
-        s = _Saved()
-        s.shape, s.dtype, s.device, s.requires_grad = x.shape, x.dtype, x.device, x.requires_grad
-        if self._keep_on_gpu() or x.device.type != self.device.type:
-            s.gpu = x.detach()
-        else:
-            nbytes = x.numel() * x.element_size()
-            s.host = self.pool.take(nbytes)
-            host_view = s.host.view(x.dtype).view(x.shape)
-            if self.cuda:
-                self.side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.side):
-                    host_view.copy_(x.detach(), non_blocking=True)
-                    s.offload_done = torch.cuda.Event()
-                    s.offload_done.record(self.side)
-                s.pending = x.detach()  # kept until the compute stream is ordered after the copy
-                self.in_flight.append(s)
-            else:
-                host_view.copy_(x.detach())
+        s = _Saved(x)
+        offload = not self._keep_on_gpu() and x.device.type == self.device.type
+        s.input = self._put(x, offload)
         self.stack.append(s)
-        if s.host is not None:
-            self.host_bytes_in_use += s.host.numel()
-            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         return s
 
+    def attach(self, s: _Saved, records: list[tuple]) -> None:
+        """Keep the attention records of layer ``s`` with its input: large tensors offloaded when it is."""
+        offload = s.input.host is not None
+
+        def keep(t):
+            if not isinstance(t, torch.Tensor) or t.numel() * t.element_size() < self.EXTRA_MIN_BYTES:
+                return t
+            s.extras.append(self._put(t, offload))
+            return _ExtraRef(len(s.extras) - 1)
+
+        s.records = [(op, q_shape, tree_map(keep, out)) for op, q_shape, out in records]
+
     # -------------------------------------------------------------------------------- backward side
-    def _start_fetch(self, s: _Saved) -> None:
-        if s.gpu is not None or s.fetch_done is not None:
+    def _start_fetch(self, c: _Copy) -> None:
+        if c.gpu is not None or c.fetch_done is not None:
             return
-        if s.pending is not None:  # its offload is still in flight: the GPU copy is right here
-            s.gpu = s.pending
+        if c.pending is not None:  # its offload is still in flight: the GPU copy is right here
+            c.gpu = c.pending
             return
-        host_view = s.host.view(s.dtype).view(s.shape)
+        host_view = c.host.view(c.dtype).view(c.shape)
         if self.cuda:
             # allocated on the compute stream (stream-ordered reuse), written by the side stream after the
             # compute work enqueued so far, read by compute only after the fetch event
-            s.gpu = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            c.gpu = torch.empty(c.shape, dtype=c.dtype, device=c.device)
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
-                s.gpu.copy_(host_view, non_blocking=True)
-                s.fetch_done = torch.cuda.Event()
-                s.fetch_done.record(self.side)
+                c.gpu.copy_(host_view, non_blocking=True)
+                c.fetch_done = torch.cuda.Event()
+                c.fetch_done.record(self.side)
         else:
-            s.gpu = host_view.clone()
+            c.gpu = host_view.clone()
 
-    def load(self, s: _Saved) -> torch.Tensor:
-        """The saved input back on its device, and a prefetch of the one backward needs next."""
+    def _take(self, c: _Copy) -> torch.Tensor:
+        """The copy's tensor on its device (after its fetch); its host buffer back to the pool."""
+        self._start_fetch(c)
+        t = c.gpu
+        if c.fetch_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(c.fetch_done)
+        c.gpu = c.pending = None
+        if c.host is not None:  # reusable now: its next writer is an offload on the same (ordered) side stream
+            self.host_bytes_in_use -= c.host.numel()
+            self.pool.give(c.host)
+        return t
+
+    def load(self, s: _Saved) -> tuple[torch.Tensor, list[tuple] | None]:
+        """The saved input (and attention records) back on the device, and a prefetch of what backward needs
+        next (the previous layer's)."""
         idx = self.stack.index(s)
-        self._start_fetch(s)
+        for c in s.copies():
+            self._start_fetch(c)
         if idx > 0:
-            self._start_fetch(self.stack[idx - 1])
-        x = s.gpu
-        if s.fetch_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(s.fetch_done)
+            for c in self.stack[idx - 1].copies():
+                self._start_fetch(c)
         if self.cuda:
             self._retire_offloads()  # host buffers are reused only after their offload copy is done
-        s.gpu = s.pending = None
+        x = self._take(s.input)
+        extras = [self._take(c) for c in s.extras]
         self.stack.pop(idx)
-        if s.host is not None:  # reusable now: its next writer is an offload on the same (ordered) side stream
-            self.host_bytes_in_use -= s.host.numel()
-            self.pool.give(s.host)
-        return x
+        records = None
+        if s.records is not None:
+            records = [(op, q_shape, tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, out))
+                       for op, q_shape, out in s.records]
+        return x, records
+
+
+class _ExtraRef:
+    """Stands for an attention output kept in ``_Saved.extras``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
@@ -161,21 +231,29 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.autocast = (x.device.type, torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         ctx.saved = offloader.save(x)
         with torch.no_grad():
-            out = function(x)
+            if offloader.reuse_attention:
+                recorder = RecordAttention()
+                with recorder:
+                    out = function(x)
+                offloader.attach(ctx.saved, recorder.records)
+            else:
+                out = function(x)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"offloaded checkpointing needs layers that return a tensor; got {type(out).__name__}")
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x = ctx.offloader.load(ctx.saved).detach().requires_grad_(ctx.saved.requires_grad)
+        x, records = ctx.offloader.load(ctx.saved)
+        x = x.detach().requires_grad_(ctx.saved.requires_grad)
+        replay = ReplayAttention(records) if records is not None else contextlib.nullcontext()
         cuda_devices = [x.device] if x.is_cuda else []
         with torch.random.fork_rng(devices=cuda_devices):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
             device_type, enabled, dtype = ctx.autocast
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), replay:
                 out = ctx.function(x)
         torch.autograd.backward(out, grad_out)
         return None, None, (x.grad if ctx.saved.requires_grad else None), None
@@ -194,14 +272,16 @@ def offloaded_checkpoint(offloader: ActivationOffloader):
     return checkpoint_fn
 
 
-def enable_offloaded_checkpointing(model, gpu_resident: int = 0) -> ActivationOffloader:
-    """Checkpoint every decoder layer of ``model`` (a transformers or PEFT model), its inputs offloaded."""
+def enable_offloaded_checkpointing(model, gpu_resident: int = 0, reuse_attention: bool = False) -> ActivationOffloader:
+    """Checkpoint every decoder layer of ``model`` (a transformers or PEFT model), its inputs offloaded;
+    ``reuse_attention``: its attention outputs kept with them instead of recomputed."""
     from ..models import base_model
 
     base = base_model(model)
     device = next(base.parameters()).device
     num_layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)
-    offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=num_layers)
+    offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=num_layers,
+                                    reuse_attention=reuse_attention)
     base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offloaded_checkpoint(offloader))
     base.config.use_cache = False
     return offloader

@@ -63,6 +63,7 @@ class ModelShape:
     q_dim: int
     vocab: int
     tied: bool
+    heads: int = 0  # query heads (0: q_dim // 128)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -70,7 +71,16 @@ class ModelShape:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         return cls(c.num_hidden_layers, c.hidden_size, c.intermediate_size, kv_heads * head_dim,
-                   c.num_attention_heads * head_dim, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))
+                   c.num_attention_heads * head_dim, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)),
+                   c.num_attention_heads)
+
+    def saved_bytes_per_token(self, compute_bytes: int, reuse_attention: bool = False) -> int:
+        """What offloaded checkpointing keeps per layer and token: the layer input, and with attention reuse the
+        attention output and its float32 log-sum-exp per head."""
+        per = self.hidden * compute_bytes
+        if reuse_attention:
+            per += self.q_dim * compute_bytes + (self.heads or max(1, self.q_dim // 128)) * 4
+        return per
 
     def base_params(self) -> int:
         h = self.hidden
@@ -215,8 +225,9 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
 
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
             chunk: int, optimizer: bool = True, trainable_head: bool = False,
-            mlp_tile: int | None = None) -> tuple[int, int, dict]:
-    """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``."""
+            mlp_tile: int | None = None, reuse_attention: bool = False) -> tuple[int, int, dict]:
+    """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
+    attention outputs kept with the layer inputs when ``reuse_attention``."""
     b = 2 if weight_bytes < 4 else 4
     h, k, i, L = shape.hidden, shape.kv_dim, shape.intermediate, shape.layers
     resident = L if not offload else min(gpu_resident, L)
@@ -225,12 +236,12 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
         "layer recompute": _layer_work(tokens, h, k, i, mlp_tile) * b,
         "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0)),
-        "layer inputs on GPU": tokens * h * b * resident,
+        "layer inputs on GPU": tokens * shape.saved_bytes_per_token(b, reuse_attention) * resident,
         "log-prob chunk": chunk * shape.vocab * 4 * 3,
     }
     if trainable_head:
         parts["LoRA (+grads, Adam)"] += shape.vocab * h * 4 * 4
-    host = (L - resident) * tokens * h * b if offload else 0
+    host = (L - resident) * tokens * shape.saved_bytes_per_token(b, reuse_attention) if offload else 0
     not_together = min(parts["layer recompute"], parts["log-prob chunk"])  # sequential in backward
     return sum(parts.values()) - not_together, host, parts
 
@@ -256,7 +267,8 @@ def choose_mlp_tile(tokens: int, fits) -> int | None:
 
 def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
-              token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None) -> Plan:
+              token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
+              reuse_attention: bool = False) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
@@ -264,7 +276,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk, mlp_tile=tile)
+                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -311,7 +323,10 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
             while resident < shape.layers and cost(budget, resident + 1, tile)[0] <= usable:
                 resident += 1
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk, mlp_tile=tile)
+                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention)
+    if reuse_attention:
+        parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
+                 for k, v in parts.items()}
     if gpu > usable:
         raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
     return Plan(budget, resident, offload, chunk, gpu, host, parts, tile)
@@ -349,7 +364,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                      gpu_free_bytes=gpu_free_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
-                     token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens)
+                     token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
+                     reuse_attention=cfg.model.reuse_attention)
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}

@@ -1,0 +1,72 @@
+"""Reuse a checkpointed layer's attention result in its backward instead of recomputing it.
+
+Checkpointing recomputes a layer's forward before its backward. At long context the attention kernel is the
+costliest part of that forward (O(T²) against O(T) for the rest), and its backward needs only its output and
+log-sum-exp besides q, k and v, which the recompute produces cheaply. So the first forward records the outputs
+of the fused attention op (flash, memory-efficient or cuDNN SDPA, or the CPU flash kernel) and the recompute
+returns those instead of running the kernel:
+
+    forward (no autograd):  o, lse, … = sdpa_op(q, k, v)     → recorded (offloaded with the layer input)
+    recompute (autograd):   sdpa_op(q, k, v) ↦ the recorded o, lse, …   (autograd saves them for its backward)
+
+This runs below autograd, as PyTorch's selective activation checkpointing does (a TorchDispatchMode), so
+transformers' attention code is untouched and autograd's own SDPA backward consumes the replayed tensors. The
+forward is deterministic, so the replayed tensors equal the recomputed ones bit for bit and the gradients are
+exactly those of plain checkpointing (tests/test_memory.py). Attention that is not one fused op (e.g. eager
+attention) is simply recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+
+def _attention_ops() -> frozenset:
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+ATTENTION_OPS = _attention_ops()
+
+
+def _detached(out):
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+class RecordAttention(TorchDispatchMode):
+    """Runs everything; keeps ``records``: (op, query shape, outputs) of each fused attention op, in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in ATTENTION_OPS:
+            self.records.append((func, tuple(args[0].shape), _detached(out)))
+        return out
+
+
+class ReplayAttention(TorchDispatchMode):
+    """Runs everything but the fused attention ops, which return the recorded outputs (same op and query shape,
+    in the same order, or it raises)."""
+
+    def __init__(self, records: list[tuple]):
+        super().__init__()
+        self.records, self.served = records, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in ATTENTION_OPS:
+            return func(*args, **(kwargs or {}))
+        if self.served >= len(self.records):
+            raise RuntimeError("attention reuse: the recompute ran more attention ops than the forward recorded")
+        op, q_shape, out = self.records[self.served]
+        if op is not func or q_shape != tuple(args[0].shape):
+            raise RuntimeError(f"attention reuse: recorded {op} on {q_shape}, recompute asks {func} on "
+                               f"{tuple(args[0].shape)}")
+        self.served += 1
+        return _detached(out)
