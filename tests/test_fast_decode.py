@@ -133,3 +133,18 @@ def test_triton_kernels_equal_their_twins(seed):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused ops ok" in out.stdout
+
+
+def test_a_failing_fast_path_falls_back_on_its_first_step(monkeypatch, caplog):
+    """Kernels that cannot build on the first decode step: a warning, then transformers' forward, same tokens."""
+    model = build("llama", seed=5)
+    want = Sampler(model, None, fast_decode=False).generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
+    sampler = Sampler(model, None)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(sampler, "fast", broken)
+    got = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
+    assert got.completion_ids == want.completion_ids and sampler.fast is None
+    assert "fast decode path failed" in caplog.text

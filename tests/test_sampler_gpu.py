@@ -30,6 +30,7 @@ def test_cuda_graph_sampler_equals_transformers_greedy(lora, slots):
     sampler = Sampler(model, tok, kv_cache_bytes=per * (slots * n + 3 * 9) if slots else None, sync_every=4)
     assert sampler.cuda_graphs and sampler.use_triton
     r = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=(stop,)))
+    assert sampler.last_stats["fast_decode"]  # the fused kernels built and ran (no fallback)
     assert r.completion_ids == [c for c in cut for _ in range(2)]
 
 

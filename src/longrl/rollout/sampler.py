@@ -82,6 +82,7 @@ class Sampler:
         self.use_triton = self.device.type == "cuda" and _triton_available()
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
+        self.fast_proven = False  # set once a fast decode step ran (see _Run._fast_forward)
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------------------------------ public
@@ -332,12 +333,28 @@ class _Run:
         meta = DecodeMeta(self.cache, self.prefix_index[:B], self.prefix_len[:B], self.write_index[:B], s.use_triton,
                           self.members, self.entry_len)
         with s.compute_context():
-            if s.fast is not None:
-                hidden = s.fast(self.cur_tok[:B], self.position[:B], meta)  # [B, d]
-            else:
+            hidden = self._fast_forward(B, meta) if s.fast is not None else None
+            if hidden is None:
                 hidden = s.backbone(input_ids=self.cur_tok[:B, None], position_ids=self.position[:B, None],
                                     use_cache=False, longrl_kv=meta).last_hidden_state[:, 0]  # [B, d]
             self.logits_buf[:B] = s.logits(hidden)
+
+    def _fast_forward(self, B: int, meta: DecodeMeta) -> torch.Tensor | None:
+        """The fast decode path's hidden states [B, d]. Its first call (eager: before any graph capture) may
+        fail where its kernels cannot build; then the sampler warns and keeps transformers' forward (this step's
+        keys/values are rewritten by it). Later failures raise."""
+        s = self.s
+        if s.fast_proven:
+            return s.fast(self.cur_tok[:B], self.position[:B], meta)
+        try:
+            hidden = s.fast(self.cur_tok[:B], self.position[:B], meta)
+        except Exception as e:  # noqa: BLE001 - any build failure of the fused kernels
+            log.warning("the fast decode path failed (%s: %s); decoding with transformers' forward",
+                        type(e).__name__, str(e)[:300])
+            s.fast = None
+            return None
+        s.fast_proven = True
+        return hidden
 
     def _run_forward(self, B: int) -> None:
         if not self.s.cuda_graphs:
