@@ -148,3 +148,15 @@ def test_a_failing_fast_path_falls_back_on_its_first_step(monkeypatch, caplog):
     got = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
     assert got.completion_ids == want.completion_ids and sampler.fast is None
     assert "fast decode path failed" in caplog.text
+
+
+def test_trainer_switch(tmp_path):
+    """generation.fast_decode reaches the trainer's sampler (the builtin demo model is a Llama: on by default)."""
+    from longrl.config import load_config
+    from longrl.demo import demo_config
+    from longrl.trainer import GRPOTrainer
+
+    for flag, on in (("true", True), ("false", False)):
+        cfg = load_config(None, [f"output.output_dir={tmp_path / flag}", f"generation.fast_decode={flag}"],
+                          base=demo_config())
+        assert (GRPOTrainer(cfg).rollout_sampler.fast is not None) is on

@@ -74,6 +74,7 @@ class GenerationConfig:
     ignore_eos: bool = False  # generate exactly max_completion_length tokens (benchmarks)
     kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory)
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
+    fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
 
 

@@ -247,7 +247,7 @@ class GRPOTrainer:
             return None
         budget = int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None
         return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, cuda_graphs=gen.cuda_graphs,
-                       sync_every=gen.sync_every)
+                       sync_every=gen.sync_every, fast_decode=gen.fast_decode)
 
     def _sampling_params(self) -> SamplingParams:
         gen, eos = self.cfg.generation, self.tokenizer.eos_token_id
