@@ -4,7 +4,6 @@ and wrap it with LoRA adapters through PEFT."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
