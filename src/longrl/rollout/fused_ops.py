@@ -89,16 +89,24 @@ if triton is not None:
         i = tl.arange(0, HALF)
         is_q = head < HQ
         kvh = head - HQ
-        src = tl.where(is_q, Q + (b * HQ + head) * (2 * HALF), K + (b * HKV + kvh) * (2 * HALF))
-        lo = tl.load(src + i)  # t[:D/2]
-        hi = tl.load(src + HALF + i)  # t[D/2:]
+        if is_q:
+            lo = tl.load(Q + (b * HQ + head) * D + i)  # t[:D/2]
+            hi = tl.load(Q + (b * HQ + head) * D + HALF + i)  # t[D/2:]
+        else:
+            lo = tl.load(K + (b * HKV + kvh) * D + i)
+            hi = tl.load(K + (b * HKV + kvh) * D + HALF + i)
         dt = lo.dtype
         if HAS_NORM:
-            wsrc = tl.where(is_q, QW, KW)
+            if is_q:
+                w_lo = tl.load(QW + i).to(tl.float32)
+                w_hi = tl.load(QW + HALF + i).to(tl.float32)
+            else:
+                w_lo = tl.load(KW + i).to(tl.float32)
+                w_hi = tl.load(KW + HALF + i).to(tl.float32)
             lf, hf = lo.to(tl.float32), hi.to(tl.float32)
             r = tl.rsqrt((tl.sum(lf * lf, 0) + tl.sum(hf * hf, 0)) / D + eps)
-            lo = (tl.load(wsrc + i).to(tl.float32) * (lf * r).to(dt).to(tl.float32)).to(dt)
-            hi = (tl.load(wsrc + HALF + i).to(tl.float32) * (hf * r).to(dt).to(tl.float32)).to(dt)
+            lo = (w_lo * (lf * r).to(dt).to(tl.float32)).to(dt)
+            hi = (w_hi * (hf * r).to(dt).to(tl.float32)).to(dt)
         c_lo = tl.load(COS + b * D + i).to(tl.float32)
         c_hi = tl.load(COS + b * D + HALF + i).to(tl.float32)
         s_lo = tl.load(SIN + b * D + i).to(tl.float32)
