@@ -66,9 +66,9 @@ class FastDecoder:
             norm = layer.input_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             attn = layer.self_attn
-            q_norm = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
             q = rotary_kv(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), cos, sin, cache.k_suf[i], cache.v_suf[i],
-                          meta.write_index, tri, *q_norm,
+                          meta.write_index, tri, *qk_norms,
                           eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6)  # [B, Hq, D]
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
             delta = attn.o_proj(out.reshape(out.shape[0], -1))
