@@ -35,6 +35,7 @@
 #   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
+#   sdpa20k    grpo_memory 8B 20,480 x 8, MLP tiles 4,096, longrl with cuDNN SDPA first (~3 min; compare reuse20k)
 #   reuse20k   grpo_memory 8B 20,480 x 8, MLP tiles 4,096: offloaded vs offloaded + attention reuse, warmed, and
 #              the GPU gradient check (offload and reuse vs plain) on the 1.5B shape (~5 min)
 set -u
@@ -115,6 +116,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
         reuse20k) stage reuse20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl,longrl-reuse --mlp-tile 4096 --reps 1 --check-equality --tag reuse_20k ;;
+        sdpa20k) stage sdpa20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls longrl,longrl-reuse --mlp-tile 4096 --reps 1 --sdpa cudnn --tag sdpa_cudnn_20k ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl --mlp-tile 0,4096 --reps 2 --tag warm_20k ;;
         *) echo "unknown stage $s" ;;

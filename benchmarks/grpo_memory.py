@@ -34,6 +34,7 @@ import trl_baseline as tb  # noqa: E402
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups  # noqa: E402,E501
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, predict  # noqa: E402
+from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
@@ -161,6 +162,8 @@ def main():
     ap.add_argument("--check-equality", action="store_true")
     ap.add_argument("--load-in-4bit", action="store_true", help="NF4 base with dynamic 16-bit exceptions (longrl "
                     "impls only): the bf16 random-weight model is quantized in place before LoRA; files get _4bit")
+    ap.add_argument("--sdpa", default="", help="SDPA backends tried first, comma-separated (model.sdpa_backends: "
+                    "cudnn, flash, efficient, math); empty: PyTorch's order")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -197,6 +200,8 @@ def main():
     tiles = [int(t) for t in args.mlp_tile.split(",")]
     impls = [f"{i}+tile{t}" if t else i for i in args.impls.split(",")
              for t in (tiles if i in ("longrl", "longrl-plain", "longrl-reuse") else [0])]
+    backends = sdpa_priority([b for b in args.sdpa.split(",") if b], device.type)
+    backends.__enter__()  # for the whole run (the equality check above ran in PyTorch's order)
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
         try:

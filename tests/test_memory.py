@@ -185,9 +185,10 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
 
 def test_reuse_attention_needs_offloading():
     from longrl.config import ConfigError, load_config
+    from longrl.demo import demo_config
 
     with pytest.raises(ConfigError, match="model.reuse_attention"):
-        load_config(None, ["model.reuse_attention=true"])
+        load_config(None, ["model.reuse_attention=true"], base=demo_config())
 
 
 def test_no_grad_forward_saves_nothing():
@@ -207,3 +208,22 @@ def test_equal_length_sequences_are_stacked_and_match_padded():
     lp_stacked, g_stacked = _grads(base, "none", True, 0.0, True, (prompts, completions))
     lp_padded, g_padded = _grads(base, "none", True, 0.0, False, (prompts, completions))
     assert torch.allclose(lp_stacked, lp_padded, atol=1e-12)
+
+
+def test_sdpa_backend_order_and_config():
+    """model.sdpa_backends: the listed backends first, the rest after (so nothing is disabled); bad names refused."""
+    from torch.nn.attention import SDPBackend
+
+    from longrl.config import ConfigError, load_config
+    from longrl.demo import demo_config
+    from longrl.ops.attention_backend import backend_order, sdpa_priority
+
+    assert backend_order(["cudnn"]) == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert backend_order(["efficient", "cudnn"])[:2] == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    assert len(backend_order([])) == 4
+    assert isinstance(sdpa_priority(["cudnn"], "cpu"), contextlib.nullcontext)
+    assert load_config(None, ["model.sdpa_backends=[cudnn, flash]"], base=demo_config()).model.sdpa_backends == [
+        "cudnn", "flash"]
+    with pytest.raises(ConfigError, match="model.sdpa_backends"):
+        load_config(None, ["model.sdpa_backends=[fa3]"], base=demo_config())

@@ -28,6 +28,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     revision: Optional[str] = None
     attn_implementation: Optional[str] = None  # None: transformers picks (sdpa where supported)
+    sdpa_backends: list[str] = field(default_factory=list)  # CUDA: SDPA kernels tried first (cudnn, flash, efficient,
+    #                                                          math), the others after; empty: PyTorch's order
     gradient_checkpointing: bool = False
     offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
@@ -325,6 +327,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
     m = cfg.model
+    _check(all(b in ("cudnn", "flash", "efficient", "math") for b in m.sdpa_backends), "model.sdpa_backends",
+           m.sdpa_backends, "a list of cudnn, flash, efficient, math")
     _check(not m.reuse_attention or m.offload_activations, "model.reuse_attention", m.reuse_attention,
            "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
     _check(not m.load_in_4bit or cfg.lora.enabled, "model.load_in_4bit", m.load_in_4bit,

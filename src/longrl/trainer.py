@@ -24,6 +24,7 @@ from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpoint
 from .memory.planner import plan_for_config
 from .models import TINY_NAME, base_model, load_model, resolve_device
 from .ops.advantages import group_advantages
+from .ops.attention_backend import sdpa_priority
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
 from .policy import completion_mask, reference_mode, sequence_logprobs
 from .reporting import RunReporter
@@ -136,15 +137,17 @@ class GRPOTrainer:
         (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
         history = []
         try:
-            while self.step_idx < cfg.train.max_steps:
-                metrics = self._step()
-                history.append(metrics)
-                reporter.log_step(metrics)
-                if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0 or self.step_idx == 1):
-                    reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
-                save_every = cfg.output.save_steps
-                if (save_every and self.step_idx % save_every == 0) or self.step_idx == cfg.train.max_steps:
-                    self.save()
+            with sdpa_priority(cfg.model.sdpa_backends, self.device.type):
+                while self.step_idx < cfg.train.max_steps:
+                    metrics = self._step()
+                    history.append(metrics)
+                    reporter.log_step(metrics)
+                    if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
+                                                       or self.step_idx == 1):
+                        reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
+                    save_every = cfg.output.save_steps
+                    if (save_every and self.step_idx % save_every == 0) or self.step_idx == cfg.train.max_steps:
+                        self.save()
         finally:
             reporter.close()
         return history
