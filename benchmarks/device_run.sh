@@ -78,7 +78,7 @@ for s in "$@"; do
     case $s in
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
 print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
-            && stage sampler_gpu 90 python3 -m pytest -q tests/test_sampler_gpu.py ;;
+            && stage sampler_gpu 90 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py ;;
         profile8b) stage profile8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 64 ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls longrl,longrl-hf,longrl-peft,longrl-nolora ;;

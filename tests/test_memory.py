@@ -50,7 +50,7 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mo
     prompts, completions = batch
     torch.manual_seed(11)
     lp, ent = sequence_logprobs(model, prompts, completions, 11, pad_id=0, with_entropy=True, packed=packed)
-    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype)
+    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype).to(lp.device)
     with backward_mode or contextlib.nullcontext():
         ((lp * w).sum() + ent.sum()).backward()
     return lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -227,3 +227,20 @@ def test_sdpa_backend_order_and_config():
         "cudnn", "flash"]
     with pytest.raises(ConfigError, match="model.sdpa_backends"):
         load_config(None, ["model.sdpa_backends=[fa3]"], base=demo_config())
+
+
+def test_recorded_efficient_and_cudnn_calls_ask_for_the_log_sumexp():
+    """Without autograd PyTorch asks the efficient and cuDNN kernels for no log-sum-exp; the record forces it (their
+    backward in the recompute needs it) and the forced flag is not part of the call's identity."""
+    from longrl.memory.attention_reuse import _signature, _with_log_sumexp
+
+    q = torch.zeros(1, 2, 3, 4)
+    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(torch.ops.aten, name).default
+        args = (q, q, q, None, False, 0.0, True)
+        forced, kwargs = _with_log_sumexp(op, args, {})
+        assert forced[4] is True and all(a is b for a, b in zip(forced[:4], args[:4])) and forced[5:] == args[5:]
+        assert _signature(op, args, {}) == _signature(op, forced, {})
+        assert _signature(op, args, {}) != _signature(op, args[:6] + (False,), {})  # other arguments count
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert _with_log_sumexp(flash, (q, q, q), {})[0][0] is q

@@ -37,36 +37,64 @@ def _detached(out):
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 
+def _with_log_sumexp(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with ``compute_log_sumexp=True`` where the op has that flag (efficient, cuDNN): without autograd
+    PyTorch asks those kernels for no log-sum-exp, but their backward needs it."""
+    names = [a.name for a in func._schema.arguments]
+    if "compute_log_sumexp" not in names:
+        return args, kwargs
+    i = names.index("compute_log_sumexp")
+    if i < len(args):
+        return args[:i] + (True,) + args[i + 1:], kwargs
+    return args, {**kwargs, "compute_log_sumexp": True}
+
+
+def _signature(func, args: tuple, kwargs: dict) -> tuple:
+    """What identifies an attention call: the op, every tensor argument's shape and dtype, every other argument
+    (the log-sum-exp flag aside, which the record forces)."""
+    args, kwargs = _with_log_sumexp(func, args, kwargs)
+    describe = lambda v: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return (func, tuple(describe(a) for a in args), tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
+
+
 class RecordAttention(TorchDispatchMode):
-    """Runs everything; keeps ``records``: (op, query shape, outputs) of each fused attention op, in call order."""
+    """Runs everything; keeps ``records``: (call signature, outputs) of each fused attention op, in call order."""
 
     def __init__(self):
         super().__init__()
         self.records: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in ATTENTION_OPS:
-            self.records.append((func, tuple(args[0].shape), _detached(out)))
+        kwargs = kwargs or {}
+        if func not in ATTENTION_OPS:
+            return func(*args, **kwargs)
+        call_args, call_kwargs = _with_log_sumexp(func, args, kwargs)
+        out = func(*call_args, **call_kwargs)
+        self.records.append((_signature(func, args, kwargs), _detached(out)))
         return out
 
 
 class ReplayAttention(TorchDispatchMode):
-    """Runs everything but the fused attention ops, which return the recorded outputs (same op and query shape,
-    in the same order, or it raises)."""
+    """Runs everything but the fused attention ops, which return the recorded outputs (the same call, in the same
+    order, or it raises); ``check_done`` raises unless every record was used."""
 
     def __init__(self, records: list[tuple]):
         super().__init__()
         self.records, self.served = records, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func not in ATTENTION_OPS:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         if self.served >= len(self.records):
             raise RuntimeError("attention reuse: the recompute ran more attention ops than the forward recorded")
-        op, q_shape, out = self.records[self.served]
-        if op is not func or q_shape != tuple(args[0].shape):
-            raise RuntimeError(f"attention reuse: recorded {op} on {q_shape}, recompute asks {func} on "
-                               f"{tuple(args[0].shape)}")
+        signature, out = self.records[self.served]
+        if signature != _signature(func, args, kwargs):
+            raise RuntimeError(f"attention reuse: recorded {signature}, the recompute asks "
+                               f"{_signature(func, args, kwargs)}")
         self.served += 1
         return _detached(out)
+
+    def check_done(self) -> None:
+        if self.served != len(self.records):
+            raise RuntimeError(f"attention reuse: the recompute used {self.served} of {len(self.records)} records")

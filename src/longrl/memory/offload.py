@@ -156,7 +156,7 @@ class ActivationOffloader:
             s.extras.append(self._put(t, offload))
             return _ExtraRef(len(s.extras) - 1)
 
-        s.records = [(op, q_shape, tree_map(keep, out)) for op, q_shape, out in records]
+        s.records = [(signature, tree_map(keep, out)) for signature, out in records]
 
     # -------------------------------------------------------------------------------- backward side
     def _start_fetch(self, c: _Copy) -> None:
@@ -206,8 +206,8 @@ class ActivationOffloader:
         self.stack.pop(idx)
         records = None
         if s.records is not None:
-            records = [(op, q_shape, tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, out))
-                       for op, q_shape, out in s.records]
+            records = [(signature, tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, out))
+                       for signature, out in s.records]
         return x, records
 
 
@@ -255,6 +255,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             device_type, enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), replay:
                 out = ctx.function(x)
+        if records is not None:
+            replay.check_done()
         torch.autograd.backward(out, grad_out)
         return None, None, (x.grad if ctx.saved.requires_grad else None), None
 

@@ -1,0 +1,30 @@
+"""Attention reuse on the GPU's fused SDPA kernels: packed micro-batches (a mask: the memory-efficient kernel) and
+cuDNN first. Runs on a GPU machine (`bash benchmarks/device_run.sh kernel`); without CUDA there is nothing to run."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("dtype, packed, backends", [(torch.float32, True, []), (torch.bfloat16, False, ["cudnn"]),
+                                                     (torch.bfloat16, True, ["efficient"])])
+def test_reused_attention_matches_recompute_on_cuda(dtype, packed, backends):
+    from test_memory import _base, _batch, _CountAttention, _grads
+
+    from longrl.ops.attention_backend import sdpa_priority
+
+    base = _base(layers=3).to("cuda", dtype)
+    prompts, completions = _batch(5, n=4)
+    if not packed:  # equal lengths: stacked rows, no mask
+        prompts, completions = [p[:1] for p in prompts], [(c * 9)[:9] for c in completions]
+    autocast = torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32)  # as the trainer computes
+    with sdpa_priority(backends, "cuda"), autocast:
+        lp_off, g_off = _grads(base, "offload", True, 0.0, packed, (prompts, completions))
+        count = _CountAttention()
+        lp, g = _grads(base, "reuse", True, 0.0, packed, (prompts, completions), backward_mode=count)
+    assert count.calls == 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lp, lp_off, atol=tol, rtol=tol)
+    for k in g_off:
+        assert (g[k].float() - g_off[k].float()).norm() <= tol * (1 + g_off[k].float().norm()), k
