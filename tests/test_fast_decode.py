@@ -151,12 +151,13 @@ def test_a_failing_fast_path_falls_back_on_its_first_step(monkeypatch, caplog):
 
 
 def test_trainer_switch(tmp_path):
-    """generation.fast_decode reaches the trainer's sampler (the builtin demo model is a Llama: on by default)."""
+    """generation.fast_decode and fuse_lora reach the trainer's sampler (the demo model is a Llama: on by default)."""
     from longrl.config import load_config
     from longrl.demo import demo_config
     from longrl.trainer import GRPOTrainer
 
     for flag, on in (("true", True), ("false", False)):
-        cfg = load_config(None, [f"output.output_dir={tmp_path / flag}", f"generation.fast_decode={flag}"],
-                          base=demo_config())
-        assert (GRPOTrainer(cfg).rollout_sampler.fast is not None) is on
+        cfg = load_config(None, [f"output.output_dir={tmp_path / flag}", f"generation.fast_decode={flag}",
+                                 f"generation.fuse_lora={flag}"], base=demo_config())
+        sampler = GRPOTrainer(cfg).rollout_sampler
+        assert (sampler.fast is not None) is on and sampler.fuse_lora is on

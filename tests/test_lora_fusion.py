@@ -95,3 +95,17 @@ def test_sampler_fused_equals_unfused(seed):
     assert runs[0].completion_ids == runs[1].completion_ids
     torch.testing.assert_close(torch.tensor(sum(runs[0].logprobs, [])), torch.tensor(sum(runs[1].logprobs, [])),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_embedding_adapters_keep_pefts_forward():
+    """An adapter fusion cannot take (here on the embedding) keeps PEFT's forward for the whole model, since
+    disabling adapters would drop it too."""
+    model = apply_lora(llama(6), LoraConfig(r=4, alpha=8.0, target_modules=["embed_tokens", "q_proj"]))
+    randomise_adapters(model, 7)
+    assert "not a linear adapter" in fusable_reason(model)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with fused_lora(model, torch.float32) as fused:
+            got = model(input_ids=ids).logits
+    assert not fused and torch.equal(got, want)

@@ -220,6 +220,9 @@ def test_sdpa_backend_order_and_config():
 
     assert backend_order(["cudnn"]) == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                                         SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    # with nothing listed first, PyTorch's own order (torch._C._get_sdp_priority_order: flash, efficient, math, cudnn)
+    order = {int(b): i for i, b in enumerate(torch._C._get_sdp_priority_order())}
+    assert sorted(backend_order([]), key=lambda b: order[int(b)]) == backend_order([])
     assert backend_order(["efficient", "cudnn"])[:2] == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     assert len(backend_order([])) == 4
     assert isinstance(sdpa_priority(["cudnn"], "cpu"), contextlib.nullcontext)

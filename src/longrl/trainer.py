@@ -250,7 +250,7 @@ class GRPOTrainer:
             return None
         budget = int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None
         return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, cuda_graphs=gen.cuda_graphs,
-                       sync_every=gen.sync_every, fast_decode=gen.fast_decode)
+                       sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora)
 
     def _sampling_params(self) -> SamplingParams:
         gen, eos = self.cfg.generation, self.tokenizer.eos_token_id

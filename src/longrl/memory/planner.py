@@ -157,7 +157,7 @@ def kv_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     return 2 * shape.layers * shape.kv_dim * compute_bytes
 
 
-SAMPLING_BYTES_PER_LOGIT = 24  # float32 scaled logits, probabilities and log-probs + the float64 CDF
+SAMPLING_BYTES_PER_LOGIT = 32  # float32 scaled logits, probabilities and log-probs, the float64 CDF; top-p's sort
 SAMPLING_CHUNK_BYTES = 512 << 20  # temporaries of the rows sampled together
 
 
@@ -235,7 +235,10 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "base weights": int(shape.base_params() * weight_bytes),
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
         "layer recompute": _layer_work(tokens, h, k, i, mlp_tile) * b,
-        "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0)),
+        # layer outputs, residuals and gradients in flight; offloading adds the copy in transit and the prefetched
+        # input, and with attention reuse the current and the prefetched attention outputs
+        "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0))
+        + (2 * tokens * (shape.saved_bytes_per_token(b, True) - h * b) if offload and reuse_attention else 0),
         "layer inputs on GPU": tokens * shape.saved_bytes_per_token(b, reuse_attention) * resident,
         "log-prob chunk": chunk * shape.vocab * 4 * 3,
     }

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-DEFAULT_ORDER = ("flash", "efficient", "cudnn", "math")  # PyTorch's own order, the tail after the listed ones
+DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")  # PyTorch's own order, the tail after the listed ones
 
 
 def backend_order(names: list[str]) -> list:

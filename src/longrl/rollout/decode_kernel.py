@@ -116,19 +116,27 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
 
 
 @triton.jit
-def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr):
-    """One program per output row (sequence, query head): o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c."""
+def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr):
+    """One program per output row (sequence, query head): o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c, over the
+    row's NPART partial columns in blocks of CB (a long tail of small batches has hundreds of them)."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, NP)
-    m = tl.load(M + row * NPART + cols, mask=cols < NPART, other=float("-inf"))
-    live = m > float("-inf")  # chunks that saw a key (others may hold stale l / acc)
-    top = tl.max(m, 0)
-    w = tl.where(live, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
-    denom = tl.sum(w * tl.load(L + row * NPART + cols, mask=live, other=0.0), 0)
     dims = tl.arange(0, DP)
-    acc = tl.load(ACC + (row * NPART + cols)[:, None] * DP + dims[None, :], mask=live[:, None], other=0.0)
-    o = tl.sum(w[:, None] * acc, 0) / denom
-    tl.store(OUT + row * D + dims, o.to(OUT.dtype.element_ty), mask=dims < D)
+    top = tl.full([], float("-inf"), tl.float32)
+    for c0 in range(0, NP, CB):
+        cols = c0 + tl.arange(0, CB)
+        top = tl.maximum(top, tl.max(tl.load(M + row * NPART + cols, mask=cols < NPART, other=float("-inf")), 0))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    denom = tl.zeros([], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
+    for c0 in range(0, NP, CB):
+        cols = c0 + tl.arange(0, CB)
+        m = tl.load(M + row * NPART + cols, mask=cols < NPART, other=float("-inf"))
+        live = m > float("-inf")  # chunks that saw a key (others may hold stale l / acc)
+        w = tl.where(live, tl.exp(m - top), 0.0)
+        denom += tl.sum(w * tl.load(L + row * NPART + cols, mask=live, other=0.0), 0)
+        part = tl.load(ACC + (row * NPART + cols)[:, None] * DP + dims[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    tl.store(OUT + row * D + dims, (acc / denom).to(OUT.dtype.element_ty), mask=dims < D)
 
 
 def _chunk_size(positions: int, programs: int) -> int:
@@ -175,6 +183,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=BLOCK,
         CHUNK=chunk, PREC=prec, num_warps=4, num_stages=2)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    cb = min(16, triton.next_power_of_2(npart))
     _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, npart, D=D, DP=DP,
-                             NP=max(2, triton.next_power_of_2(npart)), num_warps=4)
+                             NP=max(cb, triton.next_power_of_2(npart)), CB=cb, num_warps=4)
     return out

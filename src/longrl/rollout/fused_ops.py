@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import torch
 
+import os
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU installs without Triton use the twins
     triton = None
 
@@ -129,13 +132,19 @@ if triton is not None:
             tl.store(VC + off + HALF + i, tl.load(vsrc + HALF + i).to(VC.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+        """y = cast(cast(g / (1 + e^−g)) · u) with PyTorch's float32 arithmetic: the accurate exp (tl.exp is the
+        approximate ex2 on NVIDIA GPUs; Triton's CPU interpreter has only that one) and IEEE division."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         g = tl.load(G + offs, mask=ok, other=0.0)
         u = tl.load(U + offs, mask=ok, other=0.0)
         gf = g.to(tl.float32)
-        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        if ACCURATE_EXP:
+            e = libdevice.exp(-gf)
+        else:
+            e = tl.exp(-gf)
+        s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
         tl.store(Y + offs, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
@@ -177,5 +186,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool) -> torch.Te
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate, dtype=torch.result_type(gate, up))
     n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024,
+                                              ACCURATE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
     return y

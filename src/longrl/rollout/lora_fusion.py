@@ -10,9 +10,10 @@ with A_g the rows of the A matrices of the projections that read the same input 
 cast once per call, and the add done by the product itself (``addmm_``, β = 1). PEFT's adapters are disabled
 through its public ``disable_adapter`` context and the delta is added by forward hooks on the base layers (any
 base: 16-bit ``nn.Linear`` or a 4-bit one). The stacked copies are the size of the adapters in the compute
-dtype (≈ 1% of an 8B model at r = 32) and are dropped when the call returns. Results equal PEFT's up to the
-order of float additions. Layers this cannot express exactly (DoRA and other variants, LoRA biases, several
-active adapters, merged adapters, non-linear targets) make it step aside: PEFT's own forward runs.
+dtype (≈ 1% of an 8B model at r = 32) and are dropped when the call returns. Results equal PEFT's up to
+rounding (in 16-bit, folding the scale into B and adding inside the product round differently). Adapters this
+cannot express exactly (DoRA and other variants, LoRA biases, several active adapters, merged adapters,
+embedding or other non-linear targets) make it step aside for the whole model: PEFT's own forward runs.
 """
 
 from __future__ import annotations
@@ -57,15 +58,19 @@ def _lora_layers(model) -> dict[str, torch.nn.Module]:
 
 
 def fusable_reason(model) -> str | None:
-    """Why the adapters of ``model`` cannot be fused (None: they can; also None when it has no adapters)."""
-    for name, m in _lora_layers(model).items():
-        active = [a for a in m.active_adapters if a in m.lora_A]
+    """Why the adapters of ``model`` cannot be fused (None: they can; also None when it has no adapters). Every
+    PEFT adapter layer counts: ``disable_adapter`` turns them all off, so one that is not fused would be lost."""
+    for name, m in model.named_modules():
+        if not hasattr(m, "adapter_layer_names") or not hasattr(m, "active_adapters"):
+            continue
+        active = [a for a in m.active_adapters if any(a in (getattr(m, n, None) or {}) for n in m.adapter_layer_names)]
         if len(active) > 1:
             return f"{name}: {len(active)} active adapters"
         if not active:
             continue
         a = active[0]
-        if not isinstance(m.lora_A[a], torch.nn.Linear):
+        if a not in (getattr(m, "lora_A", None) or {}) or not isinstance(m.lora_A[a], torch.nn.Linear) \
+                or not hasattr(m, "base_layer"):
             return f"{name}: not a linear adapter"
         variant = getattr(m, "lora_variant", {}).get(a)
         if getattr(m, "merged", False) or variant is not None or getattr(m, "use_dora", {}).get(a, False):
