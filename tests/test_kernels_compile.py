@@ -1,0 +1,66 @@
+"""Every Triton kernel of the sampler compiles for an H100/H200 (sm_90) with the launch options it is used with,
+within the GPU's shared memory: ahead of time, through Triton's own ptxas, so no GPU is needed. (Their arithmetic
+is checked against the PyTorch twins through the interpreter in test_decode_kernel.py / test_fast_decode.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from longrl.rollout import decode_kernel as dk  # noqa: E402
+from longrl.rollout import fused_ops as fo  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # bytes a block may use on sm_90
+
+
+def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2):
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    try:
+        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=SM90,
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+    except Exception as e:  # no ptxas for this platform: nothing to check here
+        if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+            pytest.skip(f"Triton cannot build sm_90 code here: {e}")
+        raise
+    assert kernel.metadata.shared <= SHARED_LIMIT, (fn.__name__, kernel.metadata.shared)
+    return kernel
+
+
+@pytest.mark.parametrize("dtype, prec", [("*bf16", "tf32"), ("*fp32", "ieee")])
+@pytest.mark.parametrize("head_dim, rep, members", [(128, 4, 8), (128, 6, 8), (64, 8, 16)])
+def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
+    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt")}
+    common = dict(Q=dtype, KP=dtype, VP=dtype, M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", scale="fp32",
+                  NPART="i32")
+    compile_for_sm90(dk._chunk_kernel,
+                     {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", **strides,
+                      "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64"},
+                     dict(FIRST=1, NPRE=0, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim,
+                          DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024, PREC=prec), num_warps=4)
+    compile_for_sm90(dk._prefix_kernel,
+                     {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64"},
+                     dict(REP=rep, G=members, R=max(16, triton.next_power_of_2(members * rep)), D=head_dim,
+                          DP=head_dim, BLOCK=dk.BLOCK, LP=2048, PREC=prec), num_warps=4)
+    for npart in (2, 33, 1025):
+        np_ = max(16, triton.next_power_of_2(npart))
+        compile_for_sm90(dk._merge_kernel, {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dtype, "NPART": "i32"},
+                         dict(D=head_dim, DP=head_dim, NP=np_, CB=16), num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_fused_decode_kernels_build(dtype):
+    for delta in (True, False):
+        compile_for_sm90(fo._add_rmsnorm_kernel, {"H": dtype, "DELTA": dtype, "W": dtype, "X": dtype, "d": "i32",
+                                                  "eps": "fp32"}, dict(HAS_DELTA=delta, BLOCK=8192), num_warps=8)
+    for norm in (False, True):
+        compile_for_sm90(fo._rotary_kv_kernel,
+                         {"Q": dtype, "K": dtype, "V": dtype, "COS": dtype, "SIN": dtype, "KC": dtype, "VC": dtype,
+                          "WIDX": "*i64", "QW": dtype, "KW": dtype, "QO": dtype, "eps": "fp32", "stride_cs": "i64",
+                          "stride_ch": "i64", "stride_ct": "i64"},
+                         dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm), num_warps=1)
+    compile_for_sm90(fo._silu_mul_kernel, {"G": dtype, "U": dtype, "Y": dtype, "n": "i64"},
+                     dict(BLOCK=1024, ACCURATE_EXP=True), num_warps=4)
