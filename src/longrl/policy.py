@@ -15,11 +15,12 @@ from .models import model_parts
 from .ops.logprobs import chunked_logprobs
 
 
-def pad_right(seqs: list[list[int]], pad_id: int, width: int | None = None) -> torch.Tensor:
+def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Rows [len(seqs), width] of ``seqs`` followed by ``pad_id``."""
     width = width or max(len(s) for s in seqs)
-    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    out = torch.full((len(seqs), width), pad_id, dtype=dtype)
     for i, s in enumerate(seqs):
-        out[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        out[i, :len(s)] = torch.tensor(s, dtype=dtype)
     return out
 
 

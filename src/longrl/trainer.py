@@ -26,12 +26,13 @@ from .models import TINY_NAME, base_model, load_model, resolve_device
 from .ops.advantages import group_advantages
 from .ops.attention_backend import sdpa_priority
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
-from .policy import completion_mask, reference_mode, sequence_logprobs
+from .ops.rollout_correction import rollout_correction_weights
+from .policy import completion_mask, pad_right, reference_mode, sequence_logprobs
 from .reporting import RunReporter
 from .rewards import RewardScorer
-from .ops.rollout_correction import rollout_correction_weights
 from .rollout import Sampler, SamplingParams, generate_completions
 from .rollout.attention import unsupported_reason
+from .rollout.sampling import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -230,11 +231,8 @@ class GRPOTrainer:
             if cfg.grpo.beta != 0.0:
                 with reference_mode(self.model):
                     ref_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
-        sampler_logps = None
-        if rollout.logprobs is not None:
-            sampler_logps = torch.zeros(len(rollout.logprobs), width)
-            for i, lp in enumerate(rollout.logprobs):
-                sampler_logps[i, :len(lp)] = torch.tensor(lp)
+        sampler_logps = (pad_right(rollout.logprobs, 0.0, width, dtype=torch.float32)
+                         if rollout.logprobs is not None else None)
         return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
                             advantages, mask, weights, old_logps, ref_logps, sampler_logps, truncated, len(failures))
 
@@ -253,11 +251,10 @@ class GRPOTrainer:
                        sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora)
 
     def _sampling_params(self) -> SamplingParams:
-        gen, eos = self.cfg.generation, self.tokenizer.eos_token_id
-        stops = [] if gen.ignore_eos or eos is None else (list(eos) if isinstance(eos, list) else [eos])
+        gen = self.cfg.generation
         return SamplingParams(max_new_tokens=gen.max_completion_length, temperature=gen.temperature, top_p=gen.top_p,
                               top_k=gen.top_k, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty,
-                              stop_token_ids=tuple(stops + list(gen.stop_token_ids)),
+                              stop_token_ids=tuple(stop_token_ids(gen, self.tokenizer)),
                               stop_strings=tuple(gen.stop_strings),
                               seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
 

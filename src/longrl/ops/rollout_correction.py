@@ -27,18 +27,12 @@ def rollout_correction_weights(old_logps: torch.Tensor, sampler_logps: torch.Ten
         raise ValueError(f"rollout_correction must be one of {', '.join(MODES)}; got {mode!r}")
     mask = mask.to(old_logps.dtype)
     log_r = ((old_logps - sampler_logps.to(old_logps.dtype)) * mask).detach()  # [B, T]
-    if mode == "none":
-        w = torch.ones_like(log_r)
-    elif mode.startswith("token"):
-        r = torch.exp(log_r)
-        w = torch.clamp(r, max=cap) if mode == "token_truncate" else r * (r <= cap)
-    else:
-        R = torch.exp(log_r.sum(-1, keepdim=True))  # [B, 1]
-        R = torch.clamp(R, max=cap) if mode == "sequence_truncate" else R * (R <= cap)
-        w = R.expand_as(log_r)
+    r = torch.exp(log_r)  # per-token ratios
+    seq_r = torch.exp(log_r.sum(-1, keepdim=True)).expand_as(log_r)  # per-sequence ratio on each token
+    raw = seq_r if mode.startswith("sequence") else r  # the weights before truncation or masking
+    w = torch.ones_like(log_r) if mode == "none" else (
+        torch.clamp(raw, max=cap) if mode.endswith("truncate") else raw * (raw <= cap))
     n = mask.sum().clamp(min=1.0)
-    r = torch.exp(log_r)
-    raw = r if mode.startswith("token") or mode == "none" else torch.exp(log_r.sum(-1, keepdim=True)).expand_as(r)
     stats = {
         "sampler/logp_abs_diff": float((log_r.abs() * mask).sum() / n),
         # k3 on tokens drawn from the sampler: r − log r − 1 estimates KL(π_sampler ‖ π_old) ≥ 0

@@ -17,7 +17,7 @@ prefix[:prefix_len] ++ suffix[:write_index + 1]:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,10 @@ class DecodeMeta:
     use_triton: bool = False
     members: torch.Tensor | None = None  # [P, G] long: slots reading each prefix entry (−1: none); Triton only
     entry_len: torch.Tensor | None = None  # [P] long: prompt length of each prefix entry
+    suffix_len: torch.Tensor = field(init=False)  # [B] valid slot-store keys after this step's write
+
+    def __post_init__(self):
+        self.suffix_len = self.write_index + 1  # once a step, not once a layer
 
 
 def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
@@ -123,7 +127,7 @@ def decode_attend(q: torch.Tensor, layer: int, meta: DecodeMeta, scale: float) -
     step's key already written at write_index): [B, Hq, D]."""
     cache = meta.cache
     args = (q.to(cache.k_suf.dtype), cache.k_pre[layer], cache.v_pre[layer], meta.prefix_index, meta.prefix_len,
-            cache.k_suf[layer], cache.v_suf[layer], meta.write_index + 1, scale)
+            cache.k_suf[layer], cache.v_suf[layer], meta.suffix_len, scale)
     if meta.use_triton:
         from .decode_kernel import decode_attention_triton
 

@@ -6,7 +6,7 @@ import torch
 
 from ..policy import compute_context
 from .sampler import Rollout
-from .sampling import stop_index
+from .sampling import stop_index, stop_token_ids
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,9 +26,7 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
     same stop rules as longrl's sampler: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop_strings``."""
     from transformers import GenerationConfig
 
-    eos_ids = tokenizer.eos_token_id
-    eos = [] if gen_cfg.ignore_eos or eos_ids is None else (eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    stop_ids = set(eos) | set(gen_cfg.stop_token_ids)
+    stop_ids = set(stop_token_ids(gen_cfg, tokenizer))
     stop_strings = tuple(gen_cfg.stop_strings)
     generation_config = GenerationConfig(
         do_sample=True, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,

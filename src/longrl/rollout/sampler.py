@@ -27,6 +27,7 @@ from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tok
                               rollout_kv_bytes, sampler_workspace_bytes)
 from ..models.loading import base_model, model_parts
 from ..ops.logprobs import head_logits
+from ..policy import pad_right
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .fast_decode import FastDecoder
@@ -289,10 +290,7 @@ class _Run:
         for first in range(0, len(prompts), per_forward):
             chunk = prompts[first:first + per_forward]
             width = max(len(self.prompts[q]) for q in chunk)
-            ids = torch.full((len(chunk), width), 0, dtype=torch.long)
-            for row, q in enumerate(chunk):
-                ids[row, :len(self.prompts[q])] = torch.tensor(self.prompts[q])
-            ids = ids.to(s.device)
+            ids = pad_right([self.prompts[q] for q in chunk], 0, width).to(s.device)
             slots = torch.tensor([self.prompt_slot[q] for q in chunk], device=s.device)
             last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=s.device)
             positions = torch.arange(width, device=s.device)[None].expand(len(chunk), -1)

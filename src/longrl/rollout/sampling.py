@@ -131,6 +131,14 @@ def _next_tokens(logits, params, sequence, position, seen):
     return tokens, logprobs
 
 
+def stop_token_ids(gen_cfg, tokenizer) -> list[int]:
+    """The token ids that end a completion: the tokenizer's EOS (unless ``generation.ignore_eos``) and
+    ``generation.stop_token_ids``, in that order without repeats (both rollout backends use these)."""
+    eos = tokenizer.eos_token_id
+    eos = [] if gen_cfg.ignore_eos or eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    return list(dict.fromkeys(eos + list(gen_cfg.stop_token_ids)))
+
+
 def stop_index(tokens: list[int], stop_strings: tuple[str, ...], decode, start: int = 0) -> int | None:
     """Smallest j ≥ start such that decode(tokens[:j+1]) contains a stop string, else None."""
     if not stop_strings or not any(s in decode(tokens) for s in stop_strings):
@@ -143,4 +151,4 @@ def stop_index(tokens: list[int], stop_strings: tuple[str, ...], decode, start: 
 
 
 __all__ = ["SamplingParams", "apply_repetition_penalty", "filter_logits", "sampling_distribution", "next_tokens",
-           "stop_index"]
+           "stop_index", "stop_token_ids"]
