@@ -81,9 +81,9 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             && stage sampler_gpu 90 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py ;;
         profile8b) stage profile8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 64 ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
-            --impls longrl,longrl-hf,longrl-peft,longrl-nolora ;;
+            --impls longrl,longrl-hf,longrl-peft,longrl-nolora --tag "${TAG:-_fast}" ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
-            --impls longrl,longrl-hf,longrl-nolora,hf-generate ;;
+            --impls longrl,longrl-hf,longrl-nolora,hf-generate --tag "${TAG:-_fast}" ;;
         e2e15) stage e2e15 120 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke ;;
         hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;
