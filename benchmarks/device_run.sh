@@ -58,7 +58,7 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
     [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name (limit ${limit}s): $*"
     local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
+    timeout "$limit" bash -c '"$@"' _ "$@" >"$OUT/logs/$name.log" 2>&1  # bash -c: a command may be a function
     local rc=$?
     echo "=== $name: rc=$rc after $((SECONDS - start)) s"
     grep -v -i "warn" "$OUT/logs/$name.log" | tail -25
@@ -69,10 +69,21 @@ background() {  # background NAME COMMAND...: on the last GPU, in its own sessio
     shift
     mkdir -p /tmp/bg
     local last=$(( $(nvidia-smi -L | wc -l) - 1 ))
-    CUDA_VISIBLE_DEVICES=$last LONGRL_RESULTS_DIR=/tmp/bg setsid nohup "$@" >"/tmp/bg/$name.log" 2>&1 </dev/null &
+    CUDA_VISIBLE_DEVICES=$last LONGRL_RESULTS_DIR=/tmp/bg setsid nohup bash -c '"$@"' _ "$@" >"/tmp/bg/$name.log" \
+        2>&1 </dev/null &
     echo $! >"/tmp/bg/$name.pid"
     echo "=== $name: started in the background on GPU $last"
 }
+
+with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with its tokenizers/hub/safetensors):
+    # before 5.24, a model in training mode with gradient checkpointing drops the KV cache even under no_grad, so
+    # TRL's transformers-generate path (which generates in training mode) would run cacheless, quadratic in length
+    [ -d /tmp/site_tf524 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site_tf524 .whl/tf524/*.whl >/dev/null 2>&1 || echo "tf524 install failed"
+    PYTHONPATH=/tmp/site_tf524:$PYTHONPATH "$@"
+}
+
+export -f with_tf524
 
 for s in "$@"; do
     case $s in
@@ -92,10 +103,10 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke --load-in-4bit ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke ;;
-        trl8b_a) stage trl8b_a 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
-            --steps 1 --no-cli-smoke --impl trl ;;
-        bg_trl8b_a) background trl8b_a python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
-            --completion 4096 --steps 1 --no-cli-smoke --impl trl ;;
+        trl8b_a) stage trl8b_a 560 with_tf524 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
+            --completion 4096 --steps 1 --no-cli-smoke --impl trl --tag _tf524 ;;
+        bg_trl8b_a) background trl8b_a with_tf524 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
+            --completion 4096 --steps 1 --no-cli-smoke --impl trl --tag _tf524 ;;
         bg_probe400k) background probe400k python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 409600 \
             --G 1 --impls longrl-planned --reps 0 --tag probe_400k --out /tmp/bg ;;
         collect) stage collect 560 bash -c 'for f in /tmp/bg/*.pid; do while kill -0 "$(cat "$f")" 2>/dev/null; do

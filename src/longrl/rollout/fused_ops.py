@@ -115,7 +115,8 @@ if triton is not None:
         s_lo = tl.load(SIN + b * D + i).to(tl.float32)
         s_hi = tl.load(SIN + b * D + HALF + i).to(tl.float32)
         lf, hf = lo.to(tl.float32), hi.to(tl.float32)
-        # rotate_half(t) = (−t[D/2:], t[:D/2]); each product and the sum rounded as transformers rounds them
+        # rotate_half(t) = (−t[D/2:], t[:D/2]); each product and the sum rounded as transformers rounds them (the
+        # launch turns off floating-point contraction: a product and sum fused into one fma would skip a rounding)
         out_lo = ((lf * c_lo).to(dt).to(tl.float32) + (-hf * s_lo).to(dt).to(tl.float32)).to(dt)
         out_hi = ((hf * c_hi).to(dt).to(tl.float32) + (lf * s_hi).to(dt).to(tl.float32)).to(dt)
         if is_q:
@@ -149,6 +150,9 @@ if triton is not None:
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
+ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum contracted into one rounding
+
+
 def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
     """(h + δ, RMSNorm(h + δ)); with Triton h is updated in place (it must be a contiguous [B, d] buffer)."""
     if not use_triton:
@@ -176,7 +180,7 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
         q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, k_cache, v_cache, write_index,
         q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, out, float(eps),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=hq, HKV=hkv, D=D, HALF=D // 2,
-        HAS_NORM=q_norm is not None, num_warps=1)
+        HAS_NORM=q_norm is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
     return out
 
 
