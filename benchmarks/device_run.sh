@@ -32,6 +32,9 @@
 #              most of a GPU)
 #   collect    wait for the background runs (within the stage limit), then copy their files into results/ and logs
 #   e2e15_b    grpo_e2e 1.5B, 2 prompts x 8 x 16,384, 1 step;  e2e15_a4 / e2e15_b4 / e2e8b_b4: 4-bit variants
+#   attn       decode attention alone (Triton vs SDPA) against its KV bytes: 16 x 8 at T=1,024 and 2 x 8 at 16K (~1 min)
+#   prof20k    grpo_memory 8B 20,480 x 8 (reuse, MLP tiles 4,096): one step + one profiled step (GPU time per
+#              kernel, _profile.txt) + the GPU gradient check with each run's forward log-probs (~4 min)
 #   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
@@ -121,6 +124,11 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke --load-in-4bit ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
+        attn) stage attn 90 python3 benchmarks/decode_attention_speed.py \
+            && stage attn16k 90 python3 benchmarks/decode_attention_speed.py --prompts 2 --max-suffix 16384 \
+            --suffix 1024,8192,16384 ;;
+        prof20k) stage prof20k 360 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --check-equality --tag prof_20k ;;
         lmhead) stage lmhead 60 python3 benchmarks/lm_head_gemm.py --vocab 128256 --hidden 4096 \
             && stage lmhead15 60 python3 benchmarks/lm_head_gemm.py --vocab 151936 --hidden 1536 ;;
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \

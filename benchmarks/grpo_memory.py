@@ -90,18 +90,21 @@ def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mod
                 ref[idx] = lp
     _sync()
     t1 = time.perf_counter()
+    logp_total = torch.zeros((), dtype=torch.float64, device=adv.device)  # the policy forward's output, summed
     for idx in groups:
         lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width, pad_id=0,
                                   chunk_size=chunk)
         ptl, _ = per_token_policy_loss(lp, lp.detach(), ref[idx] if ref is not None else None, adv[idx], mask[idx],
                                        settings)
         weighted_loss(ptl, weights[idx]).backward()
+        logp_total += lp.detach().sum()
         del lp, ptl
     _sync()
     t2 = time.perf_counter()
     disable_mlp_tiling(model)
     return {"ref_s": t1 - t0, "policy_s": t2 - t1, "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0,
-            "pinned_pool_gib": (offloader.pool.allocated_bytes / GIB) if offloader else 0.0, "oom": False}
+            "pinned_pool_gib": (offloader.pool.allocated_bytes / GIB) if offloader else 0.0, "oom": False,
+            "policy_logp_sum": float(logp_total)}
 
 
 def grads_of(model):
@@ -124,11 +127,11 @@ def check_offload_equality(shape: str, device) -> dict:
                 p.normal_(0, 0.02)
     batch = tb.make_batch(4, 64, 200, model.config.vocab_size, device, seed=1)
     out = {}
-    runs = {}
+    runs, logps = {}, {}
     for name, mode in (("plain_a", "plain"), ("plain_b", "plain"), ("offload", "offload"), ("reuse", "reuse")):
         zero_grads(model)
         torch.manual_seed(7)
-        longrl_step(model, batch, beta=0.04, token_budget=600, chunk=256, mode=mode)
+        logps[name] = longrl_step(model, batch, beta=0.04, token_budget=600, chunk=256, mode=mode)["policy_logp_sum"]
         runs[name] = grads_of(model)
 
     def maxdiff(a, b):
@@ -139,11 +142,34 @@ def check_offload_equality(shape: str, device) -> dict:
     out["offload_equals_plain_exactly"] = all(torch.equal(runs["offload"][k], runs["plain_a"][k]) for k in runs["plain_a"])
     out["reuse_vs_plain_max_abs"] = maxdiff(runs["reuse"], runs["plain_a"])
     out["reuse_equals_plain_exactly"] = all(torch.equal(runs["reuse"][k], runs["plain_a"][k]) for k in runs["plain_a"])
+    # the policy forward's log-probs (summed) of each run: reuse's forward asks the fused attention kernel for its
+    # log-sum-exp too, which some kernels (memory-efficient, used with a packing mask) compute in another order, so
+    # where reuse's gradients differ this says whether its forward already did
+    out["policy_logp_sum"] = logps
     del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def profile_step(model, batch, impl: str, plan, args) -> str:
+    """One reference + policy step of ``impl`` (a longrl variant) under torch.profiler: the kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    name, _, tile = impl.partition("+tile")
+    mode = {"longrl": "offload", "longrl-reuse": "reuse", "longrl-plain": "plain", "longrl-planned": "offload"}[name]
+    planned = name == "longrl-planned"
+    cuda = torch.cuda.is_available()
+    zero_grads(model)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens, chunk=args.chunk,
+                        mode=mode, gpu_resident=plan.gpu_resident_layers if planned else 0,
+                        mlp_tile=plan.mlp_tile_tokens if planned else int(tile or 0))
+    head = (f"`{' '.join(['python'] + sys.argv)}`\n\n{impl}, one profiled step: ref {r['ref_s']:.2f} s, policy "
+            f"{r['policy_s']:.2f} s (profiler overhead included)\n\n")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return head + prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
 
 
 def main():
@@ -164,6 +190,8 @@ def main():
                     "impls only): the bf16 random-weight model is quantized in place before LoRA; files get _4bit")
     ap.add_argument("--sdpa", default="", help="SDPA backends tried first, comma-separated (model.sdpa_backends: "
                     "cudnn, flash, efficient, math); empty: PyTorch's order")
+    ap.add_argument("--profile", action="store_true", help="after the measured reps, one more step of the first "
+                    "impl at the last length under torch.profiler: GPU time per kernel to OUT/STEM_profile.txt")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -273,6 +301,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"grpo_memory_{args.shape}{'_4bit' if args.load_in_4bit else ''}{('_' + args.tag) if args.tag else ''}"
+    if args.profile:
+        (out / f"{stem}_profile.txt").write_text(profile_step(model, batch, impls[0], plan, args))
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
     lines = [f"# GRPO step memory/time: {args.shape}{', NF4 4-bit base' if args.load_in_4bit else ''}, G={args.G}, "
              f"prompt {args.prompt}, LoRA r=32, beta={args.beta}",

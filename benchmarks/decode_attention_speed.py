@@ -1,0 +1,120 @@
+"""Decode attention alone: longrl's Triton kernels (grouped prefix + split suffix + merge) against the bytes they
+must read, at the sampler's real shapes, beside PyTorch SDPA on the same keys laid out densely.
+
+One decode step of one layer reads each prompt's prefix keys/values once (shared by its G sequences) and each
+sequence's own suffix keys/values:
+
+    bytes = 2 · Hkv · D · elt · (P · Lp + Σ_b s_b)          (K and V)
+
+so its floor is bytes / copy bandwidth. The rollout benchmark's roofline counts these bytes with the weights;
+this separates how close the attention itself comes (the 8B shape at 1,024 new tokens reads ~9 GB of KV a step
+at the end, on the order of the 15 GB of weights).
+
+    python benchmarks/decode_attention_speed.py                         # Llama-3.1-8B heads, 16 × 8, prompt 512
+    python benchmarks/decode_attention_speed.py --prompts 2 --max-suffix 16384 --suffix 1024,8192,16384
+
+SDPA's row: `scaled_dot_product_attention` with enable_gqa on dense [B, Hkv, Lp + s, D] keys (the prefix copied
+per sequence, so it reads G× the prefix bytes); its bytes are counted as it reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from results_io import run_meta, write_result  # noqa: E402
+from rollout_speed import copy_bandwidth  # noqa: E402
+
+from longrl.rollout.attention import decode_attention_reference  # noqa: E402
+
+
+def gpu_seconds(fn, reps: int = 50) -> float:
+    """Median seconds of fn() over reps runs after 5 warm-ups (CUDA events)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev) -> dict:
+    """Inputs of one decode step of one layer: P prompts × G sequences, prefix Lp, suffix s valid of T allocated."""
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    B = P * G
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype)  # noqa: E731
+    k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hq, D)
+    pidx = torch.arange(B, device=dev) // G  # [B]
+    plen = torch.full((B,), Lp, device=dev)
+    slen = torch.full((B,), s, device=dev)
+    members = torch.arange(B, device=dev).view(P, G)
+    prompt_len = torch.full((P,), Lp, device=dev)
+    args = (q, k_pre, v_pre, pidx, plen, k_suf, v_suf, slen, D ** -0.5)
+    elt = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * Hkv * D * elt * (P * Lp + B * s)
+
+    longrl = lambda: decode_attention_triton(*args, members=members, prompt_len=prompt_len)  # noqa: E731
+    err = float((longrl().float() - decode_attention_reference(*args).float()).abs().max()) if B * (Lp + s) <= 2 ** 21 else None
+    t_longrl = gpu_seconds(longrl)
+
+    kd = torch.cat([k_pre[pidx], k_suf[:, :, :s]], dim=2)  # [B, Hkv, Lp + s, D]
+    vd = torch.cat([v_pre[pidx], v_suf[:, :, :s]], dim=2)
+    qd = q[:, :, None, :]  # [B, Hq, 1, D]
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)  # noqa: E731
+    t_sdpa = gpu_seconds(sdpa)
+    sdpa_bytes = 2 * Hkv * D * elt * B * (Lp + s)
+    return dict(P=P, G=G, Lp=Lp, T=T, suffix=s, kv_mb=kv_bytes / 1e6, longrl_us=t_longrl * 1e6,
+                longrl_gbs=kv_bytes / t_longrl / 1e9, sdpa_us=t_sdpa * 1e6, sdpa_gbs=sdpa_bytes / t_sdpa / 1e9,
+                max_abs_err=err)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--heads", default="32,8,128", help="query heads, key/value heads, head dim")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-suffix", type=int, default=1024, help="allocated slot-store length T")
+    ap.add_argument("--suffix", default="1,128,512,1024", help="valid suffix lengths to time")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_attention_speed.py times CUDA kernels; no GPU here")
+    dev = torch.device("cuda")
+    Hq, Hkv, D = (int(x) for x in args.heads.split(","))
+    bw = copy_bandwidth(dev)
+    rows = [case(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, int(s), torch.bfloat16, dev)
+            for s in args.suffix.split(",")]
+    for r in rows:
+        r["longrl_of_copy_bw"] = r["longrl_gbs"] * 1e9 / bw
+        print(r, flush=True)
+    meta = run_meta(copy_bandwidth_gbs=bw / 1e9)
+    stem = f"decode_attention_{args.prompts}x{args.G}_T{args.max_suffix}_h200{args.tag}"
+    lines = [f"# Decode attention, one layer, {args.prompts} prompts × {args.G}, heads {Hq}/{Hkv}×{D}, bf16, "
+             f"{meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}.  ", f"`{meta['command']}`", "",
+             f"Prefix {args.prompt_len} tokens shared by each prompt's {args.G} sequences; slot store of "
+             f"{args.max_suffix} positions. Copy bandwidth {bw / 1e9:,.0f} GB/s. Bytes: K and V read once "
+             "(prefix once per prompt); SDPA reads the prefix once per sequence.", "",
+             "| suffix | KV MB | longrl µs | longrl GB/s | of copy bw | SDPA µs | SDPA GB/s | max abs err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = f"{r['max_abs_err']:.4f}" if r["max_abs_err"] is not None else "–"
+        lines.append(f"| {r['suffix']} | {r['kv_mb']:.1f} | {r['longrl_us']:.1f} | {r['longrl_gbs']:,.0f} | "
+                     f"{100 * r['longrl_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_gbs']:,.0f} | {err} |")
+    write_result(stem, {**meta, **vars(args), "rows": rows}, lines)
+
+
+if __name__ == "__main__":
+    main()
