@@ -25,9 +25,11 @@ LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q
 QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
 NF4_8B = nf4_weight_bytes(LLAMA_8B, 2, 0.10) / LLAMA_8B.base_params()
 SOURCES = {"grpo_memory_llama-3.1-8b_h200_offload_v2": 2, "grpo_memory_llama-3.1-8b_tiling": 2,
-           "grpo_memory_llama-3.1-8b_4bit": NF4_8B}
+           "grpo_memory_llama-3.1-8b_4bit": NF4_8B, "grpo_memory_llama-3.1-8b_reuse_20k": 2,
+           "grpo_memory_llama-3.1-8b_sdpa_cudnn_20k": 2}
 ROLLOUTS = {"grpo_e2e_llama-3.1-8b_4x8x4096_h200": (LLAMA_8B, 2), "grpo_e2e_llama-3.1-8b_2x8x16384_h200": (LLAMA_8B, 2),
             "grpo_e2e_llama-3.1-8b_4x8x4096_h200_4bit": (LLAMA_8B, NF4_8B),
+            "grpo_e2e_llama-3.1-8b_2x8x16384_h200_4bit": (LLAMA_8B, NF4_8B),
             "grpo_e2e_qwen2.5-1.5b_4x8x4096_h200": (QWEN_15B, 2)}
 H200_FREE = 139 * GIB
 
@@ -42,7 +44,8 @@ def main() -> None:
             plain = r["impl"].startswith("longrl-plain")
             gpu, _, _ = predict(LLAMA_8B, tokens=r["planner_budget"], lora_r=32, weight_bytes=weight_bytes,
                                 offload=not plain, gpu_resident=r["planner_gpu_resident"], chunk=1024,
-                                optimizer=False, mlp_tile=r.get("mlp_tile"))
+                                optimizer=False, mlp_tile=r.get("mlp_tile"),
+                                reuse_attention=r["impl"].startswith("longrl-reuse"))
             rows.append(dict(source=stem, impl=r["impl"], tokens=r["length"], mlp_tile=r.get("mlp_tile"),
                              measured_gib=r["peak_gpu_gib"], predicted_gib=gpu / GIB,
                              error=gpu / GIB / r["peak_gpu_gib"] - 1))
