@@ -16,7 +16,7 @@
 #
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + tests/test_sampler_gpu.py (~1 min)
-#   profile8b  GPU time per kernel of 8B decode steps, fused LoRA and PEFT's forward (~1 min)
+#   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min)
 #   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min)
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
 #   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
@@ -93,7 +93,7 @@ for s in "$@"; do
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
 print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
             && stage sampler_gpu 90 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py ;;
-        profile8b) stage profile8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 64 ;;
+        profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls longrl,longrl-hf,longrl-peft,longrl-nolora --tag "${TAG:-_fast}" ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \

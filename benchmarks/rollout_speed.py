@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
-from results_io import run_meta, write_result  # noqa: E402
+from results_io import RESULTS, run_meta, write_result  # noqa: E402
 
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.models import apply_lora, base_model  # noqa: E402
@@ -236,30 +236,53 @@ def main() -> None:
         write_tables(args, results, weight_bytes)  # after every impl: a later one that hangs loses nothing
 
 
+def _kernel_times(prof) -> dict:
+    """{kernel or op name: (self GPU µs, calls)} of a finished profile."""
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            out[e.key] = (us, e.count)
+    return out
+
+
 def profile_decode(args, model, prompts) -> None:
-    """GPU time per kernel over a short rollout (decode graphs replayed; the profiler sees their kernels), fused
-    LoRA and PEFT's forward, to results/rollout_profile_<shape>.txt."""
+    """GPU time per kernel of the decode steps alone (decode graphs replayed; the profiler sees their kernels): a
+    rollout of N new tokens minus one of 1 (prefill + first token), per step, for the fast path (fast decode +
+    fused LoRA) and transformers' forward + PEFT's LoRA; to results/rollout_profile_<shape><tag>.txt."""
     from torch.profiler import ProfilerActivity, profile
 
+    N = args.profile
     lines = []
-    for fuse in (True, False):  # fused: fast decode + fused LoRA; else transformers' forward + PEFT's LoRA
+    for fuse in (True, False):
         sampler = Sampler(model, None, fuse_lora=fuse, fast_decode=fuse)
-        params = SamplingParams(max_new_tokens=args.profile, temperature=1.0, seed=0)
-        sampler.generate(prompts, args.G, params)  # warm-up and graph capture
-        _sync()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            t = time.perf_counter()
-            sampler.generate(prompts, args.G, params)
+        runs = {}
+        for n in (1, N):
+            params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
+            sampler.generate(prompts, args.G, params)  # warm-up and graph capture
             _sync()
-            seconds = time.perf_counter() - t
-        lines += [f"## fast_decode=fuse_lora={fuse}: {args.prompts} x {args.G} x {args.profile} new tokens in "
-                  f"{seconds:.3f} s "
-                  f"({seconds / args.profile * 1e3:.2f} ms a step incl. prefill)",
-                  prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), ""]
-        print(lines[-3], flush=True)
-    out = Path(__file__).resolve().parent / "results" / f"rollout_profile_{args.shape}{args.tag}.txt"
-    out.write_text("\n".join([run_meta(shape=args.shape)["command"], ""] + lines))
-    print("\n".join(lines))
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                sampler.generate(prompts, args.G, params)
+                _sync()
+                seconds = time.perf_counter() - t
+            runs[n] = (seconds, _kernel_times(prof))
+        steps = N - 1
+        per_step = {k: ((us - runs[1][1].get(k, (0, 0))[0]) / steps, (c - runs[1][1].get(k, (0, 0))[1]) / steps)
+                    for k, (us, c) in runs[N][1].items()}
+        per_step = {k: v for k, v in per_step.items() if v[0] > 0.05}
+        wall = (runs[N][0] - runs[1][0]) / steps * 1e6
+        lines += [f"## {'fast decode + fused LoRA' if fuse else 'transformers forward + PEFT LoRA'}: {args.prompts} x "
+                  f"{args.G}, {steps} decode steps: {wall:,.0f} µs a step wall-clock (rollout of {N} minus rollout "
+                  f"of 1); GPU time of ops and kernels a step below (an op's time includes its kernels)", "",
+                  "| µs a step | calls a step | name |", "|---|---|---|"]
+        lines += [f"| {us:,.1f} | {c:.1f} | {name[:110]} |"
+                  for name, (us, c) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:45]]
+        lines.append("")
+        print("\n".join(lines[-48:]), flush=True)
+    out = RESULTS / f"rollout_profile_{args.shape}{args.tag}.md"
+    out.write_text("\n".join([f"`{run_meta(shape=args.shape)['command']}`", ""] + lines))
 
 
 def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: int) -> None:
