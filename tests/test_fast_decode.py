@@ -161,3 +161,34 @@ def test_trainer_switch(tmp_path):
                                  f"generation.fuse_lora={flag}"], base=demo_config())
         sampler = GRPOTrainer(cfg).rollout_sampler
         assert (sampler.fast is not None) is on and sampler.fuse_lora is on
+
+
+def test_add_rmsnorm_promotes_like_pytorch_when_dtypes_differ():
+    """A float32 δ onto a bf16 residual (e.g. float32 norms over a 4-bit base): PyTorch promotes the sum; the
+    kernel would keep bf16, so the twin runs (also for a non-contiguous δ)."""
+    from longrl.rollout import fused_ops as f
+
+    torch.manual_seed(0)
+    h, delta = torch.randn(3, 40).to(torch.bfloat16), torch.randn(3, 40)
+    w = torch.rand(40) + 0.5
+    got = f.add_rmsnorm(h.clone(), delta, w, 1e-6, True)
+    want = f.add_rmsnorm_reference(h.clone(), delta, w, 1e-6)
+    assert got[0].dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(got, want))
+    strided = torch.randn(40, 3).t().to(torch.bfloat16)
+    got = f.add_rmsnorm(h.clone(), strided, w.to(torch.bfloat16), 1e-6, True)
+    want = f.add_rmsnorm_reference(h.clone(), strided, w.to(torch.bfloat16), 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("rope, safe", [(None, True), ({"rope_type": "dynamic", "factor": 2.0}, False)])
+def test_decode_graphs_only_where_capture_is_safe(rope, safe):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longrl.rollout.sampler import _graph_safe
+
+    kw = {"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, **kw)
+    model = LlamaForCausalLM(cfg)
+    assert _graph_safe(model, use_triton=True) is safe
+    assert _graph_safe(model, use_triton=False) is False  # the PyTorch attention twin syncs with the host

@@ -109,3 +109,38 @@ def test_embedding_adapters_keep_pefts_forward():
         with fused_lora(model, torch.float32) as fused:
             got = model(input_ids=ids).logits
     assert not fused and torch.equal(got, want)
+
+
+def test_a_failure_while_fusing_leaves_no_hook(monkeypatch):
+    """Out of memory (say) while the adapters are being stacked: every hook installed so far is removed, so
+    PEFT's own forward is not doubled by leftover deltas afterwards."""
+    model = apply_lora(llama(4, layers=2), LoraConfig(r=3, alpha=6.0))
+    randomise_adapters(model, 5)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    real_group, built = lora_fusion._Group, []
+
+    def failing(*a, **k):
+        if len(built) == 2:
+            raise torch.OutOfMemoryError("simulated")
+        built.append(real_group(*a, **k))
+        return built[-1]
+
+    monkeypatch.setattr(lora_fusion, "_Group", failing)
+    with pytest.raises(torch.OutOfMemoryError), torch.no_grad(), fused_lora(model, torch.float32):
+        pass
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_inside_disable_adapter_nothing_is_fused():
+    model = apply_lora(llama(6, layers=2), LoraConfig(r=3, alpha=6.0))
+    randomise_adapters(model, 7)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits
+        with fused_lora(model, torch.float32) as fused:
+            got = model(input_ids=ids).logits
+    assert not fused and torch.equal(got, base)

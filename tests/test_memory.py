@@ -247,3 +247,67 @@ def test_recorded_efficient_and_cudnn_calls_ask_for_the_log_sumexp():
         assert _signature(op, args, {}) != _signature(op, args[:6] + (False,), {})  # other arguments count
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     assert _with_log_sumexp(flash, (q, q, q), {})[0][0] is q
+
+
+@torch.library.custom_op("longrl_test::noisy_attention", mutates_args=())
+def _noisy_attention(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stands for a fused attention kernel with dropout: it draws from the generator (as CUDA SDPA advances its
+    Philox offset) and returns its mask among its outputs (as SDPA returns its seed and offset)."""
+    mask = (torch.rand_like(x) >= p).to(x.dtype) / (1 - p)
+    return x * mask, mask
+
+
+@_noisy_attention.register_fake
+def _(x, p):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+_noisy_attention.register_autograd(lambda ctx, gy, gm: (gy * ctx.saved_tensors[0], None),
+                                   setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output[1]))
+
+
+def test_reused_attention_keeps_the_random_stream_of_the_layer(monkeypatch):
+    """An attention op that draws random numbers, then a dropout later in the same layer: replaying the op's
+    recorded outputs must leave the generator where running it would, or the recompute's dropout mask (and so
+    the gradients) would differ from the forward's."""
+    from longrl.memory import attention_reuse
+    from longrl.memory.offload import offloaded_checkpoint
+
+    monkeypatch.setattr(attention_reuse, "ATTENTION_OPS",
+                        attention_reuse.ATTENTION_OPS | {torch.ops.longrl_test.noisy_attention.default})
+    torch.manual_seed(0)
+    w1, w2, x = torch.randn(16, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True), torch.randn(4, 16)
+
+    def layer(h):
+        y, _ = _noisy_attention(h @ w1, 0.1)
+        return torch.nn.functional.dropout(y @ w2, 0.3, training=True)
+
+    def run(checkpoint_fn):
+        w1.grad = w2.grad = None
+        torch.manual_seed(123)
+        out = layer(x) if checkpoint_fn is None else checkpoint_fn(layer, x)
+        out.square().sum().backward()
+        return out.detach(), w1.grad.clone(), w2.grad.clone()
+
+    want = run(None)
+    for reuse in (False, True):
+        got = run(offloaded_checkpoint(ActivationOffloader("cpu", reuse_attention=reuse)))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), reuse
+
+
+def test_a_failing_layer_leaves_nothing_on_the_offload_stack():
+    from longrl.memory.offload import offloaded_checkpoint
+
+    offloader = ActivationOffloader("cpu", num_layers=2)
+    checkpoint_fn = offloaded_checkpoint(offloader)
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def failing(h):
+        raise torch.OutOfMemoryError("simulated")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        checkpoint_fn(failing, x)
+    assert offloader.stack == [] and offloader.host_bytes_in_use == 0
+    y = checkpoint_fn(lambda h: h * 2, x)  # the next layer still saves, and backward still finds it
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and offloader.stack == []

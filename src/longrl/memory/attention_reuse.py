@@ -6,14 +6,18 @@ log-sum-exp besides q, k and v, which the recompute produces cheaply. So the fir
 of the fused attention op (flash, memory-efficient or cuDNN SDPA, or the CPU flash kernel) and the recompute
 returns those instead of running the kernel:
 
-    forward (no autograd):  o, lse, … = sdpa_op(q, k, v)     → recorded (offloaded with the layer input)
-    recompute (autograd):   sdpa_op(q, k, v) ↦ the recorded o, lse, …   (autograd saves them for its backward)
+    forward (no autograd):  o, lse, … = sdpa_op(q, k, v)     → recorded (offloaded with the layer input), with
+                                                                the random-number generator's state after it
+    recompute (autograd):   sdpa_op(q, k, v) ↦ the recorded o, lse, …   (autograd saves them for its backward),
+                                                                and the generator set to that recorded state
 
 This runs below autograd, as PyTorch's selective activation checkpointing does (a TorchDispatchMode), so
 transformers' attention code is untouched and autograd's own SDPA backward consumes the replayed tensors. The
 forward is deterministic, so the replayed tensors equal the recomputed ones bit for bit and the gradients are
-exactly those of plain checkpointing (tests/test_memory.py). Attention that is not one fused op (e.g. eager
-attention) is simply recomputed.
+exactly those of plain checkpointing (tests/test_memory.py). With attention dropout the CUDA kernels draw from
+the generator (their seed and offset are among the recorded outputs); setting the generator to its state after
+the recorded call keeps every later draw of the layer (e.g. LoRA dropout) where the forward had it. Attention
+that is not one fused op (e.g. eager attention) is simply recomputed.
 """
 
 from __future__ import annotations
@@ -49,6 +53,22 @@ def _with_log_sumexp(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "compute_log_sumexp": True}
 
 
+def _device_of(out) -> torch.device:
+    return next(t.device for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor))
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The generator state of ``device`` (a small host tensor; reading it does not wait for the GPU)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 def _signature(func, args: tuple, kwargs: dict) -> tuple:
     """What identifies an attention call: the op, every tensor argument's shape and dtype, every other argument
     (the log-sum-exp flag aside, which the record forces)."""
@@ -58,7 +78,8 @@ def _signature(func, args: tuple, kwargs: dict) -> tuple:
 
 
 class RecordAttention(TorchDispatchMode):
-    """Runs everything; keeps ``records``: (call signature, outputs) of each fused attention op, in call order."""
+    """Runs everything; keeps ``records``: (call signature, outputs, generator state after the call) of each fused
+    attention op, in call order."""
 
     def __init__(self):
         super().__init__()
@@ -70,7 +91,7 @@ class RecordAttention(TorchDispatchMode):
             return func(*args, **kwargs)
         call_args, call_kwargs = _with_log_sumexp(func, args, kwargs)
         out = func(*call_args, **call_kwargs)
-        self.records.append((_signature(func, args, kwargs), _detached(out)))
+        self.records.append((_signature(func, args, kwargs), _detached(out), _rng_state(_device_of(out))))
         return out
 
 
@@ -88,11 +109,12 @@ class ReplayAttention(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.served >= len(self.records):
             raise RuntimeError("attention reuse: the recompute ran more attention ops than the forward recorded")
-        signature, out = self.records[self.served]
+        signature, out, rng_after = self.records[self.served]
         if signature != _signature(func, args, kwargs):
             raise RuntimeError(f"attention reuse: recorded {signature}, the recompute asks "
                                f"{_signature(func, args, kwargs)}")
         self.served += 1
+        _set_rng_state(_device_of(out), rng_after)  # as if the kernel had run (and drawn what it drew)
         return _detached(out)
 
     def check_done(self) -> None:

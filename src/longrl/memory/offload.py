@@ -156,7 +156,19 @@ class ActivationOffloader:
             s.extras.append(self._put(t, offload))
             return _ExtraRef(len(s.extras) - 1)
 
-        s.records = [(signature, tree_map(keep, out)) for signature, out in records]
+        s.records = [(signature, tree_map(keep, out), rng) for signature, out, rng in records]
+
+    def discard(self, s: _Saved) -> None:
+        """Forget layer ``s`` (its forward failed): off the stack, its host buffers back to the pool (their next
+        writer is an offload on the same ordered side stream, as in ``_take``)."""
+        if s in self.stack:
+            self.stack.remove(s)
+        for c in s.copies():
+            c.gpu = None
+            if c.host is not None:
+                self.host_bytes_in_use -= c.host.numel()
+                self.pool.give(c.host)
+                c.host = None
 
     # -------------------------------------------------------------------------------- backward side
     def _start_fetch(self, c: _Copy) -> None:
@@ -206,8 +218,8 @@ class ActivationOffloader:
         self.stack.pop(idx)
         records = None
         if s.records is not None:
-            records = [(signature, tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, out))
-                       for signature, out in s.records]
+            records = [(signature, tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, out), rng)
+                       for signature, out, rng in s.records]
         return x, records
 
 
@@ -230,14 +242,18 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         ctx.autocast = (x.device.type, torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         ctx.saved = offloader.save(x)
-        with torch.no_grad():
-            if offloader.reuse_attention:
-                recorder = RecordAttention()
-                with recorder:
+        try:
+            with torch.no_grad():
+                if offloader.reuse_attention:
+                    recorder = RecordAttention()
+                    with recorder:
+                        out = function(x)
+                    offloader.attach(ctx.saved, recorder.records)
+                else:
                     out = function(x)
-                offloader.attach(ctx.saved, recorder.records)
-            else:
-                out = function(x)
+        except BaseException:  # e.g. out of memory: leave no stale entry (it would shift which layers stay resident)
+            offloader.discard(ctx.saved)
+            raise
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"offloaded checkpointing needs layers that return a tensor; got {type(out).__name__}")
         return out

@@ -155,8 +155,8 @@ ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum 
 
 def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
     """(h + δ, RMSNorm(h + δ)); with Triton h is updated in place (it must be a contiguous [B, d] buffer)."""
-    if not use_triton:
-        return add_rmsnorm_reference(h, delta, weight, eps)
+    if not use_triton or (delta is not None and (delta.dtype != h.dtype or not delta.is_contiguous())):
+        return add_rmsnorm_reference(h, delta, weight, eps)  # the kernel keeps h's dtype; PyTorch would promote
     B, d = h.shape
     x = torch.empty(B, d, dtype=torch.result_type(weight, h), device=h.device)
     _add_rmsnorm_kernel[(B,)](h, delta if delta is not None else h, weight, x, d, float(eps),

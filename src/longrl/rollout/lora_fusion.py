@@ -91,18 +91,21 @@ def fused_lora(model, dtype: torch.dtype):
     if not layers or not hasattr(model, "disable_adapter") or fusable_reason(model) is not None:
         yield False
         return
+    if any(getattr(m, "disable_adapters", False) for m in layers.values()):  # inside disable_adapter(): the base
+        yield False  # model runs, and PEFT's forward already leaves the deltas out
+        return
     hooks = []
-    with torch.no_grad():
-        for members in _sibling_groups(layers):
-            active = [(m, next(a for a in m.active_adapters if a in m.lora_A)) for _, m in members]
-            a_rows = [m.lora_A[a].weight for m, a in active]  # each [r, in]
-            group = _Group(torch.cat(a_rows).to(dtype).t().contiguous(), len(active))
-            start = 0
-            for (m, a), rows in zip(active, a_rows):
-                b_t = (m.lora_B[a].weight * m.scaling[a]).to(dtype).t().contiguous()  # [r, out]
-                hooks.append(m.base_layer.register_forward_hook(_adder(group, start, start + rows.shape[0], b_t)))
-                start += rows.shape[0]
-    try:
+    try:  # hooks removed whatever happens, also while they are being installed (e.g. out of memory there)
+        with torch.no_grad():
+            for members in _sibling_groups(layers):
+                active = [(m, next(a for a in m.active_adapters if a in m.lora_A)) for _, m in members]
+                a_rows = [m.lora_A[a].weight for m, a in active]  # each [r, in]
+                group = _Group(torch.cat(a_rows).to(dtype).t().contiguous(), len(active))
+                start = 0
+                for (m, a), rows in zip(active, a_rows):
+                    b_t = (m.lora_B[a].weight * m.scaling[a]).to(dtype).t().contiguous()  # [r, out]
+                    hooks.append(m.base_layer.register_forward_hook(_adder(group, start, start + rows.shape[0], b_t)))
+                    start += rows.shape[0]
         with model.disable_adapter():
             yield True
     finally:

@@ -79,8 +79,8 @@ class Sampler:
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.use_triton = self.device.type == "cuda" and _triton_available()
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
         self.fast_proven = False  # set once a fast decode step ran (see _Run._fast_forward)
@@ -145,6 +145,15 @@ class Sampler:
     def cache_dtype(self) -> torch.dtype:
         w = self.head.weight.dtype
         return w if w in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def _graph_safe(model, use_triton: bool) -> bool:
+    """Whether a decode step may be captured as a CUDA graph: not when the PyTorch attention twin runs (its
+    prefix-table lookups synchronise with the host), nor with dynamic or LongRoPE scaling (transformers compares
+    positions with a threshold on the host and swaps the frequency buffer a captured graph would keep reading)."""
+    rotary = getattr(getattr(base_model(model), "model", None), "rotary_emb", None)
+    rope = str(getattr(rotary, "rope_type", ""))  # a dict of them for per-layer-type models
+    return use_triton and "dynamic" not in rope and "longrope" not in rope
 
 
 def _triton_available() -> bool:
