@@ -74,11 +74,13 @@ def check_kernel(device) -> float:
 
     torch.manual_seed(0)
     worst = 0.0
-    for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 32, 8, 77, 131, 128), (2, 5, 12, 2, 64, 65, 128), (1, 3, 4, 4, 1, 1, 64)]:
+    for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 32, 8, 77, 131, 128), (2, 5, 12, 2, 64, 65, 128), (1, 3, 4, 4, 1, 1, 64),
+                                      (2, 9, 32, 8, 2100, 40, 128)]:  # last: prompts over two prefix chunks
         mk = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
         k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(S, Hkv, T, D), mk(S, Hkv, T, D), mk(S, Hq, D)
         pidx = torch.randint(0, P, (S,), device=device)
         entry_len = torch.randint(0, Lp + 1, (P,), device=device)
+        entry_len[0] = Lp
         slen = torch.randint(1, T + 1, (S,), device=device)
         members = torch.full((P, S), -1, dtype=torch.long)
         for b, e in enumerate(pidx.tolist()):

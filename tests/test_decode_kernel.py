@@ -18,11 +18,14 @@ KERNEL_CHECK = textwrap.dedent('''
 
     torch.manual_seed(int(__import__("sys").argv[1]))
     for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 8, 2, 77, 131, 32), (2, 5, 6, 2, 64, 65, 16), (1, 3, 4, 4, 1, 1, 16),
-                                      (2, 2, 4, 1, 130, 700, 24), (1, 2, 4, 2, 40, 1500, 16)]:  # last: > 16 partials
+                                      (2, 2, 4, 1, 130, 700, 24), (1, 2, 4, 2, 40, 1500, 16),  # > 16 partials
+                                      (2, 3, 4, 2, 1100, 9, 16),  # a prompt longer than one prefix chunk
+                                      (1, 9, 16, 2, 1100, 5, 16)]:  # 9 × 8 rows > 64: per-sequence prefix chunks
         k_pre, v_pre = torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D)
         k_suf, v_suf, q = torch.randn(S, Hkv, T, D), torch.randn(S, Hkv, T, D), torch.randn(S, Hq, D)
         pidx = torch.randint(0, P, (S,))
         entry_len = torch.randint(0, Lp + 1, (P,))
+        entry_len[0] = Lp  # one whole prompt: every prefix chunk has keys
         slen = torch.randint(1, T + 1, (S,))
         members = torch.full((P, S), -1, dtype=torch.long)
         members[pidx, torch.arange(S)] = torch.arange(S)

@@ -44,7 +44,7 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
     compile_for_sm90(dk._prefix_kernel,
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64"},
                      dict(REP=rep, G=members, R=max(16, triton.next_power_of_2(members * rep)), D=head_dim,
-                          DP=head_dim, BLOCK=dk.BLOCK, LP=2048, PREC=prec), num_warps=4)
+                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec), num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))
         compile_for_sm90(dk._merge_kernel, {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dtype, "NPART": "i32"},

@@ -10,8 +10,8 @@ normaliser, acc: running Σ p·v):
 
 and the partials (m_c, l_c, acc_c) of all chunks merge (one more program per output row) as
 o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c, M = max_c m_c. With a prefix-entry table (``members``), each
-prompt's keys are read once for all the sequences sharing it (one program per prompt and key head, every
-sequence's query heads as rows), and those partials join the merge. Lengths are read on the device: one launch
+prompt's keys are read once for all the sequences sharing it (one program per prompt, key head and chunk of up
+to 1,024 prompt positions, every sequence's query heads as rows), and those partials join the merge. Lengths are read on the device: one launch
 serves any lengths (CUDA-graph safe, no host sync).
 """
 
@@ -50,11 +50,17 @@ def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
 def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
                    stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART,
                    REP: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   BLOCK: tl.constexpr, LP: tl.constexpr, PREC: tl.constexpr):
-    """One program per (prompt entry p, key head h): the queries of every sequence sharing prompt p (G × REP
-    rows) against p's keys, read once; writes each row's partial into column 0 of the partial buffers."""
+                   BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr):
+    """One program per (prompt entry p, key head h, prompt chunk c): the queries of every sequence sharing prompt
+    p (G × REP rows) against p's keys [c·PCHUNK, (c+1)·PCHUNK), read once; writes each row's partial into column
+    c of the partial buffers (nothing when the chunk is past the prompt: its m stays −inf)."""
     p = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
+    start = c * PCHUNK
+    p_len = tl.load(PLEN_P + p).to(tl.int32)
+    if start >= p_len:
+        return
     rows = tl.arange(0, R)  # row = member j · REP + r
     j = rows // REP
     r = rows % REP
@@ -67,10 +73,10 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
-    p_len = tl.load(PLEN_P + p).to(tl.int32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
-    m, l, acc = _attend(q, KP + base, VP + base, stride_pt, 0, p_len, m, l, acc, scale, D, DP, BLOCK, LP, PREC)
-    part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART  # column 0 of row (slot, head)
+    m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, p_len, m, l, acc, scale, D, DP, BLOCK, PCHUNK,
+                        PREC)
+    part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
     tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
@@ -82,10 +88,19 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
                   FIRST: tl.constexpr, NPRE: tl.constexpr, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
-    when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c."""
+    when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
+    chunk past the keys: its m stays −inf and the merge skips it)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
+    if c < NPRE:
+        start = c * CHUNK
+        end = tl.load(PLEN + b).to(tl.int32)
+    else:
+        start = (c - NPRE) * CHUNK
+        end = tl.load(SLEN + b).to(tl.int32)
+    if start >= end:
+        return
     rows = tl.arange(0, R)  # query heads of this key head, padded to R ≥ 16 for tl.dot
     dims = tl.arange(0, DP)
     row_ok = rows < REP
@@ -95,20 +110,13 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
     if c < NPRE:
-        p_idx = tl.load(PIDX + b).to(tl.int64)
-        end = tl.load(PLEN + b).to(tl.int32)
-        start = c * CHUNK
-        if start < end:
-            base = p_idx * stride_pp + h * stride_ph
-            m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
-                                PREC)
+        base = tl.load(PIDX + b).to(tl.int64) * stride_pp + h * stride_ph
+        m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
+                            PREC)
     else:
-        end = tl.load(SLEN + b).to(tl.int32)
-        start = (c - NPRE) * CHUNK
-        if start < end:
-            base = b.to(tl.int64) * stride_sb + h * stride_sh
-            m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
-                                PREC)
+        base = b.to(tl.int64) * stride_sb + h * stride_sh
+        m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
+                            PREC)
     part = (b.to(tl.int64) * (stride_qb // stride_qh) + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -160,10 +168,12 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     DP = max(16, triton.next_power_of_2(D))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 caches (float32 models) keep float32 products
     grouped = members is not None and members.shape[1] * rep <= 64
-    chunk = _chunk_size(T, B * Hkv)
+    # grouped: each prompt's keys in chunks of ≤ 1,024 (a power of two: few compiled variants), one program each
+    pchunk = min(1024, max(BLOCK, triton.next_power_of_2(Lp)))
+    first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
+    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv)  # per sequence: its prefix and suffix in chunks
     n_suf = -(-T // chunk)
     n_pre = 0 if grouped else -(-Lp // chunk)
-    first = 1 if grouped else 0  # column 0: the grouped prefix partial
     npart = first + n_pre + n_suf
     # m of every column starts at −inf (a prefix column of a slot no entry lists is never written); l and acc are
     # read only where m was written
@@ -171,12 +181,12 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * Hq * npart, DP, dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
-    if grouped:
+    if grouped and first:
         G = members.shape[1]
-        _prefix_kernel[(P, Hkv)](
+        _prefix_kernel[(P, Hkv, first)](
             q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             members.stride(0), npart, REP=rep, G=G, R=max(16, triton.next_power_of_2(G * rep)), D=D, DP=DP,
-            BLOCK=BLOCK, LP=-(-Lp // BLOCK) * BLOCK, PREC=prec, num_warps=4, num_stages=2)
+            BLOCK=BLOCK, PCHUNK=pchunk, PREC=prec, num_warps=4, num_stages=2)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
         *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
