@@ -38,8 +38,8 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
                   NPART="i32")
     compile_for_sm90(dk._chunk_kernel,
                      {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", **strides,
-                      "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64"},
-                     dict(FIRST=1, NPRE=0, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim,
+                      "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32", "NPRE": "i32"},
+                     dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim,
                           DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024, PREC=prec), num_warps=4)
     compile_for_sm90(dk._prefix_kernel,
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64"},
