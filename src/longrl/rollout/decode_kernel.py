@@ -11,8 +11,8 @@ normaliser, acc: running Σ p·v):
 and the partials (m_c, l_c, acc_c) of all chunks merge (one more program per output row) as
 o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c, M = max_c m_c. With a prefix-entry table (``members``), each
 prompt's keys are read once for all the sequences sharing it (one program per prompt, key head and chunk of up
-to 1,024 prompt positions, every sequence's query heads as rows), and those partials join the merge. Lengths are read on the device: one launch
-serves any lengths (CUDA-graph safe, no host sync).
+to 1,024 prompt positions, every sequence's query heads as rows), and those partials join the merge. Lengths are
+read on the device: one launch serves any lengths (CUDA-graph safe, no host sync).
 """
 
 from __future__ import annotations
