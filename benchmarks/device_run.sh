@@ -35,10 +35,12 @@
 #   attn       decode attention alone (Triton vs SDPA) against its KV bytes: 16 x 8 at T=1,024 and 2 x 8 at 16K (~1 min)
 #   prof20k    grpo_memory 8B 20,480 x 8 (reuse, MLP tiles 4,096): one step + one profiled step (GPU time per
 #              kernel, _profile.txt) + the GPU gradient check with each run's forward log-probs (~4 min)
+#   prof20k_cudnn  the same step and profile with cuDNN attention first (~3 min)
 #   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
-#   sdpa20k    grpo_memory 8B 20,480 x 8, MLP tiles 4,096, longrl with cuDNN SDPA first (~3 min; compare reuse20k)
+#   sdpa20k    grpo_memory 8B 20,480 x 8, MLP tiles 4,096, longrl with cuDNN SDPA first (keys/values repeated to
+#              the query heads so cuDNN takes the GQA call: longrl_sdpa_mha) (~3 min; compare reuse20k)
 #   reuse20k   grpo_memory 8B 20,480 x 8, MLP tiles 4,096: offloaded vs offloaded + attention reuse, warmed, and
 #              the GPU gradient check (offload and reuse vs plain) on the 1.5B shape (~5 min)
 set -u
@@ -129,6 +131,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --suffix 1024,8192,16384 ;;
         prof20k) stage prof20k 360 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --check-equality --tag prof_20k ;;
+        prof20k_cudnn) stage prof20k_cudnn 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --sdpa cudnn --tag prof_cudnn_20k ;;
         lmhead) stage lmhead 60 python3 benchmarks/lm_head_gemm.py --vocab 128256 --hidden 4096 \
             && stage lmhead15 60 python3 benchmarks/lm_head_gemm.py --vocab 151936 --hidden 1536 ;;
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \

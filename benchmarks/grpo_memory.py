@@ -228,7 +228,7 @@ def main():
     tiles = [int(t) for t in args.mlp_tile.split(",")]
     impls = [f"{i}+tile{t}" if t else i for i in args.impls.split(",")
              for t in (tiles if i in ("longrl", "longrl-plain", "longrl-reuse") else [0])]
-    backends = sdpa_priority([b for b in args.sdpa.split(",") if b], device.type)
+    backends = sdpa_priority([b for b in args.sdpa.split(",") if b], device.type, model)
     backends.__enter__()  # for the whole run (the equality check above ran in PyTorch's order)
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)

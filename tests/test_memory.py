@@ -225,7 +225,9 @@ def test_sdpa_backend_order_and_config():
     assert sorted(backend_order([]), key=lambda b: order[int(b)]) == backend_order([])
     assert backend_order(["efficient", "cudnn"])[:2] == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     assert len(backend_order([])) == 4
-    assert isinstance(sdpa_priority(["cudnn"], "cpu"), contextlib.nullcontext)
+    before = torch._C._get_sdp_priority_order()
+    with sdpa_priority(["cudnn"], "cpu"):  # nothing changes on the CPU
+        assert torch._C._get_sdp_priority_order() == before
     assert load_config(None, ["model.sdpa_backends=[cudnn, flash]"], base=demo_config()).model.sdpa_backends == [
         "cudnn", "flash"]
     with pytest.raises(ConfigError, match="model.sdpa_backends"):
@@ -311,3 +313,67 @@ def test_a_failing_layer_leaves_nothing_on_the_offload_stack():
     y = checkpoint_fn(lambda h: h * 2, x)  # the next layer still saves, and backward still finds it
     y.sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0)) and offloader.stack == []
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_repeated_kv_attention_equals_transformers_sdpa(padded):
+    """longrl_sdpa_mha (keys/values repeated to the query heads, so backends without grouped-query support take
+    the call) = transformers' SDPA attention: logits and LoRA gradients of a GQA model, with and without a mask."""
+    from longrl.ops.attention_backend import MHA_SDPA, register_mha_sdpa
+
+    register_mha_sdpa()
+    base = _base(5)
+    assert base.config.num_key_value_heads < base.config.num_attention_heads
+    runs = []
+    for impl in ("sdpa", MHA_SDPA):
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(impl)
+        torch.manual_seed(3)
+        model = apply_lora(model, LoraConfig(r=4))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_()
+        ids = torch.randint(1, 61, (3, 13))
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, :4] = 0
+            mask[2, :7] = 0
+        out = model(input_ids=ids, attention_mask=mask if padded else None).logits
+        out.square().mean().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (lo_a, g_a), (lo_b, g_b) = runs
+    torch.testing.assert_close(lo_b, lo_a, atol=1e-6, rtol=1e-6)
+    assert g_a.keys() == g_b.keys() and len(g_a) > 0
+    for k in g_a:
+        torch.testing.assert_close(g_b[k], g_a[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("first, switched", [("cudnn", True), ("efficient", True), ("flash", False)])
+def test_backends_without_gqa_get_repeated_kv_attention(first, switched):
+    """With cuDNN or memory-efficient listed first, a grouped-query model's attention becomes longrl_sdpa_mha
+    inside the context (transformers' enable_gqa call would be refused by them and silently run flash), and is
+    back to SDPA after it."""
+    from longrl.ops.attention_backend import MHA_SDPA, sdpa_priority
+
+    model = apply_lora(_base(6), LoraConfig(r=2))
+    inner = model.get_base_model()
+    assert inner.config._attn_implementation == "sdpa"
+    with sdpa_priority([first], "cuda", model):
+        assert inner.config._attn_implementation == (MHA_SDPA if switched else "sdpa")
+    assert inner.config._attn_implementation == "sdpa"
+
+
+def test_repeated_kv_attention_in_packed_offloaded_training():
+    """The training path (packed micro-batches: transformers' packing mask; offloaded checkpointing) on
+    longrl_sdpa_mha = on SDPA."""
+    from longrl.ops.attention_backend import MHA_SDPA, register_mha_sdpa
+
+    register_mha_sdpa()
+    base, batch = _base(8), _batch(9)
+    lp_a, g_a = _grads(base, "offload", True, 0.0, True, batch)
+    base.set_attn_implementation(MHA_SDPA)
+    lp_b, g_b = _grads(base, "offload", True, 0.0, True, batch)
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=1e-6)
+    for k in g_a:
+        torch.testing.assert_close(g_b[k], g_a[k], atol=1e-6, rtol=1e-5)

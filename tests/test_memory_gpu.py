@@ -28,3 +28,34 @@ def test_reused_attention_matches_recompute_on_cuda(dtype, packed, backends):
     torch.testing.assert_close(lp, lp_off, atol=tol, rtol=tol)
     for k in g_off:
         assert (g[k].float() - g_off[k].float()).norm() <= tol * (1 + g_off[k].float().norm()), k
+
+
+@pytest.mark.parametrize("first, op", [("cudnn", "_scaled_dot_product_cudnn_attention"),
+                                       ("flash", "_scaled_dot_product_flash_attention")])
+def test_the_listed_backend_really_runs_for_a_gqa_model(first, op):
+    """model.sdpa_backends=[cudnn] on a grouped-query model: the cuDNN kernel runs (transformers' enable_gqa call
+    alone would fall back to flash), through longrl_sdpa_mha; the log-probs agree with flash's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from test_memory import _base, _batch, _grads
+
+    from longrl.ops.attention_backend import sdpa_priority
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    base = _base(layers=2).to("cuda", torch.bfloat16)
+    prompts, completions = _batch(5, n=2)
+    prompts, completions = [p[:1] for p in prompts], [(c * 9)[:9] for c in completions]  # equal lengths: no mask
+    seen = Ops()
+    with sdpa_priority([first], "cuda", base), seen:
+        lp, _ = _grads(base, "offload", True, 0.0, False, (prompts, completions))
+    assert op in seen.names, sorted(n for n in seen.names if "attention" in n)
+    with sdpa_priority(["flash"], "cuda", base):
+        lp_flash, _ = _grads(base, "offload", True, 0.0, False, (prompts, completions))
+    torch.testing.assert_close(lp, lp_flash, atol=2e-2, rtol=2e-2)

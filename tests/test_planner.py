@@ -165,3 +165,15 @@ def test_rollout_plan_counts_kv_and_queues_when_tight():
     assert 0 < tight.slots < 128 and tight.predicted_gpu_bytes <= 30 * GIB
     with pytest.raises(PlanError, match="cannot hold one sequence"):
         plan_rollout(LLAMA_8B, gpu_free_bytes=18 * GIB, **{**kw, "completion_len": 400_000})
+
+
+def test_repeated_kv_attention_is_counted():
+    """cuDNN / memory-efficient first on a GQA model: keys/values repeated to the query heads (and their
+    gradients) are 4 · T · (q_dim − kv_dim) more elements in the layer recompute; a model without GQA adds none."""
+    def gpu(shape, repeat):
+        return predict(shape, tokens=20480, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024,
+                       mlp_tile=4096, repeat_kv=repeat)[0]
+
+    assert gpu(LLAMA_8B, True) - gpu(LLAMA_8B, False) == 4 * 20480 * (4096 - 1024) * 2
+    mha = ModelShape(layers=4, hidden=512, intermediate=1024, kv_dim=512, q_dim=512, vocab=1000, tied=True)
+    assert gpu(mha, True) == gpu(mha, False)

@@ -138,7 +138,7 @@ class GRPOTrainer:
         (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
         history = []
         try:
-            with sdpa_priority(cfg.model.sdpa_backends, self.device.type):
+            with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model):
                 while self.step_idx < cfg.train.max_steps:
                     metrics = self._step()
                     history.append(metrics)

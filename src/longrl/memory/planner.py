@@ -225,16 +225,19 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
 
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
             chunk: int, optimizer: bool = True, trainable_head: bool = False,
-            mlp_tile: int | None = None, reuse_attention: bool = False) -> tuple[int, int, dict]:
+            mlp_tile: int | None = None, reuse_attention: bool = False,
+            repeat_kv: bool = False) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
-    attention outputs kept with the layer inputs when ``reuse_attention``."""
+    attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
+    when ``repeat_kv`` (ops/attention_backend.py: the repeated K, V and their gradients, 4 · T · (q_dim − kv_dim))."""
     b = 2 if weight_bytes < 4 else 4
     h, k, i, L = shape.hidden, shape.kv_dim, shape.intermediate, shape.layers
     resident = L if not offload else min(gpu_resident, L)
     parts = {
         "base weights": int(shape.base_params() * weight_bytes),
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
-        "layer recompute": _layer_work(tokens, h, k, i, mlp_tile) * b,
+        "layer recompute": (_layer_work(tokens, h, k, i, mlp_tile)
+                            + (4 * tokens * (shape.q_dim - k) if repeat_kv else 0)) * b,
         # layer outputs, residuals and gradients in flight; offloading adds the copy in transit and the prefetched
         # input, and with attention reuse the current and the prefetched attention outputs
         "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0))
@@ -271,7 +274,7 @@ def choose_mlp_tile(tokens: int, fits) -> int | None:
 def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
-              reuse_attention: bool = False) -> Plan:
+              reuse_attention: bool = False, repeat_kv: bool = False) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
@@ -279,7 +282,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention)
+                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
+                               repeat_kv=repeat_kv)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -326,7 +330,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
             while resident < shape.layers and cost(budget, resident + 1, tile)[0] <= usable:
                 resident += 1
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention)
+                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
+                               repeat_kv=repeat_kv)
     if reuse_attention:
         parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
                  for k, v in parts.items()}
@@ -357,6 +362,8 @@ def model_config_of(name_or_path: str, trust_remote_code: bool = False):
 
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
     """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt."""
+    from ..ops.attention_backend import NO_GQA_BACKENDS
+
     length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
     weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
@@ -368,7 +375,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      gpu_free_bytes=gpu_free_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
                      token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
-                     reuse_attention=cfg.model.reuse_attention)
+                     reuse_attention=cfg.model.reuse_attention,
+                     repeat_kv=bool(cfg.model.sdpa_backends) and cfg.model.sdpa_backends[0] in NO_GQA_BACKENDS)
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}

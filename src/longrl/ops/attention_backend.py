@@ -3,17 +3,30 @@
 PyTorch picks an SDPA backend by a fixed priority among those that support the call. On Hopper GPUs cuDNN's
 kernels can beat the flash kernels PyTorch prefers; ``model.sdpa_backends`` puts the listed backends first, in
 that order, with the others after them (so a call none of the listed ones supports still runs).
+
+Grouped-query models need one more step: transformers calls SDPA with ``enable_gqa=True`` (fewer key/value heads
+than query heads), which only the flash backend accepts, so a cuDNN or memory-efficient priority would silently
+change nothing. When one of those is listed first, the model's attention becomes ``longrl_sdpa_mha``:
+transformers' own SDPA function on keys/values repeated to the query heads,
+
+    k, v [B, Hkv, T, D] → [B, Hq, T, D]   (head h reads key head h // (Hq / Hkv), as GQA does)
+
+which every backend accepts (transient cost: 2 · T · Hq · D elements per layer call).
 """
 
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
+import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")  # PyTorch's own order, the tail after the listed ones
+NO_GQA_BACKENDS = ("cudnn", "efficient")  # reject enable_gqa with fewer key/value heads
+MHA_SDPA = "longrl_sdpa_mha"
 
 
 def backend_order(names: list[str]) -> list:
@@ -25,8 +38,58 @@ def backend_order(names: list[str]) -> list:
     return [SDPA_BACKENDS[n] for n in ordered]
 
 
-def sdpa_priority(names: list[str], device_type: str):
-    """Context in which SDPA tries ``names`` first (CUDA only; nothing changes for an empty list or on CPU)."""
+def repeat_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, T, D] → [B, Hkv · groups, T, D], each key/value head repeated for its group of query heads."""
+    if groups == 1:
+        return t
+    B, H, T, D = t.shape
+    return t[:, :, None].expand(B, H, groups, T, D).reshape(B, H * groups, T, D)
+
+
+def sdpa_mha_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with keys/values repeated to the query heads first (see the module
+    docstring); query [B, Hq, q, D], key/value [B, Hkv, k, D] → ([B, q, Hq, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = query.shape[1] // key.shape[1]
+    view = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
+    return sdpa_attention_forward(view, query, repeat_kv_heads(key, groups), repeat_kv_heads(value, groups),
+                                  attention_mask, **kwargs)
+
+
+def register_mha_sdpa() -> None:
+    """Register the attention function and, for it, SDPA's mask builder (transformers builds no padding or
+    packing mask for an attention implementation without one)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(MHA_SDPA, sdpa_mha_attention)
+    AttentionMaskInterface.register(MHA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@contextlib.contextmanager
+def sdpa_priority(names: list[str], device_type: str, model=None):
+    """Context in which SDPA tries ``names`` first (CUDA only; nothing changes for an empty list or on CPU). With
+    ``model`` (a transformers or PEFT model on SDPA attention) and cuDNN or memory-efficient first, its attention
+    is ``longrl_sdpa_mha`` inside the context and back to what it was after."""
     if not names or device_type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(backend_order(names), set_priority=True)
+        yield
+        return
+    order = backend_order(names)
+    base = None
+    if model is not None and names[0] in NO_GQA_BACKENDS:
+        from ..models import base_model
+
+        base = base_model(model)
+        if base.config._attn_implementation != "sdpa":
+            base = None
+    with sdpa_kernel(order, set_priority=True):
+        if base is None:
+            yield
+            return
+        register_mha_sdpa()
+        base.set_attn_implementation(MHA_SDPA)
+        try:
+            yield
+        finally:
+            base.set_attn_implementation("sdpa")
