@@ -15,7 +15,8 @@
 #   bash benchmarks/device_run.sh collect                                              # call 2, right after
 #
 # Stages:
-#   kernel     decode attention Triton vs PyTorch twin on the GPU + tests/test_sampler_gpu.py (~1 min)
+#   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
+#   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min)
 #   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min)
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
@@ -94,7 +95,9 @@ for s in "$@"; do
     case $s in
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
 print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
-            && stage sampler_gpu 90 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py ;;
+            && stage sampler_gpu 120 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py \
+            tests/test_nf4_matmul.py ;;
+        nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls longrl,longrl-hf,longrl-peft,longrl-nolora --tag "${TAG:-_fast}" ;;

@@ -68,3 +68,13 @@ def test_fused_decode_kernels_build(dtype):
         assert "fma" not in kernel.asm["ptx"], "rotary products contracted into an fma"
     compile_for_sm90(fo._silu_mul_kernel, {"G": dtype, "U": dtype, "Y": dtype, "n": "i64"},
                      dict(BLOCK=1024, ACCURATE_EXP=True), num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
+@pytest.mark.parametrize("bm, k_per_split", [(16, 4096), (64, 1024)])
+def test_nf4_kernel_builds(dtype, bm, k_per_split):
+    from longrl.ops import nf4_matmul as nm
+
+    compile_for_sm90(nm._nf4_kernel, {"X": dtype, "P": "*u8", "A": "*fp32", "CODE": "*fp32", "Y": "*fp32", "M": "i32",
+                                      "N": "i32", "K": "i32", "stride_ym": "i64", "stride_ys": "i64"},
+                     dict(K_PER_SPLIT=k_per_split, BM=bm, BN=64, BK=128), num_warps=4, num_stages=3)

@@ -1,0 +1,84 @@
+"""The NF4 product (a QLoRA base's decode-step matmul read in 4 bits) against bitsandbytes: the twin exactly, the
+Triton kernel through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set before triton is imported)
+on odd shapes, K splits and partial tiles, against the exact product of the dequantized weight. The interpreter's
+bfloat16 products are wrong (it runs them on raw bits), so it checks float16 activations; bfloat16 runs on the GPU
+(test below, and benchmarks/nf4_matmul.py)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def _quantized(N: int, K: int, seed: int):
+    import bitsandbytes.functional as bnbf
+
+    from longrl.ops.nf4_matmul import nf4_operands
+
+    torch.manual_seed(seed)
+    W = torch.randn(N, K, dtype=torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4", compress_statistics=True)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64)
+    return param, state, nf4_operands(param)
+
+
+@pytest.mark.parametrize("N, K, M", [(96, 128, 5), (64, 320, 1), (130, 192, 17)])
+def test_twin_equals_bitsandbytes(N, K, M):
+    import bitsandbytes.functional as bnbf
+
+    from longrl.ops.nf4_matmul import dequantize_nf4, nf4_linear_reference
+
+    param, state, ops = _quantized(N, K, seed=N + K)
+    assert torch.equal(dequantize_nf4(*ops, torch.bfloat16), bnbf.dequantize_4bit(param.data, state))
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    want = bnb.matmul_4bit(x, param.t(), quant_state=state)
+    assert torch.equal(nf4_linear_reference(x, *ops), want)
+
+
+KERNEL_CHECK = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import torch
+    from test_nf4_matmul import _quantized
+    from longrl.ops import nf4_matmul as nm
+
+    worst = 0.0
+    for N, K, M, bias in [(64, 128, 1, False), (100, 192, 3, True), (128, 1280, 17, False), (70, 640, 70, True)]:
+        param, state, ops = _quantized(N, K, seed=M)
+        x = torch.randn(2, M, K, dtype=torch.float16)  # leading dims kept
+        b = torch.randn(N, dtype=torch.float16) if bias else None
+        got = nm.nf4_linear(x, *ops, bias=b, use_triton=True)
+        W = nm.dequantize_nf4(*ops, torch.float16).double()
+        exact = x.double() @ W.t() + (b.double() if bias else 0)
+        assert got.shape == (2, M, N) and got.dtype == torch.float16
+        err = ((got.double() - exact).abs() / (exact.abs() + 1e-2)).max().item()
+        worst = max(worst, err)
+        assert err <= 2 ** -9, (N, K, M, err)  # float32 sums, one float16 rounding at the end
+    print("kernel ok", worst)
+''')
+
+
+def test_triton_kernel_equals_the_exact_product():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernel ok" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 16, 128])
+def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
+    from longrl.ops.nf4_matmul import nf4_linear, nf4_operands
+
+    param = _quantized(1024, 4096, seed=M)[0].cuda()
+    ops = nf4_operands(param)
+    x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
+    want = bnb.matmul_4bit(x, param.t(), quant_state=param.quant_state).float()
+    got = nf4_linear(x, *ops).float()
+    assert ((got - want).abs() <= 2 ** -7 * want.abs() + 2e-2).all()
