@@ -25,6 +25,7 @@
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
 #   e2e8b_a4   the same with an NF4 4-bit base, 1 step
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
+#   e2e8b_a4k  e2e8b_a4 with generation.nf4_kernel (decode products read the NF4 weight directly; compare e2e8b_a4)
 #   trl8b_a    TRL GRPOTrainer.train() anchor for e2e8b_a (long: transformers generate)
 #   bg_trl8b_a TRL's anchor started in the background on the LAST GPU (setsid: it outlives this call; give the
 #              other stages the first GPU with CUDA_VISIBLE_DEVICES=0), writing to /tmp/bg
@@ -127,6 +128,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke --load-in-4bit ;;
         e2e15_b4) stage e2e15_b4 300 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
+        e2e8b_a4k) stage e2e8b_a4k 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke --load-in-4bit --nf4-kernel ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
         attn) stage attn 90 python3 benchmarks/decode_attention_speed.py \

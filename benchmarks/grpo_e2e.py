@@ -77,6 +77,7 @@ def run_loop(args, root: Path) -> dict:
     cfg = Config()
     cfg.model.offload_activations, cfg.model.device = True, "cuda"
     cfg.model.load_in_4bit = args.load_in_4bit  # the planner counts NF4 bytes
+    cfg.generation.nf4_kernel = args.nf4_kernel
     cfg.lora = lora
     cfg.data.source, cfg.data.max_prompt_length, cfg.data.shuffle = str(data), args.prompt_len, False
     cfg.generation.max_completion_length, cfg.generation.ignore_eos = args.completion, True
@@ -254,9 +255,13 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--load-in-4bit", action="store_true",
                     help="NF4 base with dynamic 16-bit exceptions (longrl only); files get _4bit")
+    ap.add_argument("--nf4-kernel", action="store_true", help="with --load-in-4bit: generation.nf4_kernel (decode "
+                    "products read the NF4 weight directly); files get _nf4k")
     args = ap.parse_args()
+    if args.nf4_kernel and not args.load_in_4bit:
+        ap.error("--nf4-kernel needs --load-in-4bit")
     if args.load_in_4bit:
-        args.tag = "_4bit" + args.tag
+        args.tag = "_4bit" + ("_nf4k" if args.nf4_kernel else "") + args.tag
     import logging
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
@@ -306,7 +311,8 @@ def write_trl(args, r: dict) -> None:
 def write(args, r: dict, smoke: dict) -> None:
     meta = run_meta()
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_h200{args.tag}"
-    base = "NF4 4-bit base with 16-bit exceptions" if args.load_in_4bit else "bf16"
+    base = ("NF4 4-bit base with 16-bit exceptions" + (", decode products on the NF4 kernel" if args.nf4_kernel else "")
+            if args.load_in_4bit else "bf16")
     lines = [f"# Whole GRPO step, {args.shape} shape (random weights, {base}, LoRA r=32), {meta['gpu']}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"{args.prompts} prompts × {args.G} completions of exactly {args.completion} tokens after a {args.prompt_len}-"

@@ -82,3 +82,49 @@ def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
     want = bnb.matmul_4bit(x, param.t(), quant_state=param.quant_state).float()
     got = nf4_linear(x, *ops).float()
     assert ((got - want).abs() <= 2 ** -7 * want.abs() + 2e-2).all()
+
+
+SAMPLER_CHECK = textwrap.dedent('''
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from longrl.config import LoraConfig
+    from longrl.models import apply_lora
+    from longrl.models.quantize import quantize_model
+    from longrl.rollout import Sampler, SamplingParams
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).to(torch.float16).eval()
+    quantize_model(model, torch.randint(0, 97, (2, 16)), exception_budget=0.0)
+    model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    runs = []
+    for nf4 in (False, True):
+        sampler = Sampler(model, None, nf4_kernel=nf4)
+        sampler.use_triton = True  # the fused decode kernels through the interpreter
+        r = sampler.generate(prompts, 2, SamplingParams(max_new_tokens=6, temperature=0))
+        runs.append((r, sampler.last_stats))
+    (plain, s0), (fast, s1) = runs
+    assert s0["nf4_projections"] == 0 and s1["nf4_projections"] == 7 * 2, (s0, s1)
+    assert s1["lora_fused"] and s1["fast_decode"]
+    assert fast.completion_ids == plain.completion_ids, (fast.completion_ids, plain.completion_ids)
+    a = torch.tensor(sum(fast.logprobs, [])); b = torch.tensor(sum(plain.logprobs, []))
+    assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+    print("sampler ok")
+''')
+
+
+def test_sampler_with_the_nf4_product_equals_bitsandbytes_path():
+    """generation.nf4_kernel: a QLoRA model's decode steps through the 4-bit product plus the fused LoRA delta
+    give bitsandbytes' path's tokens (greedy) and log-probs (float16, through the interpreter), on every
+    projection of every layer."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SAMPLER_CHECK], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sampler ok" in out.stdout

@@ -177,3 +177,11 @@ def test_repeated_kv_attention_is_counted():
     assert gpu(LLAMA_8B, True) - gpu(LLAMA_8B, False) == 4 * 20480 * (4096 - 1024) * 2
     mha = ModelShape(layers=4, hidden=512, intermediate=1024, kv_dim=512, q_dim=512, vocab=1000, tied=True)
     assert gpu(mha, True) == gpu(mha, False)
+
+
+def test_nf4_kernel_block_scales_are_counted_in_the_rollout():
+    kw = dict(prompts=4, G=8, prompt_len=512, completion_len=4096, lora_r=32, weight_bytes=0.6, compute_bytes=2,
+              gpu_free_bytes=139 * GIB)
+    plain, with_scales = plan_rollout(LLAMA_8B, **kw), plan_rollout(LLAMA_8B, **kw, nf4_scales=True)
+    assert with_scales.parts_gpu_bytes["NF4 block scales"] == LLAMA_8B.base_params() * 4 // 64
+    assert with_scales.predicted_gpu_bytes - plain.predicted_gpu_bytes == LLAMA_8B.base_params() * 4 // 64

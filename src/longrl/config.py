@@ -77,6 +77,8 @@ class GenerationConfig:
     kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory)
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
     fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
+    nf4_kernel: bool = False  # with fast_decode and a 4-bit base: decode products read the NF4 weight directly
+    #                           (ops/nf4_matmul.py) instead of bitsandbytes' dequantize-then-multiply (experimental)
     fuse_lora: bool = True  # rollouts add LoRA deltas by fused products (false: PEFT's forward)
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
 

@@ -202,8 +202,10 @@ def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
 
 def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
                  weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
-                 prefill_tokens: int = 16384) -> RolloutPlan:
-    """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring)."""
+                 prefill_tokens: int = 16384, nf4_scales: bool = False) -> RolloutPlan:
+    """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring).
+    ``nf4_scales``: the NF4 decode product's float32 block scales (4 bytes per 64 base parameters, an upper bound:
+    16-bit exceptions have none)."""
     n = prompts * G
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
               kv_token=kv_bytes_per_token(shape, compute_bytes))
@@ -213,6 +215,8 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
              "workspace": sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, n,
                                                   prefill_forward_tokens(prefill_tokens, prompts, prompt_len),
                                                   compute_bytes)}
+    if nf4_scales:
+        fixed["NF4 block scales"] = shape.base_params() * 4 // 64
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
     slots = max_rollout_slots(room, sequences=n, **kv)
     if slots < 1:
@@ -386,5 +390,6 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                                     prompt_len=cfg.data.max_prompt_length,
                                     completion_len=cfg.generation.max_completion_length,
                                     lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
-                                    compute_bytes=compute, gpu_free_bytes=gpu_free_bytes)
+                                    compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
+                                    nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel)
     return plan

@@ -15,14 +15,24 @@ RoPE scaling type is transformers' own) and :mod:`longrl.rollout.fused_ops` for 
 It is used only for decode steps, only for the architectures above with a SiLU MLP, and only when the sampler
 can run the model at all (prefill keeps transformers' forward). tests/test_fast_decode.py checks it against
 transformers' forward for each architecture.
+
+With ``nf4=True`` (``generation.nf4_kernel``), projections over a bitsandbytes NF4 base compute their base product
+with :func:`longrl.ops.nf4_matmul.nf4_linear` (the 4-bit weight read directly) and add the fused LoRA delta
+(:func:`longrl.rollout.lora_fusion.fused_adder`) instead of calling the module; a projection whose adapters run
+through PEFT's own forward keeps the module call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops.nf4_matmul import nf4_linear, nf4_operands
 from .attention import DecodeMeta, decode_attend
 from .fused_ops import add_rmsnorm, rotary_kv, silu_mul
+from .lora_fusion import fused_adder
+
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -51,6 +61,42 @@ class FastDecoder:
         self.body = causal_lm.model
         self.layers = list(self.body.layers[: causal_lm.config.num_hidden_layers])
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.nf4: dict = {}  # projection module → (base layer, NF4 operands, delta hook or None), for one rollout
+
+    def prepare_nf4(self) -> int:
+        """Route the NF4-base projections through the 4-bit product for the coming rollout (call inside the
+        sampler's fused-LoRA context, before its graphs are captured); returns how many. The expanded block
+        scales (4 bytes per 64 parameters) live until :meth:`release_nf4`."""
+        from bitsandbytes.nn import Linear4bit
+
+        self.nf4 = {}
+        for layer in self.layers:
+            for parent, name in PROJECTIONS:
+                module = getattr(getattr(layer, parent), name)
+                base = getattr(module, "base_layer", module)
+                if not isinstance(base, Linear4bit) or getattr(base.weight, "quant_state", None) is None:
+                    continue
+                adder = fused_adder(base)
+                peft_runs = base is not module and adder is None and not getattr(module, "disable_adapters", False)
+                if peft_runs:  # PEFT's forward adds the adapters: only the module call is right
+                    continue
+                try:
+                    ops = nf4_operands(base.weight)
+                except ValueError:  # not NF4 with 64-element blocks
+                    continue
+                self.nf4[module] = (base, ops, adder)
+        return len(self.nf4)
+
+    def release_nf4(self) -> None:
+        self.nf4 = {}
+
+    def _project(self, module, x: torch.Tensor) -> torch.Tensor:
+        entry = self.nf4.get(module)
+        if entry is None:
+            return module(x)
+        base, ops, adder = entry
+        y = nf4_linear(x, *ops, bias=base.bias)
+        return y if adder is None else adder(base, (x,), y)
 
     @staticmethod
     def build(causal_lm) -> "FastDecoder | None":
@@ -67,14 +113,15 @@ class FastDecoder:
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
-            q = rotary_kv(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), cos, sin, cache.k_suf[i], cache.v_suf[i],
-                          meta.write_index, tri, *qk_norms,
+            proj = self._project
+            q = rotary_kv(proj(attn.q_proj, x), proj(attn.k_proj, x), proj(attn.v_proj, x), cos, sin,
+                          cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
                           eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6)  # [B, Hq, D]
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
-            delta = attn.o_proj(out.reshape(out.shape[0], -1))
+            delta = proj(attn.o_proj, out.reshape(out.shape[0], -1))
             norm = layer.post_attention_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
-            delta = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x), tri))
+            delta = proj(mlp.down_proj, silu_mul(proj(mlp.gate_proj, x), proj(mlp.up_proj, x), tri))
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]

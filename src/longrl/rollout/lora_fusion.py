@@ -19,12 +19,23 @@ embedding or other non-linear targets) make it step aside for the whole model: P
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"},
                  {"query", "key", "value"})  # sibling projections that models call on one tensor
+
+
+_ADDERS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def fused_adder(base_layer: torch.nn.Module):
+    """The delta hook ``hook(base_layer, (x,), y) → y + Δ(x)`` that a running :func:`fused_lora` installed on
+    ``base_layer`` (None outside it, or for a layer without an adapter): for callers that compute the base
+    product themselves (the NF4 decode product, rollout/fast_decode.py)."""
+    return _ADDERS.get(base_layer)
 
 
 @dataclass
@@ -104,13 +115,17 @@ def fused_lora(model, dtype: torch.dtype):
                 start = 0
                 for (m, a), rows in zip(active, a_rows):
                     b_t = (m.lora_B[a].weight * m.scaling[a]).to(dtype).t().contiguous()  # [r, out]
-                    hooks.append(m.base_layer.register_forward_hook(_adder(group, start, start + rows.shape[0], b_t)))
+                    adder = _adder(group, start, start + rows.shape[0], b_t)
+                    hooks.append(m.base_layer.register_forward_hook(adder))
+                    _ADDERS[m.base_layer] = adder
                     start += rows.shape[0]
         with model.disable_adapter():
             yield True
     finally:
         for h in hooks:
             h.remove()
+        for m in layers.values():
+            _ADDERS.pop(m.base_layer, None)
 
 
 def _adder(group: _Group, lo: int, hi: int, b_t: torch.Tensor):

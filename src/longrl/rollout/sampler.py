@@ -74,8 +74,9 @@ class Sampler:
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
-                 sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True):
-        self.model, self.tokenizer, self.fuse_lora = model, tokenizer, fuse_lora
+                 sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
+                 nf4_kernel: bool = False):
+        self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
@@ -111,10 +112,15 @@ class Sampler:
         try:
             start = time.perf_counter()
             with fusion as fused:
-                run = _Run(self, prompt_ids, num_generations, params)
-                rollout = run.execute()
+                nf4 = self.fast.prepare_nf4() if self.nf4_kernel and self.fast is not None and self.use_triton else 0
+                try:
+                    run = _Run(self, prompt_ids, num_generations, params)  # after prepare_nf4: the KV cache is
+                    rollout = run.execute()  # sized from what is free then
+                finally:
+                    if self.fast is not None:
+                        self.fast.release_nf4()
             self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
-                               "fast_decode": self.fast is not None,
+                               "fast_decode": self.fast is not None, "nf4_projections": nf4,
                                "tokens": sum(len(c) for c in rollout.completion_ids)}
             log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
                       "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
