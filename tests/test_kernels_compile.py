@@ -71,10 +71,11 @@ def test_fused_decode_kernels_build(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
-@pytest.mark.parametrize("bm, k_per_split", [(16, 4096), (64, 1024)])
-def test_nf4_kernel_builds(dtype, bm, k_per_split):
+@pytest.mark.parametrize("bm, k_per_split, warps", [(16, 4096, 4), (64, 1024, 4), (128, 2048, 8)])
+def test_nf4_kernel_builds(dtype, bm, k_per_split, warps):
     from longrl.ops import nf4_matmul as nm
 
     compile_for_sm90(nm._nf4_kernel, {"X": dtype, "P": "*u8", "A": "*fp32", "CODE": "*fp32", "Y": "*fp32", "M": "i32",
-                                      "N": "i32", "K": "i32", "stride_ym": "i64", "stride_ys": "i64"},
-                     dict(K_PER_SPLIT=k_per_split, BM=bm, BN=64, BK=128), num_warps=4, num_stages=3)
+                                      "N": "i32", "K": "i32", "KB": "i32", "KS": "i32", "stride_ym": "i64",
+                                      "stride_ys": "i64"},
+                     dict(K_PER_SPLIT=k_per_split, BM=bm, BN=64, BK=128), num_warps=warps, num_stages=3)

@@ -60,32 +60,35 @@ def nf4_linear_reference(x: torch.Tensor, packed, absmax, code, N: int, K: int, 
 
 if triton is not None:
     @triton.jit
-    def _nf4_kernel(X, P, A, CODE, Y, M, N, K, stride_ym, stride_ys, K_PER_SPLIT: tl.constexpr,
+    def _nf4_kernel(X, P, A, CODE, Y, M, N, K, KB, KS, stride_ym, stride_ys, K_PER_SPLIT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """Program (n tile, m tile, K split): acc [BM, BN] over its K range in chunks of BK (BK/2 bytes a row,
-        BK/64 scales), written to the split's float32 slice of Y."""
+        BK/64 scales), written to the split's float32 slice of Y. KB = K/2 bytes and KS = K/64 scales a row are
+        arguments of their own, so that their divisibility is known and the byte loads are vectorised."""
         pn, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BN + tl.arange(0, BN)
         m = pm * BM + tl.arange(0, BM)
-        j = tl.arange(0, BK // 2)  # byte of the chunk: elements 2j, 2j + 1
+        j = tl.arange(0, BK // 2)  # byte of the chunk: elements 2j (high nibble), 2j + 1 (low)
+        kk = tl.arange(0, BK)
         n_ok, m_ok = n < N, m < M
-        row_bytes = (n.to(tl.int64) * (K // 2))[:, None]
-        row_scales = (n.to(tl.int64) * (K // 64))[:, None]
+        row_bytes = n.to(tl.int64)[:, None] * KB
+        row_scales = n.to(tl.int64)[:, None] * KS
+        x_rows = m.to(tl.int64)[:, None] * K
+        first_half = (j < 32)[None, :]  # bytes 0..31 of a chunk are block k0/64, 32..63 the next one
         acc = tl.zeros([BM, BN], tl.float32)
+        x_dtype = X.dtype.element_ty
         for off in range(0, K_PER_SPLIT, BK):
             k0 = ps * K_PER_SPLIT + off
-            k_even = k0 + 2 * j  # [BK/2]
-            ok = n_ok[:, None] & (k_even < K)[None, :]
-            byte = tl.load(P + row_bytes + (k0 // 2 + j)[None, :], mask=ok, other=0)  # [BN, BK/2] uint8
-            scale = tl.load(A + row_scales + (k_even // 64)[None, :], mask=ok, other=0.0)  # [BN, BK/2] float32
-            hi = (byte >> 4).to(tl.int32)
-            lo = (byte & 15).to(tl.int32)
-            x_dtype = X.dtype.element_ty
-            w_hi = (tl.load(CODE + hi) * scale).to(x_dtype)  # W[n, k0 + 2j]
-            w_lo = (tl.load(CODE + lo) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
-            xm = m_ok[:, None] & (k_even < K)[None, :]
-            x_even = tl.load(X + m[:, None].to(tl.int64) * K + k_even[None, :], mask=xm, other=0.0)  # [BM, BK/2]
-            x_odd = tl.load(X + m[:, None].to(tl.int64) * K + (k_even + 1)[None, :], mask=xm, other=0.0)
+            live = k0 < K
+            in_k = (k0 + 2 * j < K)[None, :]  # [1, BK/2]
+            byte = tl.load(P + row_bytes + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & in_k, other=0)  # [BN, BK/2]
+            s_lo = tl.load(A + row_scales + k0 // 64, mask=n_ok[:, None] & live, other=0.0)  # [BN, 1]
+            s_hi = tl.load(A + row_scales + k0 // 64 + 1, mask=n_ok[:, None] & (k0 + 64 < K), other=0.0)
+            scale = tl.where(first_half, s_lo, s_hi)  # [BN, BK/2]
+            w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j]
+            w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
+            x = tl.load(X + x_rows + (k0 + kk)[None, :], mask=m_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x, [BM, BK // 2, 2]))  # [BM, BK/2] each: columns 2j and 2j + 1
             acc += tl.dot(x_even, tl.trans(w_hi), out_dtype=tl.float32)
             acc += tl.dot(x_odd, tl.trans(w_lo), out_dtype=tl.float32)
         y = Y + ps * stride_ys + m[:, None].to(tl.int64) * stride_ym + n[None, :]
@@ -108,16 +111,17 @@ def nf4_linear(x: torch.Tensor, packed, absmax, code, N: int, K: int, bias=None,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
-    BM = min(64, max(16, triton.next_power_of_2(M)))
+    BM = min(128, max(16, triton.next_power_of_2(M)))  # up to 128 rows in one tile: the weight is read once
     BN, BK = 64, 128
     m_tiles = -(-M // BM)
     split = _split_k(N, K, BN, m_tiles)
     per_split = -(-(-(-K // split)) // BK) * BK  # each split a multiple of BK
     split = -(-K // per_split)
     partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    _nf4_kernel[(-(-N // BN), m_tiles, split)](x2, packed, absmax, code, partial, M, N, K, partial.stride(1),
-                                               partial.stride(0), K_PER_SPLIT=per_split, BM=BM, BN=BN, BK=BK,
-                                               num_warps=4, num_stages=3)
+    _nf4_kernel[(-(-N // BN), m_tiles, split)](x2, packed, absmax, code, partial, M, N, K, K // 2, K // BLOCKSIZE,
+                                               partial.stride(1), partial.stride(0), K_PER_SPLIT=per_split, BM=BM,
+                                               BN=BN, BK=BK,
+                                               num_warps=8 if BM == 128 else 4, num_stages=3)
     y = partial.sum(0) if split > 1 else partial[0]  # a fixed order: the same result every call
     if bias is not None:
         y = y + bias.float()
