@@ -79,11 +79,11 @@ if triton is not None:
         x_dtype = X.dtype.element_ty
         for off in range(0, K_PER_SPLIT, BK):
             k0 = ps * K_PER_SPLIT + off
-            live = k0 < K
+            k0_t = tl.zeros([1, 1], tl.int32) + k0  # masks from tensors (a bare bool breaks the interpreter)
             in_k = (k0 + 2 * j < K)[None, :]  # [1, BK/2]
             byte = tl.load(P + row_bytes + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & in_k, other=0)  # [BN, BK/2]
-            s_lo = tl.load(A + row_scales + k0 // 64, mask=n_ok[:, None] & live, other=0.0)  # [BN, 1]
-            s_hi = tl.load(A + row_scales + k0 // 64 + 1, mask=n_ok[:, None] & (k0 + 64 < K), other=0.0)
+            s_lo = tl.load(A + row_scales + k0 // 64, mask=n_ok[:, None] & (k0_t < K), other=0.0)  # [BN, 1]
+            s_hi = tl.load(A + row_scales + k0 // 64 + 1, mask=n_ok[:, None] & (k0_t + 64 < K), other=0.0)
             scale = tl.where(first_half, s_lo, s_hi)  # [BN, BK/2]
             w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j]
             w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
