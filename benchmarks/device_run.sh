@@ -82,7 +82,8 @@ background() {  # background NAME COMMAND...: on the last GPU, in its own sessio
     echo "=== $name: started in the background on GPU $last"
 }
 
-with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with its tokenizers/hub/safetensors):
+with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with tokenizers 0.23.3, huggingface-hub
+    # 2.4.0, safetensors 0.8.0, and peft 0.21.2 + accelerate 1.15.0: the combination tested with TRL 1.15 on the CPU):
     # before 5.24, a model in training mode with gradient checkpointing drops the KV cache even under no_grad, so
     # TRL's transformers-generate path (which generates in training mode) would run cacheless, quadratic in length
     [ -d /tmp/site_tf524 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
