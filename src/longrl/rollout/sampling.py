@@ -123,11 +123,13 @@ def _next_tokens(logits, params, sequence, position, seen):
         tokens = penalised.argmax(-1)
         logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]
         return tokens, logprobs
-    filtered = filter_logits(penalised / params.temperature, params)
+    # temperature 1: x / 1 = x exactly, so the division (two full-vocabulary passes a step) is skipped
+    scale = (lambda t: t) if params.temperature == 1.0 else (lambda t: t / params.temperature)
+    filtered = filter_logits(scale(penalised), params)
     cdf = torch.softmax(filtered, dim=-1).to(torch.float64).cumsum(-1)  # [B, V]
     target = uniform_for(params.seed, sequence, position) * cdf[:, -1]  # u · total: rounding-free normalisation
     tokens = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
-    logprobs = torch.log_softmax(z / params.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    logprobs = torch.log_softmax(scale(z), dim=-1).gather(-1, tokens[:, None])[:, 0]
     return tokens, logprobs
 
 
