@@ -332,7 +332,11 @@ def write(args, r: dict, smoke: dict) -> None:
               + (f" (planner: {pred:.2f} GiB without the KV cache, which was released)" if pred else "")
               + f". Step peak / max(rollout, training) = {r['step_over_max_phase']:.3f}. Rollout share of the step: "
               f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "
-              f"{'not run' if smoke['ok'] is None else 'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "", "Plan:", "", "```", r["plan"] or "", "```"]
+              f"{'not run' if smoke['ok'] is None else 'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "",
+              "Sampler (last rollout): fast decode step {fast_decode}, fused LoRA {lora_fused}, projections on the "
+              "NF4 kernel {nf4_projections}.".format(**{"fast_decode": "–", "lora_fused": "–", "nf4_projections": 0,
+                                                          **r.get("sampler_stats", {})}),
+              "", "Plan:", "", "```", r["plan"] or "", "```"]
     if r.get("quantization"):
         lines += ["", "```", *r["quantization"], "```"]
     write_result(stem, {**meta, **vars(args), **r, "cli_smoke": smoke}, lines)
