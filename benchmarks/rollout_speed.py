@@ -123,6 +123,8 @@ def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_d
     _sync()
     total_s = time.perf_counter() - t
     assert all(len(c) == N for c in out.completion_ids) and len(first.completion_ids) == len(prompts) * G
+    if fast_decode and not sampler.last_stats["fast_decode"]:  # a fallback must not pass for the fast path's figure
+        raise RuntimeError("the fast decode step fell back to transformers' forward (see the log's warning)")
     return dict(seconds=total_s, prefill_s=prefill_s, peak_gib=_peak_above(base),
                 kv_gib=sampler.last_stats["kv_cache_bytes"] / GIB, stats=sampler.last_stats)
 
