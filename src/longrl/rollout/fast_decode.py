@@ -16,7 +16,8 @@ It is used only for decode steps, only for the architectures above with a SiLU M
 can run the model at all (prefill keeps transformers' forward). tests/test_fast_decode.py checks it against
 transformers' forward for each architecture.
 
-With ``nf4=True`` (``generation.nf4_kernel``), projections over a bitsandbytes NF4 base compute their base product
+Between :meth:`FastDecoder.prepare_nf4` and :meth:`FastDecoder.release_nf4` (the sampler calls them around a
+rollout when ``generation.nf4_kernel`` is on), projections over a bitsandbytes NF4 base compute their base product
 with :func:`longrl.ops.nf4_matmul.nf4_linear` (the 4-bit weight read directly) and add the fused LoRA delta
 (:func:`longrl.rollout.lora_fusion.fused_adder`) instead of calling the module; a projection whose adapters run
 through PEFT's own forward keeps the module call.
