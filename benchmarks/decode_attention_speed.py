@@ -49,6 +49,36 @@ def gpu_seconds(fn, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+SWEEP = [dict(block=b, warps=w, stages=st, programs=pr) for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+         for pr in (2048, 4096)]
+
+
+def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dev) -> list[dict]:
+    """Time every launch choice of SWEEP on one case (those that do not build, e.g. over shared memory, skipped);
+    each checked against the reference."""
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    B = P * G
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hq, D)
+    pidx = torch.arange(B, device=dev) // G
+    args = (q, k_pre, v_pre, pidx, torch.full((B,), Lp, device=dev), k_suf, v_suf, torch.full((B,), s, device=dev),
+            D ** -0.5)
+    kw = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
+    ref = decode_attention_reference(*args).float()
+    kv_bytes = 2 * Hkv * D * 2 * (P * Lp + B * s)
+    rows = []
+    for launch in SWEEP:
+        try:
+            err = float((decode_attention_triton(*args, **kw, launch=launch).float() - ref).abs().max())
+            t = gpu_seconds(lambda: decode_attention_triton(*args, **kw, launch=launch), reps=30)
+        except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
+            rows.append({**launch, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+            continue
+        rows.append({**launch, "us": t * 1e6, "gbs": kv_bytes / t / 1e9, "max_abs_err": err})
+    return rows
+
+
 def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev) -> dict:
     """Inputs of one decode step of one layer: P prompts × G sequences, prefix Lp, suffix s valid of T allocated."""
     from longrl.rollout.decode_kernel import decode_attention_triton
@@ -81,6 +111,8 @@ def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dty
 
 
 def main() -> None:
+    from longrl.rollout.decode_kernel import LAUNCH
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--G", type=int, default=8)
@@ -88,6 +120,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-suffix", type=int, default=1024, help="allocated slot-store length T")
     ap.add_argument("--suffix", default="1,128,512,1024", help="valid suffix lengths to time")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch choices (SWEEP) at the "
+                    "longest suffix")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -113,7 +147,19 @@ def main() -> None:
         err = f"{r['max_abs_err']:.4f}" if r["max_abs_err"] is not None else "–"
         lines.append(f"| {r['suffix']} | {r['kv_mb']:.1f} | {r['longrl_us']:.1f} | {r['longrl_gbs']:,.0f} | "
                      f"{100 * r['longrl_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_gbs']:,.0f} | {err} |")
-    write_result(stem, {**meta, **vars(args), "rows": rows}, lines)
+    swept = []
+    if args.sweep:
+        s_max = max(int(x) for x in args.suffix.split(","))
+        swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, dev)
+        ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
+        lines += ["", f"Launch choices at suffix {s_max} (block, warps, stages, target programs; fastest first; "
+                  f"default {LAUNCH['block']}/{LAUNCH['warps']}/{LAUNCH['stages']}/{LAUNCH['programs']}):",
+                  "", "| block | warps | stages | programs | µs | GB/s | max abs err |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['us']:.1f} | {r['gbs']:,.0f} | "
+                  f"{r['max_abs_err']:.4f} |" for r in ok]
+        lines += [f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | failed: {r['error']} | | |"
+                  for r in swept if "error" in r]
+    write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept}, lines)
 
 
 if __name__ == "__main__":

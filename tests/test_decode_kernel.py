@@ -31,7 +31,8 @@ KERNEL_CHECK = textwrap.dedent('''
         members[pidx, torch.arange(S)] = torch.arange(S)
         args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
         ref = decode_attention_reference(*args)
-        for kw in ({}, dict(members=members, prompt_len=entry_len)):
+        for kw in ({}, dict(members=members, prompt_len=entry_len),
+                   dict(members=members, prompt_len=entry_len, launch=dict(block=32, programs=4096))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw), ref, atol=1e-5, rtol=1e-5)
     print("kernel ok")
 ''')

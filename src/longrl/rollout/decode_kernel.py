@@ -22,6 +22,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 64
+# keys per block, warps and pipeline stages of the attention programs, and the programs a layer call aims at
+# (benchmarks/decode_attention_speed.py --sweep times other choices)
+LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048)
 
 
 @triton.jit
@@ -147,19 +150,23 @@ def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: 
     tl.store(OUT + row * D + dims, (acc / denom).to(OUT.dtype.element_ty), mask=dims < D)
 
 
-def _chunk_size(positions: int, programs: int) -> int:
-    """Keys per program: enough chunks that B × Hkv × chunks ≳ 2048 programs, each chunk 64–1024 positions."""
-    want = max(1, -(-2048 // max(programs, 1)))
+def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048) -> int:
+    """Keys per program: enough chunks that B × Hkv × chunks ≳ ``target`` programs, each chunk block–1024
+    positions."""
+    want = max(1, -(-target // max(programs, 1)))
     chunk = triton.next_power_of_2(max(1, -(-positions // want)))
-    return min(1024, max(BLOCK, chunk))
+    return min(1024, max(block, chunk))
 
 
 def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
-                            members=None, prompt_len=None):
+                            members=None, prompt_len=None, launch: dict | None = None):
     """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D].
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
-    keys once for all its sequences (every slot < B must be listed under its entry)."""
+    keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
+    of LAUNCH (for tuning; the result does not depend on them beyond float32 summation order)."""
+    launch = {**LAUNCH, **(launch or {})}
+    block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     B, Hq, D = q.shape
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
     T = k_suf.shape[2]
@@ -169,9 +176,10 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 caches (float32 models) keep float32 products
     grouped = members is not None and members.shape[1] * rep <= 64
     # grouped: each prompt's keys in chunks of ≤ 1,024 (a power of two: few compiled variants), one program each
-    pchunk = min(1024, max(BLOCK, triton.next_power_of_2(Lp)))
+    pchunk = min(1024, max(block, triton.next_power_of_2(Lp)))
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
-    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv)  # per sequence: its prefix and suffix in chunks
+    # per sequence: its prefix and suffix in chunks
+    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block, launch["programs"])
     n_suf = -(-T // chunk)
     n_pre = 0 if grouped else -(-Lp // chunk)
     npart = first + n_pre + n_suf
@@ -186,12 +194,12 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         _prefix_kernel[(P, Hkv, first)](
             q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             members.stride(0), npart, REP=rep, G=G, R=max(16, triton.next_power_of_2(G * rep)), D=D, DP=DP,
-            BLOCK=BLOCK, PCHUNK=pchunk, PREC=prec, num_warps=4, num_stages=2)
+            BLOCK=block, PCHUNK=pchunk, PREC=prec, num_warps=warps, num_stages=stages)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
         *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
-        FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=BLOCK,
-        CHUNK=chunk, PREC=prec, num_warps=4, num_stages=2)
+        FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
+        CHUNK=chunk, PREC=prec, num_warps=warps, num_stages=stages)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     cb = min(16, triton.next_power_of_2(npart))
     _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, npart, D=D, DP=DP,
