@@ -41,9 +41,10 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
                       "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32", "NPRE": "i32"},
                      dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim,
                           DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024, PREC=prec), num_warps=4)
+    gs = max(1, min(members, 64 // rep))
     compile_for_sm90(dk._prefix_kernel,
-                     {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64"},
-                     dict(REP=rep, G=members, R=max(16, triton.next_power_of_2(members * rep)), D=head_dim,
+                     {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},
+                     dict(REP=rep, G=members, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=head_dim,
                           DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec), num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))

@@ -51,23 +51,26 @@ def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
 
 @triton.jit
 def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
-                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART,
-                   REP: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr):
-    """One program per (prompt entry p, key head h, prompt chunk c): the queries of every sequence sharing prompt
-    p (G × REP rows) against p's keys [c·PCHUNK, (c+1)·PCHUNK), read once; writes each row's partial into column
-    c of the partial buffers (nothing when the chunk is past the prompt: its m stays −inf)."""
+                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART, NSUB,
+                   REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                   DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr):
+    """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
+    sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
+    [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
+    (nothing when the chunk is past the prompt: its m stays −inf)."""
     p = tl.program_id(0)
     h = tl.program_id(1)
-    c = tl.program_id(2)
+    c = tl.program_id(2) // NSUB
+    g = tl.program_id(2) % NSUB
     start = c * PCHUNK
     p_len = tl.load(PLEN_P + p).to(tl.int32)
     if start >= p_len:
         return
-    rows = tl.arange(0, R)  # row = member j · REP + r
-    j = rows // REP
+    rows = tl.arange(0, R)  # row = member (g · GS + jj) · REP + r
+    jj = rows // REP
+    j = g * GS + jj
     r = rows % REP
-    slot = tl.load(MEMBERS + p * stride_mem + j, mask=j < G, other=-1)
+    slot = tl.load(MEMBERS + p * stride_mem + j, mask=(jj < GS) & (j < G), other=-1)
     row_ok = slot >= 0
     slot = tl.where(row_ok, slot, 0).to(tl.int64)
     dims = tl.arange(0, DP)
@@ -174,7 +177,10 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     rep = Hq // Hkv
     DP = max(16, triton.next_power_of_2(D))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 caches (float32 models) keep float32 products
-    grouped = members is not None and members.shape[1] * rep <= 64
+    grouped = members is not None and rep <= 64
+    G = members.shape[1] if grouped else 0
+    gs = max(1, min(G, 64 // rep))  # members a prefix program serves: ≤ 64 query rows
+    n_sub = -(-G // gs) if grouped else 0
     # grouped: each prompt's keys in chunks of ≤ 1,024 (a power of two: few compiled variants), one program each
     pchunk = min(1024, max(block, triton.next_power_of_2(Lp)))
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
@@ -190,11 +196,10 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     acc_part = torch.empty(B * Hq * npart, DP, dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     if grouped and first:
-        G = members.shape[1]
-        _prefix_kernel[(P, Hkv, first)](
+        _prefix_kernel[(P, Hkv, first * n_sub)](
             q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
-            members.stride(0), npart, REP=rep, G=G, R=max(16, triton.next_power_of_2(G * rep)), D=D, DP=DP,
-            BLOCK=block, PCHUNK=pchunk, PREC=prec, num_warps=warps, num_stages=stages)
+            members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=D,
+            DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec, num_warps=warps, num_stages=stages)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
         *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
