@@ -128,3 +128,47 @@ def test_sampler_with_the_nf4_product_equals_bitsandbytes_path():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sampler ok" in out.stdout
+
+
+@pytest.mark.parametrize("N, K", [(3, 40), (5, 96)])
+def test_twin_handles_blocks_that_run_across_rows(N, K):
+    """bitsandbytes' 64-element blocks run across rows (quantize_4bit makes ⌈N·K/64⌉ of them): with N·K not a
+    multiple of 64 the last is partial. The twin reads them flat, as they were made; it reconstructs the weight
+    as well as NF4 does. (bitsandbytes' own CPU dequantization indexes rows by ⌊K/64⌋ blocks there, so it is no
+    reference for these shapes; the sampler only routes K a multiple of 64 to the kernel.)"""
+    import bitsandbytes.functional as bnbf
+
+    from longrl.ops.nf4_matmul import dequantize_nf4, nf4_operands
+
+    torch.manual_seed(N)
+    W = torch.randn(N, K, dtype=torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4", compress_statistics=True)
+    assert state.absmax.numel() == -(-N * K // 64)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64)
+    got = dequantize_nf4(*nf4_operands(param), torch.float32)
+    assert got.shape == (N, K)
+    assert (got - W.float()).abs().mean() < 0.1  # NF4's error on unit normals is ≈ 0.07
+
+
+def test_codes_not_stored_as_bytes_are_refused():
+    import bitsandbytes.functional as bnbf
+
+    from longrl.ops.nf4_matmul import nf4_operands
+
+    W = torch.randn(8, 128, dtype=torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4", quant_storage=torch.bfloat16)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64)
+    with pytest.raises(ValueError, match="uint8"):
+        nf4_operands(param)
+
+
+def test_prepare_without_bitsandbytes_routes_nothing(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longrl.rollout.fast_decode import FastDecoder
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    decoder = FastDecoder(LlamaForCausalLM(cfg))
+    monkeypatch.setitem(sys.modules, "bitsandbytes.nn", None)  # import fails as if it were not installed
+    assert decoder.prepare_nf4() == 0 and decoder.nf4 == {}

@@ -51,6 +51,8 @@ def sdpa_mha_attention(module, query, key, value, attention_mask, **kwargs):
     docstring); query [B, Hq, q, D], key/value [B, Hkv, k, D] → ([B, q, Hq, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if query.shape[2] == 1:  # a decode step (transformers' generate): its own GQA path, no copy of the cache
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     view = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
     return sdpa_attention_forward(view, query, repeat_kv_heads(key, groups), repeat_kv_heads(value, groups),

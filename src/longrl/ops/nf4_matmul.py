@@ -36,6 +36,8 @@ def nf4_operands(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int,
     state = weight.quant_state
     if state.quant_type != "nf4" or state.blocksize != BLOCKSIZE:
         raise ValueError(f"nf4_matmul reads NF4 with blocksize {BLOCKSIZE}; got {state.quant_type}/{state.blocksize}")
+    if weight.data.dtype != torch.uint8:
+        raise ValueError(f"nf4_matmul reads codes stored as uint8; got {weight.data.dtype} (bnb_4bit_quant_storage)")
     N, K = state.shape
     if state.nested:
         import bitsandbytes.functional as bnbf
@@ -49,8 +51,9 @@ def nf4_operands(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int,
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, N: int, K: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """W [N, K] in ``dtype``: cast(code[q] · absmax), bitsandbytes' dequantization."""
-    nib = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1).long()  # [N·K], high nibble first
-    return (code[nib] * absmax.repeat_interleave(BLOCKSIZE)).to(dtype).view(N, K)
+    # blocks run across rows, so the last one may be partial: both cut to the N·K elements
+    nib = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[: N * K].long()  # [N·K], high nibble first
+    return (code[nib] * absmax.repeat_interleave(BLOCKSIZE)[: N * K]).to(dtype).view(N, K)
 
 
 def nf4_linear_reference(x: torch.Tensor, packed, absmax, code, N: int, K: int, bias=None) -> torch.Tensor:

@@ -68,14 +68,17 @@ class FastDecoder:
         """Route the NF4-base projections through the 4-bit product for the coming rollout (call inside the
         sampler's fused-LoRA context, before its graphs are captured); returns how many. The expanded block
         scales (4 bytes per 64 parameters) live until :meth:`release_nf4`."""
-        from bitsandbytes.nn import Linear4bit
-
         self.nf4 = {}
+        try:
+            from bitsandbytes.nn import Linear4bit
+        except ImportError:  # no 4-bit layers without bitsandbytes
+            return 0
         for layer in self.layers:
             for parent, name in PROJECTIONS:
                 module = getattr(getattr(layer, parent), name)
                 base = getattr(module, "base_layer", module)
-                if not isinstance(base, Linear4bit) or getattr(base.weight, "quant_state", None) is None:
+                if (not isinstance(base, Linear4bit) or getattr(base.weight, "quant_state", None) is None
+                        or base.in_features % 64):  # the kernel's shapes; others keep bitsandbytes' call
                     continue
                 adder = fused_adder(base)
                 peft_runs = base is not module and adder is None and not getattr(module, "disable_adapters", False)
@@ -96,7 +99,8 @@ class FastDecoder:
         if entry is None:
             return module(x)
         base, ops, adder = entry
-        y = nf4_linear(x, *ops, bias=base.bias)
+        # as bitsandbytes' forward: the product in the layer's compute dtype, the result in the input's
+        y = nf4_linear(x.to(base.compute_dtype or x.dtype), *ops, bias=base.bias).to(x.dtype)
         return y if adder is None else adder(base, (x,), y)
 
     @staticmethod

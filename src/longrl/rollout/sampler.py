@@ -120,7 +120,8 @@ class Sampler:
                     if self.fast is not None:
                         self.fast.release_nf4()
             self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
-                               "fast_decode": self.fast is not None, "nf4_projections": nf4,
+                               "fast_decode": self.fast is not None,
+                               "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
                                "tokens": sum(len(c) for c in rollout.completion_ids)}
             log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
                       "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
