@@ -28,29 +28,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import run_meta, write_result  # noqa: E402
-from rollout_speed import copy_bandwidth  # noqa: E402
+from results_io import copy_bandwidth, gpu_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 
 
-def gpu_seconds(fn, reps: int = 50) -> float:
-    """Median seconds of fn() over reps runs after 5 warm-ups (CUDA events)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 SWEEP = [dict(block=b, warps=w, stages=st, programs=pr) for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)
          for pr in (2048, 4096)]
+
+
+def step_inputs(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev):
+    """(args, grouping kwargs, KV bytes) of one decode step of one layer: P prompts × G sequences, prefix Lp, suffix
+    s valid of T allocated; args as decode_attention_triton / decode_attention_reference take them."""
+    B = P * G
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype)  # noqa: E731
+    k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hq, D)
+    pidx = torch.arange(B, device=dev) // G  # [B]
+    args = (q, k_pre, v_pre, pidx, torch.full((B,), Lp, device=dev), k_suf, v_suf, torch.full((B,), s, device=dev),
+            D ** -0.5)
+    grouping = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
+    return args, grouping, 2 * Hkv * D * torch.empty((), dtype=dtype).element_size() * (P * Lp + B * s)
 
 
 def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dev) -> list[dict]:
@@ -58,15 +55,8 @@ def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, de
     each checked against the reference."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
-    B = P * G
-    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
-    k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hq, D)
-    pidx = torch.arange(B, device=dev) // G
-    args = (q, k_pre, v_pre, pidx, torch.full((B,), Lp, device=dev), k_suf, v_suf, torch.full((B,), s, device=dev),
-            D ** -0.5)
-    kw = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
+    args, kw, kv_bytes = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, torch.bfloat16, dev)
     ref = decode_attention_reference(*args).float()
-    kv_bytes = 2 * Hkv * D * 2 * (P * Lp + B * s)
     rows = []
     for launch in SWEEP:
         try:
@@ -80,22 +70,13 @@ def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, de
 
 
 def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev) -> dict:
-    """Inputs of one decode step of one layer: P prompts × G sequences, prefix Lp, suffix s valid of T allocated."""
+    """longrl's kernels and SDPA (dense keys, the prefix copied per sequence) on one decode step of one layer."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
+    args, kw, kv_bytes = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, dtype, dev)
+    q, k_pre, v_pre, pidx, _, k_suf, v_suf, _, _ = args
     B = P * G
-    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype)  # noqa: E731
-    k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hq, D)
-    pidx = torch.arange(B, device=dev) // G  # [B]
-    plen = torch.full((B,), Lp, device=dev)
-    slen = torch.full((B,), s, device=dev)
-    members = torch.arange(B, device=dev).view(P, G)
-    prompt_len = torch.full((P,), Lp, device=dev)
-    args = (q, k_pre, v_pre, pidx, plen, k_suf, v_suf, slen, D ** -0.5)
-    elt = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = 2 * Hkv * D * elt * (P * Lp + B * s)
-
-    longrl = lambda: decode_attention_triton(*args, members=members, prompt_len=prompt_len)  # noqa: E731
+    longrl = lambda: decode_attention_triton(*args, **kw)  # noqa: E731
     err = float((longrl().float() - decode_attention_reference(*args).float()).abs().max()) if B * (Lp + s) <= 2 ** 21 else None
     t_longrl = gpu_seconds(longrl)
 
@@ -104,7 +85,7 @@ def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dty
     qd = q[:, :, None, :]  # [B, Hq, 1, D]
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)  # noqa: E731
     t_sdpa = gpu_seconds(sdpa)
-    sdpa_bytes = 2 * Hkv * D * elt * B * (Lp + s)
+    sdpa_bytes = 2 * Hkv * D * torch.empty((), dtype=dtype).element_size() * B * (Lp + s)
     return dict(P=P, G=G, Lp=Lp, T=T, suffix=s, kv_mb=kv_bytes / 1e6, longrl_us=t_longrl * 1e6,
                 longrl_gbs=kv_bytes / t_longrl / 1e9, sdpa_us=t_sdpa * 1e6, sdpa_gbs=sdpa_bytes / t_sdpa / 1e9,
                 max_abs_err=err)

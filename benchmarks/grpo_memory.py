@@ -153,19 +153,29 @@ def check_offload_equality(shape: str, device) -> dict:
     return out
 
 
+LONGRL_IMPLS = {"longrl-planned": "offload",  # the planner's layout for this GPU's free memory
+                "longrl": "offload",  # the frugal layout: every layer input offloaded
+                "longrl-reuse": "reuse",  # frugal layout + attention outputs kept, not recomputed
+                "longrl-plain": "plain"}  # plain checkpointing
+
+
+def longrl_impl_step(model, batch, impl: str, plan, args) -> dict:
+    """One step of a longrl variant named as on the command line (``name`` or ``name+tileN``)."""
+    name, _, tile = impl.partition("+tile")
+    planned = name == "longrl-planned"
+    return longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens, chunk=args.chunk,
+                       mode=LONGRL_IMPLS[name], gpu_resident=plan.gpu_resident_layers if planned else 0,
+                       mlp_tile=plan.mlp_tile_tokens if planned else int(tile or 0))
+
+
 def profile_step(model, batch, impl: str, plan, args) -> str:
     """One reference + policy step of ``impl`` (a longrl variant) under torch.profiler: the kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    name, _, tile = impl.partition("+tile")
-    mode = {"longrl": "offload", "longrl-reuse": "reuse", "longrl-plain": "plain", "longrl-planned": "offload"}[name]
-    planned = name == "longrl-planned"
     cuda = torch.cuda.is_available()
     zero_grads(model)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens, chunk=args.chunk,
-                        mode=mode, gpu_resident=plan.gpu_resident_layers if planned else 0,
-                        mlp_tile=plan.mlp_tile_tokens if planned else int(tile or 0))
+        r = longrl_impl_step(model, batch, impl, plan, args)
     head = (f"`{' '.join(['python'] + sys.argv)}`\n\n{impl}, one profiled step: ref {r['ref_s']:.2f} s, policy "
             f"{r['policy_s']:.2f} s (profiler overhead included)\n\n")
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
@@ -254,22 +264,9 @@ def main():
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                name, _, tile = impl.partition("+tile")
-                tile = int(tile or 0)
                 try:
-                    if name == "longrl-planned":  # the planner's choice for this GPU's free memory
-                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="offload", gpu_resident=plan.gpu_resident_layers,
-                                        mlp_tile=plan.mlp_tile_tokens)
-                    elif name == "longrl":  # the frugal layout: every layer input offloaded
-                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="offload", gpu_resident=0, mlp_tile=tile)
-                    elif name == "longrl-reuse":  # frugal layout + attention outputs kept, not recomputed
-                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="reuse", gpu_resident=0, mlp_tile=tile)
-                    elif name == "longrl-plain":
-                        r = longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens,
-                                        chunk=args.chunk, mode="plain", mlp_tile=tile)
+                    if impl.partition("+tile")[0] in LONGRL_IMPLS:
+                        r = longrl_impl_step(model, batch, impl, plan, args)
                     else:
                         set_lora_input_casting(model, True)  # PEFT's default, as TRL users run it
                         r = tb.trl_step(model, tokenizer, batch, layout=impl.split("-", 1)[1], beta=args.beta,

@@ -1,10 +1,10 @@
 """The decode step's LM-head product three ways, to pick the fastest layout for the sampler's batch sizes.
 
 A decode step multiplies B final hidden states [B, d] by the head [V, d]: memory-bound (the head is read once),
-so its floor is V·d·2 bytes / bandwidth. The profile of the 8B decode step (results/rollout_profile_*.txt) shows
-cuBLAS spending 1.25 ms on 1 GB for B = 128. Compared here, each as the mean of 50 after 10 warm-ups:
+so its floor is V·d·2 bytes / bandwidth. Compared here, each as the median of 50 timed calls after warm-ups:
 ``F.linear(h, W)`` (what the sampler does), ``(W @ hᵀ)ᵀ`` (the tall-skinny layout), and F.linear over vocabulary
-chunks; all bf16 with float32 accumulation, results checked equal to within bf16 rounding.
+chunks; all bf16 with float32 accumulation, results checked equal to within bf16 rounding. (The first 8B results,
+lm_head_gemm_v128256_d4096.md, were the mean of 50 back-to-back calls; F.linear was at the floor.)
 
     python benchmarks/lm_head_gemm.py --vocab 128256 --hidden 4096
 """
@@ -19,20 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import run_meta, write_result  # noqa: E402
-
-
-def timed(fn, reps: int = 50) -> float:
-    """Mean seconds of fn() over reps CUDA-event-timed calls after 10 warm-ups."""
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+from results_io import gpu_seconds, run_meta, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +42,7 @@ def main() -> None:
         row = {"batch": b}
         for name, fn in ways.items():
             err = float((fn().float() - ref).abs().max())
-            row[name] = timed(fn)
+            row[name] = gpu_seconds(fn)
             row[f"{name}_max_abs_diff"] = err
         rows.append(row)
         print(row, flush=True)

@@ -19,9 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from decode_attention_speed import gpu_seconds  # noqa: E402
-from results_io import run_meta, write_result  # noqa: E402
-from rollout_speed import copy_bandwidth  # noqa: E402
+from results_io import copy_bandwidth, gpu_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.ops.nf4_matmul import nf4_linear, nf4_operands  # noqa: E402
 

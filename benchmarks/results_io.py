@@ -1,4 +1,5 @@
-"""What every benchmark writes beside its figures: the run's metadata, and a JSON + markdown pair in results/."""
+"""What the benchmarks share: the GPU's timing and copy bandwidth, and what every one writes beside its figures
+(the run's metadata, a JSON + markdown pair in results/)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,3 +33,34 @@ def write_result(stem: str, payload: dict, lines: list[str]) -> None:
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def gpu_seconds(fn, reps: int = 50) -> float:
+    """Median seconds of fn() over reps calls, each timed by CUDA events, after 5 warm-ups."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of a 4 GiB buffer, best of 5)."""
+    gib = 2 ** 30
+    src = torch.empty(gib, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return 2 * 4 * gib / best

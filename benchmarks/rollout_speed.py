@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
-from results_io import RESULTS, run_meta, write_result  # noqa: E402
+from results_io import RESULTS, copy_bandwidth, run_meta, write_result  # noqa: E402
 
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.models import apply_lora, base_model  # noqa: E402
@@ -50,21 +50,6 @@ def _start_peak() -> int:
 
 def _peak_above(base: int) -> float:
     return (torch.cuda.max_memory_allocated() - base) / GIB if CUDA else float("nan")
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write of a 4 GiB buffer, best of 5)."""
-    src = torch.empty(GIB, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    del src, dst
-    return 2 * 4 * GIB / best
 
 
 def check_kernel(device) -> float:

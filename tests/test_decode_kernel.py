@@ -2,12 +2,10 @@
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence a subprocess): odd shapes,
 GQA, chunk-crossing lengths, per-sequence and grouped prefix reads; then the whole sampler on the kernel."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -60,18 +58,10 @@ SAMPLER_CHECK = textwrap.dedent('''
 ''')
 
 
-def _interpret(code: str, *args: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_attention_equals_the_reference(seed):
-    assert "kernel ok" in _interpret(KERNEL_CHECK, str(seed))
+    assert "kernel ok" in run_interpreted(KERNEL_CHECK, str(seed))
 
 
 def test_sampler_on_the_triton_kernel_equals_transformers_greedy():
-    assert "sampler ok" in _interpret(SAMPLER_CHECK)
+    assert "sampler ok" in run_interpreted(SAMPLER_CHECK)

@@ -3,14 +3,12 @@ architecture it takes; its Triton kernels against their PyTorch twins through Tr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import transformers
+from interpreter import run_interpreted
 
 from longrl.config import LoraConfig
 from longrl.models import apply_lora
@@ -128,11 +126,7 @@ KERNEL_CHECK = textwrap.dedent('''
 @pytest.mark.parametrize("seed", ["0", "1"])
 def test_triton_kernels_equal_their_twins(seed):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, seed], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "fused ops ok" in out.stdout
+    assert "fused ops ok" in run_interpreted(KERNEL_CHECK, seed)
 
 
 def test_a_failing_fast_path_falls_back_on_its_first_step(monkeypatch, caplog):

@@ -4,13 +4,12 @@ on odd shapes, K splits and partial tiles, against the exact product of the dequ
 bfloat16 products are wrong (it runs them on raw bits), so it checks float16 activations; bfloat16 runs on the GPU
 (test below, and benchmarks/nf4_matmul.py)."""
 
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from interpreter import run_interpreted
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -64,11 +63,7 @@ KERNEL_CHECK = textwrap.dedent('''
 
 
 def test_triton_kernel_equals_the_exact_product():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "kernel ok" in out.stdout
+    assert "kernel ok" in run_interpreted(KERNEL_CHECK)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -123,11 +118,7 @@ def test_sampler_with_the_nf4_product_equals_bitsandbytes_path():
     """generation.nf4_kernel: a QLoRA model's decode steps through the 4-bit product plus the fused LoRA delta
     give bitsandbytes' path's tokens (greedy) and log-probs (float16, through the interpreter), on every
     projection of every layer."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SAMPLER_CHECK], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "sampler ok" in out.stdout
+    assert "sampler ok" in run_interpreted(SAMPLER_CHECK)
 
 
 @pytest.mark.parametrize("N, K", [(3, 40), (5, 96)])

@@ -366,7 +366,7 @@ def model_config_of(name_or_path: str, trust_remote_code: bool = False):
 
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
     """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt."""
-    from ..ops.attention_backend import NO_GQA_BACKENDS
+    from ..ops.attention_backend import repeats_kv
 
     length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
@@ -380,7 +380,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
                      token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
                      reuse_attention=cfg.model.reuse_attention,
-                     repeat_kv=bool(cfg.model.sdpa_backends) and cfg.model.sdpa_backends[0] in NO_GQA_BACKENDS)
+                     repeat_kv=repeats_kv(cfg.model.sdpa_backends))
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}

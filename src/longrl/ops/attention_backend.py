@@ -38,6 +38,12 @@ def backend_order(names: list[str]) -> list:
     return [SDPA_BACKENDS[n] for n in ordered]
 
 
+def repeats_kv(names: list[str]) -> bool:
+    """Whether this ``model.sdpa_backends`` order runs grouped-query models on ``longrl_sdpa_mha`` (cuDNN or
+    memory-efficient first; the planner counts the repeated keys/values)."""
+    return bool(names) and names[0] in NO_GQA_BACKENDS
+
+
 def repeat_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, Hkv, T, D] → [B, Hkv · groups, T, D], each key/value head repeated for its group of query heads."""
     if groups == 1:
@@ -79,7 +85,7 @@ def sdpa_priority(names: list[str], device_type: str, model=None):
         return
     order = backend_order(names)
     base = None
-    if model is not None and names[0] in NO_GQA_BACKENDS:
+    if model is not None and repeats_kv(names):
         from ..models import base_model
 
         base = base_model(model)

@@ -15,9 +15,9 @@ The twins are the reference (tests/test_fast_decode.py runs both, the kernels th
 
 from __future__ import annotations
 
-import torch
-
 import os
+
+import torch
 
 try:
     import triton
