@@ -6,7 +6,8 @@ sequence's own suffix keys/values:
 
     bytes = 2 · Hkv · D · elt · (P · Lp + Σ_b s_b)          (K and V)
 
-so its floor is bytes / copy bandwidth. The rollout benchmark's roofline counts these bytes with the weights;
+so its floor is bytes / copy bandwidth. Times are GPU time per call replayed from a CUDA graph, as the sampler
+runs a decode step (timed call by call, the host's launch overhead of the four launches dominates short suffixes). The rollout benchmark's roofline counts these bytes with the weights;
 this separates how close the attention itself comes (the 8B shape at 1,024 new tokens reads ~9 GB of KV a step
 at the end, on the order of the 15 GB of weights).
 
@@ -28,13 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import copy_bandwidth, gpu_seconds, run_meta, write_result  # noqa: E402
+from results_io import copy_bandwidth, graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 
 
-SWEEP = [dict(block=b, warps=w, stages=st, programs=pr) for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)
-         for pr in (2048, 4096)]
+SWEEP = [dict(block=b, warps=w, stages=2, programs=pr, prefix_programs=pp) for b in (32, 64) for w in (4, 8)
+         for pr in (2048, 4096, 8192) for pp in (128, 512)]  # 128: the prompt in chunks of ≤ 1,024 at 16 × 8
 
 
 def step_inputs(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev):
@@ -61,7 +62,7 @@ def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, de
     for launch in SWEEP:
         try:
             err = float((decode_attention_triton(*args, **kw, launch=launch).float() - ref).abs().max())
-            t = gpu_seconds(lambda: decode_attention_triton(*args, **kw, launch=launch), reps=30)
+            t = graph_seconds(lambda: decode_attention_triton(*args, **kw, launch=launch))
         except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
             rows.append({**launch, "error": f"{type(e).__name__}: {str(e)[:80]}"})
             continue
@@ -78,13 +79,13 @@ def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dty
     B = P * G
     longrl = lambda: decode_attention_triton(*args, **kw)  # noqa: E731
     err = float((longrl().float() - decode_attention_reference(*args).float()).abs().max()) if B * (Lp + s) <= 2 ** 21 else None
-    t_longrl = gpu_seconds(longrl)
+    t_longrl = graph_seconds(longrl)
 
     kd = torch.cat([k_pre[pidx], k_suf[:, :, :s]], dim=2)  # [B, Hkv, Lp + s, D]
     vd = torch.cat([v_pre[pidx], v_suf[:, :, :s]], dim=2)
     qd = q[:, :, None, :]  # [B, Hq, 1, D]
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)  # noqa: E731
-    t_sdpa = gpu_seconds(sdpa)
+    t_sdpa = graph_seconds(sdpa)
     sdpa_bytes = 2 * Hkv * D * torch.empty((), dtype=dtype).element_size() * B * (Lp + s)
     return dict(P=P, G=G, Lp=Lp, T=T, suffix=s, kv_mb=kv_bytes / 1e6, longrl_us=t_longrl * 1e6,
                 longrl_gbs=kv_bytes / t_longrl / 1e9, sdpa_us=t_sdpa * 1e6, sdpa_gbs=sdpa_bytes / t_sdpa / 1e9,
@@ -133,13 +134,14 @@ def main() -> None:
         s_max = max(int(x) for x in args.suffix.split(","))
         swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, dev)
         ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
-        lines += ["", f"Launch choices at suffix {s_max} (block, warps, stages, target programs; fastest first; "
-                  f"default {LAUNCH['block']}/{LAUNCH['warps']}/{LAUNCH['stages']}/{LAUNCH['programs']}):",
-                  "", "| block | warps | stages | programs | µs | GB/s | max abs err |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['us']:.1f} | {r['gbs']:,.0f} | "
-                  f"{r['max_abs_err']:.4f} |" for r in ok]
-        lines += [f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | failed: {r['error']} | | |"
-                  for r in swept if "error" in r]
+        head = "/".join(str(LAUNCH[k]) for k in ("block", "warps", "stages", "programs", "prefix_programs"))
+        lines += ["", f"Launch choices at suffix {s_max} (block, warps, stages, target programs for the sequences' "
+                  f"own keys and for the shared prompts; fastest first; default {head}):", "",
+                  "| block | warps | stages | programs | prompt programs | µs | GB/s | max abs err |",
+                  "|---|---|---|---|---|---|---|---|"]
+        knobs = lambda r: f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['prefix_programs']} |"  # noqa: E731
+        lines += [f"{knobs(r)} {r['us']:.1f} | {r['gbs']:,.0f} | {r['max_abs_err']:.4f} |" for r in ok]
+        lines += [f"{knobs(r)} failed: {r['error']} | | |" for r in swept if "error" in r]
     write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept}, lines)
 
 

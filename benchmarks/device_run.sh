@@ -18,7 +18,8 @@
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min)
-#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min)
+#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min); with
+#              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
 #   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
@@ -84,7 +85,8 @@ background() {  # background NAME COMMAND...: on the last GPU, in its own sessio
 }
 
 with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with tokenizers 0.23.3, huggingface-hub
-    # 2.4.0, safetensors 0.8.0, and peft 0.21.2 + accelerate 1.15.0: the combination tested with TRL 1.15 on the CPU):
+    # 2.4.0 with its httpx2 stack, safetensors 0.8.0, and peft 0.21.2 + accelerate 1.15.0: the combination tested with
+    # TRL 1.15 on the CPU, also in a bare virtual environment):
     # before 5.24, a model in training mode with gradient checkpointing drops the KV cache even under no_grad, so
     # TRL's transformers-generate path (which generates in training mode) would run cacheless, quadratic in length
     [ -d /tmp/site_tf524 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -103,7 +105,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
-            --impls longrl,longrl-hf,longrl-peft,longrl-nolora --tag "${TAG:-_fast}" ;;
+            --impls longrl,longrl-hf,longrl-peft,longrl-nolora --tag "${TAG:-_fast}" ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --impls longrl,longrl-hf,longrl-nolora,hf-generate --tag "${TAG:-_fast}" ;;
         e2e15) stage e2e15 120 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
@@ -116,7 +118,9 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke ;;
         trl8b_a) stage trl8b_a 560 with_tf524 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
             --completion 4096 --steps 1 --no-cli-smoke --impl trl --tag _tf524 ;;
-        bg_trl8b_a) background trl8b_a with_tf524 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
+        bg_trl8b_a) stage trl_imports 90 with_tf524 python3 -c "import transformers, trl, peft, huggingface_hub; \
+print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, huggingface_hub.__version__)"
+            background trl8b_a with_tf524 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
             --completion 4096 --steps 1 --no-cli-smoke --impl trl --tag _tf524 ;;
         bg_probe400k) background probe400k python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 409600 \
             --G 1 --impls longrl-planned --reps 0 --tag probe_400k --out /tmp/bg ;;
@@ -134,11 +138,11 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke --load-in-4bit --nf4-kernel ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
-        attn) stage attn 150 python3 benchmarks/decode_attention_speed.py --sweep \
+        attn) stage attn 150 python3 benchmarks/decode_attention_speed.py --sweep --tag _graph \
             && stage attn15 120 python3 benchmarks/decode_attention_speed.py --prompts 64 --heads 12,2,128 --sweep \
-            --tag _qwen15 \
+            --tag _qwen15_graph \
             && stage attn16k 90 python3 benchmarks/decode_attention_speed.py --prompts 2 --max-suffix 16384 \
-            --suffix 1024,8192,16384 ;;
+            --suffix 1024,8192,16384 --tag _graph ;;
         prof20k) stage prof20k 360 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --check-equality --tag prof_20k ;;
         prof20k_cudnn) stage prof20k_cudnn 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

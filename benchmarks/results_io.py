@@ -50,6 +50,29 @@ def gpu_seconds(fn, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_seconds(fn, calls: int = 20, reps: int = 20) -> float:
+    """Median GPU seconds of one fn() replayed from a CUDA graph (``calls`` calls captured, after 3 warm-ups that
+    compile and allocate): the time the device spends, without the host's launch overhead, as a captured decode
+    step runs it."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write of a 4 GiB buffer, best of 5)."""
     gib = 2 ** 30

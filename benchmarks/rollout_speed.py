@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -157,6 +158,15 @@ def run_hf_continuous(model, prompts, G, N):
         base_m.set_attn_implementation(saved)
 
 
+def launch_overrides(spec: str) -> dict:
+    """LAUNCH entries from a JSON object, or the fastest row of a decode_attention_speed.py result's sweep."""
+    if spec.lstrip().startswith("{"):
+        return json.loads(spec)
+    rows = [r for r in json.loads(Path(spec).read_text())["sweep"] if "us" in r]
+    best = min(rows, key=lambda r: r["us"])
+    return {k: best[k] for k in ("block", "warps", "stages", "programs", "prefix_programs") if k in best}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(tb.SHAPES))
@@ -168,7 +178,15 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
+    ap.add_argument("--launch", default="", metavar="JSON|PATH",
+                    help="decode attention launch choices to run with (decode_kernel.LAUNCH entries), as a JSON "
+                    "object or a decode_attention_speed.py result whose fastest swept choice is taken")
     args = ap.parse_args()
+    if args.launch:
+        from longrl.rollout import decode_kernel
+
+        decode_kernel.LAUNCH.update(launch_overrides(args.launch))
+        print("decode attention launch", decode_kernel.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
@@ -293,8 +311,10 @@ def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: i
 
 
 def write_tables(args, results, weight_bytes) -> None:
+    from longrl.rollout.decode_kernel import LAUNCH
+
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
-                    new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB)
+                    new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH))
     stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
@@ -304,7 +324,7 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{args.prompts} prompts × {args.G} completions, prompt {args.prompt_len} tokens, exactly "
              f"{args.new_tokens} new tokens each (EOS ignored), temperature 1. Weights {weight_bytes / GIB:.2f} GiB. "
              f"Copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s; decode kernel vs its torch twin: max abs err "
-             f"{results['kernel_max_abs_err']:.2g} (bf16).", "",
+             f"{results['kernel_max_abs_err']:.2g} (bf16). Decode attention launch: {LAUNCH}.", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("longrl", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):

@@ -14,15 +14,17 @@ from interpreter import run_interpreted
 bnb = pytest.importorskip("bitsandbytes")
 
 
-def _quantized(N: int, K: int, seed: int):
+def _quantized(N: int, K: int, seed: int, device: str = "cpu"):
     import bitsandbytes.functional as bnbf
 
     from longrl.ops.nf4_matmul import nf4_operands
 
     torch.manual_seed(seed)
-    W = torch.randn(N, K, dtype=torch.bfloat16)
+    W = torch.randn(N, K, dtype=torch.bfloat16, device=device)  # quantized where it is used: Params4bit.cuda() of
+    # codes quantizes again
     packed, state = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4", compress_statistics=True)
-    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64,
+                              bnb_quantized=True)
     return param, state, nf4_operands(param)
 
 
@@ -71,7 +73,7 @@ def test_triton_kernel_equals_the_exact_product():
 def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
     from longrl.ops.nf4_matmul import nf4_linear, nf4_operands
 
-    param = _quantized(1024, 4096, seed=M)[0].cuda()
+    param = _quantized(1024, 4096, seed=M, device="cuda")[0]
     ops = nf4_operands(param)
     x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
     want = bnb.matmul_4bit(x, param.t(), quant_state=param.quant_state).float()
@@ -135,7 +137,8 @@ def test_twin_handles_blocks_that_run_across_rows(N, K):
     W = torch.randn(N, K, dtype=torch.bfloat16)
     packed, state = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4", compress_statistics=True)
     assert state.absmax.numel() == -(-N * K // 64)
-    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64,
+                              bnb_quantized=True)
     got = dequantize_nf4(*nf4_operands(param), torch.float32)
     assert got.shape == (N, K)
     assert (got - W.float()).abs().mean() < 0.1  # NF4's error on unit normals is ≈ 0.07
@@ -148,7 +151,8 @@ def test_codes_not_stored_as_bytes_are_refused():
 
     W = torch.randn(8, 128, dtype=torch.bfloat16)
     packed, state = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4", quant_storage=torch.bfloat16)
-    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64,
+                              bnb_quantized=True)
     with pytest.raises(ValueError, match="uint8"):
         nf4_operands(param)
 

@@ -352,3 +352,22 @@ def test_rows_drawn_in_chunks_equal_rows_drawn_together(params):
     for rows in (1, 5, 22):
         tok, lp = next_tokens(logits, params, seq, pos, seen, rows=rows)
         assert torch.equal(tok, whole[0]) and torch.equal(lp, whole[1])
+
+
+@pytest.mark.parametrize("V", [1000, 1024, 1025, 3001, 50_257])  # within one block, one block exactly, across
+def test_two_level_inverse_cdf_equals_the_whole_cdf(V):
+    from longrl.rollout.sampling import inverse_cdf, inverse_cdf_reference
+
+    g = torch.Generator().manual_seed(V)
+    probs = torch.softmax(torch.randn(64, V, generator=g) * 3, dim=-1)
+    probs[::3, V // 2:] = 0.0  # empty tail blocks (top-k/top-p filtered): never drawn
+    probs[1::3, : V // 3] = 0.0  # empty head blocks
+    probs[2, :] = 0.0
+    probs[2, V - 1] = 0.7  # all mass on the last entry (the partial tail block)
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5, 1.0], dtype=torch.float64)  # the ends; 1.0 stands for a
+    # u · total that rounds up to the total: the search runs off the end and must come back to the last mass
+    got, want = inverse_cdf(probs, u), inverse_cdf_reference(probs, u)
+    assert torch.equal(got, want)
+    assert bool((probs.gather(1, got[:, None]) > 0).all())  # only entries with mass
+    assert int(got[2]) == V - 1

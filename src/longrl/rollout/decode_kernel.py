@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 64
-# keys per block, warps and pipeline stages of the attention programs, and the programs a layer call aims at
-# (benchmarks/decode_attention_speed.py --sweep times other choices)
-LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048)
+# keys per block, warps and pipeline stages of the attention programs, the programs a layer call aims at for the
+# per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
+LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=4096, prefix_programs=512)
 
 
 @triton.jit
@@ -153,9 +153,9 @@ def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: 
     tl.store(OUT + row * D + dims, (acc / denom).to(OUT.dtype.element_ty), mask=dims < D)
 
 
-def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048) -> int:
-    """Keys per program: enough chunks that B × Hkv × chunks ≳ ``target`` programs, each chunk block–1024
-    positions."""
+def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 4096) -> int:
+    """Keys per program: enough chunks that ``programs`` × chunks ≳ ``target`` programs, each chunk block–1024
+    positions (a power of two: few compiled variants)."""
     want = max(1, -(-target // max(programs, 1)))
     chunk = triton.next_power_of_2(max(1, -(-positions // want)))
     return min(1024, max(block, chunk))
@@ -181,8 +181,9 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     G = members.shape[1] if grouped else 0
     gs = max(1, min(G, 64 // rep))  # members a prefix program serves: ≤ 64 query rows
     n_sub = -(-G // gs) if grouped else 0
-    # grouped: each prompt's keys in chunks of ≤ 1,024 (a power of two: few compiled variants), one program each
-    pchunk = min(1024, max(block, triton.next_power_of_2(Lp)))
+    # grouped: each prompt's keys in chunks, one program each, enough of them to fill the GPU (16 prompts × 8 key
+    # heads are 128 programs: one a multiprocessor, too few loads in flight to reach the memory's bandwidth)
+    pchunk = _chunk_size(Lp, P * Hkv * n_sub, block, launch["prefix_programs"]) if grouped else block
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
     # per sequence: its prefix and suffix in chunks
     chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block, launch["programs"])
