@@ -136,6 +136,9 @@ def run_trl(args, root: Path) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     model = tb.build_random_model(args.shape, dev, torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa")
+    # as a downloaded checkpoint's config says (the builder turns the cache off for the memory benchmark's TRL loss
+    # step): without it transformers' generate re-runs the whole sequence for every new token
+    model.config.use_cache = model.generation_config.use_cache = True
     tok = tb.make_tokenizer(model)
     from tokenizers import pre_tokenizers
 
@@ -172,25 +175,36 @@ def run_trl(args, root: Path) -> dict:
                           peft_config=PeftLoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear",
                                                      task_type="CAUSAL_LM"),
                           callbacks=[StepClock()])
-    keeps_cache = generate_keeps_cache_in_train_mode(trainer.model)
+    reuses_cache = generate_reuses_kv_cache(trainer.model)
     trainer.train()
     lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
-    return dict(generate_keeps_cache_in_train_mode=keeps_cache, step_seconds=times[-1], step_times=times, step_peak_gib=peaks[-1] if peaks else None,
+    return dict(generate_reuses_kv_cache=reuses_cache, step_seconds=times[-1], step_times=times, step_peak_gib=peaks[-1] if peaks else None,
                 mean_completion_length=lengths[-1] if lengths else None,
                 generated_tokens_per_s=n_seq * args.completion / times[-1])
 
 
-def generate_keeps_cache_in_train_mode(model) -> bool:
-    """Whether a no-grad forward of `model` in training mode with gradient checkpointing on (as TRL's
-    transformers-generate path runs it) returns a KV cache: one 4-token forward, then the model's mode restored."""
+def generate_reuses_kv_cache(model) -> bool:
+    """Whether ``model.generate``, called as TRL 1.15 calls it (no grad, training mode, gradient checkpointing on),
+    decodes with a working KV cache: one new token fed a step (else every step re-runs the whole sequence) and the
+    same greedy tokens as in eval mode (transformers ≤ 5.23 feeds one token but its checkpointed layers drop the
+    cache, so each token sees only itself). 4 new tokens after a 6-token prompt; the model's mode restored."""
+    ids = torch.arange(3, 9, device=next(model.parameters()).device)[None]  # [1, 6]
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+              pad_token_id=0)
     was_training = model.training
-    model.gradient_checkpointing_enable()
-    model.train()
-    ids = torch.zeros(1, 4, dtype=torch.long, device=next(model.parameters()).device)
-    with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
-    model.train(was_training)
-    return cache is not None and cache.get_seq_length() == 4
+    lengths = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda mod, inp: lengths.append(inp[0].shape[1]))
+    try:
+        with torch.no_grad():
+            model.eval()
+            want = model.generate(**kw)
+            lengths.clear()
+            model.train()
+            got = model.generate(**kw)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return lengths[1:] == [1, 1, 1] and torch.equal(got, want)
 
 
 def cli_smoke(root: Path) -> dict:
@@ -292,16 +306,15 @@ def write_trl(args, r: dict) -> None:
     meta = run_meta(trl=trl.__version__)
     gpu = meta["gpu"]
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{'h200' if gpu != 'CPU' else 'cpu'}_trl{args.tag}"
-    cache = ("keeps its KV cache" if r["generate_keeps_cache_in_train_mode"] else
-             "runs WITHOUT a KV cache (transformers < 5.24 drops it under gradient checkpointing in training mode, "
-             "so each new token re-runs the whole sequence)")
+    cache = ("reuses its KV cache" if r["generate_reuses_kv_cache"] else
+             "runs WITHOUT a KV cache (each new token re-runs the whole sequence)")
     peak = f"{r['step_peak_gib']:.2f} GiB" if r["step_peak_gib"] is not None else "–"
     lines = [f"# TRL {meta['trl']} GRPOTrainer.train(), {args.shape} shape, {gpu}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"{args.prompts} prompts × {args.G} completions forced to {args.completion} tokens (`min_new_tokens`), "
              "transformers `generate` (vLLM is not installable on the GPU machine), LoRA r=32 all-linear, gradient "
-             f"checkpointing, bf16, beta 0.04. TRL generates from the model in training mode: with this transformers "
-             f"it {cache}.", "",
+             f"checkpointing, bf16, beta 0.04. TRL generates from the model in training mode with checkpointing on; "
+             f"checked before train(), generate {cache}.", "",
              f"Step {args.steps} of {args.steps}: **{r['step_seconds']:.2f} s** ({r['generated_tokens_per_s']:,.0f} "
              f"generated tokens/s over the whole step), peak {peak}; mean completion length "
              f"{r['mean_completion_length']}. All steps: {', '.join(f'{t:.1f}' for t in r['step_times'])} s."]

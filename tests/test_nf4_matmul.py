@@ -78,7 +78,12 @@ def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
     x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
     want = bnb.matmul_4bit(x, param.t(), quant_state=param.quant_state).float()
     got = nf4_linear(x, *ops).float()
-    assert ((got - want).abs() <= 2 ** -7 * want.abs() + 2e-2).all()
+    # both sum 4,096 products in their own order and round to bfloat16 (bitsandbytes' one-row product keeps
+    # partial sums in 16 bits): the error scales with Σ|x·w|, not with the (cancelling) result
+    from longrl.ops.nf4_matmul import dequantize_nf4
+
+    scale = x.float().abs() @ dequantize_nf4(*ops, torch.float32).abs().t()
+    assert ((got - want).abs() <= 2 ** -10 * scale).all()
 
 
 SAMPLER_CHECK = textwrap.dedent('''
