@@ -6,10 +6,10 @@ sequence's own suffix keys/values:
 
     bytes = 2 · Hkv · D · elt · (P · Lp + Σ_b s_b)          (K and V)
 
-so its floor is bytes / copy bandwidth. Times are GPU time per call replayed from a CUDA graph, as the sampler
-runs a decode step (timed call by call, the host's launch overhead of the four launches dominates short suffixes). The rollout benchmark's roofline counts these bytes with the weights;
+so its floor is bytes / copy bandwidth. The rollout benchmark's roofline counts these bytes with the weights;
 this separates how close the attention itself comes (the 8B shape at 1,024 new tokens reads ~9 GB of KV a step
-at the end, on the order of the 15 GB of weights).
+at the end, on the order of the 15 GB of weights). Times are GPU time per call replayed from a CUDA graph, as the
+sampler runs a decode step (timed call by call, the host's four launches dominate short suffixes).
 
     python benchmarks/decode_attention_speed.py                         # Llama-3.1-8B heads, 16 × 8, prompt 512
     python benchmarks/decode_attention_speed.py --prompts 2 --max-suffix 16384 --suffix 1024,8192,16384
@@ -134,12 +134,13 @@ def main() -> None:
         s_max = max(int(x) for x in args.suffix.split(","))
         swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, dev)
         ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
-        head = "/".join(str(LAUNCH[k]) for k in ("block", "warps", "stages", "programs", "prefix_programs"))
+        keys = tuple(LAUNCH)  # block, warps, stages, programs, prefix_programs
+        head = "/".join(str(LAUNCH[k]) for k in keys)
         lines += ["", f"Launch choices at suffix {s_max} (block, warps, stages, target programs for the sequences' "
                   f"own keys and for the shared prompts; fastest first; default {head}):", "",
                   "| block | warps | stages | programs | prompt programs | µs | GB/s | max abs err |",
                   "|---|---|---|---|---|---|---|---|"]
-        knobs = lambda r: f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['prefix_programs']} |"  # noqa: E731
+        knobs = lambda r: "| " + " | ".join(str(r[k]) for k in keys) + " |"  # noqa: E731
         lines += [f"{knobs(r)} {r['us']:.1f} | {r['gbs']:,.0f} | {r['max_abs_err']:.4f} |" for r in ok]
         lines += [f"{knobs(r)} failed: {r['error']} | | |" for r in swept if "error" in r]
     write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept}, lines)

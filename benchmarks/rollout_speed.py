@@ -164,7 +164,9 @@ def launch_overrides(spec: str) -> dict:
         return json.loads(spec)
     rows = [r for r in json.loads(Path(spec).read_text())["sweep"] if "us" in r]
     best = min(rows, key=lambda r: r["us"])
-    return {k: best[k] for k in ("block", "warps", "stages", "programs", "prefix_programs") if k in best}
+    from longrl.rollout.decode_kernel import LAUNCH
+
+    return {k: best[k] for k in LAUNCH if k in best}
 
 
 def main() -> None:
