@@ -371,3 +371,14 @@ def test_two_level_inverse_cdf_equals_the_whole_cdf(V):
     assert torch.equal(got, want)
     assert bool((probs.gather(1, got[:, None]) > 0).all())  # only entries with mass
     assert int(got[2]) == V - 1
+
+
+def test_token_logprobs_equal_log_softmax():
+    from longrl.rollout.sampling import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(37, 1001, generator=g) * 4
+    z[0, 5] = 80.0  # a dominant entry: logsumexp must be stable
+    tokens = torch.randint(0, 1001, (37,), generator=g)
+    want = torch.log_softmax(z.double(), -1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(token_logprobs(z, tokens).double(), want, atol=2e-6, rtol=1e-6)

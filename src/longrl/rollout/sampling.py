@@ -151,18 +151,24 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (block * C + index)[:, 0]  # CDF's end may round differently: never past its last token with mass
 
 
+def token_logprobs(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(z)[token] = z_token − logsumexp(z) per row of z [B, V] (float32): one reading pass over the
+    vocabulary, no [B, V] result written."""
+    return z.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
+
+
 def _next_tokens(logits, params, sequence, position, seen):
     z = logits.float()
     penalised = apply_repetition_penalty(z, seen, params.repetition_penalty) if seen is not None else z
     if params.greedy:
         tokens = penalised.argmax(-1)
-        logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        logprobs = token_logprobs(z, tokens)
         return tokens, logprobs
     # temperature 1: x / 1 = x exactly, so the division (two full-vocabulary passes a step) is skipped
     scale = (lambda t: t) if params.temperature == 1.0 else (lambda t: t / params.temperature)
     filtered = filter_logits(scale(penalised), params)
     tokens = inverse_cdf(torch.softmax(filtered, dim=-1), uniform_for(params.seed, sequence, position))
-    logprobs = torch.log_softmax(scale(z), dim=-1).gather(-1, tokens[:, None])[:, 0]
+    logprobs = token_logprobs(scale(z), tokens)
     return tokens, logprobs
 
 
