@@ -88,9 +88,7 @@ background() {  # background NAME COMMAND...: on the last GPU, in its own sessio
 with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with tokenizers 0.23.3, huggingface-hub
     # 2.4.0 with its httpx2 stack, safetensors 0.8.0, and peft 0.21.2 + accelerate 1.15.0: the combination tested with
     # TRL 1.15 on the CPU, also in a bare virtual environment):
-    # TRL's transformers-generate path generates in training mode with checkpointing on, and before 5.24 the
-    # checkpointed layers then drop the cache (each new token attends only to itself; benchmarks/grpo_e2e.py's
-    # generate_reuses_kv_cache checks it before TRL trains)
+    # (benchmarks/grpo_e2e.py checks before TRL trains that generate, called TRL's way, reuses its KV cache)
     [ -d /tmp/site_tf524 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site_tf524 .whl/tf524/*.whl >/dev/null 2>&1 || echo "tf524 install failed"
     PYTHONPATH=/tmp/site_tf524:$PYTHONPATH "$@"

@@ -176,18 +176,24 @@ def run_trl(args, root: Path) -> dict:
                                                      task_type="CAUSAL_LM"),
                           callbacks=[StepClock()])
     reuses_cache = generate_reuses_kv_cache(trainer.model)
-    trainer.train()
+    fed = []  # tokens a no-grad forward fed per sequence inside train(): 1 for each decode step with a cache
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda mod, inp: None if torch.is_grad_enabled() else fed.append(inp[0].shape[1]))
+    try:
+        trainer.train()
+    finally:
+        hook.remove()
     lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
-    return dict(generate_reuses_kv_cache=reuses_cache, step_seconds=times[-1], step_times=times, step_peak_gib=peaks[-1] if peaks else None,
+    return dict(generate_reuses_kv_cache=reuses_cache, one_token_forwards=fed.count(1), step_seconds=times[-1], step_times=times, step_peak_gib=peaks[-1] if peaks else None,
                 mean_completion_length=lengths[-1] if lengths else None,
                 generated_tokens_per_s=n_seq * args.completion / times[-1])
 
 
 def generate_reuses_kv_cache(model) -> bool:
-    """Whether ``model.generate``, called as TRL 1.15 calls it (no grad, training mode, gradient checkpointing on),
-    decodes with a working KV cache: one new token fed a step (else every step re-runs the whole sequence) and the
-    same greedy tokens as in eval mode (transformers ≤ 5.23 feeds one token but its checkpointed layers drop the
-    cache, so each token sees only itself). 4 new tokens after a 6-token prompt; the model's mode restored."""
+    """Whether ``model.generate``, called as TRL 1.15 calls it (no grad, training mode; TRL turns gradient
+    checkpointing off around generate), decodes with a working KV cache: one new token fed a step (else every step
+    re-runs the whole sequence) and the same greedy tokens as in eval mode. 4 new tokens after a 6-token prompt;
+    the model's mode restored."""
     ids = torch.arange(3, 9, device=next(model.parameters()).device)[None]  # [1, 6]
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
               pad_token_id=0)
@@ -308,6 +314,8 @@ def write_trl(args, r: dict) -> None:
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{'h200' if gpu != 'CPU' else 'cpu'}_trl{args.tag}"
     cache = ("reuses its KV cache" if r["generate_reuses_kv_cache"] else
              "runs WITHOUT a KV cache (each new token re-runs the whole sequence)")
+    cache += (f"; inside train() {r['one_token_forwards']:,} forwards fed one token a sequence (a cached "
+              f"decode step each; {args.steps} × {args.completion - 1:,} expected)")
     peak = f"{r['step_peak_gib']:.2f} GiB" if r["step_peak_gib"] is not None else "–"
     lines = [f"# TRL {meta['trl']} GRPOTrainer.train(), {args.shape} shape, {gpu}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",

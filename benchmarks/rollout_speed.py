@@ -160,12 +160,18 @@ def run_hf_continuous(model, prompts, G, N):
 
 def launch_overrides(spec: str) -> dict:
     """LAUNCH entries from a JSON object, or the fastest row of a decode_attention_speed.py result's sweep."""
-    if spec.lstrip().startswith("{"):
-        return json.loads(spec)
-    rows = [r for r in json.loads(Path(spec).read_text())["sweep"] if "us" in r]
-    best = min(rows, key=lambda r: r["us"])
     from longrl.rollout.decode_kernel import LAUNCH
 
+    if spec.lstrip().startswith("{"):
+        chosen = json.loads(spec)
+        unknown = sorted(set(chosen) - set(LAUNCH))
+        if unknown:
+            raise SystemExit(f"--launch: unknown keys {unknown}; decode_kernel.LAUNCH has {sorted(LAUNCH)}")
+        return chosen
+    rows = [r for r in json.loads(Path(spec).read_text()).get("sweep", []) if "us" in r]
+    if not rows:
+        raise SystemExit(f"--launch {spec}: no timed sweep row in it (run decode_attention_speed.py --sweep)")
+    best = min(rows, key=lambda r: r["us"])
     return {k: best[k] for k in LAUNCH if k in best}
 
 
