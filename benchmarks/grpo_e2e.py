@@ -321,8 +321,8 @@ def write_trl(args, r: dict) -> None:
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"{args.prompts} prompts × {args.G} completions forced to {args.completion} tokens (`min_new_tokens`), "
              "transformers `generate` (vLLM is not installable on the GPU machine), LoRA r=32 all-linear, gradient "
-             f"checkpointing, bf16, beta 0.04. TRL generates from the model in training mode with checkpointing on; "
-             f"checked before train(), generate {cache}.", "",
+             f"checkpointing, bf16, beta 0.04. TRL generates from the model in training mode (checkpointing turned off "
+             f"around generate); checked before train(), generate {cache}.", "",
              f"Step {args.steps} of {args.steps}: **{r['step_seconds']:.2f} s** ({r['generated_tokens_per_s']:,.0f} "
              f"generated tokens/s over the whole step), peak {peak}; mean completion length "
              f"{r['mean_completion_length']}. All steps: {', '.join(f'{t:.1f}' for t in r['step_times'])} s."]
