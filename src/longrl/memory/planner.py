@@ -157,7 +157,8 @@ def kv_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     return 2 * shape.layers * shape.kv_dim * compute_bytes
 
 
-SAMPLING_BYTES_PER_LOGIT = 32  # float32 scaled logits, probabilities and log-probs, the float64 CDF; top-p's sort
+SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, scaled logits, probabilities, logsumexp's temporary; top-p's sort
+# (values, int64 indices, cumulative sum)
 SAMPLING_CHUNK_BYTES = 512 << 20  # temporaries of the rows sampled together
 
 
