@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import copy_bandwidth, graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import copy_bandwidth, graph_kernel_times, graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 
@@ -51,23 +51,35 @@ def step_inputs(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: i
     return args, grouping, 2 * Hkv * D * torch.empty((), dtype=dtype).element_size() * (P * Lp + B * s)
 
 
-def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dev) -> list[dict]:
-    """Time every launch choice of SWEEP on one case (those that do not build, e.g. over shared memory, skipped);
-    each checked against the reference."""
+def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, s_short: int, dev) -> list[dict]:
+    """Time every launch choice of SWEEP at suffix s and at the short suffix s_short (a rollout passes through
+    both; the fixed cost of a call shows at the short one); those that do not build, e.g. over shared memory,
+    skipped and said; each checked against the reference."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
     args, kw, kv_bytes = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, torch.bfloat16, dev)
+    short_args, _, _ = step_inputs(P, G, Hq, Hkv, D, Lp, T, s_short, torch.bfloat16, dev)
     ref = decode_attention_reference(*args).float()
     rows = []
     for launch in SWEEP:
         try:
             err = float((decode_attention_triton(*args, **kw, launch=launch).float() - ref).abs().max())
             t = graph_seconds(lambda: decode_attention_triton(*args, **kw, launch=launch))
+            t_short = graph_seconds(lambda: decode_attention_triton(*short_args, **kw, launch=launch))
         except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
             rows.append({**launch, "error": f"{type(e).__name__}: {str(e)[:80]}"})
             continue
-        rows.append({**launch, "us": t * 1e6, "gbs": kv_bytes / t / 1e9, "max_abs_err": err})
+        rows.append({**launch, "us": t * 1e6, "us_short": t_short * 1e6, "gbs": kv_bytes / t / 1e9,
+                     "max_abs_err": err})
     return rows
+
+
+def breakdown(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dev) -> dict:
+    """{kernel: GPU µs per call} of longrl's decode attention at suffix s (graph replays, profiled)."""
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    args, kw, _ = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, torch.bfloat16, dev)
+    return graph_kernel_times(lambda: decode_attention_triton(*args, **kw))
 
 
 def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev) -> dict:
@@ -104,6 +116,8 @@ def main() -> None:
     ap.add_argument("--suffix", default="1,128,512,1024", help="valid suffix lengths to time")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch choices (SWEEP) at the "
                     "longest suffix")
+    ap.add_argument("--breakdown", action="store_true", help="also the GPU time of each kernel of a call at every "
+                    "suffix (profiled graph replays)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -129,21 +143,34 @@ def main() -> None:
         err = f"{r['max_abs_err']:.4f}" if r["max_abs_err"] is not None else "–"
         lines.append(f"| {r['suffix']} | {r['kv_mb']:.1f} | {r['longrl_us']:.1f} | {r['longrl_gbs']:,.0f} | "
                      f"{100 * r['longrl_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_gbs']:,.0f} | {err} |")
-    swept = []
+    swept, kernels = [], {}
+    if args.breakdown:
+        for r in rows:
+            kernels[r["suffix"]] = breakdown(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix,
+                                             r["suffix"], dev)
+        names = sorted({k for per in kernels.values() for k in per}, key=lambda k: -max(
+            per.get(k, 0.0) for per in kernels.values()))
+        lines += ["", "GPU µs a call, kernel by kernel (graph replays under the profiler):", "",
+                  "| kernel | " + " | ".join(f"suffix {x}" for x in kernels) + " |",
+                  "|---|" + "---|" * len(kernels)]
+        lines += [f"| {name[:70]} | " + " | ".join(f"{per.get(name, 0.0):.1f}" for per in kernels.values()) + " |"
+                  for name in names]
     if args.sweep:
-        s_max = max(int(x) for x in args.suffix.split(","))
-        swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, dev)
-        ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
+        suffixes = [int(x) for x in args.suffix.split(",")]
+        s_max, s_min = max(suffixes), min(suffixes)
+        swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, s_min, dev)
+        ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"] + r["us_short"])
         keys = tuple(LAUNCH)  # block, warps, stages, programs, prefix_programs
         head = "/".join(str(LAUNCH[k]) for k in keys)
-        lines += ["", f"Launch choices at suffix {s_max} (block, warps, stages, target programs for the sequences' "
-                  f"own keys and for the shared prompts; fastest first; default {head}):", "",
-                  "| block | warps | stages | programs | prompt programs | µs | GB/s | max abs err |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"Launch choices (block, warps, stages, target programs for the sequences' own keys and for "
+                  f"the shared prompts; by the sum of the two times, fastest first; default {head}):", "",
+                  f"| block | warps | stages | programs | prompt programs | µs at {s_max} | GB/s | µs at {s_min} "
+                  "| max abs err |", "|---|---|---|---|---|---|---|---|---|"]
         knobs = lambda r: "| " + " | ".join(str(r[k]) for k in keys) + " |"  # noqa: E731
-        lines += [f"{knobs(r)} {r['us']:.1f} | {r['gbs']:,.0f} | {r['max_abs_err']:.4f} |" for r in ok]
-        lines += [f"{knobs(r)} failed: {r['error']} | | |" for r in swept if "error" in r]
-    write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept}, lines)
+        lines += [f"{knobs(r)} {r['us']:.1f} | {r['gbs']:,.0f} | {r['us_short']:.1f} | {r['max_abs_err']:.4f} |"
+                  for r in ok]
+        lines += [f"{knobs(r)} failed: {r['error']} | | | |" for r in swept if "error" in r]
+    write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept, "kernels_us": kernels}, lines)
 
 
 if __name__ == "__main__":

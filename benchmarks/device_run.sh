@@ -36,8 +36,9 @@
 #              most of a GPU)
 #   collect    wait for the background runs (within the stage limit), then copy their files into results/ and logs
 #   e2e15_b    grpo_e2e 1.5B, 2 prompts x 8 x 16,384, 1 step;  e2e15_a4 / e2e15_b4 / e2e8b_b4: 4-bit variants
-#   attn       decode attention alone (Triton vs SDPA) against its KV bytes: 8B heads 16 x 8 at T=1,024, 1.5B heads
-#              64 x 8 (both with a sweep of the kernels' launch choices), 8B 2 x 8 at 16K (~4 min)
+#   attn       decode attention alone (Triton vs SDPA, CUDA-graph timed) against its KV bytes: 8B heads 16 x 8 at
+#              T=1,024, 1.5B heads 64 x 8 (both with a sweep of the kernels' launch choices at the shortest and longest
+#              suffix, and each kernel's GPU time), 8B 2 x 8 at 16K (~4 min)
 #   prof20k    grpo_memory 8B 20,480 x 8 (reuse, MLP tiles 4,096): one step + one profiled step (GPU time per
 #              kernel, _profile.txt) + the GPU gradient check with each run's forward log-probs (~4 min)
 #   prof20k_cudnn  the same step and profile with cuDNN attention first (~3 min)
@@ -140,9 +141,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --steps 1 --no-cli-smoke --load-in-4bit --nf4-kernel ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
-        attn) stage attn 150 python3 benchmarks/decode_attention_speed.py --sweep --tag _graph \
-            && stage attn15 120 python3 benchmarks/decode_attention_speed.py --prompts 64 --heads 12,2,128 --sweep \
-            --tag _qwen15_graph \
+        attn) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph \
+            && stage attn15 150 python3 benchmarks/decode_attention_speed.py --prompts 64 --heads 12,2,128 --sweep \
+            --breakdown --tag _qwen15_graph \
             && stage attn16k 90 python3 benchmarks/decode_attention_speed.py --prompts 2 --max-suffix 16384 \
             --suffix 1024,8192,16384 --tag _graph ;;
         prof20k) stage prof20k 360 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

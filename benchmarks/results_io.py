@@ -73,6 +73,38 @@ def graph_seconds(fn, calls: int = 20, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_times(prof) -> dict:
+    """{kernel or op name: (self GPU µs, calls)} of a finished torch.profiler profile."""
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            out[e.key] = (us, e.count)
+    return out
+
+
+def graph_kernel_times(fn, calls: int = 20, reps: int = 5) -> dict:
+    """{kernel name: GPU µs per fn() call} of fn replayed from a CUDA graph (``calls`` captured, ``reps`` replays
+    profiled): where a call's GPU time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    return {name: us / (calls * reps) for name, (us, _) in kernel_times(prof).items()}
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write of a 4 GiB buffer, best of 5)."""
     gib = 2 ** 30

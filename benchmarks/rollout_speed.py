@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
-from results_io import RESULTS, copy_bandwidth, run_meta, write_result  # noqa: E402
+from results_io import RESULTS, copy_bandwidth, kernel_times, run_meta, write_result  # noqa: E402
 
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.models import apply_lora, base_model  # noqa: E402
@@ -171,7 +171,7 @@ def launch_overrides(spec: str) -> dict:
     rows = [r for r in json.loads(Path(spec).read_text()).get("sweep", []) if "us" in r]
     if not rows:
         raise SystemExit(f"--launch {spec}: no timed sweep row in it (run decode_attention_speed.py --sweep)")
-    best = min(rows, key=lambda r: r["us"])
+    best = min(rows, key=lambda r: r["us"] + r.get("us_short", 0.0))  # both ends of a rollout, where swept
     return {k: best[k] for k in LAUNCH if k in best}
 
 
@@ -251,17 +251,6 @@ def main() -> None:
         write_tables(args, results, weight_bytes)  # after every impl: a later one that hangs loses nothing
 
 
-def _kernel_times(prof) -> dict:
-    """{kernel or op name: (self GPU µs, calls)} of a finished profile."""
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        us = e.self_cuda_time_total if us is None else us
-        if us > 0:
-            out[e.key] = (us, e.count)
-    return out
-
-
 def profile_decode(args, model, prompts) -> None:
     """GPU time per kernel of the decode steps alone (decode graphs replayed; the profiler sees their kernels): a
     rollout of N new tokens minus one of 1 (prefill + first token), per step, for the fast path (fast decode +
@@ -282,7 +271,7 @@ def profile_decode(args, model, prompts) -> None:
                 sampler.generate(prompts, args.G, params)
                 _sync()
                 seconds = time.perf_counter() - t
-            runs[n] = (seconds, _kernel_times(prof))
+            runs[n] = (seconds, kernel_times(prof))
         steps = N - 1
         per_step = {k: ((us - runs[1][1].get(k, (0, 0))[0]) / steps, (c - runs[1][1].get(k, (0, 0))[1]) / steps)
                     for k, (us, c) in runs[N][1].items()}
