@@ -50,10 +50,8 @@ def gpu_seconds(fn, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_seconds(fn, calls: int = 20, reps: int = 20) -> float:
-    """Median GPU seconds of one fn() replayed from a CUDA graph (``calls`` calls captured, after 3 warm-ups that
-    compile and allocate): the time the device spends, without the host's launch overhead, as a captured decode
-    step runs it."""
+def captured(fn, calls: int) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of fn, captured after 3 warm-ups (they compile and allocate), replayed once."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -62,6 +60,14 @@ def graph_seconds(fn, calls: int = 20, reps: int = 20) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def graph_seconds(fn, calls: int = 20, reps: int = 20) -> float:
+    """Median GPU seconds of one fn() replayed from a CUDA graph of ``calls`` calls: the time the device spends,
+    without the host's launch overhead, as a captured decode step runs it."""
+    graph = captured(fn, calls)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,15 +95,7 @@ def graph_kernel_times(fn, calls: int = 20, reps: int = 5) -> dict:
     profiled): where a call's GPU time goes, kernel by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured(fn, calls)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
