@@ -38,6 +38,9 @@ def test_dotted_overrides_and_types():
     ("rewards=[]", "rewards"),
     ("rewards=[{function: no_colon}]", "rewards[0].function"),
     ("output.save_steps=3", None),  # fine with num_iterations=1
+    ("train.adam_beta1=1.5", "config key 'train.adam_beta1': got 1.5; allowed: 0 <= beta1 < 1"),
+    ("train.weight_decay=-1", "train.weight_decay"),
+    ("rewards=[{function: 'a:b', weight: .nan}]", "config key 'rewards[0].weight'"),
 ])
 def test_bad_values_name_the_key(override, message):
     if message is None:
@@ -51,6 +54,8 @@ def test_bad_values_name_the_key(override, message):
 def test_save_steps_must_align_with_num_iterations():
     with pytest.raises(ConfigError, match="multiple of grpo.num_iterations"):
         load_config(None, ["grpo.num_iterations=2", "output.save_steps=3"], base=demo_config())
+    with pytest.raises(ConfigError, match="'train.max_steps': got 3; allowed: a multiple of grpo.num_iterations"):
+        load_config(None, ["grpo.num_iterations=2", "train.max_steps=3"], base=demo_config())  # its final save
 
 
 def test_unknown_key_in_file(tmp_path):

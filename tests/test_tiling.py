@@ -270,11 +270,13 @@ def test_config_key_and_trainer_applies_it(tmp_path):
     with pytest.raises(ConfigError, match="train.mlp_tile_tokens"):
         load_config(None, ["train.mlp_tile_tokens=-1"], base=demo_config())
     common = ["train.max_steps=1", "train.prompts_per_step=2", "grpo.num_generations=2", "output.progress_bar=false",
-              "output.tensorboard=false", f"output.output_dir={tmp_path}"]
-    on = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=4"], base=demo_config()))
+              "output.tensorboard=false"]
+    on = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=4", f"output.output_dir={tmp_path / 'on'}"],
+                                 base=demo_config()))
     assert mlp_tile_tokens(on.model) == 4
     m_on = on.train()[0]
-    off = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=0"], base=demo_config()))  # same seed
+    off = GRPOTrainer(load_config(None, common + ["train.mlp_tile_tokens=0", f"output.output_dir={tmp_path / 'off'}"],
+                                  base=demo_config()))  # same seed
     assert mlp_tile_tokens(off.model) is None
     m_off = off.train()[0]
     for k in ("reward", "loss", "grad_norm", "entropy"):

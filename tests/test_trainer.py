@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from longrl.config import load_config
+from longrl.config import ConfigError, load_config
 from longrl.demo import demo_config
 from longrl.reporting import read_metrics
 from longrl.trainer import GRPOTrainer
@@ -123,3 +123,38 @@ def test_cli_train_runs_from_printed_config(tmp_path):
     r = _cli("train", str(path), *QUICK, "train.max_steps=2", f"output.output_dir={tmp_path / 'o'}")
     assert r.returncode == 0, r.stderr
     assert len(read_metrics(tmp_path / "o")) == 2
+
+
+def test_output_dir_and_resume_settings_checked_before_the_model_loads(tmp_path, monkeypatch):
+    import longrl.trainer as trainer_module
+
+    GRPOTrainer(_cfg(tmp_path, "train.max_steps=2")).train()  # leaves checkpoint-2
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rew')  # a line cut short by a kill
+    real_load = trainer_module.load_model
+    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    with pytest.raises(ConfigError, match="already holds checkpoints of an earlier run \\(checkpoint-2\\)"):
+        GRPOTrainer(_cfg(tmp_path, "train.max_steps=2"))  # a new run would rotate and resume the old one's files
+    with pytest.raises(ConfigError, match=r"train.learning_rate: 0.0005 → 0.01"):
+        GRPOTrainer(_cfg(tmp_path, "output.resume=true", "train.max_steps=3", "train.learning_rate=0.01"))
+    with pytest.raises(ConfigError, match="lora.enabled: False → True"):
+        GRPOTrainer(_cfg(tmp_path, "output.resume=true", "lora.enabled=true"))
+    monkeypatch.setattr(trainer_module, "load_model", real_load)
+    # longer, other outputs and micro-batching: allowed; the cut line is dropped
+    GRPOTrainer(_cfg(tmp_path, "output.resume=true", "train.max_steps=3", "output.log_completions=0",
+                     "train.micro_batch_size=3")).train()
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_demo_again_starts_over_but_leaves_other_runs(tmp_path):
+    from longrl.cli import _start_demo_over
+
+    cfg = _cfg(tmp_path, "train.max_steps=2")
+    GRPOTrainer(cfg).train()
+    other = tmp_path / "checkpoint-9"
+    other.mkdir()
+    (other / "trainer_state.json").write_text(json.dumps({"config": {"model": {"name_or_path": "my/model"}}}))
+    _start_demo_over(cfg)
+    assert not (tmp_path / "checkpoint-2").exists() and other.is_dir()
+    other.rename(tmp_path / "kept-9")
+    GRPOTrainer(cfg).train()  # the directory holds no checkpoint now: a new run is allowed

@@ -114,10 +114,27 @@ def _plan(cfg, gpu_memory_gib: float | None) -> int:
     return 0
 
 
+def _start_demo_over(cfg) -> None:
+    """``longrl demo`` again into the same directory starts over: an earlier demo's checkpoints there are removed
+    (only those whose saved config names this builtin model); anything else is left to the trainer's check."""
+    import json
+    import shutil
+
+    from .checkpoint import STATE_FILE, list_checkpoints
+
+    if cfg.output.resume or not cfg.model.name_or_path.startswith("builtin:"):
+        return
+    for path in list_checkpoints(cfg.output.output_dir):
+        saved = json.loads((path / STATE_FILE).read_text()).get("config") or {}
+        if saved.get("model", {}).get("name_or_path") == cfg.model.name_or_path:
+            shutil.rmtree(path)
+
+
 def _demo(cfg) -> int:
     from .reporting import plot_reward_curve, read_metrics
 
     start = time.perf_counter()
+    _start_demo_over(cfg)
     _run(cfg)
     metrics = read_metrics(cfg.output.output_dir)
     window = max(1, min(10, len(metrics) // 5))

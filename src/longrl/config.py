@@ -8,6 +8,7 @@ naming the key path, the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -154,6 +155,40 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- resuming
+
+# keys a resumed run may change: how long it runs, where and how it reports, and how fast or in how much memory it
+# computes the same steps; every other key decides the run's trajectory (data, model, adapters, optimizer, loss,
+# sampling) and must stay what the checkpoint was trained with
+RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "generation.cuda_graphs",
+                     "generation.kv_cache_gib", "generation.sync_every", "generation.fast_decode",
+                     "generation.fuse_lora", "generation.nf4_kernel", "train.micro_batch_tokens",
+                     "train.micro_batch_size", "train.logprob_chunk_size", "train.mlp_tile_tokens", "model.device",
+                     "model.offload_activations", "model.gpu_resident_layers", "model.sdpa_backends",
+                     "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_conflicts(saved: dict, cfg: "Config") -> list[str]:
+    """'key: saved → now' for each key outside RESUMABLE_CHANGES whose value differs between the config a
+    checkpoint was trained with (``saved``, as stored in its JSON state) and ``cfg``."""
+    import json
+
+    before, now = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
+    return [f"{k}: {before.get(k)!r} → {now.get(k)!r}" for k in sorted(set(before) | set(now))
+            if before.get(k) != now.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a))
+                                                       for a in RESUMABLE_CHANGES)]
 
 
 # ----------------------------------------------------------------------------- parsing and validation
@@ -306,6 +341,12 @@ def validate(cfg: Config) -> None:
     _check(g.delta is None or g.delta > 1, "grpo.delta", g.delta, "null or > 1")
     _check(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "an integer >= 1")
     _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "an integer >= 1")
+    _check(t.max_steps % g.num_iterations == 0, "train.max_steps", t.max_steps,
+           f"a multiple of grpo.num_iterations ({g.num_iterations}): the last step saves a checkpoint, which must "
+           "fall between rollout batches")
+    _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", t.adam_beta1, "0 <= beta1 < 1")
+    _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "0 <= beta2 < 1")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, ">= 0")
     _check(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "an integer >= 1")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
     _check(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "> 0")
@@ -349,3 +390,4 @@ def validate(cfg: Config) -> None:
     for i, r in enumerate(cfg.rewards):
         _check(":" in r.function, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")
+        _check(math.isfinite(r.weight), f"rewards[{i}].weight", r.weight, "a finite number")

@@ -49,11 +49,21 @@ class RunReporter:
 
     @staticmethod
     def _truncate(path: Path, resume_step: int) -> None:
-        """Drop lines of steps after ``resume_step`` (a resumed run rewrites them); all lines when starting over."""
+        """Drop lines of steps after ``resume_step`` (a resumed run rewrites them); all lines when starting over.
+        A line that does not parse (the half-written last line of a killed run) is dropped, and said."""
         if not path.exists():
             return
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        kept = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line).get("step", 0)
+            except json.JSONDecodeError:
+                log.warning("%s: line %d is not JSON (cut short when a run stopped?): dropped", path, number)
+                continue
+            if step <= resume_step:
+                kept.append(line)
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def log_step(self, metrics: dict) -> None:

@@ -9,6 +9,7 @@ loss weights (see ``longrl.ops.losses``), so the split never changes the loss.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import frozen_base_weights, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config
+from .checkpoint import STATE_FILE, atomic_write_text, frozen_base_weights, latest_checkpoint, list_checkpoints, \
+    load_checkpoint, save_checkpoint
+from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
 from .data import PromptSampler, load_prompts
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.planner import plan_for_config
@@ -55,6 +57,26 @@ class RolloutBatch:
     num_reward_failures: int
 
 
+def check_output_dir(cfg: Config) -> None:
+    """Refuse, before anything loads, a new run into a directory that holds another run's checkpoints (its
+    checkpoint rotation and resume would mix the two), and a resume whose settings differ from the ones its
+    checkpoint was trained with, beyond RESUMABLE_CHANGES."""
+    out = Path(cfg.output.output_dir)
+    found = list_checkpoints(out)
+    if not found:
+        return
+    if not cfg.output.resume:
+        raise ConfigError(f"output.output_dir '{out}' already holds checkpoints of an earlier run "
+                          f"({', '.join(p.name for p in found[-3:])}): set output.resume=true to continue it, or "
+                          "choose another output.output_dir")
+    saved = json.loads((found[-1] / STATE_FILE).read_text()).get("config")
+    conflicts = resume_conflicts(saved, cfg) if saved else []
+    if conflicts:
+        raise ConfigError(f"output.resume: {found[-1]} was trained with other settings — {'; '.join(conflicts)}. "
+                          "A resumed run may change only how long it runs, its outputs and speed/memory settings "
+                          f"({', '.join(RESUMABLE_CHANGES)}); start a new output.output_dir for the others")
+
+
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     """Multiplier of the base learning rate at step s: linear warm-up, then constant / linear / cosine decay."""
     def f(step: int) -> float:
@@ -79,7 +101,9 @@ class GRPOTrainer:
     def __init__(self, cfg: Config, model=None, tokenizer=None, scorer: RewardScorer | None = None):
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
-        # Cheap checks first: reward functions and data fail before the model loads when they can.
+        # Cheap checks first: the output directory, reward functions and data fail before the model loads when
+        # they can.
+        check_output_dir(cfg)
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
         self.device = resolve_device(cfg.model.device)
         if model is None:
@@ -135,7 +159,7 @@ class GRPOTrainer:
         self.model.train()
         reporter = RunReporter(self.output_dir, cfg.train.max_steps, cfg.output.tensorboard,
                                cfg.output.progress_bar, resume_step=self.step_idx)
-        (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
         history = []
         try:
             with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model):
