@@ -74,16 +74,10 @@ def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, s_
     return rows
 
 
-def breakdown(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dev) -> dict:
-    """{kernel: GPU µs per call} of longrl's decode attention at suffix s (graph replays, profiled)."""
-    from longrl.rollout.decode_kernel import decode_attention_triton
-
-    args, kw, _ = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, torch.bfloat16, dev)
-    return graph_kernel_times(lambda: decode_attention_triton(*args, **kw))
-
-
-def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev) -> dict:
-    """longrl's kernels and SDPA (dense keys, the prefix copied per sequence) on one decode step of one layer."""
+def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dtype, dev,
+         kernels: bool = False) -> dict:
+    """longrl's kernels and SDPA (dense keys, the prefix copied per sequence) on one decode step of one layer;
+    ``kernels``: also {kernel: GPU µs per call} of longrl's call (graph replays, profiled) as ``kernels_us``."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
     args, kw, kv_bytes = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, dtype, dev)
@@ -92,6 +86,7 @@ def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dty
     longrl = lambda: decode_attention_triton(*args, **kw)  # noqa: E731
     err = float((longrl().float() - decode_attention_reference(*args).float()).abs().max()) if B * (Lp + s) <= 2 ** 21 else None
     t_longrl = graph_seconds(longrl)
+    per_kernel = graph_kernel_times(longrl) if kernels else None
 
     kd = torch.cat([k_pre[pidx], k_suf[:, :, :s]], dim=2)  # [B, Hkv, Lp + s, D]
     vd = torch.cat([v_pre[pidx], v_suf[:, :, :s]], dim=2)
@@ -101,7 +96,7 @@ def case(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, dty
     sdpa_bytes = 2 * Hkv * D * torch.empty((), dtype=dtype).element_size() * B * (Lp + s)
     return dict(P=P, G=G, Lp=Lp, T=T, suffix=s, kv_mb=kv_bytes / 1e6, longrl_us=t_longrl * 1e6,
                 longrl_gbs=kv_bytes / t_longrl / 1e9, sdpa_us=t_sdpa * 1e6, sdpa_gbs=sdpa_bytes / t_sdpa / 1e9,
-                max_abs_err=err)
+                max_abs_err=err, kernels_us=per_kernel)
 
 
 def main() -> None:
@@ -125,8 +120,8 @@ def main() -> None:
     dev = torch.device("cuda")
     Hq, Hkv, D = (int(x) for x in args.heads.split(","))
     bw = copy_bandwidth(dev)
-    rows = [case(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, int(s), torch.bfloat16, dev)
-            for s in args.suffix.split(",")]
+    rows = [case(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, int(s), torch.bfloat16, dev,
+                 kernels=args.breakdown) for s in args.suffix.split(",")]
     for r in rows:
         r["longrl_of_copy_bw"] = r["longrl_gbs"] * 1e9 / bw
         print(r, flush=True)
@@ -143,11 +138,9 @@ def main() -> None:
         err = f"{r['max_abs_err']:.4f}" if r["max_abs_err"] is not None else "–"
         lines.append(f"| {r['suffix']} | {r['kv_mb']:.1f} | {r['longrl_us']:.1f} | {r['longrl_gbs']:,.0f} | "
                      f"{100 * r['longrl_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_gbs']:,.0f} | {err} |")
-    swept, kernels = [], {}
+    swept = []
     if args.breakdown:
-        for r in rows:
-            kernels[r["suffix"]] = breakdown(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix,
-                                             r["suffix"], dev)
+        kernels = {r["suffix"]: r["kernels_us"] for r in rows}
         names = sorted({k for per in kernels.values() for k in per}, key=lambda k: -max(
             per.get(k, 0.0) for per in kernels.values()))
         lines += ["", "GPU µs a call, kernel by kernel (graph replays under the profiler):", "",
@@ -170,7 +163,7 @@ def main() -> None:
         lines += [f"{knobs(r)} {r['us']:.1f} | {r['gbs']:,.0f} | {r['us_short']:.1f} | {r['max_abs_err']:.4f} |"
                   for r in ok]
         lines += [f"{knobs(r)} failed: {r['error']} | | | |" for r in swept if "error" in r]
-    write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept, "kernels_us": kernels}, lines)
+    write_result(stem, {**meta, **vars(args), "rows": rows, "sweep": swept}, lines)
 
 
 if __name__ == "__main__":

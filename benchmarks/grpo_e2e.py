@@ -176,6 +176,7 @@ def run_trl(args, root: Path) -> dict:
                                                      task_type="CAUSAL_LM"),
                           callbacks=[StepClock()])
     reuses_cache = generate_reuses_kv_cache(trainer.model)
+    print(f"generate, called TRL's way, reuses its KV cache: {reuses_cache}", flush=True)  # before the long run
     fed = []  # tokens a no-grad forward fed per sequence inside train(): 1 for each decode step with a cache
     hook = model.get_input_embeddings().register_forward_pre_hook(
         lambda mod, inp: None if torch.is_grad_enabled() else fed.append(inp[0].shape[1]))

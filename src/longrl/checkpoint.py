@@ -94,6 +94,11 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_config(path: Path) -> dict | None:
+    """The run config a checkpoint was trained with (as saved in its trainer state; None if it has none)."""
+    return json.loads((Path(path) / STATE_FILE).read_text()).get("config")
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None

@@ -117,15 +117,14 @@ def _plan(cfg, gpu_memory_gib: float | None) -> int:
 def _start_demo_over(cfg) -> None:
     """``longrl demo`` again into the same directory starts over: an earlier demo's checkpoints there are removed
     (only those whose saved config names this builtin model); anything else is left to the trainer's check."""
-    import json
     import shutil
 
-    from .checkpoint import STATE_FILE, list_checkpoints
+    from .checkpoint import checkpoint_config, list_checkpoints
 
     if cfg.output.resume or not cfg.model.name_or_path.startswith("builtin:"):
         return
     for path in list_checkpoints(cfg.output.output_dir):
-        saved = json.loads((path / STATE_FILE).read_text()).get("config") or {}
+        saved = checkpoint_config(path) or {}
         if saved.get("model", {}).get("name_or_path") == cfg.model.name_or_path:
             shutil.rmtree(path)
 

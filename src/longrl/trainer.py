@@ -9,7 +9,6 @@ loss weights (see ``longrl.ops.losses``), so the split never changes the loss.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import STATE_FILE, atomic_write_text, frozen_base_weights, latest_checkpoint, list_checkpoints, \
-    load_checkpoint, save_checkpoint
+from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weights, latest_checkpoint, \
+    list_checkpoints, load_checkpoint, save_checkpoint
 from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
 from .data import PromptSampler, load_prompts
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
@@ -69,7 +68,7 @@ def check_output_dir(cfg: Config) -> None:
         raise ConfigError(f"output.output_dir '{out}' already holds checkpoints of an earlier run "
                           f"({', '.join(p.name for p in found[-3:])}): set output.resume=true to continue it, or "
                           "choose another output.output_dir")
-    saved = json.loads((found[-1] / STATE_FILE).read_text()).get("config")
+    saved = checkpoint_config(found[-1])
     conflicts = resume_conflicts(saved, cfg) if saved else []
     if conflicts:
         raise ConfigError(f"output.resume: {found[-1]} was trained with other settings — {'; '.join(conflicts)}. "

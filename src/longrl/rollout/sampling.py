@@ -119,12 +119,17 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Te
 CDF_BLOCK = 1024  # vocabulary entries a block of the two-level inverse CDF
 
 
+def _within_mass(index: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
+    """index [B, 1] capped at the last entry with mass of each row of cdf [B, n] (where it reaches its end): a
+    search that ran off the end (u · total rounded up to the total) comes back to a token that can be drawn."""
+    return torch.minimum(index, (cdf < cdf[:, -1:]).sum(-1, keepdim=True))
+
+
 def inverse_cdf_reference(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Twin of :func:`inverse_cdf`: the whole float64 CDF [B, V]; token = min{v : cdf_v > u · cdf_V}, never past
     the last token with mass."""
     cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
-    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(-1))  # the last index with mass: where cdf reaches its end
+    return _within_mass(torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True), cdf)[:, 0]
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -139,16 +144,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if full < V:
         sums = torch.cat([sums, probs[:, full:].sum(-1, dtype=torch.float64)[:, None]], dim=1)
     block_cdf = sums.cumsum(-1)  # [B, nb]
-    total = block_cdf[:, -1:]
-    target = u[:, None] * total  # [B, 1]
-    block = torch.searchsorted(block_cdf, target, right=True)
-    block = torch.minimum(block, (block_cdf < total).sum(-1, keepdim=True))  # never past the last block with mass
+    target = u[:, None] * block_cdf[:, -1:]  # [B, 1]: u · total
+    block = _within_mass(torch.searchsorted(block_cdf, target, right=True), block_cdf)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # [B, 1]
     cols = block * C + torch.arange(C, device=probs.device)  # [B, C]
     inside = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).to(torch.float64).cumsum(-1)
-    index = torch.searchsorted(inside, target - before, right=True)
-    index = torch.minimum(index, (inside < inside[:, -1:]).sum(-1, keepdim=True))  # the block's sum and its
-    return (block * C + index)[:, 0]  # CDF's end may round differently: never past its last token with mass
+    # the block's sum and its own CDF's end may round differently: the search may run off the block's end too
+    index = _within_mass(torch.searchsorted(inside, target - before, right=True), inside)
+    return (block * C + index)[:, 0]
 
 
 def token_logprobs(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
