@@ -178,8 +178,16 @@ def run_trl(args, root: Path) -> dict:
     reuses_cache = generate_reuses_kv_cache(trainer.model)
     print(f"generate, called TRL's way, reuses its KV cache: {reuses_cache}", flush=True)  # before the long run
     fed = []  # tokens a no-grad forward fed per sequence inside train(): 1 for each decode step with a cache
-    hook = model.get_input_embeddings().register_forward_pre_hook(
-        lambda mod, inp: None if torch.is_grad_enabled() else fed.append(inp[0].shape[1]))
+    started = time.perf_counter()
+
+    def count_fed(mod, inp):
+        if torch.is_grad_enabled():
+            return
+        fed.append(inp[0].shape[1])
+        if len(fed) % 512 == 0:  # progress of TRL's generate, so a run stopped by a time limit still says its rate
+            print(f"TRL: {len(fed)} no-grad forwards after {time.perf_counter() - started:.1f} s", flush=True)
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(count_fed)
     try:
         trainer.train()
     finally:
