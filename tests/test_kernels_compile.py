@@ -40,12 +40,12 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
                      {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", **strides,
                       "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32", "NPRE": "i32"},
                      dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim,
-                          DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024, PREC=prec), num_warps=4)
+                          DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024, PREC=prec, DYNAMIC_STOP=True), num_warps=4)
     gs = max(1, min(members, 64 // rep))
     compile_for_sm90(dk._prefix_kernel,
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},
                      dict(REP=rep, G=members, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=head_dim,
-                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec), num_warps=4)
+                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True), num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))
         compile_for_sm90(dk._merge_kernel, {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dtype, "NPART": "i32"},
@@ -80,3 +80,16 @@ def test_nf4_kernel_builds(dtype, bm, k_per_split, warps):
                                       "N": "i32", "K": "i32", "KB": "i32", "KS": "i32", "stride_ym": "i64",
                                       "stride_ys": "i64"},
                      dict(K_PER_SPLIT=k_per_split, BM=bm, BN=64, BK=128), num_warps=warps, num_stages=3)
+
+
+@pytest.mark.parametrize("vocab", [128_256, 151_936, 3001])
+def test_sampling_kernel_builds(vocab):
+    from longrl.rollout import sampling_kernel as sk
+
+    nb = -(-vocab // sk.SAMPLE_BLOCK)
+    kernel = compile_for_sm90(sk._sample_kernel,
+                              {"Z": "*fp32", "U": "*fp64", "TOKENS": "*i64", "LOGPROBS": "*fp32", "M_SCRATCH": "*fp32",
+                               "S_SCRATCH": "*fp64", "V": "i32", "stride_z": "i64", "temperature": "fp32"},
+                              dict(NB=nb, NBP=triton.next_power_of_2(nb), BLOCK=sk.SAMPLE_BLOCK),
+                              num_warps=sk.SAMPLE_WARPS)
+    assert "div.rn.f32" in kernel.asm["ptx"]  # x / T rounded as PyTorch's division (not div.full's approximation)

@@ -17,6 +17,8 @@ read on the device: one launch serves any lengths (CUDA-graph safe, no host sync
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,25 +30,43 @@ BLOCK = 32
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512)
 
 
+# Under Triton's interpreter a loop bound computed in the kernel cannot be a range() limit (it calls int() on a
+# 1-element numpy array, which numpy 2 refuses): there the loops run to CHUNK, with the same result (see _attend)
+DYNAMIC_STOP = os.environ.get("TRITON_INTERPRET") != "1"
+
+
 @triton.jit
-def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
-            D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
-    """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]."""
+def _fold_block(q, k_ptr, v_ptr, stride_t, first, end, m, l, acc, scale, D: tl.constexpr, DP: tl.constexpr,
+                BLOCK: tl.constexpr, PREC: tl.constexpr):
+    """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP]."""
     dims = tl.arange(0, DP)
-    for off in range(0, CHUNK, BLOCK):
-        t = start + off + tl.arange(0, BLOCK)
-        in_range = t < end
-        ok = in_range[:, None] & (dims[None, :] < D)
-        k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
-        v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [R, BLOCK] float32
-        s = tl.where(in_range[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-        p = tl.where(in_range[None, :], tl.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+    t = first + tl.arange(0, BLOCK)
+    in_range = t < end
+    ok = in_range[:, None] & (dims[None, :] < D)
+    k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
+    v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [R, BLOCK] float32
+    s = tl.where(in_range[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+    p = tl.where(in_range[None, :], tl.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale, D: tl.constexpr, DP: tl.constexpr,
+            BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, DYNAMIC_STOP: tl.constexpr):
+    """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]. With
+    DYNAMIC_STOP the loop ends at the last block with keys: a block past them leaves m, l and acc exactly as they
+    are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions."""
+    if DYNAMIC_STOP:
+        for off in range(0, tl.minimum(end - start, CHUNK), BLOCK):
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, stride_t, start + off, end, m, l, acc, scale, D, DP, BLOCK, PREC)
+    else:
+        for off in range(0, CHUNK, BLOCK):
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, stride_t, start + off, end, m, l, acc, scale, D, DP, BLOCK, PREC)
     return m, l, acc
 
 
@@ -54,7 +74,8 @@ def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale,
 def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
                    stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART, NSUB,
                    REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                   DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr):
+                   DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr,
+                   DYNAMIC_STOP: tl.constexpr):
     """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
     sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
     [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
@@ -82,7 +103,7 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
     acc = tl.zeros([R, DP], tl.float32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
     m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, p_len, m, l, acc, scale, D, DP, BLOCK, PCHUNK,
-                        PREC)
+                        PREC, DYNAMIC_STOP)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -93,7 +114,8 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
 def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, scale,
                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st, NPART,
                   FIRST, NPRE, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+                  DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
+                  DYNAMIC_STOP: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it)."""
@@ -119,11 +141,11 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
     if c < NPRE:
         base = tl.load(PIDX + b).to(tl.int64) * stride_pp + h * stride_ph
         m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
-                            PREC)
+                            PREC, DYNAMIC_STOP)
     else:
         base = b.to(tl.int64) * stride_sb + h * stride_sh
         m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
-                            PREC)
+                            PREC, DYNAMIC_STOP)
     part = (b.to(tl.int64) * (stride_qb // stride_qh) + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -201,12 +223,13 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         _prefix_kernel[(P, Hkv, first * n_sub)](
             q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=D,
-            DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec, num_warps=warps, num_stages=stages)
+            DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, num_warps=warps,
+            num_stages=stages)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
         *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
         FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
-        CHUNK=chunk, PREC=prec, num_warps=warps, num_stages=stages)
+        CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, num_warps=warps, num_stages=stages)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     cb = min(16, triton.next_power_of_2(npart))
     _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, npart, D=D, DP=DP,

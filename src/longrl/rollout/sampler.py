@@ -32,7 +32,7 @@ from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, reg
                         unsupported_reason)
 from .fast_decode import FastDecoder
 from .lora_fusion import fused_lora
-from .sampling import SamplingParams, next_tokens, stop_index
+from .sampling import SamplingParams, next_tokens, stop_index, triton_available
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Sampler:
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
-        self.use_triton = self.device.type == "cuda" and _triton_available()
+        self.use_triton = self.device.type == "cuda" and triton_available()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
@@ -161,14 +161,6 @@ def _graph_safe(model, use_triton: bool) -> bool:
     rotary = getattr(getattr(base_model(model), "model", None), "rotary_emb", None)
     rope = str(getattr(rotary, "rope_type", ""))  # a dict of them for per-layer-type models
     return use_triton and "dynamic" not in rope and "longrope" not in rope
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class _Run:

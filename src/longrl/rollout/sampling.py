@@ -11,6 +11,7 @@ exp(trainer − sampler) measures the numerical mismatch between the two and not
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -104,16 +105,39 @@ def uniform_for(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> to
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor, position: torch.Tensor,
-                seen: torch.Tensor | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                seen: torch.Tensor | None = None, rows: int | None = None,
+                fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] long, log-probs [B] float32) for logits [B, V]; sequence, position [B] long key each row's
     random number (see the module docstring). Rows are drawn ``rows`` at a time (default: as many as keep the
-    temporaries within the planner's sampling chunk); the result does not depend on it."""
+    temporaries within the planner's sampling chunk); the result does not depend on it. Plain temperature
+    sampling of float32 logits runs as one Triton kernel (``fused``; default: on CUDA with Triton), the same
+    draw up to rounding at a CDF boundary (rollout/sampling_kernel.py)."""
+    if fused_sampling_applies(logits, params, seen, fused):
+        from .sampling_kernel import sample_with_temperature
+
+        return sample_with_temperature(logits, uniform_for(params.seed, sequence, position), params.temperature)
     rows = rows or sampling_rows(logits.shape[-1])
     if logits.shape[0] <= rows:
         return _next_tokens(logits, params, sequence, position, seen)
     parts = [_next_tokens(logits[i:i + rows], params, sequence[i:i + rows], position[i:i + rows],
                           None if seen is None else seen[i:i + rows]) for i in range(0, logits.shape[0], rows)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
+                           fused: bool | None) -> bool:
+    """Whether :func:`next_tokens` draws with the fused kernel: asked for (default: the logits are on CUDA and
+    Triton imports), float32 rows, and nothing but a temperature between the logits and the draw."""
+    if fused is None:
+        fused = logits.is_cuda and triton_available()
+    plain = (not params.greedy and params.top_p == 1.0 and params.min_p == 0.0
+             and (params.top_k == 0 or params.top_k >= logits.shape[-1])
+             and (seen is None or params.repetition_penalty == 1.0))
+    return fused and plain and logits.dtype == torch.float32 and logits.stride(-1) == 1
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 CDF_BLOCK = 1024  # vocabulary entries a block of the two-level inverse CDF

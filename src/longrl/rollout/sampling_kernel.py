@@ -1,0 +1,90 @@
+"""Temperature sampling in one Triton kernel (GPU fast path of :func:`longrl.rollout.sampling.next_tokens`).
+
+Twin of the PyTorch path (softmax, then :func:`~longrl.rollout.sampling.inverse_cdf`, then
+:func:`~longrl.rollout.sampling.token_logprobs`), for the common case of plain temperature sampling (no top-k,
+top-p, min-p or repetition penalty). One program per row x = z / T [V], in vocabulary blocks of BLOCK:
+
+    pass 1, each block b:  m_b = max x,  s_b = Σ e^(x − m_b)          (s_b in float64; (m_b, s_b) to a scratch row)
+    then:   M = max_b m_b,  w_b = s_b · e^(m_b − M),  W_b = Σ_{b' ≤ b} w_b'          (block CDF, float64)
+            target = u · W_last;  block β = #{b : W_b ≤ target}  (never past the last block with mass)
+    pass 2, block β only:  c_j = W_{β−1} + e^(m_β − M) · Σ_{i ≤ j} e^(x_i − m_β);  token = β·BLOCK + #{j : c_j ≤ target}
+            (never past the block's last entry with mass)
+    log-prob = x_token − (M + log W_last)
+
+The draw is the reference's, min{v : CDF_v > u · total}, up to rounding where u · total falls within ~1e-7 of a
+boundary; it reads the logits about once (the PyTorch path: about eight passes over [B, V] and ~25 launches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton use the PyTorch path
+    triton = None
+
+SAMPLE_BLOCK = 8192  # vocabulary entries a block (a 128K vocabulary is 16 blocks)
+SAMPLE_WARPS = 16  # 32 KB of logits in flight per program: one program a row must still stream at full bandwidth
+
+
+if triton is not None:
+    @triton.jit
+    def _sample_kernel(Z, U, TOKENS, LOGPROBS, M_SCRATCH, S_SCRATCH, V, stride_z, temperature, NB: tl.constexpr,
+                       NBP: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row: the token drawn at u and its log-prob (see the module docstring)."""
+        row = tl.program_id(0).to(tl.int64)
+        z_row = Z + row * stride_z
+        cols = tl.arange(0, BLOCK)
+        for b in range(0, NB):  # pass 1: each block's max and Σ e^(x − m_b)
+            idx = b * BLOCK + cols
+            x = tl.math.div_rn(tl.load(z_row + idx, mask=idx < V, other=float("-inf")), temperature)
+            m_b = tl.max(x, 0)
+            e = tl.where(x > float("-inf"), tl.exp(x - tl.where(m_b > float("-inf"), m_b, 0.0)), 0.0)
+            tl.store(M_SCRATCH + row * NBP + b, m_b)
+            tl.store(S_SCRATCH + row * NBP + b, tl.sum(e.to(tl.float64), 0))
+        blocks = tl.arange(0, NBP)
+        m_b = tl.load(M_SCRATCH + row * NBP + blocks, mask=blocks < NB, other=float("-inf"))  # [NBP]
+        s_b = tl.load(S_SCRATCH + row * NBP + blocks, mask=blocks < NB, other=0.0)
+        top = tl.max(m_b, 0)
+        has_mass = m_b > float("-inf")
+        w = tl.where(has_mass, s_b * tl.exp(tl.where(has_mass, m_b - top, 0.0).to(tl.float64)), 0.0)
+        cdf = tl.cumsum(w, 0)  # [NBP] float64, non-decreasing
+        total = tl.max(cdf, 0)
+        target = tl.load(U + row) * total
+        beta = tl.minimum(tl.sum((cdf <= target).to(tl.int32), 0), tl.sum((cdf < total).to(tl.int32), 0))
+        before = tl.sum(tl.where(blocks == beta - 1, cdf, 0.0), 0)
+        m_beta = tl.max(tl.where(blocks == beta, m_b, float("-inf")), 0)
+        idx = beta * BLOCK + cols  # pass 2: the chosen block alone
+        x = tl.math.div_rn(tl.load(z_row + idx, mask=idx < V, other=float("-inf")), temperature)
+        e = tl.where(x > float("-inf"), tl.exp(x - tl.where(m_beta > float("-inf"), m_beta, 0.0)), 0.0)
+        inside = tl.cumsum(e.to(tl.float64), 0) * tl.exp((m_beta - top).to(tl.float64))  # [BLOCK]
+        last = tl.max(inside, 0)
+        j = tl.minimum(tl.sum((inside <= target - before).to(tl.int32), 0), tl.sum((inside < last).to(tl.int32), 0))
+        x_token = tl.sum(tl.where(cols == j, x, 0.0), 0)
+        tl.store(TOKENS + row, (beta * BLOCK + j).to(tl.int64))
+        tl.store(LOGPROBS + row, x_token - (top + tl.log(total).to(tl.float32)))
+
+
+def sample_with_temperature(logits: torch.Tensor, u: torch.Tensor, temperature: float,
+                            block: int = SAMPLE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] long, log-probs [B] float32) drawn from softmax(logits / T) for logits [B, V] float32 at
+    uniforms u [B] float64: the PyTorch path's result (see the module docstring). ``block`` (a power of two) only
+    changes rounding; tests make it small so that short vocabularies span several blocks."""
+    B, V = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, "float32 logits, contiguous rows"
+    nb = -(-V // block)
+    nbp = triton.next_power_of_2(nb)
+    tokens = torch.empty(B, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    m_scratch = torch.empty(B, nbp, dtype=torch.float32, device=logits.device)
+    s_scratch = torch.empty(B, nbp, dtype=torch.float64, device=logits.device)
+    if B:
+        _sample_kernel[(B,)](logits, u.to(torch.float64).contiguous(), tokens, logprobs, m_scratch, s_scratch, V,
+                             logits.stride(0), float(temperature), nb, NBP=nbp, BLOCK=block,
+                             num_warps=min(SAMPLE_WARPS, max(1, block // 256)))
+    return tokens, logprobs
+
+
+__all__ = ["sample_with_temperature", "SAMPLE_BLOCK"]

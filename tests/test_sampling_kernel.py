@@ -1,0 +1,87 @@
+"""The fused temperature-sampling kernel (rollout/sampling_kernel.py) against its PyTorch twin (softmax, the whole
+float64 CDF, log-softmax), through Triton's interpreter, and next_tokens' choice between them."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from interpreter import run_interpreted
+
+from longrl.rollout.sampling import SamplingParams, fused_sampling_applies
+
+KERNEL_CHECK = textwrap.dedent('''
+    import sys
+    import torch
+    from longrl.rollout.sampling import inverse_cdf_reference, token_logprobs
+    from longrl.rollout.sampling_kernel import sample_with_temperature
+
+    seed = int(sys.argv[1])
+    g = torch.Generator().manual_seed(seed)
+    # (vocabulary, block, temperature): one block, blocks with a partial tail, a block exactly, many blocks
+    for V, block, T in [(50, 64, 1.0), (1000, 64, 0.7), (1024, 128, 1.0), (333, 32, 1.3), (4097, 256, 0.9)]:
+        B = 96
+        z = torch.randn(B, V, generator=g) * 3
+        z[0::4, V // 2:] = float("-inf")  # empty tail blocks: never drawn
+        z[1::4, : V // 3] = float("-inf")  # empty head blocks
+        z[2, :] = float("-inf")
+        z[2, V - 1] = 0.0  # all mass on the last entry (the partial tail block)
+        z[3, 7 % V] = 60.0  # one dominant entry
+        u = torch.rand(B, generator=g, dtype=torch.float64)
+        u[4:8] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5, 1.0], dtype=torch.float64)  # the ends (1.0: a u · total
+        # that rounds up to the total; the search must come back to the last entry with mass)
+        x = z / T
+        probs = torch.softmax(x, dim=-1)
+        want = inverse_cdf_reference(probs, u)
+        got, logp = sample_with_temperature(z.contiguous(), u, T, block=block)
+        assert bool(torch.isfinite(z.gather(1, got[:, None])).all()), "drew an entry without mass"
+        assert int(got[2]) == V - 1
+        cdf = probs.double().cumsum(-1)
+        cdf = cdf / cdf[:, -1:]
+        for row in (got != want).nonzero()[:, 0].tolist():  # only where u sits on a boundary of the CDF
+            edges = cdf[row, [max(int(want[row]) - 1, 0), int(want[row])]]
+            assert float((edges - u[row]).abs().min()) < 1e-6, (V, block, row, int(got[row]), int(want[row]))
+        assert int((got != want).sum()) <= 1, (V, block)
+        torch.testing.assert_close(logp, token_logprobs(x, got), atol=2e-5, rtol=1e-5)
+    print("kernel ok")
+''')
+
+DISPATCH_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.rollout.sampling import SamplingParams, next_tokens
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 3001, generator=g) * 2  # 3001 entries: a block of 8,192 with a partial tail
+    seq, pos = torch.arange(37), torch.randint(0, 50, (37,), generator=g)
+    for params in (SamplingParams(temperature=0.8, seed=2), SamplingParams(temperature=1.0, seed=7, top_k=5000)):
+        fused = next_tokens(logits, params, seq, pos, fused=True)
+        plain = next_tokens(logits, params, seq, pos, fused=False)
+        assert int((fused[0] != plain[0]).sum()) <= 1
+        torch.testing.assert_close(fused[1], plain[1], atol=2e-5, rtol=1e-5)
+    print("dispatch ok")
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_sampling_draws_the_references_tokens(seed):
+    pytest.importorskip("triton")
+    assert "kernel ok" in run_interpreted(KERNEL_CHECK, str(seed))
+
+
+def test_next_tokens_fused_equals_plain():
+    pytest.importorskip("triton")
+    assert "dispatch ok" in run_interpreted(DISPATCH_CHECK)
+
+
+@pytest.mark.parametrize("params,applies", [
+    (SamplingParams(temperature=0.7), True), (SamplingParams(temperature=1.0, top_k=100), True),  # k ≥ V: no filter
+    (SamplingParams(temperature=0), False), (SamplingParams(top_k=5), False), (SamplingParams(top_p=0.9), False),
+    (SamplingParams(min_p=0.1), False), (SamplingParams(repetition_penalty=1.2), False)])
+def test_fused_sampling_only_for_plain_temperature(params, applies):
+    logits = torch.zeros(3, 100)
+    seen = torch.zeros(3, 100, dtype=torch.bool) if params.repetition_penalty != 1.0 else None
+    assert fused_sampling_applies(logits, params, seen, fused=True) is applies
+    assert not fused_sampling_applies(logits, params, seen, fused=None)  # CPU logits: the PyTorch path
+    assert not fused_sampling_applies(logits.half(), params, seen, fused=True)
+    assert not fused_sampling_applies(logits.t(), params, seen, fused=True)  # rows not contiguous
