@@ -291,6 +291,22 @@ def test_non_empty_output_needs_overwrite(llama_ckpt, tmp_path):
     assert (ckpt / "trainer_state.json").is_file()
 
 
+def test_output_that_holds_the_current_directory_is_refused(llama_ckpt, tmp_path, monkeypatch):
+    """`longrl export .` inside the target (it raised a raw OSError when renaming over the working directory)."""
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "keep.txt").write_text("mine")
+    for cwd in (target, target / "sub"):
+        monkeypatch.chdir(cwd)
+        for name in (".", str(target), ".." if cwd != target else "."):
+            with pytest.raises(ExportError, match="current directory"):
+                export_checkpoint(llama_ckpt[0], name, fmt="adapter", overwrite=True)
+    assert (target / "keep.txt").read_text() == "mine" and not list(tmp_path.glob(".*tmp*"))
+    monkeypatch.chdir(tmp_path)
+    out = export_checkpoint(llama_ckpt[0], "target/sub/../exported", fmt="adapter")  # a relative name: fine
+    assert (target / "exported" / "adapter_model.safetensors").is_file() and out.is_absolute()
+
+
 def test_full_weight_checkpoint_merges_and_refuses_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -125,6 +125,20 @@ def test_cli_train_runs_from_printed_config(tmp_path):
     assert len(read_metrics(tmp_path / "o")) == 2
 
 
+@pytest.mark.parametrize("rows, message", [([{"prompt": "1+1="}, {"prompt": ""}], "row 1: prompt must be"),
+                                           ([{"question": "1+1="}], "no prompt column 'prompt'"),
+                                           ([{"prompt": "1+1="}, {"text": "2+2="}], "row 1: prompt must be")])
+def test_dataset_rows_checked_before_the_model_loads(tmp_path, monkeypatch, rows, message):
+    import longrl.trainer as trainer_module
+    from longrl.data import DataError
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    with pytest.raises(DataError, match=message):
+        GRPOTrainer(_cfg(tmp_path / "o", f"data.source={data}"))
+
+
 def test_output_dir_and_resume_settings_checked_before_the_model_loads(tmp_path, monkeypatch):
     import longrl.trainer as trainer_module
 
@@ -144,6 +158,40 @@ def test_output_dir_and_resume_settings_checked_before_the_model_loads(tmp_path,
     GRPOTrainer(_cfg(tmp_path, "output.resume=true", "train.max_steps=3", "output.log_completions=0",
                      "train.micro_batch_size=3")).train()
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process
+    return child.pid
+
+
+def test_saves_cut_by_a_kill_are_finished_or_cleaned_at_the_next_start(tmp_path):
+    import os
+    import shutil
+
+    from longrl.checkpoint import STATE_FILE, recover_interrupted_saves
+
+    GRPOTrainer(_cfg(tmp_path, "train.max_steps=2")).train()  # checkpoint-2
+    dead = _dead_pid()
+    # a re-save of step 2 killed between its two renames: the old copy moved aside, the new one staged half-written
+    os.replace(tmp_path / "checkpoint-2", tmp_path / f".old-checkpoint-2-{dead}")
+    (tmp_path / f".tmp-checkpoint-2-{dead}").mkdir()
+    (tmp_path / f".tmp-checkpoint-9-{dead}").mkdir()  # a first save of step 9 killed while writing
+    live = tmp_path / f".tmp-checkpoint-5-{os.getpid()}"  # a running process's save: not touched
+    live.mkdir()
+    GRPOTrainer(_cfg(tmp_path, "output.resume=true", "train.max_steps=3")).train()
+    assert (tmp_path / "checkpoint-2" / STATE_FILE).is_file() and (tmp_path / "checkpoint-3" / STATE_FILE).is_file()
+    assert json.loads((tmp_path / "checkpoint-3" / STATE_FILE).read_text())["step"] == 3
+    assert len(read_metrics(tmp_path)) == 3  # resumed from the restored step 2, not from scratch
+    assert sorted(p.name for p in tmp_path.glob(".*checkpoint*")) == [live.name]
+    # a complete new copy wins over the moved-aside old one
+    shutil.copytree(tmp_path / "checkpoint-3", tmp_path / f".tmp-checkpoint-3-{dead}")
+    (tmp_path / f".tmp-checkpoint-3-{dead}" / "marker").write_text("new")
+    os.replace(tmp_path / "checkpoint-3", tmp_path / f".old-checkpoint-3-{dead}")
+    assert recover_interrupted_saves(tmp_path)[0] == f"restored checkpoint-3 from .tmp-checkpoint-3-{dead}"
+    assert (tmp_path / "checkpoint-3" / "marker").is_file()
+    assert sorted(p.name for p in tmp_path.glob(".*checkpoint*")) == [live.name]
 
 
 def test_demo_again_starts_over_but_leaves_other_runs(tmp_path):

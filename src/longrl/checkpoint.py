@@ -84,6 +84,43 @@ def frozen_base_weights(model) -> dict | None:
     return weights if all(v.is_floating_point() for v in weights.values()) else None
 
 
+_STAGING = re.compile(r"^\.(tmp|old)-checkpoint-(\d+)-(\d+)$")  # save_checkpoint's: new copy / moved-aside copy
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def recover_interrupted_saves(output_dir: Path) -> list[str]:
+    """Finish or undo what a killed :func:`save_checkpoint` left in ``output_dir`` (staging directories named
+    with the pid of a process that is gone; a live one's are left alone): where ``checkpoint-N`` is missing, a
+    complete staged copy of it takes its place (the new one if it was complete, else the moved-aside old one);
+    every other staging directory is removed. Returns what was done, one line each."""
+    staged: dict[int, dict[str, Path]] = {}
+    for p in Path(output_dir).glob(".*-checkpoint-*"):
+        m = _STAGING.match(p.name)
+        if m and p.is_dir() and not _process_alive(int(m.group(3))):
+            staged.setdefault(int(m.group(2)), {})[m.group(1)] = p
+    done = []
+    for step, copies in sorted(staged.items()):
+        final = Path(output_dir) / f"checkpoint-{step}"
+        complete = [copies[k] for k in ("tmp", "old") if k in copies and (copies[k] / STATE_FILE).is_file()]
+        if not final.exists() and complete:
+            os.replace(complete[0], final)
+            done.append(f"restored {final.name} from {complete[0].name}")
+        for p in copies.values():
+            if p.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"removed {p.name}")
+    return done
+
+
 def list_checkpoints(output_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     found = []

@@ -82,8 +82,9 @@ def tokenize_prompt(tokenizer, prompt) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-def load_prompts(cfg, tokenizer, seed: int = 0) -> PromptDataset:
-    """Read, check and tokenize the prompts of data config ``cfg``."""
+def read_prompt_rows(cfg, seed: int = 0) -> list[dict]:
+    """The rows of data config ``cfg``, checked as far as no tokenizer is needed (not empty, the prompt column
+    present, each prompt a non-empty string or chat): the trainer reads them before the model loads."""
     rows = read_rows(cfg.source, cfg.split, cfg.num_examples, seed)
     if not rows:
         raise DataError(f"dataset {cfg.source!r} is empty")
@@ -91,13 +92,22 @@ def load_prompts(cfg, tokenizer, seed: int = 0) -> PromptDataset:
     if column not in rows[0]:
         raise DataError(f"dataset {cfg.source!r} has no prompt column {column!r} (config key 'data.prompt_column'); "
                         f"columns: {', '.join(rows[0])}")
-    kept_rows, kept_ids, skipped = [], [], 0
     for i, row in enumerate(rows):
-        prompt = row[column]
+        prompt = row.get(column)
         if not (isinstance(prompt, str) and prompt) and not (_is_chat(prompt) and prompt):
             raise DataError(f"dataset {cfg.source!r} row {i}: prompt must be a non-empty string or a list of "
                             f"{{'role', 'content'}} messages; got {prompt!r:.80}")
-        ids = tokenize_prompt(tokenizer, prompt)
+    return rows
+
+
+def load_prompts(cfg, tokenizer, seed: int = 0, rows: list[dict] | None = None) -> PromptDataset:
+    """Read (unless ``rows`` from :func:`read_prompt_rows` are given), check and tokenize the prompts of data
+    config ``cfg``."""
+    rows = read_prompt_rows(cfg, seed) if rows is None else rows
+    column = cfg.prompt_column
+    kept_rows, kept_ids, skipped = [], [], 0
+    for i, row in enumerate(rows):
+        ids = tokenize_prompt(tokenizer, row[column])
         if len(ids) > cfg.max_prompt_length:
             if cfg.overlong_prompt == "error":
                 raise DataError(f"dataset {cfg.source!r} row {i}: prompt has {len(ids)} tokens, more than "

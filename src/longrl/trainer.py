@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weights, latest_checkpoint, \
-    list_checkpoints, load_checkpoint, save_checkpoint
+    list_checkpoints, load_checkpoint, recover_interrupted_saves, save_checkpoint
 from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
-from .data import PromptSampler, load_prompts
+from .data import PromptSampler, load_prompts, read_prompt_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.planner import plan_for_config
 from .models import TINY_NAME, base_model, load_model, resolve_device
@@ -61,6 +61,8 @@ def check_output_dir(cfg: Config) -> None:
     checkpoint rotation and resume would mix the two), and a resume whose settings differ from the ones its
     checkpoint was trained with, beyond RESUMABLE_CHANGES."""
     out = Path(cfg.output.output_dir)
+    for line in recover_interrupted_saves(out) if out.is_dir() else []:
+        log.warning("%s: %s (a save of a killed run)", out, line)
     found = list_checkpoints(out)
     if not found:
         return
@@ -104,6 +106,7 @@ class GRPOTrainer:
         # they can.
         check_output_dir(cfg)
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
+        rows = read_prompt_rows(cfg.data, seed=cfg.train.seed)
         self.device = resolve_device(cfg.model.device)
         if model is None:
             model, tokenizer = load_model(cfg.model.name_or_path, lora=cfg.lora, dtype=cfg.model.dtype,
@@ -131,7 +134,7 @@ class GRPOTrainer:
         tile = getattr(self.plan, "mlp_tile_tokens", None) if tile is None else tile
         if tile:
             enable_mlp_tiling(model, tile)
-        self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed)
+        self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         self.rollout_sampler = self._make_rollout_sampler()
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -65,6 +65,10 @@ def _prepare_output(output_dir: Path, overwrite: bool, checkpoint: Path) -> None
     if out == ckpt or out in ckpt.parents:
         raise ExportError(f"output {output_dir} holds the checkpoint {checkpoint}: exporting there would replace it; "
                           "choose another output directory")
+    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+        raise ExportError(f"output {output_dir} is (or holds) the current directory: the export moves the finished "
+                          "output into place by renaming, which cannot replace the directory you are in; name "
+                          "another output directory, or run the command from outside it")
     if output_dir.exists() and not output_dir.is_dir():
         raise ExportError(f"output {output_dir} exists and is not a directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
@@ -79,7 +83,7 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     ckpt = read_checkpoint(checkpoint)
-    output_dir = Path(output_dir).expanduser()
+    output_dir = Path(output_dir).expanduser().absolute()  # "out/." or "..": a name and a parent to stage beside
     _prepare_output(output_dir, overwrite, Path(ckpt.path))
     from .hf import merged_dtype, write_adapter, write_card, write_merged
 
