@@ -154,25 +154,29 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
 
 @triton.jit
 def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr):
-    """One program per output row (sequence, query head): o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c, over the
-    row's NPART partial columns in blocks of CB (a long tail of small batches has hundreds of them)."""
+    """One program per output row (sequence, query head): o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c over the
+    row's NPART partial columns, in one pass over blocks of CB columns (a long tail of small batches has hundreds):
+    each block's m, l and acc are loaded together and folded in with a running maximum (the sums rescaled by
+    e^(M_old−M_new) when it grows; with one block, as usual, that is the plain formula)."""
     row = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, DP)
     top = tl.full([], float("-inf"), tl.float32)
-    for c0 in range(0, NP, CB):
-        cols = c0 + tl.arange(0, CB)
-        top = tl.maximum(top, tl.max(tl.load(M + row * NPART + cols, mask=cols < NPART, other=float("-inf")), 0))
-    top = tl.where(top == float("-inf"), 0.0, top)
     denom = tl.zeros([], tl.float32)
     acc = tl.zeros([DP], tl.float32)
     for c0 in range(0, NP, CB):
         cols = c0 + tl.arange(0, CB)
-        m = tl.load(M + row * NPART + cols, mask=cols < NPART, other=float("-inf"))
-        live = m > float("-inf")  # chunks that saw a key (others may hold stale l / acc)
-        w = tl.where(live, tl.exp(m - top), 0.0)
-        denom += tl.sum(w * tl.load(L + row * NPART + cols, mask=live, other=0.0), 0)
-        part = tl.load(ACC + (row * NPART + cols)[:, None] * DP + dims[None, :], mask=live[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
+        inb = cols < NPART
+        m = tl.load(M + row * NPART + cols, mask=inb, other=float("-inf"))
+        l = tl.load(L + row * NPART + cols, mask=inb, other=0.0)
+        part = tl.load(ACC + (row * NPART + cols)[:, None] * DP + dims[None, :], mask=inb[:, None], other=0.0)
+        live = m > float("-inf")  # chunks that saw a key (the others' l and acc are stale: never multiplied in)
+        new_top = tl.maximum(top, tl.max(m, 0))
+        ref = tl.where(new_top == float("-inf"), 0.0, new_top)
+        alpha = tl.exp(top - ref)  # 0 while nothing was live (denom and acc are 0 then)
+        w = tl.where(live, tl.exp(m - ref), 0.0)
+        denom = denom * alpha + tl.sum(tl.where(live, w * l, 0.0), 0)
+        acc = acc * alpha + tl.sum(tl.where(live[:, None], w[:, None] * part, 0.0), 0)
+        top = new_top
     tl.store(OUT + row * D + dims, (acc / denom).to(OUT.dtype.element_ty), mask=dims < D)
 
 
