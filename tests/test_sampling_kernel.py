@@ -85,3 +85,28 @@ def test_fused_sampling_only_for_plain_temperature(params, applies):
     assert not fused_sampling_applies(logits, params, seen, fused=None)  # CPU logits: the PyTorch path
     assert not fused_sampling_applies(logits.half(), params, seen, fused=True)
     assert not fused_sampling_applies(logits.t(), params, seen, fused=True)  # rows not contiguous
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_pytorch_once(monkeypatch, caplog):
+    """Where the kernel fails (no compiler for this GPU, ...), sampling goes on with the PyTorch path and the
+    kernel is not tried again; asked for explicitly (fused=True), the failure is raised."""
+    from longrl.rollout import sampling, sampling_kernel
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(sampling_kernel, "sample_with_temperature", broken)
+    monkeypatch.setattr(sampling, "fused_sampling_applies", lambda *a: True)
+    monkeypatch.setattr(sampling, "_FUSED_FAILED", [])
+    logits, params = torch.randn(5, 40), SamplingParams(temperature=0.9, seed=1)
+    seq, pos = torch.arange(5), torch.zeros(5, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="no compiler"):
+        sampling.next_tokens(logits, params, seq, pos, fused=True)
+    want = sampling.next_tokens(logits, params, seq, pos, fused=False)
+    for _ in range(2):
+        got = sampling.next_tokens(logits, params, seq, pos)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(calls) == 2 and "fused sampling kernel failed" in caplog.text  # the explicit call + one try

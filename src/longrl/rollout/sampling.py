@@ -12,11 +12,14 @@ exp(trainer − sampler) measures the numerical mismatch between the two and not
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..memory.planner import sampling_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,16 +115,25 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Te
     temporaries within the planner's sampling chunk); the result does not depend on it. Plain temperature
     sampling of float32 logits runs as one Triton kernel (``fused``; default: on CUDA with Triton), the same
     draw up to rounding at a CDF boundary (rollout/sampling_kernel.py)."""
-    if fused_sampling_applies(logits, params, seen, fused):
-        from .sampling_kernel import sample_with_temperature
+    if fused_sampling_applies(logits, params, seen, fused) and not _FUSED_FAILED:
+        try:
+            from .sampling_kernel import sample_with_temperature
 
-        return sample_with_temperature(logits, uniform_for(params.seed, sequence, position), params.temperature)
+            return sample_with_temperature(logits, uniform_for(params.seed, sequence, position), params.temperature)
+        except Exception as e:  # noqa: BLE001 - the kernel could not build here: the PyTorch path, from now on
+            if fused:
+                raise
+            _FUSED_FAILED.append(f"{type(e).__name__}: {str(e)[:300]}")
+            log.warning("the fused sampling kernel failed (%s); sampling with PyTorch ops", _FUSED_FAILED[0])
     rows = rows or sampling_rows(logits.shape[-1])
     if logits.shape[0] <= rows:
         return _next_tokens(logits, params, sequence, position, seen)
     parts = [_next_tokens(logits[i:i + rows], params, sequence[i:i + rows], position[i:i + rows],
                           None if seen is None else seen[i:i + rows]) for i in range(0, logits.shape[0], rows)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+_FUSED_FAILED: list[str] = []  # why the fused kernel could not run in this process (then it is not tried again)
 
 
 def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
