@@ -20,7 +20,8 @@
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min)
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
 #   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min); with
-#              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice
+#              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice;
+#              IMPLS=... (rollout8b, rollout15) replaces the list of implementations, TAG=... the files' tag
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
 #   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
@@ -36,6 +37,7 @@
 #              most of a GPU)
 #   collect    wait for the background runs (within the stage limit), then copy their files into results/ and logs
 #   e2e15_b    grpo_e2e 1.5B, 2 prompts x 8 x 16,384, 1 step;  e2e15_a4 / e2e15_b4 / e2e8b_b4: 4-bit variants
+#   attn8b     the first part of attn alone (8B heads, sweep + breakdown; ~2.5 min)
 #   attn       decode attention alone (Triton vs SDPA, CUDA-graph timed) against its KV bytes: 8B heads 16 x 8 at
 #              T=1,024, 1.5B heads 64 x 8 (both with a sweep of the kernels' launch choices at the shortest and longest
 #              suffix, and each kernel's GPU time), 8B 2 x 8 at 16K (~4 min)
@@ -108,9 +110,10 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
-            --impls longrl,longrl-hf,longrl-peft,longrl-nolora --tag "${TAG:-_fast}" ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ;;
+            --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
+            ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
-            --impls longrl,longrl-hf,longrl-nolora,hf-generate --tag "${TAG:-_fast}" ;;
+            --impls "${IMPLS:-longrl,longrl-hf,longrl-nolora,hf-generate}" --tag "${TAG:-_fast}" ;;
         e2e15) stage e2e15 120 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke ;;
         hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;
@@ -141,6 +144,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --steps 1 --no-cli-smoke --load-in-4bit --nf4-kernel ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
+        attn8b) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph ;;
         attn) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph \
             && stage attn15 150 python3 benchmarks/decode_attention_speed.py --prompts 64 --heads 12,2,128 --sweep \
             --breakdown --tag _qwen15_graph \
