@@ -2,8 +2,9 @@
 
 Each grpo_memory row records the peak, the micro-batch budget, the GPU-resident layer inputs and the MLP tile of
 the run; this recomputes ``planner.predict`` for exactly that configuration (no optimizer state, as the
-benchmark step). Each grpo_e2e run records its rollout phase's peak; this recomputes ``planner.plan_rollout``
-for its prompts × G × lengths. Writes results/planner_accuracy.{md,json}.
+benchmark step; keys/values repeated where the run put cuDNN or memory-efficient SDPA first). Each grpo_e2e run
+records its rollout phase's peak; this recomputes ``planner.plan_rollout`` for its prompts × G × lengths. Writes
+results/planner_accuracy.{md,json}.
 
     python benchmarks/planner_accuracy.py
 """
@@ -20,13 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import RESULTS, run_meta, write_result  # noqa: E402
 
 from longrl.memory.planner import GIB, ModelShape, nf4_weight_bytes, plan_rollout, predict  # noqa: E402
+from longrl.ops.attention_backend import repeats_kv  # noqa: E402
 
 LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
 QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
 NF4_8B = nf4_weight_bytes(LLAMA_8B, 2, 0.10) / LLAMA_8B.base_params()
 SOURCES = {"grpo_memory_llama-3.1-8b_h200_offload_v2": 2, "grpo_memory_llama-3.1-8b_tiling": 2,
            "grpo_memory_llama-3.1-8b_4bit": NF4_8B, "grpo_memory_llama-3.1-8b_reuse_20k": 2,
-           "grpo_memory_llama-3.1-8b_sdpa_cudnn_20k": 2}
+           "grpo_memory_llama-3.1-8b_sdpa_cudnn_20k": 2, "grpo_memory_llama-3.1-8b_probe_400k": 2}
 ROLLOUTS = {"grpo_e2e_llama-3.1-8b_4x8x4096_h200": (LLAMA_8B, 2), "grpo_e2e_llama-3.1-8b_2x8x16384_h200": (LLAMA_8B, 2),
             "grpo_e2e_llama-3.1-8b_4x8x4096_h200_4bit": (LLAMA_8B, NF4_8B),
             "grpo_e2e_llama-3.1-8b_2x8x16384_h200_4bit": (LLAMA_8B, NF4_8B),
@@ -38,6 +40,7 @@ def main() -> None:
     rows = []
     for stem, weight_bytes in SOURCES.items():
         data = json.loads((RESULTS / f"{stem}.json").read_text())
+        repeat_kv = repeats_kv([n for n in (data["args"].get("sdpa") or "").split(",") if n])
         for r in data["rows"]:
             if not r["impl"].startswith("longrl") or r.get("oom"):
                 continue
@@ -45,16 +48,18 @@ def main() -> None:
             gpu, _, _ = predict(LLAMA_8B, tokens=r["planner_budget"], lora_r=32, weight_bytes=weight_bytes,
                                 offload=not plain, gpu_resident=r["planner_gpu_resident"], chunk=1024,
                                 optimizer=False, mlp_tile=r.get("mlp_tile"),
-                                reuse_attention=r["impl"].startswith("longrl-reuse"))
-            rows.append(dict(source=stem, impl=r["impl"], tokens=r["length"], mlp_tile=r.get("mlp_tile"),
+                                reuse_attention=r["impl"].startswith("longrl-reuse"), repeat_kv=repeat_kv)
+            rows.append(dict(source=stem, impl=r["impl"], tokens=r["length"], G=r.get("G", 8),
+                             resident=r["planner_gpu_resident"], mlp_tile=r.get("mlp_tile"),
                              measured_gib=r["peak_gpu_gib"], predicted_gib=gpu / GIB,
                              error=gpu / GIB / r["peak_gpu_gib"] - 1))
-    lines = ["# Planner prediction vs measured peak (Llama-3.1-8B shape, one H200, G=8, no optimizer state)", "",
+    lines = ["# Planner prediction vs measured peak (Llama-3.1-8B shape, one H200, no optimizer state)", "",
              "`python benchmarks/planner_accuracy.py` — the current `planner.predict` for each measured row's "
-             "configuration.", "", "| source | impl | tokens × 8 | MLP tile | measured GiB | predicted GiB | error |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['source']} | {r['impl']} | {r['tokens']:,} | {r['mlp_tile'] or '–'} | {r['measured_gib']:.2f} | "
-              f"{r['predicted_gib']:.2f} | {100 * r['error']:+.1f}% |" for r in rows]
+             "configuration.", "", "| source | impl | tokens × G | inputs on GPU | MLP tile | measured GiB | "
+             "predicted GiB | error |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['source']} | {r['impl']} | {r['tokens']:,} × {r['G']} | {r['resident']} | "
+              f"{r['mlp_tile'] or '–'} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | "
+              f"{100 * r['error']:+.1f}% |" for r in rows]
     rollouts = []
     for stem, (shape, weight_bytes) in ROLLOUTS.items():
         data = json.loads((RESULTS / f"{stem}.json").read_text())

@@ -110,13 +110,16 @@ def test_mlp_tile_only_when_the_longest_sequence_needs_it():
     kw = dict(lora_r=32, weight_bytes=2, host_free_bytes=500 * GIB)
     assert make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, gpu_free_bytes=139 * GIB, **kw).mlp_tile_tokens is None
     assert make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, gpu_free_bytes=27 * GIB, **kw).mlp_tile_tokens is None
-    # 409,600 tokens on an H200: 35 GiB of untiled MLP intermediates do not fit; two tiles do
-    plan = make_plan(LLAMA_8B, sequence_lengths=[409600], gpu_free_bytes=139 * GIB, **kw)
-    usable = 0.92 * 139 * GIB
+    # 409,600 tokens on an H200 (139 GiB) fit untiled: the MLP backward's 6 T I b = 66 GiB beside what the layer keeps
+    # (predicted 121 GiB with 2 inputs on the GPU, 127.6 GiB with 4); with 120 GiB they need two tiles
+    h200 = make_plan(LLAMA_8B, sequence_lengths=[409600], gpu_free_bytes=139 * GIB, **kw)
+    assert h200.mlp_tile_tokens is None and h200.gpu_resident_layers == 4
+    assert h200.predicted_gpu_bytes <= 0.92 * 139 * GIB
+    plan = make_plan(LLAMA_8B, sequence_lengths=[409600], gpu_free_bytes=120 * GIB, **kw)
+    usable = 0.92 * 120 * GIB
     untiled, _, _ = predict(LLAMA_8B, tokens=409600, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024)
     assert untiled > usable >= plan.predicted_gpu_bytes
-    assert plan.mlp_tile_tokens is not None and plan.mlp_tile_tokens % MLP_TILE_ALIGN == 0
-    assert plan.mlp_tile_tokens < 409600 and plan.micro_batch_tokens == 409600
+    assert plan.mlp_tile_tokens == 204800 and plan.micro_batch_tokens == 409600
     tiled, _, parts = predict(LLAMA_8B, tokens=409600, lora_r=32, weight_bytes=2, offload=True,
                               gpu_resident=plan.gpu_resident_layers, chunk=1024, mlp_tile=plan.mlp_tile_tokens)
     assert tiled == plan.predicted_gpu_bytes and parts == plan.parts_gpu_bytes
@@ -126,24 +129,62 @@ def test_mlp_tile_only_when_the_longest_sequence_needs_it():
 
 
 def test_mlp_tile_fixed_or_off():
-    kw = dict(sequence_lengths=[409600], lora_r=32, weight_bytes=2, gpu_free_bytes=139 * GIB, host_free_bytes=500 * GIB)
+    kw = dict(sequence_lengths=[409600], lora_r=32, weight_bytes=2, gpu_free_bytes=120 * GIB, host_free_bytes=500 * GIB)
     assert make_plan(LLAMA_8B, mlp_tile_tokens=8192, **kw).mlp_tile_tokens == 8192
     with pytest.raises(PlanError, match="409,600 tokens needs"):
         make_plan(LLAMA_8B, mlp_tile_tokens=0, **kw)
-    small = make_plan(LLAMA_8B, mlp_tile_tokens=8192, **kw).predicted_gpu_bytes
-    large = make_plan(LLAMA_8B, **kw).predicted_gpu_bytes
-    assert small < large  # smaller tiles, less memory (and more layer inputs kept on the GPU)
+    small, large = make_plan(LLAMA_8B, mlp_tile_tokens=8192, **kw), make_plan(LLAMA_8B, **kw)
+    assert small.gpu_resident_layers > large.gpu_resident_layers  # smaller tiles: more layer inputs kept on the GPU
+    same = dict(tokens=409600, lora_r=32, weight_bytes=2, offload=True, gpu_resident=4, chunk=1024)
+    assert predict(LLAMA_8B, mlp_tile=8192, **same)[0] < predict(LLAMA_8B, mlp_tile=204800, **same)[0]
 
 
 def test_tiled_prediction_counts_one_tile_of_mlp_intermediates():
+    """The MLP backward holds one tile's gate, act, up and the product's three gradients (6 t I), the post-norm
+    output and the finished tiles' input gradients ((2 T − t) H); below that an RMSNorm backward's float32
+    temporaries (5 T H × 4 bytes) are the largest transient of a layer."""
     kw = dict(lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024)
-    untiled, _, p0 = predict(LLAMA_8B, tokens=100_000, **kw)
-    tiled, _, p1 = predict(LLAMA_8B, tokens=100_000, mlp_tile=10_000, **kw)
-    same, _, _ = predict(LLAMA_8B, tokens=100_000, mlp_tile=100_000, **kw)
-    h, i = LLAMA_8B.hidden, LLAMA_8B.intermediate
+    T, h, i, r, b = 100_000, LLAMA_8B.hidden, LLAMA_8B.intermediate, 32, 2
+    untiled, _, p0 = predict(LLAMA_8B, tokens=T, **kw)
+    half, _, _ = predict(LLAMA_8B, tokens=T, mlp_tile=T // 2, **kw)
+    tenth, _, p10 = predict(LLAMA_8B, tokens=T, mlp_tile=T // 10, **kw)
+    same, _, _ = predict(LLAMA_8B, tokens=T, mlp_tile=T, **kw)
     assert same == untiled
-    # 5 I per token of MLP intermediates over 90,000 fewer tokens, plus tile outputs and input grads (2 H per token)
-    assert untiled - tiled == (90_000 * 5 * i - 100_000 * 2 * h) * 2
+    lora_a = lambda t: 3 * (T - t) * r * b  # noqa: E731  LoRA A outputs of gate, up, down: one tile's
+    assert untiled - half == 6 * (T - T // 2) * i * b - (T - T // 2) * h * b + lora_a(T // 2)
+    assert untiled - tenth == (T * h + 6 * T * i) * b - 5 * T * h * 4 + lora_a(T // 10)  # the norm's backward now
+    assert p0["layer inputs on GPU"] == p10["layer inputs on GPU"] == 2 * T * h * b  # own input + prefetched one
+
+
+def test_layer_backward_counts_what_is_live_at_the_measured_400k_peak():
+    """benchmarks/results/grpo_memory_llama-3.1-8b_probe_400k: one 409,600-token sequence, MLP tiles of 204,800, 4
+    layer inputs resident, no optimizer state: 95.43 GiB measured. The peak is the last layer's MLP backward: the 4
+    resident inputs (no prefetch: the layer below is resident too), what the recompute keeps (its output and
+    gradient, two float32 RMSNorm inputs, the input norm's output, q, the attention output, k, v, lse, cos/sin, LoRA
+    A outputs) and one tile's MLP backward. The final hidden states, their gradient and the log-prob chunk were freed
+    before (the planner used to add them and an offload copy on top: 125.74 GiB, +32%)."""
+    T, t, h, i, k, q, r, b = 409600, 204800, 4096, 14336, 1024, 4096, 32, 2
+    gpu, host, parts = predict(LLAMA_8B, tokens=T, lora_r=r, weight_bytes=2, offload=True, gpu_resident=4,
+                               chunk=1024, optimizer=False, mlp_tile=t)
+    kept = (T * (2 * h * b + 2 * h * 4 + h * b + 2 * q * b + 2 * k * b + 32 * 4 + 2 * 128 * b + 4 * r * b)
+            + 3 * t * r * b)
+    mlp = (T * h + 6 * t * i + (T - t) * h) * b
+    assert parts["layer inputs on GPU"] == 4 * T * h * b and host == 28 * T * h * b
+    assert parts["layer recompute"] == kept + mlp
+    assert parts["log-prob backward"] == T * h * 4 + 2 * T * h * b + 4 * 1024 * 128256 * 4
+    assert gpu == sum(parts.values()) - parts["log-prob backward"]  # not live with the layer's backward
+    assert abs(gpu / GIB / 95.43 - 1) < 0.01
+
+
+def test_offloaded_layers_hold_two_inputs_during_backward():
+    """An offloaded layer's backward holds its fetched input and the prefetched one below: keeping up to two inputs
+    resident costs no GPU memory, each one more costs T H b."""
+    def gpu(resident, offload=True):
+        return predict(LLAMA_8B, tokens=20480, lora_r=32, weight_bytes=2, offload=offload, gpu_resident=resident,
+                       chunk=1024, mlp_tile=4096)[0]
+
+    assert gpu(0) == gpu(1) == gpu(2) < gpu(3) and gpu(3) - gpu(2) == 20480 * 4096 * 2
+    assert gpu(32) - 20480 * 4096 * 2 == gpu(0, offload=False)  # plain checkpointing: all inputs, no output kept
 
 
 def test_choose_mlp_tile_splits_evenly_and_aligns():
@@ -168,13 +209,14 @@ def test_rollout_plan_counts_kv_and_queues_when_tight():
 
 
 def test_repeated_kv_attention_is_counted():
-    """cuDNN / memory-efficient first on a GQA model: keys/values repeated to the query heads (and their
-    gradients) are 4 · T · (q_dim − kv_dim) more elements in the layer recompute; a model without GQA adds none."""
+    """cuDNN / memory-efficient first on a GQA model: SDPA keeps the keys/values repeated to the query heads through
+    the layer's backward, 2 · T · (q_dim − kv_dim) more elements (measured: sdpa_cudnn_20k's longrl+tile4096 peaks
+    0.233 GiB above the flash run, 2 · 20,480 · 3,072 · 2 bytes = 0.234 GiB); a model without GQA adds none."""
     def gpu(shape, repeat):
         return predict(shape, tokens=20480, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024,
                        mlp_tile=4096, repeat_kv=repeat)[0]
 
-    assert gpu(LLAMA_8B, True) - gpu(LLAMA_8B, False) == 4 * 20480 * (4096 - 1024) * 2
+    assert gpu(LLAMA_8B, True) - gpu(LLAMA_8B, False) == 2 * 20480 * (4096 - 1024) * 2
     mha = ModelShape(layers=4, hidden=512, intermediate=1024, kv_dim=512, q_dim=512, vocab=1000, tied=True)
     assert gpu(mha, True) == gpu(mha, False)
 

@@ -1,23 +1,47 @@
 """Memory planner: predict the GPU and host peak of a GRPO training step and choose its knobs.
 
-Counted in bytes, for a decoder of L layers, hidden H, MLP width I, KV width K (= kv heads × head dim),
-vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every linear projection:
+Counted in bytes, for a decoder of L layers, hidden H, MLP width I, KV width K (= kv heads × head dim), query
+width Q (= heads × head dim D), vocab V, 16-bit (b = 2) or float32 (b = 4) base weights, LoRA rank r on every
+linear projection, micro-batches of T tokens and the MLP in tiles of t tokens (t = T untiled). Backward runs the
+log-prob chunks, then each layer from the last to the first: recomputed with autograd and backpropagated before
+the next one starts. So the peak is inside one of those steps, and a term counts only where it is live then:
 
     weights      = base parameters × b                          (4-bit bases: nf4_weight_bytes)
     lora         = LoRA parameters × 4 × (1 + 1 + 2)            fp32 weights, grads, Adam moments
-    layer work   = T × (14 H + 2 K + 5 I) × b                   one layer recomputed with autograd for a micro-batch
-                                                                of T tokens (norm, q/k/v/o, attention, residuals,
-                                                                gate/up/act/product, their grads in flight)
-                 → T × (16 H + 2 K) × b + t × 5 I × b           with the MLP in tiles of t < T tokens (memory/tiling.py):
-                                                                one tile's intermediates, plus tile outputs and input grads
-    stream       = T × H × b × (4 + 2 · [offloaded])            hidden state, its grad, the final hidden states and
-                                                                their grad, plus the offload copy and the prefetch
-    gpu inputs   = T × H × b × (L if not offloaded else gpu_resident)
-    log-prob     = chunk × V × 4 × 3                            one chunk of float32 logits, probabilities, grads
-    host         = (L − gpu_resident) × T × H × b               pinned pool of layer inputs (offloaded only)
+    gpu inputs   = n × T × s                                    s = H b per layer input (+ Q b + 4 heads with
+                   attention reuse); n = L without offloading; offloaded, n = max(gpu_resident, 2): the last
+                   layer's backward holds every resident input, an offloaded layer's its own fetched input and the
+                   prefetched one of the layer below (memory/offload.py: load). With attention reuse the fetched
+                   attention output comes back as a contiguous [B, heads, T, D] tensor, and o_proj keeps a
+                   [B, T, heads, D] copy of it: the attention output counted in kept
+    layer        = kept + max(mlp, norm, attention)             one layer recomputed and backpropagated:
+      kept       = T × (2 H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b
+                   what the recompute keeps through the layer's backward: the recomputed output (held by the
+                   offloaded backward; plain checkpointing drops it) and its incoming gradient, both RMSNorm inputs
+                   in float32 (8 H; 4 H for b = 4, whose first norm input is the layer input itself), the input
+                   norm's output (q/k/v's LoRA input), q and the attention output, k and v (Q each when repeated for
+                   cuDNN/efficient SDPA), the log-sum-exp, rotary cos/sin, the LoRA A outputs
+      mlp        = (T H + 6 t I + (T − t) H) × b               the post-norm output (the tiles' input); one tile's
+                   gate, act(gate) and up, with the product's gradient from the base and LoRA paths and their sum;
+                   the finished tiles' input gradients, waiting for the split (memory/tiling.py)
+      norm       = 5 × T × H × 4                                an RMSNorm's backward: float32 temporaries
+      attention  = T × ((H + Q) b − 4 H) + T × (Q b + 2 K b + 4 Q + 2 Q b · [K < Q])
+                   the residual's and the attention output's gradients, less the post-norm float32 input freed by
+                   then, plus flash attention's backward (dq, dk, dv, a float32 dq accumulator, dk/dv expanded to
+                   the query heads for GQA: PyTorch's flash_api.cpp mha_bwd)
+    log-prob     = T × H × 4 + 2 T × H × b + 4 × chunk × V × 4  the final RMSNorm's float32 input, the completion
+                   rows' hidden states and their gradient, one chunk of float32 logits, log-probs, probabilities
+                   and logit gradients (ops/logprobs.py: backward)
+    host         = (L − gpu_resident) × T × s                   pinned pool of layer inputs (offloaded only)
 
-    peak GPU     = weights + lora + stream + gpu inputs + max(layer work, log-prob)
-                   (backward runs the log-prob chunks first and frees them before the first layer recomputes)
+    peak GPU     = weights + lora + gpu inputs + max(layer, log-prob)
+                   (the log-prob chunks are freed before the last layer recomputes; the log-prob step holds only
+                   the resident inputs, at most the n counted)
+
+Nothing else of the forward is live in backward: the final hidden states are freed once the log-prob backward has
+run, an offload copy once it has reached the host. The forward passes hold less than a layer's backward (no
+gradients). Measured on an H200 (benchmarks/planner_accuracy.md) and traced tensor by tensor on the CPU, the
+largest term is the MLP at long untiled micro-batches (6 T I b), else the RMSNorm backward (20 T H bytes).
 
 The rollout phase (longrl's sampler) holds the weights, the LoRA weights and Adam moments (grads are freed),
 the KV cache and a workspace; its memory goes back to the allocator before the training phase, so a step's
@@ -34,9 +58,10 @@ or MAX_PACKED_TOKENS, whichever is larger (packed micro-batches need a [T, T] at
 then keeps as many layer inputs on the GPU as the remaining memory allows. MLP tiles are chosen only when the
 longest micro-batch cannot fit untiled: the largest of T/2, T/3, ... (rounded up to MLP_TILE_ALIGN tokens) that
 fits. Tiling costs one extra MLP forward per token in backward, 2 × 3 H I FLOPs per token and layer: ~13% of a
-step at 20K tokens for Llama-3.1-8B (linear layers dominate), ~2% at 400K (attention dominates). Coefficients
-were set by counting the tensors autograd saves in a Llama layer; `benchmarks/grpo_memory.py` compares them
-with measured peaks.
+step at 20K tokens for Llama-3.1-8B (linear layers dominate), ~2% at 400K (attention dominates). The terms count
+the tensors of a Llama layer under PEFT LoRA (dropout 0) and transformers' SDPA attention, micro-batches of one
+sequence or stacked equal ones (a packed micro-batch's [T, T] mask is not counted);
+`benchmarks/planner_accuracy.py` compares them with the peaks `benchmarks/grpo_memory.py` measured.
 """
 
 from __future__ import annotations
@@ -44,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2 ** 30
-_LAYER_H, _LAYER_K, _LAYER_I = 14, 2, 5
+F32 = 4  # bytes of a float32 element
 _SAFETY = 0.92  # fraction of free GPU memory the plan may use (allocator fragmentation, CUDA workspaces)
 MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
 MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
@@ -131,7 +156,7 @@ class Plan:
                 ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB  (of layer recompute and log-prob "
-                                        "chunk, only the larger: they are not live together)"),
+                                        "backward, only the larger: they are not live together)"),
                  ("predicted peak host (pinned)", f"{self.predicted_host_bytes / GIB:8.2f} GiB")]
         if self.rollout is not None:
             r = self.rollout
@@ -234,34 +259,91 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
             repeat_kv: bool = False) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
-    when ``repeat_kv`` (ops/attention_backend.py: the repeated K, V and their gradients, 4 · T · (q_dim − kv_dim))."""
+    when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
+    elements through the layer's backward). See the module docstring."""
     b = 2 if weight_bytes < 4 else 4
-    h, k, i, L = shape.hidden, shape.kv_dim, shape.intermediate, shape.layers
+    L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
+    per_input = shape.saved_bytes_per_token(b, reuse_attention)
+    tile = mlp_tile if mlp_tile and mlp_tile < tokens else tokens
     parts = {
         "base weights": int(shape.base_params() * weight_bytes),
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
-        "layer recompute": (_layer_work(tokens, h, k, i, mlp_tile)
-                            + (4 * tokens * (shape.q_dim - k) if repeat_kv else 0)) * b,
-        # layer outputs, residuals and gradients in flight; offloading adds the copy in transit and the prefetched
-        # input, and with attention reuse the current and the prefetched attention outputs
-        "hidden-state stream": tokens * h * b * (4 + (2 if offload else 0))
-        + (2 * tokens * (shape.saved_bytes_per_token(b, True) - h * b) if offload and reuse_attention else 0),
-        "layer inputs on GPU": tokens * shape.saved_bytes_per_token(b, reuse_attention) * resident,
-        "log-prob chunk": chunk * shape.vocab * 4 * 3,
+        "layer inputs on GPU": tokens * per_input * inputs_live(L, offload, resident),
+        "layer recompute": layer_backward_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload,
+                                                repeat_kv=repeat_kv),
+        "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b),
     }
     if trainable_head:
-        parts["LoRA (+grads, Adam)"] += shape.vocab * h * 4 * 4
-    host = (L - resident) * tokens * shape.saved_bytes_per_token(b, reuse_attention) if offload else 0
-    not_together = min(parts["layer recompute"], parts["log-prob chunk"])  # sequential in backward
+        parts["LoRA (+grads, Adam)"] += shape.vocab * shape.hidden * 4 * 4
+    host = (L - resident) * tokens * per_input if offload else 0
+    not_together = min(parts["layer recompute"], parts["log-prob backward"])  # sequential in backward
     return sum(parts.values()) - not_together, host, parts
 
 
-def _layer_work(tokens: int, h: int, k: int, i: int, mlp_tile: int | None) -> int:
-    """Elements alive while one layer is recomputed and backpropagated (module docstring)."""
-    if not mlp_tile or mlp_tile >= tokens:
-        return tokens * (_LAYER_H * h + _LAYER_K * k + _LAYER_I * i)
-    return tokens * (_LAYER_H * h + _LAYER_K * k + 2 * h) + mlp_tile * _LAYER_I * i
+def inputs_live(layers: int, offload: bool, resident: int) -> int:
+    """Layer inputs on the GPU while a layer is recomputed and backpropagated: all of them without offloading;
+    offloaded, the resident ones during the last layer's backward, or an offloaded layer's own fetched input and
+    the prefetched input of the layer below: max(resident, 2), at most L."""
+    return layers if not offload else min(layers, max(resident, 2))
+
+
+def layer_backward_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
+                         repeat_kv: bool = False) -> int:
+    """One layer recomputed and backpropagated: what the recompute keeps through the backward, plus the largest
+    transient of the backward (MLP tile, RMSNorm or attention; module docstring)."""
+    h, i, q = shape.hidden, shape.intermediate, shape.q_dim
+    kv = q if repeat_kv else shape.kv_dim
+    kept = layer_kept_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload, repeat_kv=repeat_kv)
+    return kept + max(mlp_backward_bytes(tokens, tile, h, i, b), norm_backward_bytes(tokens, h),
+                      attention_backward_bytes(tokens, h, q, kv, b))
+
+
+def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
+                     repeat_kv: bool = False) -> int:
+    """What a layer's recompute keeps until its backward is done, T tokens, MLP tiles of t (module docstring):
+
+        T × (2 H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b"""
+    h, q = shape.hidden, shape.q_dim
+    heads = shape.heads or max(1, q // 128)
+    kv = q if repeat_kv else shape.kv_dim
+    per_token = (h * b * (2 if offload else 1)  # the recomputed output (offloaded backward) and its gradient [T, H]
+                 + h * F32 * (2 if b < 4 else 1)  # both RMSNorm inputs in float32 [T, H]
+                 + h * b  # the input norm's output, q/k/v's LoRA input [T, H]
+                 + 2 * q * b + 2 * kv * b + heads * F32  # q, attention output [T, Q]; k, v [T, K]; lse [heads, T]
+                 + 2 * (q // heads) * b  # rotary cos, sin [T, D]
+                 + 4 * lora_r * b)  # LoRA A outputs of q, k, v, o [T, r]
+    return tokens * per_token + tile * 3 * lora_r * b  # ... of gate, up, down for one tile [t, r]
+
+
+def mlp_backward_bytes(tokens: int, tile: int, h: int, i: int, b: int) -> int:
+    """The MLP's backward, one tile of t tokens at a time (t = T untiled): (T H + 6 t I + (T − t) H) × b. The
+    post-norm output [T, H] (the tiles' input); the tile's gate, act(gate) and up [t, I] that autograd saves, and the
+    product's gradient [t, I] from the base and the LoRA path and their sum, formed before the product is freed;
+    the input gradients [t, H] of the tiles already done, which wait for the split's backward."""
+    return (tokens * h + 6 * tile * i + (tokens - tile) * h) * b
+
+
+def norm_backward_bytes(tokens: int, h: int) -> int:
+    """An RMSNorm's backward in float32 (transformers' LlamaRMSNorm: x.to(float32), pow, mean, rsqrt), at its
+    largest in pow's backward: x · rsqrt's input gradient, the mean's expanded gradient, and pow's x, 2 x and their
+    product with the gradient, 5 × [T, H] float32 at once."""
+    return 5 * tokens * h * F32
+
+
+def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int) -> int:
+    """The attention's backward: the residual's gradient [T, H] and the attention output's [T, Q], less the
+    post-attention norm's float32 input [T, H] (freed by then), plus flash attention's own (PyTorch's flash_api.cpp
+    mha_bwd): dq [T, Q], dk, dv [T, K], a float32 dq accumulator [T, Q], dk and dv expanded to the query heads
+    [T, Q] each when K < Q."""
+    flash = tokens * (q * b + 2 * kv * b + q * F32 + (2 * q * b if kv < q else 0))
+    return tokens * ((h + q) * b - h * F32) + flash
+
+
+def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int) -> int:
+    """The log-prob backward: the final RMSNorm's float32 input [T, H], the completion rows' hidden states and their
+    gradient [≤ T, H], and one chunk's float32 logits, log-probs, probabilities and logit gradients [chunk, V]."""
+    return tokens * h * F32 + 2 * tokens * h * b + 4 * chunk * vocab * F32
 
 
 def choose_mlp_tile(tokens: int, fits) -> int | None:
