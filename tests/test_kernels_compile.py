@@ -88,8 +88,8 @@ def test_sampling_kernel_builds(vocab):
 
     nb = -(-vocab // sk.SAMPLE_BLOCK)
     kernel = compile_for_sm90(sk._sample_kernel,
-                              {"Z": "*fp32", "U": "*fp64", "TOKENS": "*i64", "LOGPROBS": "*fp32", "M_SCRATCH": "*fp32",
-                               "S_SCRATCH": "*fp64", "V": "i32", "stride_z": "i64", "temperature": "fp32"},
+                              {"Z": "*fp32", "U": "*fp64", "TOKENS": "*i64", "LOGPROBS": "*fp32", "V": "i32",
+                               "stride_z": "i64", "temperature": "fp32"},
                               dict(NB=nb, NBP=triton.next_power_of_2(nb), BLOCK=sk.SAMPLE_BLOCK),
                               num_warps=sk.SAMPLE_WARPS)
     assert "div.rn.f32" in kernel.asm["ptx"]  # x / T rounded as PyTorch's division (not div.full's approximation)

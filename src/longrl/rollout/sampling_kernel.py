@@ -4,7 +4,7 @@ Twin of the PyTorch path (softmax, then :func:`~longrl.rollout.sampling.inverse_
 :func:`~longrl.rollout.sampling.token_logprobs`), for the common case of plain temperature sampling (no top-k,
 top-p, min-p or repetition penalty). One program per row x = z / T [V], in vocabulary blocks of BLOCK:
 
-    pass 1, each block b:  m_b = max x,  s_b = Σ e^(x − m_b)          (s_b in float64; (m_b, s_b) to a scratch row)
+    pass 1, each block b:  m_b = max x,  s_b = Σ e^(x − m_b)          (s_b in float64; both kept in registers)
     then:   M = max_b m_b,  w_b = s_b · e^(m_b − M),  W_b = Σ_{b' ≤ b} w_b'          (block CDF, float64)
             target = u · W_last;  block β = #{b : W_b ≤ target}  (never past the last block with mass)
     pass 2, block β only:  c_j = W_{β−1} + e^(m_β − M) · Σ_{i ≤ j} e^(x_i − m_β);  token = β·BLOCK + #{j : c_j ≤ target}
@@ -31,22 +31,24 @@ SAMPLE_WARPS = 16  # 32 KB of logits in flight per program: one program a row mu
 
 if triton is not None:
     @triton.jit
-    def _sample_kernel(Z, U, TOKENS, LOGPROBS, M_SCRATCH, S_SCRATCH, V, stride_z, temperature, NB: tl.constexpr,
-                       NBP: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per row: the token drawn at u and its log-prob (see the module docstring)."""
+    def _sample_kernel(Z, U, TOKENS, LOGPROBS, V, stride_z, temperature, NB: tl.constexpr, NBP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        """One program per row: the token drawn at u and its log-prob (see the module docstring). The blocks'
+        (m_b, s_b) stay in registers ([NBP] vectors): a store to memory read back by the program's other threads
+        would need a barrier (without one, the GPU test saw stale values at a one-block vocabulary)."""
         row = tl.program_id(0).to(tl.int64)
         z_row = Z + row * stride_z
         cols = tl.arange(0, BLOCK)
+        blocks = tl.arange(0, NBP)
+        m_b = tl.full([NBP], float("-inf"), tl.float32)
+        s_b = tl.zeros([NBP], tl.float64)
         for b in range(0, NB):  # pass 1: each block's max and Σ e^(x − m_b)
             idx = b * BLOCK + cols
             x = tl.math.div_rn(tl.load(z_row + idx, mask=idx < V, other=float("-inf")), temperature)
-            m_b = tl.max(x, 0)
-            e = tl.where(x > float("-inf"), tl.exp(x - tl.where(m_b > float("-inf"), m_b, 0.0)), 0.0)
-            tl.store(M_SCRATCH + row * NBP + b, m_b)
-            tl.store(S_SCRATCH + row * NBP + b, tl.sum(e.to(tl.float64), 0))
-        blocks = tl.arange(0, NBP)
-        m_b = tl.load(M_SCRATCH + row * NBP + blocks, mask=blocks < NB, other=float("-inf"))  # [NBP]
-        s_b = tl.load(S_SCRATCH + row * NBP + blocks, mask=blocks < NB, other=0.0)
+            m = tl.max(x, 0)
+            e = tl.where(x > float("-inf"), tl.exp(x - tl.where(m > float("-inf"), m, 0.0)), 0.0)
+            m_b = tl.where(blocks == b, m, m_b)
+            s_b = tl.where(blocks == b, tl.sum(e.to(tl.float64), 0), s_b)
         top = tl.max(m_b, 0)
         has_mass = m_b > float("-inf")
         w = tl.where(has_mass, s_b * tl.exp(tl.where(has_mass, m_b - top, 0.0).to(tl.float64)), 0.0)
@@ -78,11 +80,9 @@ def sample_with_temperature(logits: torch.Tensor, u: torch.Tensor, temperature: 
     nbp = triton.next_power_of_2(nb)
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    m_scratch = torch.empty(B, nbp, dtype=torch.float32, device=logits.device)
-    s_scratch = torch.empty(B, nbp, dtype=torch.float64, device=logits.device)
     if B:
-        _sample_kernel[(B,)](logits, u.to(torch.float64).contiguous(), tokens, logprobs, m_scratch, s_scratch, V,
-                             logits.stride(0), float(temperature), nb, NBP=nbp, BLOCK=block,
+        _sample_kernel[(B,)](logits, u.to(torch.float64).contiguous(), tokens, logprobs, V, logits.stride(0),
+                             float(temperature), nb, NBP=nbp, BLOCK=block,
                              num_warps=min(SAMPLE_WARPS, max(1, block // 256)))
     return tokens, logprobs
 
