@@ -65,3 +65,33 @@ def test_triton_decode_attention_equals_the_reference(seed):
 
 def test_sampler_on_the_triton_kernel_equals_transformers_greedy():
     assert "sampler ok" in run_interpreted(SAMPLER_CHECK)
+
+
+SHORT_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.rollout.attention import decode_attention_reference
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    torch.manual_seed(0)
+    P, S, Hq, Hkv, Lp, T, D = 1, 2, 4, 2, 40, 70, 16
+    k_pre, v_pre = torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D)
+    k_suf, v_suf, q = torch.randn(S, Hkv, T, D), torch.randn(S, Hkv, T, D), torch.randn(S, Hq, D)
+    args = (q, k_pre, v_pre, torch.zeros(S, dtype=torch.long), torch.full((S,), Lp), k_suf, v_suf,
+            torch.tensor([5, T]), D ** -0.5)
+    torch.testing.assert_close(decode_attention_triton(*args), decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    print("kernel ok")
+''')
+
+
+def test_any_interpreter_setting_runs_the_kernels_to_chunk_end():
+    """TRITON_INTERPRET=true (or on, yes) interprets as =1 does: the key loops must not stop at a bound computed in
+    the kernel there (the interpreter cannot use one: it raised)."""
+    import os
+    import subprocess
+    import sys
+
+    from interpreter import ROOT
+
+    out = subprocess.run([sys.executable, "-c", SHORT_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                         env={**os.environ, "TRITON_INTERPRET": "true"})
+    assert out.returncode == 0 and "kernel ok" in out.stdout, out.stderr[-3000:]

@@ -307,6 +307,13 @@ def test_output_that_holds_the_current_directory_is_refused(llama_ckpt, tmp_path
     assert (target / "exported" / "adapter_model.safetensors").is_file() and out.is_absolute()
 
 
+
+def test_output_named_through_a_parent_is_the_parent(llama_ckpt, tmp_path):
+    """`runs/new/..` names runs: the export goes there (its name was "..", and the rename raised a raw OSError)."""
+    out = export_checkpoint(llama_ckpt[0], str(tmp_path / "exported" / "sub" / ".."), fmt="adapter")
+    assert out == tmp_path / "exported" and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "sub").exists() and not list(tmp_path.glob(".*tmp*"))
+
 def test_full_weight_checkpoint_merges_and_refuses_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 

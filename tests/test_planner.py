@@ -227,3 +227,25 @@ def test_nf4_kernel_block_scales_are_counted_in_the_rollout():
     plain, with_scales = plan_rollout(LLAMA_8B, **kw), plan_rollout(LLAMA_8B, **kw, nf4_scales=True)
     assert with_scales.parts_gpu_bytes["NF4 block scales"] == LLAMA_8B.base_params() * 4 // 64
     assert with_scales.predicted_gpu_bytes - plain.predicted_gpu_bytes == LLAMA_8B.base_params() * 4 // 64
+
+
+def test_4bit_base_computing_in_float32_counts_float32_activations():
+    """A 4-bit base's weights are ~1 byte a parameter whatever it computes in; its activations are the compute
+    dtype's: a float32 QLoRA step's layer terms are the float32 step's (they were counted as 16-bit)."""
+    from transformers import LlamaConfig
+
+    from longrl.config import load_config
+    from longrl.memory.planner import plan_for_config
+
+    model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+
+    def parts(dtype, four_bit):
+        cfg = load_config(overrides=[f"model.dtype={dtype}", f"model.load_in_4bit={four_bit}",
+                                     "model.offload_activations=true", "train.micro_batch_tokens=20480",
+                                     "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+        return plan_for_config(cfg, model, 139 * GIB, 500 * GIB).parts_gpu_bytes
+
+    qlora32, full32, qlora16 = parts("float32", True), parts("float32", False), parts("bfloat16", True)
+    for key in ("layer inputs on GPU", "layer recompute"):
+        assert qlora32[key] == full32[key] > qlora16[key]

@@ -110,3 +110,18 @@ def test_a_kernel_that_cannot_build_falls_back_to_pytorch_once(monkeypatch, capl
         got = sampling.next_tokens(logits, params, seq, pos)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert len(calls) == 2 and "fused sampling kernel failed" in caplog.text  # the explicit call + one try
+
+
+def test_a_triton_that_does_not_import_is_not_available(tmp_path):
+    """An installed Triton that fails to import (built for another torch or CUDA) leaves the sampler on its PyTorch
+    paths (found on the path is not enough: the decode attention's import would raise mid-rollout)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('built for another CUDA')\n")
+    code = "from longrl.rollout.sampling import triton_available; print(triton_available())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -178,7 +178,7 @@ def test_saves_cut_by_a_kill_are_finished_or_cleaned_at_the_next_start(tmp_path)
     os.replace(tmp_path / "checkpoint-2", tmp_path / f".old-checkpoint-2-{dead}")
     (tmp_path / f".tmp-checkpoint-2-{dead}").mkdir()
     (tmp_path / f".tmp-checkpoint-9-{dead}").mkdir()  # a first save of step 9 killed while writing
-    live = tmp_path / f".tmp-checkpoint-5-{os.getpid()}"  # a running process's save: not touched
+    live = tmp_path / f".tmp-checkpoint-5-{os.getppid()}"  # a running process's save: not touched
     live.mkdir()
     GRPOTrainer(_cfg(tmp_path, "output.resume=true", "train.max_steps=3")).train()
     assert (tmp_path / "checkpoint-2" / STATE_FILE).is_file() and (tmp_path / "checkpoint-3" / STATE_FILE).is_file()
@@ -193,6 +193,33 @@ def test_saves_cut_by_a_kill_are_finished_or_cleaned_at_the_next_start(tmp_path)
     assert (tmp_path / "checkpoint-3" / "marker").is_file()
     assert sorted(p.name for p in tmp_path.glob(".*checkpoint*")) == [live.name]
 
+
+
+def test_recovery_never_trades_a_good_copy_for_a_cut_one(tmp_path):
+    """A staged copy counts as complete only when its trainer state (written last) reads as its step: a save cut
+    while writing it (or one whose data a crash lost) does not replace the moved-aside old copy, which is restored,
+    and is not promoted where it is the only copy. A staging directory named with this process's own pid (a
+    restarted container's trainer gets the killed one's) is not a save in flight."""
+    import os
+
+    from longrl.checkpoint import STATE_FILE, list_checkpoints, recover_interrupted_saves
+
+    def staged(name, state):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "optimizer.pt").write_bytes(b"x")
+        (tmp_path / name / STATE_FILE).write_text(state)
+
+    dead, me = _dead_pid(), os.getpid()
+    staged(f".old-checkpoint-4-{dead}", json.dumps({"step": 4, "data_position": 7}))  # the old copy, moved aside
+    staged(f".tmp-checkpoint-4-{dead}", "")  # the new one, its state never written
+    staged(f".tmp-checkpoint-6-{dead}", '{"step": 6, "data_pos')  # a first save of step 6, cut short
+    staged(f".tmp-checkpoint-8-{me}", json.dumps({"step": 8}))  # complete, then killed before its rename
+    done = recover_interrupted_saves(tmp_path)
+    assert f"restored checkpoint-4 from .old-checkpoint-4-{dead}" in done
+    assert f"restored checkpoint-8 from .tmp-checkpoint-8-{me}" in done
+    assert json.loads((tmp_path / "checkpoint-4" / STATE_FILE).read_text())["data_position"] == 7
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-8"]
+    assert not list(tmp_path.glob(".*checkpoint*"))
 
 def test_demo_again_starts_over_but_leaves_other_runs(tmp_path):
     from longrl.cli import _start_demo_over

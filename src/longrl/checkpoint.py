@@ -88,6 +88,10 @@ _STAGING = re.compile(r"^\.(tmp|old)-checkpoint-(\d+)-(\d+)$")  # save_checkpoin
 
 
 def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running, other than this one (no save of this process is in flight while it
+    starts a run, and a restarted container's trainer often has the killed one's pid)."""
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -97,27 +101,36 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _written_to_the_end(staged: Path, step: int) -> bool:
+    """Whether a staged copy of ``checkpoint-step`` is complete: its trainer state, written last, reads as that
+    step's (a kill while writing it leaves it empty or cut short)."""
+    try:
+        return json.loads((staged / STATE_FILE).read_text()).get("step") == step
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def recover_interrupted_saves(output_dir: Path) -> list[str]:
     """Finish or undo what a killed :func:`save_checkpoint` left in ``output_dir`` (staging directories named
     with the pid of a process that is gone; a live one's are left alone): where ``checkpoint-N`` is missing, a
     complete staged copy of it takes its place (the new one if it was complete, else the moved-aside old one);
     every other staging directory is removed. Returns what was done, one line each."""
-    staged: dict[int, dict[str, Path]] = {}
+    staged: dict[tuple[int, int], dict[str, Path]] = {}  # (step, pid) → {"tmp" / "old": directory}: one save each
     for p in Path(output_dir).glob(".*-checkpoint-*"):
         m = _STAGING.match(p.name)
         if m and p.is_dir() and not _process_alive(int(m.group(3))):
-            staged.setdefault(int(m.group(2)), {})[m.group(1)] = p
+            staged.setdefault((int(m.group(2)), int(m.group(3))), {})[m.group(1)] = p
     done = []
-    for step, copies in sorted(staged.items()):
+    for (step, _), copies in sorted(staged.items()):
         final = Path(output_dir) / f"checkpoint-{step}"
-        complete = [copies[k] for k in ("tmp", "old") if k in copies and (copies[k] / STATE_FILE).is_file()]
+        complete = [copies[k] for k in ("tmp", "old") if k in copies and _written_to_the_end(copies[k], step)]
         if not final.exists() and complete:
             os.replace(complete[0], final)
             done.append(f"restored {final.name} from {complete[0].name}")
         for p in copies.values():
             if p.exists():
                 shutil.rmtree(p, ignore_errors=True)
-                done.append(f"removed {p.name}")
+                done.append(f"could not remove {p.name}" if p.exists() else f"removed {p.name}")
     return done
 
 

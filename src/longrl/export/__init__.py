@@ -83,7 +83,8 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     ckpt = read_checkpoint(checkpoint)
-    output_dir = Path(output_dir).expanduser().absolute()  # "out/." or "..": a name and a parent to stage beside
+    # "out/.", "..", "out/sub/..": a name and a parent to stage beside (".." read lexically, as cd reads it)
+    output_dir = Path(os.path.normpath(Path(output_dir).expanduser().absolute()))
     _prepare_output(output_dir, overwrite, Path(ckpt.path))
     from .hf import merged_dtype, write_adapter, write_card, write_merged
 

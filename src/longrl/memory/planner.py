@@ -256,12 +256,14 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
             chunk: int, optimizer: bool = True, trainable_head: bool = False,
             mlp_tile: int | None = None, reuse_attention: bool = False,
-            repeat_kv: bool = False) -> tuple[int, int, dict]:
+            repeat_kv: bool = False, compute_bytes: int | None = None) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
-    elements through the layer's backward). See the module docstring."""
-    b = 2 if weight_bytes < 4 else 4
+    elements through the layer's backward). See the module docstring. ``compute_bytes``: b, the activations'
+    element size (default: that of the weights, 2 below 4 bytes a parameter; a 4-bit base computing in float32
+    has b = 4 at ~1 byte a parameter)."""
+    b = compute_bytes or (2 if weight_bytes < 4 else 4)
     L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
     per_input = shape.saved_bytes_per_token(b, reuse_attention)
@@ -361,16 +363,17 @@ def choose_mlp_tile(tokens: int, fits) -> int | None:
 def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
-              reuse_attention: bool = False, repeat_kv: bool = False) -> Plan:
+              reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
-    if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n."""
+    if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
+    ``compute_bytes``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
-                               repeat_kv=repeat_kv)
+                               repeat_kv=repeat_kv, compute_bytes=compute_bytes)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -418,7 +421,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 resident += 1
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
-                               repeat_kv=repeat_kv)
+                               repeat_kv=repeat_kv, compute_bytes=compute_bytes)
     if reuse_attention:
         parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
                  for k, v in parts.items()}
@@ -453,7 +456,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
 
     length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
-    weight_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
+    weight_bytes = compute = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
     shape = ModelShape.from_config(model_config)
     if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
         weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
@@ -463,12 +466,11 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
                      token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
                      reuse_attention=cfg.model.reuse_attention,
-                     repeat_kv=repeats_kv(cfg.model.sdpa_backends))
+                     repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute)
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
     if cfg.generation.backend == "longrl":
-        compute = {"float32": 4}.get(cfg.model.dtype, 2)
         plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step, G=cfg.grpo.num_generations,
                                     prompt_len=cfg.data.max_prompt_length,
                                     completion_len=cfg.generation.max_completion_length,

@@ -17,8 +17,6 @@ read on the device: one launch serves any lengths (CUDA-graph safe, no host sync
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,11 +26,6 @@ BLOCK = 32
 # per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
 # (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512)
-
-
-# Under Triton's interpreter a loop bound computed in the kernel cannot be a range() limit (it calls int() on a
-# 1-element numpy array, which numpy 2 refuses): there the loops run to CHUNK, with the same result (see _attend)
-DYNAMIC_STOP = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -53,6 +46,12 @@ def _fold_block(q, k_ptr, v_ptr, stride_t, first, end, m, l, acc, scale, D: tl.c
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l, acc
+
+
+# Under Triton's interpreter a loop bound computed in the kernel cannot be a range() limit (it calls int() on a
+# 1-element numpy array, which numpy 2 refuses): there the loops run to CHUNK, with the same result (see _attend).
+# Whether it interprets is what triton.jit made of a kernel (TRITON_INTERPRET=1, true, on, yes, ... all count).
+DYNAMIC_STOP = type(_fold_block).__name__ != "InterpretedFunction"
 
 
 @triton.jit

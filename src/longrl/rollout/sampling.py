@@ -11,7 +11,7 @@ exp(trainer − sampler) measures the numerical mismatch between the two and not
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -148,8 +148,14 @@ def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams, seen: t
     return fused and plain and logits.dtype == torch.float32 and logits.stride(-1) == 1
 
 
+@functools.cache
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton imports (installed is not enough: one built for another torch or CUDA raises ImportError)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 CDF_BLOCK = 1024  # vocabulary entries a block of the two-level inverse CDF
