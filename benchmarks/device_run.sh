@@ -16,6 +16,7 @@
 #
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
+#   gpucheck   benchmarks/gpu_kernel_checks.py: sampling / decode attention / merge kernels at their edges (~1 min)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min)
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
@@ -105,6 +106,7 @@ for s in "$@"; do
 print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
             && stage sampler_gpu 120 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py \
             tests/test_nf4_matmul.py ;;
+        gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 --tag _fast ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
