@@ -51,6 +51,14 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(e.value)
 
 
+def test_kl_to_a_reference_needs_adapters():
+    """Without LoRA the reference (the base with adapters disabled) would be the policy itself: refused."""
+    with pytest.raises(ConfigError, match="'grpo.beta': got 0.04; allowed: 0 with lora.enabled=false"):
+        load_config(None, ["lora.enabled=false", "grpo.beta=0.04"], base=demo_config())
+    load_config(None, ["lora.enabled=false", "grpo.beta=0"], base=demo_config())
+    load_config(None, ["lora.enabled=true", "grpo.beta=0.04"], base=demo_config())
+
+
 def test_save_steps_must_align_with_num_iterations():
     with pytest.raises(ConfigError, match="multiple of grpo.num_iterations"):
         load_config(None, ["grpo.num_iterations=2", "output.save_steps=3"], base=demo_config())

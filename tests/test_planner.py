@@ -249,3 +249,29 @@ def test_4bit_base_computing_in_float32_counts_float32_activations():
     qlora32, full32, qlora16 = parts("float32", True), parts("float32", False), parts("bfloat16", True)
     for key in ("layer inputs on GPU", "layer recompute"):
         assert qlora32[key] == full32[key] > qlora16[key]
+
+
+def test_full_fine_tuning_counts_the_base_weights_training_state():
+    """lora.enabled=false trains every base weight: its gradient and Adam's two moments (in the weights' dtype)
+    in the training phase, the moments through the rollout; they were not counted at all (lora_r = 0)."""
+    from transformers import LlamaConfig
+
+    from longrl.config import load_config
+    from longrl.memory.planner import plan_for_config
+
+    model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+
+    def plan(lora):
+        cfg = load_config(overrides=[f"lora.enabled={lora}", "grpo.beta=0", "model.dtype=bfloat16",
+                                     "model.offload_activations=true", "train.micro_batch_tokens=8192",
+                                     "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+        return plan_for_config(cfg, model, 139 * GIB, 500 * GIB)
+
+    full, lora = plan(False), plan(True)
+    weights = LLAMA_8B.base_params() * 2
+    assert full.parts_gpu_bytes["base grads (+Adam)"] == 3 * weights
+    assert full.rollout.parts_gpu_bytes["base Adam moments"] == 2 * weights
+    assert "base grads (+Adam)" not in lora.parts_gpu_bytes
+    assert full.predicted_gpu_bytes - full.parts_gpu_bytes["LoRA (+grads, Adam)"] \
+        == lora.predicted_gpu_bytes - lora.parts_gpu_bytes["LoRA (+grads, Adam)"] + 3 * weights

@@ -375,6 +375,9 @@ def validate(cfg: Config) -> None:
            m.sdpa_backends, "a list of cudnn, flash, efficient, math")
     _check(not m.reuse_attention or m.offload_activations, "model.reuse_attention", m.reuse_attention,
            "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
+    _check(cfg.grpo.beta == 0 or cfg.lora.enabled, "grpo.beta", cfg.grpo.beta,
+           "0 with lora.enabled=false (the reference policy is the base with the adapters disabled: without "
+           "adapters it would be the policy itself, a KL of 0; no second copy of the weights is kept)")
     _check(not m.load_in_4bit or cfg.lora.enabled, "model.load_in_4bit", m.load_in_4bit,
            "true only with lora.enabled=true (4-bit weights cannot be trained; QLoRA trains adapters on them)")
     _check(m.quant_exception_budget >= 0, "model.quant_exception_budget", m.quant_exception_budget,

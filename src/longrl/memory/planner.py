@@ -228,10 +228,11 @@ def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
 
 def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
                  weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
-                 prefill_tokens: int = 16384, nf4_scales: bool = False) -> RolloutPlan:
+                 prefill_tokens: int = 16384, nf4_scales: bool = False, trainable_base: bool = False) -> RolloutPlan:
     """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring).
     ``nf4_scales``: the NF4 decode product's float32 block scales (4 bytes per 64 base parameters, an upper bound:
-    16-bit exceptions have none)."""
+    16-bit exceptions have none). ``trainable_base``: Adam's moments of every base weight stay through the rollout
+    (gradients are freed)."""
     n = prompts * G
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
               kv_token=kv_bytes_per_token(shape, compute_bytes))
@@ -243,6 +244,8 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
                                                   compute_bytes)}
     if nf4_scales:
         fixed["NF4 block scales"] = shape.base_params() * 4 // 64
+    if trainable_base:
+        fixed["base Adam moments"] = full_finetune_state_bytes(shape, weight_bytes, gradients=False, optimizer=True)
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
     slots = max_rollout_slots(room, sequences=n, **kv)
     if slots < 1:
@@ -254,7 +257,7 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
 
 
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
-            chunk: int, optimizer: bool = True, trainable_head: bool = False,
+            chunk: int, optimizer: bool = True, trainable_head: bool = False, trainable_base: bool = False,
             mlp_tile: int | None = None, reuse_attention: bool = False,
             repeat_kv: bool = False, compute_bytes: int | None = None) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
@@ -262,7 +265,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
     elements through the layer's backward). See the module docstring. ``compute_bytes``: b, the activations'
     element size (default: that of the weights, 2 below 4 bytes a parameter; a 4-bit base computing in float32
-    has b = 4 at ~1 byte a parameter)."""
+    has b = 4 at ~1 byte a parameter). ``trainable_base``: every base weight trains (lora.enabled=false): its
+    gradient and Adam's two moments, in the weights' dtype (torch's AdamW keeps its state in the parameter's)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
@@ -278,9 +282,18 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     }
     if trainable_head:
         parts["LoRA (+grads, Adam)"] += shape.vocab * shape.hidden * 4 * 4
+    if trainable_base:
+        parts["base grads (+Adam)"] = full_finetune_state_bytes(shape, weight_bytes, gradients=True,
+                                                                optimizer=optimizer)
     host = (L - resident) * tokens * per_input if offload else 0
     not_together = min(parts["layer recompute"], parts["log-prob backward"])  # sequential in backward
     return sum(parts.values()) - not_together, host, parts
+
+
+def full_finetune_state_bytes(shape: ModelShape, weight_bytes: float, *, gradients: bool, optimizer: bool) -> int:
+    """Training state of every base weight (lora.enabled=false): base parameters × weight bytes × (1 gradient if
+    ``gradients``, + 2 Adam moments if ``optimizer``)."""
+    return int(shape.base_params() * weight_bytes) * (int(gradients) + 2 * int(optimizer))
 
 
 def inputs_live(layers: int, offload: bool, resident: int) -> int:
@@ -363,17 +376,19 @@ def choose_mlp_tile(tokens: int, fits) -> int | None:
 def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
-              reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None) -> Plan:
+              reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
+              trainable_base: bool = False) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
-    ``compute_bytes``: see :func:`predict`."""
+    ``compute_bytes``, ``trainable_base``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
-                               repeat_kv=repeat_kv, compute_bytes=compute_bytes)
+                               repeat_kv=repeat_kv, compute_bytes=compute_bytes,
+                               trainable_base=trainable_base)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -421,7 +436,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 resident += 1
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
-                               repeat_kv=repeat_kv, compute_bytes=compute_bytes)
+                               repeat_kv=repeat_kv, compute_bytes=compute_bytes,
+                               trainable_base=trainable_base)
     if reuse_attention:
         parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
                  for k, v in parts.items()}
@@ -466,7 +482,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
                      token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
                      reuse_attention=cfg.model.reuse_attention,
-                     repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute)
+                     repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
+                     trainable_base=not cfg.lora.enabled)
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
@@ -476,5 +493,6 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                                     completion_len=cfg.generation.max_completion_length,
                                     lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                                     compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
-                                    nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel)
+                                    nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,
+                                    trainable_base=not cfg.lora.enabled)
     return plan
