@@ -194,6 +194,23 @@ def test_saves_cut_by_a_kill_are_finished_or_cleaned_at_the_next_start(tmp_path)
     assert sorted(p.name for p in tmp_path.glob(".*checkpoint*")) == [live.name]
 
 
+def test_staging_of_other_hosts_is_left_alone(tmp_path):
+    """Saves name their staging directories host-pid: on a filesystem several machines share, a pid that is dead
+    here may be another machine's save in flight. This host's dead saves are recovered; the others' are not."""
+    import os
+
+    from longrl.checkpoint import STATE_FILE, _saver_tag, recover_interrupted_saves
+
+    dead = _dead_pid()
+    host = _saver_tag().rsplit("-", 1)[0]
+    for name in (f".tmp-checkpoint-6-{host}-{dead}", f".tmp-checkpoint-6-elsewhere-{dead}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / STATE_FILE).write_text(json.dumps({"step": 6}))
+    assert recover_interrupted_saves(tmp_path) == [f"restored checkpoint-6 from .tmp-checkpoint-6-{host}-{dead}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-checkpoint-6-elsewhere-{dead}", "checkpoint-6"]
+    assert _saver_tag() == f"{host}-{os.getpid()}" and "-" not in host
+
+
 
 def test_recovery_never_trades_a_good_copy_for_a_cut_one(tmp_path):
     """A staged copy counts as complete only when its trainer state (written last) reads as its step: a save cut

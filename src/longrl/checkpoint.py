@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
+    tmp = output_dir / f".tmp-checkpoint-{step}-{_saver_tag()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp)
@@ -63,7 +64,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         save_file(base_weights, str(tmp / BASE_WEIGHTS_FILE))
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside first
-        old = output_dir / f".old-checkpoint-{step}-{os.getpid()}"
+        old = output_dir / f".old-checkpoint-{step}-{_saver_tag()}"
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -84,7 +85,19 @@ def frozen_base_weights(model) -> dict | None:
     return weights if all(v.is_floating_point() for v in weights.values()) else None
 
 
-_STAGING = re.compile(r"^\.(tmp|old)-checkpoint-(\d+)-(\d+)$")  # save_checkpoint's: new copy / moved-aside copy
+# save_checkpoint's staging directories: .tmp- (the new copy) or .old- (a moved-aside copy), the step, the saving
+# host and pid (earlier versions: no host)
+_STAGING = re.compile(r"^\.(tmp|old)-checkpoint-(\d+)-(?:(.+)-)?(\d+)$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _saver_tag() -> str:
+    """host-pid of this process: a pid alone does not name a process on a filesystem that several machines (or
+    containers with their own pid spaces) share."""
+    return f"{_host()}-{os.getpid()}"
 
 
 def _process_alive(pid: int) -> bool:
@@ -111,15 +124,16 @@ def _written_to_the_end(staged: Path, step: int) -> bool:
 
 
 def recover_interrupted_saves(output_dir: Path) -> list[str]:
-    """Finish or undo what a killed :func:`save_checkpoint` left in ``output_dir`` (staging directories named
-    with the pid of a process that is gone; a live one's are left alone): where ``checkpoint-N`` is missing, a
+    """Finish or undo what a killed :func:`save_checkpoint` left in ``output_dir`` (staging directories of this
+    host whose process is gone; a live one's, and other hosts', are left alone): where ``checkpoint-N`` is missing, a
     complete staged copy of it takes its place (the new one if it was complete, else the moved-aside old one);
     every other staging directory is removed. Returns what was done, one line each."""
     staged: dict[tuple[int, int], dict[str, Path]] = {}  # (step, pid) → {"tmp" / "old": directory}: one save each
     for p in Path(output_dir).glob(".*-checkpoint-*"):
         m = _STAGING.match(p.name)
-        if m and p.is_dir() and not _process_alive(int(m.group(3))):
-            staged.setdefault((int(m.group(2)), int(m.group(3))), {})[m.group(1)] = p
+        if not m or not p.is_dir() or m.group(3) not in (None, _host()) or _process_alive(int(m.group(4))):
+            continue
+        staged.setdefault((int(m.group(2)), int(m.group(4))), {})[m.group(1)] = p
     done = []
     for (step, _), copies in sorted(staged.items()):
         final = Path(output_dir) / f"checkpoint-{step}"
