@@ -275,3 +275,30 @@ def test_full_fine_tuning_counts_the_base_weights_training_state():
     assert "base grads (+Adam)" not in lora.parts_gpu_bytes
     assert full.predicted_gpu_bytes - full.parts_gpu_bytes["LoRA (+grads, Adam)"] \
         == lora.predicted_gpu_bytes - lora.parts_gpu_bytes["LoRA (+grads, Adam)"] + 3 * weights
+
+
+def test_without_checkpointing_every_layers_activations_are_counted():
+    """Neither gradient checkpointing nor offloading: autograd keeps each layer's activations until its backward,
+    L − 1 layers more than a checkpointed step holds; `longrl plan` on such a config no longer predicts the
+    checkpointed peak."""
+    from transformers import LlamaConfig
+
+    from longrl.config import LoraConfig, load_config
+    from longrl.memory.planner import layer_kept_bytes, plan_for_config
+
+    model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+
+    def plan(checkpointing):
+        cfg = load_config(overrides=[f"model.gradient_checkpointing={checkpointing}", "model.dtype=bfloat16",
+                                     "train.micro_batch_tokens=4096", "data.max_prompt_length=512",
+                                     "generation.max_completion_length=3584",
+                                     "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+        return plan_for_config(cfg, model, 139 * GIB, 500 * GIB)
+
+    plain, checkpointed = plan(False), plan(True)
+    T, r = plain.micro_batch_tokens, LoraConfig().r  # the default rank
+    per_layer = layer_kept_bytes(LLAMA_8B, T, 2, tile=T, lora_r=r, offload=False) + 3 * T * 14336 * 2
+    assert plain.parts_gpu_bytes["activations of the other layers"] == 31 * per_layer
+    assert "activations of the other layers" not in checkpointed.parts_gpu_bytes
+    assert plain.predicted_gpu_bytes > checkpointed.predicted_gpu_bytes + 31 * per_layer * 0.99

@@ -258,15 +258,18 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
 
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
             chunk: int, optimizer: bool = True, trainable_head: bool = False, trainable_base: bool = False,
-            mlp_tile: int | None = None, reuse_attention: bool = False,
-            repeat_kv: bool = False, compute_bytes: int | None = None) -> tuple[int, int, dict]:
+            mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
+            compute_bytes: int | None = None, checkpointing: bool = True) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
     elements through the layer's backward). See the module docstring. ``compute_bytes``: b, the activations'
     element size (default: that of the weights, 2 below 4 bytes a parameter; a 4-bit base computing in float32
     has b = 4 at ~1 byte a parameter). ``trainable_base``: every base weight trains (lora.enabled=false): its
-    gradient and Adam's two moments, in the weights' dtype (torch's AdamW keeps its state in the parameter's)."""
+    gradient and Adam's two moments, in the weights' dtype (torch's AdamW keeps its state in the parameter's).
+    ``checkpointing`` False (neither model.gradient_checkpointing nor offloading): autograd keeps every layer's
+    activations from the forward to its backward, (L − 1) × (kept + 3 T I b) more than one layer's (an estimate
+    from the checkpointed terms, not measured on a GPU)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
@@ -285,6 +288,9 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     if trainable_base:
         parts["base grads (+Adam)"] = full_finetune_state_bytes(shape, weight_bytes, gradients=True,
                                                                 optimizer=optimizer)
+    if not (checkpointing or offload):
+        kept = layer_kept_bytes(shape, tokens, b, tile=tokens, lora_r=lora_r, offload=False, repeat_kv=repeat_kv)
+        parts["activations of the other layers"] = (L - 1) * (kept + 3 * tokens * shape.intermediate * b)
     host = (L - resident) * tokens * per_input if offload else 0
     not_together = min(parts["layer recompute"], parts["log-prob backward"])  # sequential in backward
     return sum(parts.values()) - not_together, host, parts
@@ -377,10 +383,10 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
-              trainable_base: bool = False) -> Plan:
+              trainable_base: bool = False, checkpointing: bool = True) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
-    ``compute_bytes``, ``trainable_base``: see :func:`predict`."""
+    ``compute_bytes``, ``trainable_base``, ``checkpointing``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
 
@@ -388,7 +394,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
         gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
                                repeat_kv=repeat_kv, compute_bytes=compute_bytes,
-                               trainable_base=trainable_base)
+                               trainable_base=trainable_base, checkpointing=checkpointing)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -437,7 +443,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
                                gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
                                repeat_kv=repeat_kv, compute_bytes=compute_bytes,
-                               trainable_base=trainable_base)
+                               trainable_base=trainable_base, checkpointing=checkpointing)
     if reuse_attention:
         parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
                  for k, v in parts.items()}
@@ -483,7 +489,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
                      reuse_attention=cfg.model.reuse_attention,
                      repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
-                     trainable_base=not cfg.lora.enabled)
+                     trainable_base=not cfg.lora.enabled,
+                     checkpointing=cfg.model.gradient_checkpointing or cfg.model.offload_activations)
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
