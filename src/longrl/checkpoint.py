@@ -63,6 +63,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
 
         save_file(base_weights, str(tmp / BASE_WEIGHTS_FILE))
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+    sync_tree(tmp)  # on disk before it is renamed into place: a crash cannot leave a named but empty checkpoint
     if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside first
         old = output_dir / f".old-checkpoint-{step}-{_saver_tag()}"
         os.replace(final, old)
@@ -70,10 +71,37 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    _sync_dir(output_dir)  # the rename itself
     if save_total_limit > 0:
         for old in list_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory (their entries), deepest first."""
+    dirs = []
+    for path in sorted(Path(root).rglob("*")) + [Path(root)]:
+        if path.is_dir():
+            dirs.append(path)
+        elif path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        _sync_dir(d)
+
+
+def _sync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory handles (Windows): the files are synced
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def frozen_base_weights(model) -> dict | None:
