@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, "src")
 from longrl.rollout import decode_kernel as dk
 from longrl.rollout.attention import decode_attention_reference
-from longrl.rollout.sampling import inverse_cdf_reference, token_logprobs, uniform_for
+from longrl.rollout.sampling import inverse_cdf_reference, off_boundary_rows, token_logprobs, uniform_for
 from longrl.rollout.sampling_kernel import sample_with_temperature
 
 dev = "cuda"
@@ -37,12 +37,7 @@ for V in (1, 2, 17, 3001, 8192, 8193, 16384, 128256, 151936):
             runs_equal = all(torch.equal(sample_with_temperature(z, u, T)[0], tok) for _ in range(5))
             probs = torch.softmax(z.double() / T, -1)
             want = inverse_cdf_reference(probs, u)
-            cdf = probs.cumsum(-1); cdf = cdf / cdf[:, -1:]
-            bad = []
-            for row in (tok != want).nonzero()[:, 0].tolist():
-                edges = cdf[row, [max(int(want[row]) - 1, 0), int(want[row])]]
-                if float((edges - u[row]).abs().min()) > 1e-6:
-                    bad.append((row, int(tok[row]), int(want[row]), float(u[row])))
+            bad = [(row, int(tok[row]), int(want[row]), float(u[row])) for row in off_boundary_rows(probs, u, tok, want)]
             finite = bool(torch.isfinite(z.gather(1, tok[:, None])).all())
             lp_ref = token_logprobs(z / T, tok)
             lp_err = float((lp - lp_ref).abs().max())
@@ -79,11 +74,8 @@ for dtype in (torch.bfloat16, torch.float32):
 
 # ---- 3. merge kernel edges: dead columns with NaN/inf stale l/acc, maxima in later blocks, NaN in a live column
 def merge(m, l, acc, npart, D):
-    rows = m.numel() // npart
-    out = torch.empty(rows, D, device=dev, dtype=torch.float32)
-    cb = min(16, dk.triton.next_power_of_2(npart))
-    dk._merge_kernel[(rows,)](m, l, acc, out, npart, D=D, DP=acc.shape[1], NP=max(cb, dk.triton.next_power_of_2(npart)),
-                              CB=cb, num_warps=4)
+    out = torch.empty(m.numel() // npart, D, device=dev, dtype=torch.float32)
+    dk.merge_partials(m, l, acc, out, npart)
     return out
 
 for npart in (1, 2, 16, 17, 33, 1025):

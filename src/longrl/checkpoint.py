@@ -146,7 +146,7 @@ def _written_to_the_end(staged: Path, step: int) -> bool:
     """Whether a staged copy of ``checkpoint-step`` is complete: its trainer state, written last, reads as that
     step's (a kill while writing it leaves it empty or cut short)."""
     try:
-        return json.loads((staged / STATE_FILE).read_text()).get("step") == step
+        return read_state(staged).get("step") == step
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -157,9 +157,10 @@ def recover_interrupted_saves(output_dir: Path) -> list[str]:
     complete staged copy of it takes its place (the new one if it was complete, else the moved-aside old one);
     every other staging directory is removed. Returns what was done, one line each."""
     staged: dict[tuple[int, int], dict[str, Path]] = {}  # (step, pid) → {"tmp" / "old": directory}: one save each
+    host = _host()
     for p in Path(output_dir).glob(".*-checkpoint-*"):
         m = _STAGING.match(p.name)
-        if not m or not p.is_dir() or m.group(3) not in (None, _host()) or _process_alive(int(m.group(4))):
+        if not m or not p.is_dir() or m.group(3) not in (None, host) or _process_alive(int(m.group(4))):
             continue
         staged.setdefault((int(m.group(2)), int(m.group(4))), {})[m.group(1)] = p
     done = []
@@ -186,9 +187,14 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def read_state(path: Path) -> dict:
+    """A checkpoint's trainer state (its STATE_FILE)."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def checkpoint_config(path: Path) -> dict | None:
     """The run config a checkpoint was trained with (as saved in its trainer state; None if it has none)."""
-    return json.loads((Path(path) / STATE_FILE).read_text()).get("config")
+    return read_state(path).get("config")
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -217,4 +223,4 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng_state.pt", weights_only=False))
-    return json.loads((path / STATE_FILE).read_text())
+    return read_state(path)

@@ -65,7 +65,8 @@ def _prepare_output(output_dir: Path, overwrite: bool, checkpoint: Path) -> None
     if out == ckpt or out in ckpt.parents:
         raise ExportError(f"output {output_dir} holds the checkpoint {checkpoint}: exporting there would replace it; "
                           "choose another output directory")
-    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
         raise ExportError(f"output {output_dir} is (or holds) the current directory: the export moves the finished "
                           "output into place by renaming, which cannot replace the directory you are in; name "
                           "another output directory, or run the command from outside it")

@@ -99,12 +99,16 @@ class ModelShape:
                    c.num_attention_heads * head_dim, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)),
                    c.num_attention_heads)
 
+    @property
+    def query_heads(self) -> int:
+        return self.heads or max(1, self.q_dim // 128)
+
     def saved_bytes_per_token(self, compute_bytes: int, reuse_attention: bool = False) -> int:
         """What offloaded checkpointing keeps per layer and token: the layer input, and with attention reuse the
         attention output and its float32 log-sum-exp per head."""
         per = self.hidden * compute_bytes
         if reuse_attention:
-            per += self.q_dim * compute_bytes + (self.heads or max(1, self.q_dim // 128)) * 4
+            per += self.q_dim * compute_bytes + self.query_heads * 4
         return per
 
     def base_params(self) -> int:
@@ -326,7 +330,7 @@ def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_
 
         T × (2 H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b"""
     h, q = shape.hidden, shape.q_dim
-    heads = shape.heads or max(1, q // 128)
+    heads = shape.query_heads
     kv = q if repeat_kv else shape.kv_dim
     per_token = (h * b * (2 if offload else 1)  # the recomputed output (offloaded backward) and its gradient [T, H]
                  + h * F32 * (2 if b < 4 else 1)  # both RMSNorm inputs in float32 [T, H]
@@ -389,12 +393,12 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     ``compute_bytes``, ``trainable_base``, ``checkpointing``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
+    step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
+                repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,
+                checkpointing=checkpointing)  # what predict() takes that no choice below changes
 
     def cost(tokens, resident, tile=None):
-        gpu, host, _ = predict(shape, tokens=tokens, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
-                               repeat_kv=repeat_kv, compute_bytes=compute_bytes,
-                               trainable_base=trainable_base, checkpointing=checkpointing)
+        gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, **step)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -440,10 +444,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
             resident = fewest_resident(budget, tile)
             while resident < shape.layers and cost(budget, resident + 1, tile)[0] <= usable:
                 resident += 1
-    gpu, host, parts = predict(shape, tokens=budget, lora_r=lora_r, weight_bytes=weight_bytes, offload=offload,
-                               gpu_resident=resident, chunk=chunk, mlp_tile=tile, reuse_attention=reuse_attention,
-                               repeat_kv=repeat_kv, compute_bytes=compute_bytes,
-                               trainable_base=trainable_base, checkpointing=checkpointing)
+    gpu, host, parts = predict(shape, tokens=budget, gpu_resident=resident, mlp_tile=tile, **step)
     if reuse_attention:
         parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
                  for k, v in parts.items()}

@@ -234,7 +234,13 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
         CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, num_warps=warps, num_stages=stages)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    cb = min(16, triton.next_power_of_2(npart))
-    _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, npart, D=D, DP=DP,
-                             NP=max(cb, triton.next_power_of_2(npart)), CB=cb, num_warps=4)
+    merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
+
+
+def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, npart: int) -> None:
+    """out [rows, D] ← the merge of each row's ``npart`` partial softmaxes: m, l [rows · npart] float32,
+    acc [rows · npart, DP] float32 (column c of row r at r · npart + c; a column whose m is −inf is skipped)."""
+    cb = min(16, triton.next_power_of_2(npart))
+    _merge_kernel[(out.shape[0],)](m, l, acc, out, npart, D=out.shape[1], DP=acc.shape[1],
+                                   NP=max(cb, triton.next_power_of_2(npart)), CB=cb, num_warps=4)

@@ -174,6 +174,21 @@ def inverse_cdf_reference(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _within_mass(torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True), cdf)[:, 0]
 
 
+def off_boundary_rows(probs: torch.Tensor, u: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
+                      tol: float = 1e-6) -> list[int]:
+    """Rows where a draw ``got`` [B] differs from the reference's ``want`` (:func:`inverse_cdf_reference` on probs
+    [B, V] at u [B]) although u lies ≥ ``tol`` from both edges of the reference token's interval of the normalised
+    CDF: differences rounding cannot explain (the fused kernel's twin checks)."""
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    bad = []
+    for row in (got != want).nonzero()[:, 0].tolist():
+        edges = cdf[row, [max(int(want[row]) - 1, 0), int(want[row])]]
+        if float((edges - u[row]).abs().min()) >= tol:
+            bad.append(row)
+    return bad
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Tokens [B] long drawn from probs [B, V] (float32, unnormalised, ≥ 0) at uniforms u [B] float64, in two
     levels: the CDF of the blocks' sums (float64, [B, V / CDF_BLOCK]) picks the block holding u · total, and the
