@@ -108,7 +108,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             tests/test_nf4_matmul.py ;;
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
-        profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 --tag _fast ;;
+        profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
+            --tag "${PTAG:-_fast}" ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \

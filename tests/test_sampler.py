@@ -354,6 +354,19 @@ def test_rows_drawn_in_chunks_equal_rows_drawn_together(params):
         assert torch.equal(tok, whole[0]) and torch.equal(lp, whole[1])
 
 
+
+def test_first_with_mass_skips_entries_without_mass_on_a_non_monotonic_scan():
+    """A GPU's parallel scan can round the prefix of a zero-mass entry above or below its neighbour's: the H200
+    drew zero-probability tokens (and tokens past the vocabulary) when the search counted entries ≤ u · total."""
+    from longrl.rollout.sampling import first_with_mass
+
+    cdf = torch.tensor([[0.1, 0.3, 0.3 + 1e-12, 0.3 - 1e-12]] * 3 + [[0.0, 1e-15, 0.2, 0.5]], dtype=torch.float64)
+    mass = torch.tensor([[1, 1, 0, 0]] * 3 + [[0, 0, 1, 1]], dtype=torch.bool)
+    target = torch.tensor([[0.3 - 1e-13], [0.3 + 1e-12], [0.05], [0.0]], dtype=torch.float64)
+    assert first_with_mass(cdf, mass, target)[:, 0].tolist() == [1, 1, 0, 2]
+    counted = (cdf <= target).sum(-1)  # the old rule: lands on entries without mass here
+    assert not bool(mass.gather(1, counted[:1, None].clamp(max=3)).all())
+
 @pytest.mark.parametrize("V", [1000, 1024, 1025, 3001, 50_257])  # within one block, one block exactly, across
 def test_two_level_inverse_cdf_equals_the_whole_cdf(V):
     from longrl.rollout.sampling import inverse_cdf, inverse_cdf_reference

@@ -41,6 +41,29 @@ KERNEL_CHECK = textwrap.dedent('''
         assert not bad, (V, block, bad, got[bad].tolist(), want[bad].tolist())
         assert int((got != want).sum()) <= 1, (V, block)
         torch.testing.assert_close(logp, token_logprobs(x, got), atol=2e-5, rtol=1e-5)
+
+    # the searches on a GPU-like scan: prefixes not monotonic across entries without mass (the interpreter's scan
+    # is sequential, so these are fed in): the pick has mass, past the end it is the last entry with mass
+    import triton
+    import triton.language as tl
+    from longrl.rollout.sampling_kernel import _first_with_mass
+
+    @triton.jit
+    def pick(CDF, MASS, TARGET, OUT, N: tl.constexpr):
+        idx = tl.arange(0, N)
+        tl.store(OUT, _first_with_mass(tl.load(CDF + idx), tl.load(MASS + idx) != 0, tl.load(TARGET), idx, N))
+
+    cases = [  # (cdf, mass, target, pick)
+        ([0.1, 0.3, 0.3 + 1e-12, 0.3 - 1e-12], [1, 1, 0, 0], 0.3 - 1e-13, 1),  # counting ≤ target gave 3
+        ([0.1, 0.3, 0.3 + 1e-12, 0.3 - 1e-12], [1, 1, 0, 0], 0.3 + 1e-12, 1),  # past every entry: the last with mass
+        ([0.0, 0.0 + 1e-15, 0.2, 0.5], [0, 0, 1, 1], 0.0, 2),  # leading entries without mass skipped
+        ([0.0, 0.0, 0.0, 0.0], [0, 0, 0, 0], 0.0, 0),  # nothing has mass
+        ([0.2, 0.2 - 1e-12, 0.7, 1.0], [1, 0, 1, 1], 0.2 - 2e-12, 0)]
+    for cdf, mass, target, want in cases:
+        out = torch.zeros(1, dtype=torch.int32)
+        pick[(1,)](torch.tensor(cdf, dtype=torch.float64), torch.tensor(mass, dtype=torch.int32),
+                   torch.tensor([target], dtype=torch.float64), out, N=4)
+        assert int(out) == want, (cdf, mass, target, int(out), want)
     print("kernel ok")
 ''')
 

@@ -161,17 +161,24 @@ def triton_available() -> bool:
 CDF_BLOCK = 1024  # vocabulary entries a block of the two-level inverse CDF
 
 
-def _within_mass(index: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
-    """index [B, 1] capped at the last entry with mass of each row of cdf [B, n] (where it reaches its end): a
-    search that ran off the end (u · total rounded up to the total) comes back to a token that can be drawn."""
-    return torch.minimum(index, (cdf < cdf[:, -1:]).sum(-1, keepdim=True))
+def first_with_mass(cdf: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """min{i : mass_i and cdf_i > target} per row of cdf, mass [B, n] (target [B, 1]); the last entry with mass
+    where none exceeds it (u · total rounded up to the total). [B, 1] long. In exact arithmetic the first entry
+    whose CDF exceeds the target always has mass; a GPU's parallel scan is not monotonic across entries without
+    mass (each prefix sums in its own order), so a plain search could stop on one of them — a token of zero
+    probability, or past the vocabulary where the row's padding follows."""
+    n = cdf.shape[-1]
+    hit = mass & (cdf > target)
+    first = hit.to(torch.uint8).argmax(-1, keepdim=True)  # the first maximum
+    last = n - 1 - mass.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+    return torch.where(hit.any(-1, keepdim=True), first, last)
 
 
 def inverse_cdf_reference(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Twin of :func:`inverse_cdf`: the whole float64 CDF [B, V]; token = min{v : cdf_v > u · cdf_V}, never past
     the last token with mass."""
     cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
-    return _within_mass(torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True), cdf)[:, 0]
+    return first_with_mass(cdf, probs > 0, u[:, None] * cdf.amax(-1, keepdim=True))[:, 0]
 
 
 def off_boundary_rows(probs: torch.Tensor, u: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
@@ -201,13 +208,13 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if full < V:
         sums = torch.cat([sums, probs[:, full:].sum(-1, dtype=torch.float64)[:, None]], dim=1)
     block_cdf = sums.cumsum(-1)  # [B, nb]
-    target = u[:, None] * block_cdf[:, -1:]  # [B, 1]: u · total
-    block = _within_mass(torch.searchsorted(block_cdf, target, right=True), block_cdf)
+    target = u[:, None] * block_cdf.amax(-1, keepdim=True)  # [B, 1]: u · total
+    block = first_with_mass(block_cdf, sums > 0, target)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # [B, 1]
     cols = block * C + torch.arange(C, device=probs.device)  # [B, C]
-    inside = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).to(torch.float64).cumsum(-1)
+    inside = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).to(torch.float64)  # [B, C]
     # the block's sum and its own CDF's end may round differently: the search may run off the block's end too
-    index = _within_mass(torch.searchsorted(inside, target - before, right=True), inside)
+    index = first_with_mass(inside.cumsum(-1), inside > 0, target - before)
     return (block * C + index)[:, 0]
 
 

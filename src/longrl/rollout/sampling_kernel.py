@@ -6,12 +6,14 @@ top-p, min-p or repetition penalty). One program per row x = z / T [V], in vocab
 
     pass 1, each block b:  m_b = max x,  s_b = Σ e^(x − m_b)          (s_b in float64; both kept in registers)
     then:   M = max_b m_b,  w_b = s_b · e^(m_b − M),  W_b = Σ_{b' ≤ b} w_b'          (block CDF, float64)
-            target = u · W_last;  block β = #{b : W_b ≤ target}  (never past the last block with mass)
-    pass 2, block β only:  c_j = W_{β−1} + e^(m_β − M) · Σ_{i ≤ j} e^(x_i − m_β);  token = β·BLOCK + #{j : c_j ≤ target}
-            (never past the block's last entry with mass)
+            target = u · max_b W_b;  block β = min{b : w_b > 0, W_b > target}  (else the last block with mass)
+    pass 2, block β only:  c_j = W_{β−1} + e^(m_β − M) · Σ_{i ≤ j} e^(x_i − m_β);
+            token = β·BLOCK + min{j : e_j > 0, c_j > target}  (else the block's last entry with mass)
     log-prob = x_token − (M + log W_last)
 
-The draw is the reference's, min{v : CDF_v > u · total}, up to rounding where u · total falls within ~1e-7 of a
+Each search asks for mass explicitly (:func:`~longrl.rollout.sampling.first_with_mass`): a GPU's parallel scan is
+not monotonic across entries without mass, and counting entries below the target drew zero-probability tokens
+(and tokens past the vocabulary) on an H200. The draw is the reference's, min{v : CDF_v > u · total}, up to rounding where u · total falls within ~1e-7 of a
 boundary; it reads the logits about once (the PyTorch path: about eight passes over [B, V] and ~25 launches).
 """
 
@@ -30,6 +32,14 @@ SAMPLE_WARPS = 16  # 32 KB of logits in flight per program: one program a row mu
 
 
 if triton is not None:
+    @triton.jit
+    def _first_with_mass(cdf, mass, target, idx, N: tl.constexpr):
+        """min{i : mass_i, cdf_i > target} over the vector cdf [N] at positions idx [N] (0..N−1); the last i with
+        mass where none exceeds the target (0 where nothing has mass)."""
+        first = tl.min(tl.where(mass & (cdf > target), idx, N), 0)
+        last = tl.max(tl.where(mass, idx, -1), 0)
+        return tl.where(first < N, first, tl.maximum(last, 0))
+
     @triton.jit
     def _sample_kernel(Z, U, TOKENS, LOGPROBS, V, stride_z, temperature, NB: tl.constexpr, NBP: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -52,18 +62,17 @@ if triton is not None:
         top = tl.max(m_b, 0)
         has_mass = m_b > float("-inf")
         w = tl.where(has_mass, s_b * tl.exp(tl.where(has_mass, m_b - top, 0.0).to(tl.float64)), 0.0)
-        cdf = tl.cumsum(w, 0)  # [NBP] float64, non-decreasing
+        cdf = tl.cumsum(w, 0)  # [NBP] float64 (not monotonic across blocks without mass on a GPU)
         total = tl.max(cdf, 0)
         target = tl.load(U + row) * total
-        beta = tl.minimum(tl.sum((cdf <= target).to(tl.int32), 0), tl.sum((cdf < total).to(tl.int32), 0))
+        beta = _first_with_mass(cdf, w > 0, target, blocks, NBP)
         before = tl.sum(tl.where(blocks == beta - 1, cdf, 0.0), 0)
         m_beta = tl.max(tl.where(blocks == beta, m_b, float("-inf")), 0)
         idx = beta * BLOCK + cols  # pass 2: the chosen block alone
         x = tl.math.div_rn(tl.load(z_row + idx, mask=idx < V, other=float("-inf")), temperature)
         e = tl.where(x > float("-inf"), tl.exp(x - tl.where(m_beta > float("-inf"), m_beta, 0.0)), 0.0)
         inside = tl.cumsum(e.to(tl.float64), 0) * tl.exp((m_beta - top).to(tl.float64))  # [BLOCK]
-        last = tl.max(inside, 0)
-        j = tl.minimum(tl.sum((inside <= target - before).to(tl.int32), 0), tl.sum((inside < last).to(tl.int32), 0))
+        j = _first_with_mass(inside, e > 0, target - before, cols, BLOCK)
         x_token = tl.sum(tl.where(cols == j, x, 0.0), 0)
         tl.store(TOKENS + row, (beta * BLOCK + j).to(tl.int64))
         tl.store(LOGPROBS + row, x_token - (top + tl.log(total).to(tl.float32)))
