@@ -36,6 +36,7 @@ from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloade
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, predict  # noqa: E402
 from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
+from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
 
@@ -61,12 +62,14 @@ def set_checkpointing(model, mode: str, gpu_resident: int = 0):
 
 
 def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mode: str, gpu_resident: int = 0,
-                mlp_tile: int | None = None):
-    """One step the way longrl's trainer runs it (the MLP in tiles of ``mlp_tile`` tokens if set); returns
-    timings and peaks. Leaves the model untiled."""
+                mlp_tile: int | None = None, fused: bool = False):
+    """One step the way longrl's trainer runs it (the MLP in tiles of ``mlp_tile`` tokens if set, the fused
+    RMSNorm and SiLU·up kernels if ``fused``); returns timings and peaks. Leaves the model untiled and unfused."""
     offloader = set_checkpointing(model, mode, gpu_resident)
     if mlp_tile:
         enable_mlp_tiling(model, mlp_tile)
+    if fused:
+        enable_fused_layers(model)
     model.train()
     prompts = batch["prompt_ids"].tolist()
     completions = batch["completion_ids"].tolist()
@@ -102,6 +105,7 @@ def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mod
     _sync()
     t2 = time.perf_counter()
     disable_mlp_tiling(model)
+    disable_fused_layers(model)
     return {"ref_s": t1 - t0, "policy_s": t2 - t1, "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0,
             "pinned_pool_gib": (offloader.pool.allocated_bytes / GIB) if offloader else 0.0, "oom": False,
             "policy_logp_sum": float(logp_total)}
@@ -159,13 +163,20 @@ LONGRL_IMPLS = {"longrl-planned": "offload",  # the planner's layout for this GP
                 "longrl-plain": "plain"}  # plain checkpointing
 
 
+def parse_impl(impl: str) -> tuple[str, int, bool]:
+    """(name, MLP tile or 0, fused layers) of a variant named ``name[+fused][+tileN]`` on the command line."""
+    fused = "+fused" in impl
+    name, _, tile = impl.replace("+fused", "").partition("+tile")
+    return name, int(tile or 0), fused
+
+
 def longrl_impl_step(model, batch, impl: str, plan, args) -> dict:
-    """One step of a longrl variant named as on the command line (``name`` or ``name+tileN``)."""
-    name, _, tile = impl.partition("+tile")
+    """One step of a longrl variant named as on the command line (``name[+fused][+tileN]``)."""
+    name, tile, fused = parse_impl(impl)
     planned = name == "longrl-planned"
     return longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens, chunk=args.chunk,
                        mode=LONGRL_IMPLS[name], gpu_resident=plan.gpu_resident_layers if planned else 0,
-                       mlp_tile=plan.mlp_tile_tokens if planned else int(tile or 0))
+                       mlp_tile=plan.mlp_tile_tokens if planned else tile, fused=fused)
 
 
 def profile_step(model, batch, impl: str, plan, args) -> str:
@@ -237,7 +248,7 @@ def main():
     weights_now = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     tiles = [int(t) for t in args.mlp_tile.split(",")]
     impls = [f"{i}+tile{t}" if t else i for i in args.impls.split(",")
-             for t in (tiles if i in ("longrl", "longrl-plain", "longrl-reuse") else [0])]
+             for t in (tiles if parse_impl(i)[0] in ("longrl", "longrl-plain", "longrl-reuse") else [0])]
     backends = sdpa_priority([b for b in args.sdpa.split(",") if b], device.type, model)
     backends.__enter__()  # for the whole run (the equality check above ran in PyTorch's order)
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -265,7 +276,7 @@ def main():
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 try:
-                    if impl.partition("+tile")[0] in LONGRL_IMPLS:
+                    if parse_impl(impl)[0] in LONGRL_IMPLS:
                         r = longrl_impl_step(model, batch, impl, plan, args)
                     else:
                         set_lora_input_casting(model, True)  # PEFT's default, as TRL users run it
@@ -276,6 +287,7 @@ def main():
                 except torch.OutOfMemoryError:
                     r = {"oom": True}
                     disable_mlp_tiling(model)
+                    disable_fused_layers(model)
                 r["host_rss_peak_gib"] = _host_rss_gib()
                 if rep > 0 or args.reps == 0:  # --reps 0: a single, unwarmed run (long-length probes)
                     measured[impl].append(r)
@@ -292,7 +304,7 @@ def main():
                 row["planner_budget"] = plan.micro_batch_tokens
                 row["planner_gpu_resident"] = plan.gpu_resident_layers if impl == "longrl-planned" else 0
                 planned = impl == "longrl-planned"
-                row["mlp_tile"] = plan.mlp_tile_tokens if planned else (int(impl.partition("+tile")[2] or 0) or None)
+                row["mlp_tile"] = plan.mlp_tile_tokens if planned else (parse_impl(impl)[1] or None)
                 row["planner_predicted_gib"] = (pred_gpu if planned else pred0[row["mlp_tile"] or 0]) / GIB
             results["rows"].append(row)
     out = Path(args.out)

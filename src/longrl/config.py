@@ -36,6 +36,8 @@ class ModelConfig:
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
     reuse_attention: bool = False  # with offloading: keep each layer's attention output with its input; backward
     #                                skips the attention kernel in the recompute (one more activation per layer)
+    fused_layers: bool = True  # CUDA + Triton: Llama-family RMSNorms and SiLU MLPs through fused kernels (training
+    #                            and prefill; ops/rmsnorm.py, ops/swiglu.py); false: transformers' modules
     device: str = "auto"  # auto: cuda if available, else cpu
     load_in_4bit: bool = False  # NF4 base (bitsandbytes, double quant), computing in dtype; needs LoRA (QLoRA)
     quant_keep_modules: list[str] = field(default_factory=list)  # linear modules kept 16-bit (name or dotted suffix)
@@ -167,7 +169,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "genera
                      "generation.fuse_lora", "generation.nf4_kernel", "train.micro_batch_tokens",
                      "train.micro_batch_size", "train.logprob_chunk_size", "train.mlp_tile_tokens", "model.device",
                      "model.offload_activations", "model.gpu_resident_layers", "model.sdpa_backends",
-                     "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing")
+                     "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
+                     "model.fused_layers")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

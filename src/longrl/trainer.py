@@ -24,6 +24,7 @@ from .data import PromptSampler, load_prompts, read_prompt_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.planner import plan_for_config
 from .models import TINY_NAME, base_model, load_model, resolve_device
+from .models.fused_layers import enable_fused_layers
 from .ops.advantages import group_advantages
 from .ops.attention_backend import sdpa_priority
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
@@ -33,7 +34,7 @@ from .reporting import RunReporter
 from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams, generate_completions
 from .rollout.attention import unsupported_reason
-from .rollout.sampling import stop_token_ids
+from .rollout.sampling import stop_token_ids, triton_available
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class GRPOTrainer:
         tile = getattr(self.plan, "mlp_tile_tokens", None) if tile is None else tile
         if tile:
             enable_mlp_tiling(model, tile)
+        if cfg.model.fused_layers and self.device.type == "cuda" and triton_available():
+            log.info("fused layers: %s", enable_fused_layers(model))
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         self.rollout_sampler = self._make_rollout_sampler()

@@ -36,22 +36,31 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger(__name__)
 
 
-class TiledMLP(nn.Module):
-    """``mlp`` applied to tiles of ``tile_tokens`` tokens; same parameters, same names, same results."""
+class SharedWrapper(nn.Module):
+    """A module standing in for ``inner`` in its parent's slot with the same children, parameters and buffers
+    (shared dicts: names, state dicts and PEFT adapters unchanged; a child replaced through either is seen by
+    both). Subclasses define ``forward``."""
 
-    def __init__(self, mlp: nn.Module, tile_tokens: int):
+    def __init__(self, inner: nn.Module):
         super().__init__()
-        object.__setattr__(self, "inner", mlp)  # not a child: its children are ours (shared dicts below)
-        self._modules = mlp._modules
-        self._parameters = mlp._parameters
-        self._buffers = mlp._buffers
-        self.training = mlp.training
-        self.tile_tokens = _check_tile(tile_tokens)
-        self.checkpoint_tiles = True  # False keeps every tile's intermediates: the slow twin, for tests
+        object.__setattr__(self, "inner", inner)  # not a child: its children are ours
+        self._modules = inner._modules
+        self._parameters = inner._parameters
+        self._buffers = inner._buffers
+        self.training = inner.training
 
     def train(self, mode: bool = True):
         self.inner.training = mode
         return super().train(mode)
+
+
+class TiledMLP(SharedWrapper):
+    """``mlp`` applied to tiles of ``tile_tokens`` tokens; same parameters, same names, same results."""
+
+    def __init__(self, mlp: nn.Module, tile_tokens: int):
+        super().__init__(mlp)
+        self.tile_tokens = _check_tile(tile_tokens)
+        self.checkpoint_tiles = True  # False keeps every tile's intermediates: the slow twin, for tests
 
     def extra_repr(self) -> str:
         return f"tile_tokens={self.tile_tokens}, inner={type(self.inner).__name__}"
