@@ -13,6 +13,7 @@ alternately after a warm-up and writes a markdown + JSON table to benchmarks/res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -37,6 +38,7 @@ from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, p
 from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
+from longrl.models.lora_training import fused_lora_training  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
 
@@ -62,9 +64,10 @@ def set_checkpointing(model, mode: str, gpu_resident: int = 0):
 
 
 def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mode: str, gpu_resident: int = 0,
-                mlp_tile: int | None = None, fused: bool = False):
+                mlp_tile: int | None = None, fused: bool = False, fused_lora: bool = False):
     """One step the way longrl's trainer runs it (the MLP in tiles of ``mlp_tile`` tokens if set, the fused
-    RMSNorm and SiLU·up kernels if ``fused``); returns timings and peaks. Leaves the model untiled and unfused."""
+    RMSNorm and SiLU·up kernels if ``fused``, the policy's LoRA through models/lora_training.py if
+    ``fused_lora``); returns timings and peaks. Leaves the model untiled and unfused."""
     offloader = set_checkpointing(model, mode, gpu_resident)
     if mlp_tile:
         enable_mlp_tiling(model, mlp_tile)
@@ -95,11 +98,12 @@ def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mod
     t1 = time.perf_counter()
     logp_total = torch.zeros((), dtype=torch.float64, device=adv.device)  # the policy forward's output, summed
     for idx in groups:
-        lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width, pad_id=0,
-                                  chunk_size=chunk)
-        ptl, _ = per_token_policy_loss(lp, lp.detach(), ref[idx] if ref is not None else None, adv[idx], mask[idx],
-                                       settings)
-        weighted_loss(ptl, weights[idx]).backward()
+        with fused_lora_training(model) if fused_lora else contextlib.nullcontext():  # forward + backward inside
+            lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width,
+                                      pad_id=0, chunk_size=chunk)
+            ptl, _ = per_token_policy_loss(lp, lp.detach(), ref[idx] if ref is not None else None, adv[idx],
+                                           mask[idx], settings)
+            weighted_loss(ptl, weights[idx]).backward()
         logp_total += lp.detach().sum()
         del lp, ptl
     _sync()
@@ -163,20 +167,21 @@ LONGRL_IMPLS = {"longrl-planned": "offload",  # the planner's layout for this GP
                 "longrl-plain": "plain"}  # plain checkpointing
 
 
-def parse_impl(impl: str) -> tuple[str, int, bool]:
-    """(name, MLP tile or 0, fused layers) of a variant named ``name[+fused][+tileN]`` on the command line."""
-    fused = "+fused" in impl
-    name, _, tile = impl.replace("+fused", "").partition("+tile")
-    return name, int(tile or 0), fused
+def parse_impl(impl: str) -> tuple[str, int, bool, bool]:
+    """(name, MLP tile or 0, fused layers, fused LoRA) of a variant named ``name[+fused][+flora][+tileN]`` on
+    the command line."""
+    fused, flora = "+fused" in impl, "+flora" in impl
+    name, _, tile = impl.replace("+fused", "").replace("+flora", "").partition("+tile")
+    return name, int(tile or 0), fused, flora
 
 
 def longrl_impl_step(model, batch, impl: str, plan, args) -> dict:
-    """One step of a longrl variant named as on the command line (``name[+fused][+tileN]``)."""
-    name, tile, fused = parse_impl(impl)
+    """One step of a longrl variant named as on the command line (``name[+fused][+flora][+tileN]``)."""
+    name, tile, fused, flora = parse_impl(impl)
     planned = name == "longrl-planned"
     return longrl_step(model, batch, beta=args.beta, token_budget=plan.micro_batch_tokens, chunk=args.chunk,
                        mode=LONGRL_IMPLS[name], gpu_resident=plan.gpu_resident_layers if planned else 0,
-                       mlp_tile=plan.mlp_tile_tokens if planned else tile, fused=fused)
+                       mlp_tile=plan.mlp_tile_tokens if planned else tile, fused=fused, fused_lora=flora)
 
 
 def profile_step(model, batch, impl: str, plan, args) -> str:

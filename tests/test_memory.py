@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from longrl.memory import ActivationOffloader, enable_offloaded_checkpointing, token_budget_groups
 from longrl.memory.attention_reuse import ATTENTION_OPS
 from longrl.models import apply_lora
+from longrl.models.lora_training import fused_lora_training
 from longrl.policy import sequence_logprobs
 
 
@@ -32,7 +33,7 @@ def _batch(seed, n=5):
     return prompts, completions
 
 
-def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None):
+def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None, fused_lora=False):
     model = copy.deepcopy(base)
     if lora:
         torch.manual_seed(3)
@@ -49,10 +50,11 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mo
         enable_offloaded_checkpointing(model, gpu_resident=gpu_resident, reuse_attention=mode == "reuse")
     prompts, completions = batch
     torch.manual_seed(11)
-    lp, ent = sequence_logprobs(model, prompts, completions, 11, pad_id=0, with_entropy=True, packed=packed)
-    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype).to(lp.device)
-    with backward_mode or contextlib.nullcontext():
-        ((lp * w).sum() + ent.sum()).backward()
+    with fused_lora_training(model) if fused_lora else contextlib.nullcontext():  # forward and backward inside
+        lp, ent = sequence_logprobs(model, prompts, completions, 11, pad_id=0, with_entropy=True, packed=packed)
+        w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype).to(lp.device)
+        with backward_mode or contextlib.nullcontext():
+            ((lp * w).sum() + ent.sum()).backward()
     return lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 

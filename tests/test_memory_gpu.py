@@ -64,7 +64,7 @@ def test_the_listed_backend_really_runs_for_a_gqa_model(first, op):
 def test_fused_layers_match_transformers_modules_on_cuda():
     """The fused RMSNorm and SiLU·up kernels on the GPU: bf16 forwards rounded where transformers rounds (nearly
     every element equal), input gradients within bf16 rounding of transformers' own, and a tiny model's LoRA
-    gradients through them close to the unfused model's."""
+    gradients through them (and through the fused LoRA, models/lora_training.py) close to the unfused model's."""
     from test_memory import _base, _batch, _grads
 
     from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers
@@ -100,7 +100,9 @@ def test_fused_layers_match_transformers_modules_on_cuda():
         counts = enable_fused_layers(base)
         assert counts["rmsnorm"] > 0 and counts["swiglu"] == 3
         lp_f, grads_f = _grads(base, "offload", True, 0.0, True, batch)
+        lp_l, grads_l = _grads(base, "offload", True, 0.0, True, batch, fused_lora=True)  # + fused LoRA
         disable_fused_layers(base)
-    torch.testing.assert_close(lp_f, lp, atol=2e-2, rtol=2e-2)
-    for k in grads:
-        assert (grads_f[k].float() - grads[k].float()).norm() <= 3e-2 * (1 + grads[k].float().norm()), k
+    for lp_x, grads_x in ((lp_f, grads_f), (lp_l, grads_l)):
+        torch.testing.assert_close(lp_x, lp, atol=2e-2, rtol=2e-2)
+        for k in grads:
+            assert (grads_x[k].float() - grads[k].float()).norm() <= 3e-2 * (1 + grads[k].float().norm()), k

@@ -52,6 +52,8 @@ class LoraConfig:
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    fused_training: bool = True  # CUDA: the policy update's adapters as one addmm each (scale and add inside the
+    #                              B product) with q/k/v and gate/up sharing one A product (models/lora_training.py)
 
 
 @dataclass
@@ -170,7 +172,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "genera
                      "train.micro_batch_size", "train.logprob_chunk_size", "train.mlp_tile_tokens", "model.device",
                      "model.offload_activations", "model.gpu_resident_layers", "model.sdpa_backends",
                      "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
-                     "model.fused_layers")
+                     "model.fused_layers", "lora.fused_training")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -25,6 +25,7 @@ from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpoint
 from .memory.planner import plan_for_config
 from .models import TINY_NAME, base_model, load_model, resolve_device
 from .models.fused_layers import enable_fused_layers
+from .models.lora_training import fused_lora_training
 from .ops.advantages import group_advantages
 from .ops.attention_backend import sdpa_priority
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
@@ -312,30 +313,32 @@ class GRPOTrainer:
         correction_stats: list[tuple[float, dict]] = []
         n_tokens = float(b.mask.sum())
         width = b.mask.shape[1]
-        for idx in self._micro_batches(b.prompt_ids, b.completion_ids):
-            logps, entropy = sequence_logprobs(self.model, [b.prompt_ids[i] for i in idx],
-                                               [b.completion_ids[i] for i in idx], width,
-                                               pad_id=self.tokenizer.pad_token_id,
-                                               temperature=cfg.generation.temperature,
-                                               chunk_size=cfg.train.logprob_chunk_size, with_entropy=True)
-            mask = b.mask[idx].to(dev)
-            old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
-            ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
-            is_weights = None
-            if b.sampler_logps is not None and cfg.grpo.rollout_correction != "none":
-                is_weights, stats = rollout_correction_weights(old, b.sampler_logps[idx].to(dev), mask,
-                                                               cfg.grpo.rollout_correction,
-                                                               cfg.grpo.rollout_correction_cap)
-                correction_stats.append((float(mask.sum()), stats))
-            per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask,
-                                                    self.loss_settings, is_weights)
-            loss = weighted_loss(per_token, b.weights[idx].to(dev))
-            loss.backward()
-            total_loss += float(loss.detach())
-            clip_sum += float((diag["clipped"] * mask).sum())
-            ent_sum += float((entropy.detach() * mask).sum())
-            if "kl" in diag:
-                kl_sum += float((diag["kl"] * mask).sum())
+        fused = cfg.lora.fused_training and dev.type == "cuda"  # forwards and backwards inside the context
+        with fused_lora_training(self.model) if fused else contextlib.nullcontext():
+            for idx in self._micro_batches(b.prompt_ids, b.completion_ids):
+                logps, entropy = sequence_logprobs(self.model, [b.prompt_ids[i] for i in idx],
+                                                   [b.completion_ids[i] for i in idx], width,
+                                                   pad_id=self.tokenizer.pad_token_id,
+                                                   temperature=cfg.generation.temperature,
+                                                   chunk_size=cfg.train.logprob_chunk_size, with_entropy=True)
+                mask = b.mask[idx].to(dev)
+                old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
+                ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
+                is_weights = None
+                if b.sampler_logps is not None and cfg.grpo.rollout_correction != "none":
+                    is_weights, stats = rollout_correction_weights(old, b.sampler_logps[idx].to(dev), mask,
+                                                                   cfg.grpo.rollout_correction,
+                                                                   cfg.grpo.rollout_correction_cap)
+                    correction_stats.append((float(mask.sum()), stats))
+                per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask,
+                                                        self.loss_settings, is_weights)
+                loss = weighted_loss(per_token, b.weights[idx].to(dev))
+                loss.backward()
+                total_loss += float(loss.detach())
+                clip_sum += float((diag["clipped"] * mask).sum())
+                ent_sum += float((entropy.detach() * mask).sum())
+                if "kl" in diag:
+                    kl_sum += float((diag["kl"] * mask).sum())
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         self.optimizer.step()

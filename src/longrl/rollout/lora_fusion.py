@@ -64,7 +64,7 @@ class _Group:
         return xa
 
 
-def _lora_layers(model) -> dict[str, torch.nn.Module]:
+def lora_layers(model) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
 
 
@@ -98,7 +98,7 @@ def fused_lora(model, dtype: torch.dtype):
     """Within the context, ``model``'s LoRA adapters run fused (see the module docstring); yields whether they
     do (False: no adapters or not fusable, PEFT's forward runs unchanged). For inference: the copies are
     detached and the delta is added in place, so no gradient reaches the adapters."""
-    layers = _lora_layers(model)
+    layers = lora_layers(model)
     if not layers or not hasattr(model, "disable_adapter") or fusable_reason(model) is not None:
         yield False
         return
@@ -108,7 +108,7 @@ def fused_lora(model, dtype: torch.dtype):
     hooks = []
     try:  # hooks removed whatever happens, also while they are being installed (e.g. out of memory there)
         with torch.no_grad():
-            for members in _sibling_groups(layers):
+            for members in sibling_groups(layers):
                 active = [(m, next(a for a in m.active_adapters if a in m.lora_A)) for _, m in members]
                 a_rows = [m.lora_A[a].weight for m, a in active]  # each [r, in]
                 group = _Group(torch.cat(a_rows).to(dtype).t().contiguous(), len(active))
@@ -138,7 +138,7 @@ def _adder(group: _Group, lo: int, hi: int, b_t: torch.Tensor):
     return hook
 
 
-def _sibling_groups(layers: dict[str, torch.nn.Module]) -> list[list[tuple[str, torch.nn.Module]]]:
+def sibling_groups(layers: dict[str, torch.nn.Module]) -> list[list[tuple[str, torch.nn.Module]]]:
     """Adapted layers with an active adapter, grouped into siblings that share an input (same parent, names in
     one of SHARED_INPUTS); every other layer alone. Grouping only saves work: a sibling called on another tensor
     recomputes its group's product."""

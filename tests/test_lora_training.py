@@ -1,0 +1,51 @@
+"""Training-time fused LoRA (models/lora_training.py) against PEFT's own forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_lora_fusion import llama, randomise_adapters
+from test_memory import _base, _batch, _grads
+
+from longrl.config import LoraConfig
+from longrl.models import apply_lora
+from longrl.models.lora_training import FusedLoraLinear, fused_lora_training
+
+
+@pytest.mark.parametrize("mode", ["none", "offload", "reuse"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fused_training_gradients_equal_peft(mode, dropout):
+    """Log-probs and every LoRA gradient as PEFT's, through offloaded checkpointing's recompute too; with dropout
+    the masks are PEFT's (same modules, same RNG order). In float64: the tiny model's backward amplifies float32
+    rounding (the sum inside the product) to ~1e-3 relative, which would hide a real difference."""
+    base, batch = _base().double(), _batch(torch.seed() % 1000)
+    lp, grads = _grads(base, mode, True, dropout, True, batch)
+    lp_f, grads_f = _grads(base, mode, True, dropout, True, batch, fused_lora=True)
+    torch.testing.assert_close(lp_f, lp, atol=1e-10, rtol=1e-10)
+    assert grads_f.keys() == grads.keys() and any("lora_A" in k for k in grads)
+    for k in grads:
+        torch.testing.assert_close(grads_f[k], grads[k], atol=1e-10, rtol=1e-9, msg=k)
+
+
+def test_fused_training_swaps_in_and_out_and_steps_aside():
+    model = apply_lora(llama(0, layers=2), LoraConfig(r=3, alpha=5.0))
+    randomise_adapters(model, 1)
+    keys = list(model.state_dict())
+    modules = dict(model.named_modules())
+    ids = torch.randint(0, 97, (2, 7))
+    with fused_lora_training(model) as fused:
+        assert fused
+        wrapped = [m for m in model.modules() if isinstance(m, FusedLoraLinear)]
+        assert len(wrapped) == 2 * 7 and list(model.state_dict()) == keys
+        got = model(input_ids=ids).logits
+        shared = {id(m.shared) for m in wrapped if m.shared is not None}
+        assert len(shared) == 2 * 2  # q/k/v and gate/up of each layer share one A product
+        assert all(m.shared.x is None for m in wrapped if m.shared is not None)  # no activation kept after
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(modules[n] is m for n, m in model.named_modules())  # the very modules are back
+    torch.testing.assert_close(got, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    with model.disable_adapter(), fused_lora_training(model) as fused:  # the reference pass: PEFT's forward
+        assert not fused
+    plain = llama(0, layers=2)
+    with fused_lora_training(plain) as fused:
+        assert not fused
