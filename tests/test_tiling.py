@@ -155,6 +155,26 @@ def test_tiled_checkpointing_is_lossless_exactly(dropout):
             assert torch.equal(g[k], g_ref[k]), (mode, k)
 
 
+@pytest.mark.parametrize("dropout, passes", [(0.0, 2), (0.2, 3)])
+def test_offloaded_recompute_runs_each_tile_once_more_only(dropout, passes):
+    """Inside an offloaded layer's recompute the tiled MLP's output is never read, so (without dropout) the tiles
+    run in backward only: the MLP runs twice per token (forward, backward), as untiled; with dropout the per-tile
+    checkpoints stay (three times: their RNG states follow the forward's tile order). Exactness: the test above."""
+    model, batch = _lora(_base(3), dropout=dropout), _batch(98)
+    model = copy.deepcopy(model).train()
+    enable_offloaded_checkpointing(model)
+    enable_mlp_tiling(model, 5)
+    tokens = []
+    for m in model.modules():
+        if isinstance(m, TiledMLP):
+            m.inner.register_forward_pre_hook(lambda mod, args: tokens.append(args[0].shape[:-1].numel()))
+    lp, _ = sequence_logprobs(model, *batch, 13, pad_id=0, packed=True)
+    forward = sum(t for t in tokens if t > 1)
+    lp.sum().backward()
+    total = sum(t for t in tokens if t > 1)
+    assert forward > 0 and total == passes * forward
+
+
 # ---------------------------------------------------------------------------------------------- names, PEFT
 def test_state_dict_keys_and_peft_adapters_are_unchanged(tmp_path):
     base = _base(4)

@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .attention_reuse import RecordAttention, ReplayAttention
+from .tiling import layer_recompute
 
 
 class PinnedPool:
@@ -269,7 +270,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
             device_type, enabled, dtype = ctx.autocast
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), replay:
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), replay, \
+                    layer_recompute():
                 out = ctx.function(x)
         if records is not None:
             replay.check_done()

@@ -9,7 +9,13 @@ transient of a layer at long N. With tiles of t tokens (over the flattened [N, H
               backward recomputes the tile with autograd, backpropagates through it and frees it
 
 so the MLP needs O(t·I) memory instead of O(N·I), for one extra MLP forward per token in backward. The
-checkpoint restores the RNG state, so LoRA dropout masks in the recompute are the forward's. Results equal the
+checkpoint restores the RNG state, so LoRA dropout masks in the recompute are the forward's.
+
+Inside an offloaded layer's recompute (memory/offload.py) that extra forward is avoidable: the recompute only
+rebuilds the layer's graph, and in a Llama-family layer (out = residual + mlp(x)) nothing reads the MLP's output
+value in backward. There (``output_unread``, no dropout in the MLP) the MLP returns an unwritten output tied to
+a function whose backward recomputes each tile and backpropagates through it at once, so the MLP runs twice per
+token in a step (forward, backward's recompute) as an untiled checkpointed MLP does, not three times. Results equal the
 untiled MLP's up to floating-point summation order (GEMM kernels may block a row subset differently, and weight
 gradients are summed tile by tile); with exactly representable values they are bit-identical (tested).
 N ≤ t runs the MLP untouched.
@@ -27,6 +33,8 @@ after tiling, merging before un-tiling) is seen by both. No library class is mod
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 
 import torch
@@ -54,13 +62,32 @@ class SharedWrapper(nn.Module):
         return super().train(mode)
 
 
+_RECOMPUTING = contextvars.ContextVar("longrl_layer_recompute", default=False)
+
+# decoder layers that end in ``hidden_states = residual + self.mlp(hidden_states)`` (their MLP output's value is
+# read by nothing in backward)
+RESIDUAL_MLP_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+@contextlib.contextmanager
+def layer_recompute():
+    """Marks a checkpointed layer's recompute in backward (memory/offload.py): outputs only feed autograd."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
 class TiledMLP(SharedWrapper):
     """``mlp`` applied to tiles of ``tile_tokens`` tokens; same parameters, same names, same results."""
 
-    def __init__(self, mlp: nn.Module, tile_tokens: int):
+    def __init__(self, mlp: nn.Module, tile_tokens: int, output_unread: bool = False):
         super().__init__(mlp)
         self.tile_tokens = _check_tile(tile_tokens)
         self.checkpoint_tiles = True  # False keeps every tile's intermediates: the slow twin, for tests
+        self.output_unread = output_unread  # the parent layer never reads the output's value in backward
+        self.anchor = torch.empty(0, requires_grad=True)  # makes the backward-only output require grad
 
     def extra_repr(self) -> str:
         return f"tile_tokens={self.tile_tokens}, inner={type(self.inner).__name__}"
@@ -71,6 +98,12 @@ class TiledMLP(SharedWrapper):
             return self.inner(x)
         tiles = x.reshape(n, x.shape[-1]).split(self.tile_tokens)  # views [t, H]
         if torch.is_grad_enabled():
+            if self.checkpoint_tiles and self.output_unread and _RECOMPUTING.get() and not _has_dropout(self.inner):
+                with torch.no_grad():  # the output's shape and dtype, from one token
+                    probe = self.inner(x.reshape(n, x.shape[-1])[:1])
+                out = _TilesInBackward.apply(x.reshape(n, x.shape[-1]), self.anchor, self.inner, self.tile_tokens,
+                                             probe.shape[-1], probe.dtype)
+                return out.view(*x.shape[:-1], -1)
             if self.checkpoint_tiles:
                 outs = [checkpoint(self.inner, tile, use_reentrant=False) for tile in tiles]
             else:
@@ -84,6 +117,39 @@ class TiledMLP(SharedWrapper):
             out[start:start + len(y)] = y
             start += len(y)
         return out.view(*x.shape[:-1], -1)
+
+
+class _TilesInBackward(torch.autograd.Function):
+    """Output left unwritten (only its graph is used); backward recomputes the MLP tile by tile, last tile first
+    (the order autograd runs per-tile checkpoints in), backpropagating each tile's gradient through it at once:
+    the parameters' gradients accumulate there, the input's is returned."""
+
+    @staticmethod
+    def forward(ctx, x2, anchor, mlp, tile, out_features, out_dtype):  # x2 [N, H] → [N, out_features]
+        ctx.mlp, ctx.tile = mlp, tile
+        ctx.autocast = (x2.device.type, torch.is_autocast_enabled(x2.device.type),
+                        torch.get_autocast_dtype(x2.device.type))
+        ctx.save_for_backward(x2)
+        return x2.new_empty(x2.shape[0], out_features, dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x2,) = ctx.saved_tensors
+        grad_x = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        device_type, enabled, dtype = ctx.autocast
+        starts = list(range(0, x2.shape[0], ctx.tile))
+        for s in reversed(starts):
+            xt = x2[s:s + ctx.tile].detach().requires_grad_(grad_x is not None)
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                yt = ctx.mlp(xt)
+            torch.autograd.backward(yt, grad[s:s + ctx.tile])
+            if grad_x is not None:
+                grad_x[s:s + ctx.tile] = xt.grad
+        return grad_x, None, None, None, None, None
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in module.modules())
 
 
 def _check_tile(tile_tokens: int) -> int:
@@ -111,7 +177,7 @@ def enable_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
             log.warning("MLP tiling skips the mixture-of-experts block %s", type(mlp).__name__)
             continue
         else:
-            setattr(parent, "mlp", TiledMLP(mlp, tile_tokens))
+            setattr(parent, "mlp", TiledMLP(mlp, tile_tokens, type(parent).__name__ in RESIDUAL_MLP_LAYERS))
         count += 1
     return count
 
