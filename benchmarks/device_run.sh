@@ -48,6 +48,8 @@
 #   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
+#   fused20k   grpo_memory 8B 20,480 x 8, warmed (1 rep): attention reuse with the fused layers and fused LoRA vs
+#              without, untiled and in MLP tiles of 4,096 (FIMPLS, FTILES, FTAG override) (~5 min)
 #   sdpa20k    grpo_memory 8B 20,480 x 8, MLP tiles 4,096, longrl with cuDNN SDPA first (keys/values repeated to
 #              the query heads so cuDNN takes the GQA call: longrl_sdpa_mha) (~3 min; compare reuse20k)
 #   reuse20k   grpo_memory 8B 20,480 x 8, MLP tiles 4,096: offloaded vs offloaded + attention reuse, warmed, and
@@ -165,6 +167,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --impls longrl,longrl-reuse --mlp-tile 4096 --reps 1 --check-equality --tag reuse_20k ;;
         sdpa20k) stage sdpa20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl,longrl-reuse --mlp-tile 4096 --reps 1 --sdpa cudnn --tag sdpa_cudnn_20k ;;
+        fused20k) stage fused20k 400 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls "${FIMPLS:-longrl-reuse+fused+flora,longrl-reuse}" --mlp-tile "${FTILES:-0,4096}" --reps 1 \
+            --tag "${FTAG:-fused_20k}" ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl --mlp-tile 0,4096 --reps 2 --tag warm_20k ;;
         *) echo "unknown stage $s" ;;

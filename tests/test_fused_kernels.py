@@ -110,3 +110,27 @@ def test_fused_layers_leave_other_norms_and_activations_alone():
     GeluMLP.__name__ = "LlamaMLP"
     model = nn.Sequential(GeluMLP(), nn.LayerNorm(4))
     assert enable_fused_layers(model) == {"rmsnorm": 0, "swiglu": 0}
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_fused_kernels_build_for_sm90(dtype):
+    """The four kernels compile for an H100/H200 with the launch options rmsnorm()/silu_mul() use (ahead of time,
+    no GPU: tests/test_kernels_compile.py's helper)."""
+    pytest.importorskip("triton")
+    from test_kernels_compile import compile_for_sm90
+
+    from longrl.ops import rmsnorm as rn
+    from longrl.ops import swiglu as sw
+
+    for D in (4096, 128, 1000):
+        launch = rn._launch(D)
+        warps = launch.pop("num_warps")
+        compile_for_sm90(rn._rmsnorm_fwd, {"X": dtype, "W": dtype, "Y": dtype, "RSTD": "*fp32", "stride_x": "i64",
+                                           "stride_y": "i64", "D": "i32", "eps": "fp32"}, launch, num_warps=warps)
+        compile_for_sm90(rn._rmsnorm_bwd, {"DY": dtype, "X": dtype, "W": dtype, "RSTD": "*fp32", "DX": dtype,
+                                           "stride_dy": "i64", "stride_x": "i64", "stride_dx": "i64", "D": "i32"},
+                         launch, num_warps=warps)
+    compile_for_sm90(sw._silu_mul_fwd, {"G": dtype, "U": dtype, "H": dtype, "N": "i64"}, {"BLOCK": sw.BLOCK},
+                     num_warps=8)
+    compile_for_sm90(sw._silu_mul_bwd, {"DH": dtype, "G": dtype, "U": dtype, "DG": dtype, "DU": dtype, "N": "i64"},
+                     {"BLOCK": sw.BLOCK}, num_warps=8)
