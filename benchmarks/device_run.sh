@@ -27,6 +27,7 @@
 #   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
+#   e2e8b_a1   e2e8b_a with 1 step (+ CLI smoke), files tagged ETAG (default _fused) (~2.5 min)
 #   e2e8b_a4   the same with an NF4 4-bit base, 1 step
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
 #   e2e8b_a4k  e2e8b_a4 with generation.nf4_kernel (decode products read the NF4 weight directly; compare e2e8b_a4)
@@ -123,6 +124,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --no-cli-smoke ;;
         hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;
         e2e8b_a) stage e2e8b_a 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2 ;;
+        e2e8b_a1) stage e2e8b_a1 300 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
+            --steps 1 --tag "${ETAG:-_fused}" ;;
         e2e8b_a4) stage e2e8b_a4 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \

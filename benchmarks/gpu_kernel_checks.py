@@ -1,8 +1,10 @@
 """GPU checks of the rollout kernels beyond the test files (stage `gpucheck` of benchmarks/device_run.sh; prints
 PASS/FAIL lines and the failures last): the fused sampling kernel against the float64 whole-CDF draw at vocabularies
 from 1 to 151,936 entries (only boundary draws may differ; repeat runs identical), decode attention with its key
-loops stopped early (DYNAMIC_STOP) bit-for-bit equal to running them to CHUNK and close to the reference, and the
-merge kernel with stale NaN/inf in dead partial columns, > 1,024 columns and NaN inputs."""
+loops stopped early (DYNAMIC_STOP) bit-for-bit equal to running them to CHUNK and close to the reference, its merge
+inside the chunk launch (the default) repeatable bit for bit, the merge kernel with stale NaN/inf in dead partial
+columns, > 1,024 columns and NaN inputs, and the fused merge replayed from a CUDA graph with other lengths, close to
+the separate merge launch."""
 import sys
 
 import torch
@@ -71,6 +73,9 @@ for dtype in (torch.bfloat16, torch.float32):
             tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
             check(f"decode {dtype} {(P, S, Hq, Hkv, Lp, T, D)} grouped={bool(kw)}", torch.equal(a, b) and err < tol,
                   f"bitwise={torch.equal(a, b)} maxdiff_ab={float((a.float() - b.float()).abs().max()):.2e} err={err:.2e}")
+            # the merge inside the chunk launch: whichever program merges, the same columns in the same order
+            again = all(torch.equal(dk.decode_attention_triton(*args, **kw), a) for _ in range(3))
+            check(f"fused merge repeats {dtype} {(P, S, Hq, Hkv, Lp, T, D)} grouped={bool(kw)}", again, "")
 
 # ---- 3. merge kernel edges: dead columns with NaN/inf stale l/acc, maxima in later blocks, NaN in a live column
 def merge(m, l, acc, npart, D):
@@ -84,6 +89,7 @@ for npart in (1, 2, 16, 17, 33, 1025):
     dead = torch.rand(rows, npart, device=dev) < 0.5
     dead[0] = True  # a row with nothing live: 0/0
     dead[1, :-1] = True  # only the last column live
+    dead[1:, -1] = False  # every other row with a live column (rows 5 and 6 take a NaN in one below)
     m[dead] = float("-inf")
     l = torch.rand(rows, npart, device=dev) + 0.1
     acc = torch.randn(rows, npart, D, device=dev)
@@ -104,5 +110,37 @@ for npart in (1, 2, 16, 17, 33, 1025):
     m3 = m.clone(); m3[6, live_col if not dead[6, live_col] else int((~dead[6]).nonzero()[0, 0])] = float("nan")
     got3 = merge(m3.flatten().contiguous(), l.flatten().contiguous(), acc.reshape(-1, D).contiguous(), npart, D)
     print(f"INFO merge nan-m npart={npart}: output row finite={bool(torch.isfinite(got3[6]).all())} (NaN m column dropped silently if True)")
+
+# ---- 4. the fused merge replayed from a CUDA graph with other lengths (its counters back at rest after each launch;
+# its own random generator: the draws above stay as they were)
+P, S, Hq, Hkv, Lp, T, D = 4, 64, 32, 8, 600, 3000, 128
+gen = torch.Generator(device=dev).manual_seed(4)
+k_pre, v_pre = (torch.randn(P, Hkv, Lp, D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+k_suf, v_suf = (torch.randn(S, Hkv, T, D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+q = torch.randn(S, Hq, D, device=dev, generator=gen).to(torch.bfloat16)
+pidx = torch.arange(S, device=dev) % P
+entry_len = torch.full((P,), Lp, device=dev)
+slen = torch.randint(1, T + 1, (S,), device=dev, generator=gen)
+members = torch.arange(S, device=dev).view(S // P, P).T.contiguous()
+args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
+kw = dict(members=members, prompt_len=entry_len)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    dk.decode_attention_triton(*args, **kw)  # compiled before the capture
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    out = dk.decode_attention_triton(*args, **kw)
+for trial in range(20):
+    slen.copy_(torch.randint(0 if trial % 2 else 1, T + 1 if trial % 3 else 40, (S,), device=dev, generator=gen))
+    graph.replay()
+    want = dk.decode_attention_triton(*args, **kw)
+    ref = decode_attention_reference(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+    err = float((out.float() - ref).abs().max())
+    # the separate merge launch: the same sums, compiled apart (float32 summation order), then rounded to bf16
+    du = float((out.float() - dk.decode_attention_triton(*args, **kw, fused_merge=False).float()).abs().max())
+    check(f"fused merge graph replay {trial}", torch.equal(out, want) and err < 2e-2 and du < 2e-2,
+          f"bitwise-vs-eager={torch.equal(out, want)} err={err:.2e} vs-merge-launch={du:.2e}")
 
 print("FAILS:", fails)

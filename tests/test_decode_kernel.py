@@ -35,6 +35,72 @@ KERNEL_CHECK = textwrap.dedent('''
     print("kernel ok")
 ''')
 
+FUSED_CHECK = textwrap.dedent('''
+    import torch
+    from triton.runtime import interpreter
+    from longrl.rollout import decode_kernel as dk
+    from longrl.rollout.attention import decode_attention_reference
+
+    class SharedCounter:  # _chunk_kernel launched with one counter buffer kept across calls: the kernel resets it
+        def __init__(self, kernel):
+            self.kernel, self.count = kernel, None
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                args = list(args)
+                if self.count is None:
+                    self.count = torch.full_like(args[11], dk.COUNT0)  # COUNT: B · Hkv int32
+                args[11] = self.count
+                self.kernel[grid](*args, **kw)
+                assert bool((self.count == dk.COUNT0).all()), self.count  # back at rest after the launch
+            return launch
+
+    builder = interpreter.interpreter_builder  # runs the programs one by one, chunk index c innermost, ascending
+    ascending = builder.set_grid_idx
+
+    def descending(x, y, z):  # each (b, h)'s chunk programs the other way round: another program merges
+        ascending(x, y, builder.grid_dim[2] - 1 - z)
+
+    torch.manual_seed(0)
+    P, S, Hq, Hkv, Lp, T, D = 2, 6, 4, 2, 50, 300, 16
+    k_pre, v_pre = torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D)
+    k_suf, v_suf, q = torch.randn(S, Hkv, T, D), torch.randn(S, Hkv, T, D), torch.randn(S, Hq, D)
+    pidx = torch.tensor([0, 1, 1, 0, 1, 0])
+    entry_len = torch.tensor([Lp, 0])
+    members = torch.full((P, S), -1, dtype=torch.long)
+    members[pidx, torch.arange(S)] = torch.arange(S)
+    shared = SharedCounter(dk._chunk_kernel)
+    # sequences: prompt only (suffix 0: the first suffix chunk merges with no keys), one suffix chunk only, two,
+    # prompt + many suffix chunks, no keys at all (0/0: NaN, as the reference), prompt + one suffix key; the second
+    # lengths other live counts on the same counter buffer
+    for order in (ascending, descending):
+        builder.set_grid_idx = order
+        for slen in (torch.tensor([0, 5, 33, T, 0, 1]), torch.tensor([7, 40, 1, 200, 3, 64])):
+            args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
+            ref = decode_attention_reference(*args)
+            no_keys = (entry_len[pidx] == 0) & (slen == 0)
+            for kw, keys in ((dict(), Lp + T), (dict(members=members, prompt_len=entry_len), T)):
+                chunk = dk._chunk_size(keys, S * Hkv, dk.BLOCK, dk.LAUNCH["programs"])
+                live = -(-entry_len[pidx] // chunk) * (keys > T) + -(-slen // chunk)  # chunk programs with keys
+                assert 1 in live.tolist() and int(live.max()) > 2  # rows of one live chunk and of several
+                fused = dk.decode_attention_triton(*args, **kw)
+                unfused = dk.decode_attention_triton(*args, **kw, fused_merge=False)
+                # the same partials and the same _merge_rows over the same columns in the same order (blocks of 16
+                # columns both: REP = 2): exactly equal under the interpreter (numpy; on a GPU the two compiled
+                # reductions may round apart, and at REP > 2 the fused merge takes smaller blocks)
+                torch.testing.assert_close(fused, unfused, rtol=0, atol=0, equal_nan=True)
+                torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+                assert bool(fused[no_keys].isnan().all()) and bool(fused[~no_keys].isfinite().all())
+                dk._chunk_kernel, kernel = shared, dk._chunk_kernel
+                try:
+                    again = dk.decode_attention_triton(*args, **kw)
+                finally:
+                    dk._chunk_kernel = kernel
+                torch.testing.assert_close(again, fused, rtol=0, atol=0, equal_nan=True)
+    print("fused ok")
+''')
+
+
 SAMPLER_CHECK = textwrap.dedent('''
     import sys
     sys.path.insert(0, "tests")
@@ -61,6 +127,14 @@ SAMPLER_CHECK = textwrap.dedent('''
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_attention_equals_the_reference(seed):
     assert "kernel ok" in run_interpreted(KERNEL_CHECK, str(seed))
+
+
+def test_fused_merge_equals_the_merge_launch():
+    """The merge inside the chunk launch (the last live chunk program of a (sequence, key head) merges its rows)
+    against the separate merge launch, bit for bit, and the reference: rows of one live chunk, of several, of a
+    prompt only, of no keys, the programs run in either order; its counter buffer at rest after each launch and
+    kept across calls."""
+    assert "fused ok" in run_interpreted(FUSED_CHECK)
 
 
 def test_sampler_on_the_triton_kernel_equals_transformers_greedy():

@@ -36,11 +36,23 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
     strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt")}
     common = dict(Q=dtype, KP=dtype, VP=dtype, M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", scale="fp32",
                   NPART="i32")
-    compile_for_sm90(dk._chunk_kernel,
-                     {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", **strides,
-                      "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32", "NPRE": "i32"},
-                     dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim,
-                          DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024, PREC=prec, DYNAMIC_STOP=True), num_warps=4)
+    for fused, npart in ((True, 2), (True, 33), (False, 2)):  # the merge in the chunk launch, or not
+        rb = triton.next_power_of_2(rep)
+        np_, cb = dk._merge_blocks(npart, rb)
+        kernel = compile_for_sm90(
+            dk._chunk_kernel,
+            {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", "COUNT": "*i32",
+             "OUT": dtype, **strides, "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32",
+             "NPRE": "i32"},
+            dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
+                 PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0), num_warps=4)
+        if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
+            lines = kernel.asm["ptx"].splitlines()
+            atom = next(i for i, line in enumerate(lines) if "atom." in line)
+            last_store = max(i for i in range(atom) if "st.global" in lines[i])
+            assert "acq_rel" in lines[atom] and ".gpu" in lines[atom], lines[atom]
+            assert any("bar.sync" in line for line in lines[last_store:atom]), lines[last_store:atom + 1]
+            assert any("ld.global.cg" in line for line in lines[atom:])
     gs = max(1, min(members, 64 // rep))
     compile_for_sm90(dk._prefix_kernel,
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},

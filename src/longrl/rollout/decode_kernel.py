@@ -8,11 +8,13 @@ normaliser, acc: running Σ p·v):
 
     m' = max(m, max_t s_t),  l' = l·e^(m−m') + Σ_t e^(s_t−m'),  acc' = acc·e^(m−m') + Σ_t e^(s_t−m') v_t
 
-and the partials (m_c, l_c, acc_c) of all chunks merge (one more program per output row) as
-o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c, M = max_c m_c. With a prefix-entry table (``members``), each
-prompt's keys are read once for all the sequences sharing it (one program per prompt, key head and chunk of up
-to 1,024 prompt positions, every sequence's query heads as rows), and those partials join the merge. Lengths are
-read on the device: one launch serves any lengths (CUDA-graph safe, no host sync).
+and the partials (m_c, l_c, acc_c) of all chunks merge as o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c,
+M = max_c m_c: by default in the chunk launch itself, the last of a (sequence, key head)'s chunk programs to finish
+merging its query heads' rows (a counter per (sequence, key head), taken with an acquire-release atomic), else in
+one more launch, a program per output row. With a prefix-entry table (``members``), each prompt's keys are read
+once for all the sequences sharing it (one program per prompt, key head and chunk of up to 1,024 prompt positions,
+every sequence's query heads as rows), and those partials join the merge. Lengths are read on the device: one
+launch serves any lengths (CUDA-graph safe, no host sync).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ BLOCK = 32
 # per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
 # (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512)
+# the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
+# initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
+COUNT0 = -8388608  # 0xFF800000
 
 
 @triton.jit
@@ -110,24 +115,36 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
 
 
 @triton.jit
-def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, scale,
+def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, scale,
                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st, NPART,
                   FIRST, NPRE, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
-                  DYNAMIC_STOP: tl.constexpr):
+                  DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
+                  CB: tl.constexpr, COUNT0: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
-    chunk past the keys: its m stays −inf and the merge skips it)."""
+    chunk past the keys: its m stays −inf and the merge skips it).
+
+    FUSED: the live programs of (b, h) — n = min(⌈plen/CHUNK⌉, NPRE) + max(1, min(⌈slen/CHUNK⌉, NSUF)), the first
+    suffix chunk taking part even without keys — each add 1 to COUNT[b·Hkv + h] (from COUNT0) after their stores;
+    the one that sees COUNT0 + n − 1 merges the REP rows (b, h·REP + r), together (RB ≥ REP), over all NPART
+    columns into OUT [B, Hq, D] (the prefix launch's columns are visible by stream order) and puts the counter back
+    to COUNT0."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
+    p_len = tl.maximum(tl.load(PLEN + b).to(tl.int32), 0)
+    s_len = tl.maximum(tl.load(SLEN + b).to(tl.int32), 0)
     if c < NPRE:
         start = c * CHUNK
-        end = tl.load(PLEN + b).to(tl.int32)
+        end = p_len
     else:
         start = (c - NPRE) * CHUNK
-        end = tl.load(SLEN + b).to(tl.int32)
-    if start >= end:
+        end = s_len
+    empty = start >= end
+    if FUSED:
+        empty = empty & (c != NPRE)  # some program merges (b, h) even when it has no keys at all
+    if empty:
         return
     rows = tl.arange(0, R)  # query heads of this key head, padded to R ≥ 16 for tl.dot
     dims = tl.arange(0, DP)
@@ -145,38 +162,66 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, sc
         base = b.to(tl.int64) * stride_sb + h * stride_sh
         m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
                             PREC, DYNAMIC_STOP)
-    part = (b.to(tl.int64) * (stride_qb // stride_qh) + h * REP + rows) * NPART + FIRST + c
+    hq = stride_qb // stride_qh  # query heads (q is contiguous)
+    part = (b.to(tl.int64) * hq + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
     tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
+    if FUSED:
+        live = tl.minimum(tl.cdiv(p_len, CHUNK), NPRE) + tl.maximum(
+            tl.minimum(tl.cdiv(s_len, CHUNK), tl.num_programs(2) - NPRE), 1)
+        counter = COUNT + b * tl.num_programs(1) + h
+        tl.debug_barrier()  # every thread's stores precede the release (bar.sync, then the atomic's release)
+        seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if seen == COUNT0 + live - 1:  # the last live program of (b, h): all its columns are written
+            tl.store(counter, COUNT0)
+            heads = tl.arange(0, RB)
+            out_rows = b.to(tl.int64) * hq + h * REP + heads
+            o = _merge_rows(M_OUT, L_OUT, ACC_OUT, out_rows, heads < REP, NPART, RB, DP, NP, CB,
+                            ".cg")  # .cg: from L2, where the other programs' stores are (not a stale L1 line)
+            tl.store(OUT + out_rows[:, None] * D + dims[None, :], o.to(OUT.dtype.element_ty),
+                     mask=(heads < REP)[:, None] & (dims[None, :] < D))
+
+
+@triton.jit
+def _merge_rows(M, L, ACC, rows, row_ok, NPART, RB: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr,
+                CB: tl.constexpr, CACHE: tl.constexpr):
+    """o [RB, DP]: o_r = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c over the NPART partial columns of each row
+    rows [RB] (column c of row r at r · NPART + c; a column whose m is −inf is skipped; a row not row_ok: NaN), in
+    one pass over blocks of CB columns (a long tail of small batches has hundreds): each block's m, l and acc are
+    loaded together (cache modifier CACHE) and folded in with a running maximum (the sums rescaled by
+    e^(M_old−M_new) when it grows; with one block, as usual, that is the plain formula)."""
+    dims = tl.arange(0, DP)
+    top = tl.full([RB], float("-inf"), tl.float32)
+    denom = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, DP], tl.float32)
+    for c0 in range(0, NP, CB):
+        cols = c0 + tl.arange(0, CB)
+        inb = row_ok[:, None] & (cols < NPART)[None, :]  # [RB, CB]
+        cell = rows[:, None] * NPART + cols[None, :]
+        m = tl.load(M + cell, mask=inb, other=float("-inf"), cache_modifier=CACHE)
+        l = tl.load(L + cell, mask=inb, other=0.0, cache_modifier=CACHE)
+        part = tl.load(ACC + cell[:, :, None] * DP + dims[None, None, :], mask=inb[:, :, None], other=0.0,
+                       cache_modifier=CACHE)  # [RB, CB, DP]
+        live = m > float("-inf")  # chunks that saw a key (the others' l and acc are stale: never multiplied in)
+        new_top = tl.maximum(top, tl.max(m, 1))
+        ref = tl.where(new_top == float("-inf"), 0.0, new_top)
+        alpha = tl.exp(top - ref)  # 0 while nothing was live (denom and acc are 0 then)
+        w = tl.where(live, tl.exp(m - ref[:, None]), 0.0)
+        denom = denom * alpha + tl.sum(tl.where(live, w * l, 0.0), 1)
+        acc = acc * alpha[:, None] + tl.sum(tl.where(live[:, :, None], w[:, :, None] * part, 0.0), 1)
+        top = new_top
+    return acc / denom[:, None]
 
 
 @triton.jit
 def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr):
-    """One program per output row (sequence, query head): o = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c over the
-    row's NPART partial columns, in one pass over blocks of CB columns (a long tail of small batches has hundreds):
-    each block's m, l and acc are loaded together and folded in with a running maximum (the sums rescaled by
-    e^(M_old−M_new) when it grows; with one block, as usual, that is the plain formula)."""
-    row = tl.program_id(0).to(tl.int64)
+    """One program per output row (sequence, query head): OUT[row] = the merge of its NPART partial columns
+    (_merge_rows)."""
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     dims = tl.arange(0, DP)
-    top = tl.full([], float("-inf"), tl.float32)
-    denom = tl.zeros([], tl.float32)
-    acc = tl.zeros([DP], tl.float32)
-    for c0 in range(0, NP, CB):
-        cols = c0 + tl.arange(0, CB)
-        inb = cols < NPART
-        m = tl.load(M + row * NPART + cols, mask=inb, other=float("-inf"))
-        l = tl.load(L + row * NPART + cols, mask=inb, other=0.0)
-        part = tl.load(ACC + (row * NPART + cols)[:, None] * DP + dims[None, :], mask=inb[:, None], other=0.0)
-        live = m > float("-inf")  # chunks that saw a key (the others' l and acc are stale: never multiplied in)
-        new_top = tl.maximum(top, tl.max(m, 0))
-        ref = tl.where(new_top == float("-inf"), 0.0, new_top)
-        alpha = tl.exp(top - ref)  # 0 while nothing was live (denom and acc are 0 then)
-        w = tl.where(live, tl.exp(m - ref), 0.0)
-        denom = denom * alpha + tl.sum(tl.where(live, w * l, 0.0), 0)
-        acc = acc * alpha + tl.sum(tl.where(live[:, None], w[:, None] * part, 0.0), 0)
-        top = new_top
-    tl.store(OUT + row * D + dims, (acc / denom).to(OUT.dtype.element_ty), mask=dims < D)
+    o = _merge_rows(M, L, ACC, rows, rows >= 0, NPART, 1, DP, NP, CB, "")
+    tl.store(OUT + rows[:, None] * D + dims[None, :], o.to(OUT.dtype.element_ty), mask=dims[None, :] < D)
 
 
 def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048) -> int:
@@ -188,12 +233,13 @@ def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int =
 
 
 def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
-                            members=None, prompt_len=None, launch: dict | None = None):
+                            members=None, prompt_len=None, launch: dict | None = None, fused_merge: bool = True):
     """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D].
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
-    of LAUNCH (for tuning; the result does not depend on them beyond float32 summation order)."""
+    of LAUNCH (for tuning; the result does not depend on them beyond float32 summation order). ``fused_merge``
+    False: merge the partials in a launch of their own (merge_partials; for comparison)."""
     launch = {**LAUNCH, **(launch or {})}
     block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     B, Hq, D = q.shape
@@ -211,16 +257,20 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     # heads are 128 programs: one a multiprocessor, too few loads in flight to reach the memory's bandwidth)
     pchunk = _chunk_size(Lp, P * Hkv * n_sub, block, launch["prefix_programs"]) if grouped else block
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
-    # per sequence: its prefix and suffix in chunks
+    # per sequence: its prefix and suffix in chunks (at least one suffix chunk: the fused merge's taker of last resort)
     chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block, launch["programs"])
-    n_suf = -(-T // chunk)
+    n_suf = max(1, -(-T // chunk))
     n_pre = 0 if grouped else -(-Lp // chunk)
     npart = first + n_pre + n_suf
     # m of every column starts at −inf (a prefix column of a slot no entry lists is never written); l and acc are
-    # read only where m was written
-    m_part = torch.full((B * Hq * npart,), float("-inf"), dtype=torch.float32, device=q.device)
+    # read only where m was written. Fused: the counters [B · Hkv] are m's tail, the same fill (COUNT0: −inf's bits)
+    cells = B * Hq * npart
+    m_fill = torch.full((cells + (B * Hkv if fused_merge else 0),), float("-inf"), dtype=torch.float32,
+                        device=q.device)
+    m_part, count = m_fill[:cells], m_fill[cells:].view(torch.int32)
     l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(B * Hq * npart, DP, dtype=torch.float32, device=q.device)
+    acc_part = torch.empty(cells, DP, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     if grouped and first:
         _prefix_kernel[(P, Hkv, first * n_sub)](
@@ -228,19 +278,28 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
             members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=D,
             DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, num_warps=warps,
             num_stages=stages)
+    rb = triton.next_power_of_2(rep)
+    np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
-        q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, float(scale),
-        *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
+        q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
+        float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
         FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
-        CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, num_warps=warps, num_stages=stages)
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
+        CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb, COUNT0=COUNT0,
+        num_warps=warps, num_stages=stages)
+    if not fused_merge:
+        merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
+
+
+def _merge_blocks(npart: int, rows: int = 1) -> tuple[int, int]:
+    """(NP, CB) of a merge of ``rows`` rows at once over ``npart`` columns: blocks of CB ≤ 16 columns, rows · CB ≤ 32
+    where it can (the [rows, CB, DP] block sits in registers), up to NP ≥ npart."""
+    cb = min(16, max(1, 32 // rows), triton.next_power_of_2(npart))
+    return max(cb, triton.next_power_of_2(npart)), cb
 
 
 def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, npart: int) -> None:
     """out [rows, D] ← the merge of each row's ``npart`` partial softmaxes: m, l [rows · npart] float32,
     acc [rows · npart, DP] float32 (column c of row r at r · npart + c; a column whose m is −inf is skipped)."""
-    cb = min(16, triton.next_power_of_2(npart))
-    _merge_kernel[(out.shape[0],)](m, l, acc, out, npart, D=out.shape[1], DP=acc.shape[1],
-                                   NP=max(cb, triton.next_power_of_2(npart)), CB=cb, num_warps=4)
+    np_, cb = _merge_blocks(npart)
+    _merge_kernel[(out.shape[0],)](m, l, acc, out, npart, D=out.shape[1], DP=acc.shape[1], NP=np_, CB=cb, num_warps=4)
