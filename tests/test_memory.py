@@ -33,7 +33,8 @@ def _batch(seed, n=5):
     return prompts, completions
 
 
-def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None, fused_lora=False):
+def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None, fused_lora=False,
+           b_scale=1.0):
     model = copy.deepcopy(base)
     if lora:
         torch.manual_seed(3)
@@ -41,7 +42,7 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mo
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
-                    p.normal_()
+                    p.normal_().mul_(b_scale)
     model.train()
     inner = model.get_base_model() if lora else model
     if mode == "plain":
@@ -56,6 +57,27 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mo
         with backward_mode or contextlib.nullcontext():
             ((lp * w).sum() + ent.sum()).backward()
     return lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def bf16_gradient_errors(base, batch, fused_layers: bool) -> dict:
+    """Relative error (‖g − g_fp32‖ / ‖g_fp32‖ over every LoRA gradient) of the bf16-autocast gradients of: PEFT's
+    forward, the fused layers (if ``fused_layers``), and the fused layers + fused LoRA, against the float32 model's
+    (offloaded checkpointing, packed batch)."""
+    from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers
+
+    _, ref = _grads(base, "offload", True, 0.0, True, batch, b_scale=0.05)
+    b16 = base.to(torch.bfloat16)
+    out = {}
+    with torch.autocast(b16.device.type, dtype=torch.bfloat16):
+        for name, layers, lora in (("peft", False, False), ("fused_layers", True, False),
+                                   ("fused_layers+lora", True, True)):
+            if layers and fused_layers:
+                enable_fused_layers(b16)
+            _, g = _grads(b16, "offload", True, 0.0, True, batch, fused_lora=lora, b_scale=0.05)
+            disable_fused_layers(b16)
+            num = sum(float((g[k].float() - ref[k].float()).norm()) ** 2 for k in ref)
+            out[name] = (num / sum(float(ref[k].float().norm()) ** 2 for k in ref)) ** 0.5
+    return out
 
 
 @pytest.mark.parametrize("lora, dropout", [(True, 0.0), (True, 0.2), (False, 0.0)])

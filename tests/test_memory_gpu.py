@@ -65,9 +65,8 @@ def test_fused_layers_match_transformers_modules_on_cuda():
     """The fused RMSNorm and SiLU·up kernels on the GPU: bf16 forwards rounded where transformers rounds (nearly
     every element equal), input gradients within bf16 rounding of transformers' own, and a tiny model's LoRA
     gradients through them (and through the fused LoRA, models/lora_training.py) close to the unfused model's."""
-    from test_memory import _base, _batch, _grads
+    from test_memory import _base, _batch, bf16_gradient_errors
 
-    from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers
     from longrl.ops.rmsnorm import RMSNormFunction, rmsnorm_reference
     from longrl.ops.swiglu import SiluMulFunction, silu_mul_reference
 
@@ -93,16 +92,9 @@ def test_fused_layers_match_transformers_modules_on_cuda():
     assert torch.equal(du, du_ref)  # dh · round(silu(g)): the same products
     torch.testing.assert_close(dg.float(), dg_ref.float(), atol=3e-2, rtol=3e-2)
 
-    base = _base(layers=3).to("cuda", torch.bfloat16)
-    batch = _batch(5, n=4)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        lp, grads = _grads(base, "offload", True, 0.0, True, batch)
-        counts = enable_fused_layers(base)
-        assert counts["rmsnorm"] > 0 and counts["swiglu"] == 3
-        lp_f, grads_f = _grads(base, "offload", True, 0.0, True, batch)
-        lp_l, grads_l = _grads(base, "offload", True, 0.0, True, batch, fused_lora=True)  # + fused LoRA
-        disable_fused_layers(base)
-    for lp_x, grads_x in ((lp_f, grads_f), (lp_l, grads_l)):
-        torch.testing.assert_close(lp_x, lp, atol=2e-2, rtol=2e-2)
-        for k in grads:
-            assert (grads_x[k].float() - grads[k].float()).norm() <= 3e-2 * (1 + grads[k].float().norm()), k
+    # a tiny model in bf16: each variant's gradients against the float32 model's (adapters of moderate size: with
+    # B ~ N(0, 1) this model amplifies bf16 rounding to O(1) relative errors, transformers' own path included)
+    errors = bf16_gradient_errors(_base(layers=3).to("cuda"), _batch(5, n=4), fused_layers=True)
+    assert errors["peft"] < 0.2, errors
+    for name in ("fused_layers", "fused_layers+lora"):
+        assert errors[name] <= 2 * errors["peft"] + 1e-3, errors
