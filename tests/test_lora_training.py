@@ -49,6 +49,9 @@ def test_fused_training_swaps_in_and_out_and_steps_aside():
         shared = {id(m.shared) for m in wrapped if m.shared is not None}
         assert len(shared) == 2 * 2  # q/k/v and gate/up of each layer share one A product
         assert all(m.shared.x is None for m in wrapped if m.shared is not None)  # no activation kept after
+        with fused_lora_training(model) as nested:  # the wrappers already add the adapters: nothing to swap
+            assert not nested
+            torch.testing.assert_close(model(input_ids=ids).logits, got, atol=0, rtol=0)
     assert dict(model.named_modules()).keys() == modules.keys()
     assert all(modules[n] is m for n, m in model.named_modules())  # the very modules are back
     torch.testing.assert_close(got, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

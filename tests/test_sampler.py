@@ -367,6 +367,20 @@ def test_first_with_mass_skips_entries_without_mass_on_a_non_monotonic_scan():
     counted = (cdf <= target).sum(-1)  # the old rule: lands on entries without mass here
     assert not bool(mass.gather(1, counted[:1, None].clamp(max=3)).all())
 
+
+@pytest.mark.parametrize("V", [1000, 1025, 3001])
+def test_rows_without_mass_draw_token_zero_on_both_paths(V):
+    """All-zero and NaN rows (a diverged model's logits): token 0 on the two-level search, the whole-CDF twin and
+    (tests/test_sampling_kernel.py) the fused kernel, never an index past the vocabulary."""
+    from longrl.rollout.sampling import inverse_cdf, inverse_cdf_reference
+
+    probs = torch.zeros(3, V)
+    probs[1] = float("nan")
+    probs[2, 5] = 1.0
+    u = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [0, 0, 5]
+    assert inverse_cdf_reference(probs, u).tolist() == [0, 0, 5]
+
 @pytest.mark.parametrize("V", [1000, 1024, 1025, 3001, 50_257])  # within one block, one block exactly, across
 def test_two_level_inverse_cdf_equals_the_whole_cdf(V):
     from longrl.rollout.sampling import inverse_cdf, inverse_cdf_reference

@@ -108,7 +108,7 @@ def _batch(seed, n=4):
     return prompts, completions
 
 
-def _policy_grads(model, batch, *, tile, checkpointing, packed=True, checkpoint_tiles=True):
+def _policy_grads(model, batch, *, tile, checkpointing, packed=True, checkpoint_tiles=True, layers=2):
     model = copy.deepcopy(model)
     model.train()
     if checkpointing == "offload":
@@ -116,7 +116,7 @@ def _policy_grads(model, batch, *, tile, checkpointing, packed=True, checkpoint_
     elif checkpointing == "plain":
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if tile:
-        assert enable_mlp_tiling(model, tile) == 2
+        assert enable_mlp_tiling(model, tile) == layers
         for m in model.modules():
             if isinstance(m, TiledMLP):
                 m.checkpoint_tiles = checkpoint_tiles
@@ -173,6 +173,26 @@ def test_offloaded_recompute_runs_each_tile_once_more_only(dropout, passes):
     lp.sum().backward()
     total = sum(t for t in tokens if t > 1)
     assert forward > 0 and total == passes * forward
+
+
+@pytest.mark.parametrize("tile", [None, 3])
+def test_offloaded_layers_with_nothing_to_train_backpropagate(tile):
+    """Adapters on one projection of the last layer only: the first layer (input from the frozen embedding) has
+    no parameter or input that wants a gradient; its recompute (and its MLP's tiles) must skip the backward that
+    has nothing to reach, and the adapters' gradients equal plain checkpointing's."""
+    base, batch = _base(), _batch(7)
+    grads = {}
+    for mode in ("plain", "offload"):
+        torch.manual_seed(3)
+        model = apply_lora(copy.deepcopy(base), LoraConfig(r=4, target_modules=["1.self_attn.q_proj"]))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_()
+        grads[mode] = _policy_grads(model, batch, tile=tile, checkpointing=mode, layers=2)[1]
+    assert grads["offload"].keys() == grads["plain"].keys() and len(grads["plain"]) == 2
+    for k in grads["plain"]:
+        assert torch.equal(grads["offload"][k], grads["plain"][k]), k
 
 
 # ---------------------------------------------------------------------------------------------- names, PEFT

@@ -280,3 +280,31 @@ def test_checkpoint_files_reach_the_disk_before_the_rename(tmp_path, monkeypatch
     for path in [final, *final.rglob("*")]:
         assert staged + str(path)[len(str(final)):] in synced_before, path
     assert ("sync", str(tmp_path)) in events[rename:]
+
+
+def test_old_policy_logprobs_come_from_the_update_forward(tmp_path, monkeypatch):
+    """With grpo.num_iterations > 1 the old policy's log-probs are computed by the same forward as the update's
+    (the fused LoRA on CUDA), so the first iteration's ratio is exactly 1 (PEFT's forward rounds apart in bf16)."""
+    from longrl.models.lora_training import FusedLoraLinear, fused_lora_training
+
+    entered = []
+
+    def policy_forward(self):  # the CUDA choice, forced on the CPU; records that the fused layers were in place
+        context = fused_lora_training(self.model)
+        entered.append(context)
+        return context
+
+    real_logprobs = GRPOTrainer._logprobs
+
+    def logprobs(self, *args):
+        fused = any(isinstance(m, FusedLoraLinear) for m in self.model.modules())
+        entered.append(("old" if fused else "plain"))
+        return real_logprobs(self, *args)
+
+    monkeypatch.setattr(GRPOTrainer, "_policy_forward", policy_forward)
+    monkeypatch.setattr(GRPOTrainer, "_logprobs", logprobs)
+    history = GRPOTrainer(_cfg(tmp_path, "train.max_steps=2", "grpo.num_iterations=2", "lora.enabled=true",
+                               "lora.r=4", "grpo.beta=0.0")).train()
+    assert len(history) == 2
+    assert entered.count("old") == 1 and "plain" not in entered  # old log-probs inside the fused forward
+    assert sum(not isinstance(e, str) for e in entered) == 3  # old log-probs + two updates

@@ -255,8 +255,10 @@ class GRPOTrainer:
             mask[truncated] = 0.0
         weights = loss_token_weights(mask, cfg.grpo.loss_type, cfg.generation.max_completion_length)
         with self._phase("reference"):  # old-policy and reference log-probs (no grad)
-            old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width) \
-                if cfg.grpo.num_iterations > 1 else None
+            old_logps = None
+            if cfg.grpo.num_iterations > 1:
+                with self._policy_forward():  # the update's own forward: the first iteration's ratio is exactly 1
+                    old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
             ref_logps = None
             if cfg.grpo.beta != 0.0:
                 with reference_mode(self.model):
@@ -306,6 +308,11 @@ class GRPOTrainer:
             out[idx] = lp.cpu()
         return out
 
+    def _policy_forward(self):
+        """The policy's forward for its log-probs: with ``lora.fused_training`` on CUDA, the fused LoRA."""
+        fused = self.cfg.lora.fused_training and self.device.type == "cuda"
+        return fused_lora_training(self.model) if fused else contextlib.nullcontext()
+
     def _policy_update(self, b: RolloutBatch) -> dict:
         cfg, dev = self.cfg, self.device
         self.optimizer.zero_grad(set_to_none=True)
@@ -313,8 +320,7 @@ class GRPOTrainer:
         correction_stats: list[tuple[float, dict]] = []
         n_tokens = float(b.mask.sum())
         width = b.mask.shape[1]
-        fused = cfg.lora.fused_training and dev.type == "cuda"  # forwards and backwards inside the context
-        with fused_lora_training(self.model) if fused else contextlib.nullcontext():
+        with self._policy_forward():  # forwards and backwards inside the context
             for idx in self._micro_batches(b.prompt_ids, b.completion_ids):
                 logps, entropy = sequence_logprobs(self.model, [b.prompt_ids[i] for i in idx],
                                                    [b.completion_ids[i] for i in idx], width,

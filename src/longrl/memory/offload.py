@@ -275,7 +275,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 out = ctx.function(x)
         if records is not None:
             replay.check_done()
-        torch.autograd.backward(out, grad_out)
+        if out.requires_grad:  # else nothing in the layer wants a gradient (frozen, its input too)
+            torch.autograd.backward(out, grad_out)
         return None, None, (x.grad if ctx.saved.requires_grad else None), None
 
 

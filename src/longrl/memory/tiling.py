@@ -9,7 +9,9 @@ transient of a layer at long N. With tiles of t tokens (over the flattened [N, H
               backward recomputes the tile with autograd, backpropagates through it and frees it
 
 so the MLP needs O(t·I) memory instead of O(N·I), for one extra MLP forward per token in backward. The
-checkpoint restores the RNG state, so LoRA dropout masks in the recompute are the forward's.
+checkpoint restores the RNG state, so LoRA dropout masks in the recompute are the forward's. (Under autocast the
+per-tile checkpoints share autocast's cast cache, so an fp32 weight's gradient is summed over tiles in 16 bits
+before its cast back: close to, not bit-identical with, the untiled result.)
 
 Inside an offloaded layer's recompute (memory/offload.py) that extra forward is avoidable: the recompute only
 rebuilds the layer's graph, and in a Llama-family layer (out = residual + mlp(x)) nothing reads the MLP's output
@@ -142,7 +144,8 @@ class _TilesInBackward(torch.autograd.Function):
             xt = x2[s:s + ctx.tile].detach().requires_grad_(grad_x is not None)
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 yt = ctx.mlp(xt)
-            torch.autograd.backward(yt, grad[s:s + ctx.tile])
+            if yt.requires_grad:  # else neither the input nor any MLP parameter wants a gradient
+                torch.autograd.backward(yt, grad[s:s + ctx.tile])
             if grad_x is not None:
                 grad_x[s:s + ctx.tile] = xt.grad
         return grad_x, None, None, None, None, None

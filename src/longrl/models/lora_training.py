@@ -12,8 +12,10 @@ seven projections: 43,008) that is ~1 GB a layer a pass. Here, for the active ad
 with autograd through it all (A and B get their gradients; frozen bases none). Results equal PEFT's up to rounding
 (the sum happens inside the product). Within :func:`fused_lora_training` the adapted projections are replaced in
 their parents' slots by :class:`FusedLoraLinear` wrappers sharing their parameters (names and state dicts
-unchanged) and put back on exit, so PEFT's own machinery (``disable_adapter`` for the reference pass, saving,
-merging) never sees a wrapper. The context must hold the forward and the backward of what it computes
+unchanged) and put back on exit, so outside it PEFT's own machinery (``disable_adapter`` for the reference pass,
+saving, merging) never sees a wrapper; inside it, PEFT calls that walk the adapter layers find none (run them
+outside), and a nested :func:`fused_lora_training` or rollout ``fused_lora`` steps aside (the wrappers already add
+the adapters). The context must hold the forward and the backward of what it computes
 (checkpointed layers recompute their forward during backward). Models whose adapters the rollout fusion cannot
 express exactly (rollout/lora_fusion.fusable_reason) keep PEFT's forward.
 """

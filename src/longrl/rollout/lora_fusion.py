@@ -65,7 +65,12 @@ class _Group:
 
 
 def lora_layers(model) -> dict[str, torch.nn.Module]:
-    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    """PEFT's adapted layers of ``model`` by name (not the wrappers standing in for them, which share their
+    children: models/lora_training.py)."""
+    from ..memory.tiling import SharedWrapper
+
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "lora_A") and hasattr(m, "base_layer") and not isinstance(m, SharedWrapper)}
 
 
 def fusable_reason(model) -> str | None:

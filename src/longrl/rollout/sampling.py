@@ -163,14 +163,16 @@ CDF_BLOCK = 1024  # vocabulary entries a block of the two-level inverse CDF
 
 def first_with_mass(cdf: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """min{i : mass_i and cdf_i > target} per row of cdf, mass [B, n] (target [B, 1]); the last entry with mass
-    where none exceeds it (u · total rounded up to the total). [B, 1] long. In exact arithmetic the first entry
-    whose CDF exceeds the target always has mass; a GPU's parallel scan is not monotonic across entries without
-    mass (each prefix sums in its own order), so a plain search could stop on one of them — a token of zero
-    probability, or past the vocabulary where the row's padding follows."""
+    where none exceeds it (u · total rounded up to the total); 0 where nothing has mass (NaN or −inf rows, as
+    the fused kernel). [B, 1] long. In exact arithmetic the first entry whose CDF exceeds the target always has
+    mass; a GPU's parallel scan is not monotonic across entries without mass (each prefix sums in its own order),
+    so a plain search could stop on one of them — a token of zero probability, or past the vocabulary where the
+    row's padding follows."""
     n = cdf.shape[-1]
     hit = mass & (cdf > target)
     first = hit.to(torch.uint8).argmax(-1, keepdim=True)  # the first maximum
-    last = n - 1 - mass.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+    any_mass = mass.any(-1, keepdim=True)
+    last = torch.where(any_mass, n - 1 - mass.flip(-1).to(torch.uint8).argmax(-1, keepdim=True), 0)
     return torch.where(hit.any(-1, keepdim=True), first, last)
 
 
