@@ -49,6 +49,9 @@
 #   lmhead     the LM-head product's layouts at decode batch sizes, 8B and 1.5B heads (~20 s)
 #   probe262k  grpo_memory 8B, one 262,144-token sequence, MLP tiles 16,384 (~4 min)
 #   mem20k     grpo_memory 8B 20,480 x 8: longrl, tiled, 4-bit, warmed (2 reps) (~6 min)
+#   target20k  issue 3's configuration alone on the machine (run it on nvidia-h200, nothing else on the host):
+#              reuse + fused layers + fused LoRA, MLP tiles of 4,096, 2 warmed reps; then the same with cuDNN
+#              attention first (~7 min)
 #   fused20k   grpo_memory 8B 20,480 x 8, warmed (1 rep): attention reuse with the fused layers and fused LoRA vs
 #              without, untiled and in MLP tiles of 4,096 (FIMPLS, FTILES, FTAG override) (~5 min)
 #   sdpa20k    grpo_memory 8B 20,480 x 8, MLP tiles 4,096, longrl with cuDNN SDPA first (keys/values repeated to
@@ -173,6 +176,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         fused20k) stage fused20k 400 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls "${FIMPLS:-longrl-reuse+fused+flora,longrl-reuse}" --mlp-tile "${FTILES:-0,4096}" --reps 1 \
             --tag "${FTAG:-fused_20k}" ;;
+        target20k) stage target20k 280 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 2 --tag target_20k \
+            && stage target20k_cudnn 260 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
+            --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 2 --sdpa cudnn --tag target_cudnn_20k ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl --mlp-tile 0,4096 --reps 2 --tag warm_20k ;;
         *) echo "unknown stage $s" ;;
