@@ -60,3 +60,30 @@ def test_fused_training_swaps_in_and_out_and_steps_aside():
     plain = llama(0, layers=2)
     with fused_lora_training(plain) as fused:
         assert not fused
+
+
+def test_fused_training_on_a_4bit_base_equals_peft():
+    """QLoRA: the wrappers call bitsandbytes' 4-bit base layer as PEFT does; log-probs and LoRA gradients equal
+    PEFT's up to float32 summation order (the sum inside the product)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from longrl.models import base_model, load_model
+    from longrl.policy import sequence_logprobs
+
+    model, tok = load_model("builtin:tiny-arith", lora=LoraConfig(r=8, alpha=16), device="cpu", load_in_4bit=True)
+    assert isinstance(base_model(model).model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear4bit)
+    randomise_adapters(model, 4)
+    prompts = [[tok.bos_token_id, 5, 6, 7], [tok.bos_token_id, 8, 9]]
+    completions = [[10, 11, 12], [13, 14]]
+    results = []
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        with fused_lora_training(model) if fused else torch.enable_grad() as active:
+            assert not fused or active
+            lp, _ = sequence_logprobs(model, prompts, completions, 3, pad_id=tok.pad_token_id)
+            lp.sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (lp_p, g_p), (lp_f, g_f) = results
+    torch.testing.assert_close(lp_f, lp_p, atol=1e-4, rtol=1e-4)
+    assert g_f.keys() == g_p.keys() and len(g_p) > 0
+    for k in g_p:
+        torch.testing.assert_close(g_f[k], g_p[k], atol=1e-4, rtol=1e-3, msg=k)

@@ -50,7 +50,7 @@ class _SharedProjection:
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] → [N, Σ r]; the cache is dropped when every sibling took it (no activation outlives it)."""
         if self.x is not x or self.left == 0:
-            a = torch.cat([m.lora_A[name].weight for m, name in self.members])  # [Σ r, in]: a view-sized copy
+            a = torch.cat([m.lora_A[name].weight for m, name in self.members])  # [Σ r, in]: adapter-sized, autograd reaches each A
             self.x, self.xa, self.left = x, _a_product(x, a), len(self.members)
         xa = self.xa
         self.left -= 1
