@@ -98,7 +98,10 @@ def model_bytes(model) -> tuple[int, int]:
 def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True):
     sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
-    sampler.generate(prompts[:2], 2, SamplingParams(max_new_tokens=4))  # warm-up: kernels, allocator
+    # warm-up: the very call timed below, so that its Triton compiles (kernels specialise on the slot store's length
+    # and the batch) and CUDA-graph captures happen here, not in the timed run (an earlier 2-prompt, 4-token warm-up
+    # left them in it)
+    sampler.generate(prompts, G, params)
     base = _start_peak()
     t = time.perf_counter()
     first = sampler.generate(prompts, G, SamplingParams(max_new_tokens=1, seed=0))  # prefill + first token
@@ -344,8 +347,8 @@ def write_tables(args, results, weight_bytes) -> None:
               "fused products (rollout/lora_fusion.py); longrl-hf: the same with transformers' forward for decode "
               "steps; longrl-peft: transformers' forward and PEFT's own LoRA forward; longrl-nolora: the base alone "
               "(before the adapters are attached). "
-              "longrl: prefill + first token timed separately (max_new_tokens=1 run) and subtracted for the decode "
-              "phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, each "
+              "longrl: after a warm-up run of the same call (compiles, graph captures); prefill + first token timed "
+              "separately (max_new_tokens=1 run) and subtracted for the decode phase. Roofline: (decode steps × bytes of every weight but the input embedding + every live KV byte, each "
               "prompt's shared prefix counted once) / copy bandwidth. Peak: weights + the most allocated "
               "during the call above what was allocated before it. hf-generate: `model.generate` with the dynamic cache "
               "(sdpa); hf-continuous: `generate_batch` (transformers' continuous batching); both with the adapters cast to "
