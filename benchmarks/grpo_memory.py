@@ -97,15 +97,15 @@ def longrl_step(model, batch, *, beta: float, token_budget: int, chunk: int, mod
     _sync()
     t1 = time.perf_counter()
     logp_total = torch.zeros((), dtype=torch.float64, device=adv.device)  # the policy forward's output, summed
-    for idx in groups:
-        with fused_lora_training(model) if fused_lora else contextlib.nullcontext():  # forward + backward inside
+    with fused_lora_training(model) if fused_lora else contextlib.nullcontext():  # as the trainer: every
+        for idx in groups:  # micro-batch's forward and backward inside one context
             lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width,
                                       pad_id=0, chunk_size=chunk)
             ptl, _ = per_token_policy_loss(lp, lp.detach(), ref[idx] if ref is not None else None, adv[idx],
                                            mask[idx], settings)
             weighted_loss(ptl, weights[idx]).backward()
-        logp_total += lp.detach().sum()
-        del lp, ptl
+            logp_total += lp.detach().sum()
+            del lp, ptl
     _sync()
     t2 = time.perf_counter()
     disable_mlp_tiling(model)

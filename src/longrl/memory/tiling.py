@@ -11,16 +11,16 @@ transient of a layer at long N. With tiles of t tokens (over the flattened [N, H
 so the MLP needs O(t·I) memory instead of O(N·I), for one extra MLP forward per token in backward. The
 checkpoint restores the RNG state, so LoRA dropout masks in the recompute are the forward's. (Under autocast the
 per-tile checkpoints share autocast's cast cache, so an fp32 weight's gradient is summed over tiles in 16 bits
-before its cast back: close to, not bit-identical with, the untiled result.)
+before its cast back: close to, not bit-identical with, the untiled result.) Results equal the untiled MLP's up
+to floating-point summation order (GEMM kernels may block a row subset differently, and weight gradients are
+summed tile by tile); with exactly representable values they are bit-identical (tested). N ≤ t runs the MLP
+untouched.
 
 Inside an offloaded layer's recompute (memory/offload.py) that extra forward is avoidable: the recompute only
 rebuilds the layer's graph, and in a Llama-family layer (out = residual + mlp(x)) nothing reads the MLP's output
 value in backward. There (``output_unread``, no dropout in the MLP) the MLP returns an unwritten output tied to
 a function whose backward recomputes each tile and backpropagates through it at once, so the MLP runs twice per
-token in a step (forward, backward's recompute) as an untiled checkpointed MLP does, not three times. Results equal the
-untiled MLP's up to floating-point summation order (GEMM kernels may block a row subset differently, and weight
-gradients are summed tile by tile); with exactly representable values they are bit-identical (tested).
-N ≤ t runs the MLP untouched.
+token in a step (forward, backward's recompute) as an untiled checkpointed MLP does, not three times.
 
 What else a layer holds grows as N·H, not N·I or N²: q/k/v/o and their LoRA inputs, norms, residuals, and
 attention through SDPA/flash without a mask (one long sequence is plain causal; packed micro-batches, which need a
@@ -98,13 +98,14 @@ class TiledMLP(SharedWrapper):
         n = x.shape[:-1].numel()
         if n <= self.tile_tokens:
             return self.inner(x)
-        tiles = x.reshape(n, x.shape[-1]).split(self.tile_tokens)  # views [t, H]
+        flat = x.reshape(n, x.shape[-1])  # [N, H]
+        tiles = flat.split(self.tile_tokens)  # views [t, H]
         if torch.is_grad_enabled():
             if self.checkpoint_tiles and self.output_unread and _RECOMPUTING.get() and not _has_dropout(self.inner):
-                with torch.no_grad():  # the output's shape and dtype, from one token
-                    probe = self.inner(x.reshape(n, x.shape[-1])[:1])
-                out = _TilesInBackward.apply(x.reshape(n, x.shape[-1]), self.anchor, self.inner, self.tile_tokens,
-                                             probe.shape[-1], probe.dtype)
+                # the output a residual layer adds to its stream: [N, H], in the projections' compute dtype
+                device = x.device.type
+                dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+                out = _TilesInBackward.apply(flat, self.anchor, self.inner, self.tile_tokens, x.shape[-1], dtype)
                 return out.view(*x.shape[:-1], -1)
             if self.checkpoint_tiles:
                 outs = [checkpoint(self.inner, tile, use_reentrant=False) for tile in tiles]

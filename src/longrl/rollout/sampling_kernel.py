@@ -13,8 +13,9 @@ top-p, min-p or repetition penalty). One program per row x = z / T [V], in vocab
 
 Each search asks for mass explicitly (:func:`~longrl.rollout.sampling.first_with_mass`): a GPU's parallel scan is
 not monotonic across entries without mass, and counting entries below the target drew zero-probability tokens
-(and tokens past the vocabulary) on an H200. The draw is the reference's, min{v : CDF_v > u · total}, up to rounding where u · total falls within ~1e-7 of a
-boundary; it reads the logits about once (the PyTorch path: about eight passes over [B, V] and ~25 launches).
+(and tokens past the vocabulary) on an H200. The draw is the reference's, min{v : CDF_v > u · total}, up to
+rounding where u · total falls within ~1e-7 of a boundary; it reads the logits about once (the PyTorch path:
+about eight passes over [B, V] and ~25 launches).
 """
 
 from __future__ import annotations
