@@ -47,6 +47,25 @@ def build(arch: str, seed: int, dtype=torch.float32, lora: bool = False):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_sampling_is_unchanged_by_the_fused_training_layers(arch):
+    """The trainer wraps norms, MLPs and attentions for training (models/fused_layers.py); rollouts on the wrapped
+    model, fast decode step or transformers' forward, give the unwrapped model's tokens and log-probs."""
+    from longrl.models.fused_layers import enable_fused_layers
+
+    model = build(arch, seed=3, lora=True)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    want = Sampler(model, None, fast_decode=True).generate(PROMPTS, 2, greedy)
+    assert enable_fused_layers(model)["attention"] == 2
+    for fast in (True, False):
+        sampler = Sampler(model, None, fast_decode=fast)
+        got = sampler.generate(PROMPTS, 2, greedy)
+        assert sampler.last_stats["fast_decode"] is fast  # (a failing fast step falls back with a warning)
+        assert got.completion_ids == want.completion_ids
+        torch.testing.assert_close(torch.tensor(sum(got.logprobs, [])), torch.tensor(sum(want.logprobs, [])),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("lora", [False, True])
 def test_fast_decode_equals_transformers_forward(arch, lora):
     model = build(arch, seed=len(arch), lora=lora)

@@ -98,3 +98,30 @@ def test_fused_layers_match_transformers_modules_on_cuda():
     assert errors["peft"] < 0.2, errors
     for name in ("fused_layers", "fused_layers+lora"):
         assert errors[name] <= 2 * errors["peft"] + 1e-3, errors
+
+
+@pytest.mark.parametrize("dtype, cos_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float32)])
+def test_rotary_kernel_equals_transformers_bit_for_bit_on_cuda(dtype, cos_dtype):
+    """The fused rotary embedding on the GPU: forward and gradients equal to transformers' formula bit for bit (the
+    GPU rounds to nearest as torch does; the kernel runs without floating-point contraction)."""
+    from longrl.ops.rotary import RotaryFunction, rotary_reference
+
+    torch.manual_seed(0)
+    for B, T, HQ, HK, D, cb in ((1, 4099, 32, 8, 128, 1), (3, 77, 12, 2, 128, 3), (2, 5, 7, 7, 64, 1)):
+        qkv = torch.randn(B, T, (HQ + 2 * HK) * D, device="cuda").to(dtype)
+        q, k = qkv[..., :HQ * D].view(B, T, HQ, D), qkv[..., HQ * D:(HQ + HK) * D].view(B, T, HK, D)
+        pos = torch.randint(0, 30000, (cb, T), device="cuda").float()
+        freqs = pos[..., None] / 500000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().to(cos_dtype), emb.sin().to(cos_dtype)
+        out_dtype = torch.promote_types(dtype, cos_dtype)
+        gq, gk = torch.randn(B, HQ, T, D, device="cuda").to(out_dtype), torch.randn(B, HK, T, D, device="cuda").to(out_dtype)
+        results = []
+        for fn in (RotaryFunction.apply, rotary_reference):
+            ql, kl = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+            oq, ok = fn(ql, kl, cos, sin)
+            dq, dk = torch.autograd.grad((oq, ok), (ql, kl), (gq, gk))
+            results.append((oq, ok, dq, dk))
+        for got, want in zip(*results):
+            assert got.dtype == want.dtype and torch.equal(got, want), (B, T, (got.float() - want.float()).abs().max())
