@@ -34,7 +34,7 @@ from results_io import run_meta, write_result  # noqa: E402
 
 from longrl.config import Config, LoraConfig, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
-from longrl.models.fused_layers import FusedRMSNorm, FusedSwiGLU  # noqa: E402
+from longrl.models.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSwiGLU  # noqa: E402
 from longrl.trainer import GRPOTrainer  # noqa: E402
 
 GIB = 2 ** 30
@@ -116,7 +116,8 @@ def run_loop(args, root: Path) -> dict:
                 predicted_training_gib=trainer.plan.predicted_gpu_bytes / GIB if trainer.plan is not None else None,
                 plan=trainer.plan.table() if trainer.plan is not None else None, quantization=quant,
                 sampler_stats=dict(trainer.rollout_sampler.last_stats),
-                fused_layers=sum(isinstance(m, (FusedRMSNorm, FusedSwiGLU)) for m in model.modules()),
+                fused_layers=sum(isinstance(m, (FusedRMSNorm, FusedSwiGLU, FusedRotaryAttention))
+                                 for m in model.modules()),
                 fused_lora_training=cfg.lora.fused_training,
                 history=[{k: v for k, v in h.items() if not isinstance(v, str)} for h in history])
 
@@ -369,7 +370,7 @@ def write(args, r: dict, smoke: dict) -> None:
               "Sampler (last rollout): fast decode step {fast_decode}, fused LoRA {lora_fused}, projections on the "
               "NF4 kernel {nf4_projections}.".format(**{"fast_decode": "–", "lora_fused": "–", "nf4_projections": 0,
                                                           **r.get("sampler_stats", {})})
-              + f" Training: fused RMSNorm/SiLU·up modules {r.get('fused_layers', 0)}, fused LoRA in the update "
+              + f" Training: fused RMSNorm/SiLU·up/rotary attention modules {r.get('fused_layers', 0)}, fused LoRA in the update "
               f"{r.get('fused_lora_training', False)}.",
               "", "Plan:", "", "```", r["plan"] or "", "```"]
     if r.get("quantization"):

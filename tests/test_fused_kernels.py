@@ -203,8 +203,8 @@ def test_fused_rotary_attention_forward_is_transformers_own(arch):
 
     from longrl.models.fused_layers import FusedRotaryAttention, disable_fused_layers, enable_fused_layers
 
-    model = get_peft_model(_tiny(arch), PeftLora(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                     "o_proj"], init_lora_weights=False))
+    lora = PeftLora(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(_tiny(arch), lora)
     ids = torch.randint(1, 50, (3, 11))
     mask = torch.ones_like(ids)
     mask[1, 7:] = 0
@@ -234,8 +234,8 @@ def test_fused_rotary_attention_forward_is_transformers_own(arch):
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_fused_kernels_build_for_sm90(dtype):
-    """The six kernels compile for an H100/H200 with the launch options rmsnorm()/silu_mul()/rotary() use (ahead of time,
-    no GPU: tests/test_kernels_compile.py's helper)."""
+    """The six kernels compile for an H100/H200 with the launch options rmsnorm()/silu_mul()/rotary() use (ahead of
+    time, no GPU: tests/test_kernels_compile.py's helper)."""
     pytest.importorskip("triton")
     from test_kernels_compile import compile_for_sm90
 

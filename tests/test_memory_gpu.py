@@ -116,7 +116,8 @@ def test_rotary_kernel_equals_transformers_bit_for_bit_on_cuda(dtype, cos_dtype)
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().to(cos_dtype), emb.sin().to(cos_dtype)
         out_dtype = torch.promote_types(dtype, cos_dtype)
-        gq, gk = torch.randn(B, HQ, T, D, device="cuda").to(out_dtype), torch.randn(B, HK, T, D, device="cuda").to(out_dtype)
+        gq = torch.randn(B, HQ, T, D, device="cuda").to(out_dtype)
+        gk = torch.randn(B, HK, T, D, device="cuda").to(out_dtype)
         results = []
         for fn in (RotaryFunction.apply, rotary_reference):
             ql, kl = q.detach().requires_grad_(True), k.detach().requires_grad_(True)

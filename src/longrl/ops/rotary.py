@@ -4,7 +4,7 @@ transformers' ``apply_rotary_pos_emb`` for a head x = (x₁, x₂) (halves of th
 [T, D] of its token:
 
     forward:    o₁ = round(x₁ c₁) − round(x₂ s₁),      o₂ = round(x₂ c₂) + round(x₁ s₂)
-    backward:   d₁ = round(g₁ c₁) + round(g₂ s₂),      d₂ = round(g₂ c₂) − round(g₁ s₁)     (g = ∂L/∂o)
+    backward:   d₁ = round(g₁ c₁) + round(g₂ s₂),      d₂ = round(g₂ c₂) − round(g₁ s₁)   (g = ∂L/∂o)
 
 (round: to the result's dtype, where torch's elementwise products round). transformers runs it as ~10 kernels
 forward over q and k (slices, a negation, a concatenation, two products, a sum, each) and as many backward; at a
