@@ -53,8 +53,9 @@
 #              reuse + fused layers + fused LoRA, MLP tiles of 4,096, 2 warmed reps; then the same with cuDNN
 #              attention first (~7 min)
 #   rope20k    issue 3's configuration with the fused rotary embedding (part of +fused since it exists): MLP tiles
-#              of 4,096 and 8,192, 2 warmed reps each (~4 min)
-#   side20k    issue 3's configuration and TRL's frugal layout alternately in one run, 20,480 x 8, warmed (~5 min)
+#              of 4,096 and 8,192 (RTILES), 2 warmed reps each (~4 min; RTAG names the files)
+#   side20k    issue 3's configuration and TRL's frugal layout alternately in one run, 20,480 x 8, warmed (~3 min;
+#              STAG names the files)
 #   prof20kf   issue 3's configuration (reuse + fused layers + fused LoRA, tiles 4,096) at 20,480 x 8: one step
 #              under torch.profiler (~3 min)
 #   fused20k   grpo_memory 8B 20,480 x 8, warmed (1 rep): attention reuse with the fused layers and fused LoRA vs
@@ -169,9 +170,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         prof20k) stage prof20k 360 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --check-equality --tag prof_20k ;;
         rope20k) stage rope20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
-            --impls longrl-reuse+fused+flora --mlp-tile 4096,8192 --reps 2 --tag target_rope_20k ;;
+            --impls longrl-reuse+fused+flora --mlp-tile "${RTILES:-4096,8192}" --reps 2 --tag "${RTAG:-target_rope_20k}" ;;
         side20k) stage side20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
-            --impls longrl-reuse+fused+flora,trl-frugal --mlp-tile 4096 --reps 1 --tag side_20k ;;
+            --impls longrl-reuse+fused+flora,trl-frugal --mlp-tile 4096 --reps 1 --tag "${STAG:-side_20k}" ;;
         prof20kf) stage prof20kf 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 0 --profile --tag prof_fused_20k ;;
         prof20k_cudnn) stage prof20k_cudnn 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

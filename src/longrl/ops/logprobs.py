@@ -12,7 +12,9 @@ exist at any time, in forward and in backward (which recomputes them). The gradi
 
     ∂lp/∂z_j = 1[j = y] − p_j            ∂H/∂z_j = −p_j (log p_j + H)
 
-and flows back through 1/T, tanh and m to h (and to W, b only when they require grad).
+and flows back through 1/T, tanh and m to h (and to W, b only when they require grad). On a GPU (without a softcap)
+each chunk's softmax statistics and its gradient with respect to the logits run as one Triton kernel a direction
+over the 16-bit logits (ops/logprob_kernel.py); elsewhere, and as their twin, the PyTorch code below.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .logprob_kernel import row_grad_, row_stats
+from .logprob_kernel import triton as _triton
 
 
 def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, multiplier: float,
@@ -43,7 +48,7 @@ class ChunkedLogProbs(torch.autograd.Function):
     """Autograd Function behind :func:`chunked_logprobs`; see the module docstring for the math."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, multiplier, softcap, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, multiplier, softcap, temperature, chunk_size, with_entropy, kernel):
         n = hidden.shape[0]
         out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logps = torch.empty(n, dtype=out_dtype, device=hidden.device)  # [N]
@@ -52,6 +57,14 @@ class ChunkedLogProbs(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 stop = min(start + chunk_size, n)
+                if kernel:
+                    raw = torch.nn.functional.linear(hidden[start:stop], weight, bias)  # [n, V] compute dtype
+                    lse, lp, ent = row_stats(raw, targets[start:stop], multiplier, temperature, with_entropy)
+                    lse_all[start:stop], logps[start:stop] = lse, lp
+                    if with_entropy:
+                        entropy[start:stop] = ent
+                    del raw
+                    continue
                 z, _ = head_logits(hidden[start:stop], weight, bias, multiplier, softcap, temperature)
                 lse = torch.logsumexp(z, dim=-1)  # [n]
                 lse_all[start:stop] = lse
@@ -62,7 +75,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                 del z
         ctx.set_materialize_grads(False)  # an unused output (e.g. entropy kept for logging) costs nothing
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all, entropy)
-        ctx.params = (multiplier, softcap, temperature, chunk_size, with_entropy)
+        ctx.params = (multiplier, softcap, temperature, chunk_size, with_entropy, kernel)
         if with_entropy:
             return logps, entropy
         return logps, torch.empty(0, dtype=out_dtype, device=hidden.device)
@@ -70,7 +83,7 @@ class ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, bias, targets, lse_all, entropy = ctx.saved_tensors
-        multiplier, softcap, temperature, chunk_size, with_entropy = ctx.params
+        multiplier, softcap, temperature, chunk_size, with_entropy, kernel = ctx.params
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
@@ -80,26 +93,25 @@ class ChunkedLogProbs(torch.autograd.Function):
         use_entropy_grad = with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
         if grad_logps is None:
             grad_logps = torch.zeros_like(lse_all)
+        if kernel:  # per-row scalars the kernel reads at unit stride (autograd may hand in expanded gradients)
+            grad_logps = grad_logps.to(torch.float32).contiguous()
+            if use_entropy_grad:
+                grad_entropy = grad_entropy.to(torch.float32).contiguous()
         n = hidden.shape[0]
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             h = hidden[start:stop]
-            z, tanh = head_logits(h, weight, bias, multiplier, softcap, temperature)  # [n, V]
-            logp = z - lse_all[start:stop, None]
-            p = torch.exp(logp)
-            # dL/dz = g_lp * (onehot - p) + g_H * (-p * (log p + H))
-            dz = p * (-grad_logps[start:stop, None].to(z.dtype))
-            dz.scatter_add_(1, targets[start:stop, None], grad_logps[start:stop, None].to(z.dtype))
-            if use_entropy_grad:
-                dz -= grad_entropy[start:stop, None].to(z.dtype) * p * (logp + entropy[start:stop, None])
-            del logp, p, z
-            if temperature != 1.0:
-                dz = dz / temperature
-            if softcap is not None:
-                dz = dz * (1.0 - tanh * tanh)
-            if multiplier != 1.0:
-                dz = dz * multiplier
-            dz = dz.to(h.dtype)  # [n, V] in the compute dtype, like the forward matmul
+            if kernel:
+                dz = row_grad_(torch.nn.functional.linear(h, weight, bias), targets[start:stop], lse_all[start:stop],
+                               grad_logps[start:stop], grad_entropy[start:stop] if use_entropy_grad else None,
+                               entropy[start:stop] if use_entropy_grad else None, multiplier, temperature)
+                dz = dz.to(h.dtype)  # [n, V] (the product's dtype: h's, or autocast's)
+                tanh = None
+            else:
+                dz, tanh = _logit_grad(h, weight, bias, targets[start:stop], lse_all[start:stop],
+                                       grad_logps[start:stop], grad_entropy[start:stop] if use_entropy_grad else None,
+                                       entropy[start:stop] if use_entropy_grad else None, multiplier, softcap,
+                                       temperature)
             if need_h:
                 grad_h[start:stop] = dz @ weight
             if need_w:
@@ -109,16 +121,39 @@ class ChunkedLogProbs(torch.autograd.Function):
             del dz, tanh
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def _logit_grad(h, weight, bias, targets, lse, g, g_ent, entropy, multiplier, softcap, temperature):
+    """(dL/d raw logits [n, V] in h's dtype, tanh or None) of one chunk in PyTorch: the reference path."""
+    z, tanh = head_logits(h, weight, bias, multiplier, softcap, temperature)  # [n, V]
+    logp = z - lse[:, None]
+    p = torch.exp(logp)
+    # dL/dz = g_lp * (onehot - p) + g_H * (-p * (log p + H))
+    dz = p * (-g[:, None].to(z.dtype))
+    dz.scatter_add_(1, targets[:, None], g[:, None].to(z.dtype))
+    if g_ent is not None:
+        dz -= g_ent[:, None].to(z.dtype) * p * (logp + entropy[:, None])
+    del logp, p, z
+    if temperature != 1.0:
+        dz = dz / temperature
+    if softcap is not None:
+        dz = dz * (1.0 - tanh * tanh)
+    if multiplier != 1.0:
+        dz = dz * multiplier
+    return dz.to(h.dtype), tanh  # [n, V] in the compute dtype, like the forward matmul
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                      bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
-                     multiplier: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False):
+                     multiplier: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                     kernel: bool | None = None):
     """Log-probs (and optionally entropies) of ``targets`` under ``softcap(m·(hidden Wᵀ + b)) / T``.
 
     hidden [N, H], weight [V, H], targets [N] (int64) → logps [N] float32 (float64 for float64 input),
-    entropy [N] or None. Peak extra memory is one [chunk_size, V] block of logits.
+    entropy [N] or None. Peak extra memory is one [chunk_size, V] block of logits. ``kernel``: the Triton row
+    kernels (ops/logprob_kernel.py) for the softmax statistics and gradients; None: on a GPU with Triton, without a
+    softcap, for inputs other than float64.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
@@ -128,8 +163,12 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if softcap is not None and softcap <= 0:
         softcap = None
+    if kernel is None:
+        kernel = _triton is not None and hidden.is_cuda and softcap is None and hidden.dtype != torch.float64
+    elif kernel and (_triton is None or softcap is not None or hidden.dtype == torch.float64):
+        raise ValueError("the log-prob kernel needs Triton, no softcap and a dtype other than float64")
     logps, entropy = ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), float(multiplier), softcap,
-                                           float(temperature), int(chunk_size), bool(with_entropy))
+                                           float(temperature), int(chunk_size), bool(with_entropy), bool(kernel))
     return logps, (entropy if with_entropy else None)
 
 
