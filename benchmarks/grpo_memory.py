@@ -38,6 +38,7 @@ from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, p
 from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
+from longrl.rollout.sampling import triton_available  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
 from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
@@ -256,21 +257,24 @@ def main():
              for t in (tiles if parse_impl(i)[0] in ("longrl", "longrl-plain", "longrl-reuse") else [0])]
     backends = sdpa_priority([b for b in args.sdpa.split(",") if b], device.type, model)
     backends.__enter__()  # for the whole run (the equality check above ran in PyTorch's order)
+    kernel = device.type == "cuda" and triton_available()  # the log-prob row kernels run (ops/logprobs.py)
     for length in [int(x) for x in args.lengths.split(",")]:
         batch = tb.make_batch(args.G, args.prompt, length - args.prompt, model.config.vocab_size, device, seed=length)
         try:
             plan = make_plan(shape, sequence_lengths=[length] * args.G, lora_r=32, weight_bytes=weight_bytes,
                              gpu_free_bytes=free + weights_now,
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                             offload=True, chunk=args.chunk, token_budget=args.token_budget)
+                             offload=True, chunk=args.chunk, token_budget=args.token_budget, logprob_kernel=kernel)
         except PlanError as e:  # a length probe past the prediction: measure anyway, one sequence per micro-batch
             print(f"--- length {length}: the planner refuses ({e}); measuring anyway", flush=True)
             plan = Plan(max(args.token_budget, length), 0, True, args.chunk, 0, 0, {}, None)
         pred_gpu, _, _ = predict(
             shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=weight_bytes, offload=True,
-            gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False, mlp_tile=plan.mlp_tile_tokens)
+            gpu_resident=plan.gpu_resident_layers, chunk=args.chunk, optimizer=False, mlp_tile=plan.mlp_tile_tokens,
+            logprob_kernel=kernel)
         pred0 = {t: predict(shape, tokens=plan.micro_batch_tokens, lora_r=32, weight_bytes=weight_bytes, offload=True,
-                            gpu_resident=0, chunk=args.chunk, optimizer=False, mlp_tile=t)[0] for t in tiles}
+                            gpu_resident=0, chunk=args.chunk, optimizer=False, mlp_tile=t, logprob_kernel=kernel)[0]
+                 for t in tiles}
         print(f"--- length {length}: plan budget {plan.micro_batch_tokens} resident {plan.gpu_resident_layers} "
               f"MLP tile {plan.mlp_tile_tokens} predicted (no optimizer) {pred_gpu / GIB:.2f} GiB", flush=True)
         measured = {impl: [] for impl in impls}

@@ -273,8 +273,13 @@ def test_full_fine_tuning_counts_the_base_weights_training_state():
     assert full.parts_gpu_bytes["base grads (+Adam)"] == 3 * weights
     assert full.rollout.parts_gpu_bytes["base Adam moments"] == 2 * weights
     assert "base grads (+Adam)" not in lora.parts_gpu_bytes
-    assert full.predicted_gpu_bytes - full.parts_gpu_bytes["LoRA (+grads, Adam)"] \
-        == lora.predicted_gpu_bytes - lora.parts_gpu_bytes["LoRA (+grads, Adam)"] + 3 * weights
+
+    def rest(p):  # the peak without the adapters' state and the larger backward phase (LoRA's activations differ)
+        parts = p.parts_gpu_bytes
+        return (p.predicted_gpu_bytes - parts["LoRA (+grads, Adam)"]
+                - max(parts["layer recompute"], parts["log-prob backward"]))
+
+    assert rest(full) == rest(lora) + 3 * weights
 
 
 def test_without_checkpointing_every_layers_activations_are_counted():
@@ -302,3 +307,27 @@ def test_without_checkpointing_every_layers_activations_are_counted():
     assert plain.parts_gpu_bytes["activations of the other layers"] == 31 * per_layer
     assert "activations of the other layers" not in checkpointed.parts_gpu_bytes
     assert plain.predicted_gpu_bytes > checkpointed.predicted_gpu_bytes + 31 * per_layer * 0.99
+
+
+def test_the_log_prob_row_kernels_are_planned_where_they_run():
+    """On a GPU without a final logit softcap the log-prob backward holds one chunk of logits in the compute
+    dtype (ops/logprob_kernel.py) instead of four float32 ones; CPU runs and softcapped models keep the latter."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from longrl.config import load_config
+    from longrl.memory.planner import logprob_backward_bytes, logprob_kernel_applies
+
+    def cfg(device):
+        return load_config(overrides=[f"model.device={device}",
+                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+
+    llama = LlamaConfig(vocab_size=1000)
+    assert logprob_kernel_applies(cfg("auto"), llama) and logprob_kernel_applies(cfg("cuda"), llama)
+    assert not logprob_kernel_applies(cfg("cpu"), llama)
+    assert not logprob_kernel_applies(cfg("cuda"), Gemma2Config(final_logit_softcapping=30.0))
+    torch_path = logprob_backward_bytes(8192, 4096, 128256, 1024, 2)
+    kernels = logprob_backward_bytes(8192, 4096, 128256, 1024, 2, kernel=True)
+    assert torch_path - kernels == 1024 * 128256 * (16 - 2)
+    _, _, parts = predict(LLAMA_8B, tokens=8192, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024,
+                          logprob_kernel=True)
+    assert parts["log-prob backward"] == kernels

@@ -36,8 +36,9 @@ class ModelConfig:
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
     reuse_attention: bool = False  # with offloading: keep each layer's attention output with its input; backward
     #                                skips the attention kernel in the recompute (one more activation per layer)
-    fused_layers: bool = True  # CUDA + Triton: Llama-family RMSNorms and SiLU MLPs through fused kernels (training
-    #                            and prefill; ops/rmsnorm.py, ops/swiglu.py); false: transformers' modules
+    fused_layers: bool = True  # CUDA + Triton: Llama-family RMSNorms, SiLU MLPs and rotary embeddings through fused
+    #                            kernels (training and prefill; ops/rmsnorm.py, ops/swiglu.py, ops/rotary.py); false:
+    #                            transformers' modules
     device: str = "auto"  # auto: cuda if available, else cpu
     load_in_4bit: bool = False  # NF4 base (bitsandbytes, double quant), computing in dtype; needs LoRA (QLoRA)
     quant_keep_modules: list[str] = field(default_factory=list)  # linear modules kept 16-bit (name or dotted suffix)

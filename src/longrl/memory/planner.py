@@ -31,7 +31,9 @@ the next one starts. So the peak is inside one of those steps, and a term counts
                    the query heads for GQA: PyTorch's flash_api.cpp mha_bwd)
     log-prob     = T × H × 4 + 2 T × H × b + 4 × chunk × V × 4  the final RMSNorm's float32 input, the completion
                    rows' hidden states and their gradient, one chunk of float32 logits, log-probs, probabilities
-                   and logit gradients (ops/logprobs.py: backward)
+                   and logit gradients (ops/logprobs.py: backward); with the row kernels (a GPU, no softcap:
+                   ops/logprob_kernel.py) one chunk of logits in the compute dtype, overwritten by their gradient,
+                   instead: chunk × V × b
     host         = (L − gpu_resident) × T × s                   pinned pool of layer inputs (offloaded only)
 
     peak GPU     = weights + lora + gpu inputs + max(layer, log-prob)
@@ -263,7 +265,8 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
 def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float, offload: bool, gpu_resident: int,
             chunk: int, optimizer: bool = True, trainable_head: bool = False, trainable_base: bool = False,
             mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
-            compute_bytes: int | None = None, checkpointing: bool = True) -> tuple[int, int, dict]:
+            compute_bytes: int | None = None, checkpointing: bool = True,
+            logprob_kernel: bool = False) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
@@ -273,7 +276,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     gradient and Adam's two moments, in the weights' dtype (torch's AdamW keeps its state in the parameter's).
     ``checkpointing`` False (neither model.gradient_checkpointing nor offloading): autograd keeps every layer's
     activations from the forward to its backward, (L − 1) × (kept + 3 T I b) more than one layer's (an estimate
-    from the checkpointed terms, not measured on a GPU)."""
+    from the checkpointed terms, not measured on a GPU). ``logprob_kernel``: the log-prob backward through the row
+    kernels (see the module docstring)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
@@ -285,7 +289,7 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "layer inputs on GPU": tokens * per_input * inputs_live(L, offload, resident),
         "layer recompute": layer_backward_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload,
                                                 repeat_kv=repeat_kv),
-        "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b),
+        "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b, logprob_kernel),
     }
     if trainable_head:
         parts["LoRA (+grads, Adam)"] += shape.vocab * shape.hidden * 4 * 4
@@ -365,10 +369,11 @@ def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int) -> in
     return tokens * ((h + q) * b - h * F32) + flash
 
 
-def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int) -> int:
+def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, kernel: bool = False) -> int:
     """The log-prob backward: the final RMSNorm's float32 input [T, H], the completion rows' hidden states and their
-    gradient [≤ T, H], and one chunk's float32 logits, log-probs, probabilities and logit gradients [chunk, V]."""
-    return tokens * h * F32 + 2 * tokens * h * b + 4 * chunk * vocab * F32
+    gradient [≤ T, H], and one chunk's float32 logits, log-probs, probabilities and logit gradients [chunk, V]
+    (with the row kernels: one chunk of logits in the compute dtype, overwritten by their gradient)."""
+    return tokens * h * F32 + 2 * tokens * h * b + (chunk * vocab * b if kernel else 4 * chunk * vocab * F32)
 
 
 def choose_mlp_tile(tokens: int, fits) -> int | None:
@@ -387,15 +392,16 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
-              trainable_base: bool = False, checkpointing: bool = True) -> Plan:
+              trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
-    ``compute_bytes``, ``trainable_base``, ``checkpointing``: see :func:`predict`."""
+    ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
+    # what predict() takes that no choice below changes
     step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
                 repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,
-                checkpointing=checkpointing)  # what predict() takes that no choice below changes
+                checkpointing=checkpointing, logprob_kernel=logprob_kernel)
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, **step)
@@ -473,6 +479,13 @@ def model_config_of(name_or_path: str, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
 
 
+def logprob_kernel_applies(cfg, model_config) -> bool:
+    """Whether the run's log-probs take the row kernels (ops/logprobs.py decides the same at run time): a GPU run
+    (device auto counts as one: plans are for GPU jobs) of a model without a final logit softcap."""
+    softcap = getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "final_logit_softcapping", None)
+    return str(cfg.model.device) != "cpu" and not softcap and cfg.model.dtype != "float64"
+
+
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
     """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt."""
     from ..ops.attention_backend import repeats_kv
@@ -491,7 +504,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      reuse_attention=cfg.model.reuse_attention,
                      repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
                      trainable_base=not cfg.lora.enabled,
-                     checkpointing=cfg.model.gradient_checkpointing or cfg.model.offload_activations)
+                     checkpointing=cfg.model.gradient_checkpointing or cfg.model.offload_activations,
+                     logprob_kernel=logprob_kernel_applies(cfg, model_config))
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
