@@ -105,7 +105,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                 dz = row_grad_(torch.nn.functional.linear(h, weight, bias), targets[start:stop], lse_all[start:stop],
                                grad_logps[start:stop], grad_entropy[start:stop] if use_entropy_grad else None,
                                entropy[start:stop] if use_entropy_grad else None, multiplier, temperature)
-                dz = dz.to(h.dtype)  # [n, V] (the product's dtype: h's, or autocast's)
+                dz = dz.to(h.dtype)  # [n, V] in h's dtype (the product's own: a no-op outside autocast)
                 tanh = None
             else:
                 dz, tanh = _logit_grad(h, weight, bias, targets[start:stop], lse_all[start:stop],
