@@ -34,7 +34,7 @@ def _batch(seed, n=5):
 
 
 def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None, fused_lora=False,
-           b_scale=1.0):
+           b_scale=1.0, fused_layers=False):
     model = copy.deepcopy(base)
     if lora:
         torch.manual_seed(3)
@@ -49,6 +49,10 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mo
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif mode in ("offload", "reuse"):
         enable_offloaded_checkpointing(model, gpu_resident=gpu_resident, reuse_attention=mode == "reuse")
+    if fused_layers:  # as the trainer: after checkpointing (on the CPU the attention wrapper runs its own forward)
+        from longrl.models.fused_layers import enable_fused_layers
+
+        assert enable_fused_layers(model)["attention"] == len(base.model.layers)
     prompts, completions = batch
     torch.manual_seed(11)
     with fused_lora_training(model) if fused_lora else contextlib.nullcontext():  # forward and backward inside
@@ -125,6 +129,21 @@ def test_reused_attention_equals_plain_checkpointing_exactly(lora, dropout, pack
         assert torch.equal(lp, lp_plain) and g.keys() == g_plain.keys()
         for k in g_plain:
             assert torch.equal(g[k], g_plain[k]), k
+
+
+@pytest.mark.parametrize("fused_lora", [False, True])
+def test_fused_layers_under_offloading_and_reuse_equal_plain_checkpointing_exactly(fused_lora, monkeypatch):
+    """The training wrappers (models/fused_layers.py: the attention wrapper's own forward, on the CPU with the
+    rotary twin) inside offloaded checkpointing with attention reuse, packed sequences and LoRA: the log-probs and
+    gradients of plain checkpointing without the wrappers, bit for bit (the fused LoRA on both sides or neither)."""
+    monkeypatch.setattr(ActivationOffloader, "EXTRA_MIN_BYTES", 0)
+    base, batch = _base(), _batch(torch.seed() % 1000)
+    lp_plain, g_plain = _grads(base, "plain", True, 0.0, True, batch, fused_lora=fused_lora)
+    for mode in ("offload", "reuse"):
+        lp, g = _grads(base, mode, True, 0.0, True, batch, fused_lora=fused_lora, fused_layers=True)
+        assert torch.equal(lp, lp_plain) and g.keys() == g_plain.keys()
+        for k in g_plain:
+            assert torch.equal(g[k], g_plain[k]), (mode, k)
 
 
 def test_packed_equals_padded():
