@@ -95,8 +95,9 @@ def model_bytes(model) -> tuple[int, int]:
     return total - embed.numel() * embed.element_size(), total
 
 
-def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True):
-    sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode)
+def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=False):
+    sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode,
+                      pack_projections=pack)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
     # warm-up: the very call timed below, so that its Triton compiles (kernels specialise on the slot store's length
     # and the batch) and CUDA-graph captures happen here, not in the timed run (an earlier 2-prompt, 4-token warm-up
@@ -237,6 +238,8 @@ def main() -> None:
                 r = run_longrl(model, prompts, args.G, N, fast_decode=False)
             elif name == "longrl-peft":
                 r = run_longrl(model, prompts, args.G, N, fuse_lora=False, fast_decode=False)
+            elif name == "longrl-packed":
+                r = run_longrl(model, prompts, args.G, N, pack=True)
             elif name == "longrl-eager":
                 r = run_longrl(model, prompts, args.G, N, cuda_graphs=False)
             elif name == "hf-generate":
@@ -327,7 +330,8 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{results['kernel_max_abs_err']:.2g} (bf16). Decode attention launch: {LAUNCH}.", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("longrl", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
+    for name in ("longrl", "longrl-packed", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate",
+                 "hf-continuous"):
         r = results.get(name)
         if r is None:
             continue
@@ -344,7 +348,9 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "longrl: decode steps through rollout/fast_decode.py (fused glue kernels) and LoRA deltas added by "
-              "fused products (rollout/lora_fusion.py); longrl-hf: the same with transformers' forward for decode "
+              "fused products (rollout/lora_fusion.py); longrl-packed: the same with q/k/v and gate/up (and their "
+              "LoRA A rows) read by one product a group (generation.pack_projections); longrl-hf: the same as "
+              "longrl with transformers' forward for decode "
               "steps; longrl-peft: transformers' forward and PEFT's own LoRA forward; longrl-nolora: the base alone "
               "(before the adapters are attached). "
               "longrl: after a warm-up run of the same call (compiles, graph captures); prefill + first token timed "

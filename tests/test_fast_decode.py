@@ -126,9 +126,17 @@ KERNEL_CHECK = textwrap.dedent('''
                 assert close(got_h, want_h, dtype) and close(got_x, want_x, dtype), ("add_rmsnorm", dtype, B, d)
             g, u = (torch.randn(B, 3 * d + 5) * 3).to(dtype), torch.randn(B, 3 * d + 5).to(dtype)
             assert close(f.silu_mul(g, u, True), f.silu_mul_reference(g, u), dtype), ("silu_mul", dtype, B, d)
+            packed = torch.randn(B, 2 * (3 * d + 5) + 7)  # gate and up: column blocks of one product
+            packed[:, :3 * d + 5] *= 3
+            packed = packed.to(dtype)
+            g, u = packed[:, :3 * d + 5], packed[:, 3 * d + 5:2 * (3 * d + 5)]
+            assert close(f.silu_mul(g, u, True), f.silu_mul_reference(g, u), dtype), ("silu_mul strided", dtype, B)
         for B, Hq, Hkv, D, norm in ((3, 6, 2, 16, False), (2, 4, 4, 32, True), (1, 8, 1, 64, True)):
             S, T = B + 2, 9
             q, k, v = (torch.randn(B, H * D).to(dtype) for H in (Hq, Hkv, Hkv))
+            if norm:  # q, k, v as column blocks of one packed product (row stride > width), as the packed decode
+                packed = torch.randn(B, (Hq + 2 * Hkv) * D + 5).to(dtype)
+                q, k, v = packed[:, :Hq * D], packed[:, Hq * D:(Hq + Hkv) * D], packed[:, (Hq + Hkv) * D:-5]
             ang = torch.rand(B, D // 2) * 6
             cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
             qw, kw = ((1 + 0.3 * torch.randn(D)).to(dtype) for _ in range(2)) if norm else (None, None)
@@ -161,6 +169,36 @@ def test_a_failing_fast_path_falls_back_on_its_first_step(monkeypatch, caplog):
     got = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
     assert got.completion_ids == want.completion_ids and sampler.fast is None
     assert "fast decode path failed" in caplog.text
+
+
+def test_packed_weights_are_released_when_the_fast_step_fails(caplog):
+    """A first fast step that fails with the weights packed: transformers' forward decodes on the packed views (same
+    tokens), and the weights are back in storage of their own afterwards."""
+    model = build("qwen2", seed=5, lora=True)
+    want = Sampler(model, None, fast_decode=False).generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
+    sampler = Sampler(model, None, pack_projections=True)
+    packer = sampler.fast
+
+    class Failing:  # the decoder that fails on its first step, packing like the real one
+        packed = 0
+
+        def prepare_packing(self):
+            self.packed = packer.prepare_packing()
+            return self.packed
+
+        def release_packing(self):
+            packer.release_packing()
+
+        def __call__(self, *a, **k):
+            raise RuntimeError("no kernel today")
+
+    failing = sampler.fast = Failing()
+    got = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
+    assert failing.packed == 2 * COMMON["num_hidden_layers"]
+    assert got.completion_ids == want.completion_ids and sampler.fast is None
+    assert "fast decode path failed" in caplog.text and not packer.packs
+    for n, p in model.named_parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n
 
 
 def test_trainer_switch(tmp_path):
@@ -205,3 +243,50 @@ def test_decode_graphs_only_where_capture_is_safe(rope, safe):
     model = LlamaForCausalLM(cfg)
     assert _graph_safe(model, use_triton=True) is safe
     assert _graph_safe(model, use_triton=False) is False  # the PyTorch attention twin syncs with the host
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_projections_decode_as_the_separate_ones(arch, lora):
+    """generation.pack_projections: q/k/v and gate/up read by one product a group (their LoRA A rows appended)
+    decode the same tokens with the same log-probs as one product a projection, and afterwards every weight is
+    back in storage of its own with its values and parameter object unchanged."""
+    model = build(arch, seed=7, lora=lora)
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    want = Sampler(model, None).generate(PROMPTS, 2, greedy)
+    sampler = Sampler(model, None, pack_projections=True, sync_every=3)
+    got = sampler.generate(PROMPTS, 2, greedy)
+    assert sampler.last_stats["fast_decode"] and sampler.last_stats["packed_groups"] == 2 * COMMON["num_hidden_layers"]
+    assert got.completion_ids == want.completion_ids
+    torch.testing.assert_close(torch.tensor(sum(got.logprobs, [])), torch.tensor(sum(want.logprobs, [])),
+                               atol=1e-5, rtol=1e-5)
+    assert dict(model.named_parameters()) == params  # the same parameter objects
+    for n, p in params.items():
+        assert torch.equal(p, before[n]), n
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n  # its own storage again
+
+
+def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
+    from longrl.rollout.lora_fusion import fused_lora
+
+    model = build("qwen2", seed=2, lora=True)  # q/k/v with biases
+    fast = FastDecoder(model.base_model.model)
+    attn = model.base_model.model.model.layers[0].self_attn
+    bases = [attn.q_proj.base_layer, attn.k_proj.base_layer, attn.v_proj.base_layer]
+    weights = [b.weight.detach().clone() for b in bases]
+    with fused_lora(model, torch.float32) as fused:
+        assert fused
+        assert fast.prepare_packing() == 2 * COMMON["num_hidden_layers"]
+        pack = fast.packs[(0, "self_attn")]
+        assert pack.group is not None and pack.bias is not None
+        rows = sum(b.out_features for b in bases)
+        assert pack.weight.shape == (rows + 3 * 4, COMMON["hidden_size"])  # three adapters of rank 4
+        for b, w, (lo, hi) in zip(bases, weights, pack.bounds):
+            assert b.weight.data_ptr() == pack.weight[lo:hi].data_ptr() and torch.equal(b.weight, w)
+        torch.testing.assert_close(pack.weight[rows:], pack.group.a_t.t())
+        assert torch.equal(pack.bias[rows:], torch.zeros(12))
+        fast.release_packing()
+    assert not fast.packs and all(b.weight.untyped_storage().nbytes() == b.weight.numel() * 4 for b in bases)
+    assert all(torch.equal(b.weight, w) for b, w in zip(bases, weights))

@@ -73,13 +73,15 @@ def test_fused_decode_kernels_build(dtype):
         kernel = compile_for_sm90(fo._rotary_kv_kernel,
                                   {"Q": dtype, "K": dtype, "V": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,
                                    "VC": dtype, "WIDX": "*i64", "QW": dtype, "KW": dtype, "QO": dtype, "eps": "fp32",
-                                   "stride_cs": "i64", "stride_ch": "i64", "stride_ct": "i64"},
+                                   "stride_cs": "i64", "stride_ch": "i64", "stride_ct": "i64", "stride_q": "i64",
+                                   "stride_k": "i64", "stride_v": "i64"},
                                   dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm), num_warps=1,
                                   enable_fp_fusion=fo.ROTARY_FP_FUSION)
         # transformers rounds each rotary product before the sum: no fused multiply-add may stand in for them
         # (with contraction on, the compiler emitted fma.rn.bf16 and the H200 run missed by several bf16 units)
         assert "fma" not in kernel.asm["ptx"], "rotary products contracted into an fma"
-    compile_for_sm90(fo._silu_mul_kernel, {"G": dtype, "U": dtype, "Y": dtype, "n": "i64"},
+    compile_for_sm90(fo._silu_mul_kernel, {"G": dtype, "U": dtype, "Y": dtype, "width": "i32", "stride_g": "i64",
+                                           "stride_u": "i64"},
                      dict(BLOCK=1024, ACCURATE_EXP=True), num_warps=4)
 
 

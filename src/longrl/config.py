@@ -84,6 +84,8 @@ class GenerationConfig:
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
     fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
     nf4_kernel: bool = False  # with fast_decode and a 4-bit base: decode products read the NF4 weight directly
+    pack_projections: bool = False  # with fast_decode: q/k/v and gate/up (+ LoRA A rows) one product a group
+    #                                 during rollouts (weights moved into one buffer a group; experimental)
     #                           (ops/nf4_matmul.py) instead of bitsandbytes' dequantize-then-multiply (experimental)
     fuse_lora: bool = True  # rollouts add LoRA deltas by fused products (false: PEFT's forward)
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
@@ -169,9 +171,9 @@ class Config:
 # sampling) and must stay what the checkpoint was trained with
 RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "generation.cuda_graphs",
                      "generation.kv_cache_gib", "generation.sync_every", "generation.fast_decode",
-                     "generation.fuse_lora", "generation.nf4_kernel", "train.micro_batch_tokens",
-                     "train.micro_batch_size", "train.logprob_chunk_size", "train.mlp_tile_tokens", "model.device",
-                     "model.offload_activations", "model.gpu_resident_layers", "model.sdpa_backends",
+                     "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
+                     "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
+                     "train.mlp_tile_tokens", "model.device", "model.offload_activations", "model.gpu_resident_layers", "model.sdpa_backends",
                      "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
                      "model.fused_layers", "lora.fused_training")
 

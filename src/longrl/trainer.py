@@ -281,7 +281,7 @@ class GRPOTrainer:
         budget = int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None
         return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, cuda_graphs=gen.cuda_graphs,
                        sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
-                       nf4_kernel=gen.nf4_kernel)
+                       nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections)
 
     def _sampling_params(self) -> SamplingParams:
         gen = self.cfg.generation

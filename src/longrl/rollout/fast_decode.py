@@ -21,9 +21,19 @@ rollout when ``generation.nf4_kernel`` is on), projections over a bitsandbytes N
 with :func:`longrl.ops.nf4_matmul.nf4_linear` (the 4-bit weight read directly) and add the fused LoRA delta
 (:func:`longrl.rollout.lora_fusion.fused_adder`) instead of calling the module; a projection whose adapters run
 through PEFT's own forward keeps the module call.
+
+Between :meth:`FastDecoder.prepare_packing` and :meth:`FastDecoder.release_packing` (``generation.pack_projections``,
+off by default: not yet measured on a GPU) the base weights of each layer's q/k/v and of its gate/up projections
+live in one buffer each, as views (the parameters keep their objects and names), followed by the rows of their
+stacked LoRA A matrices when the fused adapters share them (rollout/lora_fusion.py): a decode step then reads each
+group with one product, [W_q; W_k; W_v; A_qkv] x, instead of three base products and an A product, and the fused
+adapters take their A x from it. Moving the weights costs one copy of them at each end of a rollout (never more
+than one group's worth of extra memory); release gives every weight its own storage again.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +44,21 @@ from .lora_fusion import fused_adder
 
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+PACKED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+@dataclass
+class _Pack:
+    """One layer's sibling projections packed: their base weights (and biases) as row blocks of ``weight``
+    [Σ out (+ Σ r), in], the fused adapters' stacked A rows last when ``group`` is set."""
+
+    modules: list  # the projections as the model calls them (PEFT layers or plain linears)
+    bases: list  # their base nn.Linear layers, whose parameters are views into weight / bias
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    bounds: list  # (start, stop) rows of each base
+    group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
+    a_start: int = 0
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -63,6 +88,7 @@ class FastDecoder:
         self.layers = list(self.body.layers[: causal_lm.config.num_hidden_layers])
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.nf4: dict = {}  # projection module → (base layer, NF4 operands, delta hook or None), for one rollout
+        self.packs: dict = {}  # (layer index, "self_attn" | "mlp") → _Pack, for one rollout
 
     def prepare_nf4(self) -> int:
         """Route the NF4-base projections through the 4-bit product for the coming rollout (call inside the
@@ -94,6 +120,46 @@ class FastDecoder:
     def release_nf4(self) -> None:
         self.nf4 = {}
 
+    def prepare_packing(self) -> int:
+        """Pack each layer's q/k/v and gate/up base weights (see the module docstring) for the coming rollout (call
+        inside the sampler's fused-LoRA context, after :meth:`prepare_nf4`, before graphs are captured); returns
+        how many groups. Groups with another base (4-bit, biased unlike their siblings, other dtypes or widths)
+        or whose adapters run through PEFT's own forward stay as they are."""
+        self.release_packing()
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                for parent, names in PACKED_GROUPS:
+                    modules = [getattr(getattr(layer, parent), n) for n in names]
+                    pack = _pack_group(modules, self.nf4)
+                    if pack is not None:
+                        self.packs[(i, parent)] = pack
+        return len(self.packs)
+
+    def release_packing(self) -> None:
+        """Every packed weight back in storage of its own (the packed buffers are freed with the last view)."""
+        with torch.no_grad():
+            for pack in self.packs.values():
+                for base in pack.bases:
+                    base.weight.data = base.weight.data.clone()
+                    if base.bias is not None:
+                        base.bias.data = base.bias.data.clone()
+        self.packs = {}
+
+    def _project_group(self, i: int, parent: str, modules: list, x: torch.Tensor) -> list:
+        """The outputs of sibling projections on x [B, in]: one packed product, or a call each."""
+        pack = self.packs.get((i, parent))
+        if pack is None:
+            return [self._project(m, x) for m in modules]
+        y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out (+ Σ r)]
+        if pack.group is not None:
+            pack.group.seed(x, y[:, pack.a_start:])
+        outs = []
+        for base, (lo, hi) in zip(pack.bases, pack.bounds):
+            out = y[:, lo:hi]
+            adder = fused_adder(base)
+            outs.append(adder(base, (x,), out) if adder is not None else out)
+        return outs
+
     def _project(self, module, x: torch.Tensor) -> torch.Tensor:
         entry = self.nf4.get(module)
         if entry is None:
@@ -119,7 +185,7 @@ class FastDecoder:
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
             proj = self._project
-            q = rotary_kv(proj(attn.q_proj, x), proj(attn.k_proj, x), proj(attn.v_proj, x), cos, sin,
+            q = rotary_kv(*self._project_group(i, "self_attn", [attn.q_proj, attn.k_proj, attn.v_proj], x), cos, sin,
                           cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
                           eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6)  # [B, Hq, D]
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
@@ -127,6 +193,45 @@ class FastDecoder:
             norm = layer.post_attention_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
-            delta = proj(mlp.down_proj, silu_mul(proj(mlp.gate_proj, x), proj(mlp.up_proj, x), tri))
+            delta = proj(mlp.down_proj, silu_mul(*self._project_group(i, "mlp", [mlp.gate_proj, mlp.up_proj], x), tri))
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
+
+
+def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
+    """Move the base weights of sibling projections into one buffer (their adapters' A rows appended when the
+    fused adapters group exactly these projections); None when they cannot share one product."""
+    bases = [getattr(m, "base_layer", m) for m in modules]
+    w0 = bases[0].weight
+    if (any(type(b) is not torch.nn.Linear or m in nf4 for m, b in zip(modules, bases))
+            or any(b.weight.dtype != w0.dtype or b.weight.device != w0.device or b.in_features != bases[0].in_features
+                   or not b.weight.is_contiguous() for b in bases)
+            or len({b.bias is None for b in bases}) > 1):
+        return None
+    adders = [fused_adder(b) for b in bases]
+    for m, b, adder in zip(modules, bases, adders):
+        if b is not m and adder is None and not getattr(m, "disable_adapters", False):
+            return None  # PEFT's forward adds this adapter: only the module call is right
+    group, a_rows = None, None
+    if all(a is not None for a in adders) and len({id(a.group) for a in adders}) == 1:
+        g = adders[0].group
+        spans = [a.rows for a in adders]
+        if (g.size == len(adders) and g.a_t.dtype == w0.dtype and spans[0][0] == 0
+                and all(p[1] == n[0] for p, n in zip(spans, spans[1:])) and spans[-1][1] == g.a_t.shape[1]):
+            group, a_rows = g, g.a_t.t()  # [Σ r, in]
+    outs = [b.out_features for b in bases]
+    total = sum(outs) + (a_rows.shape[0] if a_rows is not None else 0)
+    weight = torch.empty(total, w0.shape[1], dtype=w0.dtype, device=w0.device)
+    bias = torch.zeros(total, dtype=bases[0].bias.dtype, device=w0.device) if bases[0].bias is not None else None
+    bounds, start = [], 0
+    for b, n in zip(bases, outs):
+        weight[start:start + n] = b.weight
+        b.weight.data = weight[start:start + n]  # the parameter object stays; its old storage is freed
+        if bias is not None:
+            bias[start:start + n] = b.bias
+            b.bias.data = bias[start:start + n]
+        bounds.append((start, start + n))
+        start += n
+    if a_rows is not None:
+        weight[start:] = a_rows
+    return _Pack(modules, bases, weight, bias, bounds, group, start)

@@ -83,21 +83,23 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
+                          stride_q, stride_k, stride_v,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                           HAS_NORM: tl.constexpr):
         """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
-        (rotated, with their value head, into the slot store at WIDX[b])."""
+        (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at their own strides (column
+        blocks of one packed product's output, or separate tensors)."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
         is_q = head < HQ
         kvh = head - HQ
         if is_q:
-            lo = tl.load(Q + (b * HQ + head) * D + i)  # t[:D/2]
-            hi = tl.load(Q + (b * HQ + head) * D + HALF + i)  # t[D/2:]
+            lo = tl.load(Q + b * stride_q + head * D + i)  # t[:D/2]
+            hi = tl.load(Q + b * stride_q + head * D + HALF + i)  # t[D/2:]
         else:
-            lo = tl.load(K + (b * HKV + kvh) * D + i)
-            hi = tl.load(K + (b * HKV + kvh) * D + HALF + i)
+            lo = tl.load(K + b * stride_k + kvh * D + i)
+            hi = tl.load(K + b * stride_k + kvh * D + HALF + i)
         dt = lo.dtype
         if HAS_NORM:
             if is_q:
@@ -128,25 +130,27 @@ if triton is not None:
             off = b * stride_cs + kvh * stride_ch + t * stride_ct
             tl.store(KC + off + i, out_lo.to(KC.dtype.element_ty))
             tl.store(KC + off + HALF + i, out_hi.to(KC.dtype.element_ty))
-            vsrc = V + (b * HKV + kvh) * D
+            vsrc = V + b * stride_v + kvh * D
             tl.store(VC + off + i, tl.load(vsrc + i).to(VC.dtype.element_ty))
             tl.store(VC + off + HALF + i, tl.load(vsrc + HALF + i).to(VC.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
         """y = cast(cast(g / (1 + e^−g)) · u) with PyTorch's float32 arithmetic: the accurate exp (tl.exp is the
-        approximate ex2 on NVIDIA GPUs; Triton's CPU interpreter has only that one) and IEEE division."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        g = tl.load(G + offs, mask=ok, other=0.0)
-        u = tl.load(U + offs, mask=ok, other=0.0)
+        approximate ex2 on NVIDIA GPUs; Triton's CPU interpreter has only that one) and IEEE division. g and u
+        [rows, width] at their own row strides (one program a row and block of columns); y contiguous."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = col < width
+        g = tl.load(G + row * stride_g + col, mask=ok, other=0.0)
+        u = tl.load(U + row * stride_u + col, mask=ok, other=0.0)
         gf = g.to(tl.float32)
         if ACCURATE_EXP:
             e = libdevice.exp(-gf)
         else:
             e = tl.exp(-gf)
         s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
-        tl.store(Y + offs, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+        tl.store(Y + row * width + col, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
@@ -176,20 +180,33 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
     hq, hkv = q.shape[-1] // D, k.shape[-1] // D
     out = torch.empty(B, hq, D, dtype=q.dtype, device=q.device)
     cos, sin = cos.reshape(B, D).contiguous(), sin.reshape(B, D).contiguous()
+    q, k, v = (_rows(t) for t in (q, k, v))
     _rotary_kv_kernel[(B, hq + hkv)](
-        q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, k_cache, v_cache, write_index,
+        q, k, v, cos, sin, k_cache, v_cache, write_index,
         q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, out, float(eps),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=hq, HKV=hkv, D=D, HALF=D // 2,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0),
+        HQ=hq, HKV=hkv, D=D, HALF=D // 2,
         HAS_NORM=q_norm is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
     return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, width] with unit column stride (a view when it is one already: a packed product's column
+    block), for the kernels that take a row stride."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool) -> torch.Tensor:
     if not use_triton:
         return silu_mul_reference(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    y = torch.empty_like(gate, dtype=torch.result_type(gate, up))
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024,
-                                              ACCURATE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
-    return y
+    shape = gate.shape
+    gate, up = _rows(gate), _rows(up)
+    y = torch.empty(gate.shape, dtype=torch.result_type(gate, up), device=gate.device)
+    rows, width = gate.shape
+    if rows and width:
+        _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](gate, up, y, width, gate.stride(0), up.stride(0),
+                                                           BLOCK=1024,
+                                                           ACCURATE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+                                                           num_warps=4)
+    return y.view(shape)

@@ -49,6 +49,11 @@ class _Group:
     left: int = 0  # siblings that have not taken xa yet
     reused: int = 0  # products saved by siblings sharing the input
 
+    def seed(self, x: torch.Tensor, xa: torch.Tensor) -> None:
+        """Hand in A_g x [N, Σ r] computed elsewhere (the packed product of rollout/fast_decode.py, where the A rows
+        ride along with the base weights) for the siblings about to be called on ``x``."""
+        self.x, self.xa, self.left = x, xa, self.size
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """A_g x for ``x`` [..., in] as [N, Σ r], computed once per input tensor (siblings reuse it). The cache
         is dropped when the last sibling took it, so no layer's activations outlive their layer."""
@@ -136,10 +141,12 @@ def fused_lora(model, dtype: torch.dtype):
 def _adder(group: _Group, lo: int, hi: int, b_t: torch.Tensor):
     def hook(module, args, out):
         xa = group.project(args[0])[:, lo:hi].to(out.dtype)  # [N, r]
-        if out.is_contiguous():
-            out.view(-1, out.shape[-1]).addmm_(xa, b_t.to(out.dtype))  # the add inside the product
+        rows = out if out.dim() == 2 else (out.view(-1, out.shape[-1]) if out.is_contiguous() else None)
+        if rows is not None and rows.stride(-1) == 1:  # also a column block of a packed product's output
+            rows.addmm_(xa, b_t.to(out.dtype))  # the add inside the product
             return out
         return out + (xa @ b_t.to(out.dtype)).view(out.shape)
+    hook.group, hook.rows = group, (lo, hi)  # for the packed decode products (rollout/fast_decode.py)
     return hook
 
 

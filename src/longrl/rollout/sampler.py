@@ -71,12 +71,15 @@ class Sampler:
     prefill_tokens: prompt tokens per prefill forward. fuse_lora: add LoRA deltas by fused products for the call
     (rollout/lora_fusion.py) instead of PEFT's per-layer forward. fast_decode: run decode steps of Llama-family
     models through rollout/fast_decode.py (fused elementwise kernels) instead of transformers' forward.
+    pack_projections: with fast_decode, each layer's q/k/v and gate/up base weights (and their LoRA A rows) read by
+    one product a group during the rollout (FastDecoder.prepare_packing; experimental, off by default).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
-                 nf4_kernel: bool = False):
+                 nf4_kernel: bool = False, pack_projections: bool = False):
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
+        self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
@@ -113,15 +116,20 @@ class Sampler:
             start = time.perf_counter()
             with fusion as fused:
                 nf4 = self.fast.prepare_nf4() if self.nf4_kernel and self.fast is not None and self.use_triton else 0
-                try:
+                packer = self.fast if self.pack_projections else None  # (kept: a failing first fast step drops
+                try:  # self.fast, and the weights must leave the packed buffers whatever happens)
+                    packed = packer.prepare_packing() if packer is not None else 0
                     run = _Run(self, prompt_ids, num_generations, params)  # after prepare_nf4: the KV cache is
                     rollout = run.execute()  # sized from what is free then
                 finally:
+                    if packer is not None:
+                        packer.release_packing()
                     if self.fast is not None:
                         self.fast.release_nf4()
             self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
                                "fast_decode": self.fast is not None,
                                "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
+                               "packed_groups": packed if self.fast is not None else 0,
                                "tokens": sum(len(c) for c in rollout.completion_ids)}
             log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
                       "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
