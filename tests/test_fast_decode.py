@@ -141,11 +141,17 @@ KERNEL_CHECK = textwrap.dedent('''
             cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
             qw, kw = ((1 + 0.3 * torch.randn(D)).to(dtype) for _ in range(2)) if norm else (None, None)
             widx = torch.randperm(T)[:B]
-            caches = [[torch.zeros(S, Hkv, T, D, dtype=dtype) for _ in range(2)] for _ in range(2)]
-            want = f.rotary_kv_reference(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6)
-            got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6)
-            for a, b in ((got, want), (caches[1][0], caches[0][0]), (caches[1][1], caches[0][1])):
-                assert close(a, b, dtype), ("rotary_kv", dtype, B, D, norm)
+            for r in (0, 3):  # without LoRA, and with q/k/v's deltas folded in (rank 3: not a power of two)
+                lora = None
+                if r:
+                    xa = torch.randn(B, 3 * r + 4).to(dtype)[:, 1:]  # a strided column block, as the packed product's
+                    b_t = tuple((0.3 * torch.randn(r, H * D)).to(dtype) for H in (Hq, Hkv, Hkv))
+                    lora = f.LoraFold(xa, (0, r, 2 * r), b_t, r)
+                caches = [[torch.zeros(S, Hkv, T, D, dtype=dtype) for _ in range(2)] for _ in range(2)]
+                want = f.rotary_kv_reference(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6, lora)
+                got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6, lora)
+                for a, b in ((got, want), (caches[1][0], caches[0][0]), (caches[1][1], caches[0][1])):
+                    assert close(a, b, dtype), ("rotary_kv", dtype, B, D, norm, r)
     print("fused ops ok")
 ''')
 
@@ -281,6 +287,7 @@ def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
         assert fast.prepare_packing() == 2 * COMMON["num_hidden_layers"]
         pack = fast.packs[(0, "self_attn")]
         assert pack.group is not None and pack.bias is not None
+        assert pack.fold is not None and fast.packs[(0, "mlp")].fold is None  # q/k/v's B products go to rotary_kv
         rows = sum(b.out_features for b in bases)
         assert pack.weight.shape == (rows + 3 * 4, COMMON["hidden_size"])  # three adapters of rank 4
         for b, w, (lo, hi) in zip(bases, weights, pack.bounds):

@@ -74,8 +74,10 @@ def test_fused_decode_kernels_build(dtype):
                                   {"Q": dtype, "K": dtype, "V": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,
                                    "VC": dtype, "WIDX": "*i64", "QW": dtype, "KW": dtype, "QO": dtype, "eps": "fp32",
                                    "stride_cs": "i64", "stride_ch": "i64", "stride_ct": "i64", "stride_q": "i64",
-                                   "stride_k": "i64", "stride_v": "i64"},
-                                  dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm), num_warps=1,
+                                   "stride_k": "i64", "stride_v": "i64", "XA": dtype, "stride_xa": "i64", "LO_Q": "i32",
+                                   "LO_K": "i32", "LO_V": "i32", "BQ": dtype, "BK": dtype, "BV": dtype},
+                                  dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm, R=32 if norm else 0,
+                                       RP=32 if norm else 1), num_warps=1,
                                   enable_fp_fusion=fo.ROTARY_FP_FUSION)
         # transformers rounds each rotary product before the sum: no fused multiply-add may stand in for them
         # (with contraction on, the compiler emitted fma.rn.bf16 and the H200 run missed by several bf16 units)

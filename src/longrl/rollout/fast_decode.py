@@ -26,9 +26,10 @@ Between :meth:`FastDecoder.prepare_packing` and :meth:`FastDecoder.release_packi
 off by default: not yet measured on a GPU) the base weights of each layer's q/k/v and of its gate/up projections
 live in one buffer each, as views (the parameters keep their objects and names), followed by the rows of their
 stacked LoRA A matrices when the fused adapters share them (rollout/lora_fusion.py): a decode step then reads each
-group with one product, [W_q; W_k; W_v; A_qkv] x, instead of three base products and an A product, and the fused
-adapters take their A x from it. Moving the weights costs one copy of them at each end of a rollout (never more
-than one group's worth of extra memory); release gives every weight its own storage again.
+group with one product, [W_q; W_k; W_v; A_qkv] x, instead of three base products and an A product; gate/up's
+adapters take their A x from it, and q/k/v's B products are added inside rotary_kv (fused_ops.LoraFold) instead of
+three products of their own. Moving the weights costs one copy of them at each end of a rollout (never more than
+one group's worth of extra memory); release gives every weight its own storage again.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 
 from ..ops.nf4_matmul import nf4_linear, nf4_operands
 from .attention import DecodeMeta, decode_attend
-from .fused_ops import add_rmsnorm, rotary_kv, silu_mul
+from .fused_ops import LoraFold, add_rmsnorm, rotary_kv, silu_mul
 from .lora_fusion import fused_adder
 
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -59,6 +60,7 @@ class _Pack:
     bounds: list  # (start, stop) rows of each base
     group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
     a_start: int = 0
+    fold: tuple | None = None  # q/k/v: ((lo_q, lo_k, lo_v), (b_t_q, b_t_k, b_t_v), r) for rotary_kv's LoRA fold
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -145,6 +147,17 @@ class FastDecoder:
                         base.bias.data = base.bias.data.clone()
         self.packs = {}
 
+    def _project_qkv(self, i: int, attn, x: torch.Tensor):
+        """(q, k, v, the LoRA deltas rotary_kv adds or None): with a packed group whose adapters fold, the base
+        products and A x from one product and the B products inside rotary_kv; otherwise the projections' outputs
+        with their deltas added."""
+        pack = self.packs.get((i, "self_attn"))
+        if pack is None or pack.fold is None:
+            return self._project_group(i, "self_attn", [attn.q_proj, attn.k_proj, attn.v_proj], x), None
+        y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out + Σ r]
+        lo, b_t, r = pack.fold
+        return [y[:, a:b] for a, b in pack.bounds], LoraFold(y[:, pack.a_start:], lo, b_t, r)
+
     def _project_group(self, i: int, parent: str, modules: list, x: torch.Tensor) -> list:
         """The outputs of sibling projections on x [B, in]: one packed product, or a call each."""
         pack = self.packs.get((i, parent))
@@ -185,9 +198,9 @@ class FastDecoder:
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
             proj = self._project
-            q = rotary_kv(*self._project_group(i, "self_attn", [attn.q_proj, attn.k_proj, attn.v_proj], x), cos, sin,
-                          cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
-                          eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6)  # [B, Hq, D]
+            qkv, lora = self._project_qkv(i, attn, x)
+            q = rotary_kv(*qkv, cos, sin, cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
+                          eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6, lora=lora)  # [B, Hq, D]
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
             delta = proj(attn.o_proj, out.reshape(out.shape[0], -1))
             norm = layer.post_attention_layernorm
@@ -232,6 +245,10 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
             b.bias.data = bias[start:start + n]
         bounds.append((start, start + n))
         start += n
+    fold = None
     if a_rows is not None:
         weight[start:] = a_rows
-    return _Pack(modules, bases, weight, bias, bounds, group, start)
+        ranks = {a.rows[1] - a.rows[0] for a in adders}
+        if len(bases) == 3 and len(ranks) == 1 and all(a.b_t.dtype == w0.dtype for a in adders):  # q, k, v
+            fold = (tuple(a.rows[0] for a in adders), tuple(a.b_t for a in adders), ranks.pop())
+    return _Pack(modules, bases, weight, bias, bounds, group, start, fold)

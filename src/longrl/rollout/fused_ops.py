@@ -6,7 +6,8 @@ few microseconds regardless of size, ~3 ms a step for an 8B model. These do the 
 the activations' dtype wherever transformers does (``cast`` below), in three kernels:
 
     add_rmsnorm:   h ← cast(h + δ);  x = cast(w ⊙ cast(h · rsqrt(mean(h²) + ε)))           (statistics in float32)
-    rotary_kv:     t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
+    rotary_kv:     t ← cast(t + xa_t · (s B_t)ᵀ)   q, k, v's LoRA deltas, when the packed decode folds them in
+                   t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
                    t ← cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))   for q and k;  k, v → the slot store
     silu_mul:      y = cast(cast(silu(g)) ⊙ u)
 
@@ -16,6 +17,7 @@ The twins are the reference (tests/test_fast_decode.py runs both, the kernels th
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -42,10 +44,30 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
 
 
-def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm=None, k_norm=None, eps=1e-6):
+@dataclass
+class LoraFold:
+    """LoRA deltas of q, k, v to add inside :func:`rotary_kv`: t ← round(t + (A x)[:, lo:lo + r] · (s B)ᵀ) per
+    projection, with A x the columns of ``xa`` [B, ≥ lo + r] from ``lo`` and ``b_t`` = (s B)ᵀ [r, out]."""
+
+    xa: torch.Tensor
+    lo: tuple  # (q, k, v) column offsets into xa
+    b_t: tuple  # (q, k, v) [r, out] in the projections' dtype, contiguous
+    r: int
+
+
+def _with_lora(t: torch.Tensor, fold: "LoraFold | None", j: int) -> torch.Tensor:
+    if fold is None:
+        return t
+    xa = fold.xa[:, fold.lo[j]:fold.lo[j] + fold.r].float()
+    return (t.float() + xa @ fold.b_t[j].float()).to(t.dtype)
+
+
+def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm=None, k_norm=None, eps=1e-6,
+                        lora: "LoraFold | None" = None):
     """q [B, Hq·D], k and v [B, Hkv·D] (projection outputs), cos and sin [B, D]; k_cache, v_cache [S, Hkv, T, D].
-    Norms q/k per head when weights are given, rotates q and k, writes k and v at write_index [B]; returns
-    q [B, Hq, D]."""
+    Adds the LoRA deltas of ``lora`` (rounded once each, as a product adding into its output does), norms q/k per
+    head when weights are given, rotates q and k, writes k and v at write_index [B]; returns q [B, Hq, D]."""
+    q, k, v = _with_lora(q, lora, 0), _with_lora(k, lora, 1), _with_lora(v, lora, 2)
     B, D = q.shape[0], cos.shape[-1]
     q, k, v = q.view(B, -1, D), k.view(B, -1, D), v.view(B, -1, D)
     if q_norm is not None:
@@ -82,13 +104,26 @@ if triton is not None:
         tl.store(X + row * d + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _lora_head(lo, hi, XA_ROW, B_T, width, cols, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
+        """A head's halves plus their LoRA delta: t + Σ_j xa[j] · B_T[j, cols] (float32), rounded to t's dtype."""
+        j = tl.arange(0, RP)
+        ok = j < R
+        xa = tl.load(XA_ROW + j, mask=ok, other=0.0).to(tl.float32)  # [RP]
+        b_lo = tl.load(B_T + j[None, :] * width + cols[:, None], mask=ok[None, :], other=0.0).to(tl.float32)
+        b_hi = tl.load(B_T + j[None, :] * width + HALF + cols[:, None], mask=ok[None, :], other=0.0).to(tl.float32)
+        lo = (lo.to(tl.float32) + tl.sum(b_lo * xa[None, :], 1)).to(lo.dtype)
+        hi = (hi.to(tl.float32) + tl.sum(b_hi * xa[None, :], 1)).to(hi.dtype)
+        return lo, hi
+
+    @triton.jit
     def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
-                          stride_q, stride_k, stride_v,
+                          stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HAS_NORM: tl.constexpr):
+                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
         """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
         (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at their own strides (column
-        blocks of one packed product's output, or separate tensors)."""
+        blocks of one packed product's output, or separate tensors). R > 0: each head first gets its LoRA delta,
+        Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32 and rounded once."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -97,9 +132,13 @@ if triton is not None:
         if is_q:
             lo = tl.load(Q + b * stride_q + head * D + i)  # t[:D/2]
             hi = tl.load(Q + b * stride_q + head * D + HALF + i)  # t[D/2:]
+            if R > 0:
+                lo, hi = _lora_head(lo, hi, XA + b * stride_xa + LO_Q, BQ, HQ * D, head * D + i, R, RP, HALF)
         else:
             lo = tl.load(K + b * stride_k + kvh * D + i)
             hi = tl.load(K + b * stride_k + kvh * D + HALF + i)
+            if R > 0:
+                lo, hi = _lora_head(lo, hi, XA + b * stride_xa + LO_K, BK, HKV * D, kvh * D + i, R, RP, HALF)
         dt = lo.dtype
         if HAS_NORM:
             if is_q:
@@ -131,8 +170,11 @@ if triton is not None:
             tl.store(KC + off + i, out_lo.to(KC.dtype.element_ty))
             tl.store(KC + off + HALF + i, out_hi.to(KC.dtype.element_ty))
             vsrc = V + b * stride_v + kvh * D
-            tl.store(VC + off + i, tl.load(vsrc + i).to(VC.dtype.element_ty))
-            tl.store(VC + off + HALF + i, tl.load(vsrc + HALF + i).to(VC.dtype.element_ty))
+            v_lo, v_hi = tl.load(vsrc + i), tl.load(vsrc + HALF + i)
+            if R > 0:
+                v_lo, v_hi = _lora_head(v_lo, v_hi, XA + b * stride_xa + LO_V, BV, HKV * D, kvh * D + i, R, RP, HALF)
+            tl.store(VC + off + i, v_lo.to(VC.dtype.element_ty))
+            tl.store(VC + off + HALF + i, v_hi.to(VC.dtype.element_ty))
 
     @triton.jit
     def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
@@ -170,22 +212,31 @@ def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
 
 
 def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool, q_norm=None, k_norm=None,
-              eps: float = 1e-6):
-    """Rotary embedding of q and k (after the per-head norms, if any), k and v into the slot store; q [B, Hq, D]."""
+              eps: float = 1e-6, lora: "LoraFold | None" = None):
+    """LoRA deltas (``lora``), rotary embedding of q and k (after the per-head norms, if any), k and v into the
+    slot store; q [B, Hq, D]."""
     D = cos.shape[-1]
     odd_norm = q_norm is not None and (q_norm.dtype != q.dtype or k_norm.dtype != k.dtype)
-    if not use_triton or odd_norm or D % 2 or (D // 2) & (D // 2 - 1):  # the kernel: a power-of-two half head
-        return rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm, k_norm, eps)
+    odd_lora = lora is not None and any(b.dtype != t.dtype or not b.is_contiguous()
+                                        for b, t in zip(lora.b_t, (q, k, v)))
+    if not use_triton or odd_norm or odd_lora or D % 2 or (D // 2) & (D // 2 - 1):  # the kernel: a power-of-two
+        return rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm, k_norm, eps,  # half
+                                   lora)
     B = q.shape[0]
     hq, hkv = q.shape[-1] // D, k.shape[-1] // D
     out = torch.empty(B, hq, D, dtype=q.dtype, device=q.device)
     cos, sin = cos.reshape(B, D).contiguous(), sin.reshape(B, D).contiguous()
     q, k, v = (_rows(t) for t in (q, k, v))
+    xa = _rows(lora.xa) if lora is not None else q
+    b_q, b_k, b_v = lora.b_t if lora is not None else (q, q, q)
+    lo_q, lo_k, lo_v = lora.lo if lora is not None else (0, 0, 0)
+    r = lora.r if lora is not None else 0
     _rotary_kv_kernel[(B, hq + hkv)](
         q, k, v, cos, sin, k_cache, v_cache, write_index,
         q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, out, float(eps),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0),
-        HQ=hq, HKV=hkv, D=D, HALF=D // 2,
+        xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v,
+        HQ=hq, HKV=hkv, D=D, HALF=D // 2, R=r, RP=triton.next_power_of_2(max(r, 1)),
         HAS_NORM=q_norm is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
     return out
 

@@ -146,7 +146,7 @@ def _adder(group: _Group, lo: int, hi: int, b_t: torch.Tensor):
             rows.addmm_(xa, b_t.to(out.dtype))  # the add inside the product
             return out
         return out + (xa @ b_t.to(out.dtype)).view(out.shape)
-    hook.group, hook.rows = group, (lo, hi)  # for the packed decode products (rollout/fast_decode.py)
+    hook.group, hook.rows, hook.b_t = group, (lo, hi), b_t  # for the packed decode (rollout/fast_decode.py)
     return hook
 
 
