@@ -120,7 +120,8 @@ KERNEL_CHECK = textwrap.dedent('''
         for B, d in ((3, 48), (1, 100), (5, 256)):
             h, delta = torch.randn(B, d).to(dtype), torch.randn(B, d).to(dtype)
             w = (1 + 0.3 * torch.randn(d)).to(dtype)
-            for dl in (None, delta):
+            strided = torch.randn(B, d + 9).to(dtype)[:, 4:4 + d]  # a packed product's column block
+            for dl in (None, delta, strided):
                 want_h, want_x = f.add_rmsnorm_reference(h.clone(), dl, w, 1e-5)
                 got_h, got_x = f.add_rmsnorm(h.clone(), dl, w, 1e-5, True)
                 assert close(got_h, want_h, dtype) and close(got_x, want_x, dtype), ("add_rmsnorm", dtype, B, d)
@@ -200,7 +201,7 @@ def test_packed_weights_are_released_when_the_fast_step_fails(caplog):
 
     failing = sampler.fast = Failing()
     got = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
-    assert failing.packed == 2 * COMMON["num_hidden_layers"]
+    assert failing.packed == 4 * COMMON["num_hidden_layers"]  # q/k/v, o, gate/up, down (with their A rows)
     assert got.completion_ids == want.completion_ids and sampler.fast is None
     assert "fast decode path failed" in caplog.text and not packer.packs
     for n, p in model.named_parameters():
@@ -264,7 +265,8 @@ def test_packed_projections_decode_as_the_separate_ones(arch, lora):
     want = Sampler(model, None).generate(PROMPTS, 2, greedy)
     sampler = Sampler(model, None, pack_projections=True, sync_every=3)
     got = sampler.generate(PROMPTS, 2, greedy)
-    assert sampler.last_stats["fast_decode"] and sampler.last_stats["packed_groups"] == 2 * COMMON["num_hidden_layers"]
+    groups = (4 if lora else 2) * COMMON["num_hidden_layers"]  # o and down alone only with their A rows
+    assert sampler.last_stats["fast_decode"] and sampler.last_stats["packed_groups"] == groups
     assert got.completion_ids == want.completion_ids
     torch.testing.assert_close(torch.tensor(sum(got.logprobs, [])), torch.tensor(sum(want.logprobs, [])),
                                atol=1e-5, rtol=1e-5)
@@ -284,10 +286,11 @@ def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
     weights = [b.weight.detach().clone() for b in bases]
     with fused_lora(model, torch.float32) as fused:
         assert fused
-        assert fast.prepare_packing() == 2 * COMMON["num_hidden_layers"]
-        pack = fast.packs[(0, "self_attn")]
+        assert fast.prepare_packing() == 4 * COMMON["num_hidden_layers"]
+        pack = fast.packs[(0, "q_proj")]
         assert pack.group is not None and pack.bias is not None
-        assert pack.fold is not None and fast.packs[(0, "mlp")].fold is None  # q/k/v's B products go to rotary_kv
+        assert pack.fold is not None and fast.packs[(0, "gate_proj")].fold is None  # q/k/v's B go to rotary_kv
+        assert fast.packs[(0, "o_proj")].group is not None and fast.packs[(0, "down_proj")].a_start == 48
         rows = sum(b.out_features for b in bases)
         assert pack.weight.shape == (rows + 3 * 4, COMMON["hidden_size"])  # three adapters of rank 4
         for b, w, (lo, hi) in zip(bases, weights, pack.bounds):

@@ -68,7 +68,8 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
 def test_fused_decode_kernels_build(dtype):
     for delta in (True, False):
         compile_for_sm90(fo._add_rmsnorm_kernel, {"H": dtype, "DELTA": dtype, "W": dtype, "X": dtype, "d": "i32",
-                                                  "eps": "fp32"}, dict(HAS_DELTA=delta, BLOCK=8192), num_warps=8)
+                                                  "eps": "fp32", "stride_delta": "i64"},
+                         dict(HAS_DELTA=delta, BLOCK=8192), num_warps=8)
     for norm in (False, True):
         kernel = compile_for_sm90(fo._rotary_kv_kernel,
                                   {"Q": dtype, "K": dtype, "V": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,

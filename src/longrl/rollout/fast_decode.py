@@ -45,7 +45,9 @@ from .lora_fusion import fused_adder
 
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-PACKED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+# sibling projections read by one product; a lone projection only when its adapter's A rows ride along
+PACKED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 
 
 @dataclass
@@ -90,7 +92,7 @@ class FastDecoder:
         self.layers = list(self.body.layers[: causal_lm.config.num_hidden_layers])
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.nf4: dict = {}  # projection module → (base layer, NF4 operands, delta hook or None), for one rollout
-        self.packs: dict = {}  # (layer index, "self_attn" | "mlp") → _Pack, for one rollout
+        self.packs: dict = {}  # (layer index, first projection's name) → _Pack, for one rollout
 
     def prepare_nf4(self) -> int:
         """Route the NF4-base projections through the 4-bit product for the coming rollout (call inside the
@@ -134,7 +136,7 @@ class FastDecoder:
                     modules = [getattr(getattr(layer, parent), n) for n in names]
                     pack = _pack_group(modules, self.nf4)
                     if pack is not None:
-                        self.packs[(i, parent)] = pack
+                        self.packs[(i, names[0])] = pack
         return len(self.packs)
 
     def release_packing(self) -> None:
@@ -151,16 +153,17 @@ class FastDecoder:
         """(q, k, v, the LoRA deltas rotary_kv adds or None): with a packed group whose adapters fold, the base
         products and A x from one product and the B products inside rotary_kv; otherwise the projections' outputs
         with their deltas added."""
-        pack = self.packs.get((i, "self_attn"))
+        pack = self.packs.get((i, "q_proj"))
         if pack is None or pack.fold is None:
-            return self._project_group(i, "self_attn", [attn.q_proj, attn.k_proj, attn.v_proj], x), None
+            return self._project_group(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x), None
         y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out + Σ r]
         lo, b_t, r = pack.fold
         return [y[:, a:b] for a, b in pack.bounds], LoraFold(y[:, pack.a_start:], lo, b_t, r)
 
-    def _project_group(self, i: int, parent: str, modules: list, x: torch.Tensor) -> list:
-        """The outputs of sibling projections on x [B, in]: one packed product, or a call each."""
-        pack = self.packs.get((i, parent))
+    def _project_group(self, i: int, first: str, modules: list, x: torch.Tensor) -> list:
+        """The outputs of sibling projections (or a lone one; ``first``: the first one's name) on x [B, in]: one
+        packed product, or a call each."""
+        pack = self.packs.get((i, first))
         if pack is None:
             return [self._project(m, x) for m in modules]
         y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out (+ Σ r)]
@@ -197,23 +200,24 @@ class FastDecoder:
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
-            proj = self._project
             qkv, lora = self._project_qkv(i, attn, x)
             q = rotary_kv(*qkv, cos, sin, cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
                           eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6, lora=lora)  # [B, Hq, D]
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
-            delta = proj(attn.o_proj, out.reshape(out.shape[0], -1))
+            delta = self._project_group(i, "o_proj", [attn.o_proj], out.reshape(out.shape[0], -1))[0]
             norm = layer.post_attention_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
-            delta = proj(mlp.down_proj, silu_mul(*self._project_group(i, "mlp", [mlp.gate_proj, mlp.up_proj], x), tri))
+            h_mlp = silu_mul(*self._project_group(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x), tri)
+            delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
 
 
 def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
-    """Move the base weights of sibling projections into one buffer (their adapters' A rows appended when the
-    fused adapters group exactly these projections); None when they cannot share one product."""
+    """Move the base weights of sibling projections (or of a lone one with an adapter) into one buffer, their
+    adapters' A rows appended when the fused adapters group exactly these projections; None when they cannot
+    share one product (or, alone, would gain nothing)."""
     bases = [getattr(m, "base_layer", m) for m in modules]
     w0 = bases[0].weight
     if (any(type(b) is not torch.nn.Linear or m in nf4 for m, b in zip(modules, bases))
@@ -232,6 +236,8 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
         if (g.size == len(adders) and g.a_t.dtype == w0.dtype and spans[0][0] == 0
                 and all(p[1] == n[0] for p, n in zip(spans, spans[1:])) and spans[-1][1] == g.a_t.shape[1]):
             group, a_rows = g, g.a_t.t()  # [Σ r, in]
+    if a_rows is None and len(bases) == 1:
+        return None  # a lone projection gains nothing from a copy of its weight
     outs = [b.out_features for b in bases]
     total = sum(outs) + (a_rows.shape[0] if a_rows is not None else 0)
     weight = torch.empty(total, w0.shape[1], dtype=w0.dtype, device=w0.device)

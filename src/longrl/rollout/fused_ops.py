@@ -89,14 +89,16 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- Triton kernels
 if triton is not None:
     @triton.jit
-    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per row: h ← cast(h + δ) in place; x = cast(w · cast(h · rsqrt(mean(h²) + ε)))."""
+    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, stride_delta, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row: h ← cast(h + δ) in place; x = cast(w · cast(h · rsqrt(mean(h²) + ε))). δ's rows at
+        their own stride (a packed product's column block)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < d
         h = tl.load(H + row * d + cols, mask=ok, other=0.0)
         if HAS_DELTA:
-            h = (h.to(tl.float32) + tl.load(DELTA + row * d + cols, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+            h = (h.to(tl.float32) + tl.load(DELTA + row * stride_delta + cols, mask=ok, other=0.0).to(tl.float32)).to(
+                h.dtype)
             tl.store(H + row * d + cols, h, mask=ok)
         hf = h.to(tl.float32)
         y = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / d + eps)).to(h.dtype)
@@ -201,11 +203,12 @@ ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum 
 
 def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
     """(h + δ, RMSNorm(h + δ)); with Triton h is updated in place (it must be a contiguous [B, d] buffer)."""
-    if not use_triton or (delta is not None and (delta.dtype != h.dtype or not delta.is_contiguous())):
+    if not use_triton or (delta is not None and (delta.dtype != h.dtype or delta.dim() != 2 or delta.stride(-1) != 1)):
         return add_rmsnorm_reference(h, delta, weight, eps)  # the kernel keeps h's dtype; PyTorch would promote
     B, d = h.shape
     x = torch.empty(B, d, dtype=torch.result_type(weight, h), device=h.device)
     _add_rmsnorm_kernel[(B,)](h, delta if delta is not None else h, weight, x, d, float(eps),
+                              delta.stride(0) if delta is not None else d,
                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d),
                               num_warps=8 if d >= 2048 else 4)
     return h, x
