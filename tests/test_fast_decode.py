@@ -132,6 +132,18 @@ KERNEL_CHECK = textwrap.dedent('''
             packed = packed.to(dtype)
             g, u = packed[:, :3 * d + 5], packed[:, 3 * d + 5:2 * (3 * d + 5)]
             assert close(f.silu_mul(g, u, True), f.silu_mul_reference(g, u), dtype), ("silu_mul strided", dtype, B)
+            for rows, r in ((B, 3), (40, 32)):  # gate/up's LoRA deltas folded in (row tiles of 16 and 64)
+                packed = torch.randn(rows, 2 * (3 * d + 5) + 2 * r + 7)
+                packed[:, :3 * d + 5] *= 3
+                packed = packed.to(dtype)
+                w = 3 * d + 5
+                g, u, xa = packed[:, :w], packed[:, w:2 * w], packed[:, 2 * w + 1:]
+                b_t = tuple((0.3 * torch.randn(r, w)).to(dtype) for _ in range(2))
+                lora = f.LoraFold(xa, (0, r), b_t, r)
+                want, got = f.silu_mul_reference(g, u, lora), f.silu_mul(g, u, True, lora)
+                # (float32: the r-term sums in another order, relative to the values' size)
+                ok = close(got, want, dtype) if dtype == torch.bfloat16 else torch.allclose(got, want, 2e-5, 2e-5)
+                assert ok, ("silu_mul lora", dtype, rows, d, r, (got - want).abs().max())
         for B, Hq, Hkv, D, norm in ((3, 6, 2, 16, False), (2, 4, 4, 32, True), (1, 8, 1, 64, True)):
             S, T = B + 2, 9
             q, k, v = (torch.randn(B, H * D).to(dtype) for H in (Hq, Hkv, Hkv))
@@ -289,7 +301,8 @@ def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
         assert fast.prepare_packing() == 4 * COMMON["num_hidden_layers"]
         pack = fast.packs[(0, "q_proj")]
         assert pack.group is not None and pack.bias is not None
-        assert pack.fold is not None and fast.packs[(0, "gate_proj")].fold is None  # q/k/v's B go to rotary_kv
+        assert pack.fold is not None and fast.packs[(0, "gate_proj")].fold is not None  # B: into the glue kernels
+        assert fast.packs[(0, "o_proj")].fold is None
         assert fast.packs[(0, "o_proj")].group is not None and fast.packs[(0, "down_proj")].a_start == 48
         rows = sum(b.out_features for b in bases)
         assert pack.weight.shape == (rows + 3 * 4, COMMON["hidden_size"])  # three adapters of rank 4

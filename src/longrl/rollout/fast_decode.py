@@ -24,12 +24,13 @@ through PEFT's own forward keeps the module call.
 
 Between :meth:`FastDecoder.prepare_packing` and :meth:`FastDecoder.release_packing` (``generation.pack_projections``,
 off by default: not yet measured on a GPU) the base weights of each layer's q/k/v and of its gate/up projections
-live in one buffer each, as views (the parameters keep their objects and names), followed by the rows of their
-stacked LoRA A matrices when the fused adapters share them (rollout/lora_fusion.py): a decode step then reads each
-group with one product, [W_q; W_k; W_v; A_qkv] x, instead of three base products and an A product; gate/up's
-adapters take their A x from it, and q/k/v's B products are added inside rotary_kv (fused_ops.LoraFold) instead of
-three products of their own. Moving the weights costs one copy of them at each end of a rollout (never more than
-one group's worth of extra memory); release gives every weight its own storage again.
+live in one buffer a group, as views (the parameters keep their objects and names), followed by the rows of their
+stacked LoRA A matrices (rollout/lora_fusion.py); o_proj and down_proj get their own A rows appended likewise. A
+decode step then reads each group with one product, e.g. [W_q; W_k; W_v; A_qkv] x, instead of three base products
+and an A product; q/k/v's and gate/up's B products are added inside rotary_kv and silu_mul (fused_ops.LoraFold),
+o/down's by their adapters from the A x of their product: 4 base and 2 LoRA products a layer instead of 7 and 11.
+Moving the weights costs one copy of them at each end of a rollout (never more than one group's worth of extra
+memory); release gives every weight its own storage again.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class _Pack:
     bounds: list  # (start, stop) rows of each base
     group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
     a_start: int = 0
-    fold: tuple | None = None  # q/k/v: ((lo_q, lo_k, lo_v), (b_t_q, b_t_k, b_t_v), r) for rotary_kv's LoRA fold
+    fold: tuple | None = None  # q/k/v or gate/up: (column offsets into A x, (s B)ᵀ each, r) for the glue kernel
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -157,8 +158,17 @@ class FastDecoder:
         if pack is None or pack.fold is None:
             return self._project_group(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x), None
         y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out + Σ r]
-        lo, b_t, r = pack.fold
-        return [y[:, a:b] for a, b in pack.bounds], LoraFold(y[:, pack.a_start:], lo, b_t, r)
+        return [y[:, a:b] for a, b in pack.bounds], LoraFold(y[:, pack.a_start:], *pack.fold)
+
+    def _gate_up(self, i: int, mlp, x: torch.Tensor, tri: bool) -> torch.Tensor:
+        """silu(gate) · up: with a packed group whose adapters fold, the base products and A x from one product and
+        the B products inside silu_mul's tiles."""
+        pack = self.packs.get((i, "gate_proj"))
+        if pack is None or pack.fold is None:
+            return silu_mul(*self._project_group(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x), tri)
+        y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, 2 I + Σ r]
+        (a, b), (c, d) = pack.bounds
+        return silu_mul(y[:, a:b], y[:, c:d], tri, lora=LoraFold(y[:, pack.a_start:], *pack.fold))
 
     def _project_group(self, i: int, first: str, modules: list, x: torch.Tensor) -> list:
         """The outputs of sibling projections (or a lone one; ``first``: the first one's name) on x [B, in]: one
@@ -208,7 +218,7 @@ class FastDecoder:
             norm = layer.post_attention_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
-            h_mlp = silu_mul(*self._project_group(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x), tri)
+            h_mlp = self._gate_up(i, mlp, x, tri)
             delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
@@ -255,6 +265,6 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
     if a_rows is not None:
         weight[start:] = a_rows
         ranks = {a.rows[1] - a.rows[0] for a in adders}
-        if len(bases) == 3 and len(ranks) == 1 and all(a.b_t.dtype == w0.dtype for a in adders):  # q, k, v
+        if len(bases) > 1 and len(ranks) == 1 and all(a.b_t.dtype == w0.dtype for a in adders):  # q/k/v, gate/up
             fold = (tuple(a.rows[0] for a in adders), tuple(a.b_t for a in adders), ranks.pop())
     return _Pack(modules, bases, weight, bias, bounds, group, start, fold)

@@ -9,7 +9,8 @@ the activations' dtype wherever transformers does (``cast`` below), in three ker
     rotary_kv:     t ← cast(t + xa_t · (s B_t)ᵀ)   q, k, v's LoRA deltas, when the packed decode folds them in
                    t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
                    t ← cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))   for q and k;  k, v → the slot store
-    silu_mul:      y = cast(cast(silu(g)) ⊙ u)
+    silu_mul:      y = cast(cast(silu(g)) ⊙ u)   (g, u ← cast(t + xa_t · (s B_t)ᵀ) first, when the packed decode
+                   folds gate/up's LoRA deltas in: a tiled kernel with a small matrix product per tile)
 
 The twins are the reference (tests/test_fast_decode.py runs both, the kernels through Triton's interpreter).
 """
@@ -82,7 +83,9 @@ def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm
     return q
 
 
-def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, lora: "LoraFold | None" = None) -> torch.Tensor:
+    """silu(g) · u, after adding the LoRA deltas of ``lora`` (lo and b_t: (gate, up)) to g and u."""
+    gate, up = _with_lora(gate, lora, 0), _with_lora(up, lora, 1)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -197,6 +200,40 @@ if triton is not None:
         tl.store(Y + row * width + col, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
+if triton is not None:
+    @triton.jit
+    def _silu_mul_lora_kernel(G, U, Y, XA, BG, BU, rows, width, stride_g, stride_u, stride_xa, LO_G, LO_U,
+                              R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              ACCURATE_EXP: tl.constexpr):
+        """A [BM, BN] tile of y = silu(g') · u' with g' = cast(g + xa[:, LO_G:LO_G + R] · BG), u' likewise (BG, BU:
+        (s B)ᵀ [R, width]; the small products in IEEE float32: 16-bit inputs are exact there, as in a tensor-core
+        product accumulating in float32), rounded as _silu_mul_kernel rounds."""
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        j = tl.arange(0, RP)
+        mok, nok, jok = m < rows, n < width, j < R
+        ok = mok[:, None] & nok[None, :]
+        m64 = m.to(tl.int64)
+        g = tl.load(G + m64[:, None] * stride_g + n[None, :], mask=ok, other=0.0)
+        u = tl.load(U + m64[:, None] * stride_u + n[None, :], mask=ok, other=0.0)
+        xa_rows = XA + m64[:, None] * stride_xa + j[None, :]
+        xa_ok = mok[:, None] & jok[None, :]
+        b_ok = jok[:, None] & nok[None, :]
+        b_at = j[:, None] * width + n[None, :]
+        dg = tl.dot(tl.load(xa_rows + LO_G, mask=xa_ok, other=0.0).to(tl.float32),
+                    tl.load(BG + b_at, mask=b_ok, other=0.0).to(tl.float32), input_precision="ieee")
+        du = tl.dot(tl.load(xa_rows + LO_U, mask=xa_ok, other=0.0).to(tl.float32),
+                    tl.load(BU + b_at, mask=b_ok, other=0.0).to(tl.float32), input_precision="ieee")
+        gf = (g.to(tl.float32) + dg).to(g.dtype).to(tl.float32)
+        uf = (u.to(tl.float32) + du).to(u.dtype).to(tl.float32)
+        if ACCURATE_EXP:
+            e = libdevice.exp(-gf)
+        else:
+            e = tl.exp(-gf)
+        s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
+        tl.store(Y + m64[:, None] * width + n[None, :], (s.to(tl.float32) * uf).to(Y.dtype.element_ty), mask=ok)
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum contracted into one rounding
 
@@ -251,12 +288,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool) -> torch.Tensor:
-    if not use_triton:
-        return silu_mul_reference(gate, up)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool, lora: "LoraFold | None" = None) -> torch.Tensor:
+    """silu(g) · u (after gate/up's LoRA deltas from ``lora``, if given)."""
+    odd_lora = lora is not None and (gate.dim() != 2 or any(b.dtype != gate.dtype or not b.is_contiguous()
+                                                            for b in lora.b_t) or up.dtype != gate.dtype)
+    if not use_triton or odd_lora:
+        return silu_mul_reference(gate, up, lora)
     shape = gate.shape
     gate, up = _rows(gate), _rows(up)
     y = torch.empty(gate.shape, dtype=torch.result_type(gate, up), device=gate.device)
+    if lora is not None:
+        rows, width = gate.shape
+        xa = _rows(lora.xa)
+        bm = 64 if rows > 32 else 16 if rows <= 16 else 32
+        if rows and width:
+            _silu_mul_lora_kernel[(triton.cdiv(width, 128), triton.cdiv(rows, bm))](
+                gate, up, y, xa, lora.b_t[0], lora.b_t[1], rows, width, gate.stride(0), up.stride(0), xa.stride(0),
+                lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=128,
+                ACCURATE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+        return y.view(shape)
     rows, width = gate.shape
     if rows and width:
         _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](gate, up, y, width, gate.stride(0), up.stride(0),
