@@ -80,6 +80,42 @@ def test_fused_decode_kernels_round_like_transformers_in_bf16():
         assert same(got, want) and same(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
 
 
+def test_packed_decode_lora_folds_round_like_their_twins_on_cuda():
+    """The LoRA deltas folded into rotary_kv and silu_mul (the packed decode) on the GPU in bf16: within three bf16
+    units of their twins (the r-term sums run in float32 in another order, so a sum on a rounding boundary may
+    round the other way, and the operations after it carry that unit on), from strided column blocks as the packed
+    product gives them."""
+    from longrl.rollout import fused_ops as f
+
+    torch.manual_seed(1)
+    bf, dev, r = torch.bfloat16, "cuda", 32
+
+    def units(a, b):  # three bf16 units (see above)
+        return bool(((a.float() - b.float()).abs() <= 3 * 2 ** -7 * b.float().abs().clamp(min=1)).all())
+
+    for B, Hq, Hkv, D, norm in ((32, 32, 8, 128, False), (5, 16, 8, 128, True)):
+        y = torch.randn(B, (Hq + 2 * Hkv) * D + 3 * r, device=dev).to(bf)
+        q, k, v = y[:, :Hq * D], y[:, Hq * D:(Hq + Hkv) * D], y[:, (Hq + Hkv) * D:(Hq + 2 * Hkv) * D]
+        lora = f.LoraFold(y[:, (Hq + 2 * Hkv) * D:], (0, r, 2 * r),
+                          tuple((0.05 * torch.randn(r, H * D, device=dev)).to(bf) for H in (Hq, Hkv, Hkv)), r)
+        ang = torch.rand(B, D // 2, device=dev) * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(bf), torch.cat([ang.sin()] * 2, -1).to(bf)
+        qw, kw = ((1 + 0.3 * torch.randn(D, device=dev)).to(bf) for _ in range(2)) if norm else (None, None)
+        widx = torch.randint(0, 11, (B,), device=dev)
+        caches = [[torch.zeros(B, Hkv, 11, D, dtype=bf, device=dev) for _ in range(2)] for _ in range(2)]
+        want = f.rotary_kv_reference(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6, lora)
+        got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6, lora)
+        assert units(got, want) and units(caches[1][0], caches[0][0]) and units(caches[1][1], caches[0][1])
+    for rows, width in ((128, 14336), (7, 8960)):
+        y = torch.randn(rows, 2 * width + 2 * r, device=dev)
+        y[:, :width] *= 3
+        y = y.to(bf)
+        lora = f.LoraFold(y[:, 2 * width:], (0, r), tuple((0.05 * torch.randn(r, width, device=dev)).to(bf)
+                                                         for _ in range(2)), r)
+        g, u = y[:, :width], y[:, width:2 * width]
+        assert units(f.silu_mul(g, u, True, lora), f.silu_mul_reference(g, u, lora))
+
+
 @pytest.mark.parametrize("V, T", [(128_256, 1.0), (151_936, 0.7), (3001, 1.3)])
 def test_fused_sampling_kernel_equals_the_pytorch_path_on_cuda(V, T):
     """The compiled temperature-sampling kernel against next_tokens' PyTorch path on the same uniforms: the same
