@@ -283,6 +283,9 @@ def test_packed_projections_decode_as_the_separate_ones(arch, lora):
     torch.testing.assert_close(torch.tensor(sum(got.logprobs, [])), torch.tensor(sum(want.logprobs, [])),
                                atol=1e-5, rtol=1e-5)
     assert dict(model.named_parameters()) == params  # the same parameter objects
+    with torch.inference_mode():  # a rollout called in inference mode leaves trainable parameters behind
+        Sampler(model, None, pack_projections=True).generate(PROMPTS[:1], 1, greedy)
+    assert not any(p.is_inference() for p in model.parameters())
     for n, p in params.items():
         assert torch.equal(p, before[n]), n
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n  # its own storage again

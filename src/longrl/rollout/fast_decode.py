@@ -131,7 +131,7 @@ class FastDecoder:
         how many groups. Groups with another base (4-bit, biased unlike their siblings, other dtypes or widths)
         or whose adapters run through PEFT's own forward stay as they are."""
         self.release_packing()
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():  # (parameters must never become inference tensors)
             for i, layer in enumerate(self.layers):
                 for parent, names in PACKED_GROUPS:
                     modules = [getattr(getattr(layer, parent), n) for n in names]
@@ -142,7 +142,7 @@ class FastDecoder:
 
     def release_packing(self) -> None:
         """Every packed weight back in storage of its own (the packed buffers are freed with the last view)."""
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():
             for pack in self.packs.values():
                 for base in pack.bases:
                     base.weight.data = base.weight.data.clone()
