@@ -126,10 +126,11 @@ class FastDecoder:
         self.nf4 = {}
 
     def prepare_packing(self) -> int:
-        """Pack each layer's q/k/v and gate/up base weights (see the module docstring) for the coming rollout (call
-        inside the sampler's fused-LoRA context, after :meth:`prepare_nf4`, before graphs are captured); returns
-        how many groups. Groups with another base (4-bit, biased unlike their siblings, other dtypes or widths)
-        or whose adapters run through PEFT's own forward stay as they are."""
+        """Pack each layer's q/k/v and gate/up base weights, and o/down's when they have fused adapters (see the
+        module docstring), for the coming rollout (call inside the sampler's fused-LoRA context, after
+        :meth:`prepare_nf4`, before graphs are captured); returns how many groups. Groups with another base (4-bit,
+        biased unlike their siblings, other dtypes or widths) or whose adapters run through PEFT's own forward stay
+        as they are."""
         self.release_packing()
         with torch.inference_mode(False), torch.no_grad():  # (parameters must never become inference tensors)
             for i, layer in enumerate(self.layers):
