@@ -139,17 +139,19 @@ class FastDecoder:
                     pack = _pack_group(modules, self.nf4)
                     if pack is not None:
                         self.packs[(i, names[0])] = pack
+        _return_cached_blocks(any(p.weight.is_cuda for p in self.packs.values()))
         return len(self.packs)
 
     def release_packing(self) -> None:
         """Every packed weight back in storage of its own (the packed buffers are freed with the last view)."""
+        cuda = any(p.weight.is_cuda for p in self.packs.values())
         with torch.inference_mode(False), torch.no_grad():
-            for pack in self.packs.values():
-                for base in pack.bases:
-                    base.weight.data = base.weight.data.clone()
-                    if base.bias is not None:
-                        base.bias.data = base.bias.data.clone()
-        self.packs = {}
+            for base in [b for p in self.packs.values() for b in p.bases]:
+                base.weight.data = base.weight.data.clone()
+                if base.bias is not None:
+                    base.bias.data = base.bias.data.clone()
+        self.packs = {}  # the last references to the packed buffers
+        _return_cached_blocks(cuda)
 
     def _project_qkv(self, i: int, attn, x: torch.Tensor):
         """(q, k, v, the LoRA deltas rotary_kv adds or None): with a packed group whose adapters fold, the base
@@ -223,6 +225,13 @@ class FastDecoder:
             delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
+
+
+def _return_cached_blocks(cuda: bool) -> None:
+    """Hand the blocks the moved weights left behind back to the driver: their sizes rarely fit a later allocation
+    (the KV cache that follows wants one large one)."""
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
