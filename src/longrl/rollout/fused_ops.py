@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.rmsnorm import rmsnorm_reference
+from ..ops.rotary import rotate_half
+from ..ops.swiglu import silu_mul_reference as _silu_mul
+
 try:
     import triton
     import triton.language as tl
@@ -35,14 +39,7 @@ def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: t
     """(h + δ, RMSNorm(h + δ)) for rows h, δ [B, d], as transformers' residual add and LlamaRMSNorm."""
     if delta is not None:
         h = h + delta
-    x = h.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return h, weight * x.to(h.dtype)
-
-
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    half = t.shape[-1] // 2
-    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return h, rmsnorm_reference(h, weight, eps)
 
 
 @dataclass
@@ -75,8 +72,8 @@ def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm
         q = add_rmsnorm_reference(q, None, q_norm, eps)[1]
         k = add_rmsnorm_reference(k, None, k_norm, eps)[1]
     c, s = cos[:, None, :], sin[:, None, :]
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
     rows = torch.arange(B, device=q.device)
     k_cache[rows, :, write_index] = k.to(k_cache.dtype)
     v_cache[rows, :, write_index] = v.to(v_cache.dtype)
@@ -85,8 +82,7 @@ def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, lora: "LoraFold | None" = None) -> torch.Tensor:
     """silu(g) · u, after adding the LoRA deltas of ``lora`` (lo and b_t: (gate, up)) to g and u."""
-    gate, up = _with_lora(gate, lora, 0), _with_lora(up, lora, 1)
-    return torch.nn.functional.silu(gate) * up
+    return _silu_mul(_with_lora(gate, lora, 0), _with_lora(up, lora, 1))
 
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
