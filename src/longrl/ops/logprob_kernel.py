@@ -12,7 +12,8 @@ scatter and a cast: ~6 passes over a [1,024, 128,256] float32 block each way. He
 16-bit logits once (twice in backward: the running maximum and sum first), in blocks of ``BLOCK`` entries,
 keeping a running maximum and rescaled sums; the backward overwrites the logits with their gradient, so no
 [n, V] buffer besides the product's own is allocated. Results equal the twins' up to float32 summation order
-(tests/test_logprobs.py, under Triton's interpreter).
+(tests/test_logprobs.py, under Triton's interpreter). The twins are also chunked_logprobs' PyTorch path (CPU,
+float64, a final-logit softcap).
 """
 
 from __future__ import annotations
@@ -30,38 +31,55 @@ BLOCK = 4096  # vocabulary entries a program handles at a time
 # interpreter cannot do with a run-time argument)
 
 
-def _scaled(raw: torch.Tensor, multiplier: float, temperature: float) -> torch.Tensor:
-    z = raw.to(torch.float32)
+def scale_logits(raw: torch.Tensor, multiplier: float, softcap: float | None, temperature: float):
+    """(z, tanh or None): z = softcap(m · raw) / T for raw logits [n, V], in float32 (float64 stays float64);
+    softcap(x) = c · tanh(x / c) when c is set."""
+    z = raw.to(torch.float32) if raw.dtype in (torch.float16, torch.bfloat16) else raw
     if multiplier != 1.0:
         z = z * multiplier
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(z / softcap)
+        z = tanh * softcap
     if temperature != 1.0:
         z = z / temperature
-    return z
+    return z, tanh
 
 
-def row_stats_reference(raw, targets, multiplier: float, temperature: float, with_entropy: bool):
-    """Twin of :func:`row_stats`: (lse [n], lp [n], H [n] or None) in float32."""
-    z = _scaled(raw, multiplier, temperature)
+def row_stats_reference(raw, targets, multiplier: float, temperature: float, with_entropy: bool,
+                        softcap: float | None = None):
+    """Twin of :func:`row_stats` and the PyTorch path (with a softcap too): (lse [n], lp [n], H [n] or None) in
+    z's dtype. The caller's logits may be a temporary: they are dropped once scaled."""
+    z, _ = scale_logits(raw, multiplier, softcap, temperature)
+    del raw
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(1, targets[:, None]).squeeze(1) - lse
     ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1) if with_entropy else None
     return lse, lp, ent
 
 
-def row_grad_reference(raw, targets, lse, g, g_ent, ent, multiplier: float, temperature: float) -> torch.Tensor:
-    """Twin of :func:`row_grad_`: dr [n, V] in raw's dtype (g_ent, ent None: no entropy term)."""
-    z = _scaled(raw, multiplier, temperature)
+def row_grad_reference(raw, targets, lse, g, g_ent, ent, multiplier: float, temperature: float,
+                       softcap: float | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Twin of :func:`row_grad_` and the PyTorch path (with a softcap too): dr [n, V] in ``out_dtype`` (default:
+    raw's); g_ent, ent None: no entropy term. dL/dz = g (onehot − p) − g_H p (log p + H), then back through 1/T,
+    tanh and m."""
+    out_dtype = out_dtype or raw.dtype
+    z, tanh = scale_logits(raw, multiplier, softcap, temperature)
+    del raw
     logp = z - lse[:, None]
     p = torch.exp(logp)
-    dz = p * (-g[:, None])
-    dz.scatter_add_(1, targets[:, None], g[:, None].to(dz.dtype))
+    dz = p * (-g[:, None].to(z.dtype))
+    dz.scatter_add_(1, targets[:, None], g[:, None].to(z.dtype))
     if g_ent is not None:
-        dz -= g_ent[:, None] * p * (logp + ent[:, None])
+        dz -= g_ent[:, None].to(z.dtype) * p * (logp + ent[:, None])
+    del logp, p, z
     if temperature != 1.0:
         dz = dz / temperature
+    if softcap is not None:
+        dz = dz * (1.0 - tanh * tanh)
     if multiplier != 1.0:
         dz = dz * multiplier
-    return dz.to(raw.dtype)
+    return dz.to(out_dtype)
 
 
 if triton is not None:

@@ -14,16 +14,17 @@ exist at any time, in forward and in backward (which recomputes them). The gradi
 
 and flows back through 1/T, tanh and m to h (and to W, b only when they require grad). On a GPU (without a softcap)
 each chunk's softmax statistics and its gradient with respect to the logits run as one Triton kernel a direction
-over the 16-bit logits (ops/logprob_kernel.py); elsewhere, and as their twin, the PyTorch code below.
+over the 16-bit logits (ops/logprob_kernel.py); elsewhere their twins there, which are the PyTorch path.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .logprob_kernel import row_grad_, row_stats
+from .logprob_kernel import row_grad_, row_grad_reference, row_stats, row_stats_reference, scale_logits
 from .logprob_kernel import triton as _triton
 
 
@@ -31,17 +32,7 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   softcap: float | None, temperature: float):
     """Return (z, tanh_or_None) in float32 for rows h [n, H]: z = softcap(m · (W h + b)) / T, [n, V]. Also the
     sampler's logits (rollout/sampler.py)."""
-    raw = torch.nn.functional.linear(h, weight, bias)  # [n, V] in the compute dtype
-    raw = raw.to(torch.float32) if raw.dtype in (torch.float16, torch.bfloat16) else raw
-    if multiplier != 1.0:
-        raw = raw * multiplier
-    tanh = None
-    if softcap is not None:
-        tanh = torch.tanh(raw / softcap)
-        raw = tanh * softcap
-    if temperature != 1.0:
-        raw = raw / temperature
-    return raw, tanh
+    return scale_logits(torch.nn.functional.linear(h, weight, bias), multiplier, softcap, temperature)
 
 
 class ChunkedLogProbs(torch.autograd.Function):
@@ -54,25 +45,16 @@ class ChunkedLogProbs(torch.autograd.Function):
         logps = torch.empty(n, dtype=out_dtype, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=out_dtype, device=hidden.device) if with_entropy else None  # [N]
         lse_all = torch.empty(n, dtype=out_dtype, device=hidden.device)  # [N]
+        # the logits [n, V] are handed over as a temporary, not kept here: the PyTorch path frees them once scaled
+        stats = row_stats if kernel else functools.partial(row_stats_reference, softcap=softcap)
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 stop = min(start + chunk_size, n)
-                if kernel:
-                    raw = torch.nn.functional.linear(hidden[start:stop], weight, bias)  # [n, V] compute dtype
-                    lse, lp, ent = row_stats(raw, targets[start:stop], multiplier, temperature, with_entropy)
-                    lse_all[start:stop], logps[start:stop] = lse, lp
-                    if with_entropy:
-                        entropy[start:stop] = ent
-                    del raw
-                    continue
-                z, _ = head_logits(hidden[start:stop], weight, bias, multiplier, softcap, temperature)
-                lse = torch.logsumexp(z, dim=-1)  # [n]
-                lse_all[start:stop] = lse
-                logps[start:stop] = z.gather(1, targets[start:stop, None]).squeeze(1) - lse
+                lse, lp, ent = stats(torch.nn.functional.linear(hidden[start:stop], weight, bias), targets[start:stop],
+                                     multiplier, temperature, with_entropy)
+                lse_all[start:stop], logps[start:stop] = lse, lp
                 if with_entropy:
-                    p = torch.exp(z - lse[:, None])
-                    entropy[start:stop] = lse - (p * z).sum(-1)
-                del z
+                    entropy[start:stop] = ent
         ctx.set_materialize_grads(False)  # an unused output (e.g. entropy kept for logging) costs nothing
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all, entropy)
         ctx.params = (multiplier, softcap, temperature, chunk_size, with_entropy, kernel)
@@ -97,51 +79,26 @@ class ChunkedLogProbs(torch.autograd.Function):
             grad_logps = grad_logps.to(torch.float32).contiguous()
             if use_entropy_grad:
                 grad_entropy = grad_entropy.to(torch.float32).contiguous()
+        # dL/d raw logits [n, V] in h's dtype (the product's own outside autocast); the logits handed over as above
+        logit_grad = row_grad_ if kernel else functools.partial(row_grad_reference, softcap=softcap,
+                                                                out_dtype=hidden.dtype)
         n = hidden.shape[0]
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             h = hidden[start:stop]
-            if kernel:
-                dz = row_grad_(torch.nn.functional.linear(h, weight, bias), targets[start:stop], lse_all[start:stop],
-                               grad_logps[start:stop], grad_entropy[start:stop] if use_entropy_grad else None,
-                               entropy[start:stop] if use_entropy_grad else None, multiplier, temperature)
-                dz = dz.to(h.dtype)  # [n, V] in h's dtype (the product's own: a no-op outside autocast)
-                tanh = None
-            else:
-                dz, tanh = _logit_grad(h, weight, bias, targets[start:stop], lse_all[start:stop],
-                                       grad_logps[start:stop], grad_entropy[start:stop] if use_entropy_grad else None,
-                                       entropy[start:stop] if use_entropy_grad else None, multiplier, softcap,
-                                       temperature)
+            dz = logit_grad(torch.nn.functional.linear(h, weight, bias), targets[start:stop], lse_all[start:stop],
+                            grad_logps[start:stop], grad_entropy[start:stop] if use_entropy_grad else None,
+                            entropy[start:stop] if use_entropy_grad else None, multiplier, temperature).to(h.dtype)
             if need_h:
                 grad_h[start:stop] = dz @ weight
             if need_w:
                 grad_w += (dz.t() @ h).to(grad_w.dtype)
             if need_b:
                 grad_b += dz.sum(0).to(grad_b.dtype)
-            del dz, tanh
+            del dz
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
-
-
-def _logit_grad(h, weight, bias, targets, lse, g, g_ent, entropy, multiplier, softcap, temperature):
-    """(dL/d raw logits [n, V] in h's dtype, tanh or None) of one chunk in PyTorch: the reference path."""
-    z, tanh = head_logits(h, weight, bias, multiplier, softcap, temperature)  # [n, V]
-    logp = z - lse[:, None]
-    p = torch.exp(logp)
-    # dL/dz = g_lp * (onehot - p) + g_H * (-p * (log p + H))
-    dz = p * (-g[:, None].to(z.dtype))
-    dz.scatter_add_(1, targets[:, None], g[:, None].to(z.dtype))
-    if g_ent is not None:
-        dz -= g_ent[:, None].to(z.dtype) * p * (logp + entropy[:, None])
-    del logp, p, z
-    if temperature != 1.0:
-        dz = dz / temperature
-    if softcap is not None:
-        dz = dz * (1.0 - tanh * tanh)
-    if multiplier != 1.0:
-        dz = dz * multiplier
-    return dz.to(h.dtype), tanh  # [n, V] in the compute dtype, like the forward matmul
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
