@@ -63,7 +63,10 @@ class FusedRotaryAttention(SharedWrapper):
     call with a KV cache (generation) runs the wrapped module's forward."""
 
     def __init__(self, inner: nn.Module):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # (here: `longrl` starts without it)
+
         super().__init__(inner)
+        self.attention_functions = ALL_ATTENTION_FUNCTIONS
         self.window_from = ATTENTION_CLASSES[type(inner).__name__]
         self.qk_norm = hasattr(inner, "q_norm") and hasattr(inner, "k_norm")
         self.eager = getattr(sys.modules[type(inner).__module__], "eager_attention_forward", None)
@@ -91,9 +94,7 @@ class FusedRotaryAttention(SharedWrapper):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, *position_embeddings)  # [B, Hq, T, D], [B, Hk, T, D]
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
+        attention = self.attention_functions.get_interface(attn.config._attn_implementation, self.eager)
         if self.window_from == "module":
             kwargs["sliding_window"] = attn.sliding_window
         elif self.window_from == "config":

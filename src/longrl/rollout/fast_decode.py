@@ -153,25 +153,15 @@ class FastDecoder:
         self.packs = {}  # the last references to the packed buffers
         _return_cached_blocks(cuda)
 
-    def _project_qkv(self, i: int, attn, x: torch.Tensor):
-        """(q, k, v, the LoRA deltas rotary_kv adds or None): with a packed group whose adapters fold, the base
-        products and A x from one product and the B products inside rotary_kv; otherwise the projections' outputs
-        with their deltas added."""
-        pack = self.packs.get((i, "q_proj"))
+    def _project_folded(self, i: int, first: str, modules: list, x: torch.Tensor):
+        """(the projections' outputs, the LoRA deltas the next glue kernel adds or None): with a packed group whose
+        adapters fold (q/k/v → rotary_kv, gate/up → silu_mul), the base outputs and A x from one product, the B
+        products left to the kernel; otherwise the outputs with their deltas added."""
+        pack = self.packs.get((i, first))
         if pack is None or pack.fold is None:
-            return self._project_group(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x), None
+            return self._project_group(i, first, modules, x), None
         y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out + Σ r]
         return [y[:, a:b] for a, b in pack.bounds], LoraFold(y[:, pack.a_start:], *pack.fold)
-
-    def _gate_up(self, i: int, mlp, x: torch.Tensor, tri: bool) -> torch.Tensor:
-        """silu(gate) · up: with a packed group whose adapters fold, the base products and A x from one product and
-        the B products inside silu_mul's tiles."""
-        pack = self.packs.get((i, "gate_proj"))
-        if pack is None or pack.fold is None:
-            return silu_mul(*self._project_group(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x), tri)
-        y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, 2 I + Σ r]
-        (a, b), (c, d) = pack.bounds
-        return silu_mul(y[:, a:b], y[:, c:d], tri, lora=LoraFold(y[:, pack.a_start:], *pack.fold))
 
     def _project_group(self, i: int, first: str, modules: list, x: torch.Tensor) -> list:
         """The outputs of sibling projections (or a lone one; ``first``: the first one's name) on x [B, in]: one
@@ -213,7 +203,7 @@ class FastDecoder:
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
-            qkv, lora = self._project_qkv(i, attn, x)
+            qkv, lora = self._project_folded(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x)
             q = rotary_kv(*qkv, cos, sin, cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
                           eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6, lora=lora)  # [B, Hq, D]
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
@@ -221,7 +211,8 @@ class FastDecoder:
             norm = layer.post_attention_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
-            h_mlp = self._gate_up(i, mlp, x, tri)
+            gate_up, lora = self._project_folded(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x)
+            h_mlp = silu_mul(*gate_up, tri, lora=lora)
             delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
