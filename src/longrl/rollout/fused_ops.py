@@ -178,6 +178,16 @@ if triton is not None:
             tl.store(VC + off + HALF + i, v_hi.to(VC.dtype.element_ty))
 
     @triton.jit
+    def _silu_times(gf, uf, dt, ACCURATE_EXP: tl.constexpr):
+        """cast(cast(silu(g)) · u) for float32 g, u with the activations' dtype dt: torch's float32 arithmetic."""
+        if ACCURATE_EXP:
+            e = libdevice.exp(-gf)
+        else:
+            e = tl.exp(-gf)
+        s = tl.math.div_rn(gf, 1.0 + e).to(dt)
+        return s.to(tl.float32) * uf
+
+    @triton.jit
     def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
         """y = cast(cast(g / (1 + e^−g)) · u) with PyTorch's float32 arithmetic: the accurate exp (tl.exp is the
         approximate ex2 on NVIDIA GPUs; Triton's CPU interpreter has only that one) and IEEE division. g and u
@@ -187,16 +197,9 @@ if triton is not None:
         ok = col < width
         g = tl.load(G + row * stride_g + col, mask=ok, other=0.0)
         u = tl.load(U + row * stride_u + col, mask=ok, other=0.0)
-        gf = g.to(tl.float32)
-        if ACCURATE_EXP:
-            e = libdevice.exp(-gf)
-        else:
-            e = tl.exp(-gf)
-        s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
-        tl.store(Y + row * width + col, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+        y = _silu_times(g.to(tl.float32), u.to(tl.float32), g.dtype, ACCURATE_EXP)
+        tl.store(Y + row * width + col, y.to(Y.dtype.element_ty), mask=ok)
 
-
-if triton is not None:
     @triton.jit
     def _silu_mul_lora_kernel(G, U, Y, XA, BG, BU, rows, width, stride_g, stride_u, stride_xa, LO_G, LO_U,
                               R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -222,12 +225,8 @@ if triton is not None:
                     tl.load(BU + b_at, mask=b_ok, other=0.0).to(tl.float32), input_precision="ieee")
         gf = (g.to(tl.float32) + dg).to(g.dtype).to(tl.float32)
         uf = (u.to(tl.float32) + du).to(u.dtype).to(tl.float32)
-        if ACCURATE_EXP:
-            e = libdevice.exp(-gf)
-        else:
-            e = tl.exp(-gf)
-        s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
-        tl.store(Y + m64[:, None] * width + n[None, :], (s.to(tl.float32) * uf).to(Y.dtype.element_ty), mask=ok)
+        y = _silu_times(gf, uf, g.dtype, ACCURATE_EXP)
+        tl.store(Y + m64[:, None] * width + n[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
