@@ -56,11 +56,11 @@ class _Pack:
     """One layer's sibling projections packed: their base weights (and biases) as row blocks of ``weight``
     [Σ out (+ Σ r), in], the fused adapters' stacked A rows last when ``group`` is set."""
 
-    modules: list  # the projections as the model calls them (PEFT layers or plain linears)
     bases: list  # their base nn.Linear layers, whose parameters are views into weight / bias
     weight: torch.Tensor
     bias: torch.Tensor | None
     bounds: list  # (start, stop) rows of each base
+    adders: list  # each base's fused-adapter delta hook (lora_fusion.fused_adder) or None
     group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
     a_start: int = 0
     fold: tuple | None = None  # q/k/v or gate/up: (column offsets into A x, (s B)ᵀ each, r) for the glue kernel
@@ -172,12 +172,8 @@ class FastDecoder:
         y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out (+ Σ r)]
         if pack.group is not None:
             pack.group.seed(x, y[:, pack.a_start:])
-        outs = []
-        for base, (lo, hi) in zip(pack.bases, pack.bounds):
-            out = y[:, lo:hi]
-            adder = fused_adder(base)
-            outs.append(adder(base, (x,), out) if adder is not None else out)
-        return outs
+        return [y[:, lo:hi] if adder is None else adder(base, (x,), y[:, lo:hi])
+                for base, (lo, hi), adder in zip(pack.bases, pack.bounds, pack.adders)]
 
     def _project(self, module, x: torch.Tensor) -> torch.Tensor:
         entry = self.nf4.get(module)
@@ -268,4 +264,4 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
         ranks = {a.rows[1] - a.rows[0] for a in adders}
         if len(bases) > 1 and len(ranks) == 1 and all(a.b_t.dtype == w0.dtype for a in adders):  # q/k/v, gate/up
             fold = (tuple(a.rows[0] for a in adders), tuple(a.b_t for a in adders), ranks.pop())
-    return _Pack(modules, bases, weight, bias, bounds, group, start, fold)
+    return _Pack(bases, weight, bias, bounds, adders, group, start, fold)
