@@ -3,6 +3,7 @@ interpreter (forward and gradients, odd widths, several dtypes), and the module 
 
 from __future__ import annotations
 
+import copy
 import textwrap
 
 import pytest
@@ -154,6 +155,8 @@ def test_fused_layers_swap_keeps_names_results_and_composes_with_tiling():
     assert isinstance(layers[0].mlp, TiledMLP) and isinstance(layers[0].mlp.inner, FusedSwiGLU)
     assert isinstance(layers[0].input_layernorm, FusedRMSNorm)
     assert layers[0].input_layernorm.weight is originals[1].weight
+    # other attributes read through the wrapper (SharedWrapper), also in a copy
+    assert copy.deepcopy(layers[0]).input_layernorm.variance_epsilon == originals[1].variance_epsilon
     assert list(model.state_dict()) == keys
     assert torch.equal(model(ids).logits, tiled)  # CPU: the wrapped modules' own forward
     # LoRA parameters reached through the wrapper are the adapters' own

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 class SharedWrapper(nn.Module):
     """A module standing in for ``inner`` in its parent's slot with the same children, parameters and buffers
     (shared dicts: names, state dicts and PEFT adapters unchanged; a child replaced through either is seen by
-    both). Subclasses define ``forward``."""
+    both) and its other attributes read through (``variance_epsilon``, ``scaling``, ``config``, ...: code that
+    inspects the model sees the wrapped module's). Subclasses define ``forward``."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -58,6 +59,15 @@ class SharedWrapper(nn.Module):
         self._parameters = inner._parameters
         self._buffers = inner._buffers
         self.training = inner.training
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("inner")  # (absent while copy or pickle rebuild the wrapper)
+            if inner is None:
+                raise
+            return getattr(inner, name)
 
     def train(self, mode: bool = True):
         self.inner.training = mode

@@ -35,10 +35,6 @@ ATTENTION_CLASSES = {"LlamaAttention": "", "MistralAttention": "config", "Qwen2A
 class FusedRMSNorm(SharedWrapper):
     """RMSNorm through :func:`longrl.ops.rmsnorm.rmsnorm` (``weight`` and ``variance_epsilon`` as the original)."""
 
-    def __init__(self, inner: nn.Module):
-        super().__init__(inner)
-        self.variance_epsilon = inner.variance_epsilon
-
     def forward(self, x):
         if not x.is_cuda:
             return self.inner(x)
@@ -70,13 +66,6 @@ class FusedRotaryAttention(SharedWrapper):
         self.window_from = ATTENTION_CLASSES[type(inner).__name__]
         self.qk_norm = hasattr(inner, "q_norm") and hasattr(inner, "k_norm")
         self.eager = getattr(sys.modules[type(inner).__module__], "eager_attention_forward", None)
-
-    def __getattr__(self, name: str):
-        """The wrapped module's attributes (``scaling``, ``layer_idx``, ``config``, …) read through the wrapper."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["inner"], name)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
