@@ -18,7 +18,8 @@
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
 #   gpucheck   benchmarks/gpu_kernel_checks.py: sampling / decode attention / merge kernels at their edges (~1 min)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
-#   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min)
+#   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
+#              PVARIANTS=fused,packed,hf picks the paths (default fused,hf), PTAG=... the file's tag
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
 #   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min); with
 #              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice;
@@ -121,10 +122,11 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
+            --profile-variants "${PVARIANTS:-fused,hf}" \
             --tag "${PTAG:-_fast}" ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;
-        rollout8b) stage rollout8b 150 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
+        rollout8b) stage rollout8b 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
             ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \

@@ -190,6 +190,9 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
+    ap.add_argument("--profile-variants", default="fused,hf", metavar="LIST",
+                    help="with --profile: which decode paths to profile, of fused (fast decode + fused LoRA), packed "
+                    "(the same with generation.pack_projections) and hf (transformers' forward + PEFT's LoRA)")
     ap.add_argument("--launch", default="", metavar="JSON|PATH",
                     help="decode attention launch choices to run with (decode_kernel.LAUNCH entries), as a JSON "
                     "object or a decode_attention_speed.py result whose fastest swept choice is taken")
@@ -260,13 +263,19 @@ def main() -> None:
 def profile_decode(args, model, prompts) -> None:
     """GPU time per kernel of the decode steps alone (decode graphs replayed; the profiler sees their kernels): a
     rollout of N new tokens minus one of 1 (prefill + first token), per step, for the fast path (fast decode +
-    fused LoRA) and transformers' forward + PEFT's LoRA; to results/rollout_profile_<shape><tag>.txt."""
+    fused LoRA, optionally with packed projections) and transformers' forward + PEFT's LoRA (--profile-variants); to
+    results/rollout_profile_<shape><tag>.md."""
     from torch.profiler import ProfilerActivity, profile
 
     N = args.profile
+    titles = {"fused": "fast decode + fused LoRA", "packed": "fast decode + fused LoRA + packed projections",
+              "hf": "transformers forward + PEFT LoRA"}
     lines = []
-    for fuse in (True, False):
-        sampler = Sampler(model, None, fuse_lora=fuse, fast_decode=fuse)
+    for variant in args.profile_variants.split(","):
+        if variant not in titles:
+            raise SystemExit(f"--profile-variants: unknown {variant!r}; choose from {', '.join(titles)}")
+        fuse = variant != "hf"
+        sampler = Sampler(model, None, fuse_lora=fuse, fast_decode=fuse, pack_projections=variant == "packed")
         runs = {}
         for n in (1, N):
             params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
@@ -283,7 +292,7 @@ def profile_decode(args, model, prompts) -> None:
                     for k, (us, c) in runs[N][1].items()}
         per_step = {k: v for k, v in per_step.items() if v[0] > 0.05}
         wall = (runs[N][0] - runs[1][0]) / steps * 1e6
-        lines += [f"## {'fast decode + fused LoRA' if fuse else 'transformers forward + PEFT LoRA'}: {args.prompts} x "
+        lines += [f"## {titles[variant]}: {args.prompts} x "
                   f"{args.G}, {steps} decode steps: {wall:,.0f} µs a step wall-clock (rollout of {N} minus rollout "
                   f"of 1); GPU time of ops and kernels a step below (an op's time includes its kernels)", "",
                   "| µs a step | calls a step | name |", "|---|---|---|"]
