@@ -143,14 +143,18 @@ class FastDecoder:
         return len(self.packs)
 
     def release_packing(self) -> None:
-        """Every packed weight back in storage of its own (the packed buffers are freed with the last view)."""
+        """Every packed weight back in storage of its own, a group at a time: a group's buffer is freed with its
+        last view before the next group's weights are copied (one group's worth of extra memory at most, while the
+        rollout's KV cache may still be allocated)."""
         cuda = any(p.weight.is_cuda for p in self.packs.values())
         with torch.inference_mode(False), torch.no_grad():
-            for base in [b for p in self.packs.values() for b in p.bases]:
-                base.weight.data = base.weight.data.clone()
-                if base.bias is not None:
-                    base.bias.data = base.bias.data.clone()
-        self.packs = {}  # the last references to the packed buffers
+            while self.packs:
+                pack = self.packs.popitem()[1]
+                for base in pack.bases:
+                    base.weight.data = base.weight.data.clone()
+                    if base.bias is not None:
+                        base.bias.data = base.bias.data.clone()
+                del pack  # the last reference to this group's buffer
         _return_cached_blocks(cuda)
 
     def _project_folded(self, i: int, first: str, modules: list, x: torch.Tensor):
