@@ -17,6 +17,9 @@
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
 #   gpucheck   benchmarks/gpu_kernel_checks.py: sampling / decode attention / merge kernels at their edges (~1 min)
+#   glue       decode glue kernels (SiLU·up, rotary/KV store), plain and with the packed decode's LoRA fold, and a
+#              sweep of the folding SiLU·up kernel's launch choices (~2 min; GTAG names the file; rollout8b/rollout15
+#              with GLUE_FROM=benchmarks/results/decode_glue_h200<GTAG>.json run its fastest choice)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=fused,packed,hf picks the paths (default fused,hf), PTAG=... the file's tag
@@ -120,6 +123,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             && stage sampler_gpu 120 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py \
             tests/test_nf4_matmul.py ;;
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
+        glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-fused,hf}" \
@@ -128,9 +132,10 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
-            ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ;;
+            ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
-            --impls "${IMPLS:-longrl,longrl-hf,longrl-nolora,hf-generate}" --tag "${TAG:-_fast}" ;;
+            --impls "${IMPLS:-longrl,longrl-hf,longrl-nolora,hf-generate}" --tag "${TAG:-_fast}" \
+            ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} ;;
         e2e15) stage e2e15 120 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke ;;
         hfcb8b) stage hfcb8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls hf-continuous --tag _hfcb ;;

@@ -179,6 +179,23 @@ def launch_overrides(spec: str) -> dict:
     return {k: best[k] for k in LAUNCH if k in best}
 
 
+def glue_launch(spec: str, shape: str) -> dict:
+    """fused_ops.LAUNCH entries from a JSON object, or a decode_glue_speed.py result's fastest at ``shape``."""
+    from longrl.rollout.fused_ops import LAUNCH
+
+    if spec.lstrip().startswith("{"):
+        chosen = json.loads(spec)
+    else:
+        best = json.loads(Path(spec).read_text()).get("best", {})
+        chosen = next((v for k, v in best.items() if k.split()[0] == shape), None)
+        if chosen is None:
+            raise SystemExit(f"--glue-launch {spec}: no fastest choice for {shape} in it (shapes: {sorted(best)})")
+    unknown = sorted(set(chosen) - set(LAUNCH))
+    if unknown:
+        raise SystemExit(f"--glue-launch: unknown keys {unknown}; fused_ops.LAUNCH has {sorted(LAUNCH)}")
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(tb.SHAPES))
@@ -196,11 +213,19 @@ def main() -> None:
     ap.add_argument("--launch", default="", metavar="JSON|PATH",
                     help="decode attention launch choices to run with (decode_kernel.LAUNCH entries), as a JSON "
                     "object or a decode_attention_speed.py result whose fastest swept choice is taken")
+    ap.add_argument("--glue-launch", default="", metavar="JSON|PATH",
+                    help="launch choices of the LoRA-folding SiLU·up kernel (fused_ops.LAUNCH entries), as a JSON "
+                    "object or a decode_glue_speed.py result whose fastest choice at this shape is taken")
     args = ap.parse_args()
     if args.launch:
         from longrl.rollout import decode_kernel
 
         decode_kernel.LAUNCH.update(launch_overrides(args.launch))
+    if args.glue_launch:
+        from longrl.rollout import fused_ops
+
+        fused_ops.LAUNCH.update(glue_launch(args.glue_launch, args.shape))
+        print("glue launch:", fused_ops.LAUNCH, flush=True)
         print("decode attention launch", decode_kernel.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
@@ -324,9 +349,11 @@ def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: i
 
 def write_tables(args, results, weight_bytes) -> None:
     from longrl.rollout.decode_kernel import LAUNCH
+    from longrl.rollout.fused_ops import LAUNCH as GLUE_LAUNCH
 
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
-                    new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH))
+                    new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH),
+                    glue_launch=dict(GLUE_LAUNCH))
     stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
@@ -336,7 +363,8 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{args.prompts} prompts × {args.G} completions, prompt {args.prompt_len} tokens, exactly "
              f"{args.new_tokens} new tokens each (EOS ignored), temperature 1. Weights {weight_bytes / GIB:.2f} GiB. "
              f"Copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s; decode kernel vs its torch twin: max abs err "
-             f"{results['kernel_max_abs_err']:.2g} (bf16). Decode attention launch: {LAUNCH}.", "",
+             f"{results['kernel_max_abs_err']:.2g} (bf16). Decode attention launch: {LAUNCH}; SiLU·up LoRA fold launch: "
+             f"{GLUE_LAUNCH}.", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("longrl", "longrl-packed", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate",

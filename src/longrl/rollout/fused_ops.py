@@ -203,10 +203,11 @@ if triton is not None:
     @triton.jit
     def _silu_mul_lora_kernel(G, U, Y, XA, BG, BU, rows, width, stride_g, stride_u, stride_xa, LO_G, LO_U,
                               R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              ACCURATE_EXP: tl.constexpr):
+                              ACCURATE_EXP: tl.constexpr, DOT16: tl.constexpr):
         """A [BM, BN] tile of y = silu(g') · u' with g' = cast(g + xa[:, LO_G:LO_G + R] · BG), u' likewise (BG, BU:
-        (s B)ᵀ [R, width]; the small products in IEEE float32: 16-bit inputs are exact there, as in a tensor-core
-        product accumulating in float32), rounded as _silu_mul_kernel rounds."""
+        (s B)ᵀ [R, width]), rounded as _silu_mul_kernel rounds. The small products accumulate in float32, where the
+        products of 16-bit inputs are exact: DOT16 feeds the 16-bit operands to the tensor cores as they are; else
+        (Triton's interpreter, whose 16-bit dot is unusable) they are widened and multiplied in IEEE float32."""
         m = tl.program_id(1) * BM + tl.arange(0, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         j = tl.arange(0, RP)
@@ -219,10 +220,16 @@ if triton is not None:
         xa_ok = mok[:, None] & jok[None, :]
         b_ok = jok[:, None] & nok[None, :]
         b_at = j[:, None] * width + n[None, :]
-        dg = tl.dot(tl.load(xa_rows + LO_G, mask=xa_ok, other=0.0).to(tl.float32),
-                    tl.load(BG + b_at, mask=b_ok, other=0.0).to(tl.float32), input_precision="ieee")
-        du = tl.dot(tl.load(xa_rows + LO_U, mask=xa_ok, other=0.0).to(tl.float32),
-                    tl.load(BU + b_at, mask=b_ok, other=0.0).to(tl.float32), input_precision="ieee")
+        xa_g = tl.load(xa_rows + LO_G, mask=xa_ok, other=0.0)  # [BM, RP]
+        xa_u = tl.load(xa_rows + LO_U, mask=xa_ok, other=0.0)
+        b_g = tl.load(BG + b_at, mask=b_ok, other=0.0)  # [RP, BN]
+        b_u = tl.load(BU + b_at, mask=b_ok, other=0.0)
+        if DOT16:
+            dg = tl.dot(xa_g, b_g, out_dtype=tl.float32)
+            du = tl.dot(xa_u, b_u, out_dtype=tl.float32)
+        else:
+            dg = tl.dot(xa_g.to(tl.float32), b_g.to(tl.float32), input_precision="ieee")
+            du = tl.dot(xa_u.to(tl.float32), b_u.to(tl.float32), input_precision="ieee")
         gf = (g.to(tl.float32) + dg).to(g.dtype).to(tl.float32)
         uf = (u.to(tl.float32) + du).to(u.dtype).to(tl.float32)
         y = _silu_times(gf, uf, g.dtype, ACCURATE_EXP)
@@ -231,6 +238,9 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------- dispatch
 ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum contracted into one rounding
+# launch choices of the LoRA-folding SiLU·up kernel (tile rows at most, tile columns, warps; for tuning: results do
+# not depend on them beyond float32 summation order; benchmarks/decode_glue_speed.py sweeps them)
+LAUNCH = dict(silu_lora_bm=64, silu_lora_bn=64, silu_lora_warps=4)
 
 
 def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
@@ -295,12 +305,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool, lora: "Lora
     if lora is not None:
         rows, width = gate.shape
         xa = _rows(lora.xa)
-        bm = 64 if rows > 32 else 16 if rows <= 16 else 32
+        bm = min(LAUNCH["silu_lora_bm"], max(16, triton.next_power_of_2(rows)))
+        bn = LAUNCH["silu_lora_bn"]
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if rows and width:
-            _silu_mul_lora_kernel[(triton.cdiv(width, 128), triton.cdiv(rows, bm))](
+            _silu_mul_lora_kernel[(triton.cdiv(width, bn), triton.cdiv(rows, bm))](
                 gate, up, y, xa, lora.b_t[0], lora.b_t[1], rows, width, gate.stride(0), up.stride(0), xa.stride(0),
-                lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=128,
-                ACCURATE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+                lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=bn,
+                ACCURATE_EXP=not interpreted, DOT16=not interpreted and xa.dtype == gate.dtype != torch.float32,
+                num_warps=LAUNCH["silu_lora_warps"])
         return y.view(shape)
     rows, width = gate.shape
     if rows and width:
