@@ -221,12 +221,12 @@ def main() -> None:
         from longrl.rollout import decode_kernel
 
         decode_kernel.LAUNCH.update(launch_overrides(args.launch))
+        print("decode attention launch", decode_kernel.LAUNCH, flush=True)
     if args.glue_launch:
         from longrl.rollout import fused_ops
 
         fused_ops.LAUNCH.update(glue_launch(args.glue_launch, args.shape))
         print("glue launch:", fused_ops.LAUNCH, flush=True)
-        print("decode attention launch", decode_kernel.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
