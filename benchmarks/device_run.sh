@@ -22,9 +22,9 @@
 #              with GLUE_FROM=benchmarks/results/decode_glue_h200<GTAG>.json run its fastest choice)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
-#              PVARIANTS=fused,packed,hf picks the paths (default fused,hf), PTAG=... the file's tag
+#              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
-#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: fused LoRA, PEFT's LoRA, no LoRA (~2 min); with
+#   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: defaults, transformers' forward, PEFT's LoRA, no LoRA (~2 min); with
 #              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice;
 #              IMPLS=... (rollout8b, rollout15) replaces the list of implementations, TAG=... the files' tag
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
@@ -126,7 +126,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants "${PVARIANTS:-fused,hf}" \
+            --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;

@@ -95,7 +95,7 @@ def model_bytes(model) -> tuple[int, int]:
     return total - embed.numel() * embed.element_size(), total
 
 
-def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=False):
+def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=True):
     sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode,
                       pack_projections=pack)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
@@ -207,9 +207,9 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
-    ap.add_argument("--profile-variants", default="fused,hf", metavar="LIST",
-                    help="with --profile: which decode paths to profile, of fused (fast decode + fused LoRA), packed "
-                    "(the same with generation.pack_projections) and hf (transformers' forward + PEFT's LoRA)")
+    ap.add_argument("--profile-variants", default="packed,hf", metavar="LIST",
+                    help="with --profile: which decode paths to profile, of packed (the defaults: fast decode, fused "
+                    "LoRA, packed projections), fused (the same unpacked) and hf (transformers' forward + PEFT's LoRA)")
     ap.add_argument("--launch", default="", metavar="JSON|PATH",
                     help="decode attention launch choices to run with (decode_kernel.LAUNCH entries), as a JSON "
                     "object or a decode_attention_speed.py result whose fastest swept choice is taken")
@@ -266,8 +266,10 @@ def main() -> None:
                 r = run_longrl(model, prompts, args.G, N, fast_decode=False)
             elif name == "longrl-peft":
                 r = run_longrl(model, prompts, args.G, N, fuse_lora=False, fast_decode=False)
-            elif name == "longrl-packed":
+            elif name == "longrl-packed":  # the default since 2026-11-30 (the name kept for older commands)
                 r = run_longrl(model, prompts, args.G, N, pack=True)
+            elif name == "longrl-unpacked":
+                r = run_longrl(model, prompts, args.G, N, pack=False)
             elif name == "longrl-eager":
                 r = run_longrl(model, prompts, args.G, N, cuda_graphs=False)
             elif name == "hf-generate":
@@ -293,7 +295,7 @@ def profile_decode(args, model, prompts) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     N = args.profile
-    titles = {"fused": "fast decode + fused LoRA", "packed": "fast decode + fused LoRA + packed projections",
+    titles = {"fused": "fast decode + fused LoRA, projections unpacked", "packed": "fast decode + fused LoRA + packed projections",
               "hf": "transformers forward + PEFT LoRA"}
     lines = []
     for variant in args.profile_variants.split(","):
@@ -367,7 +369,7 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{GLUE_LAUNCH}.", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("longrl", "longrl-packed", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate",
+    for name in ("longrl", "longrl-packed", "longrl-unpacked", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate",
                  "hf-continuous"):
         r = results.get(name)
         if r is None:
@@ -384,9 +386,10 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{r['kv_gib']:.2f}" if "kv_gib" in r else "–",
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "longrl: decode steps through rollout/fast_decode.py (fused glue kernels) and LoRA deltas added by "
-              "fused products (rollout/lora_fusion.py); longrl-packed: the same with q/k/v and gate/up (and their "
-              "LoRA A rows) read by one product a group (generation.pack_projections); longrl-hf: the same as "
+    lines += ["", "longrl: the sampler's defaults: decode steps through rollout/fast_decode.py (fused glue kernels), "
+              "LoRA deltas added by fused products (rollout/lora_fusion.py), q/k/v and gate/up (and their LoRA A "
+              "rows) read by one product a group (generation.pack_projections; longrl-packed: the same, named; "
+              "longrl-unpacked: a product each); longrl-hf: the same as "
               "longrl with transformers' forward for decode "
               "steps; longrl-peft: transformers' forward and PEFT's own LoRA forward; longrl-nolora: the base alone "
               "(before the adapters are attached). "

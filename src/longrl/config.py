@@ -84,9 +84,9 @@ class GenerationConfig:
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
     fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
     nf4_kernel: bool = False  # with fast_decode and a 4-bit base: decode products read the NF4 weight directly
-    pack_projections: bool = False  # with fast_decode: q/k/v and gate/up (+ LoRA A rows) one product a group
-    #                                 during rollouts (weights moved into one buffer a group; experimental)
     #                           (ops/nf4_matmul.py) instead of bitsandbytes' dequantize-then-multiply (experimental)
+    pack_projections: bool = True  # with fast_decode: q/k/v and gate/up (+ LoRA A rows) one product a group
+    #                                during rollouts (weights moved into one buffer a group, back after it)
     fuse_lora: bool = True  # rollouts add LoRA deltas by fused products (false: PEFT's forward)
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
 

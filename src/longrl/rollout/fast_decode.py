@@ -23,7 +23,7 @@ with :func:`longrl.ops.nf4_matmul.nf4_linear` (the 4-bit weight read directly) a
 through PEFT's own forward keeps the module call.
 
 Between :meth:`FastDecoder.prepare_packing` and :meth:`FastDecoder.release_packing` (``generation.pack_projections``,
-off by default: not yet measured on a GPU) the base weights of each layer's q/k/v and of its gate/up projections
+on by default) the base weights of each layer's q/k/v and of its gate/up projections
 live in one buffer a group, as views (the parameters keep their objects and names), followed by the rows of their
 stacked LoRA A matrices (rollout/lora_fusion.py); o_proj and down_proj get their own A rows appended likewise. A
 decode step then reads each group with one product, e.g. [W_q; W_k; W_v; A_qkv] x, instead of three base products

@@ -72,12 +72,12 @@ class Sampler:
     (rollout/lora_fusion.py) instead of PEFT's per-layer forward. fast_decode: run decode steps of Llama-family
     models through rollout/fast_decode.py (fused elementwise kernels) instead of transformers' forward.
     pack_projections: with fast_decode, each layer's q/k/v and gate/up base weights (and their LoRA A rows) read by
-    one product a group during the rollout (FastDecoder.prepare_packing; experimental, off by default).
+    one product a group during the rollout (FastDecoder.prepare_packing).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
-                 nf4_kernel: bool = False, pack_projections: bool = False):
+                 nf4_kernel: bool = False, pack_projections: bool = True):
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
@@ -116,7 +116,7 @@ class Sampler:
             start = time.perf_counter()
             with fusion as fused:
                 nf4 = self.fast.prepare_nf4() if self.nf4_kernel and self.fast is not None and self.use_triton else 0
-                packer = self.fast if self.pack_projections else None  # (kept: a failing first fast step drops
+                packer = self.fast if self.pack_projections and self.fast is not None else None  # (kept: a failing first fast step drops
                 try:  # self.fast, and the weights must leave the packed buffers whatever happens)
                     packed = packer.prepare_packing() if packer is not None else 0
                     run = _Run(self, prompt_ids, num_generations, params)  # after prepare_nf4: the KV cache is
