@@ -130,7 +130,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --tag "${PTAG:-_fast}" ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;
-        rollout8b) stage rollout8b 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
+        rollout8b) stage rollout8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
             ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
