@@ -1,7 +1,6 @@
 """Decode glue kernels on the GPU: SiLU·up and the rotary/KV-store kernel, plain and with the packed decode's LoRA
-fold (rollout/fused_ops.py), at the decode shapes of the rollout benchmarks, CUDA-graph timed; sweeps of the
-LoRA-folding kernels' launch choices (fused_ops.LAUNCH; ROTARY_LORA_ROWS / _WARPS), each checked against its
-PyTorch twin.
+fold (rollout/fused_ops.py), at the decode shapes of the rollout benchmarks, CUDA-graph timed; a sweep of the
+LoRA-folding SiLU·up kernel's launch choices (fused_ops.LAUNCH), each checked against its PyTorch twin.
 
     python benchmarks/decode_glue_speed.py [--tag _x]     # → results/decode_glue_h200<tag>.{md,json}
 
@@ -30,7 +29,6 @@ SHAPES = [("llama-3.1-8b 16x8", 128, 4096, 14336, 32, 8, 128), ("qwen2.5-1.5b 64
 RANK = 32
 SWEEP = [dict(silu_lora_bm=bm, silu_lora_bn=bn, silu_lora_warps=w)
          for bm, bn, w in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (4, 8))]
-ROTARY_SWEEP = list(itertools.product((1, 2, 4, 8, 16), (4, 8)))  # (ROTARY_LORA_ROWS, ROTARY_LORA_WARPS)
 
 
 def silu_inputs(rows: int, width: int, dev):
@@ -94,17 +92,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
                 sweep.append({**launch, "error": f"{type(e).__name__}: {str(e)[:80]}"})
         fused_ops.LAUNCH.update(default)
-        rotary_want = cases["rotary_kv + LoRA fold"][1]
-        rotary_default = (fused_ops.ROTARY_LORA_ROWS, fused_ops.ROTARY_LORA_WARPS)
-        rotary_sweep = []
-        for rows_a_program, warps in ROTARY_SWEEP:
-            fused_ops.ROTARY_LORA_ROWS, fused_ops.ROTARY_LORA_WARPS = rows_a_program, warps
-            fn = cases["rotary_kv + LoRA fold"][0]
-            err = float((fn().float() - rotary_want).abs().max()) / 2 ** -7
-            rotary_sweep.append(dict(rows=rows_a_program, warps=warps, us=graph_seconds(fn) * 1e6, err_units=err))
-        fused_ops.ROTARY_LORA_ROWS, fused_ops.ROTARY_LORA_WARPS = rotary_default
         timed = sorted((r for r in sweep if "us" in r), key=lambda r: r["us"])
-        payload["shapes"][name] = dict(kernels=shape_rows, sweep=sweep, rotary_sweep=rotary_sweep)
+        payload["shapes"][name] = dict(kernels=shape_rows, sweep=sweep)
         payload["best"][name] = {k: timed[0][k] for k in default}
         lines += ["", f"SiLU·up + LoRA fold launch choices at {name} (rows {rows}, width {inter}), fastest first "
                   f"(default {default}):", "", "| tile rows | tile columns | warps | µs | max err |",
@@ -113,10 +102,6 @@ def main() -> None:
                   f"{r['err_units']:.1f} |" for r in timed[:12]]
         lines += [f"| {r['silu_lora_bm']} | {r['silu_lora_bn']} | {r['silu_lora_warps']} | {r['error']} | |"
                   for r in sweep if "error" in r]
-        lines += ["", f"rotary_kv + LoRA fold: rows a program and warps (at least the tile's need), fastest first "
-                  f"(default {rotary_default}):", "", "| rows | warps | µs | max err |", "|---|---|---|---|"]
-        lines += [f"| {r['rows']} | {r['warps']} | {r['us']:.1f} | {r['err_units']:.1f} |"
-                  for r in sorted(rotary_sweep, key=lambda r: r["us"])]
         lines += ["", "| shape | kernel | µs | max err |", "|---|---|---|---|"]
     write_result(f"decode_glue_h200{args.tag}", payload, lines[:-3])
 

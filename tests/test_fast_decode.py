@@ -178,12 +178,10 @@ def test_triton_kernels_equal_their_twins(seed):
     assert "fused ops ok" in run_interpreted(KERNEL_CHECK, seed)
 
 
-# The rotary kernel with LoRA folded in takes a block of rows a program (the head's Bᵀ slices loaded once): one row,
-# a block and three rows, two blocks and three rows (the last block part-filled), for the default block and one of
-# five rows, with and without the per-head norms, ranks that are not powers of two, q/k/v and A x as column blocks of
-# one packed product. Inputs are multiples of 1/8: every float32 sum is exact in any order, so the kernel must equal
-# its twin bit for bit.
-ROTARY_ROWS_CHECK = textwrap.dedent('''
+# The rotary kernel with and without LoRA folded in, with and without the per-head norms, ranks that are not powers of
+# two, q/k/v and A x as column blocks of one packed product, several row counts. Inputs are multiples of 1/8: every
+# float32 sum is exact in any order, so the kernel must equal its twin bit for bit.
+ROTARY_CHECK = textwrap.dedent('''
     import torch
     from longrl.rollout import fused_ops as f
 
@@ -196,36 +194,34 @@ ROTARY_ROWS_CHECK = textwrap.dedent('''
     torch.manual_seed(0)
     twin, f.rotary_kv_reference = f.rotary_kv_reference, no_twin
     checked = 0
-    for block in (f.ROTARY_LORA_ROWS, 5):
-        f.ROTARY_LORA_ROWS = block
-        for B in (1, block + 3, 2 * block + 3):
-            for Hq, Hkv, D, norm, r in ((4, 2, 16, False, 7), (4, 2, 16, True, 3), (3, 1, 32, True, 0),
-                                        (2, 2, 16, False, 0), (6, 1, 32, False, 20)):
-                S, T = B + 1, 5
-                packed = eighths(B, (Hq + 2 * Hkv) * D + 3 * r + 5)
-                q, k, v = (packed[:, a * D:b * D] for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
-                ang = torch.rand(B, D // 2) * 6
-                cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-                qw, kw = (1 + 0.3 * torch.randn(D), 1 + 0.3 * torch.randn(D)) if norm else (None, None)
-                widx = torch.randint(0, T, (B,))
-                lora = None
-                if r:
-                    xa = packed[:, (Hq + 2 * Hkv) * D + 2:]  # A x: a strided column block after q, k, v
-                    lora = f.LoraFold(xa, (0, r, 2 * r), tuple(eighths(r, H * D) for H in (Hq, Hkv, Hkv)), r)
-                caches = [[torch.full((S, Hkv, T, D), 7.0) for _ in range(2)] for _ in range(2)]
-                want = twin(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6, lora)
-                got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6, lora)
-                for a, b in ((got, want), (caches[1][0], caches[0][0]), (caches[1][1], caches[0][1])):
-                    assert torch.equal(a, b), ("rotary_kv rows", block, B, Hq, Hkv, D, norm, r,
-                                               float((a - b).abs().max()))
-                checked += 1
-    print("rotary rows ok", checked)
+    for B in (1, 4, 11):
+        for Hq, Hkv, D, norm, r in ((4, 2, 16, False, 7), (4, 2, 16, True, 3), (3, 1, 32, True, 0),
+                                    (2, 2, 16, False, 0), (6, 1, 32, False, 20)):
+            S, T = B + 1, 5
+            packed = eighths(B, (Hq + 2 * Hkv) * D + 3 * r + 5)
+            q, k, v = (packed[:, a * D:b * D] for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+            ang = torch.rand(B, D // 2) * 6
+            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+            qw, kw = (1 + 0.3 * torch.randn(D), 1 + 0.3 * torch.randn(D)) if norm else (None, None)
+            widx = torch.randint(0, T, (B,))
+            lora = None
+            if r:
+                xa = packed[:, (Hq + 2 * Hkv) * D + 2:]  # A x: a strided column block after q, k, v
+                lora = f.LoraFold(xa, (0, r, 2 * r), tuple(eighths(r, H * D) for H in (Hq, Hkv, Hkv)), r)
+            caches = [[torch.full((S, Hkv, T, D), 7.0) for _ in range(2)] for _ in range(2)]
+            want = twin(q, k, v, cos, sin, *caches[0], widx, qw, kw, 1e-6, lora)
+            got = f.rotary_kv(q, k, v, cos, sin, *caches[1], widx, True, qw, kw, 1e-6, lora)
+            for a, b in ((got, want), (caches[1][0], caches[0][0]), (caches[1][1], caches[0][1])):
+                assert torch.equal(a, b), ("rotary_kv", B, Hq, Hkv, D, norm, r,
+                                           float((a - b).abs().max()))
+            checked += 1
+    print("rotary ok", checked)
 ''')
 
 
-def test_rotary_kernel_row_blocks_equal_the_twin_exactly():
+def test_rotary_kernel_equals_the_twin_exactly_on_packed_blocks():
     pytest.importorskip("triton")
-    assert "rotary rows ok 30" in run_interpreted(ROTARY_ROWS_CHECK)
+    assert "rotary ok 15" in run_interpreted(ROTARY_CHECK)
 
 
 def test_a_failing_fast_path_falls_back_on_its_first_step(monkeypatch, caplog):

@@ -71,21 +71,18 @@ def test_fused_decode_kernels_build(dtype):
                                                   "eps": "fp32", "stride_delta": "i64"},
                          dict(HAS_DELTA=delta, BLOCK=8192), num_warps=8)
     for norm in (False, True):
-        for r in (0, 32):  # a program a row on one warp; with q/k/v's rank-32 LoRA deltas, a block of rows
-            rows, warps = fo._rotary_launch(r, 128)
-            assert r or (rows, warps) == (1, 1)  # without LoRA: one warp a (row, head), as before the row blocks
-            kernel = compile_for_sm90(fo._rotary_kv_kernel,
-                                      {"Q": dtype, "K": dtype, "V": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,
-                                       "VC": dtype, "WIDX": "*i64", "QW": dtype, "KW": dtype, "QO": dtype,
-                                       "eps": "fp32", "stride_cs": "i64", "stride_ch": "i64", "stride_ct": "i64",
-                                       "stride_q": "i64", "stride_k": "i64", "stride_v": "i64", "XA": dtype,
-                                       "stride_xa": "i64", "LO_Q": "i32", "LO_K": "i32", "LO_V": "i32", "BQ": dtype,
-                                       "BK": dtype, "BV": dtype, "rows": "i32"},
-                                      dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm, R=r, RP=max(r, 1),
-                                           ROWS=rows), num_warps=warps, enable_fp_fusion=fo.ROTARY_FP_FUSION)
-            # transformers rounds each rotary product before the sum: no fused multiply-add may stand in for them
-            # (with contraction on, the compiler emitted fma.rn.bf16 and the H200 run missed by several bf16 units)
-            assert "fma" not in kernel.asm["ptx"], "rotary products contracted into an fma"
+        kernel = compile_for_sm90(fo._rotary_kv_kernel,
+                                  {"Q": dtype, "K": dtype, "V": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,
+                                   "VC": dtype, "WIDX": "*i64", "QW": dtype, "KW": dtype, "QO": dtype, "eps": "fp32",
+                                   "stride_cs": "i64", "stride_ch": "i64", "stride_ct": "i64", "stride_q": "i64",
+                                   "stride_k": "i64", "stride_v": "i64", "XA": dtype, "stride_xa": "i64", "LO_Q": "i32",
+                                   "LO_K": "i32", "LO_V": "i32", "BQ": dtype, "BK": dtype, "BV": dtype},
+                                  dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm, R=32 if norm else 0,
+                                       RP=32 if norm else 1), num_warps=1,
+                                  enable_fp_fusion=fo.ROTARY_FP_FUSION)
+        # transformers rounds each rotary product before the sum: no fused multiply-add may stand in for them
+        # (with contraction on, the compiler emitted fma.rn.bf16 and the H200 run missed by several bf16 units)
+        assert "fma" not in kernel.asm["ptx"], "rotary products contracted into an fma"
     compile_for_sm90(fo._silu_mul_kernel, {"G": dtype, "U": dtype, "Y": dtype, "width": "i32", "stride_g": "i64",
                                            "stride_u": "i64"},
                      dict(BLOCK=1024, ACCURATE_EXP=True), num_warps=4)

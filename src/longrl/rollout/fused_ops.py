@@ -105,32 +105,49 @@ if triton is not None:
         tl.store(X + row * d + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _lora_tiles(B_T, width, cols, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
-        """A head's slices of (s B)ᵀ [R, width], B_T[:, cols] and B_T[:, HALF + cols], as float32 [HALF, RP] tiles
-        (zero beyond R): loaded once a program, for each of its rows."""
+    def _lora_head(lo, hi, XA_ROW, B_T, width, cols, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
+        """A head's halves plus their LoRA delta: t + Σ_j xa[j] · B_T[j, cols] (float32), rounded to t's dtype."""
         j = tl.arange(0, RP)
         ok = j < R
+        xa = tl.load(XA_ROW + j, mask=ok, other=0.0).to(tl.float32)  # [RP]
         b_lo = tl.load(B_T + j[None, :] * width + cols[:, None], mask=ok[None, :], other=0.0).to(tl.float32)
         b_hi = tl.load(B_T + j[None, :] * width + HALF + cols[:, None], mask=ok[None, :], other=0.0).to(tl.float32)
-        return b_lo, b_hi
-
-    @triton.jit
-    def _lora_head(lo, hi, XA_ROW, b_lo, b_hi, R: tl.constexpr, RP: tl.constexpr):
-        """A head's halves plus their LoRA delta: t + Σ_j xa[j] · B_T[j, cols] (float32), rounded to t's dtype
-        (b_lo, b_hi: the head's tiles from _lora_tiles)."""
-        j = tl.arange(0, RP)
-        xa = tl.load(XA_ROW + j, mask=j < R, other=0.0).to(tl.float32)  # [RP]
         lo = (lo.to(tl.float32) + tl.sum(b_lo * xa[None, :], 1)).to(lo.dtype)
         hi = (hi.to(tl.float32) + tl.sum(b_hi * xa[None, :], 1)).to(hi.dtype)
         return lo, hi
 
     @triton.jit
-    def _norm_rotate(lo, hi, w_lo, w_hi, COS, SIN, b, i, eps, D: tl.constexpr, HALF: tl.constexpr,
-                     HAS_NORM: tl.constexpr):
-        """Row b's head halves normed (HAS_NORM: cast(w ⊙ cast(t · rsqrt(mean(t²) + ε))), w_lo, w_hi float32) and
-        rotated: cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))."""
+    def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
+                          stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV,
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+        """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
+        (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at their own strides (column
+        blocks of one packed product's output, or separate tensors). R > 0: each head first gets its LoRA delta,
+        Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32 and rounded once."""
+        b = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        is_q = head < HQ
+        kvh = head - HQ
+        if is_q:
+            lo = tl.load(Q + b * stride_q + head * D + i)  # t[:D/2]
+            hi = tl.load(Q + b * stride_q + head * D + HALF + i)  # t[D/2:]
+            if R > 0:
+                lo, hi = _lora_head(lo, hi, XA + b * stride_xa + LO_Q, BQ, HQ * D, head * D + i, R, RP, HALF)
+        else:
+            lo = tl.load(K + b * stride_k + kvh * D + i)
+            hi = tl.load(K + b * stride_k + kvh * D + HALF + i)
+            if R > 0:
+                lo, hi = _lora_head(lo, hi, XA + b * stride_xa + LO_K, BK, HKV * D, kvh * D + i, R, RP, HALF)
         dt = lo.dtype
         if HAS_NORM:
+            if is_q:
+                w_lo = tl.load(QW + i).to(tl.float32)
+                w_hi = tl.load(QW + HALF + i).to(tl.float32)
+            else:
+                w_lo = tl.load(KW + i).to(tl.float32)
+                w_hi = tl.load(KW + HALF + i).to(tl.float32)
             lf, hf = lo.to(tl.float32), hi.to(tl.float32)
             r = tl.rsqrt((tl.sum(lf * lf, 0) + tl.sum(hf * hf, 0)) / D + eps)
             lo = (w_lo * (lf * r).to(dt).to(tl.float32)).to(dt)
@@ -144,87 +161,21 @@ if triton is not None:
         # launch turns off floating-point contraction: a product and sum fused into one fma would skip a rounding)
         out_lo = ((lf * c_lo).to(dt).to(tl.float32) + (-hf * s_lo).to(dt).to(tl.float32)).to(dt)
         out_hi = ((hf * c_hi).to(dt).to(tl.float32) + (lf * s_hi).to(dt).to(tl.float32)).to(dt)
-        return out_lo, out_hi
-
-    @triton.jit
-    def _rotary_q_row(Q, COS, SIN, QO, XA_ROW, b, head, i, w_lo, w_hi, b_lo, b_hi, eps, stride_q,
-                      HQ: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                      R: tl.constexpr, RP: tl.constexpr):
-        """Query head ``head`` of row b: LoRA delta (R > 0), norm, rotation, into QO [B, HQ, D]."""
-        lo = tl.load(Q + b * stride_q + head * D + i)  # t[:D/2]
-        hi = tl.load(Q + b * stride_q + head * D + HALF + i)  # t[D/2:]
-        if R > 0:
-            lo, hi = _lora_head(lo, hi, XA_ROW, b_lo, b_hi, R, RP)
-        out_lo, out_hi = _norm_rotate(lo, hi, w_lo, w_hi, COS, SIN, b, i, eps, D, HALF, HAS_NORM)
-        dst = QO + (b * HQ + head) * D
-        tl.store(dst + i, out_lo)
-        tl.store(dst + HALF + i, out_hi)
-
-    @triton.jit
-    def _rotary_kv_row(K, V, COS, SIN, KC, VC, WIDX, XA_ROW, b, kvh, i, w_lo, w_hi, b_lo, b_hi, vb_lo, vb_hi, eps,
-                       stride_cs, stride_ch, stride_ct, stride_k, stride_v, LO_K, LO_V, D: tl.constexpr,
-                       HALF: tl.constexpr, HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
-        """Key/value head kvh of row b: LoRA deltas (R > 0), k normed and rotated, both into the slot store at
-        WIDX[b] (every load before the stores)."""
-        lo = tl.load(K + b * stride_k + kvh * D + i)
-        hi = tl.load(K + b * stride_k + kvh * D + HALF + i)
-        v_lo = tl.load(V + b * stride_v + kvh * D + i)
-        v_hi = tl.load(V + b * stride_v + kvh * D + HALF + i)
-        t = tl.load(WIDX + b)
-        if R > 0:
-            lo, hi = _lora_head(lo, hi, XA_ROW + LO_K, b_lo, b_hi, R, RP)
-            v_lo, v_hi = _lora_head(v_lo, v_hi, XA_ROW + LO_V, vb_lo, vb_hi, R, RP)
-        out_lo, out_hi = _norm_rotate(lo, hi, w_lo, w_hi, COS, SIN, b, i, eps, D, HALF, HAS_NORM)
-        off = b * stride_cs + kvh * stride_ch + t * stride_ct
-        tl.store(KC + off + i, out_lo.to(KC.dtype.element_ty))
-        tl.store(KC + off + HALF + i, out_hi.to(KC.dtype.element_ty))
-        tl.store(VC + off + i, v_lo.to(VC.dtype.element_ty))
-        tl.store(VC + off + HALF + i, v_hi.to(VC.dtype.element_ty))
-
-    @triton.jit
-    def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
-                          stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV, rows,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, ROWS: tl.constexpr):
-        """One program per (block of ROWS sequences b < rows, head): heads < HQ are query heads (rotated into QO),
-        the others key heads (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at
-        their own strides (column blocks of one packed product's output, or separate tensors). R > 0: each head
-        first gets its LoRA delta, Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32
-        and rounded once; the head's Bᵀ slices (and the norm weights) are loaded once for the program's rows."""
-        b0 = tl.program_id(0).to(tl.int64) * ROWS
-        head = tl.program_id(1)
-        i = tl.arange(0, HALF)
-        if head < HQ:
-            if HAS_NORM:
-                w_lo, w_hi = tl.load(QW + i).to(tl.float32), tl.load(QW + HALF + i).to(tl.float32)
-            else:
-                w_lo, w_hi = i, i  # unused
-            if R > 0:
-                b_lo, b_hi = _lora_tiles(BQ, HQ * D, head * D + i, R, RP, HALF)  # [HALF, RP] each
-            else:
-                b_lo, b_hi = i, i  # unused
-            for rr in range(ROWS):
-                b = b0 + rr
-                if ROWS == 1 or b < rows:  # (ROWS = 1: the grid has a program a row, no test)
-                    _rotary_q_row(Q, COS, SIN, QO, XA + b * stride_xa + LO_Q, b, head, i, w_lo, w_hi, b_lo, b_hi,
-                                  eps, stride_q, HQ, D, HALF, HAS_NORM, R, RP)
+        if is_q:
+            dst = QO + (b * HQ + head) * D
+            tl.store(dst + i, out_lo)
+            tl.store(dst + HALF + i, out_hi)
         else:
-            kvh = head - HQ
-            if HAS_NORM:
-                w_lo, w_hi = tl.load(KW + i).to(tl.float32), tl.load(KW + HALF + i).to(tl.float32)
-            else:
-                w_lo, w_hi = i, i  # unused
+            t = tl.load(WIDX + b)
+            off = b * stride_cs + kvh * stride_ch + t * stride_ct
+            tl.store(KC + off + i, out_lo.to(KC.dtype.element_ty))
+            tl.store(KC + off + HALF + i, out_hi.to(KC.dtype.element_ty))
+            vsrc = V + b * stride_v + kvh * D
+            v_lo, v_hi = tl.load(vsrc + i), tl.load(vsrc + HALF + i)
             if R > 0:
-                b_lo, b_hi = _lora_tiles(BK, HKV * D, kvh * D + i, R, RP, HALF)
-                vb_lo, vb_hi = _lora_tiles(BV, HKV * D, kvh * D + i, R, RP, HALF)
-            else:
-                b_lo, b_hi, vb_lo, vb_hi = i, i, i, i  # unused
-            for rr in range(ROWS):
-                b = b0 + rr
-                if ROWS == 1 or b < rows:
-                    _rotary_kv_row(K, V, COS, SIN, KC, VC, WIDX, XA + b * stride_xa, b, kvh, i, w_lo, w_hi, b_lo,
-                                   b_hi, vb_lo, vb_hi, eps, stride_cs, stride_ch, stride_ct, stride_k, stride_v,
-                                   LO_K, LO_V, D, HALF, HAS_NORM, R, RP)
+                v_lo, v_hi = _lora_head(v_lo, v_hi, XA + b * stride_xa + LO_V, BV, HKV * D, kvh * D + i, R, RP, HALF)
+            tl.store(VC + off + i, v_lo.to(VC.dtype.element_ty))
+            tl.store(VC + off + HALF + i, v_hi.to(VC.dtype.element_ty))
 
     @triton.jit
     def _silu_times(gf, uf, dt, ACCURATE_EXP: tl.constexpr):
@@ -287,10 +238,6 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------- dispatch
 ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum contracted into one rounding
-# the rotary kernel with LoRA folded in (without it: a program a row, one warp): rows a program (a head's Bᵀ slices
-# loaded once for them) and the fewest warps, more where a [HALF, RP] float32 tile (four for a key head, held in
-# registers) would take over 16 registers a thread
-ROTARY_LORA_ROWS, ROTARY_LORA_WARPS = 8, 4
 # launch choices of the LoRA-folding SiLU·up kernel (tile rows at most, tile columns, warps; for tuning: results do
 # not depend on them beyond float32 summation order): the fastest of benchmarks/decode_glue_speed.py's sweep at both
 # rollout shapes on an H200 (6.3 µs a layer at 8B, 128 rows × 14,336; decode_glue_h200_s9.md)
@@ -330,23 +277,14 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
     b_q, b_k, b_v = lora.b_t if lora is not None else (q, q, q)
     lo_q, lo_k, lo_v = lora.lo if lora is not None else (0, 0, 0)
     r = lora.r if lora is not None else 0
-    rp = triton.next_power_of_2(max(r, 1))
-    rows, warps = _rotary_launch(r, D)
-    _rotary_kv_kernel[(triton.cdiv(B, rows), hq + hkv)](
+    _rotary_kv_kernel[(B, hq + hkv)](
         q, k, v, cos, sin, k_cache, v_cache, write_index,
         q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, out, float(eps),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0),
-        xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v, B,
-        HQ=hq, HKV=hkv, D=D, HALF=D // 2, R=r, RP=rp,
-        HAS_NORM=q_norm is not None, ROWS=rows, num_warps=warps, enable_fp_fusion=ROTARY_FP_FUSION)
+        xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v,
+        HQ=hq, HKV=hkv, D=D, HALF=D // 2, R=r, RP=triton.next_power_of_2(max(r, 1)),
+        HAS_NORM=q_norm is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
     return out
-
-
-def _rotary_launch(r: int, D: int) -> tuple[int, int]:
-    """(rows a program, warps) of the rotary kernel for LoRA rank r (0: none) and head dim D."""
-    if not r:
-        return 1, 1
-    return ROTARY_LORA_ROWS, min(16, max(ROTARY_LORA_WARPS, D // 2 * triton.next_power_of_2(r) // 512))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
