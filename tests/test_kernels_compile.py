@@ -86,13 +86,15 @@ def test_fused_decode_kernels_build(dtype):
     compile_for_sm90(fo._silu_mul_kernel, {"G": dtype, "U": dtype, "Y": dtype, "width": "i32", "stride_g": "i64",
                                            "stride_u": "i64"},
                      dict(BLOCK=1024, ACCURATE_EXP=True), num_warps=4)
-    for bm, bn in ((16, 128), (64, 64)):  # gate/up's LoRA deltas folded in (the packed decode), rank 32
+    default = (fo.LAUNCH["silu_lora_bm"], fo.LAUNCH["silu_lora_bn"], fo.LAUNCH["silu_lora_warps"])
+    for bm, bn, warps in ((16, 128, 4), default):  # gate/up's LoRA deltas folded in (the packed decode), rank 32
         for dot16 in (False, True) if dtype != "*fp32" else (False,):  # 16-bit operands: on the tensor cores
             kernel = compile_for_sm90(fo._silu_mul_lora_kernel,
                                       {"G": dtype, "U": dtype, "Y": dtype, "XA": dtype, "BG": dtype, "BU": dtype,
                                        "rows": "i32", "width": "i32", "stride_g": "i64", "stride_u": "i64",
                                        "stride_xa": "i64", "LO_G": "i32", "LO_U": "i32"},
-                                      dict(R=32, RP=32, BM=bm, BN=bn, ACCURATE_EXP=True, DOT16=dot16), num_warps=4)
+                                      dict(R=32, RP=32, BM=bm, BN=bn, ACCURATE_EXP=True, DOT16=dot16),
+                                      num_warps=warps)
             assert ("mma" in kernel.asm["ptx"]) == dot16
 
 
