@@ -24,8 +24,8 @@ from results_io import graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout import fused_ops  # noqa: E402
 
-# (name, rows, hidden, intermediate, query heads, key/value heads, head dim); LoRA rank 32 as in rollout_speed
-SHAPES = [("llama-3.1-8b 16x8", 128, 4096, 14336, 32, 8, 128), ("qwen2.5-1.5b 64x8", 512, 1536, 8960, 12, 2, 128)]
+# (name, rows, intermediate, query heads, key/value heads, head dim); LoRA rank 32 as in rollout_speed
+SHAPES = [("llama-3.1-8b 16x8", 128, 14336, 32, 8, 128), ("qwen2.5-1.5b 64x8", 512, 8960, 12, 2, 128)]
 RANK = 32
 SWEEP = [dict(silu_lora_bm=bm, silu_lora_bn=bn, silu_lora_warps=w)
          for bm, bn, w in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (4, 8))]
@@ -65,7 +65,7 @@ def main() -> None:
              "GPU µs a call, replayed from CUDA graphs; inputs as column blocks of one packed product's output. "
              "max err: against the PyTorch twin, in units of the output's bf16 spacing at 1.0 (0.0078).", "",
              "| shape | kernel | µs | max err |", "|---|---|---|---|"]
-    for name, rows, hidden, inter, hq, hkv, D in SHAPES:
+    for name, rows, inter, hq, hkv, D in SHAPES:
         gate, up, fold = silu_inputs(rows, inter, dev)
         want = fused_ops.silu_mul_reference(gate, up, fold).float()
         rotary_args, rfold = rotary_inputs(rows, hq, hkv, D, dev)
