@@ -89,8 +89,8 @@ def test_fast_decode_equals_transformers_forward(arch, lora):
 def test_bf16_twins_round_exactly_like_transformers(arch):
     """In bfloat16 (with LoRA) the twins round where transformers rounds: sampled tokens and log-probs are
     bit-identical to the sampler on transformers' forward. (Projections unpacked: the packed decode adds q/k/v's
-    and gate/up's LoRA deltas to the float32 base product with one rounding, where PEFT rounds three times; it is
-    held to the float32 model instead, tests/test_sampler_gpu.py.)"""
+    and gate/up's LoRA deltas to the 16-bit base outputs in float32 and rounds once, where PEFT rounds the delta's
+    products and the sum; it is held to the float32 model instead, tests/test_sampler_gpu.py.)"""
     model = build(arch, seed=3, dtype=torch.bfloat16, lora=True)
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
     fast, plain = (Sampler(model, None, fast_decode=f, pack_projections=False).generate(PROMPTS, 2, params)
@@ -264,9 +264,50 @@ def test_packed_weights_are_released_when_the_fast_step_fails(caplog):
     got = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0))
     assert failing.packed == 4 * COMMON["num_hidden_layers"]  # q/k/v, o, gate/up, down (with their A rows)
     assert got.completion_ids == want.completion_ids and sampler.fast is None
-    assert "fast decode path failed" in caplog.text and not packer.packs
+    assert "fast decode path failed" in caplog.text and not packer.packs and not _views_of_other_storage(model)
+
+
+def _views_of_other_storage(model) -> list:
+    return [n for n, p in model.named_parameters() if p.untyped_storage().nbytes() != p.numel() * p.element_size()]
+
+
+def test_a_release_that_fails_part_way_can_be_finished(monkeypatch):
+    """An out-of-memory error while the weights are copied back: the groups not yet out stay registered, so the
+    next release (the sampler's next rollout packs after one) gives every weight its own storage, values unchanged."""
+    model = build("qwen2", seed=5)  # biased q/k/v
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    decoder = FastDecoder(model)
+    assert decoder.prepare_packing() == 2 * COMMON["num_hidden_layers"]
+    clone, calls = torch.Tensor.clone, [0]
+
+    def failing_third(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("no memory today")
+        return clone(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "clone", failing_third)
+    with pytest.raises(torch.OutOfMemoryError):
+        decoder.release_packing()
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    assert decoder.packs and _views_of_other_storage(model)  # (the failure left weights in a packed buffer)
+    decoder.release_packing()
+    assert not decoder.packs and not _views_of_other_storage(model)
     for n, p in model.named_parameters():
-        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n
+        assert torch.equal(p, before[n]), n
+
+
+def test_siblings_with_biases_of_different_dtypes_stay_unpacked():
+    """One bias buffer has one dtype: q/k/v whose biases differ in dtype keep a product each (packing them would
+    round k's float32 bias to the others' dtype for good); gate/up still pack."""
+    model = build("qwen2", seed=5).to(torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.bias.data = attn.k_proj.bias.data.float()
+    decoder = FastDecoder(model)
+    assert decoder.prepare_packing() == 2 * COMMON["num_hidden_layers"] - 1
+    assert (0, "q_proj") not in decoder.packs and (0, "gate_proj") in decoder.packs
+    decoder.release_packing()
+    assert attn.k_proj.bias.dtype == torch.float32 and not _views_of_other_storage(model)
 
 
 def test_trainer_switch(tmp_path):
@@ -323,7 +364,7 @@ def test_packed_projections_decode_as_the_separate_ones(arch, lora):
     params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
-    want = Sampler(model, None).generate(PROMPTS, 2, greedy)
+    want = Sampler(model, None, pack_projections=False).generate(PROMPTS, 2, greedy)
     sampler = Sampler(model, None, pack_projections=True, sync_every=3)
     got = sampler.generate(PROMPTS, 2, greedy)
     groups = (4 if lora else 2) * COMMON["num_hidden_layers"]  # o and down alone only with their A rows

@@ -145,16 +145,18 @@ class FastDecoder:
     def release_packing(self) -> None:
         """Every packed weight back in storage of its own, a group at a time: a group's buffer is freed with its
         last view before the next group's weights are copied (one group's worth of extra memory at most, while the
-        rollout's KV cache may still be allocated)."""
+        rollout's KV cache may still be allocated). A group leaves the registry only once all its weights are out, so
+        a release that fails part-way (out of memory) can be called again and finishes the job."""
         cuda = any(p.weight.is_cuda for p in self.packs.values())
         with torch.inference_mode(False), torch.no_grad():
             while self.packs:
-                pack = self.packs.popitem()[1]
+                key = next(iter(self.packs))
+                pack = self.packs[key]
                 for base in pack.bases:
-                    base.weight.data = base.weight.data.clone()
-                    if base.bias is not None:
-                        base.bias.data = base.bias.data.clone()
-                del pack  # the last reference to this group's buffer
+                    for param, buffer in ((base.weight, pack.weight), (base.bias, pack.bias)):
+                        if param is not None and _shares_storage(param, buffer):
+                            param.data = param.data.clone()
+                del self.packs[key], pack  # the last references to this group's buffer
         _return_cached_blocks(cuda)
 
     def _project_folded(self, i: int, first: str, modules: list, x: torch.Tensor):
@@ -218,6 +220,10 @@ class FastDecoder:
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
 
 
+def _shares_storage(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
 def _return_cached_blocks(cuda: bool) -> None:
     """Hand the blocks the moved weights left behind back to the driver: their sizes rarely fit a later allocation
     (the KV cache that follows wants one large one)."""
@@ -234,7 +240,7 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
     if (any(type(b) is not torch.nn.Linear or m in nf4 for m, b in zip(modules, bases))
             or any(b.weight.dtype != w0.dtype or b.weight.device != w0.device or b.in_features != bases[0].in_features
                    or not b.weight.is_contiguous() for b in bases)
-            or len({b.bias is None for b in bases}) > 1):
+            or len({None if b.bias is None else b.bias.dtype for b in bases}) > 1):  # (one bias buffer, one dtype)
         return None
     adders = [fused_adder(b) for b in bases]
     for m, b, adder in zip(modules, bases, adders):

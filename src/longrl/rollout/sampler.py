@@ -122,10 +122,12 @@ class Sampler:
                     run = _Run(self, prompt_ids, num_generations, params)  # after prepare_nf4: the KV cache is
                     rollout = run.execute()  # sized from what is free then
                 finally:
-                    if packer is not None:
-                        packer.release_packing()
-                    if self.fast is not None:
-                        self.fast.release_nf4()
+                    try:
+                        if packer is not None:
+                            packer.release_packing()
+                    finally:
+                        if self.fast is not None:
+                            self.fast.release_nf4()
             self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
                                "fast_decode": self.fast is not None,
                                "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
