@@ -367,9 +367,10 @@ def write(args, r: dict, smoke: dict) -> None:
               + f". Step peak / max(rollout, training) = {r['step_over_max_phase']:.3f}. Rollout share of the step: "
               f"{100 * r['rollout_share']:.0f}%. CLI smoke (tiny model dir + JSONL, 2 steps, resumed to 3, on this GPU): "
               f"{'not run' if smoke['ok'] is None else 'passed' if smoke['ok'] else 'FAILED ' + str(smoke)}.", "",
-              "Sampler (last rollout): fast decode step {fast_decode}, fused LoRA {lora_fused}, projections on the "
-              "NF4 kernel {nf4_projections}.".format(**{"fast_decode": "–", "lora_fused": "–", "nf4_projections": 0,
-                                                          **r.get("sampler_stats", {})})
+              "Sampler (last rollout): fast decode step {fast_decode}, fused LoRA {lora_fused}, packed projection "
+              "groups {packed_groups}, projections on the NF4 kernel {nf4_projections}.".format(
+                  **{"fast_decode": "–", "lora_fused": "–", "packed_groups": 0, "nf4_projections": 0,
+                     **r.get("sampler_stats", {})})
               + f" Training: fused RMSNorm/SiLU·up/rotary attention modules {r.get('fused_layers', 0)}, fused LoRA in the update "
               f"{r.get('fused_lora_training', False)}.",
               "", "Plan:", "", "```", r["plan"] or "", "```"]

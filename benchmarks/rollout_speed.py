@@ -162,38 +162,42 @@ def run_hf_continuous(model, prompts, G, N):
         base_m.set_attn_implementation(saved)
 
 
+def _launch_spec(flag: str, spec: str, known: dict, from_file) -> dict:
+    """Launch entries of ``known`` from a JSON object, or ``from_file(parsed result file)``; unknown keys refused."""
+    chosen = json.loads(spec) if spec.lstrip().startswith("{") else from_file(json.loads(Path(spec).read_text()))
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown keys {unknown}; the launch table has {sorted(known)}")
+    return chosen
+
+
 def launch_overrides(spec: str) -> dict:
-    """LAUNCH entries from a JSON object, or the fastest row of a decode_attention_speed.py result's sweep."""
+    """decode_kernel.LAUNCH entries from a JSON object, or the fastest row of a decode_attention_speed.py result's
+    sweep."""
     from longrl.rollout.decode_kernel import LAUNCH
 
-    if spec.lstrip().startswith("{"):
-        chosen = json.loads(spec)
-        unknown = sorted(set(chosen) - set(LAUNCH))
-        if unknown:
-            raise SystemExit(f"--launch: unknown keys {unknown}; decode_kernel.LAUNCH has {sorted(LAUNCH)}")
-        return chosen
-    rows = [r for r in json.loads(Path(spec).read_text()).get("sweep", []) if "us" in r]
-    if not rows:
-        raise SystemExit(f"--launch {spec}: no timed sweep row in it (run decode_attention_speed.py --sweep)")
-    best = min(rows, key=lambda r: r["us"] + r.get("us_short", 0.0))  # both ends of a rollout, where swept
-    return {k: best[k] for k in LAUNCH if k in best}
+    def fastest(result: dict) -> dict:
+        rows = [r for r in result.get("sweep", []) if "us" in r]
+        if not rows:
+            raise SystemExit(f"--launch {spec}: no timed sweep row in it (run decode_attention_speed.py --sweep)")
+        best = min(rows, key=lambda r: r["us"] + r.get("us_short", 0.0))  # both ends of a rollout, where swept
+        return {k: best[k] for k in LAUNCH if k in best}
+
+    return _launch_spec("--launch", spec, LAUNCH, fastest)
 
 
 def glue_launch(spec: str, shape: str) -> dict:
     """fused_ops.LAUNCH entries from a JSON object, or a decode_glue_speed.py result's fastest at ``shape``."""
     from longrl.rollout.fused_ops import LAUNCH
 
-    if spec.lstrip().startswith("{"):
-        chosen = json.loads(spec)
-    else:
-        best = json.loads(Path(spec).read_text()).get("best", {})
+    def fastest(result: dict) -> dict:
+        best = result.get("best", {})
         chosen = next((v for k, v in best.items() if k.split()[0] == shape), None)
         if chosen is None:
             raise SystemExit(f"--glue-launch {spec}: no fastest choice for {shape} in it (shapes: {sorted(best)})")
-    unknown = sorted(set(chosen) - set(LAUNCH))
-    if unknown:
-        raise SystemExit(f"--glue-launch: unknown keys {unknown}; fused_ops.LAUNCH has {sorted(LAUNCH)}")
-    return chosen
+        return chosen
+
+    return _launch_spec("--glue-launch", spec, LAUNCH, fastest)
 
 
 def main() -> None:

@@ -87,7 +87,8 @@ def test_fused_decode_kernels_build(dtype):
                                            "stride_u": "i64"},
                      dict(BLOCK=1024, ACCURATE_EXP=True), num_warps=4)
     default = (fo.LAUNCH["silu_lora_bm"], fo.LAUNCH["silu_lora_bn"], fo.LAUNCH["silu_lora_warps"])
-    for bm, bn, warps in ((16, 128, 4), default):  # gate/up's LoRA deltas folded in (the packed decode), rank 32
+    small = (16, *default[1:])  # ≤ 16 rows: the tile rows shrink to 16
+    for bm, bn, warps in ((16, 128, 4), default, small):  # gate/up's LoRA deltas folded in (packed decode), rank 32
         for dot16 in (False, True) if dtype != "*fp32" else (False,):  # 16-bit operands: on the tensor cores
             kernel = compile_for_sm90(fo._silu_mul_lora_kernel,
                                       {"G": dtype, "U": dtype, "Y": dtype, "XA": dtype, "BG": dtype, "BU": dtype,
