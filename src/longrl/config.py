@@ -173,8 +173,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "genera
                      "generation.kv_cache_gib", "generation.sync_every", "generation.fast_decode",
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
-                     "train.mlp_tile_tokens", "model.device", "model.offload_activations", "model.gpu_resident_layers", "model.sdpa_backends",
-                     "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
+                     "train.mlp_tile_tokens", "model.device", "model.offload_activations",
+                     "model.gpu_resident_layers", "model.sdpa_backends", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
                      "model.fused_layers", "lora.fused_training")
 
 

@@ -17,7 +17,6 @@ The twins are the reference (tests/test_fast_decode.py runs both, the kernels th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -238,6 +237,9 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------- dispatch
 ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum contracted into one rounding
+# under Triton's interpreter (what triton.jit made of a kernel, as decode_kernel.DYNAMIC_STOP decides: any value of
+# TRITON_INTERPRET it accepts counts) there is only the approximate exp and no usable 16-bit dot
+INTERPRETED = triton is not None and type(_silu_mul_kernel).__name__ == "InterpretedFunction"
 # launch choices of the LoRA-folding SiLU·up kernel (tile rows at most, tile columns, warps; for tuning: results do
 # not depend on them beyond float32 summation order): the fastest of benchmarks/decode_glue_speed.py's sweep at both
 # rollout shapes on an H200 (6.3 µs a layer at 8B, 128 rows × 14,336; decode_glue_h200_s9.md)
@@ -303,23 +305,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool, lora: "Lora
     shape = gate.shape
     gate, up = _rows(gate), _rows(up)
     y = torch.empty(gate.shape, dtype=torch.result_type(gate, up), device=gate.device)
+    rows, width = gate.shape
+    if not rows or not width:
+        return y.view(shape)
     if lora is not None:
-        rows, width = gate.shape
         xa = _rows(lora.xa)
         bm = min(LAUNCH["silu_lora_bm"], max(16, triton.next_power_of_2(rows)))
         bn = LAUNCH["silu_lora_bn"]
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        if rows and width:
-            _silu_mul_lora_kernel[(triton.cdiv(width, bn), triton.cdiv(rows, bm))](
-                gate, up, y, xa, lora.b_t[0], lora.b_t[1], rows, width, gate.stride(0), up.stride(0), xa.stride(0),
-                lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=bn,
-                ACCURATE_EXP=not interpreted, DOT16=not interpreted and xa.dtype == gate.dtype != torch.float32,
-                num_warps=LAUNCH["silu_lora_warps"])
-        return y.view(shape)
-    rows, width = gate.shape
-    if rows and width:
+        _silu_mul_lora_kernel[(triton.cdiv(width, bn), triton.cdiv(rows, bm))](
+            gate, up, y, xa, lora.b_t[0], lora.b_t[1], rows, width, gate.stride(0), up.stride(0), xa.stride(0),
+            lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=bn,
+            ACCURATE_EXP=not INTERPRETED, DOT16=not INTERPRETED and xa.dtype == gate.dtype != torch.float32,
+            num_warps=LAUNCH["silu_lora_warps"])
+    else:
         _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](gate, up, y, width, gate.stride(0), up.stride(0),
-                                                           BLOCK=1024,
-                                                           ACCURATE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
-                                                           num_warps=4)
+                                                           BLOCK=1024, ACCURATE_EXP=not INTERPRETED, num_warps=4)
     return y.view(shape)
