@@ -92,7 +92,7 @@ class GenerationConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOLossConfig:
     num_generations: int = 8
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"
     beta: float = 0.0
@@ -152,7 +152,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rewards: list[RewardSpec] = field(default_factory=list)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import Config, DataConfig, GenerationConfig, GRPOConfig, LoraConfig, ModelConfig, OutputConfig, \
+from .config import Config, DataConfig, GenerationConfig, GRPOLossConfig, LoraConfig, ModelConfig, OutputConfig, \
     RewardSpec, TrainConfig
 
 
@@ -12,7 +12,7 @@ def demo_config() -> Config:
         lora=LoraConfig(enabled=False),
         data=DataConfig(source="task:arithmetic", num_examples=2000, max_prompt_length=16),
         generation=GenerationConfig(max_completion_length=4, temperature=1.0),
-        grpo=GRPOConfig(num_generations=16, loss_type="dapo", beta=0.0, scale_rewards="group"),
+        grpo=GRPOLossConfig(num_generations=16, loss_type="dapo", beta=0.0, scale_rewards="group"),
         train=TrainConfig(max_steps=600, prompts_per_step=16, micro_batch_size=128, learning_rate=5e-4,
                           warmup_steps=5, max_grad_norm=1.0, seed=0),
         rewards=[RewardSpec("longrl.tasks.arithmetic:format_reward", 0.2),
