@@ -26,12 +26,12 @@ class ConfigError(ValueError):
 class ModelConfig:
     name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, or builtin:tiny-arith
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    trust_remote_code: bool = False
-    revision: Optional[str] = None
+    trust_remote_code: bool = False  # run the model repository's own Python code (transformers' trust_remote_code)
+    revision: Optional[str] = None  # hub branch, tag or commit of the model; null: the default branch
     attn_implementation: Optional[str] = None  # None: transformers picks (sdpa where supported)
     sdpa_backends: list[str] = field(default_factory=list)  # CUDA: SDPA kernels tried first (cudnn, flash, efficient,
     #                                                          math), the others after; empty: PyTorch's order
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute layer activations in backward (transformers' checkpointing)
     offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
     reuse_attention: bool = False  # with offloading: keep each layer's attention output with its input; backward
@@ -48,11 +48,13 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    enabled: bool = True
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    enabled: bool = True  # train LoRA adapters on a frozen base; false: train every weight
+    r: int = 16  # adapter rank
+    alpha: float = 32.0  # adapter scale alpha (the update is alpha / r · B A)
+    dropout: float = 0.0  # dropout on the adapter input
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # linear modules that get adapters
+    #                                                                            (names or suffixes); all-linear:
+    #                                                                            every linear but the LM head
     fused_training: bool = True  # CUDA: the policy update's adapters as one addmm each (scale and add inside the
     #                              B product) with q/k/v and gate/up sharing one A product (models/lora_training.py)
 
@@ -60,25 +62,26 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     source: str = "task:arithmetic"  # file (.jsonl/.json/.parquet/.csv), hf:NAME[:CONFIG], or task:NAME
-    split: str = "train"
-    prompt_column: str = "prompt"
-    max_prompt_length: int = 512
-    overlong_prompt: Literal["error", "truncate_left", "skip"] = "error"
-    shuffle: bool = True
+    split: str = "train"  # split of an hf: dataset
+    prompt_column: str = "prompt"  # column holding the prompt: a string or chat messages [{role, content}]
+    max_prompt_length: int = 512  # longest prompt in tokens (after the chat template)
+    overlong_prompt: Literal["error", "truncate_left", "skip"] = "error"  # a longer prompt: stop naming its row, keep
+    #                                                                       its last tokens, or drop the row
+    shuffle: bool = True  # visit rows in a seeded random order each epoch
     num_examples: int = 2000  # rows generated for task: sources
 
 
 @dataclass
 class GenerationConfig:
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    max_completion_length: int = 256  # most tokens sampled per completion
+    temperature: float = 1.0  # sampling temperature (the loss's log-probs use the same)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this probability mass; 1: off
+    top_k: int = 0  # sample among the k most likely tokens; 0: off
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0: off
+    repetition_penalty: float = 1.0  # divide the logits of tokens already in the sequence by this; 1: off
     backend: Literal["longrl", "hf"] = "longrl"  # longrl: the batched sampler; hf: transformers' generate
     stop_token_ids: list[int] = field(default_factory=list)  # besides EOS
-    stop_strings: list[str] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)  # a completion ends after any of these strings
     ignore_eos: bool = False  # generate exactly max_completion_length tokens (benchmarks)
     kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory)
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
@@ -93,57 +96,60 @@ class GenerationConfig:
 
 @dataclass
 class GRPOLossConfig:
-    num_generations: int = 8
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    delta: Optional[float] = None
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    num_iterations: int = 1
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    mask_truncated_completions: bool = False
+    num_generations: int = 8  # completions per prompt (the group G whose rewards are compared)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"  # policy loss and its normalisation
+    #                                                                          (docs/losses.md)
+    beta: float = 0.0  # weight of the k3 KL penalty to the reference (the base, adapters off); 0: no reference pass
+    epsilon: float = 0.2  # clip range of the importance ratio: [1 − epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # upper clip (DAPO's clip-higher; the cap of cispo); null: epsilon
+    delta: Optional[float] = None  # two-sided clipping: the ratio is capped at delta first; null: off
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # one ratio per token (GRPO) or per sequence
+    #                                                                    (GSPO: the geometric mean over its tokens)
+    num_iterations: int = 1  # optimizer steps per rollout batch (μ in the GRPO paper)
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # divide advantages by the reward std of the group, of
+    #                                                             the batch, or not at all
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length count nothing in the loss
     # importance-sampling correction for sampler/trainer mismatch (TRL: vllm_importance_sampling_correction):
     # weight w = π_trainer_old / π_sampler per token (or per sequence), truncated at the cap or masked above it
     rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
         "token_truncate"
-    rollout_correction_cap: float = 2.0
+    rollout_correction_cap: float = 2.0  # cap (truncate) or threshold (mask) of that weight
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: int = 100  # optimizer steps of the run
     prompts_per_step: int = 8  # each optimizer step sees prompts_per_step × num_generations completions
     micro_batch_size: int = 16  # completions per forward/backward; gradients accumulate over micro-batches
     micro_batch_tokens: int = 0  # >0: group completions by this token budget instead (packed, no padding)
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    logprob_chunk_size: int = 1024
+    learning_rate: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"  # learning-rate schedule after warm-up
+    warmup_steps: int = 0  # steps of linear learning-rate warm-up
+    max_grad_norm: float = 1.0  # clip the gradient norm to this; 0: no clipping
+    seed: int = 0  # seed of the data order, sampling and the builtin model
+    logprob_chunk_size: int = 1024  # tokens per chunk of the LM-head log-prob op (no full logits tensor)
     mlp_tile_tokens: Optional[int] = None  # MLP in sequence tiles of this many tokens; 0: off, null: planner decides
 
 
 @dataclass
 class RewardSpec:
     function: str = ""  # path/to/file.py:function or package.module:function
-    weight: float = 1.0
+    weight: float = 1.0  # weight in the sum of rewards
 
 
 @dataclass
 class OutputConfig:
-    output_dir: str = "longrl-output"
-    logging_steps: int = 1
+    output_dir: str = "longrl-output"  # where checkpoints, metrics.jsonl, plots and logs go
+    logging_steps: int = 1  # steps between log lines and completion samples
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: int = 0  # 0: keep all checkpoints
-    resume: bool = False
+    resume: bool = False  # continue from the latest checkpoint in output_dir
     log_completions: int = 4  # completions written to completions.jsonl per logging step
-    tensorboard: bool = True
-    progress_bar: bool = True
+    tensorboard: bool = True  # write TensorBoard scalars under output_dir/tensorboard
+    progress_bar: bool = True  # in a terminal, show a progress bar
 
 
 @dataclass
