@@ -1,0 +1,1 @@
+"""Agentic GRPO: environments, tools, tool-call parsing, token-exact trajectories, a code sandbox."""
