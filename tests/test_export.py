@@ -221,14 +221,20 @@ def test_gguf_tensors_and_tokenizer_round_trip(tmp_path, family, quant):
 
 
 def test_modelfile_template_and_stops(llama_ckpt, tmp_path):
+    from longrl.export.go_template import render
+    from longrl.export.modelfile import ollama_data
+
     ckpt, _ = llama_ckpt
     out = export_checkpoint(ckpt, tmp_path / "gguf", fmt="gguf")
     text = (out / "Modelfile").read_text()
     assert text.startswith("FROM ./model.gguf\n")
-    assert 'PARAMETER stop "<|im_end|>"' in text
-    assert '{{- if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n' in text
-    assert "{{- if $last }}<|im_start|>assistant\n{{- end }}" in text
-    assert "{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n" in text
+    assert 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER temperature 0\n" in text  # the base decodes greedily
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6+7?"},
+            {"role": "assistant", "content": "13"}, {"role": "user", "content": "2*3?"}]
+    want = _bpe_tokenizer().apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert render(template, ollama_data(chat)) == want  # rendered with Go semantics, as Ollama feeds a chat
+    assert want.endswith("<|im_end|>\n<|im_start|>user\n2*3?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_gguf_of_the_builtin_model_writes_its_characters_as_byte_level_tokens(tiny_run, tmp_path):

@@ -45,12 +45,16 @@ def _base_config(ckpt: Checkpoint):
         raise ExportError(f"could not read the config of base model {ckpt.base_name!r}: {e}") from e
 
 
-def _check_gguf(ckpt: Checkpoint, quant: str) -> None:
+def _check_gguf(ckpt: Checkpoint, quant: str):
+    """Everything a GGUF export needs decided before any output: the architecture, an exact tokenizer plan and
+    an exact Modelfile template. Returns the tokenizer's VocabPlan."""
     try:
         import gguf  # noqa: F401
     except ImportError as e:
         raise ExportError("GGUF export needs the gguf package: pip install 'longrl[export]'") from e
+    from .gguf_vocab import UnsupportedTokenizer, vocab_plan
     from .gguf_writer import QUANTS, UnsupportedArchitecture, gguf_arch
+    from .modelfile import TemplateMismatch, chat_parts, check_template, go_template
 
     if quant not in QUANTS:
         raise ExportError(f"--quant must be one of {', '.join(QUANTS)}; got {quant!r}")
@@ -58,6 +62,19 @@ def _check_gguf(ckpt: Checkpoint, quant: str) -> None:
         gguf_arch(_base_config(ckpt))
     except UnsupportedArchitecture as e:
         raise ExportError(f"checkpoint {ckpt.path}: {e}") from e
+    tokenizer = load_tokenizer(ckpt)
+    try:
+        plan = vocab_plan(tokenizer)
+    except UnsupportedTokenizer as e:
+        raise ExportError(f"GGUF export of {ckpt.base_name!r}: llama.cpp cannot tokenize exactly as its tokenizer "
+                          f"does: {e}") from e
+    try:
+        check_template(tokenizer, go_template(chat_parts(tokenizer, plan.add_bos)), plan.add_bos)
+    except TemplateMismatch as e:
+        raise ExportError(f"GGUF export of {ckpt.base_name!r}: {e}") from e
+    for note in plan.notes:
+        log.warning("GGUF export of %s: %s", ckpt.base_name, note)
+    return plan
 
 
 def _prepare_output(output_dir: Path, overwrite: bool, checkpoint: Path) -> None:
@@ -93,8 +110,7 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
     if fmt == "adapter" and not ckpt.is_adapter:
         raise ExportError(f"checkpoint {ckpt.path} holds full weights (lora.enabled=false), not an adapter; "
                           "export it with --format merged")
-    if fmt == "gguf":
-        _check_gguf(ckpt, quant)
+    plan = _check_gguf(ckpt, quant) if fmt == "gguf" else None
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -109,7 +125,7 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
                 write_merged(staging, model, tokenizer, torch_dtype)
                 details["dtype"] = str(torch_dtype).removeprefix("torch.")
             else:
-                _write_gguf(staging, model, tokenizer, quant, ckpt)
+                _write_gguf(staging, model, tokenizer, quant, ckpt, plan)
                 details["quant"] = quant
         write_card(staging, ckpt, fmt, details)
         _replace(staging, output_dir)
@@ -120,14 +136,17 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
     return output_dir
 
 
-def _write_gguf(out: Path, model, tokenizer, quant: str, ckpt: Checkpoint) -> None:
+def _write_gguf(out: Path, model, tokenizer, quant: str, ckpt: Checkpoint, plan) -> None:
     from .gguf_writer import write_gguf
     from .modelfile import modelfile_text
 
-    write_gguf(out / "model.gguf", model, tokenizer, quant, name=f"{Path(ckpt.base_name).name}-{ckpt.path.name}")
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
     eos_ids = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
-    (out / "Modelfile").write_text(modelfile_text(tokenizer, "model.gguf", eos_ids))
+    modelfile = modelfile_text(tokenizer, "model.gguf", eos_ids, plan.add_bos, generation)
+    write_gguf(out / "model.gguf", model, tokenizer, quant, name=f"{Path(ckpt.base_name).name}-{ckpt.path.name}",
+               plan=plan)
+    (out / "Modelfile").write_text(modelfile)
 
 
 def _replace(staging: Path, output_dir: Path) -> None:

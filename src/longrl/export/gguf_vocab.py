@@ -1,86 +1,248 @@
-"""The tokenizer as GGUF metadata (``tokenizer.ggml.*`` and ``tokenizer.chat_template``), following llama.cpp's
-converter: tokens in id order, padded to the model's vocabulary with ``[PADn]`` (unused) tokens, added special
-tokens as control tokens, merges, special ids and the chat template through ``gguf.SpecialVocab``."""
+"""The tokenizer as GGUF metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``) that llama.cpp tokenizes
+exactly as the Hugging Face tokenizer does, or a refusal naming why it cannot.
+
+:func:`vocab_plan` reads the tokenizer's ``tokenizer.json`` and decides, before anything is written, how llama.cpp
+can reproduce it:
+
+- byte-level BPE (GPT-2, Llama 3, Qwen 2 splits) -> ``tokenizer.ggml.model = gpt2`` with the merges, and the
+  pre-tokenizer identified from the tokenizer's own split rule: llama.cpp hard-codes one regex per pre-tokenizer
+  name, so the name is the one whose regex (and ``ignore_merges`` rule) equals the tokenizer's. An unknown rule
+  is refused. (llama.cpp's converter identifies real models by hashing a reference tokenization, which depends
+  on the vocabulary and cannot name a newly trained one; the rule itself can.)
+- BPE with byte fallback over ``▁``-escaped text (Llama 2 / Mistral-7B) -> ``llama`` (llama.cpp's SentencePiece
+  tokenizer), which merges the adjacent pair whose concatenation has the highest score. It equals HF's
+  rank-ordered BPE when every two-token split of a token is a merge (as in merges derived from a SentencePiece
+  model); the score of a token is minus the rank of its first merge.
+- the builtin single-character vocabulary -> ``gpt2`` whose merges never apply, each character as its byte-level
+  token.
+
+BOS/EOS addition is read off the tokenizer itself (what ``tokenizer(text)`` adds around
+``tokenizer(text, add_special_tokens=False)``).
+"""
 
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
+from dataclasses import dataclass, field
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp) in the form tokenizer.json spells them, with the
+# ignore_merges rule llama.cpp applies for each name
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PRE_TOKENIZERS = {LLAMA3_SPLIT: ("llama-bpe", True), QWEN2_SPLIT: ("qwen2", False)}
+GPT2_PRE = ("gpt-2", False)  # ByteLevel's own regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+SPACE = "\u2581"  # ▁, SentencePiece's escaped space
+BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 
 
-def tokenizer_kind(tokenizer_json: dict) -> str:
-    """GGUF tokenizer model for a ``tokenizer.json``: ``gpt2`` (byte-level BPE), ``llama`` (BPE with byte
-    fallback, SentencePiece style) or ``chars`` (a word-level vocabulary of single characters, written as a
-    byte-level BPE without merges); raises ValueError otherwise."""
-    model = tokenizer_json.get("model", {})
-    decoder = (tokenizer_json.get("decoder") or {}).get("type")
-    if model.get("type") == "BPE" and not model.get("byte_fallback", False) and decoder == "ByteLevel":
-        return "gpt2"
-    if model.get("type") == "BPE" and model.get("byte_fallback", False):
-        return "llama"
+class UnsupportedTokenizer(ValueError):
+    """llama.cpp cannot tokenize exactly as this tokenizer does; the message says why."""
+
+
+@dataclass
+class VocabPlan:
+    """How the tokenizer is written: GGUF tokenizer model and pre-tokenizer, and the flags llama.cpp reads."""
+
+    kind: str  # "byte_level_bpe" | "byte_fallback_bpe" | "chars"
+    model: str  # tokenizer.ggml.model
+    pre: str | None  # tokenizer.ggml.pre (gpt2 model only)
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool | None = None  # llama model only
+    notes: list[str] = field(default_factory=list)  # exactness caveats worth logging
+
+
+def _tokenizer_json(tokenizer) -> dict:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise UnsupportedTokenizer(f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer; GGUF export "
+                                   "reads tokenizer.json")
+    return json.loads(backend.to_str())
+
+
+def _steps(node: dict | None) -> list[dict]:
+    """A normalizer / pre-tokenizer as a flat list of steps (``Sequence`` unrolled)."""
+    if not node:
+        return []
+    key = "normalizers" if "normalizers" in node else "pretokenizers"
+    if node.get("type") == "Sequence":
+        return [s for sub in node.get(key, []) for s in _steps(sub)]
+    return [node]
+
+
+def _added_tokens_check(tj: dict) -> None:
+    for t in tj.get("added_tokens", []):
+        flags = [f for f in ("lstrip", "rstrip", "single_word") if t.get(f)]
+        if flags:
+            raise UnsupportedTokenizer(f"added token {t['content']!r} has {', '.join(flags)}: llama.cpp matches "
+                                       "added tokens literally, without stripping or word boundaries")
+
+
+def _special_additions(tokenizer) -> tuple[bool, bool]:
+    """(add_bos, add_eos): what ``tokenizer(text)`` puts around the plain tokenization."""
+    probe = "a 1"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    if not starts:
+        raise UnsupportedTokenizer("the tokenizer's post-processor changes the tokens of the text itself")
+    prefix, suffix = full[:starts[0]], full[starts[0] + len(plain):]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if prefix not in ([], [bos]) or suffix not in ([], [eos]) or (prefix and bos is None) or (suffix and eos is None):
+        names = tokenizer.convert_ids_to_tokens(prefix + suffix)
+        raise UnsupportedTokenizer(f"the tokenizer adds special tokens {names} around a text; llama.cpp can only "
+                                   "add the BOS token before and the EOS token after")
+    return bool(prefix), bool(suffix)
+
+
+def _byte_level_pre(tj: dict) -> tuple[str, bool]:
+    """llama.cpp's pre-tokenizer name (and its ignore_merges rule) for a byte-level BPE, or a refusal."""
+    norms = [n.get("type") for n in _steps(tj.get("normalizer"))]
+    if norms not in ([], ["NFC"]):
+        raise UnsupportedTokenizer(f"normalizer {norms} has no llama.cpp equivalent for byte-level BPE")
+    steps = _steps(tj.get("pre_tokenizer"))
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    if len(byte_level) != 1 or steps[-1] is not byte_level[0]:
+        raise UnsupportedTokenizer(f"pre-tokenizer {[s.get('type') for s in steps]} is not a byte-level one")
+    if byte_level[0].get("add_prefix_space"):
+        raise UnsupportedTokenizer("ByteLevel(add_prefix_space=true): llama.cpp adds no prefix space")
+    splits = steps[:-1]
+    if not splits and byte_level[0].get("use_regex", True):
+        return GPT2_PRE
+    if len(splits) == 1 and splits[0].get("type") == "Split" and not byte_level[0].get("use_regex", True):
+        s = splits[0]
+        regex = (s.get("pattern") or {}).get("Regex")
+        if s.get("behavior") == "Isolated" and not s.get("invert") and regex in SPLIT_PRE_TOKENIZERS:
+            return SPLIT_PRE_TOKENIZERS[regex]
+        raise UnsupportedTokenizer(f"pre-tokenizer split {regex!r} ({s.get('behavior')}) is none of llama.cpp's "
+                                   f"known ones (GPT-2, Llama 3, Qwen 2); refusing rather than guessing")
+    raise UnsupportedTokenizer(f"pre-tokenizer {[s.get('type') for s in steps]} is none of llama.cpp's known ones "
+                               "(GPT-2, Llama 3, Qwen 2); refusing rather than guessing")
+
+
+def _space_prefix(tj: dict) -> bool:
+    """Whether a ▁-escaping byte-fallback BPE prepends ▁ (llama.cpp's add_space_prefix), or a refusal."""
+    norms, pres = _steps(tj.get("normalizer")), _steps(tj.get("pre_tokenizer"))
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+    kinds = [n.get("type") for n in norms]
+    if not pres and kinds == ["Prepend", "Replace"] and norms[0].get("prepend") == SPACE \
+            and {k: norms[1].get(k) for k in replace} == replace:
+        return True
+    if not pres and kinds == ["Replace"] and {k: norms[0].get(k) for k in replace} == replace:
+        return False
+    if not norms and len(pres) == 1 and pres[0].get("type") == "Metaspace" and pres[0].get("replacement") == SPACE \
+            and not pres[0].get("split", True) and pres[0].get("prepend_scheme") in ("always", "never"):
+        return pres[0]["prepend_scheme"] == "always"
+    raise UnsupportedTokenizer(
+        f"normalizer {kinds} / pre-tokenizer {[p.get('type') for p in pres]} of a byte-fallback BPE: llama.cpp's "
+        "SentencePiece tokenizer escapes spaces as ▁ and prepends ▁ to every text segment (after each special "
+        "token too); only Prepend(▁)+Replace(' ', ▁), Replace(' ', ▁) or Metaspace(prepend_scheme always/never, "
+        "split=false) say the same")
+
+
+def _merge_pairs(model: dict) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+
+
+def _check_bpe_model(model: dict, byte_fallback: bool) -> None:
+    if model.get("type") != "BPE":
+        raise UnsupportedTokenizer(f"tokenizer model {model.get('type')!r}")
+    if model.get("dropout"):
+        raise UnsupportedTokenizer("BPE dropout is random; llama.cpp tokenizes deterministically")
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise UnsupportedTokenizer("BPE with a continuing-subword prefix or end-of-word suffix")
+    if bool(model.get("byte_fallback")) != byte_fallback:
+        raise UnsupportedTokenizer("byte fallback without ▁-escaping (or byte-level BPE with byte fallback)")
+
+
+def vocab_plan(tokenizer) -> VocabPlan:
+    """Decide how ``tokenizer`` (a transformers fast tokenizer) is written, or raise UnsupportedTokenizer."""
+    tj = _tokenizer_json(tokenizer)
+    model = tj.get("model", {})
+    decoder = [d.get("type") for d in _steps(tj.get("decoder"))]
+    _added_tokens_check(tj)
     if model.get("type") == "WordLevel":
-        specials = {t["content"] for t in tokenizer_json.get("added_tokens", [])}
-        if all(len(t) == 1 or t in specials for t in model.get("vocab", {})):
-            return "chars"
-    raise ValueError(f"tokenizer model {model.get('type')!r} (decoder {decoder!r}) has no GGUF equivalent here; "
-                     "supported: byte-level BPE, BPE with byte fallback, single-character word level")
+        specials = {t["content"] for t in tj.get("added_tokens", [])}
+        pres = _steps(tj.get("pre_tokenizer"))
+        one_char = [p.get("type") for p in pres] == ["Split"] and (pres[0].get("pattern") or {}).get("Regex") == "."
+        if one_char and not tj.get("normalizer") and all(len(t) == 1 or t in specials for t in model.get("vocab", {})):
+            add_bos, add_eos = _special_additions(tokenizer)
+            return VocabPlan("chars", "gpt2", "default", add_bos, add_eos, notes=[
+                "characters outside the vocabulary: Hugging Face gives <unk> for each, llama.cpp drops them"])
+        raise UnsupportedTokenizer("a word-level vocabulary other than single characters split one by one")
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        _check_bpe_model(model, True)
+        if model.get("ignore_merges"):
+            raise UnsupportedTokenizer("ignore_merges on a byte-fallback BPE: llama.cpp's SentencePiece tokenizer "
+                                       "always merges")
+        vocab = model.get("vocab", {})
+        missing = [b for b in BYTE_TOKENS if b not in vocab]
+        if missing:
+            raise UnsupportedTokenizer(f"byte fallback without all 256 byte tokens (no {missing[0]}): llama.cpp "
+                                       "cannot tokenize a character that is neither a token nor bytes")
+        add_space_prefix = _space_prefix(tj)
+        _check_merges_complete(tokenizer, model)
+        add_bos, add_eos = _special_additions(tokenizer)
+        return VocabPlan("byte_fallback_bpe", "llama", None, add_bos, add_eos, add_space_prefix)
+    if model.get("type") == "BPE":
+        _check_bpe_model(model, False)
+        if "ByteLevel" not in decoder:
+            raise UnsupportedTokenizer(f"BPE with decoder {decoder}: neither byte-level nor byte fallback")
+        pre, ignore_merges = _byte_level_pre(tj)
+        if bool(model.get("ignore_merges")) != ignore_merges:
+            raise UnsupportedTokenizer(f"ignore_merges={bool(model.get('ignore_merges'))} with the {pre} split; "
+                                       f"llama.cpp's {pre} pre-tokenizer uses ignore_merges={ignore_merges}")
+        add_bos, add_eos = _special_additions(tokenizer)
+        notes = ["NFC normalization: llama.cpp does not normalize, so text that is not in NFC tokenizes differently"] \
+            if [n.get("type") for n in _steps(tj.get("normalizer"))] == ["NFC"] else []
+        return VocabPlan("byte_level_bpe", "gpt2", pre, add_bos, add_eos, notes=notes)
+    raise UnsupportedTokenizer(f"tokenizer model {model.get('type')!r} (decoder {decoder}) has no exact llama.cpp "
+                               "equivalent here; supported: byte-level BPE, BPE with byte fallback, the builtin "
+                               "character vocabulary")
 
 
-def _pre_tokenizer(tokenizer_json: dict, model_type: str) -> str:
-    """llama.cpp's pre-tokenizer name; llama.cpp identifies it by hashing a test tokenization, here it is
-    inferred from the model family and the split pattern (``default`` when unknown)."""
-    if model_type in ("qwen2", "qwen3"):
-        return "qwen2"
-    if r"\p{N}{1,3}" in json.dumps(tokenizer_json.get("pre_tokenizer")).replace("\\\\", "\\"):
-        return "llama-bpe"
-    return "default"
+def _all_tokens(tokenizer) -> dict[str, int]:
+    return dict(tokenizer.get_vocab())
 
 
-def add_tokenizer(writer, tokenizer, n_vocab: int, model_type: str) -> None:
-    """Write ``tokenizer`` (a transformers fast tokenizer) into ``writer`` for a model of ``n_vocab`` rows."""
-    import gguf
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        tj = json.loads((Path(tmp) / "tokenizer.json").read_text())
-        kind = tokenizer_kind(tj)
-        if kind == "llama":
-            vocab = gguf.vocab.LlamaHfVocab(Path(tmp))
-            tokens, scores, types = zip(*vocab.all_tokens())
-            tokens = [t.decode("utf-8") for t in tokens]
-        else:
-            tokens, types = _bpe_tokens(tokenizer, kind)
-            scores = None
-        special = gguf.SpecialVocab(tmp, load_merges=kind == "gpt2", n_vocab=n_vocab)
-        tokens, types = list(tokens), list(types)
-        if len(tokens) > n_vocab:
-            raise ValueError(f"the tokenizer has {len(tokens)} tokens but the model only {n_vocab} embedding rows")
-        for i in range(len(tokens), n_vocab):
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        writer.add_tokenizer_model("llama" if kind == "llama" else "gpt2")
-        writer.add_tokenizer_pre(_pre_tokenizer(tj, model_type) if kind == "gpt2" else "default")
-        writer.add_token_list(tokens)
-        writer.add_token_types([int(t) for t in types])
-        if scores is not None:
-            writer.add_token_scores(list(scores) + [-1000.0] * (n_vocab - len(scores)))
-        if special.chat_template is None and tokenizer.chat_template:
-            special.chat_template = tokenizer.chat_template
-        special.add_to_gguf(writer, quiet=True)
+def _check_merges_complete(tokenizer, model: dict) -> None:
+    """llama.cpp merges any adjacent pair whose concatenation is a token; HF only listed merges: every split of a
+    token into two tokens must be a merge."""
+    vocab = _all_tokens(tokenizer)
+    merges = set(_merge_pairs(model))
+    for token in vocab:
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab and (left, right) not in merges:
+                raise UnsupportedTokenizer(
+                    f"token {token!r} splits into tokens {left!r} + {right!r}, which is not a merge: llama.cpp's "
+                    "SentencePiece tokenizer would merge them, Hugging Face's BPE does not (the merges were not "
+                    "derived from a SentencePiece model)")
 
 
-def _bpe_tokens(tokenizer, kind: str):
-    """(texts, types) in id order: byte-level strings for BPE, byte-level-encoded characters for ``chars``."""
+def _token_scores(tokens: list[str], model: dict) -> list[float]:
+    """Minus the rank of the first merge that makes each token (0 for tokens no merge makes)."""
+    first_rank: dict[str, int] = {}
+    for rank, (left, right) in enumerate(_merge_pairs(model)):
+        first_rank.setdefault(left + right, rank)
+    return [-float(first_rank[t]) if t in first_rank else 0.0 for t in tokens]
+
+
+def token_table(tokenizer, plan: VocabPlan, n_vocab: int):
+    """(texts, types) in id order, padded to ``n_vocab`` with unused ``[PADi]`` tokens."""
     import gguf
     from gguf.vocab import bytes_to_unicode
 
-    vocab = tokenizer.get_vocab()
-    by_id = {i: t for t, i in vocab.items()}
+    by_id = {i: t for t, i in _all_tokens(tokenizer).items()}
+    if max(by_id) >= n_vocab:
+        raise UnsupportedTokenizer(f"the tokenizer has ids up to {max(by_id)} but the model only {n_vocab} "
+                                   "embedding rows")
     added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
     encode = bytes_to_unicode()
     texts, types = [], []
-    for i in range(max(by_id) + 1):
+    for i in range(n_vocab):
         text = by_id.get(i)
         if text is None:
             texts.append(f"[PAD{i}]")
@@ -88,7 +250,42 @@ def _bpe_tokens(tokenizer, kind: str):
         elif text in added:
             texts.append(text)
             types.append(gguf.TokenType.CONTROL if added[text] else gguf.TokenType.USER_DEFINED)
-        else:
-            texts.append("".join(encode[b] for b in text.encode("utf-8")) if kind == "chars" else text)
+        elif plan.kind == "chars":
+            texts.append("".join(encode[b] for b in text.encode("utf-8")))
             types.append(gguf.TokenType.NORMAL)
+        else:
+            texts.append(text)
+            types.append(gguf.TokenType.BYTE if plan.kind == "byte_fallback_bpe" and text in BYTE_TOKENS
+                         else gguf.TokenType.UNKNOWN if text == tokenizer.unk_token else gguf.TokenType.NORMAL)
     return texts, types
+
+
+def add_tokenizer(writer, tokenizer, n_vocab: int, plan: VocabPlan | None = None) -> VocabPlan:
+    """Write ``tokenizer`` into ``writer`` (a ``gguf.GGUFWriter``) for a model of ``n_vocab`` embedding rows."""
+    plan = plan or vocab_plan(tokenizer)
+    tj = _tokenizer_json(tokenizer)
+    texts, types = token_table(tokenizer, plan, n_vocab)
+    writer.add_tokenizer_model(plan.model)
+    if plan.pre is not None:
+        writer.add_tokenizer_pre(plan.pre)
+    writer.add_token_list(texts)
+    writer.add_token_types([int(t) for t in types])
+    if plan.kind == "byte_level_bpe":
+        writer.add_token_merges([f"{a} {b}" for a, b in _merge_pairs(tj["model"])])
+    elif plan.kind == "chars":
+        # llama.cpp needs a merges list for a gpt2 vocabulary; this one joins two multi-character tokens, which
+        # never occur as symbols (symbols start as single characters and only merges grow them)
+        multi = [t for t in texts if len(t) > 1 and " " not in t]
+        writer.add_token_merges([f"{multi[0]} {multi[0]}"])
+    else:
+        writer.add_token_scores(_token_scores(texts, tj["model"]))
+        writer.add_add_space_prefix(bool(plan.add_space_prefix))
+    for name, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                      ("unk", tokenizer.unk_token_id), ("pad", tokenizer.pad_token_id)):
+        if tid is not None:
+            getattr(writer, f"add_{name}_token_id")(int(tid))
+    writer.add_add_bos_token(plan.add_bos)
+    writer.add_add_eos_token(plan.add_eos)
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        writer.add_chat_template(tokenizer.chat_template)
+    return plan

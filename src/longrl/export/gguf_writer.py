@@ -122,16 +122,18 @@ def _quantize(name: str, data: np.ndarray, quant: str):
         return gguf.quants.quantize(data, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
 
 
-def write_gguf(path: Path, model, tokenizer, quant: str = "f16", name: str = "model") -> None:
-    """Write the merged ``model`` (a transformers causal LM) and ``tokenizer`` to ``path``."""
+def write_gguf(path: Path, model, tokenizer, quant: str = "f16", name: str = "model", plan=None) -> None:
+    """Write the merged ``model`` (a transformers causal LM) and ``tokenizer`` to ``path``; ``plan``: the
+    tokenizer's :class:`~longrl.export.gguf_vocab.VocabPlan` (decided here when not given)."""
     import gguf
 
-    from .gguf_vocab import add_tokenizer
+    from .gguf_vocab import add_tokenizer, vocab_plan
 
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}; got {quant!r}")
     config = model.config
     arch = gguf_arch(config)
+    plan = plan or vocab_plan(tokenizer)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
@@ -156,7 +158,7 @@ def write_gguf(path: Path, model, tokenizer, quant: str = "f16", name: str = "mo
         writer.add_rope_scaling_factor(float(rope["factor"]))
     n_vocab = model.get_input_embeddings().weight.shape[0]
     writer.add_vocab_size(n_vocab)
-    add_tokenizer(writer, tokenizer, n_vocab, config.model_type)
+    add_tokenizer(writer, tokenizer, n_vocab, plan)
     for gguf_name, data in gguf_tensors(model, arch):
         array, qtype = _quantize(gguf_name, data.numpy(), quant)
         writer.add_tensor(gguf_name, array, raw_dtype=qtype)

@@ -1,0 +1,3 @@
+module longrl/gorender
+
+go 1.19
