@@ -69,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (ValueError, OSError, RuntimeError) as e:
         from .data import DataError
+        from .memory.planner import PlanError
         from .models import ModelLoadError
         from .rewards import RewardLoadError
 
+        if isinstance(e, PlanError):
+            print(f"longrl: this job cannot fit: {e}", file=sys.stderr)
+            return 1
         if isinstance(e, (DataError, ModelLoadError, RewardLoadError)):
             print(f"longrl: error: {e}", file=sys.stderr)
             return 2

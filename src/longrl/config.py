@@ -31,9 +31,12 @@ class ModelConfig:
     attn_implementation: Optional[str] = None  # None: transformers picks (sdpa where supported)
     sdpa_backends: list[str] = field(default_factory=list)  # CUDA: SDPA kernels tried first (cudnn, flash, efficient,
     #                                                          math), the others after; empty: PyTorch's order
-    gradient_checkpointing: bool = False  # recompute layer activations in backward (transformers' checkpointing)
-    offload_activations: bool = False  # checkpoint every layer and keep its input in host memory
-    gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones)
+    gradient_checkpointing: Optional[bool] = None  # recompute layer activations in backward (transformers'
+    #                                               checkpointing); null: the planner decides on CUDA, off on CPU
+    offload_activations: Optional[bool] = None  # checkpoint every layer and keep its input in host memory; null: the
+    #                                            planner decides on CUDA (memory/layout.py), off on CPU
+    gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones); 0: the
+    #                               planner's choice
     reuse_attention: bool = False  # with offloading: keep each layer's attention output with its input; backward
     #                                skips the attention kernel in the recompute (one more activation per layer)
     fused_layers: bool = True  # CUDA + Triton: Llama-family RMSNorms, SiLU MLPs and rotary embeddings through fused
@@ -83,7 +86,9 @@ class GenerationConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # besides EOS
     stop_strings: list[str] = field(default_factory=list)  # a completion ends after any of these strings
     ignore_eos: bool = False  # generate exactly max_completion_length tokens (benchmarks)
-    kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory)
+    kv_cache_gib: float = 0.0  # sampler KV budget; 0: what the batch needs (capped by free GPU memory and the budget)
+    kv_cache_dtype: Literal["bf16", "fp8"] = "bf16"  # bf16: the compute dtype; fp8: e4m3 keys/values with a
+    #                                                  power-of-two scale per position and head (half the bytes)
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
     fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
     nf4_kernel: bool = False  # with fast_decode and a 4-bit base: decode products read the NF4 weight directly
@@ -132,6 +137,7 @@ class TrainConfig:
     seed: int = 0  # seed of the data order, sampling and the builtin model
     logprob_chunk_size: int = 1024  # tokens per chunk of the LM-head log-prob op (no full logits tensor)
     mlp_tile_tokens: Optional[int] = None  # MLP in sequence tiles of this many tokens; 0: off, null: planner decides
+    gpu_memory_gib: float = 0.0  # CUDA: GPU memory the run may use (planner, KV cache, allocator cap); 0: all free
 
 
 @dataclass
@@ -176,7 +182,8 @@ class Config:
 # computes the same steps; every other key decides the run's trajectory (data, model, adapters, optimizer, loss,
 # sampling) and must stay what the checkpoint was trained with
 RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "generation.cuda_graphs",
-                     "generation.kv_cache_gib", "generation.sync_every", "generation.fast_decode",
+                     "generation.kv_cache_gib", "generation.kv_cache_dtype", "generation.sync_every",
+                     "train.gpu_memory_gib", "generation.fast_decode",
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
@@ -387,8 +394,11 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     _check(all(b in ("cudnn", "flash", "efficient", "math") for b in m.sdpa_backends), "model.sdpa_backends",
            m.sdpa_backends, "a list of cudnn, flash, efficient, math")
-    _check(not m.reuse_attention or m.offload_activations, "model.reuse_attention", m.reuse_attention,
+    _check(not m.reuse_attention or m.offload_activations is True, "model.reuse_attention", m.reuse_attention,
            "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
+    _check(not (m.offload_activations and m.gradient_checkpointing is False), "model.gradient_checkpointing",
+           m.gradient_checkpointing, "true or null with model.offload_activations=true (offloading recomputes layers)")
+    _check(t.gpu_memory_gib >= 0, "train.gpu_memory_gib", t.gpu_memory_gib, ">= 0 (0: all free GPU memory)")
     _check(cfg.grpo.beta == 0 or cfg.lora.enabled, "grpo.beta", cfg.grpo.beta,
            "0 with lora.enabled=false (the reference policy is the base with the adapters disabled: without "
            "adapters it would be the policy itself, a KL of 0; no second copy of the weights is kept)")

@@ -22,7 +22,8 @@ from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weight
 from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
 from .data import PromptSampler, load_prompts, read_prompt_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
-from .memory.planner import plan_for_config
+from .memory.layout import budget_bytes, cap_allocator, resolve_layout
+from .memory.planner import model_config_of
 from .models import TINY_NAME, base_model, load_model, resolve_device
 from .models.fused_layers import enable_fused_layers
 from .models.lora_training import fused_lora_training
@@ -98,6 +99,15 @@ def _nanmean(x: torch.Tensor) -> float:
     return float(torch.nanmean(x)) if (~torch.isnan(x)).any() else float("nan")
 
 
+def _config_or_none(model_cfg):
+    """The transformers config of the model to load, without its weights (None when it cannot be read: the loader
+    then reports why)."""
+    try:
+        return model_config_of(model_cfg.name_or_path, model_cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 - load_model raises the clear error
+        return None
+
+
 class GRPOTrainer:
     """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train."""
 
@@ -110,6 +120,14 @@ class GRPOTrainer:
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed)
         self.device = resolve_device(cfg.model.device)
+        cap_allocator(cfg, self.device)  # train.gpu_memory_gib: an allocation past the budget fails
+        self.plan, planned = None, False
+        if self.device.type != "cuda":  # nothing to plan: null layout keys are off
+            self.plan, planned = resolve_layout(cfg, None, self.device), True
+        elif model is None:  # plan from the model's config: a job that cannot fit fails before the weights load
+            model_config = _config_or_none(cfg.model)
+            if model_config is not None:
+                self.plan, planned = resolve_layout(cfg, model_config, self.device), True
         if model is None:
             model, tokenizer = load_model(cfg.model.name_or_path, lora=cfg.lora, dtype=cfg.model.dtype,
                                           device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code,
@@ -121,19 +139,12 @@ class GRPOTrainer:
                                           quant_exception_budget=cfg.model.quant_exception_budget,
                                           quant_calibration_text=cfg.model.quant_calibration_text)
         self.model, self.tokenizer = model, tokenizer
-        self.plan = None
-        resident = cfg.model.gpu_resident_layers
-        if self.device.type == "cuda" and cfg.model.offload_activations:  # the same plan `longrl plan` prints
-            free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_allocated(self.device)
-            self.plan = plan_for_config(cfg, base_model(model).config, free)
-            if cfg.train.micro_batch_tokens == 0:
-                cfg.train.micro_batch_tokens = self.plan.micro_batch_tokens
-            resident = resident or self.plan.gpu_resident_layers
-            log.info("memory plan:\n%s", self.plan.table())
-        self.offloader = (enable_offloaded_checkpointing(model, resident, reuse_attention=cfg.model.reuse_attention)
+        if not planned:  # the same plan `longrl plan` prints (memory/layout.py)
+            self.plan = resolve_layout(cfg, base_model(model).config, self.device)
+        self.offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
+                                                         reuse_attention=cfg.model.reuse_attention)
                           if cfg.model.offload_activations else None)
-        tile = cfg.train.mlp_tile_tokens  # None: the plan's (CUDA + offloading), 0: off
-        tile = getattr(self.plan, "mlp_tile_tokens", None) if tile is None else tile
+        tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
         if tile:
             enable_mlp_tiling(model, tile)
         if cfg.model.fused_layers and self.device.type == "cuda" and triton_available():
@@ -279,7 +290,8 @@ class GRPOTrainer:
             log.warning("longrl's sampler does not support %s: rollouts use transformers' generate", reason)
             return None
         budget = int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None
-        return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, cuda_graphs=gen.cuda_graphs,
+        return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, memory_cap_bytes=budget_bytes(self.cfg),
+                       kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
                        sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
                        nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections)
 

@@ -105,6 +105,10 @@ class ModelShape:
     def query_heads(self) -> int:
         return self.heads or max(1, self.q_dim // 128)
 
+    @property
+    def head_dim(self) -> int:
+        return self.q_dim // self.query_heads
+
     def saved_bytes_per_token(self, compute_bytes: int, reuse_attention: bool = False) -> int:
         """What offloaded checkpointing keeps per layer and token: the layer input, and with attention reuse the
         attention output and its float32 log-sum-exp per head."""
@@ -153,10 +157,14 @@ class Plan:
     parts_gpu_bytes: dict
     mlp_tile_tokens: int | None = None  # MLP sequence tile (memory/tiling.py); None: untiled
     rollout: "RolloutPlan | None" = None  # the sampler phase (plan_for_config sets it)
+    checkpointing: bool = True  # layers recomputed in backward (offloaded or plain); False: every activation kept
+    budget_bytes: int = 0  # the GPU memory planned for (train.gpu_memory_gib, or what was free)
 
     def table(self) -> str:
-        rows = [("micro-batch token budget", f"{self.micro_batch_tokens:,}"),
-                ("offloaded checkpointing", "yes" if self.offload else "no"),
+        rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
+        rows += [("micro-batch token budget", f"{self.micro_batch_tokens:,}"),
+                 ("activation checkpointing", "yes" if self.checkpointing else "no"),
+                 ("offloaded checkpointing", "yes" if self.offload else "no"),
                 ("layer inputs kept on GPU", str(self.gpu_resident_layers)),
                 ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}"),
                 ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
@@ -183,8 +191,11 @@ class RolloutPlan:
     parts_gpu_bytes: dict
 
 
-def kv_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
-    """Keys + values of one position in every layer."""
+def kv_bytes_per_token(shape: ModelShape, compute_bytes: int, fp8: bool = False) -> int:
+    """Keys + values of one position in every layer; ``fp8``: one byte an element plus a one-byte scale exponent
+    per key head (rollout/kv_quant.py)."""
+    if fp8:
+        return 2 * shape.layers * (shape.kv_dim + shape.kv_dim // shape.head_dim)
     return 2 * shape.layers * shape.kv_dim * compute_bytes
 
 
@@ -234,14 +245,16 @@ def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
 
 def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
                  weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
-                 prefill_tokens: int = 16384, nf4_scales: bool = False, trainable_base: bool = False) -> RolloutPlan:
+                 prefill_tokens: int = 16384, nf4_scales: bool = False, trainable_base: bool = False,
+                 kv_fp8: bool = False, kv_cache_bytes: int = 0) -> RolloutPlan:
     """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring).
     ``nf4_scales``: the NF4 decode product's float32 block scales (4 bytes per 64 base parameters, an upper bound:
     16-bit exceptions have none). ``trainable_base``: Adam's moments of every base weight stay through the rollout
-    (gradients are freed)."""
+    (gradients are freed). ``kv_fp8``: an FP8 KV cache (kv_bytes_per_token). ``kv_cache_bytes``: the KV budget the
+    user set (generation.kv_cache_gib; 0: what is left), a PlanError when more than is left."""
     n = prompts * G
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
-              kv_token=kv_bytes_per_token(shape, compute_bytes))
+              kv_token=kv_bytes_per_token(shape, compute_bytes, kv_fp8))
     fixed = {"base weights": int(shape.base_params() * weight_bytes),
              # float32 adapters + Adam's two moments, and the rollout's fused copy in the compute dtype
              "LoRA (+Adam, fused copy)": shape.lora_params(lora_r) * (4 * 3 + compute_bytes),
@@ -253,11 +266,17 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
     if trainable_base:
         fixed["base Adam moments"] = full_finetune_state_bytes(shape, weight_bytes, gradients=False, optimizer=True)
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
-    slots = max_rollout_slots(room, sequences=n, **kv)
+    if kv_cache_bytes > room:
+        raise PlanError(f"generation.kv_cache_gib={kv_cache_bytes / GIB:g} is more than the rollout has left after "
+                        f"weights and workspace ({max(room, 0) / GIB:.2f} GiB); lower it, or set it to 0 (the sampler "
+                        "takes what is left)")
+    slots = max_rollout_slots(kv_cache_bytes or room, sequences=n, **kv)
     if slots < 1:
         raise PlanError(f"the rollout cannot hold one sequence of {prompt_len + completion_len:,} tokens: "
                         f"{(prompt_len + completion_len) * kv['kv_token'] / GIB:.2f} GiB of KV cache, "
-                        f"{max(room, 0) / GIB:.2f} GiB left after weights and workspace")
+                        f"{max(room, 0) / GIB:.2f} GiB left after weights and workspace; shorten "
+                        "generation.max_completion_length" + ("" if kv_fp8 else ", or set generation.kv_cache_dtype=fp8")
+                        + ("" if weight_bytes < 2 else ", or use a 4-bit base (model.load_in_4bit=true)"))
     parts = {**fixed, "KV cache": rollout_kv_bytes(slots, **kv)}
     return RolloutPlan(n, slots, sum(parts.values()), parts)
 
@@ -456,7 +475,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                  for k, v in parts.items()}
     if gpu > usable:
         raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
-    return Plan(budget, resident, offload, chunk, gpu, host, parts, tile)
+    return Plan(budget, resident, offload, chunk, gpu, host, parts, tile, checkpointing=checkpointing or offload,
+                budget_bytes=gpu_free_bytes)
 
 
 def host_memory_bytes() -> int:
@@ -486,26 +506,55 @@ def logprob_kernel_applies(cfg, model_config) -> bool:
     return str(cfg.model.device) != "cpu" and not softcap and cfg.model.dtype != "float64"
 
 
+# the no-recompute layout's prediction is an estimate from the checkpointed terms (predict): the auto layout takes
+# it only when it fits in this fraction of the memory, else it recomputes (offloaded checkpointing)
+NO_RECOMPUTE_SHARE = 0.6
+
+
+def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[tuple[bool, bool]]:
+    """(offload, checkpointing) layouts to try, fastest first, for model.offload_activations and
+    model.gradient_checkpointing (None: the planner decides). Offloaded checkpointing keeps as many layer inputs on
+    the GPU as fit, so with room for all of them it is plain checkpointing without host traffic."""
+    if offload is not None:
+        return [(offload, bool(checkpointing) or offload)]
+    if checkpointing is False:
+        return [(False, False)]
+    return ([] if checkpointing else [(False, False)]) + [(True, True)]
+
+
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
-    """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt."""
+    """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt, in
+    ``gpu_free_bytes`` of GPU memory (train.gpu_memory_gib when set and smaller). The layout keys left null
+    (model.offload_activations, model.gradient_checkpointing) are chosen here: no recomputation when it fits in
+    NO_RECOMPUTE_SHARE of the memory, else offloaded checkpointing (layout_candidates)."""
     from ..ops.attention_backend import repeats_kv
 
+    if cfg.train.gpu_memory_gib > 0:
+        gpu_free_bytes = min(gpu_free_bytes, int(cfg.train.gpu_memory_gib * GIB))
     length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
     weight_bytes = compute = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
     shape = ModelShape.from_config(model_config)
     if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
         weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
-    plan = make_plan(shape, sequence_lengths=[length] * n,
-                     lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
-                     gpu_free_bytes=gpu_free_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
-                     offload=cfg.model.offload_activations, chunk=cfg.train.logprob_chunk_size,
-                     token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
-                     reuse_attention=cfg.model.reuse_attention,
-                     repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
-                     trainable_base=not cfg.lora.enabled,
-                     checkpointing=cfg.model.gradient_checkpointing or cfg.model.offload_activations,
-                     logprob_kernel=logprob_kernel_applies(cfg, model_config))
+    step = dict(sequence_lengths=[length] * n, lora_r=cfg.lora.r if cfg.lora.enabled else 0,
+                weight_bytes=weight_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
+                chunk=cfg.train.logprob_chunk_size, token_budget=cfg.train.micro_batch_tokens,
+                mlp_tile_tokens=cfg.train.mlp_tile_tokens, reuse_attention=cfg.model.reuse_attention,
+                repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
+                trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config))
+    candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
+    for i, (offload, checkpointing) in enumerate(candidates):
+        auto_no_recompute = len(candidates) > 1 and not checkpointing
+        room = int(gpu_free_bytes * NO_RECOMPUTE_SHARE) if auto_no_recompute else gpu_free_bytes
+        try:
+            plan = make_plan(shape, gpu_free_bytes=room, offload=offload, checkpointing=checkpointing, **step)
+        except PlanError:
+            if i == len(candidates) - 1:
+                raise
+            continue
+        plan.budget_bytes = gpu_free_bytes
+        break
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
@@ -516,5 +565,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                                     lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                                     compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
                                     nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,
-                                    trainable_base=not cfg.lora.enabled)
+                                    trainable_base=not cfg.lora.enabled,
+                                    kv_fp8=cfg.generation.kv_cache_dtype == "fp8",
+                                    kv_cache_bytes=int(cfg.generation.kv_cache_gib * GIB))
     return plan

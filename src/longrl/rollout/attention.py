@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import FP8, dequantize, quantize_reference, store_decode
+
 SAMPLER_ATTENTION = "longrl_sampler"
 
 
@@ -31,18 +33,79 @@ class KVCache:
     v_pre: torch.Tensor
     k_suf: torch.Tensor  # [L, S, Hkv, T, D]
     v_suf: torch.Tensor
+    # FP8 caches (k_pre ... v_suf float8_e4m3fn): the int8 scale exponent of each position and key head
+    # (rollout/kv_quant.py), and the decode step's keys/values before they are quantized into the slot store
+    k_pre_e: torch.Tensor | None = None  # [L, P, Hkv, Lp]
+    v_pre_e: torch.Tensor | None = None
+    k_suf_e: torch.Tensor | None = None  # [L, S, Hkv, T]
+    v_suf_e: torch.Tensor | None = None
+    k_stage: torch.Tensor | None = None  # [S, Hkv, 1, D] in the compute dtype
+    v_stage: torch.Tensor | None = None
+    stage_index: torch.Tensor | None = None  # [S] long zeros: position 0 of the stage
 
     @classmethod
     def allocate(cls, *, layers: int, kv_heads: int, head_dim: int, prefix_slots: int, prefix_len: int, slots: int,
-                 suffix_len: int, dtype: torch.dtype, device) -> "KVCache":
+                 suffix_len: int, dtype: torch.dtype, device, compute_dtype: torch.dtype | None = None) -> "KVCache":
+        """Zeroed stores; ``dtype`` float8_e4m3fn adds the scale exponents and the stage (``compute_dtype``)."""
         pre = (layers, prefix_slots, kv_heads, prefix_len, head_dim)
         suf = (layers, slots, kv_heads, suffix_len, head_dim)
-        return cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(pre, dtype=dtype, device=device),
-                   torch.zeros(suf, dtype=dtype, device=device), torch.zeros(suf, dtype=dtype, device=device))
+        cache = cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(pre, dtype=dtype, device=device),
+                    torch.zeros(suf, dtype=dtype, device=device), torch.zeros(suf, dtype=dtype, device=device))
+        if dtype == FP8:
+            exp = dict(dtype=torch.int8, device=device)
+            cache.k_pre_e, cache.v_pre_e = torch.zeros(pre[:-1], **exp), torch.zeros(pre[:-1], **exp)
+            cache.k_suf_e, cache.v_suf_e = torch.zeros(suf[:-1], **exp), torch.zeros(suf[:-1], **exp)
+            stage = dict(dtype=compute_dtype or torch.bfloat16, device=device)
+            cache.k_stage = torch.zeros(slots, kv_heads, 1, head_dim, **stage)
+            cache.v_stage = torch.zeros(slots, kv_heads, 1, head_dim, **stage)
+            cache.stage_index = torch.zeros(slots, dtype=torch.long, device=device)
+        return cache
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_suf_e is not None
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The per-slot stores [L, S, ...] (what moves with a slot)."""
+        return [t for t in (self.k_suf, self.v_suf, self.k_suf_e, self.v_suf_e) if t is not None]
+
+    def layer_exp(self, layer: int):
+        """(k_pre_e, v_pre_e, k_suf_e, v_suf_e) of ``layer``; None for a 16-bit or float32 cache."""
+        if not self.fp8:
+            return None
+        return self.k_pre_e[layer], self.v_pre_e[layer], self.k_suf_e[layer], self.v_suf_e[layer]
+
+    def nbytes_held(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+
+    def write_prefix(self, layer: int, entries: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [Pn, Hkv, W, D] into positions [0, W) of prefix entries ``entries`` [Pn]."""
+        width = key.shape[2]
+        if not self.fp8:
+            self.k_pre[layer, entries, :, :width] = key.to(self.k_pre.dtype)
+            self.v_pre[layer, entries, :, :width] = value.to(self.v_pre.dtype)
+            return
+        for x, store, exp in ((key, self.k_pre, self.k_pre_e), (value, self.v_pre, self.v_pre_e)):
+            q, e = quantize_reference(x)
+            store[layer, entries, :, :width] = q
+            exp[layer, entries, :, :width] = e
+
+    def write_decode(self, layer: int, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,
+                     use_triton: bool) -> None:
+        """key/value [B, Hkv, D] of slots 0..B−1 at their write_index [B]."""
+        if not self.fp8:
+            rows = torch.arange(key.shape[0], device=key.device)
+            self.k_suf[layer][rows, :, write_index] = key.to(self.k_suf.dtype)  # [B, Hkv, D] into [S, Hkv, T, D]
+            self.v_suf[layer][rows, :, write_index] = value.to(self.v_suf.dtype)
+            return
+        store_decode(key, value, self.k_suf[layer], self.v_suf[layer], self.k_suf_e[layer], self.v_suf_e[layer],
+                     write_index, use_triton)
 
     @staticmethod
     def nbytes(*, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
-        """Bytes of keys + values for ``tokens`` positions."""
+        """Bytes of keys + values for ``tokens`` positions (FP8: one byte an element and one a position and head)."""
+        if dtype == FP8:
+            return 2 * layers * kv_heads * (head_dim + 1) * tokens
         return 2 * layers * kv_heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
 
 
@@ -68,12 +131,15 @@ class DecodeMeta:
 
 
 def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
-                               members=None, prompt_len=None):
+                               members=None, prompt_len=None, kv_exp=None):
     """Plain PyTorch decode attention. q [B, Hq, D]; k_pre/v_pre [P, Hkv, Lp, D]; k_suf/v_suf [≥B, Hkv, T, D];
     prefix_index, prefix_len, suffix_len [B] (suffix_len: valid slot-store keys). Returns [B, Hq, D].
 
     With members [P, G] (slots of each prefix entry, −1: none) and prompt_len [P], the prefix of each slot is
-    found through that table, as the grouped Triton kernel finds it (a slot listed nowhere has no prefix)."""
+    found through that table, as the grouped Triton kernel finds it (a slot listed nowhere has no prefix).
+    kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache, dequantized first (kv_quant.dequantize)."""
+    if kv_exp is not None:
+        k_pre, v_pre, k_suf, v_suf = (dequantize(t, e) for t, e in zip((k_pre, v_pre, k_suf, v_suf), kv_exp))
     B, Hq, D = q.shape
     if members is not None:
         listed = members >= 0
@@ -106,18 +172,12 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache = meta.cache
     if isinstance(meta, PrefillMeta):
-        width = key.shape[2]
-        cache.k_pre[layer, meta.prompt_slots, :, :width] = key.to(cache.k_pre.dtype)
-        cache.v_pre[layer, meta.prompt_slots, :, :width] = value.to(cache.v_pre.dtype)
+        cache.write_prefix(layer, meta.prompt_slots, key, value)
         # right-padded rows: causal attention is exact for every real position (padding only follows it)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2), None
-    B = query.shape[0]
-    rows = torch.arange(B, device=query.device)
-    k_suf, v_suf = cache.k_suf[layer], cache.v_suf[layer]
-    k_suf[rows, :, meta.write_index] = key[:, :, 0].to(k_suf.dtype)  # [B, Hkv, D] into [S, Hkv, T, D]
-    v_suf[rows, :, meta.write_index] = value[:, :, 0].to(v_suf.dtype)
+    cache.write_decode(layer, key[:, :, 0], value[:, :, 0], meta.write_index, meta.use_triton)
     out = decode_attend(query[:, :, 0], layer, meta, scale)
     return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]
 
@@ -126,13 +186,14 @@ def decode_attend(q: torch.Tensor, layer: int, meta: DecodeMeta, scale: float) -
     """Attention of each sequence's new query q [B, Hq, D] over its prompt prefix and its slot-store keys (this
     step's key already written at write_index): [B, Hq, D]."""
     cache = meta.cache
-    args = (q.to(cache.k_suf.dtype), cache.k_pre[layer], cache.v_pre[layer], meta.prefix_index, meta.prefix_len,
-            cache.k_suf[layer], cache.v_suf[layer], meta.suffix_len, scale)
+    exp = cache.layer_exp(layer)
+    args = (q if exp is not None else q.to(cache.k_suf.dtype), cache.k_pre[layer], cache.v_pre[layer],
+            meta.prefix_index, meta.prefix_len, cache.k_suf[layer], cache.v_suf[layer], meta.suffix_len, scale)
     if meta.use_triton:
         from .decode_kernel import decode_attention_triton
 
-        return decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len)
-    return decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len)
+        return decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp)
+    return decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp)
 
 
 def register_sampler_attention() -> None:

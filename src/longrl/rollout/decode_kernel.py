@@ -34,22 +34,36 @@ COUNT0 = -8388608  # 0xFF800000
 
 
 @triton.jit
-def _fold_block(q, k_ptr, v_ptr, stride_t, first, end, m, l, acc, scale, D: tl.constexpr, DP: tl.constexpr,
-                BLOCK: tl.constexpr, PREC: tl.constexpr):
-    """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP]."""
+def _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, first, end, m, l, acc, scale, D: tl.constexpr,
+                DP: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+    """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP].
+    FP8: keys and values are e4m3 bits (uint8) with an int8 exponent per position at ke_ptr/ve_ptr (kv_quant.py),
+    widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t weighs v8_t."""
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
     ok = in_range[:, None] & (dims[None, :] < D)
-    k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
-    v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [R, BLOCK] float32
+    k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0)
+    v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0)
+    if FP8:
+        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        ek = tl.load(ke_ptr + t, mask=in_range, other=0).to(tl.int32)
+        ev = tl.load(ve_ptr + t, mask=in_range, other=0).to(tl.int32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * ((ek + 127) << 23).to(tl.float32, bitcast=True)[None, :]
+        s = s * scale  # [R, BLOCK] float32
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [R, BLOCK] float32
     s = tl.where(in_range[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
     p = tl.where(in_range[None, :], tl.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    if FP8:
+        pv = p * ((ev + 127) << 23).to(tl.float32, bitcast=True)[None, :]
+    else:
+        pv = p
+    acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
     return m_new, l, acc
 
 
@@ -60,26 +74,29 @@ DYNAMIC_STOP = type(_fold_block).__name__ != "InterpretedFunction"
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, stride_t, start, end, m, l, acc, scale, D: tl.constexpr, DP: tl.constexpr,
-            BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, DYNAMIC_STOP: tl.constexpr):
+def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start, end, m, l, acc, scale, D: tl.constexpr,
+            DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, DYNAMIC_STOP: tl.constexpr,
+            FP8: tl.constexpr):
     """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]. With
     DYNAMIC_STOP the loop ends at the last block with keys: a block past them leaves m, l and acc exactly as they
     are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions."""
     if DYNAMIC_STOP:
         for off in range(0, tl.minimum(end - start, CHUNK), BLOCK):
-            m, l, acc = _fold_block(q, k_ptr, v_ptr, stride_t, start + off, end, m, l, acc, scale, D, DP, BLOCK, PREC)
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start + off, end, m, l, acc, scale, D,
+                                    DP, BLOCK, PREC, FP8)
     else:
         for off in range(0, CHUNK, BLOCK):
-            m, l, acc = _fold_block(q, k_ptr, v_ptr, stride_t, start + off, end, m, l, acc, scale, D, DP, BLOCK, PREC)
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start + off, end, m, l, acc, scale, D,
+                                    DP, BLOCK, PREC, FP8)
     return m, l, acc
 
 
 @triton.jit
-def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
-                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_mem, NPART, NSUB,
-                   REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
+                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_epp, stride_eph, stride_mem, NPART,
+                   NSUB, REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr,
-                   DYNAMIC_STOP: tl.constexpr):
+                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr):
     """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
     sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
     [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
@@ -106,8 +123,9 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
-    m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, p_len, m, l, acc, scale, D, DP, BLOCK, PCHUNK,
-                        PREC, DYNAMIC_STOP)
+    ebase = p.to(tl.int64) * stride_epp + h * stride_eph
+    m, l, acc = _attend(q, KP + base, VP + base, KPE + ebase, VPE + ebase, stride_pt, start, p_len, m, l, acc, scale,
+                        D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -115,12 +133,13 @@ def _prefix_kernel(Q, KP, VP, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
 
 
 @triton.jit
-def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, scale,
-                  stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st, NPART,
+def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, KPE, VPE, KSE, VSE, scale,
+                  stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st,
+                  stride_epp, stride_eph, stride_esb, stride_esh, NPART,
                   FIRST, NPRE, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-                  CB: tl.constexpr, COUNT0: tl.constexpr):
+                  CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -155,13 +174,16 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
     if c < NPRE:
-        base = tl.load(PIDX + b).to(tl.int64) * stride_pp + h * stride_ph
-        m, l, acc = _attend(q, KP + base, VP + base, stride_pt, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
-                            PREC, DYNAMIC_STOP)
+        entry = tl.load(PIDX + b).to(tl.int64)
+        base = entry * stride_pp + h * stride_ph
+        ebase = entry * stride_epp + h * stride_eph
+        m, l, acc = _attend(q, KP + base, VP + base, KPE + ebase, VPE + ebase, stride_pt, start, end, m, l, acc,
+                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8)
     else:
         base = b.to(tl.int64) * stride_sb + h * stride_sh
-        m, l, acc = _attend(q, KS + base, VS + base, stride_st, start, end, m, l, acc, scale, D, DP, BLOCK, CHUNK,
-                            PREC, DYNAMIC_STOP)
+        ebase = b.to(tl.int64) * stride_esb + h * stride_esh
+        m, l, acc = _attend(q, KS + base, VS + base, KSE + ebase, VSE + ebase, stride_st, start, end, m, l, acc,
+                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8)
     hq = stride_qb // stride_qh  # query heads (q is contiguous)
     part = (b.to(tl.int64) * hq + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
@@ -233,8 +255,12 @@ def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int =
 
 
 def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
-                            members=None, prompt_len=None, launch: dict | None = None, fused_merge: bool = True):
+                            members=None, prompt_len=None, launch: dict | None = None, fused_merge: bool = True,
+                            kv_exp=None):
     """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D].
+
+    kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache (k_pre ... v_suf float8_e4m3fn) and its int8 scale
+    exponents [P, Hkv, Lp] / [S, Hkv, T] (kv_quant.py); q keeps its 16-bit (or float32) dtype.
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
@@ -246,6 +272,15 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
     T = k_suf.shape[2]
     q = q.contiguous()
+    fp8 = kv_exp is not None
+    if fp8:
+        k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
+        kpe, vpe, kse, vse = kv_exp
+        assert kpe.stride(2) == 1 and kse.stride(2) == 1, "the scale exponents run contiguously along positions"
+        e_strides = (kpe.stride(0), kpe.stride(1), kse.stride(0), kse.stride(1))
+    else:
+        kpe = vpe = kse = vse = q  # not read
+        e_strides = (0, 0, 0, 0)
     rep = Hq // Hkv
     DP = max(16, triton.next_power_of_2(D))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 caches (float32 models) keep float32 products
@@ -274,18 +309,18 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     if grouped and first:
         _prefix_kernel[(P, Hkv, first * n_sub)](
-            q, k_pre, v_pre, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
-            members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=D,
-            DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, num_warps=warps,
-            num_stages=stages)
+            q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
+            *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
+            R=max(16, triton.next_power_of_2(gs * rep)), D=D, DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec,
+            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, num_warps=warps, num_stages=stages)
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
-        float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), npart,
-        FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
+        kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *e_strides,
+        npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
         CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb, COUNT0=COUNT0,
-        num_warps=warps, num_stages=stages)
+        FP8=fp8, num_warps=warps, num_stages=stages)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out

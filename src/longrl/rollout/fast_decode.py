@@ -206,8 +206,15 @@ class FastDecoder:
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
             qkv, lora = self._project_folded(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x)
-            q = rotary_kv(*qkv, cos, sin, cache.k_suf[i], cache.v_suf[i], meta.write_index, tri, *qk_norms,
+            if cache.fp8:  # keys/values staged in the compute dtype, then quantized into the slot store
+                B = ids.shape[0]
+                k_at, v_at, idx = cache.k_stage[:B], cache.v_stage[:B], cache.stage_index[:B]
+            else:
+                k_at, v_at, idx = cache.k_suf[i], cache.v_suf[i], meta.write_index
+            q = rotary_kv(*qkv, cos, sin, k_at, v_at, idx, tri, *qk_norms,
                           eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6, lora=lora)  # [B, Hq, D]
+            if cache.fp8:
+                cache.write_decode(i, k_at[:, :, 0], v_at[:, :, 0], meta.write_index, tri)
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
             delta = self._project_group(i, "o_proj", [attn.o_proj], out.reshape(out.shape[0], -1))[0]
             norm = layer.post_attention_layernorm

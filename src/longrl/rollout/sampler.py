@@ -31,6 +31,7 @@ from ..policy import pad_right
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .fast_decode import FastDecoder
+from .kv_quant import FP8
 from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index, triton_available
 
@@ -72,13 +73,19 @@ class Sampler:
     (rollout/lora_fusion.py) instead of PEFT's per-layer forward. fast_decode: run decode steps of Llama-family
     models through rollout/fast_decode.py (fused elementwise kernels) instead of transformers' forward.
     pack_projections: with fast_decode, each layer's q/k/v and gate/up base weights (and their LoRA A rows) read by
-    one product a group during the rollout (FastDecoder.prepare_packing).
+    one product a group during the rollout (FastDecoder.prepare_packing). memory_cap_bytes: the run's GPU budget
+    (train.gpu_memory_gib): the KV cache takes at most what it leaves. kv_cache_dtype: "bf16" keeps keys/values
+    in the compute dtype, "fp8" in e4m3 with a scale per position and key head (rollout/kv_quant.py).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
-                 nf4_kernel: bool = False, pack_projections: bool = True):
+                 nf4_kernel: bool = False, pack_projections: bool = True, memory_cap_bytes: int | None = None,
+                 kv_cache_dtype: str = "bf16"):
+        if kv_cache_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
+        self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
         self.backbone, self.head, self.logit_spec = model_parts(model)
@@ -160,6 +167,8 @@ class Sampler:
 
     @property
     def cache_dtype(self) -> torch.dtype:
+        if self.kv_fp8:
+            return FP8
         w = self.head.weight.dtype
         return w if w in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
@@ -185,7 +194,7 @@ class _Run:
         self.S, self.P = self._capacity()
         dims = dict(layers=sampler.layers, kv_heads=sampler.kv_heads, head_dim=sampler.head_dim)
         self.cache = KVCache.allocate(**dims, prefix_slots=self.P, prefix_len=self.Lp, slots=self.S, suffix_len=self.T,
-                                      dtype=sampler.cache_dtype, device=dev)
+                                      dtype=sampler.cache_dtype, device=dev, compute_dtype=sampler.compute_dtype)
         S, long = self.S, dict(dtype=torch.long, device=dev)
         self.cur_tok, self.position = torch.zeros(S, **long), torch.zeros(S, **long)
         self.prefix_index, self.prefix_len = torch.zeros(S, **long), torch.zeros(S, **long)
@@ -215,7 +224,7 @@ class _Run:
         self.free_prefix = list(range(self.P))
         self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.N
         self.stats = {"slots": S, "prefix_slots": self.P, "decode_steps": 0, "prefills": 0, "compactions": 0,
-                      "kv_cache_bytes": sum(t.numel() * t.element_size() for t in vars(self.cache).values())}
+                      "kv_cache_bytes": self.cache.nbytes_held()}
 
     # ------------------------------------------------------------------------------------------ sizing
     def _capacity(self) -> tuple[int, int]:
@@ -228,6 +237,8 @@ class _Run:
         if budget is None and s.device.type == "cuda":
             free = torch.cuda.mem_get_info(s.device)[0]
             free += torch.cuda.memory_reserved(s.device) - torch.cuda.memory_allocated(s.device)
+            if s.memory_cap_bytes is not None:  # the allocator is capped there: what the budget leaves
+                free = min(free, s.memory_cap_bytes - torch.cuda.memory_allocated(s.device))
             budget = int(0.9 * free) - self._workspace_bytes()
         prompts = len(self.prompts)
         shape = dict(prompts=prompts, G=self.G, prompt_len=self.Lp, completion_len=self.T, kv_token=kv_token)
@@ -241,7 +252,7 @@ class _Run:
     def _workspace_bytes(self) -> int:
         s = self.s
         shape = ModelShape.from_config(base_model(s.model).config)
-        itemsize = torch.empty((), dtype=s.cache_dtype).element_size()
+        itemsize = torch.empty((), dtype=s.compute_dtype).element_size()
         prefill = prefill_forward_tokens(s.prefill_tokens, len(self.prompts), self.Lp)
         return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.N, prefill, itemsize)
 
@@ -463,7 +474,7 @@ class _Run:
         dev = self.s.device
         src = torch.tensor(occupied, device=dev)
         dst = torch.arange(len(occupied), device=dev)
-        for buf in (self.cache.k_suf, self.cache.v_suf):
+        for buf in self.cache.slot_tensors():
             buf[:, dst] = buf[:, src]
         tensors = [self.cur_tok, self.position, self.prefix_index, self.prefix_len, self.write_index, self.gen_count,
                    self.active, self.tokens, self.logps, self.seq_id] + ([self.seen] if self.seen is not None else [])

@@ -1,0 +1,118 @@
+"""FP8 (e4m3) keys and values for the sampler's KV cache, with a power-of-two scale per position and key head.
+
+A row x [D] (one position of one key head) is stored as q = fp8(clamp(x · 2^−e, ±448)) [D] and e [1] (int8):
+
+    e = the smallest integer with max|x| ≤ 448 · 2^e,  from the bits of a = max|x| = m · 2^E (1 ≤ m < 2):
+        e = E − 8 + [m > 1.75]                        (448 = 1.75 · 2^8), clamped to [−EXP_LIMIT, EXP_LIMIT]
+
+and read back as x̂ = float(q) · 2^e. Scaling by a power of two is exact in float32, so the only rounding is e4m3's
+(3 mantissa bits: |x̂ − x| ≤ 2^−4 |x| for normal values, 2^−9 · 2^e absolute below them), and the kernel and its
+twin compute e and q bit for bit alike (integer arithmetic on the float32 bits; the cast rounds to nearest even).
+Per position: D bytes + 1 exponent byte, against 2 D for bf16 ((D + 1) / 2D of the bytes: 0.504 at D = 128).
+
+:func:`store_decode` is the decode step's write (a Triton kernel on CUDA, one program per row and key head);
+:func:`quantize_reference` its PyTorch twin (and the prefill's write).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import triton_available
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+EXP_LIMIT = 120  # |e| bound: 2^±e stays a normal float32 (and far past any key or value magnitude)
+
+
+def exponent_reference(amax: torch.Tensor) -> torch.Tensor:
+    """e (int32) with amax ≤ 448 · 2^e, the smallest such, from amax's float32 bits (module docstring)."""
+    bits = amax.float().contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return e.clamp(-EXP_LIMIT, EXP_LIMIT)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for integer e within ±EXP_LIMIT (built from its bits: exact)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] → (q [..., D] float8_e4m3fn, e [...] int8): x ≈ float(q) · 2^e per row."""
+    xf = x.float()
+    e = exponent_reference(xf.abs().amax(-1))
+    q = (xf * pow2(-e)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, e.to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """float32 float(q) · 2^e: q [..., D] float8_e4m3fn, e [...] int8."""
+    return q.float() * pow2(e)[..., None]
+
+
+def store_reference(k, v, k_cache, v_cache, k_exp, v_exp, write_index) -> None:
+    """k, v [B, Hkv, D] into row write_index[b] of slot b: k_cache, v_cache [S, Hkv, T, D] fp8, k_exp, v_exp
+    [S, Hkv, T] int8."""
+    rows = torch.arange(k.shape[0], device=k.device)
+    for x, cache, exp in ((k, k_cache, k_exp), (v, v_cache, v_exp)):
+        q, e = quantize_reference(x)
+        cache[rows, :, write_index] = q
+        exp[rows, :, write_index] = e
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quantize_row(x, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
+        """(q bits [DP] uint8, e int32) of one row x [DP] float32 (masked lanes 0): the twin's arithmetic."""
+        amax = tl.max(tl.abs(x), 0)
+        bits = amax.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, -EXP_LIMIT), EXP_LIMIT)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^−e
+        y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
+        return _round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True), e
+
+    @triton.jit
+    def _round_e4m3(y):
+        """y (|y| ≤ 448, float32) rounded to the nearest e4m3 value, ties to even, still in float32, so that the cast
+        after it is exact (Triton's interpreter rounds a carry out of the 3-bit mantissa down an octave): normal
+        values (≥ 2^−6) keep 3 mantissa bits, subnormal ones become multiples of 2^−9."""
+        bits = y.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # low 20 bits cleared
+        sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # 1.5 · 2^23: rounds to an integer, to even
+        return tl.where(tl.abs(y) >= 0.015625, normal, sub)
+
+    @triton.jit
+    def _store_kernel(K, V, KC, VC, KE, VE, WIDX, stride_kb, stride_kh, stride_vb, stride_vh,
+                      stride_cs, stride_ch, stride_ct, stride_es, stride_eh, D: tl.constexpr, DP: tl.constexpr,
+                      FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
+        """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        dims = tl.arange(0, DP)
+        ok = dims < D
+        t = tl.load(WIDX + b)
+        k = tl.load(K + b * stride_kb + h * stride_kh + dims, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(V + b * stride_vb + h * stride_vh + dims, mask=ok, other=0.0).to(tl.float32)
+        kq, ke = _quantize_row(k, FP8_MAX, EXP_LIMIT)
+        vq, ve = _quantize_row(v, FP8_MAX, EXP_LIMIT)
+        cell = b * stride_cs + h * stride_ch + t * stride_ct
+        tl.store(KC + cell + dims, kq, mask=ok)
+        tl.store(VC + cell + dims, vq, mask=ok)
+        tl.store(KE + b * stride_es + h * stride_eh + t, ke.to(tl.int8))
+        tl.store(VE + b * stride_es + h * stride_eh + t, ve.to(tl.int8))
+
+
+def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: bool) -> None:
+    """store_reference's result; through the Triton kernel when ``use_triton`` (one launch for k and v)."""
+    if not use_triton:
+        store_reference(k, v, k_cache, v_cache, k_exp, v_exp, write_index)
+        return
+    B, H, D = k.shape
+    kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    _store_kernel[(B, H)](k, v, kc, vc, k_exp, v_exp, write_index, k.stride(0), k.stride(1), v.stride(0),
+                          v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), k_exp.stride(0), k_exp.stride(1),
+                          D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT, num_warps=1)
