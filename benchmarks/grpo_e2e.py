@@ -76,7 +76,9 @@ def run_loop(args, root: Path) -> dict:
     lora = LoraConfig(r=32, alpha=64.0, dropout=0.0)
     model = apply_lora(model, lora)
     cfg = Config()
-    cfg.model.offload_activations, cfg.model.device = True, "cuda"
+    cfg.model.offload_activations = None if args.auto_layout else True  # None: the planner decides
+    cfg.model.device = "cuda"
+    cfg.train.gpu_memory_gib, cfg.generation.kv_cache_dtype = args.gpu_memory_gib, args.kv_cache_dtype
     cfg.model.load_in_4bit = args.load_in_4bit  # the planner counts NF4 bytes
     cfg.generation.nf4_kernel = args.nf4_kernel
     cfg.lora = lora
@@ -88,6 +90,9 @@ def run_loop(args, root: Path) -> dict:
     cfg.output.output_dir, cfg.output.progress_bar, cfg.output.tensorboard = str(root / "run"), False, False
     cfg.output.log_completions = 0
     validate(cfg)
+    if args.gpu_memory_gib:  # the weights were built (and quantized) before the trainer caps the allocator
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() <= args.gpu_memory_gib * GIB, "weights alone exceed the budget"
     torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
     history = trainer.train()  # metrics.jsonl in the run dir has every step's phases as they finish
@@ -108,7 +113,18 @@ def run_loop(args, root: Path) -> dict:
     kv_gib = trainer.rollout_sampler.last_stats.get("kv_cache_bytes", 0) / GIB
     resident_gib = sum(t.numel() * t.element_size() for t in model.parameters()) / GIB  # base + LoRA weights
     train_peak = max(phases["reference"]["peak_gib"], phases["update"]["peak_gib"])
-    return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, weights_gib=resident_gib,
+    cap = None
+    if args.gpu_memory_gib:  # the cap the trainer set (an allocation past it raises): read back from the allocator
+        probe = int((args.gpu_memory_gib + 1) * GIB)
+        try:
+            torch.empty(probe, dtype=torch.uint8, device=dev)
+            cap = "NOT enforced: an allocation past the budget succeeded"
+        except torch.OutOfMemoryError:
+            cap = "enforced: an allocation past the budget raised out-of-memory"
+    sampler_metrics = {k: v for k, v in last.items() if k.startswith("sampler/")}
+    return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, weights_gib=resident_gib, cap=cap,
+                sampler_metrics=sampler_metrics, layout=dict(offload=cfg.model.offload_activations,
+                                                             checkpointing=cfg.model.gradient_checkpointing),
                 kv_cache_gib=kv_gib, training_peak_gib=train_peak,
                 rollout_over_weights_kv=phases["generation"]["peak_gib"] / (resident_gib + kv_gib),
                 step_over_max_phase=step_peak / max(phases["generation"]["peak_gib"], train_peak),
@@ -290,7 +306,15 @@ def main() -> None:
                     help="NF4 base with dynamic 16-bit exceptions (longrl only); files get _4bit")
     ap.add_argument("--nf4-kernel", action="store_true", help="with --load-in-4bit: generation.nf4_kernel (decode "
                     "products read the NF4 weight directly); files get _nf4k")
+    ap.add_argument("--gpu-memory-gib", type=float, default=0.0, help="train.gpu_memory_gib: the run's budget (the "
+                    "planner, the KV cache and the allocator's cap); files get _capN")
+    ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="generation.kv_cache_dtype; "
+                    "fp8: files get _kvfp8")
+    ap.add_argument("--auto-layout", action="store_true", help="leave model.offload_activations null (the planner "
+                    "decides) instead of pinning offloaded checkpointing")
     args = ap.parse_args()
+    args.tag = (f"_cap{args.gpu_memory_gib:g}" if args.gpu_memory_gib else "") + (
+        "_kvfp8" if args.kv_cache_dtype == "fp8" else "") + args.tag
     if args.nf4_kernel and not args.load_in_4bit:
         ap.error("--nf4-kernel needs --load-in-4bit")
     if args.load_in_4bit:
@@ -373,6 +397,10 @@ def write(args, r: dict, smoke: dict) -> None:
                      **r.get("sampler_stats", {})})
               + f" Training: fused RMSNorm/SiLU·up/rotary attention modules {r.get('fused_layers', 0)}, fused LoRA in the update "
               f"{r.get('fused_lora_training', False)}.",
+              "", f"Budget: train.gpu_memory_gib = {args.gpu_memory_gib or 'none'}; allocator cap "
+              f"{r.get('cap') or 'none'}. KV cache dtype {args.kv_cache_dtype}; layout "
+              f"{'auto (planner)' if args.auto_layout else 'offloading pinned'}: {r.get('layout')}. "
+              f"Sampler/trainer mismatch: {r.get('sampler_metrics')}.",
               "", "Plan:", "", "```", r["plan"] or "", "```"]
     if r.get("quantization"):
         lines += ["", "```", *r["quantization"], "```"]

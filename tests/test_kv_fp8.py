@@ -10,6 +10,7 @@ import torch
 from interpreter import run_interpreted
 
 from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
+from longrl.ops.rollout_correction import rollout_correction_weights
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.attention import KVCache, decode_attention_reference
 from longrl.rollout.kv_quant import FP8, FP8_MAX, dequantize, pow2, quantize_reference
@@ -143,6 +144,24 @@ def test_fp8_rollouts_log_probs_within_tolerance_and_slot_moves_keep_the_scales(
         diffs.append((torch.tensor(lps) - want).abs())
     d = torch.cat(diffs)
     assert 0 < float(d.mean()) <= LOGP_MEAN and float(d.max()) <= LOGP_MAX, (float(d.mean()), float(d.max()))
+    # the rollout correction (token_truncate at its default cap of 2) leaves every weight uncapped: e^0.15 < 2
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # noqa: E731
+    sampler_lp = pad([torch.tensor(lp) for lp in wide.logprobs])
+    trainer_lp = pad([torch.tensor(lp) - sd for lp, sd in zip(wide.logprobs, _signed(wide, model))])
+    mask = pad([torch.ones(len(c)) for c in wide.completion_ids])
+    w, stats = rollout_correction_weights(trainer_lp, sampler_lp, mask, "token_truncate", cap=2.0)
+    assert float(w.max()) <= 2.0 and stats["sampler/is_weight_changed"] == 0.0
+    assert stats["sampler/logp_abs_diff"] == pytest.approx(float(d.mean()), rel=1e-4)
+
+
+def _signed(rollout, model):
+    """Per completion: sampler log-prob − the model's own, token by token."""
+    out = []
+    for p, c, lps in zip(rollout.prompt_ids, rollout.completion_ids, rollout.logprobs):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0].float(), -1)
+        out.append(torch.tensor(lps) - logp[len(p) - 1:len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None])[:, 0])
+    return out
 
 
 def test_fp8_cache_holds_twice_the_sequences_in_the_same_bytes():

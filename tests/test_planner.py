@@ -331,3 +331,133 @@ def test_the_log_prob_row_kernels_are_planned_where_they_run():
     _, _, parts = predict(LLAMA_8B, tokens=8192, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024,
                           logprob_kernel=True)
     assert parts["log-prob backward"] == kernels
+
+
+# ----------------------------------------------------------------------------- the auto layout and the GPU budget
+
+def _run_cfg(*overrides):
+    from longrl.config import load_config
+
+    return load_config(overrides=["model.dtype=bfloat16", "lora.r=32", "data.max_prompt_length=512",
+                                  "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]", *overrides])
+
+
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256)
+
+
+def test_auto_layout_recomputes_only_when_it_must():
+    """Null layout keys: a short job with room to spare keeps every activation (no recompute); the 8B 20K job
+    offloads; pinned keys are taken as they are."""
+    from longrl.memory.planner import NO_RECOMPUTE_SHARE, layout_candidates, plan_for_config
+
+    assert layout_candidates(None, None) == [(False, False), (True, True)]
+    assert layout_candidates(None, True) == [(True, True)] and layout_candidates(None, False) == [(False, False)]
+    assert layout_candidates(False, None) == [(False, False)] and layout_candidates(False, True) == [(False, True)]
+    assert layout_candidates(True, None) == [(True, True)]
+    short = plan_for_config(_run_cfg("generation.max_completion_length=512", "train.prompts_per_step=2"),
+                            _llama_config(), 139 * GIB, 500 * GIB)
+    assert not short.checkpointing and not short.offload
+    assert short.predicted_gpu_bytes <= NO_RECOMPUTE_SHARE * 139 * GIB * 0.92
+    long = plan_for_config(_run_cfg("generation.max_completion_length=19968", "train.prompts_per_step=1"),
+                           _llama_config(), 139 * GIB, 500 * GIB)
+    assert long.checkpointing and long.offload and long.micro_batch_tokens == 20480
+    pinned = plan_for_config(_run_cfg("generation.max_completion_length=512", "train.prompts_per_step=2",
+                                      "model.gradient_checkpointing=true", "model.offload_activations=false"),
+                             _llama_config(), 139 * GIB, 500 * GIB)
+    assert pinned.checkpointing and not pinned.offload
+
+
+@pytest.mark.parametrize("fourbit,gib", [(True, 22), (False, 40)])
+def test_budget_caps_every_phase_of_the_8b_20k_job(fourbit, gib):
+    """train.gpu_memory_gib: the plan is made for the budget, not for the (larger) free memory, and both phases'
+    predictions stay inside it; in 22 GiB the 20K rollout runs fewer sequences at once with a bf16 cache and all 8
+    with FP8."""
+    from longrl.memory.planner import plan_for_config
+
+    overrides = ["generation.max_completion_length=19968", "train.prompts_per_step=1", f"train.gpu_memory_gib={gib}",
+                 f"model.load_in_4bit={str(fourbit).lower()}"]
+    bf16 = plan_for_config(_run_cfg(*overrides), _llama_config(), 139 * GIB, 500 * GIB)
+    fp8 = plan_for_config(_run_cfg(*overrides, "generation.kv_cache_dtype=fp8"), _llama_config(), 139 * GIB, 500 * GIB)
+    for plan in (bf16, fp8):
+        assert plan.budget_bytes == gib * GIB and plan.offload
+        assert max(plan.predicted_gpu_bytes, plan.rollout.predicted_gpu_bytes) <= gib * GIB
+    assert fp8.rollout.slots == 8
+    assert 1 <= bf16.rollout.slots < 8 if gib == 22 else bf16.rollout.slots == 8  # 40 GiB: 15 + 19.6 GiB KV fit
+    uncapped = plan_for_config(_run_cfg(*overrides[:2], f"model.load_in_4bit={str(fourbit).lower()}"),
+                               _llama_config(), 139 * GIB, 500 * GIB)
+    assert uncapped.rollout.slots == 8 and uncapped.gpu_resident_layers >= bf16.gpu_resident_layers
+
+
+def test_budget_that_cannot_fit_names_the_way_out():
+    from longrl.memory.planner import plan_for_config
+
+    with pytest.raises(PlanError, match="load_in_4bit=true.*raise train.gpu_memory_gib"):
+        plan_for_config(_run_cfg("generation.max_completion_length=19968", "train.prompts_per_step=1",
+                                 "train.gpu_memory_gib=18"), _llama_config(), 139 * GIB, 500 * GIB)
+    with pytest.raises(PlanError, match="kv_cache_dtype=fp8"):  # the rollout of one 20K sequence in 16-bit
+        plan_rollout(LLAMA_8B, prompts=1, G=8, prompt_len=512, completion_len=19968, lora_r=32, weight_bytes=0.75,
+                     compute_bytes=2, gpu_free_bytes=9 * GIB)
+    with pytest.raises(PlanError, match="kv_cache_gib=30 is more than"):
+        plan_for_config(_run_cfg("generation.max_completion_length=19968", "train.prompts_per_step=1",
+                                 "train.gpu_memory_gib=40", "generation.kv_cache_gib=30"), _llama_config(),
+                        139 * GIB, 500 * GIB)
+
+
+def test_trainer_fails_before_the_model_loads_and_fills_the_layout_from_the_plan(monkeypatch, tmp_path):
+    """On CUDA (faked: the plan needs only the model's config) the trainer plans from the config before loading
+    weights: a job that cannot fit raises PlanError without loading; one that fits gets the plan's layout."""
+    import torch
+
+    from longrl import trainer as tr
+    from longrl.memory import layout
+
+    path = _llama_dir(tmp_path)
+    loads = []
+    monkeypatch.setattr(tr, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(tr, "cap_allocator", lambda cfg, device: None)
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        loads.append(1)
+        raise Loaded
+
+    monkeypatch.setattr(tr, "load_model", load_model)
+    monkeypatch.setattr(layout, "usable_gpu_bytes", lambda cfg, device: min(139 * GIB, layout.budget_bytes(cfg) or 1e15))
+    base = [f"model.name_or_path={path}", "generation.max_completion_length=19968", "train.prompts_per_step=1",
+            f"output.output_dir={tmp_path / 'out'}"]
+    with pytest.raises(PlanError):
+        tr.GRPOTrainer(_run_cfg(*base, "train.gpu_memory_gib=12"))
+    assert not loads
+    cfg = _run_cfg(*base, "train.gpu_memory_gib=40")
+    with pytest.raises(Loaded):
+        tr.GRPOTrainer(cfg)
+    assert loads and cfg.model.offload_activations is True and cfg.model.gradient_checkpointing is False
+    assert cfg.train.micro_batch_tokens == 20480 and 0 < cfg.model.gpu_resident_layers <= 32
+
+
+def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path):
+    """On the CPU nothing is planned: the demo with its layout keys null (the defaults) trains exactly as with
+    them pinned off, and the keys resolve to off."""
+    from longrl.config import load_config
+    from longrl.demo import demo_config
+    from longrl.reporting import read_metrics
+    from longrl.trainer import GRPOTrainer
+
+    quick = ["train.max_steps=3", "train.prompts_per_step=4", "grpo.num_generations=4", "output.progress_bar=false",
+             "output.tensorboard=false", "output.logging_steps=1"]
+    runs = {}
+    for name, keys in (("auto", []), ("pinned", ["model.gradient_checkpointing=false",
+                                                 "model.offload_activations=false", "train.mlp_tile_tokens=0"])):
+        cfg = load_config(None, quick + keys + [f"output.output_dir={tmp_path / name}"], base=demo_config())
+        trainer = GRPOTrainer(cfg)
+        assert trainer.plan is None and cfg.model.offload_activations is False
+        assert cfg.model.gradient_checkpointing is False
+        trainer.train()
+        runs[name] = [{k: v for k, v in m.items() if not k.endswith("time_s")} for m in read_metrics(tmp_path / name)]
+    assert len(runs["auto"]) == 3 and runs["auto"] == runs["pinned"]

@@ -266,7 +266,7 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
     if trainable_base:
         fixed["base Adam moments"] = full_finetune_state_bytes(shape, weight_bytes, gradients=False, optimizer=True)
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
-    if kv_cache_bytes > room:
+    if kv_cache_bytes and kv_cache_bytes > room:
         raise PlanError(f"generation.kv_cache_gib={kv_cache_bytes / GIB:g} is more than the rollout has left after "
                         f"weights and workspace ({max(room, 0) / GIB:.2f} GiB); lower it, or set it to 0 (the sampler "
                         "takes what is left)")
@@ -544,6 +544,31 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
                 trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config))
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
+    try:
+        plan = _first_fitting(shape, candidates, gpu_free_bytes, step)
+        if cfg.generation.backend == "longrl":
+            plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step, G=cfg.grpo.num_generations,
+                                        prompt_len=cfg.data.max_prompt_length,
+                                        completion_len=cfg.generation.max_completion_length,
+                                        lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
+                                        compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
+                                        nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,
+                                        trainable_base=not cfg.lora.enabled,
+                                        kv_fp8=cfg.generation.kv_cache_dtype == "fp8",
+                                        kv_cache_bytes=int(cfg.generation.kv_cache_gib * GIB))
+    except PlanError as e:
+        if cfg.train.gpu_memory_gib > 0:
+            raise PlanError(f"{e}, or raise train.gpu_memory_gib (now {cfg.train.gpu_memory_gib:g})") from None
+        raise
+    if cfg.model.load_in_4bit:
+        plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
+                                for k, v in plan.parts_gpu_bytes.items()}
+    return plan
+
+
+def _first_fitting(shape: ModelShape, candidates: list, gpu_free_bytes: int, step: dict) -> Plan:
+    """make_plan's plan for the first layout of ``candidates`` that fits (the last one's PlanError if none does);
+    the no-recompute layout, when the planner chooses, within NO_RECOMPUTE_SHARE of the memory."""
     for i, (offload, checkpointing) in enumerate(candidates):
         auto_no_recompute = len(candidates) > 1 and not checkpointing
         room = int(gpu_free_bytes * NO_RECOMPUTE_SHARE) if auto_no_recompute else gpu_free_bytes
@@ -554,18 +579,5 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 raise
             continue
         plan.budget_bytes = gpu_free_bytes
-        break
-    if cfg.model.load_in_4bit:
-        plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
-                                for k, v in plan.parts_gpu_bytes.items()}
-    if cfg.generation.backend == "longrl":
-        plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step, G=cfg.grpo.num_generations,
-                                    prompt_len=cfg.data.max_prompt_length,
-                                    completion_len=cfg.generation.max_completion_length,
-                                    lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
-                                    compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
-                                    nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,
-                                    trainable_base=not cfg.lora.enabled,
-                                    kv_fp8=cfg.generation.kv_cache_dtype == "fp8",
-                                    kv_cache_bytes=int(cfg.generation.kv_cache_gib * GIB))
-    return plan
+        return plan
+    raise AssertionError("no layout candidates")

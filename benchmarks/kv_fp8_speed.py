@@ -1,0 +1,154 @@
+"""FP8 KV cache (generation.kv_cache_dtype=fp8) against the bf16 cache, on the GPU, in one run:
+
+1. decode attention alone, one layer, Llama-3.1-8B heads (32/8 × 128), P prompts × G of prefix Lp + suffix s: the
+   Triton kernel on a bf16 cache and on its FP8 quantization (CUDA-graph timed), each one's error against the
+   float32 reference on the unquantized keys/values (‖Δ‖ / ‖o‖), and the cache bytes;
+2. whole-model decode at long sequences: the 8B shape (random weights, LoRA r=32), P prompts × G of a
+   --long-prompt-token prompt, longrl's sampler with each cache; decode seconds a step from two rollouts of
+   --short and --long new tokens (the difference: prefill and graph capture cancel), the KV cache each allocates,
+   and how many sequences each cache holds in the same bytes (memory/planner.py's rollout arithmetic).
+
+    python benchmarks/kv_fp8_speed.py                        # 2 × 8, suffixes 1,024 / 8,192 / 16,384; 16K decode
+    python benchmarks/kv_fp8_speed.py --no-model             # the attention part alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from results_io import graph_seconds, run_meta, write_result  # noqa: E402
+
+from longrl.rollout.attention import decode_attention_reference  # noqa: E402
+from longrl.rollout.kv_quant import quantize_reference  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    B = P * G
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    raw = [mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)]
+    q = mk(B, Hq, D)
+    pidx = torch.arange(B, device=dev) // G
+    lens = (torch.full((B,), Lp, device=dev), torch.full((B,), s, device=dev))
+    kw = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
+    quant = [quantize_reference(t) for t in raw]
+    codes, exps = [c for c, _ in quant], tuple(e for _, e in quant)
+    bf16_args = (q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5)
+    fp8_args = (q, codes[0], codes[1], pidx, lens[0], codes[2], codes[3], lens[1], D ** -0.5)
+    bf16 = lambda: decode_attention_triton(*bf16_args, **kw)  # noqa: E731
+    fp8 = lambda: decode_attention_triton(*fp8_args, **kw, kv_exp=exps)  # noqa: E731
+    row = dict(P=P, G=G, Lp=Lp, suffix=s)
+    if B * (Lp + s) <= 2 ** 20:  # the float32 reference materializes [B, Hkv, Lp + s, D]
+        ref = decode_attention_reference(q.float(), *[t.float() for t in raw[:2]], pidx, lens[0],
+                                         *[t.float() for t in raw[2:]], lens[1], D ** -0.5)
+        twin = decode_attention_reference(*fp8_args, **kw, kv_exp=exps).float()
+        rel = lambda o: float((o.float() - ref).norm() / ref.norm())  # noqa: E731
+        row.update(bf16_rel_err=rel(bf16()), fp8_rel_err=rel(fp8()),
+                   fp8_kernel_vs_twin_max_abs=float((fp8().float() - twin).abs().max()))
+    if timed:
+        row.update(bf16_us=graph_seconds(bf16) * 1e6, fp8_us=graph_seconds(fp8) * 1e6)
+        row["speedup"] = row["bf16_us"] / row["fp8_us"]
+    row["bf16_kv_mb"] = 2 * Hkv * D * 2 * (P * Lp + B * s) / 1e6
+    row["fp8_kv_mb"] = 2 * Hkv * (D + 1) * (P * Lp + B * s) / 1e6
+    return row
+
+
+def model_decode(args, dev) -> dict:
+    """Decode seconds a step at --long-prompt + new tokens with each cache (8B shape, random weights, LoRA)."""
+    import trl_baseline as tb
+
+    from longrl.config import LoraConfig
+    from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
+    from longrl.models import apply_lora
+    from longrl.rollout import Sampler, SamplingParams
+
+    model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
+    model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
+               for _ in range(args.prompts)]
+    out = {}
+    for dtype in ("bf16", "fp8"):
+        sampler = Sampler(model, None, kv_cache_dtype=dtype)
+        times = {}
+        for n in (args.short, args.long):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            r = sampler.generate(prompts, args.G, SamplingParams(max_new_tokens=n, seed=1))
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - start
+            assert all(len(c) == n for c in r.completion_ids)  # random weights: no EOS in the vocabulary's noise
+        step = (times[args.long] - times[args.short]) / (args.long - args.short)
+        out[dtype] = dict(step_ms=step * 1e3, tokens_per_s=args.prompts * args.G / step, seconds=times,
+                          kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"])
+        del sampler
+        torch.cuda.empty_cache()
+    out["speedup"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
+    shape = ModelShape.from_config(model.config)
+    kv = dict(prompts=8, G=args.G, prompt_len=512, completion_len=16384)
+    out["sequences_in_20_gib"] = {d: max_rollout_slots(20 * GIB, sequences=64, **kv,
+                                                       kv_token=kv_bytes_per_token(shape, 2, d == "fp8"))
+                                  for d in ("bf16", "fp8")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-suffix", type=int, default=16384)
+    ap.add_argument("--suffix", default="1024,8192,16384")
+    ap.add_argument("--long-prompt", type=int, default=16128, help="prompt tokens of the whole-model decode")
+    ap.add_argument("--short", type=int, default=64)
+    ap.add_argument("--long", type=int, default=320)
+    ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kv_fp8_speed.py times CUDA kernels; no GPU here")
+    dev = torch.device("cuda")
+    rows = [attention_case(args.prompts, args.G, 32, 8, 128, args.prompt_len, args.max_suffix, int(s), dev)
+            for s in args.suffix.split(",")]
+    small = attention_case(2, 4, 32, 8, 128, 77, 1500, 1300, dev, timed=False)  # errors at a size the
+    for r in rows + [small]:  # reference can hold
+        print(r, flush=True)
+    decode = None if args.no_model else model_decode(args, dev)
+    print(decode, flush=True)
+    meta = run_meta()
+    lines = [f"# FP8 KV cache vs bf16, Llama-3.1-8B heads, {meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}, "
+             f"transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
+             f"## Decode attention, one layer, {args.prompts} prompts × {args.G}, prefix {args.prompt_len}", "",
+             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | fp8 µs | speed-up |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['suffix']} | {r['bf16_kv_mb']:.1f} | {r['fp8_kv_mb']:.1f} | {r['bf16_us']:.1f} | "
+              f"{r['fp8_us']:.1f} | {r['speedup']:.2f} × |" for r in rows]
+    lines += ["", f"Errors (2 × 4 sequences, prefix 77 + suffix 1,300, against float32 attention on the unquantized "
+              f"keys/values): bf16 cache ‖Δ‖/‖o‖ = {small['bf16_rel_err']:.4f}, FP8 cache {small['fp8_rel_err']:.4f}; "
+              f"FP8 kernel vs its PyTorch twin on the same codes: max |Δ| = {small['fp8_kernel_vs_twin_max_abs']:.2e}."]
+    if decode:
+        lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {args.prompts} prompts × "
+                  f"{args.G}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
+                  "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
+        lines += [f"| {d} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
+                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8")]
+        s = decode["sequences_in_20_gib"]
+        lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
+                  f"**{decode['speedup']:.2f} ×**. Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "
+                  f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
+    write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode), lines)
+
+
+if __name__ == "__main__":
+    main()

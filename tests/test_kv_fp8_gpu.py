@@ -1,0 +1,86 @@
+"""On the GPU: the FP8 KV kernels against their PyTorch twins (bf16 queries, odd and block-crossing shapes), the
+sampler's FP8 rollouts within their tolerance of the model, the budget's allocator cap, and a whole tiny run with
+the auto layout, a budget and an FP8 cache."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
+    from longrl.rollout.attention import decode_attention_reference
+    from longrl.rollout.decode_kernel import decode_attention_triton
+    from longrl.rollout.kv_quant import FP8, quantize_reference, store_decode
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    for (B, S, H, T, D) in [(5, 7, 3, 11, 24), (16, 16, 8, 33, 128), (3, 4, 2, 5, 80)]:
+        k = (torch.randn(B, H, D, device=dev) * torch.logspace(-6, 4, B * H, device=dev).view(B, H, 1)).bfloat16()
+        v = torch.randn(B, H, D, device=dev).bfloat16()
+        idx = torch.randint(0, T, (B,), device=dev)
+        caches = [[torch.zeros(S, H, T, D, dtype=FP8, device=dev), torch.zeros(S, H, T, D, dtype=FP8, device=dev),
+                   torch.zeros(S, H, T, dtype=torch.int8, device=dev), torch.zeros(S, H, T, dtype=torch.int8,
+                                                                               device=dev)] for _ in range(2)]
+        for c, tri in zip(caches, (False, True)):
+            store_decode(k, v, *c, idx, tri)
+        for a, b in zip(*caches):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 8, 2, 77, 1031, 64), (2, 16, 32, 8, 512, 4100, 128),
+                                      (1, 3, 4, 4, 1, 1, 128), (2, 5, 6, 2, 1100, 65, 80)]:
+        raw = [torch.randn(P, Hkv, Lp, D, device=dev), torch.randn(P, Hkv, Lp, D, device=dev),
+               torch.randn(S, Hkv, T, D, device=dev) * 4, torch.randn(S, Hkv, T, D, device=dev)]
+        (kp, kpe), (vp, vpe), (ks, kse), (vs, vse) = [quantize_reference(t.bfloat16()) for t in raw]
+        q = torch.randn(S, Hq, D, device=dev).bfloat16()
+        pidx = torch.randint(0, P, (S,), device=dev)
+        slen = torch.randint(1, T + 1, (S,), device=dev)
+        members = torch.full((P, S), -1, dtype=torch.long, device=dev)
+        members[pidx, torch.arange(S, device=dev)] = torch.arange(S, device=dev)
+        entry_len = torch.full((P,), Lp, device=dev)
+        exp = (kpe, vpe, kse, vse)
+        args = (q, kp, vp, pidx, entry_len[pidx], ks, vs, slen, D ** -0.5)
+        ref = decode_attention_reference(*args, kv_exp=exp).float()
+        for kw in ({}, dict(members=members, prompt_len=entry_len)):
+            out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
+            err = float((out - ref).norm() / ref.norm())
+            assert err < 1e-2, (P, S, T, D, err)  # bf16 operands, float32 accumulation
+
+
+def test_budget_caps_the_allocator():
+    from longrl.config import load_config
+    from longrl.memory.layout import cap_allocator
+
+    dev = torch.device("cuda")
+    cfg = load_config(overrides=["train.gpu_memory_gib=2", "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+    try:
+        torch.cuda.empty_cache()
+        assert cap_allocator(cfg, dev) == pytest.approx(2 * 2 ** 30 / torch.cuda.get_device_properties(dev).total_memory)
+        x = torch.empty(2 ** 30, dtype=torch.uint8, device=dev)  # 1 GiB fits
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(3 * 2 ** 30, dtype=torch.uint8, device=dev)  # past the budget
+        del x
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.empty_cache()
+
+
+def test_tiny_run_with_auto_layout_budget_and_fp8_cache(tmp_path):
+    from longrl.config import load_config
+    from longrl.demo import demo_config
+    from longrl.trainer import GRPOTrainer
+
+    cfg = load_config(None, ["model.device=cuda", "model.dtype=bfloat16", "lora.enabled=true", "grpo.beta=0.04",
+                             "train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4",
+                             "train.gpu_memory_gib=4", "generation.kv_cache_dtype=fp8", "output.progress_bar=false",
+                             "output.tensorboard=false", f"output.output_dir={tmp_path}"], base=demo_config())
+    try:
+        trainer = GRPOTrainer(cfg)
+        assert trainer.plan is not None and trainer.plan.budget_bytes == 4 * 2 ** 30
+        assert cfg.model.offload_activations is not None and cfg.model.gradient_checkpointing is not None
+        history = trainer.train()
+        assert trainer.rollout_sampler.cache_dtype == torch.float8_e4m3fn
+        for m in history:
+            assert m["sampler/is_weight_mean"] <= cfg.grpo.rollout_correction_cap
+            assert max(m[k] for k in m if k.endswith("_peak_gib")) <= 4
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
