@@ -68,6 +68,13 @@
 #              the query heads so cuDNN takes the GQA call: longrl_sdpa_mha) (~3 min; compare reuse20k)
 #   reuse20k   grpo_memory 8B 20,480 x 8, MLP tiles 4,096: offloaded vs offloaded + attention reuse, warmed, and
 #              the GPU gradient check (offload and reuse vs plain) on the 1.5B shape (~5 min)
+#   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
+#   kvfp8      benchmarks/kv_fp8_speed.py: decode attention bf16 vs FP8 cache (2 x 8, to 16K), whole-model 8B decode
+#              at 16K-token sequences with each cache (~2 min)
+#   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
+#              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
+#   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
+#              (~7 min)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -188,6 +195,15 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             && stage lmhead15 60 python3 benchmarks/lm_head_gemm.py --vocab 151936 --hidden 1536 ;;
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
+        fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
+        kvfp8) stage kvfp8 200 python3 benchmarks/kv_fp8_speed.py ;;
+        budget_small) stage budget_small 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
+            --completion 1536 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
+            --auto-layout && stage budget_small_bf16kv 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b \
+            --prompts 1 --completion 1536 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --auto-layout ;;
+        budget20k) stage budget20k 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
+            --completion 19968 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
+            --auto-layout ;;
         reuse20k) stage reuse20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl,longrl-reuse --mlp-tile 4096 --reps 1 --check-equality --tag reuse_20k ;;
         sdpa20k) stage sdpa20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
