@@ -10,7 +10,8 @@ the model's ``**kwargs``). The KV cache lives here, not in a transformers ``Cach
 
 Prefill runs a right-padded batch of prompts with causal SDPA and writes their keys/values into the prefix
 store. A decode step writes each sequence's new key/value at its slot and attends over
-prefix[:prefix_len] ++ suffix[:write_index + 1]:
+prefix[:prefix_len] ++ suffix[:write_index + 1] (an extend step, between the turns of a multi-turn rollout, does the
+same for several new tokens of a slot at once, causally):
 
     o = softmax(q Kᵀ · scale) V      over those keys (GQA: query head h reads key head h // (Hq / Hkv))
 """
@@ -101,6 +102,18 @@ class KVCache:
         store_decode(key, value, self.k_suf[layer], self.v_suf[layer], self.k_suf_e[layer], self.v_suf_e[layer],
                      write_index, use_triton)
 
+    def write_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> None:
+        """key/value [M, Hkv, D] at slot-store (slots[m], positions[m]) [M] (an extend step's new tokens)."""
+        if not self.fp8:
+            self.k_suf[layer][slots, :, positions] = key.to(self.k_suf.dtype)
+            self.v_suf[layer][slots, :, positions] = value.to(self.v_suf.dtype)
+            return
+        for x, store, exp in ((key, self.k_suf, self.k_suf_e), (value, self.v_suf, self.v_suf_e)):
+            q, e = quantize_reference(x)
+            store[layer][slots, :, positions] = q
+            exp[layer][slots, :, positions] = e
+
     @staticmethod
     def nbytes(*, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
         """Bytes of keys + values for ``tokens`` positions (FP8: one byte an element and one a position and head)."""
@@ -128,6 +141,46 @@ class DecodeMeta:
 
     def __post_init__(self):
         self.suffix_len = self.write_index + 1  # once a step, not once a layer
+
+
+@dataclass
+class ExtendMeta:
+    """New tokens of some slots (a turn's last token + its environment's tokens), prefilled onto their own cache."""
+    cache: KVCache
+    slots: torch.Tensor  # [B] long: slot of each row
+    prefix_index: torch.Tensor  # [B] long
+    prefix_len: torch.Tensor  # [B] long
+    start: torch.Tensor  # [B] long: slot-store index of each row's first new token
+    lengths: torch.Tensor  # [B] long: new tokens of each row (the rest of the row is padding)
+
+
+def extend_attention(query, key, value, layer: int, meta: ExtendMeta, scale: float) -> torch.Tensor:
+    """Write the rows' new keys/values at slot-store indices start .. start + lengths − 1 and attend each new query
+    over its prompt prefix and the slot store up to its own index (causal). query [B, Hq, n, D], key/value
+    [B, Hkv, n, D] → [B, n, Hq, D]. Padding queries attend too (their outputs are never read; nothing is written)."""
+    cache = meta.cache
+    B, _, n, _ = query.shape
+    k_suf, v_suf = cache.k_suf[layer], cache.v_suf[layer]
+    i = torch.arange(n, device=query.device)
+    valid = i[None] < meta.lengths[:, None]  # [B, n]
+    q_index = meta.start[:, None] + i[None]  # [B, n] slot-store index of each query
+    rows, cols = meta.slots[:, None].expand(B, n)[valid], q_index[valid]
+    cache.write_rows(layer, rows, cols, key.transpose(1, 2)[valid], value.transpose(1, 2)[valid])  # [M, Hkv, D]
+    stores = [cache.k_pre[layer][meta.prefix_index], k_suf[meta.slots], cache.v_pre[layer][meta.prefix_index],
+              v_suf[meta.slots]]
+    if cache.fp8:
+        k_pre_e, v_pre_e, k_suf_e, v_suf_e = cache.layer_exp(layer)
+        exps = [k_pre_e[meta.prefix_index], k_suf_e[meta.slots], v_pre_e[meta.prefix_index], v_suf_e[meta.slots]]
+        stores = [dequantize(t, e) for t, e in zip(stores, exps)]
+    k = torch.cat(stores[:2], dim=2).to(query.dtype)  # [B, Hkv, Lp + T, D]
+    v = torch.cat(stores[2:], dim=2).to(query.dtype)
+    Lp, T = cache.k_pre.shape[3], k_suf.shape[2]
+    in_prefix = (torch.arange(Lp, device=query.device)[None] < meta.prefix_len[:, None])[:, None].expand(B, n, Lp)
+    in_suffix = torch.arange(T, device=query.device)[None, None] <= q_index[:, :, None]  # [B, n, T]
+    mask = torch.cat([in_prefix, in_suffix], dim=-1)[:, None]  # [B, 1, n, Lp + T]
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
 
 
 def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
@@ -177,6 +230,8 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2), None
+    if isinstance(meta, ExtendMeta):
+        return extend_attention(query, key, value, layer, meta, scale), None
     cache.write_decode(layer, key[:, :, 0], value[:, :, 0], meta.write_index, meta.use_triton)
     out = decode_attend(query[:, :, 0], layer, meta, scale)
     return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]

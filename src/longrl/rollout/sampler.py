@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tok
 from ..models.loading import base_model, model_parts
 from ..ops.logprobs import head_logits
 from ..policy import pad_right
-from .attention import (SAMPLER_ATTENTION, DecodeMeta, KVCache, PrefillMeta, register_sampler_attention,
+from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .fast_decode import FastDecoder
 from .kv_quant import FP8
@@ -48,6 +49,20 @@ class Rollout:
     completion_ids: list[list[int]]  # [P·G] sampled tokens, ending with the stop token unless truncated
     truncated: list[bool]  # [P·G] True when no stop token / stop string came within max_new_tokens
     logprobs: list[list[float]] | None = None  # [P·G][len] sampler's log softmax(z / T) of each sampled token
+    env_mask: list[list[int]] | None = None  # [P·G][len] multi-turn: 1 for sampled tokens, 0 for environment tokens
+    #                                          (their log-probs are 0)
+
+
+@dataclass
+class MultiTurn:
+    """Multi-turn rollouts. At the end of each turn (a stop token, a stop string or max_new_tokens), the sequence
+    parks in its slot (its KV cache kept, out of the decode batch's updates) while ``handler.step(seq, turn_tokens,
+    room)`` runs in a pool of ``workers`` threads; it returns the tokens to append (prefilled onto the slot's own
+    cache, then the next turn is sampled) or None to end the episode. ``handler.finish(seq, turn_tokens, reason)``
+    records a turn that the trajectory budget ``max_tokens`` (tokens after the prompt) cut off."""
+    handler: object
+    max_tokens: int
+    workers: int = 8
 
 
 def _model_dims(model) -> tuple[int, int, int]:
@@ -99,7 +114,8 @@ class Sampler:
 
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 multi_turn: MultiTurn | None = None) -> Rollout:
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1; got {num_generations}")
         vocab = self.head.weight.shape[0]
@@ -110,7 +126,8 @@ class Sampler:
             if bad is not None:
                 raise ValueError(f"prompt {row} has token id {bad}, outside the model's vocabulary [0, {vocab})")
         max_prompt = max(len(p) for p in prompt_ids)
-        reason = unsupported_reason(base_model(self.model).config, max_prompt + params.max_new_tokens)
+        after_prompt = multi_turn.max_tokens if multi_turn is not None else params.max_new_tokens
+        reason = unsupported_reason(base_model(self.model).config, max_prompt + after_prompt)
         if reason:
             raise SamplerUnsupported(f"longrl's sampler does not support {reason}; use generation.backend=hf")
         register_sampler_attention()
@@ -126,8 +143,8 @@ class Sampler:
                 packer = self.fast if self.pack_projections else None  # (kept: a failing first fast step drops
                 try:  # self.fast, and the weights must leave the packed buffers whatever happens)
                     packed = packer.prepare_packing() if packer is not None else 0
-                    run = _Run(self, prompt_ids, num_generations, params)  # after prepare_nf4: the KV cache is
-                    rollout = run.execute()  # sized from what is free then
+                    run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after prepare_nf4: KV
+                    rollout = run.execute()  # cache sized from what is free then
                 finally:
                     try:
                         if packer is not None:
@@ -185,10 +202,10 @@ def _graph_safe(model, use_triton: bool) -> bool:
 class _Run:
     """The state of one ``generate`` call (cache, slots, queue); dropped when the call returns."""
 
-    def __init__(self, sampler: Sampler, prompt_ids, G: int, params: SamplingParams):
-        self.s, self.params, self.G = sampler, params, G
+    def __init__(self, sampler: Sampler, prompt_ids, G: int, params: SamplingParams, multi: MultiTurn | None = None):
+        self.s, self.params, self.G, self.multi = sampler, params, G, multi
         self.prompts = [list(p) for p in prompt_ids]
-        self.N, self.T = len(prompt_ids) * G, params.max_new_tokens
+        self.N, self.T = len(prompt_ids) * G, multi.max_tokens if multi is not None else params.max_new_tokens
         self.Lp = max(len(p) for p in prompt_ids)
         dev = sampler.device
         self.S, self.P = self._capacity()
@@ -199,6 +216,7 @@ class _Run:
         self.cur_tok, self.position = torch.zeros(S, **long), torch.zeros(S, **long)
         self.prefix_index, self.prefix_len = torch.zeros(S, **long), torch.zeros(S, **long)
         self.write_index, self.gen_count = torch.zeros(S, **long), torch.zeros(S, **long)
+        self.turn_limit = torch.full((S,), self.T, **long)  # a turn ends when gen_count reaches it
         self.active = torch.zeros(S, dtype=torch.bool, device=dev)
         self.tokens = torch.zeros(S, self.T, **long)
         self.logps = torch.zeros(S, self.T, dtype=torch.float32, device=dev)
@@ -219,12 +237,19 @@ class _Run:
         self.slot_seq = [-1] * S  # sequence in each slot (-1: free)
         self.slot_gen = [0] * S  # host's count of tokens generated in each slot (exact at syncs)
         self.slot_checked = [0] * S  # stop strings checked up to this token
+        self.slot_turn = [0] * S  # index of the current turn's first token (multi-turn; else 0)
+        self.slot_limit = [self.T] * S  # host copy of turn_limit
+        self.pending: dict = {}  # multi-turn: sequence → (future of its environment step, tokens so far, stopped)
+        self.env_spans: dict[int, list[tuple[int, int]]] = {}  # sequence → [start, end) of its environment tokens
+        self.pool = ThreadPoolExecutor(multi.workers, thread_name_prefix="longrl-env") if multi is not None else None
         self.prompt_slot: dict[int, int] = {}  # prompt → prefix-store entry
         self.prompt_pending = [G] * len(self.prompts)  # completions of each prompt not yet finished
         self.free_prefix = list(range(self.P))
         self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.N
         self.stats = {"slots": S, "prefix_slots": self.P, "decode_steps": 0, "prefills": 0, "compactions": 0,
                       "kv_cache_bytes": self.cache.nbytes_held()}
+        if multi is not None:
+            self.stats.update(turns=0, resumes=0, resume_tokens=0, resume_forwards=0, resume_s=0.0, env_wait_s=0.0)
 
     # ------------------------------------------------------------------------------------------ sizing
     def _capacity(self) -> tuple[int, int]:
@@ -258,25 +283,41 @@ class _Run:
 
     # ------------------------------------------------------------------------------------------ main loop
     def execute(self) -> Rollout:
-        self._admit()
-        while any(q >= 0 for q in self.slot_seq):
-            if self.slots_changed:
-                self._refresh_members()
-            top = max(i for i, q in enumerate(self.slot_seq) if q >= 0) + 1
-            B = next(b for b in self.buckets if b >= top)
-            remaining = max(self.T - self.slot_gen[i] for i, q in enumerate(self.slot_seq) if q >= 0)
-            steps = max(1, min(self.s.sync_every, remaining))
-            for _ in range(steps):
-                self._decode_step(B)
-            self.stats["decode_steps"] += steps
-            self._sync(B, steps)
+        try:
+            self._admit()
+            while any(q >= 0 for q in self.slot_seq):
+                if self.pending:  # multi-turn: take back what the environments answered (wait if nothing decodes)
+                    self._collect(block=all(q < 0 or q in self.pending for q in self.slot_seq))
+                    continue_ = [i for i, q in enumerate(self.slot_seq) if q >= 0 and q not in self.pending]
+                    if not continue_:
+                        continue
+                if self.slots_changed:
+                    self._refresh_members()
+                top = max(i for i, q in enumerate(self.slot_seq) if q >= 0) + 1
+                B = next(b for b in self.buckets if b >= top)
+                remaining = max(self.slot_limit[i] - self.slot_gen[i] for i, q in enumerate(self.slot_seq)
+                                if q >= 0 and q not in self.pending)
+                steps = max(1, min(self.s.sync_every, remaining))
+                for _ in range(steps):
+                    self._decode_step(B)
+                self.stats["decode_steps"] += steps
+                self._sync(B, steps)
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
         return self._rollout()
 
     def _rollout(self) -> Rollout:
         prompt_ids = [self.prompts[i // self.G] for i in range(self.N)]
         done = [r for r in self.results if r is not None]
         assert len(done) == self.N, "every sequence finishes"
-        return Rollout(prompt_ids, [r[0] for r in done], [r[2] for r in done], [r[1] for r in done])
+        env_mask = None
+        if self.multi is not None:
+            env_mask = [[1] * len(r[0]) for r in done]
+            for seq, spans in self.env_spans.items():
+                for a, b in spans:
+                    env_mask[seq][a:b] = [0] * (b - a)
+        return Rollout(prompt_ids, [r[0] for r in done], [r[2] for r in done], [r[1] for r in done], env_mask)
 
     # ------------------------------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -293,6 +334,7 @@ class _Run:
             self.waiting.popleft()
             slot = free.pop(0)
             self.slot_seq[slot], self.slot_gen[slot], self.slot_checked[slot] = seq, 1, 0
+            self.slot_turn[slot], self.slot_limit[slot] = 0, min(self.T, self.params.max_new_tokens)
             admitted.append((slot, seq))
         if to_prefill:
             self._prefill(to_prefill)
@@ -351,7 +393,8 @@ class _Run:
         self.cur_tok[slots], self.position[slots] = tok, lengths
         self.prefix_index[slots], self.prefix_len[slots] = entry, lengths
         self.write_index[slots], self.gen_count[slots] = 0, 1
-        self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.T <= 1))
+        self.turn_limit[slots] = min(self.T, self.params.max_new_tokens)  # = T for single-turn rollouts
+        self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.turn_limit[slots] <= 1))
         self.slots_changed = True
 
     # ------------------------------------------------------------------------------------------ decoding
@@ -416,23 +459,24 @@ class _Run:
         self.write_index[:B] += step
         self.position[:B] += step
         self.cur_tok[:B] = torch.where(act, tok, self.cur_tok[:B])
-        done = act & (torch.isin(tok, self.stop_ids) | (self.gen_count[:B] >= self.T))
+        done = act & (torch.isin(tok, self.stop_ids) | (self.gen_count[:B] >= self.turn_limit[:B]))
         self.active[:B] = act & ~done
 
     # ------------------------------------------------------------------------------------------ host checks
     def _sync(self, B: int, steps: int) -> None:
         active = self.active[:B].tolist()
         gen = self.gen_count[:B].tolist()
-        occupied = [i for i in range(B) if self.slot_seq[i] >= 0]
+        occupied = [i for i in range(B) if self.slot_seq[i] >= 0 and self.slot_seq[i] not in self.pending]
         by_string = set()
-        if self.params.stop_strings and self.s.tokenizer is not None:
+        if self.params.stop_strings and self.s.tokenizer is not None and occupied:
             rows = self.tokens[:B, :max(gen[i] for i in occupied)].tolist()
             for i in occupied:
-                j = stop_index(rows[i][:gen[i]], self.params.stop_strings, self.s.tokenizer.decode,
-                               start=max(0, self.slot_checked[i] - 1))
+                first = self.slot_turn[i]  # only this turn's tokens (0: the whole single-turn completion)
+                j = stop_index(rows[i][first:gen[i]], self.params.stop_strings, self.s.tokenizer.decode,
+                               start=max(0, self.slot_checked[i] - first - 1))
                 self.slot_checked[i] = gen[i]
                 if j is not None:
-                    gen[i], active[i] = j + 1, False
+                    gen[i], active[i] = first + j + 1, False
                     by_string.add(i)
         finished = [i for i in occupied if not active[i]]
         if finished:
@@ -443,6 +487,9 @@ class _Run:
             for k, i in enumerate(finished):
                 seq, n = self.slot_seq[i], gen[i]
                 stopped = i in by_string or (n > 0 and toks[k][n - 1] in self.params.stop_token_ids)
+                if self.multi is not None:
+                    self._end_turn(i, toks[k][:n], stopped)
+                    continue
                 self.results[seq] = (toks[k][:n], lps[k][:n], not stopped)
                 self._release(i)
         for i in occupied:
@@ -477,13 +524,121 @@ class _Run:
         for buf in self.cache.slot_tensors():
             buf[:, dst] = buf[:, src]
         tensors = [self.cur_tok, self.position, self.prefix_index, self.prefix_len, self.write_index, self.gen_count,
-                   self.active, self.tokens, self.logps, self.seq_id] + ([self.seen] if self.seen is not None else [])
+                   self.active, self.tokens, self.logps, self.seq_id, self.turn_limit] + \
+            ([self.seen] if self.seen is not None else [])
         for t in tensors:
             t[dst] = t[src]
-        moved = [(self.slot_seq[i], self.slot_gen[i], self.slot_checked[i]) for i in occupied]
+        moved = [(self.slot_seq[i], self.slot_gen[i], self.slot_checked[i], self.slot_turn[i], self.slot_limit[i])
+                 for i in occupied]
         self.slot_seq = [-1] * self.S
-        for k, (seq, gen, checked) in enumerate(moved):
+        for k, (seq, gen, checked, turn, limit) in enumerate(moved):
             self.slot_seq[k], self.slot_gen[k], self.slot_checked[k] = seq, gen, checked
+            self.slot_turn[k], self.slot_limit[k] = turn, limit
         self.active[len(occupied):] = False
         self.stats["compactions"] += 1
         self.slots_changed = True
+
+    # ------------------------------------------------------------------------------------------ multi-turn
+    def _end_turn(self, slot: int, tokens: list[int], stopped: bool) -> None:
+        """A turn ended in ``slot`` (``tokens``: its whole trajectory so far): step its environment in the pool,
+        or end the episode when the trajectory budget is spent."""
+        seq, n = self.slot_seq[slot], len(tokens)
+        turn = tokens[self.slot_turn[slot]:]
+        self.stats["turns"] += 1
+        if n >= self.T:
+            self.multi.handler.finish(seq, turn, "max_tokens")
+            self._finish_episode(slot, n, truncated=True)
+            return
+        self.pending[seq] = (self.pool.submit(self.multi.handler.step, seq, turn, self.T - n), n, stopped)
+
+    def _finish_episode(self, slot: int, n: int, truncated: bool) -> None:
+        toks = self.tokens[slot, :n].tolist()
+        lps = self.logps[slot, :n].tolist()
+        self.results[self.slot_seq[slot]] = (toks, lps, truncated)
+        self._release(slot)
+
+    def _collect(self, block: bool) -> None:
+        """Take back the sequences whose environment step finished (``block``: wait for at least one): end their
+        episodes or prefill their new tokens onto their own caches and sample their next turn's first token."""
+        if block:
+            start = time.perf_counter()
+            wait([f for f, _, _ in self.pending.values()], return_when=FIRST_COMPLETED)
+            self.stats["env_wait_s"] += time.perf_counter() - start
+        returns = []
+        for seq in [q for q, (f, _, _) in self.pending.items() if f.done()]:
+            future, n, stopped = self.pending.pop(seq)
+            slot = self.slot_seq.index(seq)
+            try:
+                ids = future.result()
+            except Exception as e:  # noqa: BLE001 - a failing handler ends its episode, not the rollout
+                log.warning("multi-turn handler failed for sequence %d: %s: %s", seq, type(e).__name__, e)
+                ids = None
+            if ids is not None and n + len(ids) + 1 > self.T:  # no room for them and one more sampled token
+                log.warning("sequence %d: %d environment tokens do not fit its trajectory budget (%d of %d used); "
+                            "episode ended", seq, len(ids), n, self.T)
+                ids, stopped = None, False
+            if ids is None:
+                self._finish_episode(slot, n, truncated=not stopped)
+            else:
+                returns.append((slot, [int(t) for t in ids], n))
+        if returns:
+            start = time.perf_counter()
+            self._resume(returns)
+            self.stats["resume_s"] += time.perf_counter() - start
+        if self.waiting:
+            self._admit()
+
+    def _resume(self, returns: list[tuple[int, list[int], int]]) -> None:
+        """Prefill each returning slot's last sampled token + environment tokens onto its own cache (ExtendMeta:
+        slot-store indices n − 1 … n − 1 + len(ids)), and sample its next turn's first token from the last logits."""
+        s, dev = self.s, self.s.device
+        vocab = s.head.weight.shape[0]
+        for slot, ids, n in returns:
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"environment tokens of sequence {self.slot_seq[slot]} hold id {bad}, outside the "
+                                 f"model's vocabulary [0, {vocab})")
+        per_forward = max(1, s.prefill_tokens // (1 + max(len(r[1]) for r in returns)))
+        for first in range(0, len(returns), per_forward):
+            chunk = returns[first:first + per_forward]
+            slots = torch.tensor([r[0] for r in chunk], device=dev)
+            last_tok = self.tokens[slots, torch.tensor([r[2] - 1 for r in chunk], device=dev)]  # [b]
+            width = 1 + max(len(r[1]) for r in chunk)
+            ids = pad_right([r[1] for r in chunk], 0, width - 1).to(dev) if width > 1 else \
+                torch.zeros(len(chunk), 0, dtype=torch.long, device=dev)
+            inputs = torch.cat([last_tok[:, None], ids], dim=1)  # [b, width]
+            lengths = torch.tensor([1 + len(r[1]) for r in chunk], device=dev)
+            start = torch.tensor([r[2] - 1 for r in chunk], device=dev)
+            plen = self.prefix_len[slots]
+            positions = plen[:, None] + start[:, None] + torch.arange(width, device=dev)[None]
+            meta = ExtendMeta(self.cache, slots, self.prefix_index[slots], plen, start, lengths)
+            with s.compute_context():
+                hidden = s.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
+                                    longrl_kv=meta).last_hidden_state  # [b, width, d]
+                logits = s.logits(hidden[torch.arange(len(chunk), device=dev), lengths - 1])
+            nxt = torch.tensor([r[2] + len(r[1]) for r in chunk], device=dev)  # index of each next token
+            seen = None
+            if self.seen is not None:
+                for k, (slot, new, _) in enumerate(chunk):
+                    if new:
+                        self.seen[slot, torch.tensor(new, device=dev)] = True
+                seen = self.seen[slots]
+            tok, lp = next_tokens(logits, self.params, self.seq_id[slots], nxt, seen)
+            for k, (slot, new, n) in enumerate(chunk):
+                if new:
+                    self.tokens[slot, n:n + len(new)] = torch.tensor(new, device=dev)
+                    self.logps[slot, n:n + len(new)] = 0.0
+                self.env_spans.setdefault(self.slot_seq[slot], []).append((n, n + len(new)))
+                self.slot_turn[slot] = n + len(new)
+                self.slot_gen[slot] = self.slot_checked[slot] = n + len(new) + 1
+                self.slot_limit[slot] = min(self.T, n + len(new) + self.params.max_new_tokens)
+            self.tokens[slots, nxt], self.logps[slots, nxt] = tok, lp
+            if self.seen is not None:
+                self.seen[slots, tok] = True
+            self.cur_tok[slots], self.position[slots] = tok, plen + nxt
+            self.write_index[slots], self.gen_count[slots] = nxt, nxt + 1
+            self.turn_limit[slots] = torch.clamp(nxt + self.params.max_new_tokens, max=self.T)
+            self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.gen_count[slots] >= self.turn_limit[slots]))
+            self.stats["resumes"] += len(chunk)
+            self.stats["resume_forwards"] += 1
+            self.stats["resume_tokens"] += int(lengths.sum())

@@ -1,0 +1,109 @@
+"""Python functions as tools: JSON schemas from their type hints and docstrings, and calls that never crash a run.
+
+``ToolSet([fn, ...])`` reads each function's schema with transformers' ``get_json_schema`` (the form
+``apply_chat_template(tools=...)`` renders for the model's template). ``ToolSet.call`` runs a parsed call and always
+returns the text of a tool message: the function's result (``str``, or JSON for other values), or an error line
+(unknown tool, bad arguments, the exception it raised, a timeout). Coroutine functions are awaited. A call past its
+timeout is abandoned (its thread cannot be killed: code that must be stopped belongs in :mod:`.sandbox`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+from typing import Callable
+
+from .tool_calls import ToolCall
+
+
+class ToolError(ValueError):
+    """A tool cannot be described (no docstring, untyped argument); the message names the function."""
+
+
+def tool_schema(fn: Callable) -> dict:
+    """The JSON schema transformers renders for ``fn`` ({"type": "function", "function": {...}})."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # DocstringParsingException, TypeHintParsingException
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ToolError(f"tool {name}: cannot build its JSON schema ({type(e).__name__}: {e}); a tool needs a "
+                        "docstring with an Args: section describing every argument, and type hints") from None
+
+
+def run_maybe_async(fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs), awaited in a private event loop when fn is a coroutine function or returns one."""
+    out = fn(*args, **kwargs)
+    return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def call_with_timeout(fn: Callable, timeout_s: float | None, *args, **kwargs):
+    """(finished, value, exception): fn run in a daemon thread, abandoned after ``timeout_s`` (None: no limit)."""
+    if timeout_s is None:
+        try:
+            return True, run_maybe_async(fn, *args, **kwargs), None
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            return True, None, e
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = run_maybe_async(fn, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True, name=f"longrl-tool-{getattr(fn, '__name__', 'fn')}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return False, None, None
+    return True, box.get("value"), box.get("error")
+
+
+def result_text(value) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class ToolSet:
+    """Named tools with their schemas; ``call`` returns (text, is_error)."""
+
+    def __init__(self, functions: list[Callable], timeout_s: float | None = 30.0):
+        self.functions: dict[str, Callable] = {}
+        self.schemas: list[dict] = []
+        for fn in functions:
+            if not callable(fn):
+                raise ToolError(f"tool {fn!r} is not callable")
+            schema = tool_schema(fn)
+            name = schema["function"]["name"]
+            if name in self.functions:
+                raise ToolError(f"two tools are named {name!r}")
+            self.functions[name] = fn
+            self.schemas.append(schema)
+        self.timeout_s = timeout_s
+
+    def __bool__(self) -> bool:
+        return bool(self.functions)
+
+    def call(self, call: ToolCall) -> tuple[str, bool]:
+        fn = self.functions.get(call.name)
+        if fn is None:
+            known = ", ".join(self.functions) or "none"
+            return f"Error: unknown tool {call.name!r} (available: {known})", True
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as e:
+            return f"Error: bad arguments for {call.name}: {e}", True
+        finished, value, error = call_with_timeout(fn, self.timeout_s, **call.arguments)
+        if not finished:
+            return f"Error: tool {call.name} timed out after {self.timeout_s:g} s", True
+        if error is not None:
+            return f"Error: {call.name} raised {type(error).__name__}: {error}", True
+        return result_text(value), False

@@ -1,0 +1,161 @@
+"""Token-exact trajectories: the sampler's tokens as sampled, the environment's messages tokenized once and appended.
+
+A trajectory after its prompt is one token list that only grows::
+
+    [turn 1 as sampled (ends with its stop token)] [env 1] [turn 2 as sampled] [env 2] ... [last turn]
+    env_mask:  1 … 1                                0 … 0   1 … 1              0 … 0       1 … 1
+
+``env k`` is the template's rendering of the environment's messages *after* the sampled stop token: the rest of the
+assistant block the template writes after it (e.g. Qwen's "\\n" after <|im_end|>), the tool/user blocks, and the
+generation prompt of the next assistant turn. It is rendered against a fixed stand-in conversation, so the
+history is never re-rendered nor re-tokenized (re-applying the template to the history changes tokens: what is
+trained would not be what was sampled). The mask keeps env tokens out of the loss; they are attended.
+
+:class:`EpisodeRunner` is what the sampler calls at the end of each turn (in a worker thread): it decodes the
+turn, steps the sequence's environment under the per-turn and per-episode timeouts and returns the tokens to
+append, or None when the episode is over (done, max_turns, a timeout, the trajectory's token budget).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .environment import Environment, as_step_result
+from .tools import call_with_timeout
+
+log = logging.getLogger(__name__)
+
+_STAND_IN = [{"role": "user", "content": "longrl-user"}, {"role": "assistant", "content": "longrl-assistant"}]
+
+
+class TemplateError(ValueError):
+    """The chat template cannot append messages to a conversation without re-rendering it."""
+
+
+def continuation_ids(tokenizer, new_messages: list[dict], tools: list[dict] | None = None,
+                     stop_text: str | None = None, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids that follow a sampled assistant turn (ending with ``stop_text``, its stop token's text) when the
+    environment answers ``new_messages``; the next assistant turn's generation prompt included."""
+    kwargs = dict(tokenize=False, tools=tools or None)
+    base = tokenizer.apply_chat_template(_STAND_IN, **kwargs)
+    full = tokenizer.apply_chat_template(_STAND_IN + list(new_messages), add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
+    if not full.startswith(base):
+        raise TemplateError("the chat template renders a conversation differently once messages follow it (the "
+                            f"first {len(base)} characters changed), so environment messages cannot be appended "
+                            "token-exactly; use a template that renders earlier turns unchanged")
+    end = base.rfind(_STAND_IN[1]["content"]) + len(_STAND_IN[1]["content"])
+    after = base[end:]  # what the template writes after the assistant's content: its stop text and the rest
+    if stop_text and after.startswith(stop_text):
+        after = after[len(stop_text):]  # the model sampled the stop token itself
+    elif stop_text and stop_text in after:
+        after = after[after.index(stop_text) + len(stop_text):]
+    else:
+        after = ""  # a template that writes no stop text (or another one): the env block follows at once
+    text = after + full[len(base):]
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+@dataclass
+class EpisodeSettings:
+    max_turns: int = 4  # assistant turns per episode
+    max_tokens: int = 1024  # tokens after the prompt (model + environment) per trajectory
+    turn_timeout_s: float | None = 60.0  # one environment step
+    episode_timeout_s: float | None = 600.0  # all steps of an episode, from its first turn
+    workers: int = 8  # threads stepping environments (slow tools never stall the decode batch)
+
+
+@dataclass
+class Episode:
+    env: Environment
+    prompt_messages: list[dict]
+    messages: list[dict] = field(default_factory=list)  # after the prompt, with roles: assistant, tool, user ...
+    turn_rewards: list[float | None] = field(default_factory=list)  # one per environment step
+    turns: int = 0
+    env_time_s: float = 0.0
+    truncated: str | None = None  # why the episode stopped before the environment said done (None: it did)
+    error: str | None = None
+    started_s: float | None = None
+
+
+class EpisodeRunner:
+    """The sampler's turn handler for a batch of episodes (one environment instance per sequence)."""
+
+    def __init__(self, episodes: list[Episode], tokenizer, settings: EpisodeSettings, tools: list[dict] | None,
+                 stop_text: str | None):
+        self.episodes, self.tokenizer, self.settings = episodes, tokenizer, settings
+        self.tools, self.stop_text = tools, stop_text
+        self._lock = threading.Lock()  # tokenizers are not guaranteed thread-safe
+
+    def _assistant(self, seq: int, tokens: list[int]) -> dict:
+        with self._lock:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        ep = self.episodes[seq]
+        msg = {"role": "assistant", "content": text}
+        ep.messages.append(msg)
+        ep.turns += 1
+        return msg
+
+    def finish(self, seq: int, tokens: list[int], reason: str | None) -> None:
+        """The sampler ended the episode during a turn (its token budget): record the turn."""
+        self._assistant(seq, tokens)
+        self.episodes[seq].truncated = reason
+
+    def step(self, seq: int, tokens: list[int], room: int) -> list[int] | None:
+        """Tokens to append after this turn (``room``: tokens left in the trajectory), or None: the episode is over."""
+        ep, st = self.episodes[seq], self.settings
+        if ep.started_s is None:
+            ep.started_s = time.perf_counter()
+        msg = self._assistant(seq, tokens)
+        limit = st.turn_timeout_s
+        if st.episode_timeout_s is not None:
+            left = st.episode_timeout_s - (time.perf_counter() - ep.started_s)
+            if left <= 0:
+                ep.truncated = "episode_timeout"
+                return None
+            limit = left if limit is None else min(limit, left)
+        start = time.perf_counter()
+        finished, value, error = call_with_timeout(ep.env.step, limit, msg)
+        ep.env_time_s += time.perf_counter() - start
+        if not finished:
+            ep.truncated = "turn_timeout" if limit == st.turn_timeout_s else "episode_timeout"
+            return None
+        if error is not None:
+            ep.error = f"{type(error).__name__}: {error}"
+            ep.truncated = "env_error"
+            log.warning("environment step failed (sequence %d, turn %d): %s", seq, ep.turns, ep.error)
+            return None
+        try:
+            result = as_step_result(value, type(ep.env).__name__)
+        except ValueError as e:
+            ep.error, ep.truncated = str(e), "env_error"
+            log.warning("%s", e)
+            return None
+        ep.turn_rewards.append(result.reward)
+        if result.done:
+            return None
+        if ep.turns >= st.max_turns:
+            ep.truncated = "max_turns"
+            return None
+        with self._lock:
+            ids = continuation_ids(self.tokenizer, result.messages, self.tools, self.stop_text)
+        if len(ids) + 1 > room:  # no room for the messages and one more sampled token
+            ep.truncated = "max_tokens"
+            return None
+        ep.messages.extend(result.messages)
+        return ids
+
+
+def turn_spans(env_mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of model tokens (mask 1) in a trajectory: its assistant turns."""
+    spans, start = [], None
+    for i, m in enumerate(list(env_mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
