@@ -175,3 +175,21 @@ def test_budgets_end_episodes_and_a_failing_handler_ends_only_its_own():
     budget_ended = [q for q, why in handler.finished.items() if why == "max_tokens"]
     assert budget_ended and all(r.truncated[q] for q in budget_ended)
     assert all(len(r.completion_ids[q]) == 20 for q in budget_ended)
+
+
+def test_fp8_cache_continues_across_turns_within_its_tolerance():
+    """Environment tokens prefilled onto an FP8 cache (codes and scale exponents written by the extend step): the
+    model tokens' log-probs stay within the FP8 cache's tolerance of the model's own, as single-turn ones do."""
+    from test_kv_fp8 import LOGP_MAX, LOGP_MEAN
+
+    model, tok = tiny_model(seed=6)
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=STOP, seed=13)
+    r = Sampler(model, tok, kv_cache_dtype="fp8").generate(PROMPTS, 2, params,
+                                                           MultiTurn(ScriptedHandler(turns=3), max_tokens=40))
+    width = max(map(len, r.completion_ids))
+    mask = _padded(r.env_mask, width)
+    assert (mask == 0).any()
+    with torch.no_grad():
+        want, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, width, pad_id=0)
+    d = ((_padded(r.logprobs, width) - want).abs() * mask)
+    assert 0 < float(d.sum() / mask.sum()) <= LOGP_MEAN and float(d.max()) <= LOGP_MAX
