@@ -91,7 +91,8 @@ def model_decode(args, dev) -> dict:
             assert all(len(c) == n for c in r.completion_ids)  # random weights: no EOS in the vocabulary's noise
         step = (times[args.long] - times[args.short]) / (args.long - args.short)
         out[dtype] = dict(step_ms=step * 1e3, tokens_per_s=args.prompts * args.G / step, seconds=times,
-                          kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"])
+                          kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"],
+                          mismatch=mismatch(model, r, rows=4))
         del sampler
         torch.cuda.empty_cache()
     out["speedup"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
@@ -101,6 +102,30 @@ def model_decode(args, dev) -> dict:
                                                        kv_token=kv_bytes_per_token(shape, 2, d == "fp8"))
                                   for d in ("bf16", "fp8")}
     return out
+
+
+def mismatch(model, rollout, rows: int) -> dict:
+    """The trainer's sampler/trainer mismatch metrics (ops/rollout_correction.py: sampler/k3_kl,
+    sampler/logp_abs_diff, ...) of the first ``rows`` completions of ``rollout``: the model's own log-probs of the
+    sampled tokens (one training-style forward, longrl.policy.sequence_logprobs) against the sampler's."""
+    from longrl.ops.rollout_correction import rollout_correction_weights
+    from longrl.policy import sequence_logprobs
+
+    prompts, comps = rollout.prompt_ids[:rows], rollout.completion_ids[:rows]
+    width = max(len(c) for c in comps)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        trainer_lp = sequence_logprobs(model, prompts, comps, width, pad_id=0)[0].float()
+    model.train(was_training)
+    dev = trainer_lp.device
+    sampler_lp = torch.zeros_like(trainer_lp)
+    mask = torch.zeros_like(trainer_lp)
+    for i, lp in enumerate(rollout.logprobs[:rows]):
+        sampler_lp[i, :len(lp)] = torch.tensor(lp, device=dev)
+        mask[i, :len(lp)] = 1.0
+    w, stats = rollout_correction_weights(trainer_lp, sampler_lp, mask, "token_truncate", cap=2.0)
+    return {**stats, "is_weight_max": float(w.max())}
 
 
 def main() -> None:
@@ -143,6 +168,13 @@ def main() -> None:
                   "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
         lines += [f"| {d} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
                   f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8")]
+        lines += ["", "Sampler/trainer mismatch (the trainer's metrics, token_truncate at cap 2, first 4 completions of "
+                  f"the {args.long}-token rollout, each cache's own rollout of the same prompts and seed):", "",
+                  "| KV cache | sampler/k3_kl | sampler/logp_abs_diff | is_weight_mean | is_weight_changed | max weight |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {d} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | {m['sampler/is_weight_mean']:.4f} | "
+                  f"{m['sampler/is_weight_changed']:.4f} | {m['is_weight_max']:.3f} |"
+                  for d in ("bf16", "fp8") for m in [decode[d]["mismatch"]]]
         s = decode["sequences_in_20_gib"]
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
                   f"**{decode['speedup']:.2f} ×**. Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "

@@ -60,7 +60,7 @@ def test_budget_caps_the_allocator():
             torch.empty(3 * 2 ** 30, dtype=torch.uint8, device=dev)  # past the budget
         del x
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         torch.cuda.empty_cache()
 
 
@@ -83,4 +83,4 @@ def test_tiny_run_with_auto_layout_budget_and_fp8_cache(tmp_path):
             assert m["sampler/is_weight_mean"] <= cfg.grpo.rollout_correction_cap
             assert max(m[k] for k in m if k.endswith("_peak_gib")) <= 4
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())

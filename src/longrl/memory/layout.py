@@ -36,8 +36,9 @@ def cap_allocator(cfg, device: torch.device) -> float | None:
     cap = budget_bytes(cfg)
     if cap is None or device.type != "cuda":
         return None
-    fraction = min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the call wants an index
+    fraction = min(1.0, cap / torch.cuda.get_device_properties(index).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
 
 

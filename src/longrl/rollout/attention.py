@@ -67,8 +67,10 @@ class KVCache:
         return self.k_suf_e is not None
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """The per-slot stores [L, S, ...] (what moves with a slot)."""
-        return [t for t in (self.k_suf, self.v_suf, self.k_suf_e, self.v_suf_e) if t is not None]
+        """The per-slot stores [L, S, ...] (what moves with a slot; FP8 codes as their bytes, which every indexing
+        kernel handles)."""
+        return [t.view(torch.uint8) if t.dtype == FP8 else t
+                for t in (self.k_suf, self.v_suf, self.k_suf_e, self.v_suf_e) if t is not None]
 
     def layer_exp(self, layer: int):
         """(k_pre_e, v_pre_e, k_suf_e, v_suf_e) of ``layer``; None for a 16-bit or float32 cache."""
