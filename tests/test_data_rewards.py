@@ -131,7 +131,8 @@ def test_scoring_weights_none_and_failures(caplog):
     prompts, completions = ["p"] * 3, ["a", "bad", "c"]
     columns = {"answer": [1, 2, 3]}
     scorer = RewardScorer([("good", good, 1.0), ("raises", raises_on_second, 2.0), ("na", not_applicable_first, 1.0)])
-    per_fn, total, failures = scorer.score(prompts, completions, columns)
+    with caplog.at_level("DEBUG", logger="longrl.rewards"):  # each failure at debug; callers sum them per step
+        per_fn, total, failures = scorer.score(prompts, completions, columns)
     assert per_fn[0].tolist()[:2] == [2.0, 0.5] and math.isnan(per_fn[0, 2])
     assert total[0] == pytest.approx(2.0 + 1.0) and math.isnan(total[1]) and total[2] == pytest.approx(4 + 1 + 2)
     assert [(f.function, f.sample) for f in failures] == [("raises", 1)]

@@ -97,7 +97,8 @@ def test_reward_that_raises_is_reported_and_run_goes_on(tmp_path, caplog):
     cfg = _cfg(tmp_path / "out", "rewards=[{function: " + f"{f}:flaky" + ", weight: 1.0}]")
     history = GRPOTrainer(cfg).train()
     assert len(history) == 4 and history[0]["reward_failures"] > 0
-    assert "reward function 'flaky' failed on sample" in caplog.text
+    assert "step 1: reward function 'flaky' failed on 16 of 16 samples; first error (sample 0): ValueError: odd one" \
+        in caplog.text
 
 
 def _cli(*args, cwd=None):

@@ -31,10 +31,42 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                         help="merged weights (merged only; auto: float16 if the base was, else bfloat16)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    _add_generate_and_eval(sub)
     demo = sub.add_parser("demo", help="offline demo: a tiny model learns arithmetic by GRPO on the CPU")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.add_argument("--print-config", action="store_true", help="print the demo's full YAML config and exit")
     return p
+
+
+def _add_generate_and_eval(sub) -> None:
+    gen = sub.add_parser("generate", help="sample completions from a checkpoint (printed as each prompt's finish)")
+    gen.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT",
+                     help="a checkpoint-STEP directory, or a run's output directory (its latest checkpoint)")
+    gen.add_argument("--prompt", help="one prompt (a user message when the run trained on chat prompts)")
+    gen.add_argument("--data", metavar="FILE", help="prompts from a dataset file (.jsonl/.json/.parquet/.csv)")
+    gen.add_argument("--prompt-column", default=None, help="column of --data holding the prompt (default: the run's)")
+    gen.add_argument("--limit", type=int, default=0, help="first N prompts of --data (default: all)")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's max_completion_length")
+    gen.add_argument("--temperature", type=float, default=None, help="default: the run's; 0: greedy")
+    gen.add_argument("--chat", choices=("auto", "yes", "no"), default="auto",
+                     help="a --prompt string through the chat template (auto: if the run trained on chat prompts)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--jsonl", action="store_true", help="one JSON object per completion instead of text")
+    ev = sub.add_parser("eval", help="mean reward and pass@k per reward function of a checkpoint on held-out prompts")
+    ev.add_argument("config", help="the run's YAML config (reward functions, generation settings, data.eval_source)")
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    ev.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT")
+    ev.add_argument("--data", metavar="FILE", help="held-out prompts (default: data.eval_source)")
+    ev.add_argument("--n", type=int, default=None, help="samples per prompt, the n of pass@k "
+                    "(default: output.eval_num_generations)")
+    ev.add_argument("--pass-threshold", type=float, default=None,
+                    help="a sample passes a reward function when it scores >= this (default: output.eval_pass_threshold)")
+    ev.add_argument("--samples", type=int, default=0, help="also print this many scored completions")
+    ev.add_argument("--output", metavar="FILE.json", help="also write the metrics to this JSON file")
+    ev.add_argument("--seed", type=int, default=7_919)
+    ev.add_argument("--device", default="auto")
 
 
 def _run(cfg) -> list[dict]:
@@ -51,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     try:
+        if args.command in ("generate", "eval"):
+            return _inference(args)
         if args.command == "demo":
             from .demo import demo_config
 
@@ -80,6 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"longrl: error: {e}", file=sys.stderr)
             return 2
         raise
+
+
+def _inference(args) -> int:
+    from .export import ExportError
+    from .inference import InferenceError, eval_main, generate_main
+
+    try:
+        return generate_main(args) if args.command == "generate" else eval_main(args)
+    except (InferenceError, ExportError) as e:
+        print(f"longrl: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _export(args) -> int:
@@ -145,7 +190,7 @@ def _demo(cfg) -> int:
     last = sum(m["reward"] for m in metrics[-window:]) / window
     png = plot_reward_curve(cfg.output.output_dir, metrics)
     print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f} "
-          f"({len(metrics)} steps, {time.perf_counter() - start:.0f} s); reward curve: {png}")
+          f"({len(metrics)} steps, {time.perf_counter() - start:.0f} s); reward curve: {png}", flush=True)
     return 0
 
 

@@ -72,6 +72,9 @@ class DataConfig:
     #                                                                       its last tokens, or drop the row
     shuffle: bool = True  # visit rows in a seeded random order each epoch
     num_examples: int = 2000  # rows generated for task: sources
+    eval_source: Optional[str] = None  # held-out prompts for `longrl eval` and output.eval_steps (forms as source)
+    eval_split: str = "test"  # split of an hf: eval_source
+    eval_num_examples: int = 64  # eval prompts used: the first rows (rows generated for task:, another seed)
 
 
 @dataclass
@@ -127,6 +130,8 @@ class TrainConfig:
     prompts_per_step: int = 8  # each optimizer step sees prompts_per_step × num_generations completions
     micro_batch_size: int = 16  # completions per forward/backward; gradients accumulate over micro-batches
     micro_batch_tokens: int = 0  # >0: group completions by this token budget instead (packed, no padding)
+    padding_free: Optional[bool] = None  # micro-batch layout (the loss is the same): true: sequences back to back in
+    #                                      one row, false: right-padded rows; null: packed on CUDA, padded on CPU
     learning_rate: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta1
@@ -151,10 +156,15 @@ class OutputConfig:
     output_dir: str = "longrl-output"  # where checkpoints, metrics.jsonl, plots and logs go
     logging_steps: int = 1  # steps between log lines and completion samples
     save_steps: int = 0  # 0: save only at the end
-    save_total_limit: int = 0  # 0: keep all checkpoints
+    save_total_limit: int = 3  # checkpoints kept (the newest); 0: keep all
     resume: bool = False  # continue from the latest checkpoint in output_dir
     log_completions: int = 4  # completions written to completions.jsonl per logging step
-    tensorboard: bool = True  # write TensorBoard scalars under output_dir/tensorboard
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard (output_dir/tensorboard),
+    #                                                                        wandb (WANDB_MODE=offline works), none
+    tensorboard: Optional[bool] = None  # deprecated alias: true adds tensorboard to report_to, false removes it
+    eval_steps: int = 0  # evaluate on data.eval_source every this many steps and at the last; 0: never
+    eval_num_generations: int = 4  # completions per eval prompt: the n of pass@k
+    eval_pass_threshold: float = 1.0  # an eval completion passes a reward function when it scores at least this
     progress_bar: bool = True  # in a terminal, show a progress bar
 
 
@@ -188,7 +198,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "genera
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
                      "model.gpu_resident_layers", "model.sdpa_backends", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
-                     "model.fused_layers", "lora.fused_training")
+                     "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
+                     "data.eval_split", "data.eval_num_examples")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -410,6 +421,14 @@ def validate(cfg: Config) -> None:
            m.quant_calibration_text, "null (token ids drawn from the vocabulary) or a non-empty text")
     _check(0 <= cfg.lora.dropout < 1, "lora.dropout", cfg.lora.dropout, "0 <= dropout < 1")
     _check(o.logging_steps >= 1, "output.logging_steps", o.logging_steps, "an integer >= 1")
+    _check(all(t in ("tensorboard", "wandb", "none") for t in o.report_to), "output.report_to", o.report_to,
+           "a list of tensorboard, wandb, none")
+    _check(o.save_total_limit >= 0, "output.save_total_limit", o.save_total_limit, "an integer >= 0 (0: keep all)")
+    _check(o.eval_steps >= 0, "output.eval_steps", o.eval_steps, "an integer >= 0 (0: no evaluation in training)")
+    _check(o.eval_num_generations >= 1, "output.eval_num_generations", o.eval_num_generations, "an integer >= 1")
+    _check(math.isfinite(o.eval_pass_threshold), "output.eval_pass_threshold", o.eval_pass_threshold,
+           "a finite number")
+    _check(cfg.data.eval_num_examples >= 1, "data.eval_num_examples", cfg.data.eval_num_examples, "an integer >= 1")
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
     _check(o.save_steps % g.num_iterations == 0, "output.save_steps", o.save_steps,
            f"a multiple of grpo.num_iterations ({g.num_iterations}): checkpoints fall between rollout batches")

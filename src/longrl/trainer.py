@@ -21,6 +21,7 @@ from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weight
     list_checkpoints, load_checkpoint, recover_interrupted_saves, save_checkpoint
 from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
 from .data import PromptSampler, load_prompts, read_prompt_rows
+from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.layout import budget_bytes, cap_allocator, resolve_layout
 from .memory.planner import model_config_of
@@ -32,11 +33,12 @@ from .ops.attention_backend import sdpa_priority
 from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
 from .ops.rollout_correction import rollout_correction_weights
 from .policy import completion_mask, pad_right, reference_mode, sequence_logprobs
-from .reporting import RunReporter
+from .reporting import RunReporter, check_report_to, reward_failure_lines
 from .rewards import RewardScorer
-from .rollout import Sampler, SamplingParams, generate_completions
+from .rollout import Sampler, SamplingParams
+from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
-from .rollout.sampling import stop_token_ids, triton_available
+from .rollout.sampling import triton_available
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +119,13 @@ class GRPOTrainer:
         # Cheap checks first: the output directory, reward functions and data fail before the model loads when
         # they can.
         check_output_dir(cfg)
+        check_report_to(cfg.output)
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed)
+        eval_rows = read_eval_rows(cfg)
+        if cfg.output.eval_steps and eval_rows is None:
+            raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
+                              "data.eval_source (or set output.eval_steps=0)")
         self.device = resolve_device(cfg.model.device)
         cap_allocator(cfg, self.device)  # train.gpu_memory_gib: an allocation past the budget fails
         self.plan, planned = None, False
@@ -150,6 +157,10 @@ class GRPOTrainer:
         if cfg.model.fused_layers and self.device.type == "cuda" and triton_available():
             log.info("fused layers: %s", enable_fused_layers(model))
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
+        self.eval_data = load_eval_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
+        # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
+        # sequences costs the square of the packed length, so padded rows are faster there
+        self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         self.rollout_sampler = self._make_rollout_sampler()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -174,14 +185,18 @@ class GRPOTrainer:
         if cfg.output.resume:
             self._resume()
         self.model.train()
-        reporter = RunReporter(self.output_dir, cfg.train.max_steps, cfg.output.tensorboard,
-                               cfg.output.progress_bar, resume_step=self.step_idx)
+        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx)
         atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
         history = []
+        finished = False
         try:
             with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model):
                 while self.step_idx < cfg.train.max_steps:
                     metrics = self._step()
+                    every = cfg.output.eval_steps
+                    if every and (self.step_idx % every == 0 or self.step_idx == cfg.train.max_steps):
+                        eval_start = time.perf_counter()
+                        metrics.update(self.evaluate().metrics, eval_time_s=time.perf_counter() - eval_start)
                     history.append(metrics)
                     reporter.log_step(metrics)
                     if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
@@ -190,9 +205,22 @@ class GRPOTrainer:
                     save_every = cfg.output.save_steps
                     if (save_every and self.step_idx % save_every == 0) or self.step_idx == cfg.train.max_steps:
                         self.save()
+                        reporter.plot()
+            finished = True
         finally:
-            reporter.close()
+            reporter.close(finished)
         return history
+
+    def evaluate(self, data=None):
+        """Mean reward and pass@k on ``data`` (a :class:`longrl.data.PromptDataset`; default: the prompts of
+        ``data.eval_source``) with the current weights: a :class:`longrl.evaluation.EvalResult`."""
+        data = data if data is not None else self.eval_data
+        if data is None:
+            raise ConfigError("config key 'data.eval_source': no held-out prompts to evaluate on")
+        o = self.cfg.output
+        return evaluate(self.model, self.tokenizer, self.scorer, data, self.cfg.generation,
+                        num_generations=o.eval_num_generations, pass_threshold=o.eval_pass_threshold,
+                        sampler=self.rollout_sampler, device=self.device)
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -244,19 +272,13 @@ class GRPOTrainer:
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
         with self._phase("generation"):
-            if self.rollout_sampler is not None:
-                rollout = self.rollout_sampler.generate(prompt_ids, G, self._sampling_params())
-            else:
-                rollout = generate_completions(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self.device)
-        column = self.data.prompt_column
-        prompts = [row[column] for row in rows for _ in range(G)]
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
-        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != column}
-        columns["completion_ids"] = rollout.completion_ids
-        columns["truncated"] = rollout.truncated
+            rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self._sampling_params(),
+                             self.rollout_sampler, self.device)
+        prompts, completions, columns = reward_inputs(rows, self.data.prompt_column, G, self.tokenizer, rollout)
         with self._phase("rewards"):
             per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
+        for line in reward_failure_lines(self.step_idx + 1, failures, len(completions)):
+            log.warning(line)
         advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
         width = max(len(c) for c in rollout.completion_ids)
         mask = completion_mask(rollout.completion_ids, width)  # [P·G, T]
@@ -296,12 +318,7 @@ class GRPOTrainer:
                        nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections)
 
     def _sampling_params(self) -> SamplingParams:
-        gen = self.cfg.generation
-        return SamplingParams(max_new_tokens=gen.max_completion_length, temperature=gen.temperature, top_p=gen.top_p,
-                              top_k=gen.top_k, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty,
-                              stop_token_ids=tuple(stop_token_ids(gen, self.tokenizer)),
-                              stop_strings=tuple(gen.stop_strings),
-                              seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
+        return sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
 
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train
@@ -316,7 +333,7 @@ class GRPOTrainer:
         for idx in self._micro_batches(prompt_ids, completion_ids):
             lp, _ = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
                                       pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
-                                      chunk_size=self.cfg.train.logprob_chunk_size)
+                                      chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free)
             out[idx] = lp.cpu()
         return out
 
@@ -338,7 +355,8 @@ class GRPOTrainer:
                                                    [b.completion_ids[i] for i in idx], width,
                                                    pad_id=self.tokenizer.pad_token_id,
                                                    temperature=cfg.generation.temperature,
-                                                   chunk_size=cfg.train.logprob_chunk_size, with_entropy=True)
+                                                   chunk_size=cfg.train.logprob_chunk_size, with_entropy=True,
+                                                   packed=self.padding_free)
                 mask = b.mask[idx].to(dev)
                 old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
                 ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None

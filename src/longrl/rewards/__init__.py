@@ -142,6 +142,6 @@ class RewardScorer:
         applies = ~torch.isnan(per_function)
         total = torch.where(applies, per_function * weights, torch.zeros_like(per_function)).sum(-1)
         total[failed | ~applies.any(-1)] = math.nan
-        for f in failures:
-            log.warning(str(f))
+        for f in failures:  # the caller reports them summed per function (reporting.reward_failure_lines)
+            log.debug(str(f))
         return per_function, total, failures
