@@ -17,6 +17,7 @@ and by the Python API (:func:`evaluate`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -63,8 +64,8 @@ def evaluate(model, tokenizer, scorer, data: PromptDataset, gen, *, num_generati
     """Mean reward and pass@k of ``model`` on every prompt of ``data`` (see the module docstring).
 
     ``scorer``: a :class:`longrl.rewards.RewardScorer`; ``gen``: a generation config (its temperature, lengths and
-    stop rules); ``sampler``: longrl's sampler for ``model`` (None: transformers' generate); ``keep_samples``: how
-    many scored completions to return with the metrics.
+    stop rules); ``sampler``: longrl's sampler for ``model`` (None: transformers' generate, seeded);
+    ``keep_samples``: how many scored completions to return with the metrics.
     """
     device = device or next(model.parameters()).device
     n = num_generations
@@ -77,7 +78,8 @@ def evaluate(model, tokenizer, scorer, data: PromptDataset, gen, *, num_generati
         idx = list(range(start, min(start + prompts_per_batch, len(data))))
         rows = [data.rows[i] for i in idx]
         params = sampling_params(gen, tokenizer, seed=seed * 1_000_003 + batch)
-        rollout = sample(model, tokenizer, [data.prompt_ids[i] for i in idx], n, gen, params, sampler, device)
+        with _seeded(params.seed, device, sampler is None):  # transformers' generate draws from torch's RNG
+            rollout = sample(model, tokenizer, [data.prompt_ids[i] for i in idx], n, gen, params, sampler, device)
         prompts, completions, columns = reward_inputs(rows, data.prompt_column, n, tokenizer, rollout)
         values, total, failures = scorer.score(prompts, completions, columns)
         if failures:
@@ -103,6 +105,18 @@ def evaluate(model, tokenizer, scorer, data: PromptDataset, gen, *, num_generati
             metrics[f"eval/pass@{k}/{f}"] = sum(pass_at_k(n, int(c), k) for c in counts[:, j]) / len(data)
     metrics["eval/completion_length"] = sum(lengths) / len(lengths)
     return EvalResult(metrics, samples)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device, enabled: bool):
+    """torch's RNG seeded with ``seed`` inside, and restored after (the caller's random stream is left as it was)."""
+    if not enabled:
+        yield
+        return
+    devices = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def _nanmean(x: torch.Tensor) -> float:

@@ -224,8 +224,8 @@ class RunReporter:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}, default=str) + "\n")
         if self.writer is not None and samples:
-            text = "\n\n".join(f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n**reward** {s['reward']}"
-                               for s in samples)
+            text = "\n\n".join(f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n"
+                               f"**reward** {s['reward']}" for s in samples)
             self.writer.add_text("completions", text, step)
 
     def plot(self) -> Path | None:

@@ -334,7 +334,7 @@ class GRPOTrainer:
             lp, _ = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
                                       pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
                                       chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free)
-            out[idx] = lp.cpu()
+            out[idx] = lp.cpu().to(out.dtype)  # kept in float32 whatever the model computes in
         return out
 
     def _policy_forward(self):
