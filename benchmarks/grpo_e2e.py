@@ -124,7 +124,8 @@ def run_loop(args, root: Path) -> dict:
     sampler_metrics = {k: v for k, v in last.items() if k.startswith("sampler/")}
     return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, weights_gib=resident_gib, cap=cap,
                 sampler_metrics=sampler_metrics, layout=dict(offload=cfg.model.offload_activations,
-                                                             checkpointing=cfg.model.gradient_checkpointing),
+                                                             checkpointing=getattr(trainer.plan, "checkpointing",
+                                                                                   cfg.model.gradient_checkpointing)),
                 kv_cache_gib=kv_gib, training_peak_gib=train_peak,
                 rollout_over_weights_kv=phases["generation"]["peak_gib"] / (resident_gib + kv_gib),
                 step_over_max_phase=step_peak / max(phases["generation"]["peak_gib"], train_peak),
