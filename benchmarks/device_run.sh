@@ -69,8 +69,9 @@
 #   reuse20k   grpo_memory 8B 20,480 x 8, MLP tiles 4,096: offloaded vs offloaded + attention reuse, warmed, and
 #              the GPU gradient check (offload and reuse vs plain) on the 1.5B shape (~5 min)
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
-#   kvfp8      benchmarks/kv_fp8_speed.py: decode attention bf16 vs FP8 cache (2 x 8, to 16K), whole-model 8B decode
-#              at 16K-token sequences with each cache (~2 min)
+#   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; both under each
+#              launch choice of decode_attention_speed.SWEEP at 16K), whole-model 8B decode
+#              at 16K-token sequences with each cache, warmed (~3 min; KTAG names the files)
 #   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
@@ -196,7 +197,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
-        kvfp8) stage kvfp8 200 python3 benchmarks/kv_fp8_speed.py ;;
+        kvfp8) stage kvfp8 260 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
         budget_small) stage budget_small 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
             --completion 1536 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
             --auto-layout && stage budget_small_bf16kv 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b \

@@ -64,6 +64,36 @@ def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
     return row
 
 
+def sweep(P, G, Lp, T, s, dev) -> list[dict]:
+    """Both caches' decode attention under each launch choice of decode_attention_speed.SWEEP at suffix s (the FP8
+    kernel reads half the bytes a block: it may want other blocks or warps than the bf16 kernel's defaults)."""
+    from decode_attention_speed import SWEEP
+
+    from longrl.rollout.decode_kernel import decode_attention_triton
+
+    B, Hq, Hkv, D = P * G, 32, 8, 128
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    raw = [mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)]
+    quant = [quantize_reference(t) for t in raw]
+    q, pidx = mk(B, Hq, D), torch.arange(B, device=dev) // G
+    lens = (torch.full((B,), Lp, device=dev), torch.full((B,), s, device=dev))
+    kw = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
+    cases = {"bf16": ((q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5), {}),
+             "fp8": ((q, *[c for c, _ in quant[:2]], pidx, lens[0], *[c for c, _ in quant[2:]], lens[1], D ** -0.5),
+                     {"kv_exp": tuple(e for _, e in quant)})}
+    rows = []
+    for launch in SWEEP:
+        row = dict(launch)
+        for name, (a, extra) in cases.items():
+            try:
+                row[f"{name}_us"] = graph_seconds(lambda: decode_attention_triton(*a, **kw, **extra, launch=launch)) * 1e6
+            except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def model_decode(args, dev) -> dict:
     """Decode seconds a step at --long-prompt + new tokens with each cache (8B shape, random weights, LoRA)."""
     import trl_baseline as tb
@@ -141,6 +171,8 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=320)
     ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also both kernels under decode_attention_speed.SWEEP's launch "
+                    "choices at the longest suffix")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -151,6 +183,8 @@ def main() -> None:
     small = attention_case(2, 4, 32, 8, 128, 77, 1500, 1300, dev, timed=False)  # errors at a size the
     for r in rows + [small]:  # reference can hold
         print(r, flush=True)
+    swept = sweep(args.prompts, args.G, args.prompt_len, args.max_suffix, int(args.suffix.split(",")[-1]), dev) \
+        if args.sweep else None
     decode = None if args.no_model else model_decode(args, dev)
     print(decode, flush=True)
     meta = run_meta()
@@ -180,7 +214,16 @@ def main() -> None:
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
                   f"**{decode['speedup']:.2f} ×**. Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "
                   f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
-    write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode), lines)
+    if swept:
+        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"]) for d in ("bf16", "fp8")}
+        lines += ["", f"## Launch sweep at suffix {args.suffix.split(',')[-1]} (decode_attention_speed.SWEEP)", "",
+                  "| block | warps | programs | prefix programs | bf16 µs | fp8 µs |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['block']} | {r['warps']} | {r['programs']} | {r['prefix_programs']} | "
+                  f"{r.get('bf16_us', float('nan')):.1f} | {r.get('fp8_us', float('nan')):.1f} |" for r in swept]
+        lines += ["", f"Fastest: bf16 {best['bf16']['bf16_us']:.1f} µs, FP8 {best['fp8']['fp8_us']:.1f} µs "
+                  f"({best['bf16']['bf16_us'] / best['fp8']['fp8_us']:.2f} ×)."]
+    write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode,
+                                                      sweep=swept), lines)
 
 
 if __name__ == "__main__":
