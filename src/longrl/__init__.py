@@ -1,9 +1,30 @@
-"""longrl: GRPO-family reinforcement learning for long reasoning traces on a fraction of the GPU memory."""
+"""longrl: GRPO-family reinforcement learning for long reasoning traces on a fraction of the GPU memory.
 
-from .config import Config, ConfigError, load_config
-from .models import load_model
-from .ops.logprobs import chunked_logprobs
-from .trainer import GRPOTrainer
+Names load on first use (module ``__getattr__``), so ``import longrl`` and ``longrl --help`` do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "GRPOTrainer", "chunked_logprobs", "load_config", "load_model", "__version__"]
+
+# public name → the module that defines it
+_LAZY = {
+    "Config": "config", "ConfigError": "config", "load_config": "config",
+    "GRPOConfig": "trl_api", "GRPOTrainer": "trainer", "Callback": "callbacks",
+    "FastLanguageModel": "unsloth_api", "load_model": "models", "chunked_logprobs": "ops.logprobs",
+}
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'longrl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,5 +1,7 @@
-"""Command line: ``longrl train CONFIG.yaml [KEY=VALUE ...]``, ``longrl demo [KEY=VALUE ...]``, ``longrl plan`` and
-``longrl export OUTPUT_DIR --from CHECKPOINT --format adapter|merged|gguf``."""
+"""Command line: ``longrl init [--model M] [--task T]``, ``longrl train CONFIG.yaml [KEY=VALUE ...]``, ``longrl demo
+[KEY=VALUE ...]``, ``longrl plan`` and ``longrl export OUTPUT_DIR --from CHECKPOINT --format adapter|merged|gguf``.
+
+Heavy modules (torch, transformers) load inside the commands, so ``longrl --help`` and ``--version`` stay fast."""
 
 from __future__ import annotations
 
@@ -12,8 +14,16 @@ from .config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="longrl", description="GRPO-family RL fine-tuning for long reasoning traces")
+    p.add_argument("--version", action="version", version=f"longrl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    init = sub.add_parser("init", help="print a commented starting config for a real model: longrl init > run.yaml")
+    init.add_argument("--model", default=None, metavar="ID_OR_DIR",
+                      help="hub id or local model directory (default: Qwen/Qwen2.5-1.5B-Instruct)")
+    init.add_argument("--task", choices=("math", "code", "custom"), default="math",
+                      help="math: a built-in answer reward on an `answer` column; code, custom: your rewards.py")
     train = sub.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file (see `longrl demo --print-config`)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.max_steps=10")
@@ -82,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command == "export":
         return _export(args)
+    if args.command == "init":
+        from .starter import render
+
+        sys.stdout.write(render(args.model, args.task))
+        return 0
     try:
         if args.command in ("generate", "eval"):
             return _inference(args)

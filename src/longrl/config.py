@@ -8,7 +8,10 @@ naming the key path, the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -71,7 +74,8 @@ class DataConfig:
     overlong_prompt: Literal["error", "truncate_left", "skip"] = "error"  # a longer prompt: stop naming its row, keep
     #                                                                       its last tokens, or drop the row
     shuffle: bool = True  # visit rows in a seeded random order each epoch
-    num_examples: int = 2000  # rows generated for task: sources
+    num_examples: Optional[int] = None  # rows used: the first N of a file or hf: dataset, N generated for task:
+    #                                      sources; null: all rows (task: sources generate 2000)
     eval_source: Optional[str] = None  # held-out prompts for `longrl eval` and output.eval_steps (forms as source)
     eval_split: str = "test"  # split of an hf: eval_source
     eval_num_examples: int = 64  # eval prompts used: the first rows (rows generated for task:, another seed)
@@ -223,6 +227,60 @@ def resume_conflicts(saved: dict, cfg: "Config") -> list[str]:
                                                        for a in RESUMABLE_CHANGES)]
 
 
+# ----------------------------------------------------------------------------- key names and suggestions
+
+@functools.lru_cache(maxsize=None)
+def config_keys(cls=None, prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key of the tree below ``cls`` (``Config``): its leaves, with ``rewards`` as one key."""
+    out = []
+    for f in dataclasses.fields(cls or Config):
+        tp = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += config_keys(tp, f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}")
+    return tuple(out)
+
+
+def trl_key(name: str) -> str | None:
+    """The dotted key TRL's flat field ``name`` sets in this tree (``longrl.trl_names``), or None: the name is not
+    TRL's, or its longrl key is not in this version (then found by its leaf name if that is unique)."""
+    from .trl_names import TRL_NAMES
+
+    entry = TRL_NAMES.get(name)
+    if entry is None or entry.key is None:
+        return None
+    keys = config_keys()
+    if entry.key in keys:
+        return entry.key
+    leaf = entry.key.rsplit(".", 1)[-1]
+    same = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    return same[0] if len(same) == 1 else None
+
+
+def suggest_key(path: str) -> str:
+    """'did you mean train.learning_rate?' for an unknown key: a TRL flat name, a key of another section, or a
+    near miss; '' when nothing is close."""
+    from .trl_names import TRL_NAMES
+
+    leaf = path.rsplit(".", 1)[-1]
+    keys = config_keys()
+    if leaf in TRL_NAMES:
+        entry, key = TRL_NAMES[leaf], trl_key(leaf)
+        note = f": {entry.note}" if entry.note else ""
+        if key is None:
+            return f"TRL's {leaf} has no longrl key{note or ': not in this version of longrl'}"
+        shown = "rewards[i].weight" if key == "rewards" else key
+        return f"did you mean {shown}? (TRL's {leaf}{note})"
+    elsewhere = [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != path]
+    if elsewhere:
+        return f"did you mean {' or '.join(elsewhere)}?"
+    leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+    close = difflib.get_close_matches(path, keys, n=1, cutoff=0.8) or \
+        [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.8)]
+    return f"did you mean {close[0]}?" if close else ""
+
+
 # ----------------------------------------------------------------------------- parsing and validation
 
 def _describe(tp) -> str:
@@ -293,7 +351,9 @@ def _build(cls, data: dict, prefix: str = ""):
     for k in data:
         if k not in names:
             path = f"{prefix}.{k}" if prefix else k
-            raise ConfigError(f"unknown config key '{path}'; allowed keys here: {', '.join(sorted(names))}")
+            hint = suggest_key(path)
+            raise ConfigError(f"unknown config key '{path}'{'; ' + hint if hint else ''}; allowed keys here: "
+                              f"{', '.join(sorted(names))}")
     obj = cls()
     for k, v in data.items():
         path = f"{prefix}.{k}" if prefix else k
@@ -342,12 +402,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        _paths_from_folder(loaded, path)
         _merge(tree, loaded)
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
     validate(cfg)
     return cfg
+
+
+def _relative_file(value: str) -> bool:
+    """A relative file path (not task:, hf: or memory:, not absolute or ~)."""
+    return (isinstance(value, str) and value != "" and not value.startswith(("task:", "hf:", "memory:", "~"))
+            and not os.path.isabs(value))
+
+
+def _from_folder(value: str, key: str, config_file: Path) -> str:
+    """``value`` (relative) as read from the config file's folder; refused when only the working directory has it
+    (where such paths were read before), so a run never reads another file than the one its config names."""
+    joined = os.path.join(os.path.dirname(os.path.abspath(config_file)), value)
+    if not os.path.exists(joined) and os.path.exists(value):
+        raise ConfigError(f"config key '{key}' in {config_file}: {value!r} is read relative to the config file's "
+                          f"folder, as {joined}, which does not exist; ./{value} exists in the working directory: "
+                          "write its path relative to the config file, or absolute")
+    return joined
+
+
+def _paths_from_folder(loaded: dict, config_file: Path) -> None:
+    """Relative data and reward-file paths of a YAML file, resolved against the file's folder (in place)."""
+    data = loaded.get("data")
+    if isinstance(data, dict) and _relative_file(data.get("source")):
+        data["source"] = _from_folder(data["source"], "data.source", config_file)
+    for i, spec in enumerate(loaded.get("rewards") or []):
+        ref = spec.get("function") if isinstance(spec, dict) else None
+        if isinstance(ref, str) and ":" in ref:
+            target, name = ref.rsplit(":", 1)
+            if (target.endswith(".py") or "/" in target) and _relative_file(target):
+                spec["function"] = f"{_from_folder(target, f'rewards[{i}].function', config_file)}:{name}"
 
 
 def _merge(tree: dict, new: dict, prefix: str = "") -> None:
@@ -363,8 +454,9 @@ def _check(cond: bool, key: str, value, allowed: str) -> None:
         raise ConfigError(f"config key '{key}': got {value!r}; allowed: {allowed}")
 
 
-def validate(cfg: Config) -> None:
-    """Range and consistency checks beyond types."""
+def validate(cfg: Config, require_rewards: bool = True) -> None:
+    """Range and consistency checks beyond types (``require_rewards=False``: the reward functions come later, as
+    ``GRPOTrainer(reward_funcs=...)``)."""
     g, t, gen, o = cfg.grpo, cfg.train, cfg.generation, cfg.output
     _check(g.num_generations >= 2, "grpo.num_generations", g.num_generations, "an integer >= 2 (advantages compare a group)")
     _check(g.beta >= 0, "grpo.beta", g.beta, ">= 0")
@@ -400,7 +492,8 @@ def validate(cfg: Config) -> None:
            "non-empty strings")
     _check(g.rollout_correction_cap >= 1, "grpo.rollout_correction_cap", g.rollout_correction_cap, ">= 1")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", cfg.data.max_prompt_length, ">= 1")
-    _check(cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples, ">= 1")
+    _check(cfg.data.num_examples is None or cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples,
+           "null (all rows) or an integer >= 1")
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
     m = cfg.model
     _check(all(b in ("cudnn", "flash", "efficient", "math") for b in m.sdpa_backends), "model.sdpa_backends",
@@ -432,8 +525,8 @@ def validate(cfg: Config) -> None:
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
     _check(o.save_steps % g.num_iterations == 0, "output.save_steps", o.save_steps,
            f"a multiple of grpo.num_iterations ({g.num_iterations}): checkpoints fall between rollout batches")
-    _check(bool(cfg.rewards), "rewards", cfg.rewards, "at least one reward function")
+    _check(bool(cfg.rewards) or not require_rewards, "rewards", cfg.rewards, "at least one reward function")
     for i, r in enumerate(cfg.rewards):
-        _check(":" in r.function, f"rewards[{i}].function", r.function,
+        _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")
         _check(math.isfinite(r.weight), f"rewards[{i}].weight", r.weight, "a finite number")

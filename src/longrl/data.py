@@ -27,13 +27,20 @@ class DataError(ValueError):
     """The dataset cannot be used; the message names the file, column or row."""
 
 
-def read_rows(source: str, split: str = "train", num_examples: int = 2000, seed: int = 0) -> list[dict]:
-    """All rows of ``source`` as dicts."""
+TASK_ROWS = 2000  # rows a task: source generates when data.num_examples is null
+
+
+def read_rows(source: str, split: str = "train", num_examples: int | None = None, seed: int = 0) -> list[dict]:
+    """The rows of ``source`` as dicts: the first ``num_examples`` (None: all; a task generates that many)."""
     if source.startswith("task:"):
         name = source[5:]
         if name not in TASKS:
             raise DataError(f"config key 'data.source': unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
-        return TASKS[name](num_examples, seed=seed)
+        return TASKS[name](num_examples or TASK_ROWS, seed=seed)
+    if source.startswith("memory:"):
+        raise DataError(f"config key 'data.source': {source!r} names rows that were given in memory "
+                        "(GRPOTrainer(train_dataset=...)); to train from a config file, write them to a JSONL file "
+                        "(datasets.Dataset.to_json) and set data.source to it")
     import datasets
 
     datasets.disable_progress_bars()
@@ -55,7 +62,7 @@ def read_rows(source: str, split: str = "train", num_examples: int = 2000, seed:
             ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:
             raise DataError(f"dataset file {source} could not be read: {type(e).__name__}: {e}") from e
-    return [dict(r) for r in ds]
+    return [dict(r) for r in (ds if num_examples is None else ds.select(range(min(num_examples, len(ds)))))]
 
 
 @dataclass
@@ -82,10 +89,14 @@ def tokenize_prompt(tokenizer, prompt) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-def read_prompt_rows(cfg, seed: int = 0) -> list[dict]:
-    """The rows of data config ``cfg``, checked as far as no tokenizer is needed (not empty, the prompt column
-    present, each prompt a non-empty string or chat): the trainer reads them before the model loads."""
-    rows = read_rows(cfg.source, cfg.split, cfg.num_examples, seed)
+def read_prompt_rows(cfg, seed: int = 0, rows: list[dict] | None = None) -> list[dict]:
+    """The rows of data config ``cfg`` (or ``rows`` given in memory, the first ``cfg.num_examples`` of them),
+    checked as far as no tokenizer is needed (not empty, the prompt column present, each prompt a non-empty string
+    or chat): the trainer reads them before the model loads."""
+    if rows is None:
+        rows = read_rows(cfg.source, cfg.split, cfg.num_examples, seed)
+    elif cfg.num_examples is not None:
+        rows = rows[:cfg.num_examples]
     if not rows:
         raise DataError(f"dataset {cfg.source!r} is empty")
     column = cfg.prompt_column

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from .callbacks import check_callbacks, notify
 from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weights, latest_checkpoint, \
     list_checkpoints, load_checkpoint, recover_interrupted_saves, save_checkpoint
 from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
-from .data import PromptSampler, load_prompts, read_prompt_rows
+from .data import PromptDataset, PromptSampler, load_prompts, read_prompt_rows
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.layout import budget_bytes, cap_allocator, resolve_layout
@@ -61,15 +62,16 @@ class RolloutBatch:
     num_reward_failures: int
 
 
-def check_output_dir(cfg: Config) -> None:
+def check_output_dir(cfg: Config, allow_existing: bool = False) -> None:
     """Refuse, before anything loads, a new run into a directory that holds another run's checkpoints (its
     checkpoint rotation and resume would mix the two), and a resume whose settings differ from the ones its
-    checkpoint was trained with, beyond RESUMABLE_CHANGES."""
+    checkpoint was trained with, beyond RESUMABLE_CHANGES. ``allow_existing``: leave both to a later call (TRL's
+    ``train(resume_from_checkpoint=...)`` decides)."""
     out = Path(cfg.output.output_dir)
     for line in recover_interrupted_saves(out) if out.is_dir() else []:
         log.warning("%s: %s (a save of a killed run)", out, line)
     found = list_checkpoints(out)
-    if not found:
+    if not found or allow_existing:
         return
     if not cfg.output.resume:
         raise ConfigError(f"output.output_dir '{out}' already holds checkpoints of an earlier run "
@@ -111,18 +113,37 @@ def _config_or_none(model_cfg):
 
 
 class GRPOTrainer:
-    """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train."""
+    """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train.
 
-    def __init__(self, cfg: Config, model=None, tokenizer=None, scorer: RewardScorer | None = None):
+    Also takes TRL's signature, ``GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+    train_dataset=..., eval_dataset=..., processing_class=..., peft_config=..., reward_weights=..., callbacks=...)``
+    (positionally too: model, reward_funcs, args, train_dataset); see :mod:`longrl.trl_api`.
+    """
+
+    def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, scorer: RewardScorer | None = None, *,
+                 reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 peft_config=None, reward_weights=None, callbacks=None):
+        self.trl_style = not isinstance(cfg, Config)
+        rows, self.eval_rows = None, None  # TRL-style: rows given in memory
+        if self.trl_style:
+            from .trl_api import trainer_inputs
+
+            inputs = trainer_inputs((cfg, model, tokenizer, scorer), reward_funcs=reward_funcs, args=args,
+                                    train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                    processing_class=processing_class, peft_config=peft_config,
+                                    reward_weights=reward_weights, callbacks=callbacks)
+            cfg, model, tokenizer, scorer, rows = inputs.cfg, inputs.model, inputs.tokenizer, inputs.scorer, inputs.rows
+            self.eval_rows, callbacks = inputs.eval_rows, inputs.callbacks
+        self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
         # Cheap checks first: the output directory, reward functions and data fail before the model loads when
-        # they can.
-        check_output_dir(cfg)
+        # they can. TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...).
+        check_output_dir(cfg, allow_existing=self.trl_style)
         check_report_to(cfg.output)
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
-        rows = read_prompt_rows(cfg.data, seed=cfg.train.seed)
-        eval_rows = read_eval_rows(cfg)
+        rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
+        eval_rows = read_eval_rows(cfg) if self.eval_rows is None else self.eval_rows
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
                               "data.eval_source (or set output.eval_steps=0)")
@@ -136,15 +157,17 @@ class GRPOTrainer:
             if model_config is not None:
                 self.plan, planned = resolve_layout(cfg, model_config, self.device), True
         if model is None:
-            model, tokenizer = load_model(cfg.model.name_or_path, lora=cfg.lora, dtype=cfg.model.dtype,
-                                          device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code,
-                                          revision=cfg.model.revision,
-                                          attn_implementation=cfg.model.attn_implementation,
-                                          gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed,
-                                          load_in_4bit=cfg.model.load_in_4bit,
-                                          quant_keep_modules=cfg.model.quant_keep_modules,
-                                          quant_exception_budget=cfg.model.quant_exception_budget,
-                                          quant_calibration_text=cfg.model.quant_calibration_text)
+            model, loaded = load_model(cfg.model.name_or_path, lora=cfg.lora, dtype=cfg.model.dtype,
+                                       device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code,
+                                       revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation,
+                                       gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed,
+                                       load_in_4bit=cfg.model.load_in_4bit,
+                                       quant_keep_modules=cfg.model.quant_keep_modules,
+                                       quant_exception_budget=cfg.model.quant_exception_budget,
+                                       quant_calibration_text=cfg.model.quant_calibration_text)
+            tokenizer = loaded if tokenizer is None else tokenizer
+        else:
+            model, tokenizer = self._given_model(model, tokenizer)
         self.model, self.tokenizer = model, tokenizer
         if not planned:  # the same plan `longrl plan` prints (memory/layout.py)
             self.plan = resolve_layout(cfg, base_model(model).config, self.device)
@@ -179,14 +202,50 @@ class GRPOTrainer:
         self.phase_stats: dict[str, float] = {}
         self.output_dir = Path(cfg.output.output_dir)
 
+    def _given_model(self, model, tokenizer):
+        """A model passed in: on the run's device, with adapters when LoRA is on (``ensure_adapters``), with a
+        tokenizer; TRL-style, cfg.model and cfg.lora are made to describe it (checkpoints and export read them)."""
+        from .models import ensure_adapters
+
+        base = base_model(model)
+        if not getattr(base, "is_loaded_in_4bit", False) and not hasattr(base, "hf_device_map"):
+            model.to(self.device)
+        if self.cfg.model.gradient_checkpointing and not getattr(base, "is_gradient_checkpointing", True):
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.config.use_cache = False
+        limit, cfg = getattr(model, "max_seq_length", None), self.cfg
+        if limit and cfg.data.max_prompt_length + cfg.generation.max_completion_length > limit:
+            raise ConfigError(f"data.max_prompt_length + generation.max_completion_length = "
+                              f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length} is more than the "
+                              f"model's max_seq_length={limit} (FastLanguageModel.from_pretrained)")
+        had_adapters = hasattr(model, "peft_config")
+        model = ensure_adapters(model, cfg.lora)
+        if self.trl_style:
+            from .trl_api import describe_model, tokenizer_for
+
+            describe_model(self.cfg, model, had_adapters)
+            tokenizer = tokenizer_for(model) if tokenizer is None else tokenizer
+        if tokenizer is None:
+            raise ValueError("GRPOTrainer(cfg, model=...) needs tokenizer= as well")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
+
     # ------------------------------------------------------------------------------------------ the loop
-    def train(self) -> list[dict]:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict]:
+        """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
+        the path of output_dir's latest checkpoint, resumes from it (as output.resume=true)."""
         cfg = self.cfg
+        if resume_from_checkpoint:
+            self._ask_resume(resume_from_checkpoint)
+        if self.trl_style or resume_from_checkpoint:
+            check_output_dir(cfg)
         if cfg.output.resume:
             self._resume()
         self.model.train()
         reporter = RunReporter.for_config(cfg, resume_step=self.step_idx)
         atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
+        notify(self.callbacks, "on_train_begin", self)
         history = []
         finished = False
         try:
@@ -199,6 +258,7 @@ class GRPOTrainer:
                         metrics.update(self.evaluate().metrics, eval_time_s=time.perf_counter() - eval_start)
                     history.append(metrics)
                     reporter.log_step(metrics)
+                    notify(self.callbacks, "on_step_end", self.step_idx, metrics)
                     if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
                                                        or self.step_idx == 1):
                         reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
@@ -209,11 +269,28 @@ class GRPOTrainer:
             finished = True
         finally:
             reporter.close(finished)
+        notify(self.callbacks, "on_train_end", history)
         return history
 
+    def _ask_resume(self, checkpoint: bool | str) -> None:
+        """TRL's resume_from_checkpoint: True, the output directory, or its latest checkpoint."""
+        if checkpoint is not True:
+            latest = latest_checkpoint(self.output_dir)
+            given = Path(checkpoint).resolve()
+            if given != self.output_dir.resolve() and (latest is None or given != latest.resolve()):
+                raise ConfigError(f"resume_from_checkpoint={str(checkpoint)!r}: longrl resumes from the latest "
+                                  f"checkpoint of output_dir ({latest or f'none in {self.output_dir}'}); pass True")
+        self.cfg.output.resume = True
+
     def evaluate(self, data=None):
-        """Mean reward and pass@k on ``data`` (a :class:`longrl.data.PromptDataset`; default: the prompts of
+        """Mean reward and pass@k on ``data`` (a :class:`longrl.data.PromptDataset`, or as TRL's eval_dataset: a
+        ``datasets.Dataset``, a list of dicts or a path; default: the trainer's eval_dataset, or the prompts of
         ``data.eval_source``) with the current weights: a :class:`longrl.evaluation.EvalResult`."""
+        if data is not None and not isinstance(data, PromptDataset):
+            from .trl_api import held_out_rows
+
+            rows, source = held_out_rows(self.cfg, data)
+            data = load_eval_prompts(self.cfg, self.tokenizer, rows, source)
         data = data if data is not None else self.eval_data
         if data is None:
             raise ConfigError("config key 'data.eval_source': no held-out prompts to evaluate on")
@@ -221,6 +298,19 @@ class GRPOTrainer:
         return evaluate(self.model, self.tokenizer, self.scorer, data, self.cfg.generation,
                         num_generations=o.eval_num_generations, pass_threshold=o.eval_pass_threshold,
                         sampler=self.rollout_sampler, device=self.device)
+
+    def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
+        """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
+        weights, or ``format="merged"``), or ``format="gguf"``. Saves a checkpoint of this step first if there is
+        none. ``output_dir`` (default: output.output_dir/final) must be new or empty."""
+        from .export import export_checkpoint
+
+        fmt = format or ("adapter" if hasattr(self.model, "peft_config") else "merged")
+        ckpt = self.output_dir / f"checkpoint-{self.step_idx}"
+        if not ckpt.is_dir():
+            ckpt = self.save()
+        target = Path(output_dir) if output_dir is not None else self.output_dir / "final"
+        return export_checkpoint(ckpt, target, fmt=fmt)
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -412,6 +502,7 @@ class GRPOTrainer:
         path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
                                self.cfg.output.save_total_limit, base_weights=frozen)
         log.info("saved %s", path)
+        notify(self.callbacks, "on_save", path)
         return path
 
     def _resume(self) -> None:

@@ -170,6 +170,21 @@ def apply_lora(model, lora):
     return wrapped
 
 
+def ensure_adapters(model, lora):
+    """A model given ready-made, checked against ``lora`` (a :class:`longrl.config.LoraConfig`): adapters added when
+    LoRA is enabled and it has none (never silent full-weight training), refused when it has adapters but LoRA is
+    disabled."""
+    has_adapters = hasattr(model, "peft_config")
+    if lora.enabled and not has_adapters:
+        log.info("the given model has no adapters and lora.enabled=true: adding LoRA (r=%d, alpha=%g)", lora.r,
+                 lora.alpha)
+        return apply_lora(model, lora)
+    if not lora.enabled and has_adapters:
+        raise ModelLoadError("the given model is a PEFT model but lora.enabled=false: set lora.enabled=true to train "
+                             "its adapters, or pass the base model (model.get_base_model()) for full-weight training")
+    return model
+
+
 def set_lora_input_casting(model, enabled: bool) -> None:
     """PEFT up-casts each LoRA layer's input to the (float32) adapter dtype, a float32 copy of every activation
     that autograd then saves. Under autocast the copy is unnecessary; this turns it off (or back on)."""

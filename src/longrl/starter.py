@@ -1,0 +1,134 @@
+"""``longrl init``: a commented starting config for a real model on a GPU, in current GRPO practice.
+
+LoRA on (r 16, every linear layer), the model's own dtype on CUDA (bf16), the memory layout left to the planner,
+DAPO's token-level loss without a KL term (beta 0, so no reference forward), 8 completions a prompt, clip-higher,
+lr 1e-5 for LoRA. Keys that this version's tree lacks are left out, so ``longrl train`` and ``longrl plan``
+accept the file as written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .config import config_keys
+
+TASKS = ("math", "code", "custom")
+DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+
+_TASK_DATA = {
+    "math": ('one JSON object a line: {"prompt": "...", "answer": "42"} (chat prompts: a list of '
+             '{"role", "content"} messages)'),
+    "code": 'one JSON object a line: {"prompt": "...", "tests": "..."}: every column reaches the reward function',
+    "custom": 'one JSON object a line with a "prompt" column; every other column reaches the reward functions',
+}
+
+_TASK_REWARDS = {
+    "math": """\
+  - function: longrl.rewards.answers:answer_reward   # 1 when the final answer (last \\boxed{} or number) equals `answer`
+    weight: 1.0""",
+    "code": """\
+  # your reward file, beside this config: def reward(prompts, completions, tests, **columns) -> list[float | None]
+  # (run the model's code only in a sandbox: a separate process with limits, never in the training process)
+  - function: rewards.py:reward
+    weight: 1.0""",
+    "custom": """\
+  # your reward file, beside this config: def reward(prompts, completions, **columns) -> list[float | None]
+  - function: rewards.py:reward
+    weight: 1.0""",
+}
+
+_COMPLETION = {"math": 1024, "code": 2048, "custom": 1024}
+
+
+def _model_entry(model: str) -> tuple[str, int | None]:
+    """The model as written in the config (an existing directory as an absolute path) and its context length."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return model, None
+    context = None
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            context = json.loads(config.read_text()).get("max_position_embeddings")
+        except (OSError, ValueError):
+            context = None
+    return os.path.abspath(path), context
+
+
+def render(model: str | None = None, task: str = "math") -> str:
+    """The YAML text of a starting config."""
+    if task not in TASKS:
+        raise ValueError(f"--task: one of {', '.join(TASKS)}; got {task!r}")
+    name, context = _model_entry(model or DEFAULT_MODEL)
+    prompt_len, completion_len = 512, _COMPLETION[task]
+    if context and prompt_len + completion_len > context:  # a small model: split its context 1 : 2
+        prompt_len, completion_len = max(1, context // 3), context - max(1, context // 3)
+    keys = set(config_keys())
+    run_name = Path(name).name or "model"
+    budget = ("  gpu_memory_gib: 0               # GPU memory this run may use (0: all that is free); e.g. 22 on a "
+              "24 GB card\n") if "train.gpu_memory_gib" in keys else ""
+    report = "  report_to: tensorboard          # tensorboard, wandb or none\n" if "output.report_to" in keys else ""
+    return f"""\
+# longrl run config: `longrl init --model {model or DEFAULT_MODEL} --task {task}`
+#   longrl plan run.yaml       the memory layout and predicted peaks (--gpu-memory-gib N for another GPU)
+#   longrl train run.yaml      train; KEY=VALUE after the file overrides, e.g. train.max_steps=10
+# Relative paths are read from this file's folder. Every key: docs/config.md.
+
+model:
+  name_or_path: {json.dumps(name)}
+  device: auto                    # cuda when there is one
+  dtype: auto                     # bfloat16 on CUDA (float32 on the CPU)
+  load_in_4bit: false             # true: NF4 base (QLoRA), a quarter of the weight memory
+  # The memory layout (checkpointing, offloading, MLP tiles, token budgets) is left to the planner: `longrl plan`
+  # prints what it chooses. Set model.offload_activations, model.gpu_resident_layers, train.micro_batch_tokens or
+  # train.mlp_tile_tokens here only to pin a choice.
+
+lora:
+  enabled: true                   # adapters on a frozen base; the KL reference is the base with them disabled
+  r: 16
+  alpha: 32
+  dropout: 0.0
+  target_modules: [all-linear]    # every linear layer but the LM head
+
+data:
+  source: train.jsonl             # {_TASK_DATA[task]}
+  prompt_column: prompt
+  max_prompt_length: {prompt_len}         # longer prompts stop the run (data.overlong_prompt: truncate_left or skip)
+  num_examples: null              # all rows
+  shuffle: true
+
+generation:
+  max_completion_length: {completion_len}
+  temperature: 1.0
+  top_p: 1.0
+
+grpo:
+  num_generations: 8              # completions a prompt; advantages compare them
+  loss_type: dapo                 # token-level, normalised by the step's completion tokens (no length bias)
+  beta: 0.0                       # no KL term (no reference forward)
+  epsilon: 0.2
+  epsilon_high: 0.28              # DAPO's clip-higher: more room for rising probabilities
+  scale_rewards: group
+  num_iterations: 1               # updates a rollout batch
+
+train:
+  max_steps: 500
+  prompts_per_step: 8             # 8 prompts × 8 completions an optimizer step
+  learning_rate: 1.0e-5           # LoRA (full weights: ~1e-6)
+  lr_scheduler_type: constant
+  warmup_steps: 10
+  weight_decay: 0.0
+  max_grad_norm: 1.0
+  seed: 0
+{budget}
+rewards:                          # TRL's signature: f(prompts, completions, **columns) -> list[float | None]
+{_TASK_REWARDS[task]}
+
+output:
+  output_dir: runs/{run_name}-grpo
+  logging_steps: 1
+  save_steps: 50
+  save_total_limit: 3             # the newest checkpoints kept
+{report}"""
