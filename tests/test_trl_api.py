@@ -92,6 +92,10 @@ def test_trl_script_trains_saves_resumes_and_matches_the_yaml_cli(tmp_path):
     assert ("save", "checkpoint-3") in recorder.events
     out = trainer.save_model(tmp_path / "final")
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert trainer.save_model(args.output_dir) == tmp_path / "py"  # TRL's habit: beside the checkpoints
+    saved = (tmp_path / "py" / "adapter_model.safetensors").read_bytes()
+    assert saved == (out / "adapter_model.safetensors").read_bytes()
+    assert (tmp_path / "py" / "checkpoint-3").is_dir() and not list((tmp_path / "py").glob(".save_model-*"))
 
     # the same run from a YAML file and the CLI, on the same rows in a JSONL file
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -214,8 +218,8 @@ def test_each_trl_name_is_mapped_in_python_and_named_in_yaml(tmp_path, name):
             assert f"did you mean {'rewards[i].weight' if key == 'rewards' else key}?" in text, text
         else:
             assert "has no longrl key" in text and TRL_NAMES[name].note.split(" ")[0] in text, text
-    if key is None or name in BATCH:
-        if key is None:
+    if key is None or name in BATCH:  # the batch names: test_trl_batch_arithmetic_and_refusals
+        if key is None and name not in BATCH:
             with pytest.raises(ConfigError, match=f"TRL's {name}|{name}=.*longrl loads models itself"):
                 GRPOConfig(**{name: 1} if name != "model_init_kwargs" else {name: {"device_map": "auto"}})
         return
@@ -246,12 +250,20 @@ def test_trl_batch_arithmetic_and_refusals():
     from longrl import GRPOConfig
 
     cfg = GRPOConfig(num_generations=8, per_device_train_batch_size=4, gradient_accumulation_steps=4,
-                     generation_batch_size=16, steps_per_generation=4)
+                     generation_batch_size=16)  # one rollout an optimizer step
     assert (cfg.train.micro_batch_size, cfg.train.prompts_per_step) == (4, 2)
     assert GRPOConfig(num_generations=4, gradient_accumulation_steps=2).train.prompts_per_step == 4  # 8 × 2 / 4
+    if "grpo.steps_per_generation" in config_keys():  # TRL counts micro-batches, longrl optimizer steps
+        assert GRPOConfig(gradient_accumulation_steps=2, steps_per_generation=4).grpo.steps_per_generation == 2
+        assert GRPOConfig(per_device_train_batch_size=4, generation_batch_size=16,
+                          num_generations=4).grpo.steps_per_generation == 4
+    else:
+        with pytest.raises(ConfigError, match="one rollout an optimizer step"):
+            GRPOConfig(generation_batch_size=32)
     for bad, match in [(dict(per_device_train_batch_size=6, num_generations=4), "not a multiple of num_generations"),
-                       (dict(generation_batch_size=32), "one rollout batch an optimizer step"),
-                       (dict(steps_per_generation=4), "grpo.num_iterations"),
+                       (dict(generation_batch_size=12), "a multiple of per_device_train_batch_size"),
+                       (dict(gradient_accumulation_steps=4, steps_per_generation=6), "whole optimizer steps"),
+                       (dict(generation_batch_size=16, steps_per_generation=2), "cannot both"),
                        (dict(per_device_train_batch_size=8, prompts_per_step=2), "not both"),
                        (dict(num_train_epochs=3), "train.max_steps"), (dict(max_steps=-1), "not epochs"),
                        (dict(logging_steps=0.1), "fraction"), (dict(use_vllm=True), "generation.backend"),
@@ -273,9 +285,8 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     folder.mkdir(parents=True)
     (folder / "train.jsonl").write_text('{"prompt": "1+1="}\n')
     (folder / "rewards.py").write_text(REWARD_FILE)
-    (folder / "run.yaml").write_text(yaml.safe_dump({"data": {"source": "train.jsonl"},
-                                                     "rewards": [{"function": "rewards.py:digits"},
-                                                                 {"function": "longrl.tasks.arithmetic:format_reward"}]}))
+    rewards = [{"function": "rewards.py:digits"}, {"function": "longrl.tasks.arithmetic:format_reward"}]
+    (folder / "run.yaml").write_text(yaml.safe_dump({"data": {"source": "train.jsonl"}, "rewards": rewards}))
     monkeypatch.chdir(tmp_path)
     cfg = load_config("runs/a/run.yaml")
     assert cfg.data.source == str(folder / "train.jsonl")
@@ -340,7 +351,8 @@ def test_init_output_is_accepted_by_train_and_plan(tmp_path, capsys):
     assert len(read_metrics(tmp_path / "out")) == 1
     for task in ("code", "custom"):
         text = _cli("init", "--task", task).stdout
-        (tmp_path / "rewards.py").write_text("def reward(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+        (tmp_path / "rewards.py").write_text("def reward(prompts, completions, **kw):\n"
+                                             "    return [0.0] * len(completions)\n")
         (tmp_path / f"{task}.yaml").write_text(text)
         assert load_config(tmp_path / f"{task}.yaml").rewards[0].function == f"{tmp_path / 'rewards.py'}:reward"
 

@@ -26,7 +26,7 @@ _TASK_DATA = {
 
 _TASK_REWARDS = {
     "math": """\
-  - function: longrl.rewards.answers:answer_reward   # 1 when the final answer (last \\boxed{} or number) equals `answer`
+  - function: longrl.rewards.answers:answer_reward   # 1 when the final answer (last \\boxed{} or number) is `answer`
     weight: 1.0""",
     "code": """\
   # your reward file, beside this config: def reward(prompts, completions, tests, **columns) -> list[float | None]

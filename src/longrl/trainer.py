@@ -210,7 +210,9 @@ class GRPOTrainer:
         base = base_model(model)
         if not getattr(base, "is_loaded_in_4bit", False) and not hasattr(base, "hf_device_map"):
             model.to(self.device)
-        if self.cfg.model.gradient_checkpointing and not getattr(base, "is_gradient_checkpointing", True):
+        on = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_checkpointing before)
+        on = getattr(base, "is_gradient_checkpointing", True) if on is None else on
+        if self.cfg.model.gradient_checkpointing and not on:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.config.use_cache = False
         limit, cfg = getattr(model, "max_seq_length", None), self.cfg
@@ -282,16 +284,16 @@ class GRPOTrainer:
                                   f"checkpoint of output_dir ({latest or f'none in {self.output_dir}'}); pass True")
         self.cfg.output.resume = True
 
-    def evaluate(self, data=None):
-        """Mean reward and pass@k on ``data`` (a :class:`longrl.data.PromptDataset`, or as TRL's eval_dataset: a
-        ``datasets.Dataset``, a list of dicts or a path; default: the trainer's eval_dataset, or the prompts of
-        ``data.eval_source``) with the current weights: a :class:`longrl.evaluation.EvalResult`."""
+    def evaluate(self, eval_dataset=None):
+        """Mean reward and pass@k on ``eval_dataset`` with the current weights: a
+        :class:`longrl.evaluation.EvalResult`. ``eval_dataset``: a :class:`longrl.data.PromptDataset`, or as TRL's, a
+        ``datasets.Dataset``, a list of dicts or a path; default: the trainer's eval_dataset, or data.eval_source's."""
+        data = eval_dataset if eval_dataset is not None else self.eval_data
         if data is not None and not isinstance(data, PromptDataset):
             from .trl_api import held_out_rows
 
             rows, source = held_out_rows(self.cfg, data)
             data = load_eval_prompts(self.cfg, self.tokenizer, rows, source)
-        data = data if data is not None else self.eval_data
         if data is None:
             raise ConfigError("config key 'data.eval_source': no held-out prompts to evaluate on")
         o = self.cfg.output
@@ -302,7 +304,11 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
         weights, or ``format="merged"``), or ``format="gguf"``. Saves a checkpoint of this step first if there is
-        none. ``output_dir`` (default: output.output_dir/final) must be new or empty."""
+        none. ``output_dir``: new or empty, or the run's own output_dir (TRL's ``save_model(args.output_dir)``: the
+        files land beside the checkpoints, replacing an earlier save's); default output_dir/final."""
+        import os
+        import shutil
+
         from .export import export_checkpoint
 
         fmt = format or ("adapter" if hasattr(self.model, "peft_config") else "merged")
@@ -310,7 +316,15 @@ class GRPOTrainer:
         if not ckpt.is_dir():
             ckpt = self.save()
         target = Path(output_dir) if output_dir is not None else self.output_dir / "final"
-        return export_checkpoint(ckpt, target, fmt=fmt)
+        if target.resolve() != self.output_dir.resolve():
+            return export_checkpoint(ckpt, target, fmt=fmt)
+        staged = export_checkpoint(ckpt, self.output_dir / f".save_model-{os.getpid()}", fmt=fmt)
+        for entry in sorted(staged.iterdir()):  # none is named like a checkpoint, metrics or logs of the run
+            if (self.output_dir / entry.name).is_dir():
+                shutil.rmtree(self.output_dir / entry.name)
+            os.replace(entry, self.output_dir / entry.name)
+        staged.rmdir()
+        return self.output_dir
 
     @contextlib.contextmanager
     def _phase(self, name: str):

@@ -160,19 +160,32 @@ def _model_init_kwargs(kwargs) -> dict:
 
 def batch_arithmetic(cfg: Config, per_device_train_batch_size=None, gradient_accumulation_steps=None,
                      generation_batch_size=None, steps_per_generation=None) -> None:
-    """TRL's batch sizes (one process) onto longrl's: train.micro_batch_size = per_device_train_batch_size and
-    train.prompts_per_step = per_device × accumulation / num_generations; one rollout batch an optimizer step."""
+    """TRL's batch sizes (one process) onto longrl's: train.micro_batch_size = per_device_train_batch_size,
+    train.prompts_per_step = per_device × accumulation / num_generations, and (where the tree has it)
+    grpo.steps_per_generation = TRL's steps_per_generation / accumulation = generation_batch_size / (per_device ×
+    accumulation): the optimizer steps one rollout serves. Without that key, one rollout an optimizer step."""
     per_device = per_device_train_batch_size or _TRL_PER_DEVICE
     accumulation = gradient_accumulation_steps or _TRL_ACCUMULATION
     completions, g = per_device * accumulation, cfg.grpo.num_generations
-    if steps_per_generation not in (None, accumulation):
-        raise ConfigError(f"steps_per_generation={steps_per_generation}: longrl samples one rollout batch an optimizer "
-                          f"step (gradient_accumulation_steps={accumulation} micro-batches); to reuse a batch over "
-                          "several steps set num_iterations (grpo.num_iterations)")
-    if generation_batch_size not in (None, completions):
-        raise ConfigError(f"generation_batch_size={generation_batch_size}: longrl samples one rollout batch an "
-                          f"optimizer step, per_device_train_batch_size × gradient_accumulation_steps = {completions} "
-                          "completions; set train.prompts_per_step (prompts an optimizer step) instead")
+    if steps_per_generation is not None and generation_batch_size is not None:
+        raise ConfigError("'generation_batch_size' and 'steps_per_generation' cannot both be set (as in TRL)")
+    shared = 1  # optimizer steps one rollout serves
+    if steps_per_generation is not None:
+        shared, rest = divmod(steps_per_generation, accumulation)
+        if rest or not shared:
+            raise ConfigError(f"steps_per_generation={steps_per_generation}: longrl shares a rollout over whole "
+                              f"optimizer steps: a multiple of gradient_accumulation_steps={accumulation}")
+    if generation_batch_size is not None:
+        shared, rest = divmod(generation_batch_size, completions)
+        if rest or not shared:
+            raise ConfigError(f"generation_batch_size={generation_batch_size}: longrl shares a rollout over whole "
+                              f"optimizer steps: a multiple of per_device_train_batch_size × "
+                              f"gradient_accumulation_steps = {completions} completions")
+    if shared != 1:
+        if "grpo.steps_per_generation" not in config_keys():
+            raise ConfigError(f"steps_per_generation / generation_batch_size: {shared} optimizer steps a rollout; this "
+                              "version samples one rollout an optimizer step (grpo.num_iterations reuses one)")
+        cfg.grpo.steps_per_generation = shared
     if completions % g:
         raise ConfigError(f"per_device_train_batch_size × gradient_accumulation_steps = {completions} completions an "
                           f"optimizer step is not a multiple of num_generations={g}: longrl's train.prompts_per_step "
@@ -322,7 +335,8 @@ def reward_scorer(cfg: Config, reward_funcs, reward_weights):
             ref, call = f"{getattr(fn, '__module__', None) or 'python'}:{getattr(fn, '__qualname__', name)}", fn
         else:
             raise ConfigError(f"reward_funcs[{i}]: {type(fn).__name__} is not supported (reward models are not); give "
-                              "a callable f(prompts, completions, **columns) -> list[float | None] or 'file.py:function'")
+                              "a callable f(prompts, completions, **columns) -> list[float | None] or "
+                              "'file.py:function'")
         taken = [n for n, _, _ in entries]
         name = name if name not in taken else f"{name}_{taken.count(name) + 1}"
         entries.append((name, call, float(weights[i])))

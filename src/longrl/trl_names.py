@@ -90,10 +90,11 @@ TRL_NAMES: dict[str, FlatName] = {
     # the batch (see longrl.trl_api.batch_arithmetic)
     "per_device_train_batch_size": FlatName("train.micro_batch_size", _BATCH_NOTE),
     "gradient_accumulation_steps": FlatName("train.prompts_per_step", _BATCH_NOTE),
-    "generation_batch_size": FlatName("train.prompts_per_step", "one rollout batch a step: generation_batch_size "
-                                      "must equal per_device_train_batch_size × gradient_accumulation_steps"),
-    "steps_per_generation": FlatName("train.prompts_per_step", "one rollout batch a step: steps_per_generation "
-                                     "must equal gradient_accumulation_steps (grpo.num_iterations reuses a batch)"),
+    "generation_batch_size": FlatName("grpo.steps_per_generation", "optimizer steps a rollout serves = "
+                                      "generation_batch_size / (per_device_train_batch_size × "
+                                      "gradient_accumulation_steps)"),
+    "steps_per_generation": FlatName("grpo.steps_per_generation", "optimizer steps a rollout serves = TRL's "
+                                     "steps_per_generation (micro-batches) / gradient_accumulation_steps"),
     # the GRPO objective
     "num_generations": FlatName("grpo.num_generations"),
     "beta": FlatName("grpo.beta", "KL coefficient; the reference is the base with the adapters disabled"),
