@@ -249,7 +249,7 @@ def _runner(env, **settings):
 
     tok = build_char_tokenizer()
     ep = Episode(env, [{"role": "user", "content": "1+1="}])
-    return EpisodeRunner([ep], tok, EpisodeSettings(**settings), None, None), ep
+    return EpisodeRunner([ep], tok, EpisodeSettings(**settings), None, (tok.eos_token_id,)), ep
 
 
 def test_runner_steps_until_done_with_per_turn_rewards():

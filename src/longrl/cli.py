@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="offline demo: a tiny model learns arithmetic by GRPO on the CPU")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.add_argument("--print-config", action="store_true", help="print the demo's full YAML config and exit")
+    demo.add_argument("--task", choices=("arithmetic", "tools"), default="arithmetic",
+                      help="arithmetic: one-turn sums; tools: two turns, a lookup tool the answer needs")
     return p
 
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import demo_config
 
-            cfg = load_config(None, args.overrides, base=demo_config())
+            cfg = load_config(None, args.overrides, base=demo_config(args.task))
             if args.print_config:
                 sys.stdout.write(cfg.to_yaml())
                 return 0

@@ -156,6 +156,20 @@ class RewardSpec:
 
 
 @dataclass
+class EnvironmentConfig:
+    factory: Optional[str] = None  # multi-turn episodes: path/to/file.py:Class or package.module:Class, a
+    #                                longrl.agents.Environment or a TRL environment_factory class; null: none
+    max_turns: int = 4  # assistant turns per episode
+    max_tokens: int = 0  # tokens after the prompt per trajectory (sampled + environment); 0: 2 × max_turns ×
+    #                      generation.max_completion_length (each turn samples at most max_completion_length)
+    turn_timeout_s: float = 60.0  # one environment step (or reset); past it the episode ends; 0: no limit
+    episode_timeout_s: float = 600.0  # all environment steps of an episode; 0: no limit
+    tool_timeout_s: float = 30.0  # one tool call (an error message to the model past it); 0: no limit
+    tool_call_format: Literal["auto", "qwen", "llama3"] = "auto"  # auto: from the tokenizer's chat template
+    workers: int = 8  # threads stepping environments while the other sequences decode
+
+
+@dataclass
 class OutputConfig:
     output_dir: str = "longrl-output"  # where checkpoints, metrics.jsonl, plots and logs go
     logging_steps: int = 1  # steps between log lines and completion samples
@@ -181,6 +195,9 @@ class Config:
     grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rewards: list[RewardSpec] = field(default_factory=list)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    tools: list[str] = field(default_factory=list)  # tool functions (path/to/file.py:fn or package.module:fn):
+    #                                                 multi-turn episodes that answer the model's tool calls
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict:
@@ -188,6 +205,15 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def trajectory_tokens(cfg: "Config") -> int:
+    """Tokens after the prompt a completion may hold: generation.max_completion_length, or for multi-turn episodes
+    (environment.factory or tools) environment.max_tokens (0: 2 × max_turns × max_completion_length)."""
+    env, n = cfg.environment, cfg.generation.max_completion_length
+    if not (env.factory or cfg.tools):
+        return n
+    return env.max_tokens or 2 * env.max_turns * n
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -525,7 +551,22 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
     _check(o.save_steps % g.num_iterations == 0, "output.save_steps", o.save_steps,
            f"a multiple of grpo.num_iterations ({g.num_iterations}): checkpoints fall between rollout batches")
-    _check(bool(cfg.rewards) or not require_rewards, "rewards", cfg.rewards, "at least one reward function")
+    env = cfg.environment
+    agentic = bool(env.factory or cfg.tools)
+    _check(bool(cfg.rewards) or bool(env.factory) or not require_rewards, "rewards", cfg.rewards,
+           "at least one reward function (with environment.factory: none means the environment's own rewards)")
+    _check(env.max_turns >= 1, "environment.max_turns", env.max_turns, "an integer >= 1")
+    _check(env.max_tokens == 0 or env.max_tokens > gen.max_completion_length, "environment.max_tokens",
+           env.max_tokens, f"0 (automatic) or more than generation.max_completion_length ({gen.max_completion_length})")
+    for key in ("turn_timeout_s", "episode_timeout_s", "tool_timeout_s"):
+        _check(getattr(env, key) >= 0, f"environment.{key}", getattr(env, key), ">= 0 (0: no limit)")
+    _check(env.workers >= 1, "environment.workers", env.workers, "an integer >= 1")
+    _check(env.factory is None or ":" in env.factory, "environment.factory", env.factory,
+           "'path/to/file.py:Class' or 'package.module:Class'")
+    for i, ref in enumerate(cfg.tools):
+        _check(":" in ref, f"tools[{i}]", ref, "'path/to/file.py:function' or 'package.module:function'")
+    _check(not agentic or gen.backend == "longrl", "generation.backend", gen.backend,
+           "longrl with environment.factory or tools (multi-turn episodes run inside longrl's sampler)")
     for i, r in enumerate(cfg.rewards):
         _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")

@@ -20,7 +20,7 @@ import torch
 from .callbacks import check_callbacks, notify
 from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weights, latest_checkpoint, \
     list_checkpoints, load_checkpoint, recover_interrupted_saves, save_checkpoint
-from .config import RESUMABLE_CHANGES, Config, ConfigError, resume_conflicts
+from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from .data import PromptDataset, PromptSampler, load_prompts, read_prompt_rows
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
@@ -43,6 +43,8 @@ from .rollout.sampling import triton_available
 
 log = logging.getLogger(__name__)
 
+ENVIRONMENT_REWARD = RewardSpec("longrl.agents.rollout:environment_reward", 1.0)  # the episodes' own step rewards
+
 
 @dataclass
 class RolloutBatch:
@@ -60,6 +62,7 @@ class RolloutBatch:
     sampler_logps: torch.Tensor | None  # [P·G, T] the sampler's log-probs of the sampled tokens (longrl backend)
     truncated: torch.Tensor  # [P·G] bool
     num_reward_failures: int
+    episodes: list | None = None  # [P·G] agents.trajectory.Episode of multi-turn rollouts
 
 
 def check_output_dir(cfg: Config, allow_existing: bool = False) -> None:
@@ -122,8 +125,9 @@ class GRPOTrainer:
 
     def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, scorer: RewardScorer | None = None, *,
                  reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, reward_weights=None, callbacks=None):
+                 peft_config=None, reward_weights=None, callbacks=None, environment_factory=None, tools=None):
         self.trl_style = not isinstance(cfg, Config)
+        own_scorer = self.trl_style or scorer is None  # ours to add an environment's reward source to
         rows, self.eval_rows = None, None  # TRL-style: rows given in memory
         if self.trl_style:
             from .trl_api import trainer_inputs
@@ -141,7 +145,7 @@ class GRPOTrainer:
         # they can. TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...).
         check_output_dir(cfg, allow_existing=self.trl_style)
         check_report_to(cfg.output)
-        self.scorer = scorer or RewardScorer.from_specs(cfg.rewards)
+        self.scorer = scorer or RewardScorer.from_specs(cfg.rewards or [ENVIRONMENT_REWARD])  # none: an environment's
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
         eval_rows = read_eval_rows(cfg) if self.eval_rows is None else self.eval_rows
         if cfg.output.eval_steps and eval_rows is None:
@@ -186,6 +190,7 @@ class GRPOTrainer:
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         self.rollout_sampler = self._make_rollout_sampler()
+        self.agents = self._make_agents(environment_factory, tools, own_scorer)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -375,10 +380,19 @@ class GRPOTrainer:
         rows_idx = self.sampler.next(cfg.train.prompts_per_step)
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
+        agent = None
         with self._phase("generation"):
-            rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self._sampling_params(),
-                             self.rollout_sampler, self.device)
+            if self.agents is not None:  # multi-turn episodes (agents/rollout.py)
+                agent = self.agents.generate(self.rollout_sampler, rows, G, self._sampling_params())
+                rollout = agent.rollout
+            else:
+                rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self._sampling_params(),
+                                 self.rollout_sampler, self.device)
         prompts, completions, columns = reward_inputs(rows, self.data.prompt_column, G, self.tokenizer, rollout)
+        if agent is not None:  # the prompts the episodes opened with, their trajectories as messages with roles
+            prompts, completions = agent.prompts, agent.completions
+            columns.update(agent.columns)  # turn_rewards, environments, stop_reason
+            self.phase_stats.update(agent.metrics)
         with self._phase("rewards"):
             per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
         for line in reward_failure_lines(self.step_idx + 1, failures, len(completions)):
@@ -386,11 +400,13 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
         width = max(len(c) for c in rollout.completion_ids)
         mask = completion_mask(rollout.completion_ids, width)  # [P·G, T]
+        if rollout.env_mask is not None:  # environment tokens: attended, not trained
+            mask *= pad_right(rollout.env_mask, 0, width, dtype=torch.float32)
         truncated = torch.tensor(rollout.truncated)
         mask[torch.isnan(rewards)] = 0.0  # no learning signal for samples whose reward failed
         if cfg.grpo.mask_truncated_completions:
             mask[truncated] = 0.0
-        weights = loss_token_weights(mask, cfg.grpo.loss_type, cfg.generation.max_completion_length)
+        weights = loss_token_weights(mask, cfg.grpo.loss_type, trajectory_tokens(cfg))
         with self._phase("reference"):  # old-policy and reference log-probs (no grad)
             old_logps = None
             if cfg.grpo.num_iterations > 1:
@@ -403,7 +419,8 @@ class GRPOTrainer:
         sampler_logps = (pad_right(rollout.logprobs, 0.0, width, dtype=torch.float32)
                          if rollout.logprobs is not None else None)
         return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
-                            advantages, mask, weights, old_logps, ref_logps, sampler_logps, truncated, len(failures))
+                            advantages, mask, weights, old_logps, ref_logps, sampler_logps, truncated, len(failures),
+                            agent.episodes if agent is not None else None)
 
     def _make_rollout_sampler(self) -> Sampler | None:
         """longrl's sampler unless the config asks for transformers' generate or the model needs it."""
@@ -411,7 +428,7 @@ class GRPOTrainer:
         if gen.backend != "longrl":
             return None
         reason = unsupported_reason(base_model(self.model).config,
-                                    self.cfg.data.max_prompt_length + gen.max_completion_length)
+                                    self.cfg.data.max_prompt_length + trajectory_tokens(self.cfg))
         if reason:
             log.warning("longrl's sampler does not support %s: rollouts use transformers' generate", reason)
             return None
@@ -420,6 +437,25 @@ class GRPOTrainer:
                        kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
                        sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
                        nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections)
+
+    def _make_agents(self, environment_factory, tools, own_scorer: bool):
+        """Multi-turn episodes when the config or the API names an environment or tools (else None); an
+        environment that scores its episodes (its step rewards, TRL's get_reward) becomes a reward source."""
+        from .agents.rollout import AgentRollouts, environment_reward
+
+        agents = AgentRollouts.from_config(self.cfg, self.tokenizer, environment_factory, tools)
+        if agents is None:
+            if own_scorer and self.scorer.names == ["environment_reward"]:
+                raise ConfigError("config key 'rewards': at least one reward function (or an environment that "
+                                  "scores its episodes)")
+            return None
+        if self.rollout_sampler is None:
+            raise ConfigError("multi-turn episodes (environment.factory, tools) run inside longrl's sampler, which "
+                              "cannot run this model (see the warning above)")
+        if own_scorer and agents.owns_reward and "environment_reward" not in self.scorer.names:
+            # as in TRL, an environment's get_reward is one more reward source (weight 1)
+            self.scorer.functions.append(("environment_reward", environment_reward, 1.0))
+        return agents
 
     def _sampling_params(self) -> SamplingParams:
         return sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
@@ -497,8 +533,10 @@ class GRPOTrainer:
 
     def _completion_samples(self, k: int) -> list[dict]:
         b = self.batch
+        episode = (lambda i: {"turn_rewards": b.episodes[i].turn_rewards, "stop_reason": b.episodes[i].truncated
+                              or "done"}) if b.episodes else (lambda i: {})
         return [{"prompt": b.prompts[i], "completion": b.completions[i],
-                 "reward": None if math.isnan(float(b.rewards[i])) else float(b.rewards[i])}
+                 "reward": None if math.isnan(float(b.rewards[i])) else float(b.rewards[i]), **episode(i)}
                 for i in range(min(k, len(b.prompts)))]
 
     def save(self) -> Path:

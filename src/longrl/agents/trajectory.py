@@ -85,9 +85,9 @@ class EpisodeRunner:
     """The sampler's turn handler for a batch of episodes (one environment instance per sequence)."""
 
     def __init__(self, episodes: list[Episode], tokenizer, settings: EpisodeSettings, tools: list[dict] | None,
-                 stop_text: str | None):
+                 stop_ids=()):
         self.episodes, self.tokenizer, self.settings = episodes, tokenizer, settings
-        self.tools, self.stop_text = tools, stop_text
+        self.tools, self.stop_ids = tools, set(stop_ids)
         self._lock = threading.Lock()  # tokenizers are not guaranteed thread-safe
 
     def _assistant(self, seq: int, tokens: list[int]) -> dict:
@@ -98,11 +98,6 @@ class EpisodeRunner:
         ep.messages.append(msg)
         ep.turns += 1
         return msg
-
-    def finish(self, seq: int, tokens: list[int], reason: str | None) -> None:
-        """The sampler ended the episode during a turn (its token budget): record the turn."""
-        self._assistant(seq, tokens)
-        self.episodes[seq].truncated = reason
 
     def step(self, seq: int, tokens: list[int], room: int) -> list[int] | None:
         """Tokens to append after this turn (``room``: tokens left in the trajectory), or None: the episode is over."""
@@ -140,8 +135,10 @@ class EpisodeRunner:
         if ep.turns >= st.max_turns:
             ep.truncated = "max_turns"
             return None
-        with self._lock:
-            ids = continuation_ids(self.tokenizer, result.messages, self.tools, self.stop_text)
+        with self._lock:  # the text of the stop token the turn ended with, if it did: the template's turn end
+            stop_text = self.tokenizer.convert_ids_to_tokens(tokens[-1]) if tokens and tokens[-1] in self.stop_ids \
+                else None
+            ids = continuation_ids(self.tokenizer, result.messages, self.tools, stop_text)
         if len(ids) + 1 > room:  # no room for the messages and one more sampled token
             ep.truncated = "max_tokens"
             return None

@@ -523,7 +523,8 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
 
 
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
-    """The plan for a run: every completion at max_completion_length after a max_prompt_length prompt, in
+    """The plan for a run: every completion at max_completion_length (multi-turn: the trajectory budget) after a
+    max_prompt_length prompt, in
     ``gpu_free_bytes`` of GPU memory (train.gpu_memory_gib when set and smaller). The layout keys left null
     (model.offload_activations, model.gradient_checkpointing) are chosen here: no recomputation when it fits in
     NO_RECOMPUTE_SHARE of the memory, else offloaded checkpointing (layout_candidates)."""
@@ -531,7 +532,10 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
 
     if cfg.train.gpu_memory_gib > 0:
         gpu_free_bytes = min(gpu_free_bytes, int(cfg.train.gpu_memory_gib * GIB))
-    length = cfg.data.max_prompt_length + cfg.generation.max_completion_length
+    from ..config import trajectory_tokens
+
+    completion = trajectory_tokens(cfg)  # multi-turn: the longest trajectory (sampled + environment tokens)
+    length = cfg.data.max_prompt_length + completion
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
     weight_bytes = compute = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
     shape = ModelShape.from_config(model_config)
@@ -549,7 +553,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
         if cfg.generation.backend == "longrl":
             plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step, G=cfg.grpo.num_generations,
                                         prompt_len=cfg.data.max_prompt_length,
-                                        completion_len=cfg.generation.max_completion_length,
+                                        completion_len=completion,
                                         lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                                         compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
                                         nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,

@@ -57,9 +57,9 @@ class Rollout:
 class MultiTurn:
     """Multi-turn rollouts. At the end of each turn (a stop token, a stop string or max_new_tokens), the sequence
     parks in its slot (its KV cache kept, out of the decode batch's updates) while ``handler.step(seq, turn_tokens,
-    room)`` runs in a pool of ``workers`` threads; it returns the tokens to append (prefilled onto the slot's own
-    cache, then the next turn is sampled) or None to end the episode. ``handler.finish(seq, turn_tokens, reason)``
-    records a turn that the trajectory budget ``max_tokens`` (tokens after the prompt) cut off."""
+    room)`` runs in a pool of ``workers`` threads (room: tokens left of the trajectory budget ``max_tokens``, the
+    tokens after the prompt); it returns the tokens to append (prefilled onto the slot's own cache, then the next
+    turn is sampled) or None to end the episode. Tokens that leave no room for one more sampled token end it too."""
     handler: object
     max_tokens: int
     workers: int = 8
@@ -540,16 +540,11 @@ class _Run:
 
     # ------------------------------------------------------------------------------------------ multi-turn
     def _end_turn(self, slot: int, tokens: list[int], stopped: bool) -> None:
-        """A turn ended in ``slot`` (``tokens``: its whole trajectory so far): step its environment in the pool,
-        or end the episode when the trajectory budget is spent."""
+        """A turn ended in ``slot`` (``tokens``: its whole trajectory so far): step its environment in the pool."""
         seq, n = self.slot_seq[slot], len(tokens)
-        turn = tokens[self.slot_turn[slot]:]
-        self.stats["turns"] += 1
-        if n >= self.T:
-            self.multi.handler.finish(seq, turn, "max_tokens")
-            self._finish_episode(slot, n, truncated=True)
-            return
-        self.pending[seq] = (self.pool.submit(self.multi.handler.step, seq, turn, self.T - n), n, stopped)
+        self.stats["turns"] += 1  # room 0 (the budget spent): the environment still sees the turn, nothing follows
+        self.pending[seq] = (self.pool.submit(self.multi.handler.step, seq, tokens[self.slot_turn[slot]:], self.T - n),
+                             n, stopped)
 
     def _finish_episode(self, slot: int, n: int, truncated: bool) -> None:
         toks = self.tokens[slot, :n].tolist()
