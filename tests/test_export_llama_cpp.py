@@ -24,6 +24,11 @@ CASES = [("llama", "llama3"), ("llama", "gpt2"), ("mistral", "mistral"), ("qwen2
          ("llama", "builtin")]
 
 
+ARITHMETIC_CHATS = [[{"role": "user", "content": "3+4="}],
+                    [{"role": "user", "content": "12*3="}, {"role": "assistant", "content": "36"},
+                     {"role": "user", "content": "7-9 = ?"}]]
+
+
 def _model(arch: str, tok):
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -41,6 +46,22 @@ def _model(arch: str, tok):
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.1)
+    return model
+
+
+def _q8_0_round_trip(model):
+    """A copy of ``model`` whose matrices went through q8_0 and back (what the q8_0 GGUF holds; norms and other
+    vectors stay float32, as the writer keeps them)."""
+    import copy
+
+    import gguf
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                q = gguf.quants.quantize(p.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
     return model
 
 
@@ -65,13 +86,13 @@ def _llama(path, **kwargs):
     return llama_cpp.Llama(model_path=str(path), verbose=False, n_threads=1, n_threads_batch=1, **kwargs)
 
 
-def _chat_prompts(tok, plan):
+def _chat_prompts(tok, plan, probes=PROBES):
     """(llama.cpp input text, HF ids): each probe chat rendered by the Modelfile's template and by the chat template."""
     if not isinstance(tok.chat_template, str):
         return []
     template = go_template(chat_parts(tok, plan.add_bos))
     out = []
-    for messages in PROBES:
+    for messages in probes:
         try:
             want = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that refuses system turns
@@ -99,14 +120,16 @@ def test_llama_cpp_tokenizes_exactly_as_hugging_face(exported):
         if got != want:
             mismatches.append((text, want, got))
     assert not mismatches, f"{len(mismatches)}/{len(strings)} differ, e.g. {mismatches[:3]}"
-    chats = _chat_prompts(tok, plan)
+    chats = _chat_prompts(tok, plan, ARITHMETIC_CHATS if style == "builtin" else PROBES)
     assert chats or not tok.chat_template
     for text, want in chats:  # the prompt Ollama builds from the Modelfile, tokenized by llama.cpp
         assert vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True) == want, text
     # decoding back: llama.cpp's pieces spell the text Hugging Face decodes
     for text in strings[:50]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        assert vocab.detokenize(ids).decode("utf-8", errors="replace") == tok.decode(ids), text
+        got, want = vocab.detokenize(ids).decode("utf-8", errors="replace"), tok.decode(ids)
+        # a whole ▁-escaped sequence decodes with its prefix space in llama.cpp; Hugging Face strips it
+        assert got == want or (plan.add_space_prefix and got == " " + want), text
 
 
 def test_out_of_vocabulary_characters_of_the_builtin_tokenizer_are_the_known_difference(tmp_path):
@@ -139,13 +162,17 @@ def test_llama_cpp_logits_and_greedy_continuation_match_the_merged_model(exporte
     got, llm = _logits_llama(files["f16"], ids, want.shape[1])
     err_f16 = np.abs(got - want).max()
     assert err_f16 < 2e-3 * max(scale, 1.0), (err_f16, scale)
+    # q8_0: within a few times what rounding the weights to q8_0 alone does to the logits (llama.cpp also rounds
+    # the activations to 8 bits in its q8_0 products)
     got_q8, _ = _logits_llama(files["q8_0"], ids, want.shape[1])
     err_q8 = np.abs(got_q8 - want).max()
-    assert err_q8 < 3e-2 * max(scale, 1.0) and err_q8 > err_f16 / 10, (err_q8, scale)
+    weight_rounding = np.abs(_logits_hf(_q8_0_round_trip(model), ids) - want).max()
+    assert err_q8 < 4 * weight_rounding + 2e-3 * max(scale, 1.0), (err_q8, weight_rounding, scale)
     # greedy continuation: 8 tokens, llama.cpp argmax vs Hugging Face generate
     with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(ids):].tolist()
+        prompt = torch.tensor([ids])
+        hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     cont, n_vocab = [], want.shape[1]
     for _ in range(8):
         nxt = int(np.argmax(np.asarray(llm.scores[llm.n_tokens - 1, :n_vocab])))

@@ -52,6 +52,7 @@ class VocabPlan:
     add_eos: bool
     add_space_prefix: bool | None = None  # llama model only
     notes: list[str] = field(default_factory=list)  # exactness caveats worth logging
+    tokenizer_json: dict = field(default_factory=dict, repr=False)  # the tokenizer.json the plan was made from
 
 
 def _tokenizer_json(tokenizer) -> dict:
@@ -160,6 +161,12 @@ def _check_bpe_model(model: dict, byte_fallback: bool) -> None:
 def vocab_plan(tokenizer) -> VocabPlan:
     """Decide how ``tokenizer`` (a transformers fast tokenizer) is written, or raise UnsupportedTokenizer."""
     tj = _tokenizer_json(tokenizer)
+    plan = _decide(tokenizer, tj)
+    plan.tokenizer_json = tj
+    return plan
+
+
+def _decide(tokenizer, tj: dict) -> VocabPlan:
     model = tj.get("model", {})
     decoder = [d.get("type") for d in _steps(tj.get("decoder"))]
     _added_tokens_check(tj)
@@ -263,7 +270,7 @@ def token_table(tokenizer, plan: VocabPlan, n_vocab: int):
 def add_tokenizer(writer, tokenizer, n_vocab: int, plan: VocabPlan | None = None) -> VocabPlan:
     """Write ``tokenizer`` into ``writer`` (a ``gguf.GGUFWriter``) for a model of ``n_vocab`` embedding rows."""
     plan = plan or vocab_plan(tokenizer)
-    tj = _tokenizer_json(tokenizer)
+    tj = plan.tokenizer_json
     texts, types = token_table(tokenizer, plan, n_vocab)
     writer.add_tokenizer_model(plan.model)
     if plan.pre is not None:
