@@ -179,3 +179,15 @@ def test_llama_cpp_logits_and_greedy_continuation_match_the_merged_model(exporte
         cont.append(nxt)
         llm.eval([nxt])
     assert cont == hf
+
+
+def test_text_not_in_nfc_is_the_known_difference_of_nfc_tokenizers(tmp_path):
+    """Documented: Qwen-style tokenizers NFC-normalize, llama.cpp does not; NFC text is identical."""
+    tok = _tokenizer("qwen2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, _model("qwen2", tok), tok)
+    vocab = _llama(path, vocab_only=True)
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    assert tok(decomposed)["input_ids"] == tok(composed)["input_ids"]
+    assert vocab.tokenize(composed.encode(), add_bos=True, special=True) == tok(composed)["input_ids"]
+    assert vocab.tokenize(decomposed.encode(), add_bos=True, special=True) != tok(decomposed)["input_ids"]
