@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longrl.ops.advantages import group_advantages, reference_group_advantages
-from longrl.ops.losses import LOSS_TYPES, PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
+from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
 
 
 def _batch(seed, B=6, T=7):
@@ -41,7 +41,7 @@ def reference_loss(logps, old, ref, adv, mask, s: PolicyLossSettings, max_len):
                 ell = -min(w1 * a, w2 * a)
             if s.beta:
                 d = float(ref[i, t] - logps[i, t])
-                ell += s.beta * (math.exp(d) - d - 1)
+                ell += s.beta * (math.exp(d) - d - 1) * (w if s.use_bias_correction_kl else 1.0)
             acc += ell
         per_seq_sum.append(acc)
         per_seq_len.append(n)
@@ -54,10 +54,12 @@ def reference_loss(logps, old, ref, adv, mask, s: PolicyLossSettings, max_len):
 
 
 SETTINGS = [
-    PolicyLossSettings(loss_type=lt, beta=beta, epsilon=0.2, epsilon_high=eh, delta=d, importance_sampling_level=lvl)
-    for lt in LOSS_TYPES
-    for (beta, eh, d, lvl) in [(0.0, None, None, "token"), (0.04, 0.28, None, "token"), (0.1, None, 1.5, "token"),
-                               (0.0, 0.3, None, "sequence")]
+    PolicyLossSettings(loss_type=lt, beta=beta, epsilon=0.2, epsilon_high=eh, delta=d, importance_sampling_level=lvl,
+                       use_bias_correction_kl=bc)
+    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")  # the others: tests/test_loss_menu.py
+    for (beta, eh, d, lvl, bc) in [(0.0, None, None, "token", True), (0.04, 0.28, None, "token", False),
+                                   (0.1, None, 1.5, "token", True), (0.0, 0.3, None, "sequence", True),
+                                   (0.05, 0.3, None, "sequence", True)]
 ]
 SETTINGS = [s if s.loss_type != "cispo" else PolicyLossSettings(**{**s.__dict__, "epsilon_high": 1.1}) for s in SETTINGS]
 

@@ -109,17 +109,33 @@ class GenerationConfig:
 @dataclass
 class GRPOLossConfig:
     num_generations: int = 8  # completions per prompt (the group G whose rewards are compared)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"  # policy loss and its normalisation
-    #                                                                          (docs/losses.md)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"  # policy loss
+    #                                                                 and its normalisation (docs/losses.md)
     beta: float = 0.0  # weight of the k3 KL penalty to the reference (the base, adapters off); 0: no reference pass
+    use_bias_correction_kl: bool = True  # the k3 term times the ratio π/π_old: its gradient is then ∇KL(π ‖ π_ref),
+    #                                      the reverse KL that beta penalises (plain k3: the forward KL's); as TRL 1.15
     epsilon: float = 0.2  # clip range of the importance ratio: [1 − epsilon, 1 + epsilon_high]
     epsilon_high: Optional[float] = None  # upper clip (DAPO's clip-higher; the cap of cispo); null: epsilon
     delta: Optional[float] = None  # two-sided clipping: the ratio is capped at delta first; null: off
     importance_sampling_level: Literal["token", "sequence"] = "token"  # one ratio per token (GRPO) or per sequence
     #                                                                    (GSPO: the geometric mean over its tokens)
+    sapo_temperature_neg: float = 1.05  # sapo: temperature of the soft gate where the advantage is <= 0
+    sapo_temperature_pos: float = 1.0  # sapo: temperature of the soft gate where the advantage is > 0
+    vespo_k_pos: float = 2.0  # vespo: sequence weight φ(W) = e^λ W^k e^(−λW); k where the advantage is >= 0
+    vespo_lambda_pos: float = 3.0  # vespo: λ where the advantage is >= 0
+    vespo_k_neg: float = 3.0  # vespo: k where the advantage is < 0
+    vespo_lambda_neg: float = 2.0  # vespo: λ where the advantage is < 0
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef × the step's mean token entropy; 0: off
+    top_entropy_quantile: float = 1.0  # policy loss only on the top ρ of the step's tokens by entropy; 1: all
+    off_policy_mask_threshold: Optional[float] = None  # drop the policy loss of completions with advantage < 0 whose
+    #                                                    mean log π_sampler − log π exceeds it; null: off
     num_iterations: int = 1  # optimizer steps per rollout batch (μ in the GRPO paper)
+    steps_per_generation: int = 1  # optimizer steps sharing one rollout, each on prompts_per_step of its prompts
+    #                                (TRL counts micro-batches: its steps_per_generation / gradient_accumulation_steps)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # divide advantages by the reward std of the group, of
     #                                                             the batch, or not at all
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"  # several
+    #   reward functions: advantages of their weighted sum, or each normalised in its group first (GDPO)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length count nothing in the loss
     # importance-sampling correction for sampler/trainer mismatch (TRL: vllm_importance_sampling_correction):
     # weight w = π_trainer_old / π_sampler per token (or per sequence), truncated at the cap or masked above it
@@ -490,10 +506,14 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     _check(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", g.epsilon_high, "null or > 0")
     _check(g.delta is None or g.delta > 1, "grpo.delta", g.delta, "null or > 1")
     _check(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "an integer >= 1")
+    _check(g.steps_per_generation >= 1, "grpo.steps_per_generation", g.steps_per_generation, "an integer >= 1")
+    _check_loss_options(cfg)
+    per_rollout = g.num_iterations * g.steps_per_generation
+    rollout_steps = (f"grpo.num_iterations × grpo.steps_per_generation ({g.num_iterations} × "
+                     f"{g.steps_per_generation})" if g.steps_per_generation > 1 else f"grpo.num_iterations ({g.num_iterations})")
     _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "an integer >= 1")
-    _check(t.max_steps % g.num_iterations == 0, "train.max_steps", t.max_steps,
-           f"a multiple of grpo.num_iterations ({g.num_iterations}): the last step saves a checkpoint, which must "
-           "fall between rollout batches")
+    _check(t.max_steps % per_rollout == 0, "train.max_steps", t.max_steps,
+           f"a multiple of {rollout_steps}: the last step saves a checkpoint, which must fall between rollout batches")
     _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", t.adam_beta1, "0 <= beta1 < 1")
     _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "0 <= beta2 < 1")
     _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, ">= 0")
@@ -549,8 +569,8 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
            "a finite number")
     _check(cfg.data.eval_num_examples >= 1, "data.eval_num_examples", cfg.data.eval_num_examples, "an integer >= 1")
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
-    _check(o.save_steps % g.num_iterations == 0, "output.save_steps", o.save_steps,
-           f"a multiple of grpo.num_iterations ({g.num_iterations}): checkpoints fall between rollout batches")
+    _check(o.save_steps % per_rollout == 0, "output.save_steps", o.save_steps,
+           f"a multiple of {rollout_steps}: checkpoints fall between rollout batches")
     env = cfg.environment
     agentic = bool(env.factory or cfg.tools)
     _check(bool(cfg.rewards) or bool(env.factory) or not require_rewards, "rewards", cfg.rewards,
@@ -571,3 +591,22 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
         _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")
         _check(math.isfinite(r.weight), f"rewards[{i}].weight", r.weight, "a finite number")
+
+
+def _check_loss_options(cfg: Config) -> None:
+    """The loss menu's hyper-parameters (docs/losses.md)."""
+    g = cfg.grpo
+    for key in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_lambda_pos", "vespo_lambda_neg"):
+        _check(getattr(g, key) > 0, f"grpo.{key}", getattr(g, key), "> 0")
+    for key in ("vespo_k_pos", "vespo_k_neg"):
+        _check(getattr(g, key) >= 0, f"grpo.{key}", getattr(g, key), ">= 0")
+    _check(math.isfinite(g.entropy_coef), "grpo.entropy_coef", g.entropy_coef,
+           "a finite number (> 0 rewards entropy; 0 disables the bonus)")
+    _check(0 <= g.top_entropy_quantile <= 1, "grpo.top_entropy_quantile", g.top_entropy_quantile,
+           "0 <= ρ <= 1 (1 keeps every token; 0.2 the top fifth by entropy, as the paper recommends)")
+    _check(g.off_policy_mask_threshold is None or g.off_policy_mask_threshold > 0, "grpo.off_policy_mask_threshold",
+           g.off_policy_mask_threshold, "null (off) or > 0 (e.g. 0.5)")
+    _check(g.loss_type != "vespo" or g.rollout_correction in ("none", "token_truncate", "token_mask")
+           or cfg.generation.backend != "longrl", "grpo.rollout_correction", g.rollout_correction,
+           "none, token_truncate or token_mask with loss_type=vespo (vespo folds the per-token sampler weights "
+           "into its own sequence weight)")

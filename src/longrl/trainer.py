@@ -1,8 +1,9 @@
 """The GRPO loop: rollout → rewards → advantages → log-probs → loss → optimizer step.
 
-One optimizer step (``_step``) reads top to bottom. Every ``num_iterations`` steps a new rollout batch is
-sampled (prompts_per_step prompts × num_generations completions); the steps in between reuse it with the
-old policy's log-probs in the importance ratio. Gradients accumulate over micro-batches with the step's
+One optimizer step (``_step``) reads top to bottom. Every ``num_iterations × steps_per_generation`` steps a new
+rollout batch is sampled (steps_per_generation × prompts_per_step prompts × num_generations completions); each
+step trains on one step's share of it (whole prompt groups), the steps after the first with the old policy's
+log-probs in the importance ratio. Gradients accumulate over micro-batches with the step's
 loss weights (see ``longrl.ops.losses``), so the split never changes the loss.
 """
 
@@ -29,9 +30,10 @@ from .memory.planner import model_config_of
 from .models import TINY_NAME, base_model, load_model, resolve_device
 from .models.fused_layers import enable_fused_layers
 from .models.lora_training import fused_lora_training
-from .ops.advantages import group_advantages
+from .ops.advantages import decoupled_group_advantages, group_advantages
 from .ops.attention_backend import sdpa_priority
-from .ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
+from .ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
+    per_token_policy_loss, weighted_loss
 from .ops.rollout_correction import rollout_correction_weights
 from .policy import completion_mask, pad_right, reference_mode, sequence_logprobs
 from .reporting import RunReporter, check_report_to, reward_failure_lines
@@ -57,7 +59,7 @@ class RolloutBatch:
     advantages: torch.Tensor  # [P·G]
     mask: torch.Tensor  # [P·G, T] completion tokens that count in the loss
     weights: torch.Tensor  # [P·G, T] loss weights ω of the step
-    old_logps: torch.Tensor | None  # [P·G, T] when num_iterations > 1
+    old_logps: torch.Tensor | None  # [P·G, T] when num_iterations > 1 or steps_per_generation > 1
     ref_logps: torch.Tensor | None  # [P·G, T] when beta > 0
     sampler_logps: torch.Tensor | None  # [P·G, T] the sampler's log-probs of the sampled tokens (longrl backend)
     truncated: torch.Tensor  # [P·G] bool
@@ -100,6 +102,18 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
     return f
+
+
+def _warn_loss_choices(g) -> None:
+    """TRL's warnings for loss settings that run but probably are not what was meant."""
+    if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":
+        log.warning("grpo.loss_type=luspo is meant with grpo.importance_sampling_level=sequence (as in the paper)")
+    if g.loss_type == "vespo" and g.importance_sampling_level != "token":
+        log.warning("grpo.loss_type=vespo computes its own sequence weights: importance_sampling_level=sequence "
+                    "only changes the KL term's ratio")
+    if g.multi_objective_aggregation == "normalize_then_sum" and g.scale_rewards != "group":
+        log.warning("grpo.scale_rewards=%s does not apply with multi_objective_aggregation=normalize_then_sum "
+                    "(each reward function is normalised by its group, the sum by the batch)", g.scale_rewards)
 
 
 def _nanmean(x: torch.Tensor) -> float:
@@ -200,8 +214,8 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))
         g = cfg.grpo
-        self.loss_settings = PolicyLossSettings(g.loss_type, g.epsilon, g.epsilon_high, g.delta, g.beta,
-                                                g.importance_sampling_level)
+        self.loss_settings = PolicyLossSettings(**{f: getattr(g, f) for f in PolicyLossSettings.__dataclass_fields__})
+        _warn_loss_choices(g)
         self.step_idx = 0
         self.batch: RolloutBatch | None = None
         self.phase_stats: dict[str, float] = {}
@@ -350,11 +364,15 @@ class GRPOTrainer:
         start = time.perf_counter()
         rollout_s = 0.0
         self.phase_stats = {}
-        if self.step_idx % self.cfg.grpo.num_iterations == 0:
+        g = self.cfg.grpo
+        local_step = self.step_idx % (g.num_iterations * g.steps_per_generation)
+        if local_step == 0:
             self.batch = self._rollout_batch()
             rollout_s = time.perf_counter() - start
+        share = len(self.batch.prompt_ids) // g.steps_per_generation  # completions of one step
+        rows = list(range((local_step % g.steps_per_generation) * share, (local_step % g.steps_per_generation + 1) * share))
         with self._phase("update"):
-            stats = self._policy_update(self.batch)
+            stats = self._policy_update(self.batch, rows)
         self.step_idx += 1
         b = self.batch
         metrics = {
@@ -377,7 +395,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ phases
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
-        rows_idx = self.sampler.next(cfg.train.prompts_per_step)
+        rows_idx = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
         agent = None
@@ -397,7 +415,11 @@ class GRPOTrainer:
             per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
         for line in reward_failure_lines(self.step_idx + 1, failures, len(completions)):
             log.warning(line)
-        advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
+        if cfg.grpo.multi_objective_aggregation == "normalize_then_sum":
+            weights_f = torch.tensor([w for _, _, w in self.scorer.functions], dtype=torch.float32)
+            advantages = decoupled_group_advantages(per_function, weights_f, G, invalid=torch.isnan(rewards))
+        else:
+            advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
         width = max(len(c) for c in rollout.completion_ids)
         mask = completion_mask(rollout.completion_ids, width)  # [P·G, T]
         if rollout.env_mask is not None:  # environment tokens: attended, not trained
@@ -406,10 +428,10 @@ class GRPOTrainer:
         mask[torch.isnan(rewards)] = 0.0  # no learning signal for samples whose reward failed
         if cfg.grpo.mask_truncated_completions:
             mask[truncated] = 0.0
-        weights = loss_token_weights(mask, cfg.grpo.loss_type, trajectory_tokens(cfg))
+        weights = loss_token_weights(mask, cfg.grpo.loss_type, trajectory_tokens(cfg), cfg.grpo.steps_per_generation)
         with self._phase("reference"):  # old-policy and reference log-probs (no grad)
             old_logps = None
-            if cfg.grpo.num_iterations > 1:
+            if cfg.grpo.num_iterations > 1 or cfg.grpo.steps_per_generation > 1:
                 with self._policy_forward():  # the update's own forward: the first iteration's ratio is exactly 1
                     old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
             ref_logps = None
@@ -468,29 +490,54 @@ class GRPOTrainer:
         return count_groups(len(prompt_ids), t.micro_batch_size)
 
     @torch.no_grad()
-    def _logprobs(self, prompt_ids, completion_ids, width) -> torch.Tensor:
+    def _logprobs(self, prompt_ids, completion_ids, width, with_entropy: bool = False):
+        """Log-probs [N, T] of the completions (and their entropies [N, T] with ``with_entropy``), no grad."""
         out = torch.zeros(len(prompt_ids), width)
+        ent = torch.zeros(len(prompt_ids), width) if with_entropy else None
         for idx in self._micro_batches(prompt_ids, completion_ids):
-            lp, _ = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
+            lp, e = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
                                       pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
-                                      chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free)
+                                      chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
+                                      with_entropy=with_entropy)
             out[idx] = lp.cpu().to(out.dtype)  # kept in float32 whatever the model computes in
-        return out
+            if with_entropy:
+                ent[idx] = e.float().cpu()
+        return (out, ent) if with_entropy else out
 
     def _policy_forward(self):
         """The policy's forward for its log-probs: with ``lora.fused_training`` on CUDA, the fused LoRA."""
         fused = self.cfg.lora.fused_training and self.device.type == "cuda"
         return fused_lora_training(self.model) if fused else contextlib.nullcontext()
 
-    def _policy_update(self, b: RolloutBatch) -> dict:
+    def _step_entropy_terms(self, b: RolloutBatch, rows: list[int]):
+        """Whole-step statistics the micro-batches share (before any of them runs): the high-entropy token mask
+        [R, T] (top_entropy_quantile < 1, from a no-grad pass with this step's weights) or None, and the entropy
+        bonus weights [R, T] (entropy_coef != 0) or None."""
+        g, mask = self.cfg.grpo, b.mask[rows]
+        keep = None
+        if g.top_entropy_quantile < 1.0:
+            with self._policy_forward():
+                _, entropy = self._logprobs([b.prompt_ids[i] for i in rows], [b.completion_ids[i] for i in rows],
+                                            mask.shape[1], with_entropy=True)
+            keep = high_entropy_mask(entropy, mask, g.top_entropy_quantile).to(mask.dtype)
+        bonus = None
+        if g.entropy_coef != 0.0:
+            bonus = g.entropy_coef * entropy_bonus_weights(mask if keep is None else mask * keep)
+        return keep, bonus
+
+    def _policy_update(self, b: RolloutBatch, rows: list[int]) -> dict:
+        """One optimizer step on the completions ``rows`` of the rollout batch ``b``."""
         cfg, dev = self.cfg, self.device
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, kl_sum, clip_sum, ent_sum = 0.0, 0.0, 0.0, 0.0
+        total_loss, kl_sum, clip_sum, ent_sum, masked_sum = 0.0, 0.0, 0.0, 0.0, 0.0
         correction_stats: list[tuple[float, dict]] = []
-        n_tokens = float(b.mask.sum())
+        n_tokens = float(b.mask[rows].sum())
         width = b.mask.shape[1]
+        keep, bonus = self._step_entropy_terms(b, rows)  # [R, T] each, or None
+        prompt_ids, completion_ids = [b.prompt_ids[i] for i in rows], [b.completion_ids[i] for i in rows]
         with self._policy_forward():  # forwards and backwards inside the context
-            for idx in self._micro_batches(b.prompt_ids, b.completion_ids):
+            for local in self._micro_batches(prompt_ids, completion_ids):
+                idx = [rows[i] for i in local]  # rows of the rollout batch
                 logps, entropy = sequence_logprobs(self.model, [b.prompt_ids[i] for i in idx],
                                                    [b.completion_ids[i] for i in idx], width,
                                                    pad_id=self.tokenizer.pad_token_id,
@@ -506,15 +553,21 @@ class GRPOTrainer:
                                                                    cfg.grpo.rollout_correction,
                                                                    cfg.grpo.rollout_correction_cap)
                     correction_stats.append((float(mask.sum()), stats))
+                sampled = b.sampler_logps[idx].to(dev) if b.sampler_logps is not None else None
                 per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask,
-                                                        self.loss_settings, is_weights)
+                                                        self.loss_settings, is_weights,
+                                                        keep[local].to(dev) if keep is not None else None, sampled)
                 loss = weighted_loss(per_token, b.weights[idx].to(dev))
+                if bonus is not None:  # the entropy bonus: − entropy_coef × the step's mean entropy
+                    loss = loss - weighted_loss(entropy, bonus[local].to(dev))
                 loss.backward()
                 total_loss += float(loss.detach())
                 clip_sum += float((diag["clipped"] * mask).sum())
                 ent_sum += float((entropy.detach() * mask).sum())
                 if "kl" in diag:
                     kl_sum += float((diag["kl"] * mask).sum())
+                if "off_policy_masked" in diag:
+                    masked_sum += float((diag["off_policy_masked"] * mask).sum())
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         self.optimizer.step()
@@ -522,8 +575,12 @@ class GRPOTrainer:
         denom = max(n_tokens, 1.0)
         sampler_stats = {k: sum(n * st[k] for n, st in correction_stats) / denom
                          for k in (correction_stats[0][1] if correction_stats else {})}
+        extra = {"off_policy_masked_ratio": masked_sum / denom} if cfg.grpo.off_policy_mask_threshold is not None else {}
+        if keep is not None:
+            extra["high_entropy_ratio"] = float((keep * b.mask[rows]).sum()) / denom
         return {"loss": total_loss, "kl": kl_sum / denom if b.ref_logps is not None else None,
-                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm, **sampler_stats}
+                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm, **sampler_stats,
+                **extra}
 
     # ------------------------------------------------------------------------------------------ helpers
     def _frac_zero_std(self, rewards: torch.Tensor) -> float:

@@ -551,7 +551,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     try:
         plan = _first_fitting(shape, candidates, gpu_free_bytes, step)
         if cfg.generation.backend == "longrl":
-            plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step, G=cfg.grpo.num_generations,
+            plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step * cfg.grpo.steps_per_generation,
+                                        G=cfg.grpo.num_generations,
                                         prompt_len=cfg.data.max_prompt_length,
                                         completion_len=completion,
                                         lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,

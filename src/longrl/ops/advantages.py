@@ -8,6 +8,14 @@ Rewards r [P·G] come grouped by prompt (G completions per prompt, contiguous). 
 
 Samples whose reward is NaN (a reward function failed on them) are left out of μ and σ and get A = 0.
 A group whose rewards are all equal gets A = 0. Standard deviations are unbiased (as torch.std).
+
+That is ``multi_objective_aggregation = "sum_then_normalize"``: r is the weighted sum of the reward functions.
+``"normalize_then_sum"`` (GDPO, TRL's name) normalises each function k within each group first, then the
+weighted sum over the whole rollout batch:
+
+    r̂_k = (r_k − μ_g(r_k)) / (σ_g(r_k) + 1e-4),   s = Σ_k w_k r̂_k,   A = (s − μ(s)) / (σ(s) + 1e-4)
+
+(functions that returned None for a sample are left out of its sum; scale_rewards does not apply).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import torch
 
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -42,6 +51,29 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     elif scale_rewards == "batch":
         centred = centred / (_nanstd(r.reshape(-1), dim=0) + 1e-4)
     return centred.reshape(-1)
+
+
+def decoupled_group_advantages(rewards_per_function: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                               invalid: torch.Tensor | None = None) -> torch.Tensor:
+    """GDPO advantages [P·G] from per-function rewards [P·G, F] (NaN: not applicable) and weights [F].
+
+    invalid [P·G] (bool): samples with no learning signal (a reward function failed): A = 0, left out of μ, σ.
+    The batch statistics are over the whole rollout batch, all of its optimizer steps.
+    """
+    n, f = rewards_per_function.shape
+    if n % num_generations:
+        raise ValueError(f"{n} rewards do not split into groups of {num_generations}")
+    r = rewards_per_function.to(torch.float32).view(-1, num_generations, f)  # [P, G, F]
+    valid = ~torch.isnan(r)
+    mean = torch.nansum(r, 1, keepdim=True) / valid.sum(1, keepdim=True).clamp(min=1)  # [P, 1, F]
+    normalised = (r - mean) / (_nanstd(r, dim=1) + 1e-4)  # NaN where the function did not apply
+    total = torch.nansum(normalised * weights.to(torch.float32), -1).reshape(-1)  # [P·G]
+    if invalid is not None:
+        total[invalid] = float("nan")
+    ok = ~torch.isnan(total)
+    centred = total - (total[ok].mean() if ok.any() else 0.0)
+    scaled = centred / (_nanstd(total, dim=0) + 1e-4)
+    return torch.where(ok, scaled, torch.zeros_like(scaled))
 
 
 def reference_group_advantages(rewards, num_generations, scale_rewards="group"):
