@@ -164,7 +164,7 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 
 def sapo_gate(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
               temperature_neg: float) -> torch.Tensor:
-    """SAPO's soft gate (4/τ) σ(τ (w − 1)) [B, T or 1]: value 1 and slope 1 at w = 1, flat far from it.
+    """SAPO's soft gate (4/τ) σ(τ (w − 1)) [B, T or 1]: slope 1 at w = 1 (as the plain surrogate w), flat far from it.
 
     ratio: w [B, T] or [B, 1]; advantages [B, 1]; τ = temperature_pos where A > 0, else temperature_neg.
     """
