@@ -213,12 +213,16 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile:
 
     entropies, mask: [B, T], the whole optimizer step's (the threshold is a statistic of the step, so it must
     not be taken per micro-batch). ρ = 0 keeps the highest-entropy token(s), ρ = 1 every token. Quantiles
-    interpolate linearly, as torch.quantile (and TRL) do.
+    interpolate linearly, as torch.quantile (and TRL) do; by a sort, since torch.quantile refuses more than 2^24
+    values (a long-context step can have more tokens).
     """
     valid = mask.bool()
     if not valid.any():
         return torch.zeros_like(valid)
-    threshold = torch.quantile(entropies[valid], 1.0 - top_quantile)
+    values = entropies[valid].sort().values  # [N]
+    rank = (1.0 - top_quantile) * (values.numel() - 1)
+    below = math.floor(rank)
+    threshold = torch.lerp(values[below], values[min(below + 1, values.numel() - 1)], rank - below)
     return (entropies >= threshold) & valid
 
 
