@@ -247,6 +247,22 @@ def test_gguf_of_the_builtin_model_writes_its_characters_as_byte_level_tokens(ti
     assert 'PARAMETER stop "<eos>"' in (out / "Modelfile").read_text()
 
 
+def test_gguf_of_a_trained_demo_checkpoint_runs_in_llama_cpp(tiny_run, tmp_path):
+    """`longrl demo`'s checkpoint as a GGUF: llama.cpp loads it (it refused the vocabulary before), tokenizes the
+    prompt as the demo does and computes the trained model's logits within f16 rounding."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ckpt, trained = tiny_run
+    out = export_checkpoint(ckpt, tmp_path / "gguf", fmt="gguf")
+    llm = llama_cpp.Llama(model_path=str(out / "model.gguf"), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    prompt = "12+30= "
+    ids = build_char_tokenizer()(prompt)["input_ids"]
+    assert llm.tokenize(prompt.encode(), add_bos=True, special=True) == ids
+    llm.eval(ids)
+    want = _logits(trained, torch.tensor([ids]))[0].numpy()
+    got = np.asarray(llm.scores[:len(ids)])
+    assert np.abs(got - want).max() < 2e-3 * max(np.abs(want).max(), 1.0)
+
+
 def test_unsupported_architecture_is_refused_before_any_output(tmp_path):
     ckpt, _ = _checkpoint_with_random_lora(tmp_path, "gemma2")
     with pytest.raises(ExportError, match="architecture 'gemma2'"):
