@@ -525,9 +525,10 @@ class GRPOTrainer:
             bonus = g.entropy_coef * entropy_bonus_weights(mask if keep is None else mask * keep)
         return keep, bonus
 
-    def _policy_update(self, b: RolloutBatch, rows: list[int]) -> dict:
-        """One optimizer step on the completions ``rows`` of the rollout batch ``b``."""
+    def _policy_update(self, b: RolloutBatch, rows: list[int] | None = None) -> dict:
+        """One optimizer step on the completions ``rows`` of the rollout batch ``b`` (None: all of them)."""
         cfg, dev = self.cfg, self.device
+        rows = list(range(len(b.prompt_ids))) if rows is None else rows
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, kl_sum, clip_sum, ent_sum, masked_sum = 0.0, 0.0, 0.0, 0.0, 0.0
         correction_stats: list[tuple[float, dict]] = []
