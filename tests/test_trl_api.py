@@ -151,6 +151,17 @@ def test_given_model_gets_adapters_and_peft_config_and_unsloth_names(tmp_path):
     assert held_out.metrics["eval/num_prompts"] == 3 and "eval/pass@2/correct" in held_out.metrics
     assert trainer.evaluate(make_arithmetic_rows(2, seed=4)).metrics["eval/num_prompts"] == 2
 
+    # the Config API too: a plain model given while lora.enabled=true gets adapters, never full-weight training
+    from longrl.config import load_config as load
+    from longrl.demo import demo_config
+    from longrl.trainer import GRPOTrainer as Trainer
+
+    plain, tok = build_tiny_model(seed=0)
+    cfg = load(None, ["lora.enabled=true", "lora.r=2", f"output.output_dir={tmp_path / 'e'}"], base=demo_config())
+    wrapped = Trainer(cfg, model=plain, tokenizer=tok).model
+    assert hasattr(wrapped, "peft_config") and not any(p.requires_grad for n, p in wrapped.named_parameters()
+                                                       if "lora_" not in n)
+
     model, tok = FastLanguageModel.from_pretrained("builtin:tiny-arith", max_seq_length=32, load_in_4bit=False)
     model = FastLanguageModel.get_peft_model(model, r=2, lora_alpha=4, target_modules=["v_proj", "o_proj"])
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=rewards.correct, train_dataset=rows,
