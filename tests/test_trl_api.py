@@ -159,6 +159,8 @@ def test_given_model_gets_adapters_and_peft_config_and_unsloth_names(tmp_path):
     plain, tok = build_tiny_model(seed=0)
     cfg = load(None, ["lora.enabled=true", "lora.r=2", f"output.output_dir={tmp_path / 'e'}"], base=demo_config())
     wrapped = Trainer(cfg, model=plain, tokenizer=tok).model
+    with pytest.raises(TypeError, match="reward_funcs use TRL's form"):
+        Trainer(cfg, reward_funcs=rewards.correct)
     assert hasattr(wrapped, "peft_config") and not any(p.requires_grad for n, p in wrapped.named_parameters()
                                                        if "lora_" not in n)
 

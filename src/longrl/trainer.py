@@ -142,14 +142,14 @@ class GRPOTrainer:
                  peft_config=None, reward_weights=None, callbacks=None, environment_factory=None, tools=None):
         self.trl_style = not isinstance(cfg, Config)
         own_scorer = self.trl_style or scorer is None  # ours to add an environment's reward source to
+        trl = dict(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                   processing_class=processing_class, peft_config=peft_config, reward_weights=reward_weights)
         rows, self.eval_rows = None, None  # TRL-style: rows given in memory
-        if self.trl_style:
+        if self.trl_style or any(v is not None for v in trl.values()):
             from .trl_api import trainer_inputs
 
-            inputs = trainer_inputs((cfg, model, tokenizer, scorer), reward_funcs=reward_funcs, args=args,
-                                    train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                    processing_class=processing_class, peft_config=peft_config,
-                                    reward_weights=reward_weights, callbacks=callbacks)
+            inputs = trainer_inputs((cfg, model, tokenizer, scorer), callbacks=callbacks,
+                                    environment=environment_factory is not None or bool(tools), **trl)
             cfg, model, tokenizer, scorer, rows = inputs.cfg, inputs.model, inputs.tokenizer, inputs.scorer, inputs.rows
             self.eval_rows, callbacks = inputs.eval_rows, inputs.callbacks
         self.callbacks = check_callbacks(callbacks or [])

@@ -208,15 +208,23 @@ class TrainerInputs:
 
 
 def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
-                   processing_class=None, peft_config=None, reward_weights=None, callbacks=None) -> TrainerInputs:
+                   processing_class=None, peft_config=None, reward_weights=None, callbacks=None,
+                   environment: bool = False) -> TrainerInputs:
     """Normalise TRL-style ``GRPOTrainer`` arguments; every check here runs before any model loads.
 
     ``slots``: what came in the trainer's first four parameters (cfg, model, tokenizer, scorer). A first one that is
     not a Config means TRL's positional order, (model, reward_funcs, args, train_dataset); else they are keywords
-    (model=, and tokenizer= as processing_class)."""
+    (model=, and tokenizer= as processing_class). ``environment``: an environment_factory or tools were given, whose
+    episodes may be the only reward source (no reward_funcs)."""
     from .callbacks import check_callbacks
 
     first, second, third, fourth = slots
+    if isinstance(first, Config):
+        given = [k for k, v in dict(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                                    eval_dataset=eval_dataset, processing_class=processing_class,
+                                    peft_config=peft_config, reward_weights=reward_weights).items() if v is not None]
+        raise TypeError(f"GRPOTrainer(cfg, ...) is the Config API (model=, tokenizer=, scorer=, callbacks=); for "
+                        f"{', '.join(given)} use TRL's form, GRPOTrainer(model=..., reward_funcs=..., args=cfg, ...)")
     if first is not None:
         model, reward_funcs = first, reward_funcs if second is None else second
         args, train_dataset = (args if third is None else third), (train_dataset if fourth is None else fourth)
@@ -247,8 +255,9 @@ def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=
             cfg.data.source = f"memory:{_fingerprint(rows)}"
     if eval_dataset is not None:
         eval_rows, cfg.data.eval_source = held_out_rows(cfg, eval_dataset)
-    scorer = reward_scorer(cfg, reward_funcs, reward_weights)
-    validate(cfg)
+    only_environment = environment and reward_funcs is None and not cfg.rewards
+    scorer = None if only_environment else reward_scorer(cfg, reward_funcs, reward_weights)
+    validate(cfg, require_rewards=not only_environment)
     return TrainerInputs(cfg, model, processing_class, scorer, rows, eval_rows, check_callbacks(callbacks or []))
 
 
