@@ -28,6 +28,8 @@
 #              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice;
 #              IMPLS=... (rollout8b, rollout15) replaces the list of implementations, TAG=... the files' tag
 #   rollout15  rollout_speed, Qwen2.5-1.5B shape, longrl + transformers generate (~3 min)
+#   multiturn8b multiturn_speed, 8B shape, 16 prompts x 8, 4 turns of 512 tokens + 200 tool tokens each: kept
+#              caches vs single-turn of the same length vs the re-prefill-every-turn prefill (~3 min, 240 s cap)
 #   e2e15      grpo_e2e 1.5B, 4 prompts x 8 x 4,096, 1 step (~1.5 min)
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
@@ -198,6 +200,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 260 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
+        multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
+            --G 8 --turns 4 --tool-tokens 200 --new-tokens 512 --prompt-len 512 ;;
         budget_small) stage budget_small 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
             --completion 1536 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
             --auto-layout && stage budget_small_bf16kv 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b \
