@@ -447,3 +447,41 @@ def test_menu_config_errors(tmp_path, overrides, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _cfg(tmp_path, *overrides)
+
+
+def test_trainer_update_is_split_invariant_in_float64(tmp_path):
+    """One update of the trainer on one rollout batch in float64, with every whole-step option on (the entropy
+    token mask, the entropy bonus, the off-policy mask, two steps per rollout): micro-batches of 16 and of 3
+    give the same loss and gradients to float64 rounding."""
+    from longrl.config import LoraConfig
+    from longrl.models import apply_lora, build_tiny_model
+    from longrl.trainer import GRPOTrainer
+
+    model, tok = build_tiny_model(seed=1, dtype=torch.float64)
+    model = apply_lora(model, LoraConfig(r=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    cfg = _cfg(tmp_path, "grpo.loss_type=sapo", "grpo.entropy_coef=0.02", "grpo.top_entropy_quantile=0.3",
+               "grpo.off_policy_mask_threshold=0.01", "grpo.steps_per_generation=2", "grpo.beta=0.1",
+               "lora.enabled=true", "generation.backend=hf", "generation.max_completion_length=6")
+    trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
+    batch = trainer._rollout_batch()
+    batch.old_logps = batch.old_logps + 0.05 * torch.randn_like(batch.old_logps)  # off-policy: masks take effect
+    batch.advantages = torch.randn(batch.advantages.shape, dtype=torch.float64)  # the untrained model scores 0
+    trainer.optimizer.step = trainer.scheduler.step = lambda *a, **k: None  # the weights stay where they are
+    rows = list(range(16, 32))  # the rollout's second step
+    results = []
+    for size in (16, 3):
+        trainer.cfg.train.micro_batch_size = size
+        stats = trainer._policy_update(batch, rows)
+        results.append((stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (s16, g16) = results[0]
+    assert 0 < s16["high_entropy_ratio"] < 0.5 and s16["off_policy_masked_ratio"] > 0
+    for stats, grads in results[1:]:
+        for k in ("loss", "kl", "entropy", "high_entropy_ratio", "off_policy_masked_ratio"):
+            assert stats[k] == pytest.approx(s16[k], rel=1e-12, abs=1e-15), k
+        assert grads.keys() == g16.keys() and grads
+        for n in grads:
+            assert torch.allclose(grads[n], g16[n], rtol=1e-10, atol=1e-13), n
