@@ -201,3 +201,22 @@ def test_fp8_cache_continues_across_turns_within_its_tolerance():
         want, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, width, pad_id=0)
     d = ((_padded(r.logprobs, width) - want).abs() * mask)
     assert 0 < float(d.sum() / mask.sum()) <= LOGP_MEAN and float(d.max()) <= LOGP_MAX
+
+
+def test_extend_forwards_split_by_their_workspace_cap_give_the_same_rollout(monkeypatch):
+    """Returning sequences prefilled one row per forward (a tiny workspace cap) or all together: the same tokens
+    and log-probs (float32 rounding of other batch shapes only)."""
+    import longrl.rollout.sampler as sampler_module
+
+    model, tok = tiny_model(seed=7)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=STOP)
+    together_sampler = Sampler(model, tok)
+    together = together_sampler.generate(PROMPTS, 2, params, MultiTurn(ScriptedHandler(turns=3), max_tokens=30))
+    monkeypatch.setattr(sampler_module, "EXTEND_WORKSPACE_BYTES", 1)
+    split_sampler = Sampler(model, tok)
+    split = split_sampler.generate(PROMPTS, 2, params, MultiTurn(ScriptedHandler(turns=3), max_tokens=30))
+    assert split_sampler.last_stats["resume_forwards"] == split_sampler.last_stats["resumes"]
+    assert together_sampler.last_stats["resume_forwards"] < together_sampler.last_stats["resumes"]
+    assert split.completion_ids == together.completion_ids and split.env_mask == together.env_mask
+    torch.testing.assert_close(torch.tensor(sum(split.logprobs, [])), torch.tensor(sum(together.logprobs, [])),
+                               atol=1e-5, rtol=1e-5)

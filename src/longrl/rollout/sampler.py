@@ -39,6 +39,9 @@ from .sampling import SamplingParams, next_tokens, stop_index, triton_available
 log = logging.getLogger(__name__)
 
 
+EXTEND_WORKSPACE_BYTES = 1 << 30  # transient memory of one multi-turn extend forward (a layer's gathered K/V, scores)
+
+
 class SamplerUnsupported(RuntimeError):
     """The sampler cannot run this model exactly; the message says why (use the ``hf`` backend)."""
 
@@ -593,7 +596,11 @@ class _Run:
             if bad is not None:
                 raise ValueError(f"environment tokens of sequence {self.slot_seq[slot]} hold id {bad}, outside the "
                                  f"model's vocabulary [0, {vocab})")
-        per_forward = max(1, s.prefill_tokens // (1 + max(len(r[1]) for r in returns)))
+        width = 1 + max(len(r[1]) for r in returns)
+        keys = self.cache.k_pre.shape[3] + self.T  # prefix + slot-store positions each new query reads
+        heads = base_model(s.model).config.get_text_config().num_attention_heads
+        row_bytes = 2 * s.kv_heads * keys * s.head_dim * 4 + heads * width * keys * 4  # gathered K/V, scores
+        per_forward = max(1, min(s.prefill_tokens // width, EXTEND_WORKSPACE_BYTES // row_bytes))
         for first in range(0, len(returns), per_forward):
             chunk = returns[first:first + per_forward]
             slots = torch.tensor([r[0] for r in chunk], device=dev)
