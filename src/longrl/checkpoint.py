@@ -1,13 +1,20 @@
 """Atomic checkpoints: ``output_dir/checkpoint-STEP/`` holds the adapter (PEFT format) or the full model,
-the optimizer, the scheduler, the RNG states and the trainer state (step, data position).
+the optimizer, the scheduler, the RNG states (JSON), the trainer state (step, data position) and, written last,
+``manifest.json``: the size and SHA-256 of every other file.
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash mid-write
-leaves the previous checkpoints intact and no half-written ``checkpoint-STEP``.
+leaves the previous checkpoints intact and no half-written ``checkpoint-STEP``. Loading runs no code: weights are
+safetensors, optimizer and scheduler states load with ``torch.load(weights_only=True)``, RNG states are JSON.
+Loading verifies the manifest and refuses non-finite weights or optimizer state (:class:`CheckpointError`);
+resume takes the newest checkpoint that verifies (:func:`resume_candidates`).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -18,52 +25,181 @@ from pathlib import Path
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"  # written last: {"files": {relative path: {"size": bytes, "sha256": hex}}}
+RNG_FILE = "rng_state.json"
+LEGACY_RNG_FILE = "rng_state.pt"  # earlier versions (a pickle; read only as weights, never as code)
 BASE_WEIGHTS_FILE = "base_model.safetensors"  # the frozen base of a builtin model, which no hub or disk holds
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used (missing, corrupted, non-finite, or holding code); the message names the file."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full); its staging directory is removed and the
+    checkpoints written before are intact."""
+
+
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy, torch (and CUDA) RNG states as JSON-ready lists."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+             "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _legacy_rng_state(path: Path) -> dict:
+    """An earlier version's ``rng_state.pt`` read as weights only (its NumPy key array allowed, nothing else)."""
+    multiarray = getattr(np, "_core", None) or np.core  # NumPy 2 / 1: where the pickle's ndarray rebuilder lives
+    allowed = [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        state = safe_torch_load(path)
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    return {"python": [state["python"][0], list(state["python"][1]), state["python"][2]],
+            "numpy": [kind, np.asarray(keys).tolist(), pos, has_gauss, cached], "torch": state["torch"].tolist(),
+            **({"cuda": [s.tolist() for s in state["cuda"]]} if "cuda" in state else {})}
+
+
+def safe_torch_load(path: Path, map_location=None):
+    """``torch.load`` without code: only tensors and plain containers (``weights_only=True``); a file holding
+    anything else (a planted pickle) or cut short raises :class:`CheckpointError` naming it."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as e:  # UnpicklingError (code refused), EOFError / RuntimeError (cut short or garbled)
+        raise CheckpointError(f"{path}: not a plain tensor file, refused without running it "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(root: Path) -> None:
+    """``manifest.json``: size and SHA-256 of every file under ``root`` (the manifest itself excluded)."""
+    root = Path(root)
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    (root / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file in ``path``'s manifest is there with its size and checksum, else the first problem
+    (naming the file). A checkpoint without a manifest (an earlier version's) verifies if its trainer state reads."""
+    path = Path(path)
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        try:
+            read_state(path)
+        except (OSError, ValueError) as e:
+            return f"{path / STATE_FILE}: unreadable ({type(e).__name__}: {e})"
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        assert isinstance(files, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        return f"{manifest}: unreadable ({type(e).__name__}: {e})"
+    for name, entry in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f}: missing"
+        try:
+            size = f.stat().st_size
+            if size != entry["size"]:
+                return f"{f}: {size} bytes, the manifest says {entry['size']} (cut short or replaced)"
+            if _sha256(f) != entry["sha256"]:
+                return f"{f}: checksum differs from the manifest (corrupted)"
+        except (OSError, KeyError, TypeError) as e:
+            return f"{f}: unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def resume_candidates(output_dir: Path) -> tuple[list[Path], list[str]]:
+    """(checkpoints that verify, newest first; one line for each newer one skipped, naming the reason)."""
+    good, skipped = [], []
+    for p in reversed(list_checkpoints(output_dir)):
+        problem = verify_checkpoint(p)
+        if problem is None:
+            good.append(p)
+        else:
+            skipped.append(f"{p.name} skipped: {problem}")
+    return good, skipped
+
+
+def check_finite(tensors: dict, where: str) -> None:
+    """Raise :class:`CheckpointError` naming the first tensor of ``tensors`` (a flat or nested dict/list) holding
+    NaN or infinity."""
+    stack = [("", tensors)]
+    while stack:
+        name, obj = stack.pop()
+        if isinstance(obj, dict):
+            stack += [(f"{name}.{k}" if name else str(k), v) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple)):
+            stack += [(f"{name}[{i}]", v) for i, v in enumerate(obj)]
+        elif isinstance(obj, torch.Tensor) and obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
+            raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
                     save_total_limit: int = 0, base_weights: dict | None = None) -> Path:
-    """``base_weights``: also save these tensors as ``base_model.safetensors`` (see :func:`frozen_base_weights`)."""
+    """``base_weights``: also save these tensors as ``base_model.safetensors`` (see :func:`frozen_base_weights`).
+
+    A write that fails (a full disk: ENOSPC) removes its staging directory, leaves the earlier checkpoints as they
+    were and raises :class:`CheckpointWriteError` saying how much space the checkpoint needs."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".tmp-checkpoint-{step}-{_saver_tag()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng_state.pt")
-    if base_weights:
-        from safetensors.torch import save_file
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / RNG_FILE).write_text(json.dumps(rng_state()))
+        if base_weights:
+            from safetensors.torch import save_file
 
-        save_file(base_weights, str(tmp / BASE_WEIGHTS_FILE))
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
-    sync_tree(tmp)  # on disk before it is renamed into place: a crash cannot leave a named but empty checkpoint
+            save_file(base_weights, str(tmp / BASE_WEIGHTS_FILE))
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+        write_manifest(tmp)  # last: a checkpoint whose manifest verifies was written to the end
+        sync_tree(tmp)  # on disk before it is renamed into place: a crash cannot leave a named but empty checkpoint
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(e, output_dir, step, _checkpoint_bytes(model, optimizer, base_weights)) from e
     if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside first
         old = output_dir / f".old-checkpoint-{step}-{_saver_tag()}"
         os.replace(final, old)
@@ -76,6 +212,39 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         for old in list_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _checkpoint_bytes(model, optimizer, base_weights) -> int:
+    """About what a checkpoint takes on disk: the saved weights (trainable ones under PEFT), the optimizer's tensors
+    and the saved base."""
+    def size(t):
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "peft_config") else \
+        list(model.state_dict().values())
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    return sum(map(size, params)) + sum(map(size, state)) + sum(map(size, (base_weights or {}).values()))
+
+
+def _write_error(e: Exception, output_dir: Path, step: int, needed_bytes: int) -> CheckpointWriteError:
+    """The error of a failed checkpoint write: "no space left" when the disk is full (ENOSPC, or torch's and
+    safetensors' wrappers of it, or less free space than the checkpoint needs)."""
+    try:
+        free = shutil.disk_usage(output_dir).free
+    except OSError:
+        free = None
+    text = f"{type(e).__name__}: {e}"
+    full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "ENOSPC" in text or \
+        (free is not None and free < needed_bytes)
+    earlier = latest_checkpoint(output_dir)
+    kept = f"; {earlier.name} is intact" if earlier is not None else ""
+    if full:
+        where = os.stat(output_dir).st_dev if output_dir.exists() else "?"
+        return CheckpointWriteError(
+            errno.ENOSPC, f"checkpoint-{step} not written: no space left on device {where} (holding {output_dir}), "
+            f"about {needed_bytes / 2**20:.1f} MiB needed, {(free or 0) / 2**20:.1f} MiB free{kept}")
+    return CheckpointWriteError(getattr(e, "errno", None) or errno.EIO,
+                                f"checkpoint-{step} not written to {output_dir}: {text[:300]}{kept}")
 
 
 def sync_tree(root: Path) -> None:
@@ -143,8 +312,10 @@ def _process_alive(pid: int) -> bool:
 
 
 def _written_to_the_end(staged: Path, step: int) -> bool:
-    """Whether a staged copy of ``checkpoint-step`` is complete: its trainer state, written last, reads as that
-    step's (a kill while writing it leaves it empty or cut short)."""
+    """Whether a staged copy of ``checkpoint-step`` is complete: its manifest, written last, verifies (earlier
+    versions without one: the trainer state, then written last, reads as that step's)."""
+    if (staged / MANIFEST_FILE).exists():
+        return verify_checkpoint(staged) is None
     try:
         return read_state(staged).get("step") == step
     except (OSError, ValueError, AttributeError):
@@ -203,24 +374,50 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from ``path``; return the trainer state dict."""
+    """Restore weights, optimizer, scheduler and RNG from ``path``; return the trainer state dict.
+
+    Everything is read and checked first (manifest, no code, finite values), then applied: a checkpoint that fails
+    raises :class:`CheckpointError` naming the file and leaves the model and optimizer as they were."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
-    if hasattr(model, "peft_config"):
+    problem = verify_checkpoint(path)
+    if problem:
+        raise CheckpointError(problem)
+    adapter = hasattr(model, "peft_config")
+    weights_file = path / ("adapter_model.safetensors" if adapter else "model.safetensors")
+    try:
+        weights = load_file(str(weights_file))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise CheckpointError(f"{weights_file}: unreadable ({type(e).__name__}: {e})") from None
+    check_finite(weights, str(weights_file))
+    device = next(model.parameters()).device
+    optimizer_state = safe_torch_load(path / "optimizer.pt", map_location=device)
+    check_finite(optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {},
+                 str(path / "optimizer.pt"))
+    scheduler_state = safe_torch_load(path / "scheduler.pt")
+    try:
+        rng = json.loads((path / RNG_FILE).read_text()) if (path / RNG_FILE).is_file() \
+            else _legacy_rng_state(path / LEGACY_RNG_FILE)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / RNG_FILE}: unreadable ({type(e).__name__}: {e})") from None
+    state = read_state(path)
+    if adapter:
         from peft import set_peft_model_state_dict
 
-        weights = load_file(str(path / "adapter_model.safetensors"))
         result = set_peft_model_state_dict(model, weights)
         if getattr(result, "unexpected_keys", None):
-            raise RuntimeError(f"checkpoint {path}: adapter has unexpected keys {result.unexpected_keys[:5]}")
+            raise CheckpointError(f"{weights_file}: adapter has unexpected keys {result.unexpected_keys[:5]}")
     else:
-        weights = load_file(str(path / "model.safetensors"))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected:
-            raise RuntimeError(f"checkpoint {path}: unexpected keys {unexpected[:5]}")
-    device = next(model.parameters()).device
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng_state.pt", weights_only=False))
-    return read_state(path)
+            raise CheckpointError(f"{weights_file}: unexpected keys {unexpected[:5]}")
+    try:
+        optimizer.load_state_dict(optimizer_state)
+        scheduler.load_state_dict(scheduler_state)
+        set_rng_state(rng)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: optimizer, scheduler or RNG state does not fit this run "
+                              f"({type(e).__name__}: {e})") from None
+    return state

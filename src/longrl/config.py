@@ -12,6 +12,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
 
 
 @dataclass
@@ -163,12 +167,21 @@ class TrainConfig:
     logprob_chunk_size: int = 1024  # tokens per chunk of the LM-head log-prob op (no full logits tensor)
     mlp_tile_tokens: Optional[int] = None  # MLP in sequence tiles of this many tokens; 0: off, null: planner decides
     gpu_memory_gib: float = 0.0  # CUDA: GPU memory the run may use (planner, KV cache, allocator cap); 0: all free
+    max_nonfinite_steps: int = 3  # steps in a row whose loss or gradient norm is NaN/inf (each makes no update)
+    #                               before the run stops with a checkpoint
+    max_no_signal_steps: int = 50  # rollout batches in a row without any learning signal (every reward failed or
+    #                                None, or every group's rewards equal) before the run stops; 0: never
 
 
 @dataclass
 class RewardSpec:
     function: str = ""  # path/to/file.py:function or package.module:function
     weight: float = 1.0  # weight in the sum of rewards
+    timeout_s: float = 300.0  # per call; a call that takes longer fails for that batch (0: no limit)
+    isolation: Literal["none", "process"] = "none"  # process: in a worker process, killed and restarted on timeout
+    #                                                  (for untrusted or model-written code)
+    memory_limit_gib: float = 0.0  # isolation=process: address-space limit of the worker (0: none)
+    cpu_limit_s: float = 0.0  # isolation=process: CPU seconds the worker may use in all (0: none)
 
 
 @dataclass
@@ -189,7 +202,11 @@ class EnvironmentConfig:
 class OutputConfig:
     output_dir: str = "longrl-output"  # where checkpoints, metrics.jsonl, plots and logs go
     logging_steps: int = 1  # steps between log lines and completion samples
-    save_steps: int = 0  # 0: save only at the end
+    save_steps: int = 0  # 0: save only at the end (and by save_minutes, and on a stop signal)
+    save_minutes: float = 30.0  # also save when this long has passed since the last save (0: off)
+    on_save_error: Literal["stop", "continue"] = "stop"  # a checkpoint write that fails (disk full): stop, or go on
+    overwrite_output_dir: bool = False  # write into a directory that holds files other than a longrl run's
+    resume_changed_data: bool = False  # resume although the data file differs from the one the checkpoint saw
     save_total_limit: int = 3  # checkpoints kept (the newest); 0: keep all
     resume: bool = False  # continue from the latest checkpoint in output_dir
     log_completions: int = 4  # completions written to completions.jsonl per logging step
@@ -245,7 +262,9 @@ RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "genera
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
                      "model.gpu_resident_layers", "model.sdpa_backends", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
                      "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
-                     "data.eval_split", "data.eval_num_examples")
+                     "data.eval_split", "data.eval_num_examples",
+                     "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",
+                     "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -253,6 +272,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     for k, v in tree.items():
         if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):  # rewards: rewards[i].key
+            for i, x in enumerate(v):
+                out.update(_flat(x, f"{prefix}{k}[{i}]."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -265,8 +287,8 @@ def resume_conflicts(saved: dict, cfg: "Config") -> list[str]:
 
     before, now = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
     return [f"{k}: {before.get(k)!r} → {now.get(k)!r}" for k in sorted(set(before) | set(now))
-            if before.get(k) != now.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a))
-                                                       for a in RESUMABLE_CHANGES)]
+            if before.get(k) != now.get(k) and not any(
+                re.sub(r"\[\d+\]", "[]", k) == a or (a.endswith(".") and k.startswith(a)) for a in RESUMABLE_CHANGES)]
 
 
 # ----------------------------------------------------------------------------- key names and suggestions
@@ -373,14 +395,28 @@ def _convert(value, tp, key: str):
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):  # 1e3 in YAML: a float
+            return int(value)
+        if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)  # YAML 1.1 reads "1e10" as a string
+            except ValueError:
+                number = None
+            if number is not None and math.isfinite(number) and number == int(number) and "." not in value:
+                return int(number)
+    elif tp is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"config key '{key}': got {value!r}; expected a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -519,7 +555,9 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, ">= 0")
     _check(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "an integer >= 1")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
-    _check(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "> 0")
+    _check(0 < t.learning_rate <= 1, "train.learning_rate", t.learning_rate, "0 < learning_rate <= 1")
+    _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", t.max_nonfinite_steps, "an integer >= 1")
+    _check(t.max_no_signal_steps >= 0, "train.max_no_signal_steps", t.max_no_signal_steps, "an integer >= 0 (0: never)")
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
     _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, ">= 0 (0 disables clipping)")
     _check(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", t.micro_batch_tokens, ">= 0 (0: use micro_batch_size)")
@@ -571,6 +609,8 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     _check(o.save_steps >= 0, "output.save_steps", o.save_steps, "an integer >= 0")
     _check(o.save_steps % per_rollout == 0, "output.save_steps", o.save_steps,
            f"a multiple of {rollout_steps}: checkpoints fall between rollout batches")
+    _check(o.save_minutes >= 0, "output.save_minutes", o.save_minutes, ">= 0 (0: no saves by time)")
+    _check(o.output_dir.strip() != "", "output.output_dir", o.output_dir, "a directory path")
     env = cfg.environment
     agentic = bool(env.factory or cfg.tools)
     _check(bool(cfg.rewards) or bool(env.factory) or not require_rewards, "rewards", cfg.rewards,
@@ -591,6 +631,17 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
         _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")
         _check(math.isfinite(r.weight), f"rewards[{i}].weight", r.weight, "a finite number")
+        _check(r.timeout_s >= 0, f"rewards[{i}].timeout_s", r.timeout_s, ">= 0 (0: no limit)")
+        _check(r.memory_limit_gib >= 0, f"rewards[{i}].memory_limit_gib", r.memory_limit_gib, ">= 0 (0: none)")
+        _check(r.cpu_limit_s >= 0, f"rewards[{i}].cpu_limit_s", r.cpu_limit_s, ">= 0 (0: none)")
+        _check(r.isolation == "process" or (r.memory_limit_gib == 0 and r.cpu_limit_s == 0),
+               f"rewards[{i}].isolation", r.isolation, "'process' when memory_limit_gib or cpu_limit_s is set "
+               "(limits apply to a worker process)")
+    _check(DEVICE_PATTERN.fullmatch(m.device) is not None, "model.device", m.device,
+           "auto, cpu, cuda, cuda:N, mps, xpu or xpu:N")
+    from .limits import check_sizes
+
+    check_sizes(cfg)
 
 
 def _check_loss_options(cfg: Config) -> None:
