@@ -91,10 +91,11 @@ def varied_reward(root) -> str:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """Two real GRPO steps of the builtin demo model with LoRA (a high learning rate so the adapter matters)."""
-    out = tmp_path_factory.mktemp("tiny-run")
+    root = tmp_path_factory.mktemp("tiny-run")
+    out = root / "run"  # the run's own directory: the reward file stays outside it
     cfg = load_config(None, ["train.max_steps=2", "train.prompts_per_step=2", "grpo.num_generations=4",
                              "train.micro_batch_size=8", "output.progress_bar=false", "output.tensorboard=false",
-                             "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05", varied_reward(out),
+                             "lora.enabled=true", "lora.r=4", "train.learning_rate=0.05", varied_reward(root),
                              f"output.output_dir={out}"], base=demo_config())
     trainer = GRPOTrainer(cfg)
     trainer.train()

@@ -114,7 +114,7 @@ def test_cli_missing_reward_file_fails_before_model_load(tmp_path):
 def test_cli_missing_dataset_column(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"question": "1+1="}\n')
-    r = _cli("demo", f"output.output_dir={tmp_path}", f"data.source={data}")
+    r = _cli("demo", f"output.output_dir={tmp_path / 'o'}", f"data.source={data}")
     assert r.returncode == 2 and "no prompt column 'prompt'" in r.stderr
 
 
@@ -127,9 +127,9 @@ def test_cli_train_runs_from_printed_config(tmp_path):
     assert len(read_metrics(tmp_path / "o")) == 2
 
 
-@pytest.mark.parametrize("rows, message", [([{"prompt": "1+1="}, {"prompt": ""}], "row 1: prompt must be"),
+@pytest.mark.parametrize("rows, message", [([{"prompt": "1+1="}, {"prompt": ""}], "row 2: prompt must be"),
                                            ([{"question": "1+1="}], "no prompt column 'prompt'"),
-                                           ([{"prompt": "1+1="}, {"text": "2+2="}], "row 1: prompt must be")])
+                                           ([{"prompt": "1+1="}, {"text": "2+2="}], "row 2: prompt must be")])
 def test_dataset_rows_checked_before_the_model_loads(tmp_path, monkeypatch, rows, message):
     import longrl.trainer as trainer_module
     from longrl.data import DataError
@@ -244,13 +244,14 @@ def test_demo_again_starts_over_but_leaves_other_runs(tmp_path):
     from longrl.cli import _start_demo_over
 
     cfg = _cfg(tmp_path, "train.max_steps=2")
+    _start_demo_over(cfg).release()  # the directory becomes a demo's (as `longrl demo` makes it)
     GRPOTrainer(cfg).train()
     other = tmp_path / "checkpoint-9"
     other.mkdir()
     (other / "trainer_state.json").write_text(json.dumps({"config": {"model": {"name_or_path": "my/model"}}}))
-    _start_demo_over(cfg)
+    _start_demo_over(cfg).release()
     assert not (tmp_path / "checkpoint-2").exists() and other.is_dir()
-    other.rename(tmp_path / "kept-9")
+    other.rename(tmp_path / ".kept-9")
     GRPOTrainer(cfg).train()  # the directory holds no checkpoint now: a new run is allowed
 
 

@@ -89,7 +89,8 @@ def safe_torch_load(path: Path, map_location=None):
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes (read a MiB at a time)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -100,7 +101,7 @@ def _sha256(path: Path) -> str:
 def write_manifest(root: Path) -> None:
     """``manifest.json``: size and SHA-256 of every file under ``root`` (the manifest itself excluded)."""
     root = Path(root)
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
     (root / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}, indent=1))
 
@@ -129,7 +130,7 @@ def verify_checkpoint(path: Path) -> str | None:
             size = f.stat().st_size
             if size != entry["size"]:
                 return f"{f}: {size} bytes, the manifest says {entry['size']} (cut short or replaced)"
-            if _sha256(f) != entry["sha256"]:
+            if file_sha256(f) != entry["sha256"]:
                 return f"{f}: checksum differs from the manifest (corrupted)"
         except (OSError, KeyError, TypeError) as e:
             return f"{f}: unreadable ({type(e).__name__}: {e})"

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                         help="merged weights (merged only; auto: float16 if the base was, else bfloat16)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    export.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a base model that needs its own Python code (never taken from the checkpoint)")
     _add_generate_and_eval(sub)
     demo = sub.add_parser("demo", help="offline demo: a tiny model learns arithmetic by GRPO on the CPU")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -117,20 +119,57 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as e:
         print(f"longrl: configuration error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError, RuntimeError) as e:
-        from .data import DataError
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # before training started (the loop turns signals into TrainingStopped)
+        print("longrl: interrupted before training started; no checkpoint was written", file=sys.stderr)
+        return 130
+    except Exception as e:
         from .memory.planner import PlanError
-        from .models import ModelLoadError
-        from .rewards import RewardLoadError
 
         if isinstance(e, PlanError):
             print(f"longrl: this job cannot fit: {e}", file=sys.stderr)
             return 1
-        if isinstance(e, (DataError, ModelLoadError, RewardLoadError)):
-            print(f"longrl: error: {e}", file=sys.stderr)
-            return 2
-        raise
+        code = _exit_code(e)
+        if code is None:
+            raise
+        print(f"longrl: {e}" if _is_stop(e) else f"longrl: error: {e}", file=sys.stderr)
+        return code
+    except BaseException as e:
+        from .stop_signals import ImmediateStop
+
+        if not isinstance(e, ImmediateStop):
+            raise
+        print(f"longrl: {e}: no checkpoint written for the step in flight; the checkpoints written before are "
+              "intact (resume with output.resume=true)", file=sys.stderr)
+        return e.exit_code
+
+
+EXIT_BAD_INPUT = 2  # the input was refused (config, data, rewards, model, checkpoint, output directory in use)
+
+
+def _is_stop(e: Exception) -> bool:
+    from .stop_signals import TrainingStopped
+
+    return isinstance(e, TrainingStopped)
+
+
+def _exit_code(e: Exception) -> int | None:
+    """The exit code for an error longrl explains itself (None: a bug, shown with its traceback)."""
+    from .checkpoint import CheckpointError, CheckpointWriteError
+    from .data import DataError
+    from .models import ModelLoadError
+    from .rewards import RewardLoadError
+    from .run_guards import EXIT_SAVE_FAILED
+    from .runlock import OutputDirError, RunLockError
+    from .stop_signals import TrainingStopped
+
+    if isinstance(e, TrainingStopped):
+        return e.exit_code
+    if isinstance(e, CheckpointWriteError):
+        return EXIT_SAVE_FAILED
+    if isinstance(e, (DataError, ModelLoadError, RewardLoadError, CheckpointError, RunLockError, OutputDirError)):
+        return EXIT_BAD_INPUT
+    return None
 
 
 def _inference(args) -> int:
@@ -149,10 +188,10 @@ def _export(args) -> int:
 
     try:
         out = export_checkpoint(args.checkpoint, args.output_dir, fmt=args.format, quant=args.quant, dtype=args.dtype,
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     except ExportError as e:
         print(f"longrl: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(f"exported {args.format} to {out}")
     return 0
 
@@ -180,27 +219,37 @@ def _plan(cfg, gpu_memory_gib: float | None) -> int:
     return 0
 
 
-def _start_demo_over(cfg) -> None:
+def _start_demo_over(cfg):
     """``longrl demo`` again into the same directory starts over: an earlier demo's checkpoints there are removed
-    (only those whose saved config names this builtin model); anything else is left to the trainer's check."""
+    (only in a directory a demo made, and only those whose saved config names this builtin model); anything else
+    is left to the trainer's check. Returns the directory's run lock, held while this runs (and for the demo)."""
     import shutil
 
     from .checkpoint import checkpoint_config, list_checkpoints
+    from .runlock import acquire_run_lock, check_output_dir_contents, run_marker
 
-    if cfg.output.resume or not cfg.model.name_or_path.startswith("builtin:"):
-        return
+    lock = acquire_run_lock(cfg.output.output_dir)
+    try:
+        check_output_dir_contents(cfg.output.output_dir, command="demo", overwrite=cfg.output.overwrite_output_dir)
+    except BaseException:
+        lock.release()
+        raise
+    if cfg.output.resume or not cfg.model.name_or_path.startswith("builtin:") or \
+            (run_marker(cfg.output.output_dir) or {}).get("command") != "demo":
+        return lock
     for path in list_checkpoints(cfg.output.output_dir):
         saved = checkpoint_config(path) or {}
         if saved.get("model", {}).get("name_or_path") == cfg.model.name_or_path:
             shutil.rmtree(path)
+    return lock
 
 
 def _demo(cfg) -> int:
     from .reporting import plot_reward_curve, read_metrics
 
     start = time.perf_counter()
-    _start_demo_over(cfg)
-    _run(cfg)
+    with _start_demo_over(cfg):
+        _run(cfg)
     metrics = read_metrics(cfg.output.output_dir)
     window = max(1, min(10, len(metrics) // 5))
     first = sum(m["reward"] for m in metrics[:window]) / window

@@ -367,13 +367,16 @@ def _convert(value, tp, key: str):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(value, arg, key)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                errors.append(e)
+        if len(errors) == 1 and "finite" in str(errors[0]):  # Optional[float] given inf/nan: say so
+            raise errors[0]
         raise ConfigError(f"config key '{key}': got {value!r}; expected {_describe(tp)}")
     if origin is Literal:
         if value in typing.get_args(tp):

@@ -10,6 +10,7 @@ Prompts longer than ``max_prompt_length`` tokens follow ``overlong_prompt``:
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,11 +59,65 @@ def read_rows(source: str, split: str = "train", num_examples: int | None = None
         if fmt is None:
             raise DataError(f"dataset file {source}: unsupported extension {path.suffix!r}; "
                             f"use one of {', '.join(FILE_FORMATS)}")
+        check_text_file(path)
         try:
             ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:
             raise DataError(f"dataset file {source} could not be read: {type(e).__name__}: {e}") from e
     return [dict(r) for r in (ds if num_examples is None else ds.select(range(min(num_examples, len(ds)))))]
+
+
+def check_text_file(path: Path) -> None:
+    """Refuse, naming the file and line (counted from 1), an empty dataset file, bytes that are not UTF-8 (line and
+    byte offset), and for JSON Lines a line that is not a JSON object (the parser's reason). Parquet is binary
+    and left to its reader."""
+    if path.suffix.lower() == ".parquet":
+        return
+    data = path.read_bytes()
+    if not data.strip():
+        raise DataError(f"dataset file {path} is empty (config key 'data.source')")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"dataset file {path} line {line}: byte {column} (offset {e.start}) is not UTF-8 "
+                        f"({e.reason}); save the file as UTF-8") from None
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return
+        except ValueError as e:
+            first = next((ln for ln in text.splitlines() if ln.strip()), "")
+            try:
+                json.loads(first)  # JSON Lines in a .json file (datasets reads both): checked line by line
+            except ValueError:
+                raise DataError(f"dataset file {path} line {e.lineno}: not valid JSON ({e.msg}, column "
+                                f"{e.colno})") from None
+    if path.suffix.lower() in (".jsonl", ".json"):
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"dataset file {path} line {number}: not valid JSON ({e.msg}, column "
+                                f"{e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"dataset file {path} line {number}: expected a JSON object (one row), got "
+                                f"{type(row).__name__}")
+
+
+def data_fingerprint(source: str) -> str | None:
+    """SHA-256 of a dataset file (None for task: and hf: sources, whose config names them exactly)."""
+    if source.startswith(("task:", "hf:")):
+        return None
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return None
+    from .checkpoint import file_sha256
+
+    return file_sha256(path)
 
 
 @dataclass
@@ -98,7 +153,7 @@ def read_prompt_rows(cfg, seed: int = 0, rows: list[dict] | None = None) -> list
     elif cfg.num_examples is not None:
         rows = rows[:cfg.num_examples]
     if not rows:
-        raise DataError(f"dataset {cfg.source!r} is empty")
+        raise DataError(f"dataset {cfg.source!r} is empty (config key 'data.source')")
     column = cfg.prompt_column
     if column not in rows[0]:
         raise DataError(f"dataset {cfg.source!r} has no prompt column {column!r} (config key 'data.prompt_column'); "
@@ -106,7 +161,7 @@ def read_prompt_rows(cfg, seed: int = 0, rows: list[dict] | None = None) -> list
     for i, row in enumerate(rows):
         prompt = row.get(column)
         if not (isinstance(prompt, str) and prompt) and not (_is_chat(prompt) and prompt):
-            raise DataError(f"dataset {cfg.source!r} row {i}: prompt must be a non-empty string or a list of "
+            raise DataError(f"dataset {cfg.source!r} row {i + 1}: prompt must be a non-empty string or a list of "
                             f"{{'role', 'content'}} messages; got {prompt!r:.80}")
     return rows
 
@@ -121,7 +176,7 @@ def load_prompts(cfg, tokenizer, seed: int = 0, rows: list[dict] | None = None) 
         ids = tokenize_prompt(tokenizer, row[column])
         if len(ids) > cfg.max_prompt_length:
             if cfg.overlong_prompt == "error":
-                raise DataError(f"dataset {cfg.source!r} row {i}: prompt has {len(ids)} tokens, more than "
+                raise DataError(f"dataset {cfg.source!r} row {i + 1}: prompt has {len(ids)} tokens, more than "
                                 f"data.max_prompt_length={cfg.max_prompt_length}; raise it, or set "
                                 f"data.overlong_prompt to truncate_left or skip")
             if cfg.overlong_prompt == "skip":

@@ -127,6 +127,7 @@ class RunReporter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps, self.logging_steps, self.resume_step = total_steps, logging_steps, resume_step
         self.stream = stream or sys.stdout
+        self._failed_writes: set[Path] = set()
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.completions_path = self.output_dir / "completions.jsonl"
         self._truncate(self.metrics_path, resume_step)
@@ -198,17 +199,42 @@ class RunReporter:
         return (time.perf_counter() - self.start_time) / done * (self.total_steps - step)
 
     # ------------------------------------------------------------------------------------------ per step
+    def _append(self, path: Path, text: str) -> None:
+        """Append to a log file; a failed write (disk full) is reported once per file and the run goes on (its
+        checkpoints are written, and their failures handled, separately)."""
+        try:
+            with open(path, "a") as f:
+                f.write(text)
+        except OSError as e:
+            if path not in self._failed_writes:
+                self._failed_writes.add(path)
+                log.error("could not write %s: %s; the run goes on without these lines", path, e)
+
+    def _tensorboard(self, call, *args) -> None:
+        """A TensorBoard write; its writer thread's errors (re-raised here by the writer) turn TensorBoard off,
+        reported once."""
+        if self.writer is None:
+            return
+        try:
+            call(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the writer raises, the run goes on without it
+            log.error("TensorBoard write to %s failed: %s: %s; TensorBoard logging is off for the rest of the run",
+                      self.output_dir / "tensorboard", type(e).__name__, e)
+            writer, self.writer = self.writer, None
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - the same failure again: the writer is given up either way
+                pass
+
     def log_step(self, metrics: dict) -> None:
         metrics = {k: _clean(v) for k, v in metrics.items()}
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self._append(self.metrics_path, json.dumps(metrics) + "\n")
         step = metrics["step"]
         self.last_step = step
         scalars = {(k if k.startswith("eval/") else f"train/{k}"): v for k, v in metrics.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self.writer is not None:
-            for k, v in scalars.items():
-                self.writer.add_scalar(k, v, step)
+        for k, v in scalars.items():
+            self._tensorboard(lambda *a: self.writer.add_scalar(*a), k, v, step)
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
         if self.progress is not None:
@@ -220,13 +246,12 @@ class RunReporter:
             self.print(step_line(metrics, self.total_steps, self.eta_s(step)))
 
     def log_completions(self, step: int, samples: list[dict]) -> None:
-        with open(self.completions_path, "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **s}, default=str) + "\n")
+        self._append(self.completions_path,
+                     "".join(json.dumps({"step": step, **s}, default=str) + "\n" for s in samples))
         if self.writer is not None and samples:
             text = "\n\n".join(f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n"
                                f"**reward** {s['reward']}" for s in samples)
-            self.writer.add_text("completions", text, step)
+            self._tensorboard(lambda *a: self.writer.add_text(*a), "completions", text, step)
 
     def plot(self) -> Path | None:
         """Write ``training_curves.png`` from metrics.jsonl (the whole run, resumed steps too)."""
@@ -266,8 +291,7 @@ class RunReporter:
 
     def close(self, finished: bool = True) -> None:
         self._stop_bar()
-        if self.writer is not None:
-            self.writer.close()
+        self._tensorboard(lambda: self.writer.close())
         if self.wandb_run is not None:
             self.wandb_run.finish()
         if finished:

@@ -84,6 +84,8 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
     import fcntl
 
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"config key 'output.output_dir': {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     path = (out / LOCK_FILE).resolve()
     mine = _held.get(str(path))

@@ -13,21 +13,23 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .callbacks import check_callbacks, notify
-from .checkpoint import atomic_write_text, checkpoint_config, frozen_base_weights, latest_checkpoint, \
-    list_checkpoints, load_checkpoint, recover_interrupted_saves, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointWriteError, atomic_write_text, checkpoint_config, \
+    frozen_base_weights, latest_checkpoint, list_checkpoints, load_checkpoint, read_state, \
+    recover_interrupted_saves, resume_candidates, save_checkpoint
 from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
-from .data import PromptDataset, PromptSampler, load_prompts, read_prompt_rows
+from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
 from .memory.layout import budget_bytes, cap_allocator, resolve_layout
 from .memory.planner import model_config_of
-from .models import TINY_NAME, base_model, load_model, resolve_device
+from .models import TINY_NAME, base_model, check_model_files, load_model, resolve_device
 from .models.fused_layers import enable_fused_layers
 from .models.lora_training import fused_lora_training
 from .ops.advantages import decoupled_group_advantages, group_advantages
@@ -42,6 +44,9 @@ from .rollout import Sampler, SamplingParams
 from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
 from .rollout.sampling import triton_available
+from .run_guards import EXIT_GUARD, EXIT_SAVE_FAILED, RunGuards, has_learning_signal
+from .runlock import acquire_run_lock, check_output_dir_contents
+from .stop_signals import StopSignals, TrainingStopped, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -67,27 +72,47 @@ class RolloutBatch:
     episodes: list | None = None  # [P·G] agents.trajectory.Episode of multi-turn rollouts
 
 
-def check_output_dir(cfg: Config, allow_existing: bool = False) -> None:
+def check_output_dir(cfg: Config, allow_existing: bool = False) -> list[Path]:
     """Refuse, before anything loads, a new run into a directory that holds another run's checkpoints (its
     checkpoint rotation and resume would mix the two), and a resume whose settings differ from the ones its
     checkpoint was trained with, beyond RESUMABLE_CHANGES. ``allow_existing``: leave both to a later call (TRL's
-    ``train(resume_from_checkpoint=...)`` decides)."""
+    ``train(resume_from_checkpoint=...)`` decides). Returns the checkpoints a resume may start from: those whose
+    manifest verifies, newest first (the ones skipped are logged with the reason)."""
     out = Path(cfg.output.output_dir)
     for line in recover_interrupted_saves(out) if out.is_dir() else []:
         log.warning("%s: %s (a save of a killed run)", out, line)
     found = list_checkpoints(out)
     if not found or allow_existing:
-        return
+        return []
     if not cfg.output.resume:
         raise ConfigError(f"output.output_dir '{out}' already holds checkpoints of an earlier run "
                           f"({', '.join(p.name for p in found[-3:])}): set output.resume=true to continue it, or "
                           "choose another output.output_dir")
-    saved = checkpoint_config(found[-1])
+    good, skipped = resume_candidates(out)
+    for line in skipped:
+        log.warning("resume: %s", line)
+    if not good:
+        raise CheckpointError(f"output.resume: no checkpoint in {out} verifies ({'; '.join(skipped)})")
+    saved = checkpoint_config(good[0])
     conflicts = resume_conflicts(saved, cfg) if saved else []
     if conflicts:
-        raise ConfigError(f"output.resume: {found[-1]} was trained with other settings — {'; '.join(conflicts)}. "
+        raise ConfigError(f"output.resume: {good[0]} was trained with other settings — {'; '.join(conflicts)}. "
                           "A resumed run may change only how long it runs, its outputs and speed/memory settings "
                           f"({', '.join(RESUMABLE_CHANGES)}); start a new output.output_dir for the others")
+    return good
+
+
+def check_data_unchanged(cfg: Config, checkpoint: Path, fingerprint: str | None) -> None:
+    """Refuse to resume on a data file that differs from the one ``checkpoint`` trained on (its position in the
+    data would point elsewhere), unless ``output.resume_changed_data``."""
+    saved = read_state(checkpoint).get("data_fingerprint")
+    if saved and fingerprint and saved != fingerprint:
+        if not cfg.output.resume_changed_data:
+            raise ConfigError(f"data.source: {cfg.data.source} changed since {checkpoint} was written (SHA-256 "
+                              f"{fingerprint[:12]}…, was {saved[:12]}…); restore it, or set "
+                              "output.resume_changed_data=true to resume on the new file")
+        log.warning("resuming %s on a changed data file %s (output.resume_changed_data=true)", checkpoint,
+                    cfg.data.source)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -157,10 +182,19 @@ class GRPOTrainer:
         torch.manual_seed(cfg.train.seed)
         # Cheap checks first: the output directory, reward functions and data fail before the model loads when
         # they can. TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...).
-        check_output_dir(cfg, allow_existing=self.trl_style)
+        self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
+        weakref.finalize(self, self.run_lock.release)
+        check_output_dir_contents(cfg.output.output_dir, overwrite=cfg.output.overwrite_output_dir)
+        self.resume_from = check_output_dir(cfg, allow_existing=self.trl_style)
         check_report_to(cfg.output)
+        if model is None:
+            check_model_files(cfg.model.name_or_path)
+            resolve_device(cfg.model.device)
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards or [ENVIRONMENT_REWARD])  # none: an environment's
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
+        self.data_fingerprint = data_fingerprint(cfg.data.source)
+        if self.resume_from:
+            check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         eval_rows = read_eval_rows(cfg) if self.eval_rows is None else self.eval_rows
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
@@ -257,10 +291,14 @@ class GRPOTrainer:
         """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
         the path of output_dir's latest checkpoint, resumes from it (as output.resume=true)."""
         cfg = self.cfg
+        if not self.run_lock.held:  # a second train() of this trainer
+            self.run_lock = acquire_run_lock(self.output_dir)
         if resume_from_checkpoint:
             self._ask_resume(resume_from_checkpoint)
         if self.trl_style or resume_from_checkpoint:
-            check_output_dir(cfg)
+            self.resume_from = check_output_dir(cfg)
+            if self.resume_from:
+                check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         if cfg.output.resume:
             self._resume()
         self.model.train()
@@ -269,10 +307,15 @@ class GRPOTrainer:
         notify(self.callbacks, "on_train_begin", self)
         history = []
         finished = False
+        guards = RunGuards(cfg)
+        stop = None  # (message, exit code) once a signal or a guard asks the run to stop
         try:
-            with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model):
+            with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model), StopSignals() as signals:
                 while self.step_idx < cfg.train.max_steps:
+                    per_rollout = cfg.grpo.num_iterations * cfg.grpo.steps_per_generation
+                    new_batch = self.step_idx % per_rollout == 0
                     metrics = self._step()
+                    nonfinite = metrics.pop("nonfinite")  # the terms that were not finite: for the guards
                     every = cfg.output.eval_steps
                     if every and (self.step_idx % every == 0 or self.step_idx == cfg.train.max_steps):
                         eval_start = time.perf_counter()
@@ -283,15 +326,42 @@ class GRPOTrainer:
                     if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
                                                        or self.step_idx == 1):
                         reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
-                    save_every = cfg.output.save_steps
-                    if (save_every and self.step_idx % save_every == 0) or self.step_idx == cfg.train.max_steps:
-                        self.save()
-                        reporter.plot()
+                    reason = guards.after_step(self.step_idx, nonfinite, has_learning_signal(
+                        self.batch.advantages, self.batch.mask) if new_batch else None)
+                    if signals.received is not None and stop is None:
+                        stop = (f"stopped by {signal_name(signals.received)}", 128 + signals.received)
+                    elif reason and stop is None:
+                        stop = (f"stopped: {reason}", EXIT_GUARD)
+                    if self.step_idx % per_rollout:  # checkpoints fall between rollout batches
+                        continue
+                    if stop or guards.save_due(self.step_idx):
+                        if self._save_or_stop(guards) is not None:
+                            reporter.plot()
+                    if stop:
+                        path = latest_checkpoint(self.output_dir)
+                        raise TrainingStopped(f"{stop[0]} after step {self.step_idx}: checkpoint {path}; resume "
+                                              f"with: longrl train {self.output_dir / 'config.yaml'} "
+                                              "output.resume=true", stop[1], path)
             finished = True
         finally:
             reporter.close(finished)
+            self.run_lock.release()
         notify(self.callbacks, "on_train_end", history)
         return history
+
+    def _save_or_stop(self, guards: RunGuards) -> Path | None:
+        """Save; a write that fails (disk full) stops the run, or with ``output.on_save_error=continue`` is
+        reported and the run goes on without that checkpoint."""
+        try:
+            path = self.save()
+        except CheckpointWriteError as e:
+            if self.cfg.output.on_save_error == "continue":
+                log.error("%s; going on without it (output.on_save_error=continue)", e.strerror or e)
+                return None
+            raise TrainingStopped(f"{e.strerror or e}; stopped (output.on_save_error=continue goes on without "
+                                  "saving)", EXIT_SAVE_FAILED, latest_checkpoint(self.output_dir)) from e
+        guards.saved()
+        return path
 
     def _ask_resume(self, checkpoint: bool | str) -> None:
         """TRL's resume_from_checkpoint: True, the output directory, or its latest checkpoint."""
@@ -571,7 +641,13 @@ class GRPOTrainer:
                     masked_sum += float((diag["off_policy_masked"] * mask).sum())
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        self.optimizer.step()
+        nonfinite = [name for name, v in (("loss", total_loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+        if nonfinite:  # no update from this step (the guard counts it; the schedule still advances)
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d: %s not finite (loss %s, gradient norm %s): no update", self.step_idx + 1,
+                        " and ".join(nonfinite), total_loss, grad_norm)
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         denom = max(n_tokens, 1.0)
         sampler_stats = {k: sum(n * st[k] for n, st in correction_stats) / denom
@@ -580,8 +656,8 @@ class GRPOTrainer:
         if keep is not None:
             extra["high_entropy_ratio"] = float((keep * b.mask[rows]).sum()) / denom
         return {"loss": total_loss, "kl": kl_sum / denom if b.ref_logps is not None else None,
-                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm, **sampler_stats,
-                **extra}
+                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm,
+                "skipped_nonfinite": int(bool(nonfinite)), "nonfinite": nonfinite, **sampler_stats, **extra}
 
     # ------------------------------------------------------------------------------------------ helpers
     def _frac_zero_std(self, rewards: torch.Tensor) -> float:
@@ -603,7 +679,7 @@ class GRPOTrainer:
         # `longrl export` needs both to reproduce the trained model exactly
         dtype = base_model(self.model).get_input_embeddings().weight.dtype
         state = {"data_position": self.sampler.position, "config": self.cfg.to_dict(),
-                 "model_dtype": str(dtype).removeprefix("torch.")}
+                 "model_dtype": str(dtype).removeprefix("torch."), "data_fingerprint": self.data_fingerprint}
         report = getattr(base_model(self.model), "longrl_quant_report", None)
         if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
             state["quant_kept"] = sorted(report.kept)
@@ -616,11 +692,19 @@ class GRPOTrainer:
         return path
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.output_dir)
-        if path is None:
+        if not self.resume_from:
             log.warning("resume=true but no checkpoint in %s: starting from scratch", self.output_dir)
             return
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        problems = []
+        for path in self.resume_from:  # verified, newest first; one that fails to load is skipped
+            try:
+                state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+                break
+            except CheckpointError as e:
+                problems.append(f"{path.name}: {e}")
+                log.warning("resume: %s skipped: %s", path.name, e)
+        else:
+            raise CheckpointError(f"output.resume: no checkpoint in {self.output_dir} loads ({'; '.join(problems)})")
         self.step_idx = state["step"]
         self.sampler.position = state["data_position"]
         log.info("resumed from %s (step %d)", path, self.step_idx)

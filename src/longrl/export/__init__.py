@@ -8,12 +8,13 @@ leaves a half-written export.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 from pathlib import Path
 
-from .source import Checkpoint, ExportError, dequantize_4bit_linears, load_tokenizer, merged_model, read_checkpoint
+from .source import Checkpoint, ExportError, check_remote_code, dequantize_4bit_linears, load_tokenizer, merged_model, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _base_config(ckpt: Checkpoint):
 
     try:
         return AutoConfig.from_pretrained(ckpt.base_name, revision=ckpt.model.get("revision"),
-                                          trust_remote_code=bool(ckpt.model.get("trust_remote_code")))
+                                          trust_remote_code=ckpt.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ExportError(f"could not read the config of base model {ckpt.base_name!r}: {e}") from e
 
@@ -94,13 +95,15 @@ def _prepare_output(output_dir: Path, overwrite: bool, checkpoint: Path) -> None
 
 
 def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str = "merged", quant: str = "f16",
-                      dtype: str = "auto", overwrite: bool = False, device: str = "cpu") -> Path:
+                      dtype: str = "auto", overwrite: bool = False, device: str = "cpu",
+                      trust_remote_code: bool = False) -> Path:
     """Export ``checkpoint`` (a ``checkpoint-STEP`` directory or a run directory: its latest checkpoint) to
     ``output_dir`` as ``fmt`` (adapter, merged, gguf). ``quant``: gguf tensor type (f16, q8_0); ``dtype``: merged
     weights (auto = the base's 16-bit type, bfloat16, float16, float32). Returns the output directory."""
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    ckpt = read_checkpoint(checkpoint)
+    ckpt = dataclasses.replace(read_checkpoint(checkpoint), trust_remote_code=trust_remote_code)
+    check_remote_code(ckpt, trust_remote_code)
     # "out/.", "..", "out/sub/..": a name and a parent to stage beside (".." read lexically, as cd reads it)
     output_dir = Path(os.path.normpath(Path(output_dir).expanduser().absolute()))
     _prepare_output(output_dir, overwrite, Path(ckpt.path))

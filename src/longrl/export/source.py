@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import BASE_WEIGHTS_FILE, STATE_FILE, latest_checkpoint
+from ..checkpoint import BASE_WEIGHTS_FILE, STATE_FILE, CheckpointError, check_finite, latest_checkpoint, \
+    verify_checkpoint
 from ..models import TINY_NAME, ModelLoadError, build_char_tokenizer, load_model
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Checkpoint:
     path: Path
     config: dict  # the run's Config.to_dict()
     state: dict  # trainer_state.json
+    trust_remote_code: bool = False  # the user's --trust-remote-code (never read from the checkpoint)
 
     @property
     def is_adapter(self) -> bool:
@@ -73,7 +75,36 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     missing = [name for name in needed if not (path / name).is_file()]
     if missing:
         raise ExportError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+    problem = verify_checkpoint(path)
+    if problem:
+        raise ExportError(f"checkpoint {path} does not verify: {problem}")
+    _check_weights(path / needed[1])
     return ckpt
+
+
+def _check_weights(path: Path) -> None:
+    """A whole safetensors file with finite values (checked before any model loads)."""
+    from safetensors import SafetensorError, safe_open
+
+    from ..models import ModelLoadError
+    from ..models.loading import check_safetensors_file
+
+    try:
+        check_safetensors_file(path)
+        with safe_open(str(path), framework="pt") as f:  # a tensor at a time
+            for name in f.keys():
+                check_finite({name: f.get_tensor(name)}, str(path))
+    except (ModelLoadError, CheckpointError, SafetensorError, OSError) as e:
+        raise ExportError(f"checkpoint weights refused: {e}") from None
+
+
+def check_remote_code(ckpt: Checkpoint, trust_remote_code: bool) -> None:
+    """A checkpoint whose base needs custom code stops unless the user passed ``--trust-remote-code`` (a received
+    checkpoint's own ``trust_remote_code`` is never obeyed)."""
+    if ckpt.model.get("trust_remote_code") and not trust_remote_code:
+        raise ExportError(f"checkpoint {ckpt.path} was trained on {ckpt.base_name!r} with "
+                          "model.trust_remote_code=true: exporting it runs that model's own Python code. Pass "
+                          "--trust-remote-code if you trust it (the checkpoint's setting is not taken)")
 
 
 def load_tokenizer(ckpt: Checkpoint):
@@ -85,7 +116,7 @@ def load_tokenizer(ckpt: Checkpoint):
 
         try:
             tok = AutoTokenizer.from_pretrained(ckpt.base_name, revision=ckpt.model.get("revision"),
-                                                trust_remote_code=bool(ckpt.model.get("trust_remote_code")))
+                                                trust_remote_code=ckpt.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ExportError(f"could not load the tokenizer of base model {ckpt.base_name!r}: {e}") from e
     if tok.pad_token_id is None:
@@ -103,6 +134,7 @@ def load_base(ckpt: Checkpoint, device: str = "cpu"):
     accepted = set(inspect.signature(load_model).parameters) - {"name_or_path", "lora", "device", "dtype", "seed",
                                                                  "gradient_checkpointing", "attn_implementation"}
     kwargs = {k: v for k, v in ckpt.model.items() if k in accepted}
+    kwargs["trust_remote_code"] = ckpt.trust_remote_code  # the user's flag, never the checkpoint's
     if ckpt.state.get("quant_kept") is not None:  # the 16-bit exceptions training chose, not a re-scoring here
         kwargs.update(quant_keep_modules=list(ckpt.state["quant_kept"]), quant_exception_budget=0.0)
     try:

@@ -24,9 +24,80 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """``auto``: cuda if available, else cpu. A device this host does not have raises :class:`ModelLoadError`
+    naming ``model.device`` (before any model loads)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"config key 'model.device': {device!r} is not a device ({e}); use auto, cpu, cuda or "
+                             "cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ModelLoadError(f"config key 'model.device': {device!r} but this host has no usable CUDA device "
+                                 "(torch.cuda.is_available() is False); use model.device=cpu or auto")
+        if dev.index is not None and dev.index >= count:
+            raise ModelLoadError(f"config key 'model.device': {device!r} but this host has {count} CUDA device(s) "
+                                 f"(cuda:0 to cuda:{count - 1})")
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ModelLoadError(f"config key 'model.device': {device!r} but MPS is not available here")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        available = getattr(torch, dev.type, None)
+        if available is None or not getattr(available, "is_available", lambda: False)():
+            raise ModelLoadError(f"config key 'model.device': {device!r} is not available on this host")
+    return dev
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Raise :class:`ModelLoadError` naming ``path`` when it is not a whole safetensors file: its header (8-byte
+    length + JSON) must parse and its tensors must end where the file does (a cut-short download or copy)."""
+    import json
+    import struct
+
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"header of {n} bytes in a {size}-byte file")
+            header = json.loads(f.read(n))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ModelLoadError(f"model file {path} is corrupted or cut short: not a safetensors file ({e})") from None
+    if 8 + n + max(ends, default=0) != size:
+        raise ModelLoadError(f"model file {path} is cut short or corrupted: its header describes "
+                             f"{8 + n + max(ends, default=0):,} bytes, the file has {size:,}")
+
+
+def check_model_files(name_or_path: str) -> None:
+    """Cheap checks of a model reference before anything loads: unknown ``builtin:`` names; a file where a model
+    directory belongs; a directory without config.json or tokenizer files; cut-short safetensors files."""
+    if name_or_path.startswith("builtin:"):
+        if name_or_path != TINY_NAME:
+            raise ModelLoadError(f"config key 'model.name_or_path': unknown builtin model {name_or_path!r}; "
+                                 f"builtin models: {TINY_NAME}")
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        raise ModelLoadError(f"config key 'model.name_or_path': {name_or_path} is a file; give the model's directory "
+                             f"(the one holding config.json{', i.e. ' + str(path.parent) if path.parent != Path('.') else ''})")
+    if not path.is_dir():
+        if _looks_local(name_or_path):
+            raise ModelLoadError(f"config key 'model.name_or_path': model directory not found: {name_or_path}")
+        return  # a hub id: resolved by transformers
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {name_or_path} has no config.json: not a Hugging Face model directory")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"model directory {name_or_path} has no tokenizer files (one of "
+                             f"{', '.join(TOKENIZER_FILES)}); save the tokenizer beside the model "
+                             "(tokenizer.save_pretrained(dir))")
+    for f in sorted(path.glob("*.safetensors")):
+        check_safetensors_file(f)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -61,6 +132,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     kept as ``base_model(model).longrl_quant_report``.
     """
     dev = resolve_device(device)
+    check_model_files(name_or_path)
     torch_dtype = resolve_dtype(dtype, dev)
     quant = dict(keep_modules=list(quant_keep_modules), exception_budget=quant_exception_budget,
                  calibration_text=quant_calibration_text)
@@ -100,8 +172,8 @@ def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implem
         tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation, **kwargs, **model_kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load model {name!r}: {e}") from e
+    except Exception as e:  # OSError, ValueError, SafetensorError, a corrupted file's RuntimeError
+        raise ModelLoadError(f"could not load model {name!r}: {type(e).__name__}: {str(e)[:500]}") from e
     return model, tokenizer
 
 

@@ -5,10 +5,16 @@ never stops the run: a function that raises, returns the wrong number of values 
 reported (which function, which sample) and the samples it failed on get no learning signal (NaN total
 reward, zero advantage, no tokens in the loss). ``None`` means "does not apply to this sample", as in
 TRL: that function is left out of the sample's weighted sum.
+
+Containment: each call gets its own deep copies of the inputs (a function that edits ``completions`` in place
+changes nothing another function or the logs see); a call has a time limit (``timeout_s``); ``SystemExit`` and
+``KeyboardInterrupt`` raised by a function (at import or in a call) are that function's failure, not the
+process's exit; ``isolation: process`` runs the function in a worker process (see :mod:`.isolation`).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import logging
@@ -20,6 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .isolation import ProcessReward, RewardCallError, RewardTimeout, call_time_limit
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +51,17 @@ def load_reward_function(ref: str) -> Callable:
         sys.modules[module_name] = module
         try:
             spec.loader.exec_module(module)
-        except Exception as e:  # the user's file failed to import
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # the user's file failed (or exited) at import
+            sys.modules.pop(module_name, None)
             raise RewardLoadError(f"reward function {ref!r}: importing {path} failed: {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as e:
             raise RewardLoadError(f"reward function {ref!r}: cannot import module {target!r}: {e}") from e
+        except (Exception, SystemExit, KeyboardInterrupt) as e:
+            raise RewardLoadError(f"reward function {ref!r}: importing module {target!r} failed: "
+                                  f"{type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if fn is None:
         raise RewardLoadError(f"reward function {ref!r}: {target} has no attribute {name!r}")
@@ -81,12 +93,16 @@ def _as_float(value):
 
 
 class RewardScorer:
-    """Calls each reward function on a batch and combines them with weights."""
+    """Calls each reward function on a batch and combines them with weights.
 
-    def __init__(self, functions: list[tuple[str, Callable, float]]):
+    ``timeouts_s``: each function's per-call limit (0: none; default 300 s each)."""
+
+    def __init__(self, functions: list[tuple[str, Callable, float]], timeouts_s: list[float] | None = None):
         if not functions:
             raise RewardLoadError("at least one reward function is needed")
         self.functions = functions  # (name, callable, weight)
+        self.timeouts_s = list(timeouts_s) if timeouts_s is not None else [300.0] * len(functions)
+        self._warned: set[tuple[str, str]] = set()
 
     @property
     def names(self) -> list[str]:
@@ -94,43 +110,86 @@ class RewardScorer:
 
     @classmethod
     def from_specs(cls, specs) -> "RewardScorer":
-        return cls([(s.function.rsplit(":", 1)[1], load_reward_function(s.function), s.weight) for s in specs])
+        functions = []
+        for i, s in enumerate(specs):
+            name = s.function.rsplit(":", 1)[1]
+            if getattr(s, "isolation", "none") == "process":
+                fn = ProcessReward(s.function, s.timeout_s, s.memory_limit_gib, s.cpu_limit_s)
+                try:
+                    fn.start()  # the import fails here, before the model loads
+                except RewardCallError as e:
+                    raise RewardLoadError(f"reward function {s.function!r} (config key 'rewards[{i}]'): {e}") from e
+            else:
+                fn = load_reward_function(s.function)
+            functions.append((name, fn, s.weight))
+        return cls(functions, [getattr(s, "timeout_s", 300.0) for s in specs])
 
-    def _call(self, name, fn, prompts, completions, columns) -> tuple[list, list[RewardFailure]]:
-        """Per-sample values (float, None, or NaN for a failure) of one function."""
+    def _invoke(self, fn, timeout_s: float, prompts, completions, columns) -> list:
+        """One call on deep copies of the inputs, within the time limit (a worker enforces its own)."""
+        args = copy.deepcopy((prompts, completions, columns))
+        if isinstance(fn, ProcessReward):
+            return list(fn(prompts=args[0], completions=args[1], **args[2]))
+        with call_time_limit(timeout_s):
+            return list(fn(prompts=args[0], completions=args[1], **args[2]))
+
+    def _call(self, name, fn, prompts, completions, columns, timeout_s: float = 300.0):
+        """Per-sample values (float, None, or NaN for a failure) of one function, and one failure per failed
+        sample. An exception or a wrong number of values from the batch call is retried one sample at a time
+        (isolating the failing samples); a time-out, an exit or a worker's failure fails the whole batch."""
         n = len(completions)
         try:
-            out = list(fn(prompts=prompts, completions=completions, **columns))
+            out = self._invoke(fn, timeout_s, prompts, completions, columns)
             if len(out) != n:
                 raise ValueError(f"returned {len(out)} values for {n} completions")
-            return [_as_float(v) for v in out], []
+        except (RewardTimeout, RewardCallError, SystemExit, KeyboardInterrupt) as e:
+            return [math.nan] * n, [RewardFailure(name, i, f"{type(e).__name__}: {e}") for i in range(n)]
         except Exception as e:  # isolate the failing samples by calling one at a time
             batch_reason = f"{type(e).__name__}: {e}"
+        else:
+            values, failures = [], []
+            for i, v in enumerate(out):
+                try:
+                    values.append(_as_float(v))
+                except TypeError as e:
+                    values.append(math.nan)
+                    failures.append(RewardFailure(name, i, f"TypeError: {e}"))
+            return values, failures
         values, failures = [], []
         for i in range(n):
             try:
-                one = list(fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                              **{k: v[i:i + 1] for k, v in columns.items()}))
+                one = self._invoke(fn, timeout_s, prompts[i:i + 1], completions[i:i + 1],
+                                   {k: v[i:i + 1] for k, v in columns.items()})
                 if len(one) != 1:
                     raise ValueError(f"returned {len(one)} values for 1 completion")
                 values.append(_as_float(one[0]))
-            except Exception as e:
+            except (Exception, RewardTimeout, SystemExit, KeyboardInterrupt) as e:
                 values.append(math.nan)
                 failures.append(RewardFailure(name, i, f"{type(e).__name__}: {e}"))
+                if isinstance(e, RewardTimeout):  # one sample overran: the rest would too, one limit each
+                    failures += [RewardFailure(name, k, f"not scored after sample {i} timed out")
+                                 for k in range(i + 1, n)]
+                    values += [math.nan] * (n - i - 1)
+                    break
         if not failures:  # each sample works alone but the batch call did not
-            failures.append(RewardFailure(name, None, f"batch call failed ({batch_reason}); scored one sample at a time"))
+            self._warn_once(name, "batch", f"reward function {name!r}: the batch call failed ({batch_reason}); "
+                            "scored one sample at a time")
         return values, failures
+
+    def _warn_once(self, name: str, kind: str, message: str) -> None:
+        if (name, kind) not in self._warned:
+            self._warned.add((name, kind))
+            log.warning(message)
 
     def score(self, prompts: list, completions: list, columns: dict[str, list]):
         """Return (per_function [N, F] float tensor with NaN for None/failure, total [N] with NaN where no
-        learning signal, failures)."""
+        learning signal, failures: one per failed (function, sample))."""
         n = len(completions)
         per_function = torch.full((n, len(self.functions)), math.nan)
         weights = torch.tensor([w for _, _, w in self.functions], dtype=torch.float32)
         failed = torch.zeros(n, dtype=torch.bool)
         failures: list[RewardFailure] = []
         for j, (name, fn, _) in enumerate(self.functions):
-            values, errs = self._call(name, fn, prompts, completions, columns)
+            values, errs = self._call(name, fn, prompts, completions, columns, self.timeouts_s[j])
             failures += errs
             for i, v in enumerate(values):
                 if v is None:
@@ -139,9 +198,18 @@ class RewardScorer:
                     failed[i] = True
                 else:
                     per_function[i, j] = v
+            if n and all(v is None for v in values):
+                self._warn_once(name, "none", f"reward function {name!r} returned None for every sample of a batch: "
+                                "it gives no learning signal there")
         applies = ~torch.isnan(per_function)
         total = torch.where(applies, per_function * weights, torch.zeros_like(per_function)).sum(-1)
         total[failed | ~applies.any(-1)] = math.nan
         for f in failures:  # the caller reports them summed per function (reporting.reward_failure_lines)
             log.debug(str(f))
         return per_function, total, failures
+
+    def close(self) -> None:
+        """Stop the worker processes (functions with ``isolation: process``)."""
+        for _, fn, _ in self.functions:
+            if isinstance(fn, ProcessReward):
+                fn.close()

@@ -1,0 +1,57 @@
+"""When a run saves and when it stops early, decided from one step's outcome at a time.
+
+- A step whose loss or gradient norm is not finite makes no update (the trainer skips the optimizer step); after
+  ``train.max_nonfinite_steps`` such steps in a row the run stops (exit code :data:`EXIT_GUARD`) with a checkpoint
+  of its weights, which no non-finite step touched.
+- A rollout batch gives no learning signal when no sample has both tokens in the loss and a non-zero advantage
+  (every reward failed or was None, or each group's rewards are equal); after ``train.max_no_signal_steps`` such
+  batches in a row the run stops the same way.
+- Saves fall due every ``output.save_steps`` steps, every ``output.save_minutes`` minutes, and at the last step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+EXIT_GUARD = 3  # a guard stopped the run (non-finite steps, no learning signal); a checkpoint was written
+EXIT_SAVE_FAILED = 4  # a checkpoint could not be written (e.g. disk full)
+
+
+def has_learning_signal(advantages: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether any sample has a non-zero advantage and at least one token in the loss (``mask`` [N, T])."""
+    return bool(((advantages != 0) & torch.isfinite(advantages) & (mask.sum(-1) > 0)).any())
+
+
+class RunGuards:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.nonfinite_in_a_row = 0
+        self.no_signal_in_a_row = 0
+        self.last_save_s = time.monotonic()
+
+    def after_step(self, step: int, nonfinite: list[str], new_batch_signal: bool | None) -> str | None:
+        """Count this step's outcome (``nonfinite``: the terms that were not finite; ``new_batch_signal``: whether a
+        new rollout batch had a learning signal, None when the step reused a batch); a stop reason, or None."""
+        t = self.cfg.train
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+        if self.nonfinite_in_a_row >= t.max_nonfinite_steps:
+            return (f"{self.nonfinite_in_a_row} steps in a row (up to step {step}) had a non-finite "
+                    f"{' and '.join(nonfinite)} and made no update (train.max_nonfinite_steps="
+                    f"{t.max_nonfinite_steps}); lower train.learning_rate or check the rewards and data")
+        if new_batch_signal is not None:
+            self.no_signal_in_a_row = 0 if new_batch_signal else self.no_signal_in_a_row + 1
+            if t.max_no_signal_steps and self.no_signal_in_a_row >= t.max_no_signal_steps:
+                return (f"{self.no_signal_in_a_row} rollout batches in a row (up to step {step}) gave no learning "
+                        "signal: every reward failed or was None, or all completions of each prompt scored the same "
+                        f"(train.max_no_signal_steps={t.max_no_signal_steps}); check the reward functions")
+        return None
+
+    def save_due(self, step: int) -> bool:
+        o = self.cfg.output
+        by_minutes = o.save_minutes > 0 and time.monotonic() - self.last_save_s >= o.save_minutes * 60
+        return bool((o.save_steps and step % o.save_steps == 0) or step == self.cfg.train.max_steps or by_minutes)
+
+    def saved(self) -> None:
+        self.last_save_s = time.monotonic()
