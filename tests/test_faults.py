@@ -426,18 +426,16 @@ def _wait_for(predicate, timeout_s: float = 120.0, poll_s: float = 0.002) -> boo
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_a_running_train_writes_a_checkpoint(tmp_path, sig):
-    """A real `longrl train` process: the signal ends the step, a checkpoint is written, the message says where
-    and how to resume, and the exit code is 128 + the signal. A second run into the same directory meanwhile
-    fails at once, naming the holder."""
+def test_sigterm_to_a_running_train_writes_a_checkpoint(tmp_path):
+    """A real `longrl train` process: SIGTERM ends the step, a checkpoint is written, the message says where and
+    how to resume, and the exit code is 143. A second run into the same directory meanwhile fails at once, naming
+    the holder. (SIGINT, SIGHUP, SIGUSR1 and a second SIGINT are cases of the catalogue, sent in process.)"""
+    sig = signal.SIGTERM
     out = tmp_path / "out"
     proc = _popen_train(tmp_path, out, "train.max_steps=500")
     try:
         assert _wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip())
-        if sig == signal.SIGTERM:
-            rival = main(["train", str(tmp_path / "cfg.yaml"), *BASE, f"output.output_dir={out}"])
-            assert rival == 2
+        assert main(["train", str(tmp_path / "cfg.yaml"), *BASE, f"output.output_dir={out}"]) == 2  # a rival
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -459,7 +457,7 @@ def _strip_time(metrics):
 def test_kill_9_during_checkpoint_writes_then_resume_reproduces_the_run(tmp_path):
     """kill -9 at random moments while a checkpoint is being written (a staging directory exists), three times in
     a row; each restart resumes; the finished run equals an uninterrupted one step for step, weight for weight."""
-    steps = ["train.max_steps=6", "output.save_steps=1"]
+    steps = ["train.max_steps=5", "output.save_steps=1"]
     _write_config(tmp_path)
     ref = tmp_path / "ref"
     assert main(["train", str(tmp_path / "cfg.yaml"), *BASE, f"output.output_dir={ref}", *steps]) == 0
@@ -482,7 +480,31 @@ def test_kill_9_during_checkpoint_writes_then_resume_reproduces_the_run(tmp_path
     assert main(["train", str(tmp_path / "cfg.yaml"), *BASE, f"output.output_dir={out}", *steps,
                  "output.resume=true"]) == 0
     assert _strip_time(read_metrics(out)) == _strip_time(read_metrics(ref))
-    a, b = _weights(ref / "checkpoint-6" / "model.safetensors"), _weights(out / "checkpoint-6" / "model.safetensors")
+    a, b = _weights(ref / "checkpoint-5" / "model.safetensors"), _weights(out / "checkpoint-5" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(verify_checkpoint(p) is None for p in list_checkpoints(out))
     assert not [p for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
+def test_disk_full_on_a_real_small_filesystem(tmp_path, capsys):
+    """A real ENOSPC: the run writes into a 2.5 MiB tmpfs, where the first checkpoint fits and the second does not.
+    The failed write says so with the space it needs, leaves no staging directory and checkpoint-1 verifying, and
+    the run stops with exit code 4. Needs root and a kernel that lets it mount tmpfs (else skipped)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        _write_config(tmp_path)
+        out = mnt / "out"
+        code = main(["train", str(tmp_path / "cfg.yaml"), *BASE, f"output.output_dir={out}", "train.max_steps=3",
+                     "output.save_steps=1"])
+        err = capsys.readouterr().err
+        assert code == 4, err[-2000:]
+        assert re.search(r"checkpoint-2 not written: no space left on device .*about [0-9.]+ MiB needed, [0-9.]+ MiB "
+                         r"free; checkpoint-1 is intact", err), err[-2000:]
+        assert _steps_of(out) == [1] and verify_checkpoint(out / "checkpoint-1") is None
+        assert not [p for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -79,8 +79,8 @@ def test_outputs_written(tmp_path):
     ckpts = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
     assert ckpts == ["checkpoint-4"]  # save_total_limit=1
     ck = tmp_path / "checkpoint-4"
-    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pt",
-                 "trainer_state.json"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.json",
+                 "trainer_state.json", "manifest.json"):
         assert (ck / name).is_file(), name
     assert json.loads((ck / "trainer_state.json").read_text())["data_position"] == 16
     assert not list(tmp_path.glob(".tmp-*"))
