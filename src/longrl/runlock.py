@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".longrl.lock"
 MARKER_FILE = ".longrl-run.json"  # {"kind": "grpo", "command": "train" | "demo"}: written when a run claims a dir
 # what a longrl run writes into its output directory (besides checkpoint-STEP directories and staging copies)
-RUN_FILES = {LOCK_FILE, MARKER_FILE, "config.yaml", "metrics.jsonl", "completions.jsonl", "tensorboard",
-             "reward_curve.png"}
+# (reporting.py: metrics, completions, TensorBoard, wandb, training_curves.png; the demo's reward_curve.png)
+RUN_FILES = {LOCK_FILE, MARKER_FILE, "config.yaml", "metrics.jsonl", "completions.jsonl", "tensorboard", "wandb",
+             "training_curves.png", "reward_curve.png"}
 
 _held: dict[str, "RunLock"] = {}  # resolved lock path → this process's lock on it
 
