@@ -42,7 +42,7 @@ def check_sizes(cfg, host_bytes: int | None = None) -> None:
         raise ConfigError(f"config key '{key}': got {value!r}; {what} needs at least {need / GIB:,.1f} GiB of host "
                           f"memory, more than this host's {host / GIB:,.1f} GiB")
 
-    if data.source.startswith("task:") and data.num_examples * ROW_BYTES > host:
+    if data.source.startswith("task:") and data.num_examples and data.num_examples * ROW_BYTES > host:
         refuse("data.num_examples", data.num_examples, data.num_examples * ROW_BYTES,
                f"generating {data.num_examples:,} task rows")
     rows = t.prompts_per_step * g.num_generations

@@ -24,11 +24,6 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".longrl.lock"
 MARKER_FILE = ".longrl-run.json"  # {"kind": "grpo", "command": "train" | "demo"}: written when a run claims a dir
-# what a longrl run writes into its output directory (besides checkpoint-STEP directories and staging copies)
-# (reporting.py: metrics, completions, TensorBoard, wandb, training_curves.png; the demo's reward_curve.png)
-RUN_FILES = {LOCK_FILE, MARKER_FILE, "config.yaml", "metrics.jsonl", "completions.jsonl", "tensorboard", "wandb",
-             "training_curves.png", "reward_curve.png"}
-
 _held: dict[str, "RunLock"] = {}  # resolved lock path → this process's lock on it
 
 
@@ -136,9 +131,9 @@ def check_output_dir_contents(output_dir: str | Path, kind: str = "grpo", comman
                               overwrite: bool = False) -> None:
     """Refuse an output directory that is neither new, empty, nor a longrl run of ``kind``; then mark it.
 
-    A longrl run's directory carries :data:`MARKER_FILE` (earlier versions: a ``checkpoint-STEP``). Anything else
-    there (a user's ``config.yaml``, data, another tool's outputs) raises :class:`OutputDirError` unless
-    ``overwrite``."""
+    A longrl run's directory carries :data:`MARKER_FILE` (earlier versions: a ``checkpoint-STEP``) and may hold
+    anything its runs wrote (metrics, plots, exports). Any other non-empty directory (a user's ``config.yaml``,
+    data, another tool's outputs) raises :class:`OutputDirError` unless ``overwrite``."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"config key 'output.output_dir': {out} exists and is not a directory")
@@ -147,10 +142,8 @@ def check_output_dir_contents(output_dir: str | Path, kind: str = "grpo", comman
     if marker is not None and marker.get("kind", kind) != kind:
         raise OutputDirError(f"config key 'output.output_dir': {out} holds a longrl {marker.get('kind')!r} run, "
                              f"not a {kind!r} one; choose another output.output_dir")
-    ours = marker is not None or any(_is_checkpoint(p) for p in entries)
-    foreign = [p.name for p in entries if p.name not in RUN_FILES and not p.name.startswith(("checkpoint-", "."))]
-    if not ours:
-        foreign = [p.name for p in entries if p.name not in (LOCK_FILE, MARKER_FILE)]
+    ours = marker is not None or any(_is_checkpoint(p) for p in entries)  # a run's directory holds its own files
+    foreign = [] if ours else [p.name for p in entries if p.name not in (LOCK_FILE, MARKER_FILE)]
     if foreign and not overwrite:
         raise OutputDirError(f"config key 'output.output_dir': {out} holds files that are not a longrl run's "
                              f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); longrl would "
