@@ -166,9 +166,9 @@ def _inject(name: str, monkeypatch) -> None:
     state = {"step": 0}
     real_update = trainer_module.GRPOTrainer._policy_update
 
-    def update(self, b):
+    def update(self, *args, **kwargs):
         state["step"] = self.step_idx + 1
-        return real_update(self, b)
+        return real_update(self, *args, **kwargs)
 
     if name.startswith("nan_loss"):
         real_loss = trainer_module.weighted_loss
