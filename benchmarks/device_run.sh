@@ -198,6 +198,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             && stage lmhead15 60 python3 benchmarks/lm_head_gemm.py --vocab 151936 --hidden 1536 ;;
         probe262k) stage probe262k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 262144 --G 1 \
             --impls longrl --mlp-tile 16384 --reps 0 --tag probe_262k ;;
+        sft8b) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_trl \
+            .whl_trl/*.whl >/dev/null 2>&1 || echo "trl wheel install failed"
+            PYTHONPATH=/tmp/site_trl:$PYTHONPATH stage sft8b 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b \
+            --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 260 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \

@@ -412,13 +412,13 @@ def test_trainer_fails_before_the_model_loads_and_fills_the_layout_from_the_plan
     weights: a job that cannot fit raises PlanError without loading; one that fits gets the plan's layout."""
     import torch
 
-    from longrl import trainer as tr
+    from longrl import model_setup, trainer as tr
     from longrl.memory import layout
 
     path = _llama_dir(tmp_path)
     loads = []
-    monkeypatch.setattr(tr, "resolve_device", lambda device: torch.device("cuda"))
-    monkeypatch.setattr(tr, "cap_allocator", lambda cfg, device: None)
+    monkeypatch.setattr(model_setup, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(model_setup, "cap_allocator", lambda cfg, device: None)
 
     class Loaded(Exception):
         pass
@@ -427,7 +427,7 @@ def test_trainer_fails_before_the_model_loads_and_fills_the_layout_from_the_plan
         loads.append(1)
         raise Loaded
 
-    monkeypatch.setattr(tr, "load_model", load_model)
+    monkeypatch.setattr(model_setup, "load_model", load_model)
     monkeypatch.setattr(layout, "usable_gpu_bytes", lambda cfg, device: min(139 * GIB, layout.budget_bytes(cfg) or 1e15))
     base = [f"model.name_or_path={path}", "generation.max_completion_length=19968", "train.prompts_per_step=1",
             f"output.output_dir={tmp_path / 'out'}"]

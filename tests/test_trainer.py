@@ -131,7 +131,7 @@ def test_cli_train_runs_from_printed_config(tmp_path):
                                            ([{"question": "1+1="}], "no prompt column 'prompt'"),
                                            ([{"prompt": "1+1="}, {"text": "2+2="}], "row 2: prompt must be")])
 def test_dataset_rows_checked_before_the_model_loads(tmp_path, monkeypatch, rows, message):
-    import longrl.trainer as trainer_module
+    import longrl.model_setup as trainer_module
     from longrl.data import DataError
 
     data = tmp_path / "data.jsonl"
@@ -142,7 +142,7 @@ def test_dataset_rows_checked_before_the_model_loads(tmp_path, monkeypatch, rows
 
 
 def test_output_dir_and_resume_settings_checked_before_the_model_loads(tmp_path, monkeypatch):
-    import longrl.trainer as trainer_module
+    import longrl.model_setup as trainer_module
 
     GRPOTrainer(_cfg(tmp_path, "train.max_steps=2")).train()  # leaves checkpoint-2
     with open(tmp_path / "metrics.jsonl", "a") as f:

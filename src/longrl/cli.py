@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--print-config", action="store_true", help="print the demo's full YAML config and exit")
     demo.add_argument("--task", choices=("arithmetic", "tools"), default="arithmetic",
                       help="arithmetic: one-turn sums; tools: two turns, a lookup tool the answer needs")
+    demo.add_argument("--sft", action="store_true",
+                      help="warm start: supervised fine-tuning on correct answers first, then GRPO from it")
+    sft = sub.add_parser("sft", help="supervised fine-tuning from a YAML config (conversations, prompt/completion "
+                                     "pairs or plain text)")
+    sft.add_argument("config", help="YAML config file (the sft: section and data.source)")
+    sft.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return p
 
 
@@ -111,7 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 sys.stdout.write(cfg.to_yaml())
                 return 0
-            return _demo(cfg)
+            return _demo(cfg, warm_start=args.sft)
+        if args.command == "sft":
+            from .sft import SFTTrainer
+
+            history = SFTTrainer(load_config(args.config, args.overrides, recipe="sft")).train()
+            last = history[-1] if history else {}
+            print(f"sft: {len(history)} steps, last loss {last.get('loss', float('nan')):.4f}"
+                  + (f", held-out loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))
+            return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "plan":
             return _plan(cfg, args.gpu_memory_gib)
@@ -244,19 +258,37 @@ def _start_demo_over(cfg):
     return lock
 
 
-def _demo(cfg) -> int:
+def _demo(cfg, warm_start: bool = False) -> int:
     from .reporting import plot_reward_curve, read_metrics
 
     start = time.perf_counter()
     with _start_demo_over(cfg):
-        _run(cfg)
+        if warm_start:
+            from .demo import sft_warm_start_config
+            from .sft import SFTTrainer
+            from .trainer import GRPOTrainer
+
+            sft_cfg = sft_warm_start_config(cfg)
+            with _start_demo_over(sft_cfg):
+                sft = SFTTrainer(sft_cfg)
+                history = sft.train()
+            print(f"warm start: {len(history)} supervised steps, held-out loss "
+                  f"{history[-1].get('eval/loss', float('nan')):.3f}", flush=True)
+            GRPOTrainer(cfg, model=sft.model, tokenizer=sft.tokenizer).train()
+        else:
+            _run(cfg)
     metrics = read_metrics(cfg.output.output_dir)
     window = max(1, min(10, len(metrics) // 5))
     first = sum(m["reward"] for m in metrics[:window]) / window
     last = sum(m["reward"] for m in metrics[-window:]) / window
     png = plot_reward_curve(cfg.output.output_dir, metrics)
+    rewards = [m["reward"] for m in metrics]
+    reached = next((i + window for i in range(len(rewards) - window + 1)
+                    if sum(rewards[i:i + window]) / window >= 0.9), None)
     print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f} "
           f"({len(metrics)} steps, {time.perf_counter() - start:.0f} s); reward curve: {png}", flush=True)
+    print(f"{window}-step mean reward first >= 0.9 at step {reached}" if reached else
+          f"the {window}-step mean reward never reached 0.9", flush=True)
     return 0
 
 

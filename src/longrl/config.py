@@ -220,6 +220,21 @@ class OutputConfig:
 
 
 @dataclass
+class SFTSettings:
+    max_length: int = 1024  # tokens a supervised example may have (TRL's max_length)
+    overlong: Literal["truncate", "skip", "error"] = "truncate"  # rows over max_length: keep the first max_length
+    #                                                              tokens, drop the row, or stop naming it
+    assistant_only_loss: bool = True  # messages rows: train only the assistant turns' tokens (located via the
+    #                                   chat template); false: every token
+    completion_only_loss: bool = True  # prompt/completion rows: train only the completion's tokens
+    text_column: str = "text"  # plain-text rows: the column holding the text (every token trained)
+    examples_per_step: int = 8  # examples per optimizer step (TRL: per_device_train_batch_size ×
+    #                             gradient_accumulation_steps); micro-batches follow train.micro_batch_tokens
+    label_smoothing: float = 0.0  # ε of the label-smoothed cross-entropy (TRL: label_smoothing_factor)
+    eval_examples: int = 64  # held-out examples scored at each output.eval_steps (0: none)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -232,6 +247,7 @@ class Config:
     tools: list[str] = field(default_factory=list)  # tool functions (path/to/file.py:fn or package.module:fn):
     #                                                 multi-turn episodes that answer the model's tool calls
     output: OutputConfig = field(default_factory=OutputConfig)
+    sft: SFTSettings = field(default_factory=SFTSettings)  # supervised fine-tuning (`longrl sft`)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -470,8 +486,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: Config | None = None) -> Config:
-    """Config from ``base`` (or defaults), then the YAML file at ``path``, then KEY=VALUE overrides."""
+                base: Config | None = None, recipe: str = "grpo") -> Config:
+    """Config from ``base`` (or defaults), then the YAML file at ``path``, then KEY=VALUE overrides, validated for
+    ``recipe`` (``grpo`` or ``sft``: supervised runs need no reward functions)."""
     tree = (base or Config()).to_dict()
     if path is not None:
         path = Path(path)
@@ -488,7 +505,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
-    validate(cfg)
+    validate(cfg, require_rewards=recipe != "sft")
     return cfg
 
 
@@ -537,7 +554,7 @@ def _check(cond: bool, key: str, value, allowed: str) -> None:
 
 def validate(cfg: Config, require_rewards: bool = True) -> None:
     """Range and consistency checks beyond types (``require_rewards=False``: the reward functions come later, as
-    ``GRPOTrainer(reward_funcs=...)``)."""
+    ``GRPOTrainer(reward_funcs=...)``, or the run is supervised)."""
     g, t, gen, o = cfg.grpo, cfg.train, cfg.generation, cfg.output
     _check(g.num_generations >= 2, "grpo.num_generations", g.num_generations, "an integer >= 2 (advantages compare a group)")
     _check(g.beta >= 0, "grpo.beta", g.beta, ">= 0")
@@ -630,6 +647,11 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
         _check(":" in ref, f"tools[{i}]", ref, "'path/to/file.py:function' or 'package.module:function'")
     _check(not agentic or gen.backend == "longrl", "generation.backend", gen.backend,
            "longrl with environment.factory or tools (multi-turn episodes run inside longrl's sampler)")
+    s = cfg.sft
+    _check(s.max_length >= 2, "sft.max_length", s.max_length, "an integer >= 2")
+    _check(s.examples_per_step >= 1, "sft.examples_per_step", s.examples_per_step, "an integer >= 1")
+    _check(0 <= s.label_smoothing < 1, "sft.label_smoothing", s.label_smoothing, "0 <= label_smoothing < 1")
+    _check(s.eval_examples >= 0, "sft.eval_examples", s.eval_examples, "an integer >= 0")
     for i, r in enumerate(cfg.rewards):
         _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")

@@ -3,8 +3,10 @@ or to call a lookup tool and use its answer over two turns (``tools``, tasks/too
 
 from __future__ import annotations
 
+import copy
+
 from .config import Config, DataConfig, EnvironmentConfig, GenerationConfig, GRPOLossConfig, LoraConfig, \
-    ModelConfig, OutputConfig, RewardSpec, TrainConfig
+    ModelConfig, OutputConfig, RewardSpec, SFTSettings, TrainConfig
 
 
 
@@ -40,3 +42,14 @@ def tools_demo_config() -> Config:
         environment=EnvironmentConfig(factory="longrl.tasks.tools:LookupEnvironment", max_turns=2, max_tokens=4),
         output=OutputConfig(output_dir="longrl-demo-tools", logging_steps=10, save_steps=50),
     )
+
+
+def sft_warm_start_config(grpo: Config, steps: int = 60) -> Config:
+    """The demo's supervised warm start (``longrl demo --sft``): the same model trained on correct answers
+    (``task:arithmetic_sft``, drawn with another seed than the GRPO prompts) before GRPO starts from it."""
+    cfg = copy.deepcopy(grpo)
+    cfg.data = DataConfig(source="task:arithmetic_sft", num_examples=2000, max_prompt_length=16)
+    cfg.sft = SFTSettings(max_length=16, examples_per_step=64, eval_examples=64)
+    cfg.train = TrainConfig(max_steps=steps, micro_batch_size=128, learning_rate=2e-3, warmup_steps=5, seed=0)
+    cfg.output = OutputConfig(output_dir=f"{grpo.output.output_dir}-sft", logging_steps=10, save_steps=0)
+    return cfg

@@ -65,18 +65,15 @@ def _padded_inputs(seqs: list[list[int]], pad_id: int, device):
     return dict(input_ids=input_ids, attention_mask=attention_mask)
 
 
-def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int, *,
-                      pad_id: int, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                      packed: bool = True):
-    """(logps [b, width], entropy [b, width] or None), zero beyond each completion's length.
+def backbone_hidden(model, seqs: list[list[int]], pad_id: int, packed: bool = True):
+    """(hidden [rows, H], starts): the backbone's final hidden states of ``seqs``, flattened, and the row at which
+    each sequence begins (its token t is row starts[i] + t).
 
     ``packed``: all sequences in one row with restarting positions (no padding), or stacked rows when all
     lengths are equal; else right-padded rows with an attention mask (the reference layout).
-    Differentiable with respect to the model's trainable parameters when grad is enabled.
     """
-    backbone, head, spec = model_parts(model)
+    backbone, head, _ = model_parts(model)
     device = head.weight.device
-    seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
     if packed and len({len(s) for s in seqs}) == 1 and len(seqs) > 1:
         # equal lengths: stack them without padding or a mask (plain causal attention, the fused kernels' fast path)
         packed = False
@@ -87,14 +84,30 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
         inputs = _padded_inputs(seqs, pad_id, device)
     with compute_context(model):
         hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
-    hidden = hidden.reshape(-1, hidden.shape[-1])  # [rows, H]
-    row_stride = 0 if packed else inputs["input_ids"].shape[1]
-    rows, slots, offset = [], [], 0
+    if packed:
+        starts = [0]
+        for s in seqs[:-1]:
+            starts.append(starts[-1] + len(s))
+    else:
+        starts = [i * inputs["input_ids"].shape[1] for i in range(len(seqs))]
+    return hidden.reshape(-1, hidden.shape[-1]), starts
+
+
+def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int, *,
+                      pad_id: int, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                      packed: bool = True):
+    """(logps [b, width], entropy [b, width] or None), zero beyond each completion's length.
+
+    ``packed``: the layout of :func:`backbone_hidden`. Differentiable with respect to the model's trainable parameters when grad is enabled.
+    """
+    _, head, spec = model_parts(model)
+    device = head.weight.device
+    hidden, starts = backbone_hidden(model, [p + c for p, c in zip(prompt_ids, completion_ids)], pad_id, packed)
+    rows, slots = [], []
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        start = offset + len(p) - 1 if packed else i * row_stride + len(p) - 1
+        start = starts[i] + len(p) - 1
         rows += range(start, start + len(c))  # the state before each completion token predicts it
         slots += [(i, j) for j in range(len(c))]
-        offset += len(p) + len(c)
     rows_t = torch.tensor(rows, device=device)
     h = hidden[rows_t]  # [N, H]
     targets = torch.tensor([t for c in completion_ids for t in c], dtype=torch.long, device=device)  # [N]
@@ -103,8 +116,25 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
                                             with_entropy=with_entropy)
     seq_idx = torch.tensor([i for i, _ in slots], device=device)
     tok_idx = torch.tensor([j for _, j in slots], device=device)
-    logps = torch.zeros(len(seqs), width, dtype=logps_flat.dtype, device=device).index_put((seq_idx, tok_idx), logps_flat)
+    logps = torch.zeros(len(prompt_ids), width, dtype=logps_flat.dtype, device=device).index_put((seq_idx, tok_idx), logps_flat)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(len(seqs), width, dtype=ent_flat.dtype, device=device).index_put((seq_idx, tok_idx), ent_flat)
+        entropy = torch.zeros(len(prompt_ids), width, dtype=ent_flat.dtype, device=device).index_put((seq_idx, tok_idx), ent_flat)
     return logps, entropy
+
+
+def token_cross_entropy(model, seqs: list[list[int]], loss_masks: list[list[bool]], *, pad_id: int,
+                        label_smoothing: float = 0.0, chunk_size: int = 1024, packed: bool = True) -> torch.Tensor:
+    """Cross-entropy [N] of each trained token (``loss_masks[i][t]``: token t of sequence i is predicted from the
+    tokens before it and counted), in sequence order; only those rows go through the chunked LM head."""
+    from .ops.cross_entropy import chunked_cross_entropy
+
+    _, head, spec = model_parts(model)
+    device = head.weight.device
+    hidden, starts = backbone_hidden(model, seqs, pad_id, packed)
+    rows = [starts[i] + t - 1 for i, m in enumerate(loss_masks) for t in range(1, len(m)) if m[t]]
+    targets = [seqs[i][t] for i, m in enumerate(loss_masks) for t in range(1, len(m)) if m[t]]
+    h = hidden[torch.tensor(rows, device=device)]  # [N, H]
+    return chunked_cross_entropy(h, head.weight, torch.tensor(targets, dtype=torch.long, device=device),
+                                 bias=head.bias, label_smoothing=label_smoothing, multiplier=spec.multiplier,
+                                 softcap=spec.softcap, chunk_size=chunk_size)

@@ -26,11 +26,10 @@ from .checkpoint import CheckpointError, CheckpointWriteError, atomic_write_text
 from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
-from .memory import count_groups, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups
-from .memory.layout import budget_bytes, cap_allocator, resolve_layout
-from .memory.planner import model_config_of
-from .models import TINY_NAME, base_model, check_model_files, load_model, resolve_device
-from .models.fused_layers import enable_fused_layers
+from .memory import count_groups, token_budget_groups
+from .memory.layout import budget_bytes
+from .model_setup import build_policy_model
+from .models import TINY_NAME, base_model, check_model_files, resolve_device
 from .models.lora_training import fused_lora_training
 from .ops.advantages import decoupled_group_advantages, group_advantages
 from .ops.attention_backend import sdpa_priority
@@ -43,7 +42,6 @@ from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams
 from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
-from .rollout.sampling import triton_available
 from .run_guards import EXIT_GUARD, EXIT_SAVE_FAILED, RunGuards, has_learning_signal
 from .runlock import acquire_run_lock, check_output_dir_contents
 from .stop_signals import StopSignals, TrainingStopped, signal_name
@@ -145,15 +143,6 @@ def _nanmean(x: torch.Tensor) -> float:
     return float(torch.nanmean(x)) if (~torch.isnan(x)).any() else float("nan")
 
 
-def _config_or_none(model_cfg):
-    """The transformers config of the model to load, without its weights (None when it cannot be read: the loader
-    then reports why)."""
-    try:
-        return model_config_of(model_cfg.name_or_path, model_cfg.trust_remote_code)
-    except Exception:  # noqa: BLE001 - load_model raises the clear error
-        return None
-
-
 class GRPOTrainer:
     """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train.
 
@@ -199,38 +188,11 @@ class GRPOTrainer:
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
                               "data.eval_source (or set output.eval_steps=0)")
-        self.device = resolve_device(cfg.model.device)
-        cap_allocator(cfg, self.device)  # train.gpu_memory_gib: an allocation past the budget fails
-        self.plan, planned = None, False
-        if self.device.type != "cuda":  # nothing to plan: null layout keys are off
-            self.plan, planned = resolve_layout(cfg, None, self.device), True
-        elif model is None:  # plan from the model's config: a job that cannot fit fails before the weights load
-            model_config = _config_or_none(cfg.model)
-            if model_config is not None:
-                self.plan, planned = resolve_layout(cfg, model_config, self.device), True
-        if model is None:
-            model, loaded = load_model(cfg.model.name_or_path, lora=cfg.lora, dtype=cfg.model.dtype,
-                                       device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code,
-                                       revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation,
-                                       gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.train.seed,
-                                       load_in_4bit=cfg.model.load_in_4bit,
-                                       quant_keep_modules=cfg.model.quant_keep_modules,
-                                       quant_exception_budget=cfg.model.quant_exception_budget,
-                                       quant_calibration_text=cfg.model.quant_calibration_text)
-            tokenizer = loaded if tokenizer is None else tokenizer
-        else:
+        if model is not None:
+            self.device = resolve_device(cfg.model.device)
             model, tokenizer = self._given_model(model, tokenizer)
+        model, tokenizer, self.device, self.plan, self.offloader = build_policy_model(cfg, model, tokenizer)
         self.model, self.tokenizer = model, tokenizer
-        if not planned:  # the same plan `longrl plan` prints (memory/layout.py)
-            self.plan = resolve_layout(cfg, base_model(model).config, self.device)
-        self.offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
-                                                         reuse_attention=cfg.model.reuse_attention)
-                          if cfg.model.offload_activations else None)
-        tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
-        if tile:
-            enable_mlp_tiling(model, tile)
-        if cfg.model.fused_layers and self.device.type == "cuda" and triton_available():
-            log.info("fused layers: %s", enable_fused_layers(model))
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
         self.eval_data = load_eval_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal

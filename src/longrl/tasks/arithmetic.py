@@ -24,6 +24,12 @@ def make_arithmetic_rows(num_examples: int, seed: int = 0, max_operand: int = 4)
     return rows
 
 
+def make_arithmetic_sft_rows(num_examples: int, seed: int = 0, max_operand: int = 4) -> list[dict]:
+    """Supervised rows {"prompt": "a+b=", "completion": "a+b as digits"}: the demo's warm start (``longrl sft``)."""
+    return [{"prompt": r["prompt"], "completion": str(r["answer"])}
+            for r in make_arithmetic_rows(num_examples, seed + 7_919, max_operand)]
+
+
 def _text(completion) -> str:
     if isinstance(completion, list):  # chat format: [{"role": "assistant", "content": ...}]
         return completion[-1]["content"] if completion else ""

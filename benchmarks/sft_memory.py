@@ -1,0 +1,206 @@
+"""One supervised step (forward + backward of one long sequence), longrl vs TRL's SFTTrainer, same GPU.
+
+Random-weight model of a real shape, LoRA r=32 on every linear projection, bf16 base, one sequence of each
+length (random token ids, every token but the first trained). longrl: the planner's layout for that length
+(offloaded checkpointing, MLP tiles), fused kernels, the chunked cross-entropy (sft.step_loss). TRL: its
+SFTTrainer.compute_loss (TRL 1.15: the fused LM-head log-probs of transformers) with gradient checkpointing and
+padding-free inputs, backward after it. Lengths run in ascending order; an out-of-memory is recorded and that
+implementation skips the longer lengths. Writes markdown + JSON to benchmarks/results/.
+
+    python benchmarks/sft_memory.py --shape llama-3.1-8b --lengths 32768,131072 --impls longrl,trl
+    python benchmarks/sft_memory.py --shape tiny --lengths 64,200 --impls longrl,trl    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import trl_baseline as tb  # noqa: E402
+
+from longrl.config import LoraConfig  # noqa: E402
+from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing  # noqa: E402
+from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan  # noqa: E402
+from longrl.models import apply_lora, set_lora_input_casting  # noqa: E402
+from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
+from longrl.models.lora_training import fused_lora_training  # noqa: E402
+from longrl.rollout.sampling import triton_available  # noqa: E402
+from longrl.sft import step_loss  # noqa: E402
+from longrl.sft_data import SFTExample  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_reset():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
+
+
+def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool) -> dict:
+    enable_offloaded_checkpointing(model, gpu_resident=plan.gpu_resident_layers)
+    if plan.mlp_tile_tokens:
+        enable_mlp_tiling(model, plan.mlp_tile_tokens)
+    if cuda and triton_available():
+        enable_fused_layers(model)
+    try:
+        example = SFTExample(ids, [False] + [True] * (len(ids) - 1))
+        _peak_reset()
+        start = time.perf_counter()
+        with fused_lora_training(model) if cuda else _null():
+            loss, n = step_loss(model, [example], [[0]], pad_id=0, label_smoothing=0.0, chunk_size=chunk,
+                                packed=True, backward=True)
+        _sync()
+        return {"time_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "loss": loss, "tokens": n}
+    finally:
+        disable_mlp_tiling(model)
+        disable_fused_layers(model)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def trl_step(model, tokenizer, ids: list[int]) -> dict:
+    """TRL's SFTTrainer.compute_loss on one padding-free sequence, gradient checkpointing on, then backward."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, gradient_checkpointing=True, bf16=torch.cuda.is_available(),
+                         padding_free=True, per_device_train_batch_size=1, max_length=None, report_to=[],
+                         use_cpu=not torch.cuda.is_available())
+        trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                             train_dataset=Dataset.from_list([{"input_ids": ids}]))
+        from torch.utils.checkpoint import checkpoint  # transformers' own checkpointing, as Trainer.train() sets it
+
+        model.get_base_model()._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False))
+        batch = trainer.data_collator([{"input_ids": ids}])
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        trainer.model.train()
+        _peak_reset()
+        start = time.perf_counter()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        _sync()
+        result = {"time_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "loss": float(loss.detach()),
+                  "tokens": len(ids) - 1}
+        del trainer, loss
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--impls", default="longrl,trl")
+    ap.add_argument("--reps", type=int, default=1, help="timed reps after one warm-up per length")
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model = tb.build_random_model(args.shape, device, torch.bfloat16 if cuda else torch.float32)
+    model = apply_lora(model, LoraConfig(r=32, alpha=64, dropout=0.0))
+    tokenizer = tb.make_tokenizer(model)
+    shape = ModelShape.from_config(model.config)
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_allocated() if cuda else 64 * GIB
+    impls = args.impls.split(",")
+    failed: set[str] = set()
+    rows = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        g = torch.Generator().manual_seed(length)
+        ids = torch.randint(0, model.config.vocab_size, (length,), generator=g).tolist()
+        try:
+            plan = make_plan(shape, sequence_lengths=[length], lora_r=32, weight_bytes=2 if cuda else 4,
+                             gpu_free_bytes=free,
+                             host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                             offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available())
+        except PlanError as e:
+            print(f"--- {length}: the planner refuses ({e}); measuring anyway untiled", flush=True)
+            plan = Plan(length, 0, True, args.chunk, 0, 0, {}, None)
+        print(f"--- {length}: resident {plan.gpu_resident_layers}, MLP tile {plan.mlp_tile_tokens}", flush=True)
+        for impl in impls:
+            if impl in failed:
+                rows.append({"length": length, "impl": impl, "skipped": "out of memory at a shorter length"})
+                continue
+            runs = []
+            for _ in range(args.reps + 1):  # the first is the warm-up
+                model.zero_grad(set_to_none=True)
+                try:
+                    if impl == "longrl":
+                        runs.append(longrl_step(model, ids, plan, args.chunk, cuda))
+                    else:
+                        set_lora_input_casting(model, True)  # PEFT's default, as TRL users run it
+                        try:
+                            runs.append(trl_step(model, tokenizer, ids))
+                        finally:
+                            set_lora_input_casting(model, False)
+                except torch.OutOfMemoryError:
+                    runs = [{"oom": True}]
+                    failed.add(impl)
+                    break
+            r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
+            r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            model.zero_grad(set_to_none=True)
+            _peak_reset()
+    meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+            "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "shape": args.shape}
+    try:
+        import transformers
+        import trl
+
+        meta.update(transformers=transformers.__version__, trl=trl.__version__)
+    except ImportError:
+        pass
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"sft_memory_{args.shape}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# SFT step, {args.shape}, LoRA r=32, one sequence", "", f"`{meta['command']}` — {meta}", "",
+             "| length | impl | step time | tokens/s | peak GPU | loss |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "time_s" in r:
+            lines.append(f"| {r['length']:,} | {r['impl']} | {r['time_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
+                         f"{r['peak_gib']:.2f} GiB | {r['loss']:.4f} |")
+        else:
+            lines.append(f"| {r['length']:,} | {r['impl']} | {'out of memory' if r.get('oom') else r.get('skipped')} "
+                         "| | | |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

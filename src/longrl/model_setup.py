@@ -1,0 +1,83 @@
+"""What every recipe (GRPO, SFT) does to get its model: the device, the GPU budget, the memory layout planned
+before the weights load (a job that cannot fit fails first), the model with its adapters, then the layout
+installed on it (offloaded checkpointing, MLP tiles) and the fused training layers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from .memory import enable_mlp_tiling, enable_offloaded_checkpointing
+from .memory.layout import cap_allocator, resolve_layout
+from .memory.planner import model_config_of
+from .models import base_model, load_model, resolve_device
+from .models.fused_layers import enable_fused_layers
+from .rollout.sampling import triton_available
+
+log = logging.getLogger(__name__)
+
+
+def _config_or_none(model_cfg):
+    """The transformers config of the model to load, without its weights (None when it cannot be read: the loader
+    then reports why)."""
+    try:
+        return model_config_of(model_cfg.name_or_path, model_cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 - load_model raises the clear error
+        return None
+
+
+def _sft_planning_view(cfg):
+    """The config as the planner sees a supervised step: sft.examples_per_step sequences of sft.max_length
+    tokens, no rollout phase."""
+    view = copy.deepcopy(cfg)
+    view.data.max_prompt_length, view.generation.max_completion_length = 1, max(1, cfg.sft.max_length - 1)
+    view.train.prompts_per_step, view.grpo.num_generations = cfg.sft.examples_per_step, 1
+    view.generation.backend = "hf"
+    return view
+
+
+def _resolve(cfg, model_config, device, recipe: str):
+    if recipe != "sft":
+        return resolve_layout(cfg, model_config, device)
+    view = _sft_planning_view(cfg)
+    plan = resolve_layout(view, model_config, device)
+    for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers")),
+                          ("train", ("micro_batch_tokens", "mlp_tile_tokens"))):
+        for key in keys:
+            setattr(getattr(cfg, section), key, getattr(getattr(view, section), key))
+    return plan
+
+
+def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo"):
+    """(model, tokenizer, device, plan, offloader) for ``cfg``; a given ``model`` is used as it is (the layout is
+    still installed), a given ``tokenizer`` replaces the loaded one. Null layout keys of ``cfg`` are filled in place (memory/layout.py)."""
+    device = resolve_device(cfg.model.device)
+    cap_allocator(cfg, device)  # train.gpu_memory_gib: an allocation past the budget fails
+    plan, planned = None, False
+    if device.type != "cuda":  # nothing to plan: null layout keys are off
+        plan, planned = _resolve(cfg, None, device, recipe), True
+    elif model is None:  # plan from the model's config: a job that cannot fit fails before the weights load
+        model_config = _config_or_none(cfg.model)
+        if model_config is not None:
+            plan, planned = _resolve(cfg, model_config, device, recipe), True
+    if model is None:
+        m = cfg.model
+        model, loaded = load_model(m.name_or_path, lora=cfg.lora, dtype=m.dtype, device=m.device,
+                                      trust_remote_code=m.trust_remote_code, revision=m.revision,
+                                      attn_implementation=m.attn_implementation,
+                                      gradient_checkpointing=m.gradient_checkpointing, seed=cfg.train.seed,
+                                      load_in_4bit=m.load_in_4bit, quant_keep_modules=m.quant_keep_modules,
+                                      quant_exception_budget=m.quant_exception_budget,
+                                      quant_calibration_text=m.quant_calibration_text)
+        tokenizer = loaded if tokenizer is None else tokenizer
+    if not planned:  # the same plan `longrl plan` prints
+        plan = _resolve(cfg, base_model(model).config, device, recipe)
+    offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
+                                                reuse_attention=cfg.model.reuse_attention)
+                 if cfg.model.offload_activations else None)
+    tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
+    if tile:
+        enable_mlp_tiling(model, tile)
+    if cfg.model.fused_layers and device.type == "cuda" and triton_available():
+        log.info("fused layers: %s", enable_fused_layers(model))
+    return model, tokenizer, device, plan, offloader
