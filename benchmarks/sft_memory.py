@@ -117,6 +117,35 @@ def trl_step(model, tokenizer, ids: list[int]) -> dict:
     return result
 
 
+def write_results(args, rows: list[dict], cuda: bool) -> list[str]:
+    """The table so far, as markdown and JSON (rewritten after every row: a run cut short keeps what it measured)."""
+    meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+            "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "shape": args.shape}
+    try:
+        import transformers
+        import trl
+
+        meta.update(transformers=transformers.__version__, trl=trl.__version__)
+    except ImportError:
+        pass
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"sft_memory_{args.shape}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# SFT step, {args.shape}, LoRA r=32, one sequence", "", f"`{meta['command']}` — {meta}", "",
+             "| length | impl | step time | tokens/s | peak GPU | loss |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "time_s" in r:
+            lines.append(f"| {r['length']:,} | {r['impl']} | {r['time_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
+                         f"{r['peak_gib']:.2f} GiB | {r['loss']:.4f} |")
+        else:
+            lines.append(f"| {r['length']:,} | {r['impl']} | {'out of memory' if r.get('oom') else r.get('skipped')} "
+                         "| | | |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b")
@@ -173,33 +202,10 @@ def main():
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)
             rows.append(r)
             print(json.dumps(r), flush=True)
+            write_results(args, rows, cuda)
             model.zero_grad(set_to_none=True)
             _peak_reset()
-    meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "shape": args.shape}
-    try:
-        import transformers
-        import trl
-
-        meta.update(transformers=transformers.__version__, trl=trl.__version__)
-    except ImportError:
-        pass
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"sft_memory_{args.shape}{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# SFT step, {args.shape}, LoRA r=32, one sequence", "", f"`{meta['command']}` — {meta}", "",
-             "| length | impl | step time | tokens/s | peak GPU | loss |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "time_s" in r:
-            lines.append(f"| {r['length']:,} | {r['impl']} | {r['time_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
-                         f"{r['peak_gib']:.2f} GiB | {r['loss']:.4f} |")
-        else:
-            lines.append(f"| {r['length']:,} | {r['impl']} | {'out of memory' if r.get('oom') else r.get('skipped')} "
-                         "| | | |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print("\n".join(write_results(args, rows, cuda)))
 
 
 if __name__ == "__main__":
