@@ -462,3 +462,33 @@ def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path
         trainer.train()
         runs[name] = [{k: v for k, v in m.items() if not k.endswith("time_s")} for m in read_metrics(tmp_path / name)]
     assert len(runs["auto"]) == 2 and runs["auto"] == runs["pinned"]
+
+
+def test_plan_for_one_gpu_of_a_data_parallel_job():
+    """FSDP2 (full weights) on 8 GPUs holds 1/8 of the weights, gradients and Adam moments per GPU (plus the root
+    and two layers unsharded), and the rollout the full weights beside the shards: a job that cannot fit one
+    40 GiB GPU fits each of 8. Replicated LoRA keeps the whole base per GPU and plans a rank's share of prompts."""
+    from transformers import LlamaConfig
+
+    from longrl.config import load_config
+    from longrl.memory.planner import plan_for_config
+
+    llama = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+
+    def cfg(lora):
+        return load_config(None, ["model.dtype=bfloat16", "model.offload_activations=true", f"lora.enabled={lora}",
+                                  "lora.r=32", "data.max_prompt_length=512", "generation.max_completion_length=3584",
+                                  "train.prompts_per_step=8", "rewards=[{function: 'tasks:reward'}]"])
+    with pytest.raises(PlanError):
+        plan_for_config(cfg("false"), llama, 40 * GIB)
+    one, eight = plan_for_config(cfg("false"), llama, 139 * GIB), plan_for_config(cfg("false"), llama, 40 * GIB,
+                                                                                  world_size=8)
+    for part in ("base weights", "base grads (+Adam)"):
+        assert eight.parts_gpu_bytes[part] == pytest.approx(one.parts_gpu_bytes[part] / 8, abs=8)
+    assert eight.parts_gpu_bytes["FSDP2 unsharded root + 2 layers"] > 2 * 128256 * 4096 * 2
+    assert eight.rollout.parts_gpu_bytes["base weights"] == one.rollout.parts_gpu_bytes["base weights"]
+    assert eight.rollout.sequences == 8 and one.rollout.sequences == 64
+    lora_one, lora_three = (plan_for_config(cfg("true"), llama, 139 * GIB, world_size=n) for n in (1, 3))
+    assert lora_three.parts_gpu_bytes["base weights"] == lora_one.parts_gpu_bytes["base weights"]
+    assert lora_three.rollout.sequences == 3 * 8  # ⌈8 / 3⌉ prompts of 8 completions on the busiest rank

@@ -31,6 +31,7 @@ STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"  # written last: {"files": {relative path: {"size": bytes, "sha256": hex}}}
 RNG_FILE = "rng_state.json"
 LEGACY_RNG_FILE = "rng_state.pt"  # earlier versions (a pickle; read only as weights, never as code)
+SHARDED_OPTIMIZER_DIR = "optimizer"  # the optimizer state as DCP shards (FSDP2 runs) instead of optimizer.pt
 BASE_WEIGHTS_FILE = "base_model.safetensors"  # the frozen base of a builtin model, which no hub or disk holds
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
@@ -174,21 +175,31 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def staging_dir(output_dir: Path, step: int) -> Path:
+    """Where this process stages ``checkpoint-step`` before the rename."""
+    return Path(output_dir) / f".tmp-checkpoint-{step}-{_saver_tag()}"
+
+
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
-                    save_total_limit: int = 0, base_weights: dict | None = None) -> Path:
+                    save_total_limit: int = 0, base_weights: dict | None = None, model_state: dict | None = None,
+                    staged: Path | None = None) -> Path:
     """``base_weights``: also save these tensors as ``base_model.safetensors`` (see :func:`frozen_base_weights`).
+    Several processes (FSDP2): ``model_state`` the full weights to save (gathered from the shards), ``optimizer``
+    None and ``staged`` the :func:`staging_dir` in which every rank already wrote its optimizer shards.
 
     A write that fails (a full disk: ENOSPC) removes its staging directory, leaves the earlier checkpoints as they
     were and raises :class:`CheckpointWriteError` saying how much space the checkpoint needs."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".tmp-checkpoint-{step}-{_saver_tag()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(staged) if staged is not None else staging_dir(output_dir, step)
+    if staged is None:
+        shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
-        model.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        tmp.mkdir(exist_ok=staged is not None)
+        model.save_pretrained(tmp, **({"state_dict": model_state} if model_state is not None else {}))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / RNG_FILE).write_text(json.dumps(rng_state()))
         if base_weights:
@@ -223,7 +234,7 @@ def _checkpoint_bytes(model, optimizer, base_weights) -> int:
 
     params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "peft_config") else \
         list(model.state_dict().values())
-    state = [v for s in optimizer.state.values() for v in s.values()]
+    state = [v for s in optimizer.state.values() for v in s.values()] if optimizer is not None else []
     return sum(map(size, params)) + sum(map(size, state)) + sum(map(size, (base_weights or {}).values()))
 
 
@@ -375,14 +386,19 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from ``path``; return the trainer state dict.
+    """Restore weights, optimizer, scheduler and RNG from ``path``; return the trainer state dict. A model sharded
+    by FSDP2 (on any number of processes) reads the full weights and its shards of the optimizer, from DCP shards
+    (optimizer/) or from a one-process optimizer.pt; one process reads DCP shards whole.
 
     Everything is read and checked first (manifest, no code, finite values), then applied: a checkpoint that fails
     raises :class:`CheckpointError` naming the file and leaves the model and optimizer as they were."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from . import distributed
+
     path = Path(path)
+    sharded = distributed.has_dtensor_parameters(model)
     problem = verify_checkpoint(path)
     if problem:
         raise CheckpointError(problem)
@@ -394,7 +410,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
         raise CheckpointError(f"{weights_file}: unreadable ({type(e).__name__}: {e})") from None
     check_finite(weights, str(weights_file))
     device = next(model.parameters()).device
-    optimizer_state = safe_torch_load(path / "optimizer.pt", map_location=device)
+    dcp_optimizer = (path / SHARDED_OPTIMIZER_DIR).is_dir()
+    optimizer_state = None if dcp_optimizer else safe_torch_load(path / "optimizer.pt", map_location=device)
     check_finite(optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {},
                  str(path / "optimizer.pt"))
     scheduler_state = safe_torch_load(path / "scheduler.pt")
@@ -411,11 +428,20 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{weights_file}: adapter has unexpected keys {result.unexpected_keys[:5]}")
     else:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+        unexpected = sorted(set(weights) - set(model.state_dict()))
         if unexpected:
             raise CheckpointError(f"{weights_file}: unexpected keys {unexpected[:5]}")
+        if sharded:  # every rank keeps its shards of the full weights
+            distributed.load_full_weights(model, weights)
+        else:
+            model.load_state_dict(weights, strict=False)
     try:
-        optimizer.load_state_dict(optimizer_state)
+        if dcp_optimizer:
+            distributed.load_sharded_optimizer(path / SHARDED_OPTIMIZER_DIR, model, optimizer)
+        elif sharded:
+            distributed.load_full_optimizer(optimizer_state, model, optimizer)
+        else:
+            optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
         set_rng_state(rng)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:

@@ -27,11 +27,17 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file (see `longrl demo --print-config`)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.max_steps=10")
+    train.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="data-parallel on N processes of this machine (one per GPU): starts torchrun for you; "
+                            "for several machines run torchrun yourself (docs/distributed.md)")
     plan = sub.add_parser("plan", help="print the memory plan of a config and its predicted peaks; exit 1 if it cannot fit")
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="GPU memory to plan for (default: free memory of the current CUDA device)")
+    plan.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                      help="plan one GPU of a data-parallel job on N GPUs (full weights sharded by FSDP2, LoRA and "
+                           "4-bit bases replicated)")
     export = sub.add_parser("export", help="export a checkpoint: PEFT adapter, merged 16-bit model, or GGUF + Modelfile")
     export.add_argument("output_dir", help="directory to create (refused if non-empty, unless --overwrite)")
     export.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT",
@@ -90,14 +96,47 @@ def _add_generate_and_eval(sub) -> None:
 
 
 def _run(cfg) -> list[dict]:
+    from .distributed import shutdown
     from .trainer import GRPOTrainer
 
-    return GRPOTrainer(cfg).train()
+    try:
+        return GRPOTrainer(cfg).train()
+    finally:
+        shutdown()  # a torchrun job's process group (nothing in one process)
+
+
+def _torchrun(args) -> int:
+    """``longrl train --nproc-per-node N ...`` → ``torchrun --standalone --nproc-per-node N -m longrl train ...``."""
+    import subprocess
+
+    if args.nproc_per_node < 1:
+        print(f"longrl: error: --nproc-per-node must be >= 1; got {args.nproc_per_node}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+           "-m", "longrl", "train", args.config, *args.overrides]
+    return subprocess.call(cmd)
+
+
+def _log_setup() -> None:
+    """INFO on rank 0 (and in one process); WARNING and above, prefixed with the rank, on the others."""
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[rank {rank}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"{prefix}%(levelname)s %(name)s: %(message)s")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra  # KEY=VALUE overrides after an option (longrl train run.yaml --nproc-per-node 2 K=V)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "train" and args.nproc_per_node is not None:
+        return _torchrun(args)
+    _log_setup()
     for noisy in ("httpx", "urllib3", "huggingface_hub", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command == "export":
@@ -128,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "plan":
-            return _plan(cfg, args.gpu_memory_gib)
+            return _plan(cfg, args.gpu_memory_gib, args.nproc_per_node)
         _run(cfg)
         return 0
     except ConfigError as e:
@@ -210,7 +249,7 @@ def _export(args) -> int:
     return 0
 
 
-def _plan(cfg, gpu_memory_gib: float | None) -> int:
+def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1) -> int:
     import torch
 
     from .memory.planner import GIB, PlanError, model_config_of, plan_for_config
@@ -220,15 +259,26 @@ def _plan(cfg, gpu_memory_gib: float | None) -> int:
             print("longrl: error: no CUDA device here; pass --gpu-memory-gib to plan for one", file=sys.stderr)
             return 2
         gpu_memory_gib = torch.cuda.mem_get_info()[0] / GIB
+    if world_size < 1 or world_size > cfg.train.prompts_per_step:
+        print(f"longrl: error: --nproc-per-node must be between 1 and train.prompts_per_step "
+              f"({cfg.train.prompts_per_step}: each process samples whole groups); got {world_size}", file=sys.stderr)
+        return 2
     try:
         plan = plan_for_config(cfg, model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code),
-                               int(gpu_memory_gib * GIB))
+                               int(gpu_memory_gib * GIB), world_size=world_size)
     except PlanError as e:
-        print(f"longrl: this job cannot fit: {e}", file=sys.stderr)
+        print(f"longrl: this job cannot fit{f' on {world_size} GPUs' if world_size > 1 else ''}: {e}", file=sys.stderr)
         return 1
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
+    layout = ""
+    if world_size > 1:
+        per_rank = -(-cfg.train.prompts_per_step // world_size) * cfg.grpo.num_generations
+        kind = ("FSDP2 full weights" if not cfg.lora.enabled else
+                "data-parallel, 4-bit base replicated" if cfg.model.load_in_4bit else "data-parallel, LoRA replicated")
+        layout = f"; per GPU of {world_size} ({kind}): up to {per_rank} completions"
     print(f"plan for {cfg.model.name_or_path}: {n} completions × "
-          f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length:,} tokens, {gpu_memory_gib:.1f} GiB GPU")
+          f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length:,} tokens, {gpu_memory_gib:.1f} GiB GPU"
+          f"{layout}")
     print(plan.table())
     return 0
 

@@ -235,6 +235,12 @@ class SFTSettings:
 
 
 @dataclass
+class DistributedConfig:
+    timeout_s: float = 600.0  # several processes (torchrun): a collective waiting longer than this on a failed or
+    #                           stuck rank raises, and the job ends with that error
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -248,6 +254,7 @@ class Config:
     #                                                 multi-turn episodes that answer the model's tool calls
     output: OutputConfig = field(default_factory=OutputConfig)
     sft: SFTSettings = field(default_factory=SFTSettings)  # supervised fine-tuning (`longrl sft`)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -280,7 +287,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "genera
                      "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
                      "data.eval_split", "data.eval_num_examples",
                      "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",
-                     "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s")
+                     "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s",
+                     "distributed.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -617,6 +625,7 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     _check(m.quant_calibration_text is None or m.quant_calibration_text.strip() != "", "model.quant_calibration_text",
            m.quant_calibration_text, "null (token ids drawn from the vocabulary) or a non-empty text")
     _check(0 <= cfg.lora.dropout < 1, "lora.dropout", cfg.lora.dropout, "0 <= dropout < 1")
+    _check(cfg.distributed.timeout_s > 0, "distributed.timeout_s", cfg.distributed.timeout_s, "> 0 seconds")
     _check(o.logging_steps >= 1, "output.logging_steps", o.logging_steps, "an integer >= 1")
     _check(all(t in ("tensorboard", "wandb", "none") for t in o.report_to), "output.report_to", o.report_to,
            "a list of tensorboard, wandb, none")

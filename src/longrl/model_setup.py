@@ -36,9 +36,9 @@ def _sft_planning_view(cfg):
     return view
 
 
-def _resolve(cfg, model_config, device, recipe: str):
+def _resolve(cfg, model_config, device, recipe: str, world_size: int = 1):
     if recipe != "sft":
-        return resolve_layout(cfg, model_config, device)
+        return resolve_layout(cfg, model_config, device, world_size)
     view = _sft_planning_view(cfg)
     plan = resolve_layout(view, model_config, device)
     for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers")),
@@ -48,21 +48,23 @@ def _resolve(cfg, model_config, device, recipe: str):
     return plan
 
 
-def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo"):
+def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", device: str | None = None,
+                       world_size: int = 1):
     """(model, tokenizer, device, plan, offloader) for ``cfg``; a given ``model`` is used as it is (the layout is
     still installed), a given ``tokenizer`` replaces the loaded one. Null layout keys of ``cfg`` are filled in place (memory/layout.py)."""
-    device = resolve_device(cfg.model.device)
+    device_name = device or cfg.model.device  # a data-parallel rank: its own cuda:LOCAL_RANK
+    device = resolve_device(device_name)
     cap_allocator(cfg, device)  # train.gpu_memory_gib: an allocation past the budget fails
     plan, planned = None, False
     if device.type != "cuda":  # nothing to plan: null layout keys are off
-        plan, planned = _resolve(cfg, None, device, recipe), True
+        plan, planned = _resolve(cfg, None, device, recipe, world_size), True
     elif model is None:  # plan from the model's config: a job that cannot fit fails before the weights load
         model_config = _config_or_none(cfg.model)
         if model_config is not None:
-            plan, planned = _resolve(cfg, model_config, device, recipe), True
+            plan, planned = _resolve(cfg, model_config, device, recipe, world_size), True
     if model is None:
         m = cfg.model
-        model, loaded = load_model(m.name_or_path, lora=cfg.lora, dtype=m.dtype, device=m.device,
+        model, loaded = load_model(m.name_or_path, lora=cfg.lora, dtype=m.dtype, device=device_name,
                                       trust_remote_code=m.trust_remote_code, revision=m.revision,
                                       attn_implementation=m.attn_implementation,
                                       gradient_checkpointing=m.gradient_checkpointing, seed=cfg.train.seed,
@@ -71,7 +73,7 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo"):
                                       quant_calibration_text=m.quant_calibration_text)
         tokenizer = loaded if tokenizer is None else tokenizer
     if not planned:  # the same plan `longrl plan` prints
-        plan = _resolve(cfg, base_model(model).config, device, recipe)
+        plan = _resolve(cfg, base_model(model).config, device, recipe, world_size)
     offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
                                                 reuse_attention=cfg.model.reuse_attention)
                  if cfg.model.offload_activations else None)

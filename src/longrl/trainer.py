@@ -10,6 +10,7 @@ loss weights (see ``longrl.ops.losses``), so the split never changes the loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -20,11 +21,13 @@ from pathlib import Path
 import torch
 
 from .callbacks import check_callbacks, notify
-from .checkpoint import CheckpointError, CheckpointWriteError, atomic_write_text, checkpoint_config, \
-    frozen_base_weights, latest_checkpoint, list_checkpoints, load_checkpoint, read_state, \
-    recover_interrupted_saves, resume_candidates, save_checkpoint
+from .checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, CheckpointWriteError, atomic_write_text, \
+    checkpoint_config, frozen_base_weights, latest_checkpoint, list_checkpoints, load_checkpoint, read_state, \
+    recover_interrupted_saves, resume_candidates, save_checkpoint, staging_dir
 from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
+from .distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
+                          is_sharded, lockstep, save_sharded_optimizer, shard, unsupported_with_ranks)
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, token_budget_groups
 from .memory.layout import budget_bytes
@@ -36,7 +39,7 @@ from .ops.attention_backend import sdpa_priority
 from .ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
     per_token_policy_loss, weighted_loss
 from .ops.rollout_correction import rollout_correction_weights
-from .policy import completion_mask, pad_right, reference_mode, sequence_logprobs
+from .policy import completion_mask, pad_right, reference_mode
 from .reporting import RunReporter, check_report_to, reward_failure_lines
 from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams
@@ -70,14 +73,15 @@ class RolloutBatch:
     episodes: list | None = None  # [P·G] agents.trajectory.Episode of multi-turn rollouts
 
 
-def check_output_dir(cfg: Config, allow_existing: bool = False) -> list[Path]:
+def check_output_dir(cfg: Config, allow_existing: bool = False, recover: bool = True) -> list[Path]:
     """Refuse, before anything loads, a new run into a directory that holds another run's checkpoints (its
     checkpoint rotation and resume would mix the two), and a resume whose settings differ from the ones its
     checkpoint was trained with, beyond RESUMABLE_CHANGES. ``allow_existing``: leave both to a later call (TRL's
     ``train(resume_from_checkpoint=...)`` decides). Returns the checkpoints a resume may start from: those whose
-    manifest verifies, newest first (the ones skipped are logged with the reason)."""
+    manifest verifies, newest first (the ones skipped are logged with the reason). ``recover``: first finish or
+    undo the saves a killed run left (one process of a job does it)."""
     out = Path(cfg.output.output_dir)
-    for line in recover_interrupted_saves(out) if out.is_dir() else []:
+    for line in recover_interrupted_saves(out) if out.is_dir() and recover else []:
         log.warning("%s: %s (a save of a killed run)", out, line)
     found = list_checkpoints(out)
     if not found or allow_existing:
@@ -171,10 +175,16 @@ class GRPOTrainer:
         torch.manual_seed(cfg.train.seed)
         # Cheap checks first: the output directory, reward functions and data fail before the model loads when
         # they can. TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...).
-        self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
-        weakref.finalize(self, self.run_lock.release)
-        check_output_dir_contents(cfg.output.output_dir, overwrite=cfg.output.overwrite_output_dir)
-        self.resume_from = check_output_dir(cfg, allow_existing=self.trl_style)
+        # One process, or a rank of a torchrun job (the step's prompts split across the ranks). Rank 0 holds the
+        # run lock for the job and finishes what a killed save left before the others look.
+        self.world, device = init_world(cfg.model.device, cfg.distributed.timeout_s)
+        unsupported_with_ranks(cfg, self.world)
+        self.run_lock = None
+        if self.world.is_main:
+            self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
+            weakref.finalize(self, self.run_lock.release)
+            check_output_dir_contents(cfg.output.output_dir, overwrite=cfg.output.overwrite_output_dir)
+        self.resume_from = self._check_output_dir(allow_existing=self.trl_style)
         check_report_to(cfg.output)
         if model is None:
             check_model_files(cfg.model.name_or_path)
@@ -189,9 +199,10 @@ class GRPOTrainer:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
                               "data.eval_source (or set output.eval_steps=0)")
         if model is not None:
-            self.device = resolve_device(cfg.model.device)
+            self.device = resolve_device(device)
             model, tokenizer = self._given_model(model, tokenizer)
-        model, tokenizer, self.device, self.plan, self.offloader = build_policy_model(cfg, model, tokenizer)
+        model, tokenizer, self.device, self.plan, self.offloader = build_policy_model(
+            cfg, model, tokenizer, device=device, world_size=self.world.world_size)
         self.model, self.tokenizer = model, tokenizer
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
         self.eval_data = load_eval_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
@@ -199,6 +210,9 @@ class GRPOTrainer:
         # sequences costs the square of the packed length, so padded rows are faster there
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
         self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
+        # the policy update's forward: the model, or DDP over it (replicated weights: only the adapters are
+        # reduced), or FSDP2 shards of it (full weights across several processes)
+        self.policy = data_parallel(model, self.world, shard_weights=self.world.distributed and not cfg.lora.enabled)
         self.rollout_sampler = self._make_rollout_sampler()
         self.agents = self._make_agents(environment_factory, tools, own_scorer)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -253,19 +267,21 @@ class GRPOTrainer:
         """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
         the path of output_dir's latest checkpoint, resumes from it (as output.resume=true)."""
         cfg = self.cfg
-        if not self.run_lock.held:  # a second train() of this trainer
+        if self.world.is_main and not self.run_lock.held:  # a second train() of this trainer
             self.run_lock = acquire_run_lock(self.output_dir)
         if resume_from_checkpoint:
             self._ask_resume(resume_from_checkpoint)
         if self.trl_style or resume_from_checkpoint:
-            self.resume_from = check_output_dir(cfg)
+            self.resume_from = self._check_output_dir()
             if self.resume_from:
                 check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         if cfg.output.resume:
             self._resume()
         self.model.train()
-        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx)
-        atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
+        main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
+        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx) if main else None
+        if main:
+            atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
         notify(self.callbacks, "on_train_begin", self)
         history = []
         finished = False
@@ -283,10 +299,11 @@ class GRPOTrainer:
                         eval_start = time.perf_counter()
                         metrics.update(self.evaluate().metrics, eval_time_s=time.perf_counter() - eval_start)
                     history.append(metrics)
-                    reporter.log_step(metrics)
+                    if main:
+                        reporter.log_step(metrics)
                     notify(self.callbacks, "on_step_end", self.step_idx, metrics)
-                    if cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
-                                                       or self.step_idx == 1):
+                    if main and cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
+                                                                or self.step_idx == 1):
                         reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
                     reason = guards.after_step(self.step_idx, nonfinite, has_learning_signal(
                         self.batch.advantages, self.batch.mask) if new_batch else None)
@@ -297,7 +314,7 @@ class GRPOTrainer:
                     if self.step_idx % per_rollout:  # checkpoints fall between rollout batches
                         continue
                     if stop or guards.save_due(self.step_idx):
-                        if self._save_or_stop(guards) is not None:
+                        if self._save_or_stop(guards) is not None and main:
                             reporter.plot()
                     if stop:
                         path = latest_checkpoint(self.output_dir)
@@ -306,8 +323,9 @@ class GRPOTrainer:
                                               "output.resume=true", stop[1], path)
             finished = True
         finally:
-            reporter.close(finished)
-            self.run_lock.release()
+            if main:
+                reporter.close(finished)
+                self.run_lock.release()
         notify(self.callbacks, "on_train_end", history)
         return history
 
@@ -324,6 +342,14 @@ class GRPOTrainer:
                                   "saving)", EXIT_SAVE_FAILED, latest_checkpoint(self.output_dir)) from e
         guards.saved()
         return path
+
+    def _check_output_dir(self, allow_existing: bool = False) -> list[Path]:
+        """check_output_dir on every rank, rank 0 first (it alone finishes or undoes a killed run's saves)."""
+        found = check_output_dir(self.cfg, allow_existing=allow_existing) if self.world.is_main else []
+        self.world.barrier()
+        if not self.world.is_main:
+            found = check_output_dir(self.cfg, allow_existing=allow_existing, recover=False)
+        return found
 
     def _ask_resume(self, checkpoint: bool | str) -> None:
         """TRL's resume_from_checkpoint: True, the output directory, or its latest checkpoint."""
@@ -348,9 +374,10 @@ class GRPOTrainer:
         if data is None:
             raise ConfigError("config key 'data.eval_source': no held-out prompts to evaluate on")
         o = self.cfg.output
-        return evaluate(self.model, self.tokenizer, self.scorer, data, self.cfg.generation,
-                        num_generations=o.eval_num_generations, pass_threshold=o.eval_pass_threshold,
-                        sampler=self.rollout_sampler, device=self.device)
+        with full_weights(self.policy):
+            return evaluate(self.model, self.tokenizer, self.scorer, data, self.cfg.generation,
+                            num_generations=o.eval_num_generations, pass_threshold=o.eval_pass_threshold,
+                            sampler=self.rollout_sampler, device=self.device)
 
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
@@ -406,38 +433,27 @@ class GRPOTrainer:
         with self._phase("update"):
             stats = self._policy_update(self.batch, rows)
         self.step_idx += 1
-        b = self.batch
-        metrics = {
-            "step": self.step_idx,
-            "reward": _nanmean(b.rewards),
-            "reward_std": float(b.rewards[~torch.isnan(b.rewards)].std()) if (~torch.isnan(b.rewards)).sum() > 1 else 0.0,
-            **{f"rewards/{n}": _nanmean(b.rewards_per_function[:, j]) for j, n in enumerate(self.scorer.names)},
-            **stats,
-            "completion_length": float(sum(len(c) for c in b.completion_ids) / len(b.completion_ids)),
-            "truncated_ratio": float(b.truncated.float().mean()),
-            "reward_failures": b.num_reward_failures,
-            "frac_reward_zero_std": self._frac_zero_std(b.rewards),
-            "lr": self.scheduler.get_last_lr()[0],
-            "rollout_time_s": rollout_s,
-            "step_time_s": time.perf_counter() - start,
-            **self.phase_stats,  # <phase>_time_s and <phase>_peak_gib of generation, rewards, reference, update
-        }
-        return metrics
+        timing = {"rollout_time_s": rollout_s, "step_time_s": time.perf_counter() - start,
+                  **self.phase_stats}  # <phase>_time_s and <phase>_peak_gib of generation, rewards, reference, update
+        return {"step": self.step_idx, **self._batch_metrics(self.batch), **stats,
+                "lr": self.scheduler.get_last_lr()[0], **self._slowest(timing)}
 
     # ------------------------------------------------------------------------------------------ phases
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
-        rows_idx = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)
+        rows_idx = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)  # global
+        first, stop = shard(len(rows_idx), self.world.rank, self.world.world_size)
+        rows_idx = rows_idx[first:stop]  # this rank's: whole groups, sequences first·G ... stop·G − 1 of the step
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
         agent = None
-        with self._phase("generation"):
+        with self._phase("generation"), full_weights(self.policy):
             if self.agents is not None:  # multi-turn episodes (agents/rollout.py)
                 agent = self.agents.generate(self.rollout_sampler, rows, G, self._sampling_params())
                 rollout = agent.rollout
             else:
-                rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, self._sampling_params(),
-                                 self.rollout_sampler, self.device)
+                rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation,
+                                 self._sampling_params(sequence_offset=first * G), self.rollout_sampler, self.device)
         prompts, completions, columns = reward_inputs(rows, self.data.prompt_column, G, self.tokenizer, rollout)
         if agent is not None:  # the prompts the episodes opened with, their trajectories as messages with roles
             prompts, completions = agent.prompts, agent.completions
@@ -451,7 +467,7 @@ class GRPOTrainer:
             weights_f = torch.tensor([w for _, _, w in self.scorer.functions], dtype=torch.float32)
             advantages = decoupled_group_advantages(per_function, weights_f, G, invalid=torch.isnan(rewards))
         else:
-            advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards)
+            advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards, all_sum=self.world.all_sum)
         width = max(len(c) for c in rollout.completion_ids)
         mask = completion_mask(rollout.completion_ids, width)  # [P·G, T]
         if rollout.env_mask is not None:  # environment tokens: attended, not trained
@@ -460,7 +476,8 @@ class GRPOTrainer:
         mask[torch.isnan(rewards)] = 0.0  # no learning signal for samples whose reward failed
         if cfg.grpo.mask_truncated_completions:
             mask[truncated] = 0.0
-        weights = loss_token_weights(mask, cfg.grpo.loss_type, trajectory_tokens(cfg), cfg.grpo.steps_per_generation)
+        weights = loss_token_weights(mask, cfg.grpo.loss_type, trajectory_tokens(cfg), cfg.grpo.steps_per_generation,
+                                     all_sum=self.world.all_sum)  # normalised over the global step
         with self._phase("reference"):  # old-policy and reference log-probs (no grad)
             old_logps = None
             if cfg.grpo.num_iterations > 1 or cfg.grpo.steps_per_generation > 1:
@@ -490,7 +507,8 @@ class GRPOTrainer:
         return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, memory_cap_bytes=budget_bytes(self.cfg),
                        kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
                        sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
-                       nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections)
+                       nf4_kernel=gen.nf4_kernel,  # FSDP2's unsharded weights stay where FSDP2 put them:
+                       pack_projections=gen.pack_projections and not is_sharded(self.policy))
 
     def _make_agents(self, environment_factory, tools, own_scorer: bool):
         """Multi-turn episodes when the config or the API names an environment or tools (else None); an
@@ -511,8 +529,9 @@ class GRPOTrainer:
             self.scorer.functions.append(("environment_reward", environment_reward, 1.0))
         return agents
 
-    def _sampling_params(self) -> SamplingParams:
-        return sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
+    def _sampling_params(self, sequence_offset: int = 0) -> SamplingParams:
+        params = sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
+        return dataclasses.replace(params, sequence_offset=sequence_offset)  # a rank's first global sequence
 
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train
@@ -526,11 +545,13 @@ class GRPOTrainer:
         """Log-probs [N, T] of the completions (and their entropies [N, T] with ``with_entropy``), no grad."""
         out = torch.zeros(len(prompt_ids), width)
         ent = torch.zeros(len(prompt_ids), width) if with_entropy else None
-        for idx in self._micro_batches(prompt_ids, completion_ids):
-            lp, e = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
-                                      pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
-                                      chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
-                                      with_entropy=with_entropy)
+        for idx, counts in lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids)):
+            lp, e = self.policy([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
+                                pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
+                                chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
+                                with_entropy=with_entropy)
+            if not counts:  # (FSDP2: a forward every rank runs, see lockstep)
+                continue
             out[idx] = lp.cpu().to(out.dtype)  # kept in float32 whatever the model computes in
             if with_entropy:
                 ent[idx] = e.float().cpu()
@@ -558,75 +579,112 @@ class GRPOTrainer:
         return keep, bonus
 
     def _policy_update(self, b: RolloutBatch, rows: list[int] | None = None) -> dict:
-        """One optimizer step on the completions ``rows`` of the rollout batch ``b`` (None: all of them)."""
-        cfg, dev = self.cfg, self.device
+        """One optimizer step on the completions ``rows`` of the rollout batch ``b`` (None: all of them): Σ ω ℓ over
+        the micro-batches (and ranks), then clip and step."""
         rows = list(range(len(b.prompt_ids))) if rows is None else rows
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, kl_sum, clip_sum, ent_sum, masked_sum = 0.0, 0.0, 0.0, 0.0, 0.0
-        correction_stats: list[tuple[float, dict]] = []
-        n_tokens = float(b.mask[rows].sum())
-        width = b.mask.shape[1]
+        sums: dict[str, float] = {}  # per-token statistics summed over this rank's tokens (loss: Σ ω ℓ)
         keep, bonus = self._step_entropy_terms(b, rows)  # [R, T] each, or None
         prompt_ids, completion_ids = [b.prompt_ids[i] for i in rows], [b.completion_ids[i] for i in rows]
+        rounds = lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids))
         with self._policy_forward():  # forwards and backwards inside the context
-            for local in self._micro_batches(prompt_ids, completion_ids):
-                idx = [rows[i] for i in local]  # rows of the rollout batch
-                logps, entropy = sequence_logprobs(self.model, [b.prompt_ids[i] for i in idx],
-                                                   [b.completion_ids[i] for i in idx], width,
-                                                   pad_id=self.tokenizer.pad_token_id,
-                                                   temperature=cfg.generation.temperature,
-                                                   chunk_size=cfg.train.logprob_chunk_size, with_entropy=True,
-                                                   packed=self.padding_free)
-                mask = b.mask[idx].to(dev)
-                old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
-                ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
-                is_weights = None
-                if b.sampler_logps is not None and cfg.grpo.rollout_correction != "none":
-                    is_weights, stats = rollout_correction_weights(old, b.sampler_logps[idx].to(dev), mask,
-                                                                   cfg.grpo.rollout_correction,
-                                                                   cfg.grpo.rollout_correction_cap)
-                    correction_stats.append((float(mask.sum()), stats))
-                sampled = b.sampler_logps[idx].to(dev) if b.sampler_logps is not None else None
-                per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask,
-                                                        self.loss_settings, is_weights,
-                                                        keep[local].to(dev) if keep is not None else None, sampled)
-                loss = weighted_loss(per_token, b.weights[idx].to(dev))
-                if bonus is not None:  # the entropy bonus: − entropy_coef × the step's mean entropy
-                    loss = loss - weighted_loss(entropy, bonus[local].to(dev))
-                loss.backward()
-                total_loss += float(loss.detach())
-                clip_sum += float((diag["clipped"] * mask).sum())
-                ent_sum += float((entropy.detach() * mask).sum())
-                if "kl" in diag:
-                    kl_sum += float((diag["kl"] * mask).sum())
-                if "off_policy_masked" in diag:
-                    masked_sum += float((diag["off_policy_masked"] * mask).sum())
-        clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        nonfinite = [name for name, v in (("loss", total_loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+            for k, (local, counts) in enumerate(rounds):
+                # gradients summed across ranks (ω is normalised globally); DDP reduces at the last one only
+                with gradient_sync(self.policy, last=k == len(rounds) - 1):
+                    loss, stats = self._micro_batch_loss(b, rows, local, keep, bonus)
+                    (loss if counts else loss * 0.0).backward()
+                if not counts:
+                    continue
+                for name, value in {"loss": float(loss.detach()), **stats}.items():
+                    sums[name] = sums.get(name, 0.0) + value
+        clip = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else float("inf")
+        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, clip))  # the same on every rank
+        tokens = {"tokens": float(b.mask[rows].sum())}
+        if keep is not None:
+            tokens["high_entropy"] = float((keep * b.mask[rows]).sum())
+        sums = self.world.sum_floats({**sums, **tokens})  # over every rank: every rank decides alike below
+        nonfinite = [name for name, v in (("loss", sums["loss"]), ("gradient norm", grad_norm)) if not math.isfinite(v)]
         if nonfinite:  # no update from this step (the guard counts it; the schedule still advances)
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("step %d: %s not finite (loss %s, gradient norm %s): no update", self.step_idx + 1,
-                        " and ".join(nonfinite), total_loss, grad_norm)
+                        " and ".join(nonfinite), sums["loss"], grad_norm)
         else:
             self.optimizer.step()
         self.scheduler.step()
-        denom = max(n_tokens, 1.0)
-        sampler_stats = {k: sum(n * st[k] for n, st in correction_stats) / denom
-                         for k in (correction_stats[0][1] if correction_stats else {})}
-        extra = {"off_policy_masked_ratio": masked_sum / denom} if cfg.grpo.off_policy_mask_threshold is not None else {}
+        denom = max(sums.pop("tokens"), 1.0)
+        per_token = {k: v / denom for k, v in sums.items() if k != "loss"}  # token means of the global step
+        out = {"loss": sums["loss"], "kl": per_token.pop("kl") if b.ref_logps is not None else None,
+               "clip_ratio": per_token.pop("clip_ratio"), "entropy": per_token.pop("entropy"), "grad_norm": grad_norm,
+               "skipped_nonfinite": int(bool(nonfinite)), "nonfinite": nonfinite}
+        masked = per_token.pop("off_policy_masked")
+        if self.cfg.grpo.off_policy_mask_threshold is not None:
+            out["off_policy_masked_ratio"] = masked
         if keep is not None:
-            extra["high_entropy_ratio"] = float((keep * b.mask[rows]).sum()) / denom
-        return {"loss": total_loss, "kl": kl_sum / denom if b.ref_logps is not None else None,
-                "clip_ratio": clip_sum / denom, "entropy": ent_sum / denom, "grad_norm": grad_norm,
-                "skipped_nonfinite": int(bool(nonfinite)), "nonfinite": nonfinite, **sampler_stats, **extra}
+            out["high_entropy_ratio"] = per_token.pop("high_entropy")
+        per_token.pop("kl", None)
+        return {**out, **per_token}  # + the sampler/... correction statistics
+
+    def _micro_batch_loss(self, b: RolloutBatch, rows: list[int], local: list[int], keep, bonus):
+        """(Σ ω ℓ over the micro-batch ``local`` (positions in ``rows``), its per-token statistics summed over its
+        tokens)."""
+        cfg, dev = self.cfg, self.device
+        idx = [rows[i] for i in local]  # rows of the rollout batch
+        logps, entropy = self.policy([b.prompt_ids[i] for i in idx], [b.completion_ids[i] for i in idx],
+                                     b.mask.shape[1], pad_id=self.tokenizer.pad_token_id,
+                                     temperature=cfg.generation.temperature, chunk_size=cfg.train.logprob_chunk_size,
+                                     with_entropy=True, packed=self.padding_free)
+        mask = b.mask[idx].to(dev)
+        old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
+        ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
+        is_weights, stats = None, {}
+        if b.sampler_logps is not None and cfg.grpo.rollout_correction != "none":
+            is_weights, correction = rollout_correction_weights(old, b.sampler_logps[idx].to(dev), mask,
+                                                                cfg.grpo.rollout_correction,
+                                                                cfg.grpo.rollout_correction_cap)
+            n = float(mask.sum())
+            stats.update({k: n * v for k, v in correction.items()})  # token means → sums
+        sampled = b.sampler_logps[idx].to(dev) if b.sampler_logps is not None else None
+        per_token, diag = per_token_policy_loss(logps, old, ref, b.advantages[idx].to(dev), mask, self.loss_settings,
+                                                is_weights, keep[local].to(dev) if keep is not None else None, sampled)
+        loss = weighted_loss(per_token, b.weights[idx].to(dev))
+        if bonus is not None:  # the entropy bonus: − entropy_coef × the step's mean entropy
+            loss = loss - weighted_loss(entropy, bonus[local].to(dev))
+        stats["clip_ratio"] = float((diag["clipped"] * mask).sum())
+        stats["entropy"] = float((entropy.detach() * mask).sum())
+        stats["kl"] = float((diag["kl"] * mask).sum()) if "kl" in diag else 0.0
+        stats["off_policy_masked"] = (float((diag["off_policy_masked"] * mask).sum())
+                                      if "off_policy_masked" in diag else 0.0)
+        return loss, stats
+
+    def _batch_metrics(self, b: RolloutBatch) -> dict:
+        """Reward and completion statistics of the global batch (sums and counts over every rank)."""
+        r = b.rewards.double()  # [n]
+        ok = ~torch.isnan(r)
+        groups = torch.nan_to_num(r, nan=0.0).view(-1, self.cfg.grpo.num_generations)  # [P, G]
+        local = {"n": len(r), "ok": ok.sum(), "reward": r[ok].sum(), "failures": b.num_reward_failures,
+                 "length": sum(len(c) for c in b.completion_ids), "truncated": b.truncated.sum(),
+                 "groups": groups.shape[0], "zero_std": (groups.amax(-1) == groups.amin(-1)).sum()}
+        for j, name in enumerate(self.scorer.names):
+            column = b.rewards_per_function[:, j].double()
+            local[f"ok/{name}"], local[f"rewards/{name}"] = (~torch.isnan(column)).sum(), torch.nansum(column)
+        t = self.world.sum_floats(local)
+        mean = t["reward"] / t["ok"] if t["ok"] else float("nan")
+        sq = self.world.sum_floats({"sq": ((r[ok] - mean) ** 2).sum()})["sq"]  # second pass: the std
+        return {"reward": mean, "reward_std": math.sqrt(sq / (t["ok"] - 1)) if t["ok"] > 1 else 0.0,
+                **{f"rewards/{n}": t[f"rewards/{n}"] / t[f"ok/{n}"] if t[f"ok/{n}"] else float("nan")
+                   for n in self.scorer.names},
+                "completion_length": t["length"] / t["n"], "truncated_ratio": t["truncated"] / t["n"],
+                "reward_failures": int(t["failures"]), "frac_reward_zero_std": t["zero_std"] / t["groups"]}
+
+    def _slowest(self, timing: dict[str, float]) -> dict[str, float]:
+        """Times and GPU peaks of the step: the slowest rank's times, the largest peaks (and each rank's peak)."""
+        out = self.world.max_floats(timing)
+        if self.world.world_size > 1:
+            for key in [k for k in timing if k.endswith("_peak_gib")]:
+                out.update({f"{key}/rank{r}": v for r, v in enumerate(self.world.gather_floats(timing[key]))})
+        return out
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _frac_zero_std(self, rewards: torch.Tensor) -> float:
-        groups = rewards.view(-1, self.cfg.grpo.num_generations)
-        spread = torch.nan_to_num(groups, nan=0.0).amax(-1) - torch.nan_to_num(groups, nan=0.0).amin(-1)
-        return float((spread == 0).float().mean())
-
     def _completion_samples(self, k: int) -> list[dict]:
         b = self.batch
         episode = (lambda i: {"turn_rewards": b.episodes[i].turn_rewards, "stop_reason": b.episodes[i].truncated
@@ -635,22 +693,35 @@ class GRPOTrainer:
                  "reward": None if math.isnan(float(b.rewards[i])) else float(b.rewards[i]), **episode(i)}
                 for i in range(min(k, len(b.prompts)))]
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write checkpoint-STEP (rank 0: the state is replicated; under FSDP2 every rank its optimizer shards) and
+        return its path (None on other ranks); every rank returns once it is complete."""
         # the dtype the base really had (model.dtype=auto depends on the device), and the builtin model's
         # frozen base, which only a seed and this torch version's initializers could otherwise rebuild:
         # `longrl export` needs both to reproduce the trained model exactly
         dtype = base_model(self.model).get_input_embeddings().weight.dtype
         state = {"data_position": self.sampler.position, "config": self.cfg.to_dict(),
-                 "model_dtype": str(dtype).removeprefix("torch."), "data_fingerprint": self.data_fingerprint}
+                 "model_dtype": str(dtype).removeprefix("torch."), "data_fingerprint": self.data_fingerprint,
+                 "world_size": self.world.world_size}
         report = getattr(base_model(self.model), "longrl_quant_report", None)
         if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
             state["quant_kept"] = sorted(report.kept)
         frozen = (frozen_base_weights(self.model)
                   if self.cfg.model.name_or_path == TINY_NAME and hasattr(self.model, "peft_config") else None)
-        path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
-                               self.cfg.output.save_total_limit, base_weights=frozen)
-        log.info("saved %s", path)
-        notify(self.callbacks, "on_save", path)
+        model_state, staged = None, None
+        if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
+            model_state = full_model_state(self.model)
+            staged = Path(self.world.broadcast_text(str(staging_dir(self.output_dir, self.step_idx))))
+            save_sharded_optimizer(self.model, self.optimizer, staged / SHARDED_OPTIMIZER_DIR)
+        path = None
+        if self.world.is_main:  # the rest once (replicated), the trainer state last: then it counts as complete
+            path = save_checkpoint(self.output_dir, self.step_idx, self.model,
+                                   None if staged else self.optimizer, self.scheduler, state,
+                                   self.cfg.output.save_total_limit, base_weights=frozen, model_state=model_state,
+                                   staged=staged)
+            log.info("saved %s", path)
+            notify(self.callbacks, "on_save", path)
+        self.world.barrier()
         return path
 
     def _resume(self) -> None:

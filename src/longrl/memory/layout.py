@@ -42,15 +42,15 @@ def cap_allocator(cfg, device: torch.device) -> float | None:
     return fraction
 
 
-def resolve_layout(cfg, model_config, device: torch.device) -> Plan | None:
+def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1) -> Plan | None:
     """Fill the config's null layout keys in place: on CUDA from the plan (returned; PlanError when the job cannot
-    fit), on the CPU with off (None returned)."""
+    fit), on the CPU with off (None returned). ``world_size``: the plan of one GPU of a data-parallel job."""
     m = cfg.model
     if device.type != "cuda":
         m.offload_activations = bool(m.offload_activations)
         m.gradient_checkpointing = bool(m.gradient_checkpointing)
         return None
-    plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device))
+    plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size)
     m.offload_activations = plan.offload
     m.gradient_checkpointing = plan.checkpointing and not plan.offload  # offloading installs its own checkpointing
     if cfg.train.micro_batch_tokens == 0:

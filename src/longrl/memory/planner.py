@@ -124,6 +124,11 @@ class ModelShape:
         head = 0 if self.tied else self.vocab * h
         return self.layers * (attn + mlp + 2 * h) + self.vocab * h + head + h
 
+    def layer_params(self) -> int:
+        """One decoder layer's weights (FSDP2's unit of sharding)."""
+        h = self.hidden
+        return h * self.q_dim * 2 + h * self.kv_dim * 2 + 3 * h * self.intermediate + 2 * h
+
     def lora_params(self, r: int) -> int:
         h, i = self.hidden, self.intermediate
         per_layer = r * ((h + self.q_dim) * 2 + (h + self.kv_dim) * 2 + (h + i) * 3)
@@ -246,12 +251,14 @@ def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
 def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
                  weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
                  prefill_tokens: int = 16384, nf4_scales: bool = False, trainable_base: bool = False,
-                 kv_fp8: bool = False, kv_cache_bytes: int = 0) -> RolloutPlan:
+                 kv_fp8: bool = False, kv_cache_bytes: int = 0, weight_shards: int = 1) -> RolloutPlan:
     """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring).
     ``nf4_scales``: the NF4 decode product's float32 block scales (4 bytes per 64 base parameters, an upper bound:
     16-bit exceptions have none). ``trainable_base``: Adam's moments of every base weight stay through the rollout
     (gradients are freed). ``kv_fp8``: an FP8 KV cache (kv_bytes_per_token). ``kv_cache_bytes``: the KV budget the
-    user set (generation.kv_cache_gib; 0: what is left), a PlanError when more than is left."""
+    user set (generation.kv_cache_gib; 0: what is left), a PlanError when more than is left. ``weight_shards`` > 1
+    (FSDP2 over that many ranks): the sampler reads the full weights, unsharded for the rollout beside each rank's
+    shards; the Adam moments are sharded."""
     n = prompts * G
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
               kv_token=kv_bytes_per_token(shape, compute_bytes, kv_fp8))
@@ -264,7 +271,10 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
     if nf4_scales:
         fixed["NF4 block scales"] = shape.base_params() * 4 // 64
     if trainable_base:
-        fixed["base Adam moments"] = full_finetune_state_bytes(shape, weight_bytes, gradients=False, optimizer=True)
+        fixed["base Adam moments"] = full_finetune_state_bytes(shape, weight_bytes, gradients=False,
+                                                               optimizer=True) // weight_shards
+    if weight_shards > 1:
+        fixed["FSDP2 shards (beside the full weights)"] = fixed["base weights"] // weight_shards
     room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
     if kv_cache_bytes and kv_cache_bytes > room:
         raise PlanError(f"generation.kv_cache_gib={kv_cache_bytes / GIB:g} is more than the rollout has left after "
@@ -285,7 +295,7 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
             chunk: int, optimizer: bool = True, trainable_head: bool = False, trainable_base: bool = False,
             mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
             compute_bytes: int | None = None, checkpointing: bool = True,
-            logprob_kernel: bool = False) -> tuple[int, int, dict]:
+            logprob_kernel: bool = False, weight_shards: int = 1) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
@@ -296,7 +306,9 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     ``checkpointing`` False (neither model.gradient_checkpointing nor offloading): autograd keeps every layer's
     activations from the forward to its backward, (L − 1) × (kept + 3 T I b) more than one layer's (an estimate
     from the checkpointed terms, not measured on a GPU). ``logprob_kernel``: the log-prob backward through the row
-    kernels (see the module docstring)."""
+    kernels (see the module docstring). ``weight_shards`` > 1: FSDP2 over that many ranks holds 1/N of the base
+    weights, their gradients and Adam's moments, plus the full weights of the root (embeddings, head) and of two
+    decoder layers at a time (the one computing and the one prefetched)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
@@ -314,7 +326,11 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         parts["LoRA (+grads, Adam)"] += shape.vocab * shape.hidden * 4 * 4
     if trainable_base:
         parts["base grads (+Adam)"] = full_finetune_state_bytes(shape, weight_bytes, gradients=True,
-                                                                optimizer=optimizer)
+                                                                optimizer=optimizer) // weight_shards
+    if weight_shards > 1:
+        parts["base weights"] //= weight_shards
+        root = shape.base_params() - shape.layers * shape.layer_params()
+        parts["FSDP2 unsharded root + 2 layers"] = int((root + 2 * shape.layer_params()) * weight_bytes)
     if not (checkpointing or offload):
         kept = layer_kept_bytes(shape, tokens, b, tile=tokens, lora_r=lora_r, offload=False, repeat_kv=repeat_kv)
         parts["activations of the other layers"] = (L - 1) * (kept + 3 * tokens * shape.intermediate * b)
@@ -411,16 +427,18 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               gpu_free_bytes: int, host_free_bytes: int, offload: bool = True, chunk: int = 1024,
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
-              trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False) -> Plan:
+              trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False,
+              weight_shards: int = 1) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
-    ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``: see :func:`predict`."""
+    ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``, ``weight_shards``: see
+    :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
     # what predict() takes that no choice below changes
     step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
                 repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,
-                checkpointing=checkpointing, logprob_kernel=logprob_kernel)
+                checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards)
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, **step)
@@ -522,12 +540,15 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
     return ([] if checkpointing else [(False, False)]) + [(True, True)]
 
 
-def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None) -> Plan:
+def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None,
+                    world_size: int = 1) -> Plan:
     """The plan for a run: every completion at max_completion_length (multi-turn: the trajectory budget) after a
     max_prompt_length prompt, in
     ``gpu_free_bytes`` of GPU memory (train.gpu_memory_gib when set and smaller). The layout keys left null
     (model.offload_activations, model.gradient_checkpointing) are chosen here: no recomputation when it fits in
-    NO_RECOMPUTE_SHARE of the memory, else offloaded checkpointing (layout_candidates)."""
+    NO_RECOMPUTE_SHARE of the memory, else offloaded checkpointing (layout_candidates). ``world_size`` > 1: one
+    GPU of a data-parallel job, with the most prompts a rank gets (⌈P / N⌉); full weights (lora.enabled=false)
+    sharded by FSDP2, LoRA and a 4-bit base replicated."""
     from ..ops.attention_backend import repeats_kv
 
     if cfg.train.gpu_memory_gib > 0:
@@ -536,7 +557,9 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
 
     completion = trajectory_tokens(cfg)  # multi-turn: the longest trajectory (sampled + environment tokens)
     length = cfg.data.max_prompt_length + completion
-    n = cfg.train.prompts_per_step * cfg.grpo.num_generations
+    prompts = -(-cfg.train.prompts_per_step // max(1, world_size))  # the most prompts a rank gets
+    shards = world_size if world_size > 1 and not cfg.lora.enabled else 1
+    n = prompts * cfg.grpo.num_generations
     weight_bytes = compute = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
     shape = ModelShape.from_config(model_config)
     if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
@@ -546,12 +569,13 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 chunk=cfg.train.logprob_chunk_size, token_budget=cfg.train.micro_batch_tokens,
                 mlp_tile_tokens=cfg.train.mlp_tile_tokens, reuse_attention=cfg.model.reuse_attention,
                 repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
-                trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config))
+                trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config),
+                weight_shards=shards)
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
     try:
         plan = _first_fitting(shape, candidates, gpu_free_bytes, step)
         if cfg.generation.backend == "longrl":
-            plan.rollout = plan_rollout(shape, prompts=cfg.train.prompts_per_step * cfg.grpo.steps_per_generation,
+            plan.rollout = plan_rollout(shape, prompts=prompts * cfg.grpo.steps_per_generation,
                                         G=cfg.grpo.num_generations,
                                         prompt_len=cfg.data.max_prompt_length,
                                         completion_len=completion,
@@ -560,7 +584,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                                         nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,
                                         trainable_base=not cfg.lora.enabled,
                                         kv_fp8=cfg.generation.kv_cache_dtype == "fp8",
-                                        kv_cache_bytes=int(cfg.generation.kv_cache_gib * GIB))
+                                        kv_cache_bytes=int(cfg.generation.kv_cache_gib * GIB),
+                                        weight_shards=shards)
     except PlanError as e:
         if cfg.train.gpu_memory_gib > 0:
             raise PlanError(f"{e}, or raise train.gpu_memory_gib (now {cfg.train.gpu_memory_gib:g})") from None

@@ -16,6 +16,10 @@ weighted sum over the whole rollout batch:
     r̂_k = (r_k − μ_g(r_k)) / (σ_g(r_k) + 1e-4),   s = Σ_k w_k r̂_k,   A = (s − μ(s)) / (σ(s) + 1e-4)
 
 (functions that returned None for a sample are left out of its sum; scale_rewards does not apply).
+
+``all_sum`` (a function summing a tensor over data-parallel ranks; None in one process) makes σ of
+``scale_rewards="batch"`` the std over the global batch; group statistics never need it (a group stays on
+one rank).
 """
 
 from __future__ import annotations
@@ -26,16 +30,19 @@ SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Unbiased std along ``dim`` ignoring NaNs (0 where fewer than two values); keeps ``dim``."""
+def _nanstd(x: torch.Tensor, dim: int, all_sum=None) -> torch.Tensor:
+    """Unbiased std along ``dim`` ignoring NaNs (0 where fewer than two values); keeps ``dim``. ``all_sum``:
+    the sums (count, values, squared deviations) taken over every rank too."""
+    total = all_sum or (lambda t: t)
     valid = ~torch.isnan(x)
-    n = valid.sum(dim, keepdim=True)
-    mean = torch.nansum(x, dim, keepdim=True) / n.clamp(min=1)
+    n = total(valid.sum(dim, keepdim=True))
+    mean = total(torch.nansum(x, dim, keepdim=True)) / n.clamp(min=1)
     sq = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
-    return (sq.sum(dim, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    return (total(sq.sum(dim, keepdim=True)) / (n - 1).clamp(min=1)).sqrt()
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+                     all_sum=None) -> torch.Tensor:
     """Advantages [P·G] from rewards [P·G] (float; NaN marks a sample with no learning signal)."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}; got {scale_rewards!r}")
@@ -49,7 +56,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     if scale_rewards == "group":
         centred = centred / (_nanstd(r, dim=-1) + 1e-4)
     elif scale_rewards == "batch":
-        centred = centred / (_nanstd(r.reshape(-1), dim=0) + 1e-4)
+        centred = centred / (_nanstd(r.reshape(-1), dim=0, all_sum=all_sum) + 1e-4)
     return centred.reshape(-1)
 
 

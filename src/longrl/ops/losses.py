@@ -28,6 +28,10 @@ completion mask m [B, T] (so that any micro-batch split sums to the same loss an
 
 These follow TRL's GRPOConfig (1.15). TRL's ``bnpo`` normalises per local micro-batch; here it uses the step's
 token count, which is what makes it split-invariant (equal to TRL's when the micro-batch is the whole step).
+
+B and Σ m are the global step's: with data-parallel ranks each holds its share of every step's rows, and ``all_sum``
+(a function summing a tensor over the ranks; None in one process) makes the normalisers global, so that the ranks'
+losses add up to the single-process loss (the process split is one more split of the step).
 """
 
 from __future__ import annotations
@@ -42,23 +46,25 @@ CLIPPED_SURROGATE = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def loss_token_weights(completion_mask: torch.Tensor, loss_type: str, max_completion_length: int,
-                       steps_per_generation: int = 1) -> torch.Tensor:
+                       steps_per_generation: int = 1, all_sum=None) -> torch.Tensor:
     """Per-token weights ω [S·B, T] for a rollout batch's completion mask [S·B, T] (float32 unless float64).
 
-    The batch holds S = ``steps_per_generation`` optimizer steps, step s owning rows [s·B, (s+1)·B).
+    The batch holds S = ``steps_per_generation`` optimizer steps, step s owning rows [s·B, (s+1)·B). ``all_sum``:
+    this rank's rows of a data-parallel step (sequence and token counts summed over the ranks).
     """
+    total = all_sum or (lambda t: t)
     mask = completion_mask if completion_mask.dtype == torch.float64 else completion_mask.to(torch.float32)
     rows, width = mask.shape
     if rows % steps_per_generation:
         raise ValueError(f"{rows} completions do not split into {steps_per_generation} steps")
     steps = mask.view(steps_per_generation, rows // steps_per_generation, width)  # [S, B, T]
-    num_sequences = steps.shape[1]
+    num_sequences = total(torch.tensor(float(steps.shape[1]), dtype=mask.dtype))
     if loss_type in ("grpo", "sapo"):
         w = steps / (steps.sum(-1, keepdim=True).clamp(min=1.0) * num_sequences)
     elif loss_type == "bnpo":
-        w = steps / steps.sum((1, 2), keepdim=True).clamp(min=1.0)
+        w = steps / total(steps.sum((1, 2), keepdim=True)).clamp(min=1.0)
     elif loss_type in ("dapo", "cispo", "vespo"):
-        w = steps / (steps.sum() / steps_per_generation).clamp(min=1.0)
+        w = steps / (total(steps.sum()) / steps_per_generation).clamp(min=1.0)
     elif loss_type == "dr_grpo":
         w = steps / (num_sequences * max_completion_length)
     elif loss_type == "luspo":

@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end a sequence (the stop token is kept, as EOS is)
     stop_strings: tuple[str, ...] = ()  # end a sequence at the token that completes the string
     seed: int = 0
+    sequence_offset: int = 0  # index of the first sequence in the whole batch (a data-parallel rank's share)
 
     def __post_init__(self):
         checks = [(self.max_new_tokens >= 1, "max_new_tokens", ">= 1"), (self.temperature >= 0, "temperature", ">= 0"),

@@ -1,0 +1,272 @@
+"""Whole GRPO steps on 1, 2, 4, 8 GPUs: data-parallel LoRA, a 4-bit base (QLoRA, replicated), full weights with FSDP2.
+
+Each world size runs the trainer under torchrun (`torchrun --standalone --nproc-per-node N`), the distributed code
+path; ``--with-single`` also runs the one-process path (no process group) at N = 1 in the same call, so the two can
+be compared side by side. Random-weight models of real shapes in bf16, LoRA r=32 on every linear projection, G=8,
+512-token prompts, completions of exactly --completion tokens (EOS ignored), --prompts-per-gpu prompts per GPU
+(weak scaling: the global batch grows with N), offloaded checkpointing with the planner. Reported from the last of
+--steps steps (the first captures CUDA graphs): step time, generated tokens/s per GPU (P·G·completion / step time
+/ N; also the rollout alone), the phases, peak GPU memory (the largest rank's, and each rank's), and with
+--collectives the time in collectives of one more, profiled step (NCCL or gloo kernels and ops).
+
+    python benchmarks/grpo_scale.py --layouts lora,qlora,full --gpus 1,2,4,8               # on an 8-GPU machine
+    python benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single --prompts-per-gpu 1 --completion 19968
+    python benchmarks/grpo_scale.py --shape tiny --device cpu --gpus 1,2 --layouts lora,full --steps 2 --completion 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from results_io import run_meta, write_result  # noqa: E402
+
+GIB = 2 ** 30
+LAYOUTS = ("lora", "qlora", "full")
+REWARD_FILE = '''import random
+
+def random_reward(completions, **kwargs):
+    """A reward with spread: exercises advantages and the update (seeded per call: ranks differ, as real ones)."""
+    return [random.random() for _ in completions]
+'''
+COLLECTIVE_NAMES = ("nccl", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+# ----------------------------------------------------------------------------------------------- one rank
+def _config(args, root: Path, data: Path | None, reward: Path | None, device: str):
+    from longrl.config import Config, LoraConfig, RewardSpec, validate
+
+    cfg = Config()
+    cfg.model.device = device
+    cfg.model.offload_activations = device != "cpu"
+    cfg.model.load_in_4bit = args.layout == "qlora"
+    cfg.lora = LoraConfig(enabled=args.layout != "full", r=32, alpha=64.0, dropout=0.0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.train.prompts_per_step, cfg.train.max_steps = args.prompts_per_gpu * world, args.steps
+    cfg.train.learning_rate = 1e-5
+    cfg.generation.max_completion_length, cfg.generation.ignore_eos = args.completion, True
+    cfg.grpo.num_generations, cfg.grpo.loss_type = args.G, "dapo"
+    cfg.grpo.beta = 0.04 if args.layout != "full" else 0.0  # the reference is the base with adapters off
+    cfg.output.output_dir, cfg.output.progress_bar, cfg.output.tensorboard = str(root / "run"), False, False
+    cfg.output.log_completions = 0
+    if args.shape == "tiny":  # the builtin model and its task (CPU check)
+        cfg.model.name_or_path, cfg.model.dtype = "builtin:tiny-arith", "float32"
+        cfg.data.source = "task:arithmetic"
+        cfg.rewards = [RewardSpec(function="longrl.tasks.arithmetic:answer_reward")]
+    else:
+        cfg.data.source, cfg.data.max_prompt_length, cfg.data.shuffle = str(data), args.prompt_len, False
+        cfg.rewards = [RewardSpec(function=f"{reward}:random_reward")]
+    validate(cfg)
+    return cfg
+
+
+def _random_model(args, device: str, root: Path):
+    """The shape's random-weight model (the same on every rank: seeded), 4-bit and/or with LoRA per layout."""
+    import trl_baseline as tb
+    from tokenizers import pre_tokenizers
+
+    from longrl.config import LoraConfig
+    from longrl.models import apply_lora, calibration_ids, quantize_model
+
+    torch.manual_seed(0)
+    model = tb.build_random_model(args.shape, device, torch.bfloat16, attn_implementation="sdpa")
+    tok = tb.make_tokenizer(model)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "<t17>" is one token
+    if args.layout == "qlora":
+        quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(device))
+        torch.cuda.empty_cache()
+    if args.layout != "full":
+        model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    return model, tok
+
+
+def _write_inputs(root: Path, prompts: int, prompt_len: int, vocab: int) -> tuple[Path, Path]:
+    g = torch.Generator().manual_seed(0)
+    data = root / "prompts.jsonl"
+    with open(data, "w") as f:
+        for _ in range(prompts):
+            ids = torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"<t{i}>" for i in ids)}) + "\n")
+    reward = root / "reward.py"
+    reward.write_text(REWARD_FILE)
+    return data, reward
+
+
+def _collective_seconds(prof) -> float:
+    """Seconds of collective kernels (CUDA) or collective ops (CPU) in a profile."""
+    total_us = 0.0
+    for event in prof.key_averages():
+        if any(n in event.key.lower() for n in COLLECTIVE_NAMES):
+            device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+            total_us += device_us if device_us else event.self_cpu_time_total
+    return total_us / 1e6
+
+
+def worker(args) -> None:
+    """One rank (or the single process): train --steps steps, rank 0 writes the result JSON."""
+    from longrl.trainer import GRPOTrainer
+
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = "cpu" if args.device == "cpu" else f"cuda:{local}"
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    root = Path(args.workdir) / f"{args.layout}-{'single' if args.single else 'dist'}-{os.environ.get('WORLD_SIZE', 1)}"
+    root.mkdir(parents=True, exist_ok=True)
+    model = tok = data = reward = None
+    if args.shape != "tiny":
+        model, tok = _random_model(args, device, root)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        data, reward = _write_inputs(root, args.prompts_per_gpu * world * max(args.steps + 1, 2), args.prompt_len,
+                                     model.config.vocab_size)
+    cfg = _config(args, root, data, reward, device)
+    trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
+    trainer.save = lambda: None  # timing only: no checkpoint at the end
+    start = time.perf_counter()
+    history = trainer.train()
+    wall = time.perf_counter() - start
+    collectives = None
+    if args.collectives and trainer.world.distributed:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+        trainer.cfg.train.max_steps += 1
+        with profile(activities=activities) as prof:
+            profiled = trainer.train()[-1]
+        collectives = dict(seconds=_collective_seconds(prof), step_seconds=profiled["step_time_s"])
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(dict(history=history, wall_seconds=wall, collectives=collectives,
+                                                     world_size=trainer.world.world_size,
+                                                     distributed=trainer.world.distributed), default=str))
+
+
+# ----------------------------------------------------------------------------------------------- the table
+def _run(args, layout: str, n: int, single: bool, workdir: Path) -> dict:
+    result = workdir / f"{layout}-{'single' if single else n}.json"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in (("shape", args.shape), ("device", args.device),
+                                                         ("prompts_per_gpu", args.prompts_per_gpu), ("G", args.G),
+                                                         ("prompt_len", args.prompt_len),
+                                                         ("completion", args.completion), ("steps", args.steps))]
+    flags += ["--worker", f"--layout={layout}", f"--result={result}", f"--workdir={workdir}"]
+    flags += ["--single"] if single else []
+    flags += ["--collectives"] if args.collectives and n > 1 else []
+    here = str(Path(__file__).resolve())
+    cmd = ([sys.executable, here, *flags] if single else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", here, *flags])
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.device == "cpu" else "4")}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, timeout=args.timeout)
+    if proc.returncode != 0 or not result.is_file():
+        return dict(layout=layout, gpus=n, single=single, error=f"exit code {proc.returncode}",
+                    seconds=time.perf_counter() - start)
+    r = json.loads(result.read_text())
+    last = r["history"][-1]
+    n_gen = args.prompts_per_gpu * n * args.G * args.completion  # generated tokens of the step, all ranks
+    peaks = {k: v for k, v in last.items() if k.endswith("_peak_gib") and v is not None}
+    per_rank = {k: v for k, v in last.items() if "_peak_gib/rank" in k}
+    gen_s = last.get("generation_time_s") or float("nan")
+    return dict(layout=layout, gpus=n, single=single, step_s=last["step_time_s"],
+                tokens_per_s_per_gpu=n_gen / last["step_time_s"] / n,
+                rollout_tokens_per_s_per_gpu=n_gen / gen_s / n,
+                phases={k: last.get(f"{k}_time_s") for k in ("generation", "rewards", "reference", "update")},
+                peak_gib=max(peaks.values()) if peaks else None, peaks_per_rank=per_rank,
+                collectives=r["collectives"], distributed=r["distributed"], history=r["history"])
+
+
+def _fmt(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a benchmarks/trl_baseline.py shape, or tiny (the "
+                    "builtin model and its arithmetic task, for a CPU check)")
+    ap.add_argument("--layouts", default="lora,qlora,full")
+    ap.add_argument("--gpus", default="1,2,4,8", help="world sizes (those above the GPUs present are skipped)")
+    ap.add_argument("--with-single", action="store_true", help="also the one-process path (no process group) at 1")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--prompts-per-gpu", type=int, default=4)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--completion", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--collectives", action="store_true", help="one more, profiled step per world size > 1")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for one world size's run")
+    ap.add_argument("--tag", default="")
+    # one rank's run (set by the orchestrator)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="lora", choices=LAYOUTS, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
+    if args.worker:
+        return worker(args)
+    layouts = [x for x in args.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        ap.error(f"unknown layouts {bad}; choose from {', '.join(LAYOUTS)}")
+    available = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count()
+    sizes = [int(x) for x in args.gpus.split(",") if x]
+    skipped = [n for n in sizes if n > available]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in layouts:
+            if args.with_single:
+                rows.append(_run(args, layout, 1, True, Path(tmp)))
+            for n in sizes:
+                if n <= available:
+                    rows.append(_run(args, layout, n, False, Path(tmp)))
+    write(args, rows, skipped)
+
+
+def write(args, rows: list[dict], skipped: list[int]) -> None:
+    device = "CPU" if args.device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else "?")
+    meta = run_meta(shape=args.shape, prompts_per_gpu=args.prompts_per_gpu, G=args.G, prompt_len=args.prompt_len,
+                    completion=args.completion, steps=args.steps, skipped_world_sizes=skipped)
+    base = {r["layout"]: r for r in rows if r.get("gpus") == 1 and not r.get("single") and "error" not in r}
+    lines = [f"# GRPO scale-out, {args.shape} shape, {device}", "",
+             f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}; `{meta['command']}`", "",
+             f"{args.prompts_per_gpu} prompts × G={args.G} per GPU, {args.prompt_len}-token prompts, "
+             f"{args.completion}-token completions; the last of {args.steps} steps. Tokens/s per GPU: generated "
+             "tokens of the step ÷ step time ÷ GPUs. Efficiency: tokens/s/GPU ÷ that of the 1-GPU torchrun run.", "",
+             "| layout | GPUs | path | step s | tok/s/GPU | rollout tok/s/GPU | efficiency | peak GiB (max rank) "
+             "| collectives s | gen / ref / update s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        path = "one process" if r.get("single") else "torchrun"
+        if "error" in r:
+            lines.append(f"| {r['layout']} | {r['gpus']} | {path} | failed: {r['error']} | | | | | | |")
+            continue
+        one = base.get(r["layout"])
+        eff = r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one else None
+        ph = r["phases"]
+        lines.append(f"| {r['layout']} | {r['gpus']} | {path} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} "
+                     f"| {r['rollout_tokens_per_s_per_gpu']:,.0f} | {_fmt(eff, '.1%')} | {_fmt(r['peak_gib'], '.2f')} "
+                     f"| {_fmt((r['collectives'] or {}).get('seconds'), '.2f')} "
+                     f"| {_fmt(ph['generation'], '.1f')} / {_fmt(ph['reference'], '.1f')} / "
+                     f"{_fmt(ph['update'], '.1f')} |")
+    if skipped:
+        lines += ["", f"Not run (more GPUs than this machine has): {', '.join(map(str, skipped))}."]
+    stem = f"grpo_scale_{args.shape}_{'cpu' if args.device == 'cpu' else 'gpu'}{args.tag}"
+    write_result(stem, dict(meta=meta, rows=rows), lines)
+
+
+if __name__ == "__main__":
+    main()

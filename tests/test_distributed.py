@@ -1,0 +1,235 @@
+"""Data-parallel GRPO on CPU process groups (gloo): N processes give the one-process run on the same global
+batch (per-step metrics and final weights), for LoRA, a 4-bit base and full weights sharded by FSDP2; a
+checkpoint made on 2 processes resumes on 1 and on 3 with the uninterrupted trajectory; only rank 0 writes
+outputs; a failing rank ends the job with its error, quickly."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from longrl.config import load_config
+from longrl.demo import demo_config
+from longrl.distributed import World, shard
+from longrl.reporting import read_metrics
+from longrl.trainer import GRPOTrainer
+
+# 3 prompts on 2 or 3 ranks (an uneven split), micro-batches of 5 that cross the groups of 4
+QUICK = ["train.prompts_per_step=3", "grpo.num_generations=4", "train.micro_batch_size=5", "train.max_steps=2",
+         "output.progress_bar=false", "output.tensorboard=false", "generation.max_completion_length=12",
+         "output.log_completions=2", "output.logging_steps=1", "distributed.timeout_s=60"]  # a hang fails in a minute
+LORA = ["lora.enabled=true", "lora.r=4", "grpo.loss_type=grpo", "grpo.scale_rewards=batch", "grpo.beta=0.05",
+        "grpo.num_iterations=2", "train.max_steps=4"]  # global B, the batch std, the KL and old log-probs
+FULL = ["lora.enabled=false", "grpo.loss_type=dapo"]  # FSDP2 on several processes
+QLORA = ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "model.dtype=bfloat16", "grpo.loss_type=dr_grpo"]
+
+
+def _cfg(out, *overrides):
+    return load_config(None, QUICK + [f"output.output_dir={out}", *overrides], base=demo_config())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainable(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+    return out
+
+
+def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, list[str]]], results: str):
+    """One rank of a torchrun-like job (the environment torchrun sets): each job (name, [config file,]
+    overrides) trains a run; rank 0 saves its metrics and final trainable weights."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    for name, *config, overrides in jobs:
+        trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
+        history = trainer.train()
+        weights = _trainable(trainer.model)
+        if rank == 0:
+            torch.save({"history": history, "weights": weights}, Path(results) / f"{name}.pt")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _spawn(world_size: int, jobs, results: Path):
+    import torch.multiprocessing as mp
+
+    results.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_worker, args=(world_size, _free_port(), jobs, str(results)), nprocs=world_size,
+                       start_method="spawn")
+    return {job[0]: torch.load(results / f"{job[0]}.pt", weights_only=False) for job in jobs}
+
+
+def _comparable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not (k.endswith("_time_s") or "_peak_gib" in k)}
+
+
+def _assert_same_run(history, reference, weights=None, reference_weights=None, tol=1e-5):
+    assert len(history) == len(reference)
+    for got, want in zip(history, reference):
+        got, want = _comparable(got), _comparable(want)
+        assert got.keys() == want.keys()
+        for k in want:
+            a, b = got[k], want[k]
+            if isinstance(b, float) and isinstance(a, float):
+                assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=tol, abs=tol), (want["step"], k, a, b)
+            else:
+                assert a == b, (want["step"], k, a, b)
+    if reference_weights is not None:
+        assert weights.keys() == reference_weights.keys()
+        for k in reference_weights:
+            torch.testing.assert_close(weights[k], reference_weights[k], rtol=tol, atol=tol, msg=k)
+
+
+def test_shard_splits_every_item_once_in_order():
+    for n in range(1, 12):
+        for world in range(1, n + 1):
+            blocks = [shard(n, r, world) for r in range(world)]
+            assert blocks[0][0] == 0 and blocks[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+            sizes = [b - a for a, b in blocks]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_single_world_reductions_are_the_identity():
+    w = World()
+    t = torch.tensor([1.5, float("nan")])
+    assert w.all_sum(t) is t
+    assert w.sum_floats({"a": 2}) == {"a": 2.0} and w.max_floats({"a": 3}) == {"a": 3.0}
+    assert w.gather_floats(4.0) == [4.0] and w.broadcast_text("x") == "x"
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """LoRA (DDP over the adapters), full weights (FSDP2 per decoder layer) and, where bitsandbytes runs on the
+    CPU, a 4-bit base: each trained by one 2-process job (checkpoints at step 2 and 4)."""
+    root = tmp_path_factory.mktemp("two")
+    runs = {"lora": LORA, "full": FULL + ["train.max_steps=4"]}
+    if _bitsandbytes_cpu():
+        runs["qlora"] = QLORA
+    jobs = [(name, QUICK + extra + [f"output.output_dir={root / name}", "output.save_steps=2"])
+            for name, extra in runs.items()]
+    return root, runs, _spawn(2, jobs, root / "results")
+
+
+def test_two_processes_equal_one(tmp_path, two_process_runs):
+    """A 2-process run takes the 1-process run's steps on the same global batch: per-step metrics and final
+    trainable weights within float tolerance (4-bit: within the bf16 base's rounding)."""
+    root, runs, got = two_process_runs
+    for name, extra in runs.items():
+        trainer = GRPOTrainer(_cfg(tmp_path / name, *extra))
+        history = trainer.train()
+        _assert_same_run(got[name]["history"], history, got[name]["weights"], _trainable(trainer.model),
+                         tol=2e-2 if name == "qlora" else 1e-5)
+    # rank 0 alone wrote the outputs, once
+    out = root / "lora"
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert len((out / "completions.jsonl").read_text().splitlines()) == 2 * 4  # 2 samples a step, from rank 0
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["world_size"] == 2
+    assert not list(out.glob(".*checkpoint*"))  # no staging left behind
+    # FSDP2: the full weights gathered into one model file, the optimizer as DCP shards of both ranks
+    full = root / "full" / "checkpoint-4"
+    assert (full / "model.safetensors").is_file() and not (full / "optimizer.pt").exists()
+    assert sorted(p.name for p in (full / "optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def _cut_at_step_2(src: Path, dst: Path) -> Path:
+    """A copy of a run's output directory as a kill after the save at step 2 would have left it."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoint-4")
+    return dst
+
+
+def test_two_process_checkpoint_resumes_on_one_and_three(tmp_path, two_process_runs):
+    """Checkpoints of a 2-process job (LoRA: replicated; full weights: DCP shards) resumed on 1 process and on
+    3: steps 3 and 4 are those of the uninterrupted 2-process run."""
+    root, _, got = two_process_runs
+    names = ["lora", "full"]
+    jobs = []
+    for name in names:
+        resumed = _cut_at_step_2(root / name, tmp_path / f"{name}3")
+        jobs.append((name, str(resumed / "config.yaml"), _resume(resumed)))
+    three = _spawn(3, jobs, tmp_path / "results3")
+    for name in names:
+        resumed = _cut_at_step_2(root / name, tmp_path / f"{name}1")
+        trainer = GRPOTrainer(load_config(resumed / "config.yaml", _resume(resumed)))
+        one = trainer.train()
+        want = got[name]["history"][2:]
+        _assert_same_run(one, want, _trainable(trainer.model), got[name]["weights"])
+        _assert_same_run(three[name]["history"], want, three[name]["weights"], got[name]["weights"])
+        assert [m["step"] for m in read_metrics(tmp_path / f"{name}3")] == [1, 2, 3, 4]
+
+
+def _resume(output_dir: Path) -> list[str]:
+    """Overrides that resume the job whose config.yaml (and checkpoints) are in ``output_dir``."""
+    return [f"output.output_dir={output_dir}", "output.resume=true"]
+
+
+FAILING_REWARD = """
+import os, signal, time
+
+calls = 0
+
+
+def reward(prompts, completions, **kwargs):
+    global calls
+    calls += 1
+    if os.environ.get("RANK") == "1" and calls == 2:  # rank 1 dies in the second step; rank 0 waits on it
+        print(f"rank 1 is going down at {time.time()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)
+"""
+
+
+def test_a_killed_rank_ends_the_job_quickly_with_its_error(tmp_path):
+    """Rank 1 is killed in step 2 while rank 0 is in a collective with it: the launcher ends the whole job,
+    naming the rank and its signal, long before the process-group timeout would."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    out = tmp_path / "out"
+    args = QUICK + ["lora.enabled=true", "lora.r=4", "train.max_steps=4", f"output.output_dir={out}",
+                    f"rewards=[{{function: '{reward}:reward'}}]", "distributed.timeout_s=300"]
+    proc = subprocess.run([sys.executable, "-m", "longrl", "train", str(_demo_yaml(tmp_path)),
+                           "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ended = time.time()
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "rank 1 is going down" in log and "SIGKILL" in log, log[-3000:]
+    killed = float(log.split("rank 1 is going down at ")[1].split()[0])
+    assert ended - killed < 60, log[-3000:]  # ended by the launcher, not by the 300 s process-group timeout
+    assert not list(out.glob("checkpoint-*"))  # nothing half-saved
+
+
+def _demo_yaml(tmp_path) -> Path:
+    path = tmp_path / "demo.yaml"
+    path.write_text(demo_config().to_yaml())
+    return path
+
+
+def _bitsandbytes_cpu() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
