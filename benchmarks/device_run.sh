@@ -78,6 +78,8 @@
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
 #              (~7 min)
+#   scale1     benchmarks/grpo_scale.py, 8B LoRA, 1 prompt x 8 x 20,480 (the 20,480 x 8 step with its rollout), 2 steps:
+#              the distributed path at world size 1 (torchrun, DDP) beside the one-process path (~5 min)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -226,6 +228,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 2 --sdpa cudnn --tag target_cudnn_20k ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl --mlp-tile 0,4096 --reps 2 --tag warm_20k ;;
+        scale1) stage scale1 400 python3 benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single \
+            --prompts-per-gpu 1 --completion 19968 --steps 2 --tag "${SCTAG:-_ws1_20k}" ;;
         *) echo "unknown stage $s" ;;
     esac
 done
