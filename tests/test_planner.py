@@ -87,6 +87,7 @@ def _llama_dir(tmp_path):
 
     LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama8b")
+    (tmp_path / "llama8b" / "tokenizer_config.json").write_text("{}")  # a model directory has tokenizer files
     return tmp_path / "llama8b"
 
 
