@@ -29,6 +29,7 @@ import torch
 import yaml
 
 import longrl.export.source as export_source
+import longrl.model_setup as model_setup
 import longrl.trainer as trainer_module
 from longrl.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint, write_manifest
 from longrl.cli import main
@@ -334,7 +335,7 @@ def test_fault(case, tmp_path, monkeypatch, capsys, caplog, cache):
     before = _snapshot(tmp_path)
 
     loaded = []
-    for module in (trainer_module, export_source):
+    for module in (model_setup, export_source):  # where GRPO/SFT and export load models
         real = module.load_model
         monkeypatch.setattr(module, "load_model", lambda *a, _real=real, **k: (loaded.append(1), _real(*a, **k))[1])
     if case.get("inject"):

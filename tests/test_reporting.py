@@ -182,9 +182,9 @@ def test_eval_during_training_logs_eval_metrics_and_rotation_keeps_the_last_thre
 
 
 def test_eval_steps_without_eval_data_fail_before_the_model_loads(tmp_path, monkeypatch):
-    import longrl.trainer as trainer
+    import longrl.model_setup as model_setup
 
-    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(model_setup, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     cfg = load_config(None, [f"output.output_dir={tmp_path}", "output.eval_steps=2"], base=demo_config())
     with pytest.raises(ConfigError, match="output.eval_steps.*data.eval_source"):
         GRPOTrainer(cfg)
