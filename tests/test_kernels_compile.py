@@ -33,9 +33,11 @@ def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_
 @pytest.mark.parametrize("dtype, prec", [("*bf16", "tf32"), ("*fp32", "ieee")])
 @pytest.mark.parametrize("head_dim, rep, members", [(128, 4, 8), (128, 6, 8), (64, 8, 16)])
 def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
-    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt")}
-    common = dict(Q=dtype, KP=dtype, VP=dtype, M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", scale="fp32",
-                  NPART="i32")
+    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp",
+                                  "stride_eph")}
+    # the 16-bit cache (FP8=False): the FP8 cache's exponent pointers are typed but unread
+    common = dict(Q=dtype, KP=dtype, VP=dtype, KPE="*i8", VPE="*i8", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
+                  scale="fp32", NPART="i32")
     for fused, npart in ((True, 2), (True, 33), (False, 2)):  # the merge in the chunk launch, or not
         rb = triton.next_power_of_2(rep)
         np_, cb = dk._merge_blocks(npart, rb)
@@ -43,9 +45,10 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
             dk._chunk_kernel,
             {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", "COUNT": "*i32",
              "OUT": dtype, **strides, "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32",
-             "NPRE": "i32"},
+             "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "stride_esb": "i64", "stride_esh": "i64"},
             dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
-                 PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0), num_warps=4)
+                 PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False),
+            num_warps=4)
         if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
             lines = kernel.asm["ptx"].splitlines()
             atom = next(i for i, line in enumerate(lines) if "atom." in line)
@@ -57,7 +60,8 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
     compile_for_sm90(dk._prefix_kernel,
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},
                      dict(REP=rep, G=members, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=head_dim,
-                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True), num_warps=4)
+                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True, FP8=False),
+                     num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))
         compile_for_sm90(dk._merge_kernel, {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dtype, "NPART": "i32"},
