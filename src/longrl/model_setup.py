@@ -83,3 +83,19 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
     if cfg.model.fused_layers and device.type == "cuda" and triton_available():
         log.info("fused layers: %s", enable_fused_layers(model))
     return model, tokenizer, device, plan, offloader
+
+
+def make_optimizer(model, train_cfg):
+    """(trainable parameters, AdamW, its LambdaLR schedule) of ``model`` from the ``train:`` section."""
+    import torch
+
+    from .trainer import lr_lambda
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    t = train_cfg
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                  weight_decay=t.weight_decay)
+    return params, optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))

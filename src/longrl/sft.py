@@ -60,8 +60,8 @@ class SFTTrainer:
 
     def __init__(self, cfg: Config, model=None, tokenizer=None, train_rows: list[dict] | None = None,
                  eval_rows: list[dict] | None = None):
-        from .model_setup import build_policy_model
-        from .trainer import check_output_dir, lr_lambda
+        from .model_setup import build_policy_model, make_optimizer
+        from .trainer import check_output_dir
 
         import weakref
 
@@ -94,14 +94,7 @@ class SFTTrainer:
             self.eval_examples = []
         self.examples = examples
         self.sampler = PromptSampler(len(examples), cfg.train.seed, cfg.data.shuffle)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("the model has no trainable parameters")
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))
+        self.params, self.optimizer, self.scheduler = make_optimizer(self.model, cfg.train)
         self.step_idx = 0
         self.output_dir = Path(cfg.output.output_dir)
         # one packed row per micro-batch on CUDA; padded rows on the CPU, where attention over a packed row costs its

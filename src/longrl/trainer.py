@@ -31,7 +31,7 @@ from .distributed import (data_parallel, full_model_state, full_weights, grad_no
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, token_budget_groups
 from .memory.layout import budget_bytes
-from .model_setup import build_policy_model
+from .model_setup import build_policy_model, make_optimizer
 from .models import TINY_NAME, base_model, check_model_files, resolve_device
 from .models.lora_training import fused_lora_training
 from .ops.advantages import decoupled_group_advantages, group_advantages
@@ -215,14 +215,7 @@ class GRPOTrainer:
         self.policy = data_parallel(model, self.world, shard_weights=self.world.distributed and not cfg.lora.enabled)
         self.rollout_sampler = self._make_rollout_sampler()
         self.agents = self._make_agents(environment_factory, tools, own_scorer)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("the model has no trainable parameters")
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))
+        self.params, self.optimizer, self.scheduler = make_optimizer(model, cfg.train)
         g = cfg.grpo
         self.loss_settings = PolicyLossSettings(**{f: getattr(g, f) for f in PolicyLossSettings.__dataclass_fields__})
         _warn_loss_choices(g)
