@@ -78,6 +78,11 @@
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
 #              (~7 min)
+#   sftslope   sft_memory 8B bf16, longrl (--offload-all: the longest lengths' layout) and TRL at 16K/32K/64K: peak
+#              slope per token predicts the longest sequence a budget holds (~3 min; needs .whl_us/site: unsloth,
+#              unsloth_zoo, trl 1.15, datasets 4.x and their pure-Python needs, unpacked)
+#   sftslope_us  the same lengths through Unsloth (benchmarks/sft_unsloth.py, its own process) (~4 min)
+#   sftslope4 / sftslope4_us  the same with an NF4 base (longrl / Unsloth) (~2.5 / ~3.5 min)
 #   scale1     benchmarks/grpo_scale.py, 8B LoRA, 1 prompt x 8 x 20,480 (the 20,480 x 8 step with its rollout), 2 steps:
 #              the distributed path at world size 1 (torchrun, DDP) beside the one-process path (~5 min)
 set -u
@@ -204,6 +209,15 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             .whl_trl/*.whl >/dev/null 2>&1 || echo "trl wheel install failed"
             PYTHONPATH=/tmp/site_trl:$PYTHONPATH stage sft8b 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b \
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 ;;
+        sftslope) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope 200 python3 benchmarks/sft_memory.py \
+            --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl,trl --offload-all \
+            --reps 1 --tag _slope ;;
+        sftslope_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope_us 260 python3 benchmarks/sft_unsloth.py \
+            --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-16384,32768,65536}" --reps 1 --tag _slope ;;
+        sftslope4) stage sft_slope4 160 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+            --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl --offload-all --reps 1 --tag _slope ;;
+        sftslope4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope4_us 220 python3 benchmarks/sft_unsloth.py \
+            --shape llama-3.1-8b --load-in-4bit --lengths "${SFT_LENGTHS:-16384,32768,65536}" --reps 1 --tag _slope ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 260 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \

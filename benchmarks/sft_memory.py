@@ -9,6 +9,14 @@ implementation skips the longer lengths. Writes markdown + JSON to benchmarks/re
 
     python benchmarks/sft_memory.py --shape llama-3.1-8b --lengths 32768,131072 --impls longrl,trl
     python benchmarks/sft_memory.py --shape tiny --lengths 64,200 --impls longrl,trl    # CPU smoke run
+
+The longest trainable sequence: memory is linear in the length for every implementation here (flash attention,
+offloaded or checkpointed layer inputs), so ``--offload-all`` pins the layout the planner takes at its longest
+lengths (no GPU-resident layer inputs, MLP tiles of --mlp-tile) and the table's slope column (GiB per 1K tokens
+between consecutive lengths) predicts the longest length a budget holds; ``--cap-gib`` enforces a budget on the
+allocator (an allocation past it fails) so a run near the predicted limit checks the prediction.
+``--load-in-4bit``: NF4 base with dynamic 16-bit exceptions (longrl's quantize_model). Unsloth runs in its own
+process (it patches transformers on import): benchmarks/sft_unsloth.py, same table.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import trl_baseline as tb  # noqa: E402
 from longrl.config import LoraConfig  # noqa: E402
 from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing  # noqa: E402
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan  # noqa: E402
-from longrl.models import apply_lora, set_lora_input_casting  # noqa: E402
+from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
 from longrl.rollout.sampling import triton_available  # noqa: E402
@@ -117,33 +125,65 @@ def trl_step(model, tokenizer, ids: list[int]) -> dict:
     return result
 
 
-def write_results(args, rows: list[dict], cuda: bool) -> list[str]:
+def slope_gib_per_1k(rows: list[dict], row: dict) -> float | None:
+    """GiB per 1,000 tokens between ``row`` and the same implementation's previous measured length."""
+    before = [r for r in rows if r["impl"] == row["impl"] and "peak_gib" in r and r["length"] < row["length"]]
+    if "peak_gib" not in row or not before:
+        return None
+    prev = max(before, key=lambda r: r["length"])
+    return (row["peak_gib"] - prev["peak_gib"]) / ((row["length"] - prev["length"]) / 1000)
+
+
+def write_results(args, rows: list[dict], cuda: bool, extra_meta: dict | None = None) -> list[str]:
     """The table so far, as markdown and JSON (rewritten after every row: a run cut short keeps what it measured)."""
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "shape": args.shape}
-    try:
-        import transformers
-        import trl
-
-        meta.update(transformers=transformers.__version__, trl=trl.__version__)
-    except ImportError:
-        pass
+            "torch": torch.__version__, "shape": args.shape, "base": "nf4" if args.load_in_4bit else "bf16",
+            "cap_gib": args.cap_gib or None, "offload_all": args.offload_all, **(extra_meta or {})}
+    for mod in ("transformers", "peft", "trl", "unsloth"):
+        if mod in sys.modules:
+            meta[mod] = getattr(sys.modules[mod], "__version__", None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"sft_memory_{args.shape}{args.tag}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# SFT step, {args.shape}, LoRA r=32, one sequence", "", f"`{meta['command']}` — {meta}", "",
-             "| length | impl | step time | tokens/s | peak GPU | loss |", "|---|---|---|---|---|---|"]
+    lines = [f"# SFT step, {args.shape}, LoRA r=32, one sequence, {meta['base']} base", "",
+             f"`{meta['command']}` — {meta}", "",
+             "| length | impl | step time | tokens/s | peak GPU | GiB / 1K tokens | layout | loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "time_s" in r:
+            slope = slope_gib_per_1k(rows, r)
             lines.append(f"| {r['length']:,} | {r['impl']} | {r['time_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
-                         f"{r['peak_gib']:.2f} GiB | {r['loss']:.4f} |")
+                         f"{r['peak_gib']:.2f} GiB | {'' if slope is None else f'{slope:.4f}'} | "
+                         f"{r.get('layout', '')} | {r['loss']:.4f} |")
         else:
             lines.append(f"| {r['length']:,} | {r['impl']} | {'out of memory' if r.get('oom') else r.get('skipped')} "
-                         "| | | |")
+                         "| | | | | |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return lines
+
+
+def add_budget_args(ap) -> None:
+    """The flags sft_memory.py and sft_unsloth.py share: base precision, budget, layout pins."""
+    ap.add_argument("--load-in-4bit", action="store_true", help="NF4 base (files get _4bit)")
+    ap.add_argument("--cap-gib", type=float, default=0.0, help="cap the allocator at this many GiB (0: no cap)")
+    ap.add_argument("--offload-all", action="store_true",
+                    help="longrl: no GPU-resident layer inputs, MLP tiles of --mlp-tile (the longest lengths' layout)")
+    ap.add_argument("--mlp-tile", type=int, default=4096)
+
+
+def apply_cap(cap_gib: float) -> None:
+    """An allocation past ``cap_gib`` fails (the budget is enforced, so a peak under it is a measurement)."""
+    if cap_gib and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(0)
+                                                       .total_memory))
+
+
+def budget_free_bytes(cap_gib: float) -> int:
+    """What the planner may plan with: the cap (or the free memory) plus what this process already holds."""
+    have = torch.cuda.mem_get_info()[0] + torch.cuda.memory_allocated()
+    return min(have, int(cap_gib * GIB)) if cap_gib else have
 
 
 def main():
@@ -155,14 +195,26 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    add_budget_args(ap)
     args = ap.parse_args()
+    if args.load_in_4bit:
+        args.tag = "_4bit" + args.tag
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model = tb.build_random_model(args.shape, device, torch.bfloat16 if cuda else torch.float32)
+    weight_bytes = 2 if cuda else 4
+    if args.load_in_4bit:  # scored and quantized where it lies, then the 16-bit weights are freed
+        if "trl" in args.impls.split(","):
+            ap.error("--load-in-4bit measures longrl here (Unsloth's 4-bit: benchmarks/sft_unsloth.py)")
+        report = quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(device))
+        print("\n".join(report.lines()), flush=True)
+        weight_bytes = report.total_bytes / ModelShape.from_config(model.config).base_params()
+        _peak_reset()
     model = apply_lora(model, LoraConfig(r=32, alpha=64, dropout=0.0))
     tokenizer = tb.make_tokenizer(model)
     shape = ModelShape.from_config(model.config)
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_allocated() if cuda else 64 * GIB
+    apply_cap(args.cap_gib)  # after the set-up: the budget is the training step's (as Unsloth's, loaded in 4 bits)
+    free = budget_free_bytes(args.cap_gib) if cuda else 64 * GIB
     impls = args.impls.split(",")
     failed: set[str] = set()
     rows = []
@@ -170,13 +222,14 @@ def main():
         g = torch.Generator().manual_seed(length)
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=g).tolist()
         try:
-            plan = make_plan(shape, sequence_lengths=[length], lora_r=32, weight_bytes=2 if cuda else 4,
+            pins = dict(gpu_resident=0, mlp_tile_tokens=args.mlp_tile) if args.offload_all else {}
+            plan = make_plan(shape, sequence_lengths=[length], lora_r=32, weight_bytes=weight_bytes,
                              gpu_free_bytes=free,
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                             offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available())
+                             offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available(), **pins)
         except PlanError as e:
             print(f"--- {length}: the planner refuses ({e}); measuring anyway untiled", flush=True)
-            plan = Plan(length, 0, True, args.chunk, 0, 0, {}, None)
+            plan = Plan(length, 0, True, args.chunk, 0, 0, {}, args.mlp_tile if args.offload_all else None)
         print(f"--- {length}: resident {plan.gpu_resident_layers}, MLP tile {plan.mlp_tile_tokens}", flush=True)
         for impl in impls:
             if impl in failed:
@@ -200,6 +253,9 @@ def main():
                     break
             r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)
+            if impl == "longrl":
+                r.update(layout=f"resident {plan.gpu_resident_layers}, tile {plan.mlp_tile_tokens or 0}",
+                         planner_gib=plan.predicted_gpu_bytes / GIB)
             rows.append(r)
             print(json.dumps(r), flush=True)
             write_results(args, rows, cuda)
