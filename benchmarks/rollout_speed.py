@@ -7,6 +7,13 @@ GPU's measured copy bandwidth, and the rollout's peak GPU memory against weights
 
     python benchmarks/rollout_speed.py --shape llama-3.1-8b --prompts 16 --G 8 --prompt-len 512 --new-tokens 1024
     python benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 --G 8 --prompt-len 512 --new-tokens 1024
+    python benchmarks/rollout_speed.py --impls longrl,longrl-4bit,longrl-4bit-bnb   # bf16 vs a 4-bit (QLoRA) base
+
+longrl-4bit / longrl-4bit-bnb: the same shape rebuilt with every decoder projection in bitsandbytes NF4 (double
+quantization, blocks of 64; the head and embeddings bf16), the same LoRA, decoded with the 4-bit product that reads
+the codes (generation.nf4_kernel, ops/nf4_matmul.py) or with bitsandbytes' own call (dequantize, then bf16).
+Their roofline counts the codes and bitsandbytes' stored scales (8-bit, nested), not the float32 scales the kernel
+reads.
 """
 
 from __future__ import annotations
@@ -95,9 +102,10 @@ def model_bytes(model) -> tuple[int, int]:
     return total - embed.numel() * embed.element_size(), total
 
 
-def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=True):
+def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=True,
+               nf4_kernel=False):
     sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode,
-                      pack_projections=pack)
+                      pack_projections=pack, nf4_kernel=nf4_kernel)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
     # warm-up: the very call timed below, so that its Triton compiles (kernels specialise on the slot store's length
     # and the batch) and CUDA-graph captures happen here, not in the timed run (an earlier 2-prompt, 4-token warm-up
@@ -117,6 +125,29 @@ def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_d
         raise RuntimeError("the fast decode step fell back to transformers' forward (see the log's warning)")
     return dict(seconds=total_s, prefill_s=prefill_s, peak_gib=_peak_above(base),
                 kv_gib=sampler.last_stats["kv_cache_bytes"] / GIB, stats=sampler.last_stats)
+
+
+def four_bit_model(shape: str, dev):
+    """``shape`` with every decoder projection in bitsandbytes NF4 and LoRA r = 32 (the head stays bf16)."""
+    from longrl.models.quantize import quantize_linears_
+
+    model = tb.build_random_model(shape, dev, torch.bfloat16, attn_implementation="sdpa")
+    model.config.use_cache = True
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    quantize_linears_(model, names, torch.bfloat16)
+    return apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+
+
+def nf4_state_bytes(model) -> int:
+    """Bytes of bitsandbytes' stored NF4 scales (8-bit absmax, their float32 second level, the code tables)."""
+    total = 0
+    for m in model.modules():
+        state = getattr(getattr(m, "weight", None), "quant_state", None)
+        if state is None:
+            continue
+        parts = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
+        total += sum(t.numel() * t.element_size() for t in parts)
+    return total
 
 
 def run_hf_generate(model, prompts, G, N):
@@ -217,6 +248,9 @@ def main() -> None:
     ap.add_argument("--launch", default="", metavar="JSON|PATH",
                     help="decode attention launch choices to run with (decode_kernel.LAUNCH entries), as a JSON "
                     "object or a decode_attention_speed.py result whose fastest swept choice is taken")
+    ap.add_argument("--nf4-launch", default="", metavar="JSON|PATH",
+                    help="launch table of the NF4 product (ops/nf4_matmul.LAUNCH, by rows), as a JSON object or a "
+                    "benchmarks/nf4_matmul.py --sweep result whose 'best' is taken")
     ap.add_argument("--glue-launch", default="", metavar="JSON|PATH",
                     help="launch choices of the LoRA-folding SiLU·up kernel (fused_ops.LAUNCH entries), as a JSON "
                     "object or a decode_glue_speed.py result whose fastest choice at this shape is taken")
@@ -231,6 +265,13 @@ def main() -> None:
 
         fused_ops.LAUNCH.update(glue_launch(args.glue_launch, args.shape))
         print("glue launch:", fused_ops.LAUNCH, flush=True)
+    if args.nf4_launch:
+        from longrl.ops import nf4_matmul
+
+        spec = args.nf4_launch
+        chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
+        nf4_matmul.LAUNCH.update({int(k): v for k, v in chosen.items()})
+        print("NF4 launch:", nf4_matmul.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
@@ -259,13 +300,30 @@ def main() -> None:
     step_bytes, weight_bytes = model_bytes(model)
     derive(results, n_seq, N, Lp, kv_token, args.prompts)
     write_tables(args, results, weight_bytes)
-    for name in [i for i in impls if i != "longrl-nolora"]:
+    four_bit = [i for i in impls if i.startswith("longrl-4bit")]
+    bf16_weight_bytes, on_4bit = weight_bytes, False
+    for name in [i for i in impls if i != "longrl-nolora" and i not in four_bit] + four_bit:  # 4-bit ones last
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
         try:
+            if name in four_bit and not on_4bit:  # the bf16 model is dropped first
+                model, on_4bit = None, True
+                gc.collect()
+                torch.cuda.empty_cache() if CUDA else None
+                model = four_bit_model(args.shape, dev)
+                step_bytes, weight_bytes = model_bytes(model)
+                step_bytes += nf4_state_bytes(model)
+                print(f"4-bit model: {weight_bytes / GIB:.2f} GiB of parameters; a decode step reads "
+                      f"{step_bytes / GIB:.2f} GiB of weights", flush=True)
             if name == "longrl":
                 r = run_longrl(model, prompts, args.G, N)
+            elif name == "longrl-4bit":
+                r = run_longrl(model, prompts, args.G, N, nf4_kernel=True)
+                if r["stats"]["nf4_projections"] == 0:
+                    raise RuntimeError("no projection ran on the NF4 kernel")
+            elif name == "longrl-4bit-bnb":
+                r = run_longrl(model, prompts, args.G, N, nf4_kernel=False)
             elif name == "longrl-hf":
                 r = run_longrl(model, prompts, args.G, N, fast_decode=False)
             elif name == "longrl-peft":
@@ -288,7 +346,7 @@ def main() -> None:
         results[name] = r
         print(name, {k: v for k, v in r.items() if k != "stats"}, flush=True)
         derive(results, n_seq, N, Lp, kv_token, args.prompts)
-        write_tables(args, results, weight_bytes)  # after every impl: a later one that hangs loses nothing
+        write_tables(args, results, bf16_weight_bytes)  # after every impl: a later one that hangs loses nothing
 
 
 def profile_decode(args, model, prompts) -> None:
@@ -353,13 +411,19 @@ def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: i
             r["roofline_floor_s"] = moved / bw
 
 
+def _nf4_launch() -> dict:
+    from longrl.ops.nf4_matmul import LAUNCH
+
+    return dict(LAUNCH)
+
+
 def write_tables(args, results, weight_bytes) -> None:
     from longrl.rollout.decode_kernel import LAUNCH
     from longrl.rollout.fused_ops import LAUNCH as GLUE_LAUNCH
 
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH),
-                    glue_launch=dict(GLUE_LAUNCH))
+                    glue_launch=dict(GLUE_LAUNCH), nf4_launch=_nf4_launch())
     stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
@@ -373,8 +437,8 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{GLUE_LAUNCH}.", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("longrl", "longrl-packed", "longrl-unpacked", "longrl-hf", "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate",
-                 "hf-continuous"):
+    for name in ("longrl", "longrl-4bit", "longrl-4bit-bnb", "longrl-packed", "longrl-unpacked", "longrl-hf",
+                 "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
         r = results.get(name)
         if r is None:
             continue
@@ -390,6 +454,16 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{r['kv_gib']:.2f}" if "kv_gib" in r else "–",
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
+    base_tps = results.get("longrl", {}).get("tokens_per_s")
+    for name in ("longrl-4bit", "longrl-4bit-bnb"):
+        if base_tps and "tokens_per_s" in results.get(name, {}):
+            lines += ["", f"{name} / longrl (bf16) tokens/s in this run: {results[name]['tokens_per_s'] / base_tps:.2f}×; "
+                      f"packed groups {results[name]['stats'].get('packed_groups')}, projections on the NF4 kernel "
+                      f"{results[name]['stats'].get('nf4_projections')}."]
+    lines += ["", "longrl-4bit: every decoder projection in bitsandbytes NF4 (head bf16), decode products on "
+              "longrl's NF4 kernel (generation.nf4_kernel; NF4 launch table " + str(_nf4_launch()) + "); "
+              "longrl-4bit-bnb: the same model through bitsandbytes' own call. Their weights column: the 4-bit "
+              "model's parameters; roofline bytes: its codes + bitsandbytes' stored scales + the bf16 rest."]
     lines += ["", "longrl: the sampler's defaults: decode steps through rollout/fast_decode.py (fused glue kernels), "
               "LoRA deltas added by fused products (rollout/lora_fusion.py), q/k/v and gate/up (and their LoRA A "
               "rows) read by one product a group (generation.pack_projections; longrl-packed: the same, named; "

@@ -49,17 +49,37 @@ KERNEL_CHECK = textwrap.dedent('''
     from longrl.ops import nf4_matmul as nm
 
     worst = 0.0
-    for N, K, M, bias in [(64, 128, 1, False), (100, 192, 3, True), (128, 1280, 17, False), (70, 640, 70, True)]:
+    def check(got, exact, what):
+        global worst
+        err = ((got.double() - exact).abs() / (exact.abs() + 1e-2)).max().item()
+        worst = max(worst, err)
+        assert err <= 2 ** -9, (what, err)  # float32 sums, one float16 rounding at the end
+
+    # one weight (the per-call form): odd N, K crossing chunks (K = 192: one and a half), a bias, leading dims
+    for N, K, M, bias in [(100, 192, 3, True), (70, 640, 65, False)]:
         param, state, ops = _quantized(N, K, seed=M)
-        x = torch.randn(2, M, K, dtype=torch.float16)  # leading dims kept
+        x = torch.randn(2, M, K, dtype=torch.float16)
         b = torch.randn(N, dtype=torch.float16) if bias else None
         got = nm.nf4_linear(x, *ops, bias=b, use_triton=True)
         W = nm.dequantize_nf4(*ops, torch.float16).double()
-        exact = x.double() @ W.t() + (b.double() if bias else 0)
         assert got.shape == (2, M, N) and got.dtype == torch.float16
-        err = ((got.double() - exact).abs() / (exact.abs() + 1e-2)).max().item()
-        worst = max(worst, err)
-        assert err <= 2 ** -9, (N, K, M, err)  # float32 sums, one float16 rounding at the end
+        check(got, x.double() @ W.t() + (b.double() if bias else 0), (N, K, M))
+    # groups: q/k/v-like (three weights), gate/up-like (two), with 16-bit rows after them and biases; row tiles that
+    # shrink to the weights' boundaries (48 rows), K splits (programs), both operand orders, M from 1 to 65
+    for rows, K, M, R, bias, launch in [([128, 64, 70], 320, 17, 5, True, dict(swap=False)),
+                                        ([48, 80], 1280, 1, 3, False, dict(programs=64)),
+                                        ([96], 576, 33, 0, True, dict(bn=32, programs=8)),
+                                        ([64, 64], 128, 65, 7, False, None)]:
+        ws = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
+        dense = torch.randn(R, K, dtype=torch.float16) if R else None
+        biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
+        g = nm.nf4_group(ws, dense, biases)
+        x = torch.randn(M, K, dtype=torch.float16)
+        got = nm.nf4_group_linear(x, g, launch=launch)
+        W = nm.nf4_group_weight(g, torch.float16).double()
+        assert got.shape == (M, sum(rows) + R)
+        check(got, x.double() @ W.t() + (g.bias.double() if bias else 0), (rows, K, M, R))
+        assert torch.equal(W[sum(rows):], dense.double()) if R else True  # the 16-bit rows are read as they are
     print("kernel ok", worst)
 ''')
 
@@ -68,6 +88,28 @@ def test_triton_kernel_equals_the_exact_product():
     assert "kernel ok" in run_interpreted(KERNEL_CHECK)
 
 
+def test_group_twin_stacks_bitsandbytes_weights():
+    """The group's twin is bitsandbytes' dequantized weights stacked (scales read back from the group's
+    transposed form), then the 16-bit rows, then the bias; shapes the kernel cannot tile are refused by name."""
+    import bitsandbytes.functional as bnbf
+
+    from longrl.ops.nf4_matmul import groupable, nf4_group, nf4_group_reference
+
+    params = [_quantized(n, 192, seed=n)[0] for n in (32, 16, 40)]
+    dense = torch.randn(3, 192, dtype=torch.bfloat16)
+    bias = [None, torch.randn(16, dtype=torch.bfloat16), None]
+    g = nf4_group(params, dense, bias)
+    x = torch.randn(5, 192, dtype=torch.bfloat16)
+    W = torch.cat([bnbf.dequantize_4bit(p.data, p.quant_state) for p in params] + [dense])
+    b = torch.cat([torch.zeros(32), bias[1].float(), torch.zeros(43)]).to(torch.bfloat16)
+    assert torch.equal(nf4_group_reference(x, g), torch.nn.functional.linear(x, W, b))
+    assert "multiple of 16" in groupable([_quantized(24, 192, seed=1)[0], params[0]])
+    assert "input widths" in groupable([params[0], _quantized(32, 128, seed=2)[0]])
+    with pytest.raises(ValueError, match="input width 192"):
+        nf4_group(params, torch.randn(3, 128))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 16, 128])
 def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
@@ -84,6 +126,32 @@ def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
 
     scale = x.float().abs() @ dequantize_nf4(*ops, torch.float32).abs().t()
     assert ((got - want).abs() <= 2 ** -10 * scale).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 61, 128, 200])
+def test_group_kernel_on_the_gpu_equals_the_twin(M):
+    """bf16 on the GPU: a q/k/v-like group with LoRA A rows and a bias, and a down-like weight (K = 14,336 in
+    112 chunks, split) under every launch choice of the table and the other operand order, against the float32
+    product of the twin's bf16 weight."""
+    from longrl.ops.nf4_matmul import LAUNCH, nf4_group, nf4_group_linear, nf4_group_weight
+
+    torch.manual_seed(M)
+    cases = [(nf4_group([_quantized(n, 4096, seed=n, device="cuda")[0] for n in (512, 128, 128)],
+                        torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16) * 0.02,
+                        [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (512, 128, 128)])),
+             nf4_group([_quantized(256, 14336, seed=3, device="cuda")[0]], None, None)]
+    for g in cases:
+        x = torch.randn(M, g.K, dtype=torch.bfloat16, device="cuda")
+        W = nf4_group_weight(g, torch.bfloat16).float()  # the kernel's operands, exactly
+        exact = x.float() @ W.t() + (g.bias.float() if g.bias is not None else 0)
+        scale = x.float().abs() @ W.abs().t()
+        for cfg in [*LAUNCH.values(), dict(swap=False, bn=64, warps=4, stages=2, programs=132)]:
+            got = nf4_group_linear(x, g, launch=cfg).float()
+            assert got.shape == exact.shape
+            # one bfloat16 rounding of the result (2^-8 relative) plus float32 sums in another order
+            assert ((got - exact).abs() <= 2 ** -8 * exact.abs() + 2 ** -12 * scale + 1e-3).all(), cfg
 
 
 SAMPLER_CHECK = textwrap.dedent('''
@@ -113,6 +181,7 @@ SAMPLER_CHECK = textwrap.dedent('''
         runs.append((r, sampler.last_stats))
     (plain, s0), (fast, s1) = runs
     assert s0["nf4_projections"] == 0 and s1["nf4_projections"] == 7 * 2, (s0, s1)
+    assert s1["packed_groups"] == 4 * 2, s1  # q/k/v + A, o + A, gate/up + A, down + A: one NF4 product each
     assert s1["lora_fused"] and s1["fast_decode"]
     assert fast.completion_ids == plain.completion_ids, (fast.completion_ids, plain.completion_ids)
     a = torch.tensor(sum(fast.logprobs, [])); b = torch.tensor(sum(plain.logprobs, []))
@@ -122,9 +191,10 @@ SAMPLER_CHECK = textwrap.dedent('''
 
 
 def test_sampler_with_the_nf4_product_equals_bitsandbytes_path():
-    """generation.nf4_kernel: a QLoRA model's decode steps through the 4-bit product plus the fused LoRA delta
-    give bitsandbytes' path's tokens (greedy) and log-probs (float16, through the interpreter), on every
-    projection of every layer."""
+    """generation.nf4_kernel: a QLoRA model's decode steps through the grouped 4-bit products (each layer's
+    q/k/v, o, gate/up and down with their LoRA A rows, the B products folded into the glue kernels) give
+    bitsandbytes' path's tokens (greedy) and log-probs (float16, through the interpreter), on every projection of
+    every layer."""
     assert "sampler ok" in run_interpreted(SAMPLER_CHECK)
 
 

@@ -1,23 +1,34 @@
-"""x · Wᵀ for a bitsandbytes NF4 weight, read in its 4-bit form (the decode-step product of a QLoRA base).
+"""x · Wᵀ for bitsandbytes NF4 weights, read in their 4-bit form (the decode-step products of a QLoRA base).
 
-bitsandbytes multiplies a batch of rows (decode steps have 16–512) by first writing the whole weight out in 16 bits
+bitsandbytes multiplies a batch of rows (decode steps have 16–128) by first writing the whole weight out in 16 bits
 and then running a 16-bit product: 0.5 + 2 + 2 bytes moved per parameter, more than a 16-bit base's 2. This
-kernel dequantizes in registers instead, reading 0.5 byte per parameter plus its block scale:
+kernel dequantizes in registers instead, reading 0.5 byte per parameter plus its block scale (4 bytes per 64):
 
     W[n, k] = cast(code[q[n, k]] · absmax[n, k // 64])          (exactly bitsandbytes' dequantized value)
-    y = x · Wᵀ                                                   (float32 accumulation, split over K)
+    y = x · [W_0; W_1; W_2; D]ᵀ (+ bias)                         (float32 sums, split over K, one rounding)
+
+A product reads a *group*: up to three NF4 weights of the same input width stacked by rows (q/k/v, gate/up), and
+optionally 16-bit rows D after them (the stacked LoRA A rows of the packed decode, rollout/fast_decode.py), so a
+layer's q/k/v + A is one launch, as in the 16-bit packed decode. The NF4 codes stay where bitsandbytes keeps them
+(one pointer a weight, nothing moved or copied); the group holds the block scales, expanded from bitsandbytes'
+nested 8-bit form once, transposed to [K/64, Σ N] so that a tile's scales are one coalesced load.
 
 Layout (bitsandbytes ``quantize_4bit``, blocksize 64): W [N, K] row-major, two 4-bit codes per byte, the element
-of even k in the high nibble; ``absmax`` one float per 64 consecutive elements (its nested 8-bit form is expanded
-once by :func:`nf4_operands`). The byte j of a row holds k = 2j (high) and 2j + 1 (low), so a chunk of K is two
-products, x[:, even k] · W_hiᵀ + x[:, odd k] · W_loᵀ.
+of even k in the high nibble. A program owns BN rows and a range of K in chunks of 128 (64 bytes a row, two
+scales); the byte j of a chunk holds k0 + 2j (high) and k0 + 2j + 1 (low), so a chunk is two tensor-core products,
+W_hi · x[:, even k]ᵀ + W_lo · x[:, odd k]ᵀ, with the dequantized tile as the left operand (the rows of x, few at
+decode, are the narrow side). Each code is looked up in the 16-entry table (one cached line) and scaled in float32.
+K is split over programs so that a small group still fills the GPU; the splits' float32 partial sums are added in
+a fixed order by a second kernel (the same result every call).
 
-:func:`nf4_linear_reference` is the plain twin (bitsandbytes' dequantized weight, then ``F.linear``);
-tests/test_nf4_matmul.py checks both against bitsandbytes, the kernel through Triton's interpreter;
-benchmarks/nf4_matmul.py times them on the GPU.
+:func:`nf4_group_reference` is the plain twin (bitsandbytes' dequantized weights stacked, then ``F.linear``);
+tests/test_nf4_matmul.py checks both against bitsandbytes, the kernel through Triton's interpreter and on the GPU;
+benchmarks/nf4_matmul.py times them and sweeps :data:`LAUNCH`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +39,19 @@ except ImportError:  # CPU installs without Triton use the twin
     triton = None
 
 BLOCKSIZE = 64  # bitsandbytes' NF4 block (elements per absmax)
+CHUNK = 128  # elements of K a program reads per step: two blocks, 64 bytes a row
+MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
+
+# launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128):
+# bn rows of the group a program owns, whether the NF4 tile is the left operand (swap), warps, pipeline stages, and
+# the programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
+# --sweep times the alternatives; the table below is its fastest (see benchmarks/results/nf4_matmul_h200.md).
+LAUNCH = {16: dict(bn=64, swap=True, warps=4, stages=3, programs=264),
+          32: dict(bn=64, swap=True, warps=4, stages=3, programs=264),
+          64: dict(bn=128, swap=True, warps=4, stages=3, programs=264),
+          128: dict(bn=128, swap=True, warps=8, stages=3, programs=264)}
+MIN_CHUNKS_PER_SPLIT = 4
+MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
 
 def nf4_operands(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -61,71 +85,242 @@ def nf4_linear_reference(x: torch.Tensor, packed, absmax, code, N: int, K: int, 
     return torch.nn.functional.linear(x, dequantize_nf4(packed, absmax, code, N, K, x.dtype), bias)
 
 
+@dataclass
+class NF4Group:
+    """The operands of one grouped product: NF4 weights stacked by rows, then optional 16-bit rows."""
+
+    packed: list  # each NF4 weight's codes, uint8 [N_i·K/2] (bitsandbytes' own storage)
+    rows: list  # N_i
+    scales: torch.Tensor  # float32 [K/64, Σ N_i]: absmax of block b of row n at [b, n]
+    code: torch.Tensor  # float32 [16]
+    K: int
+    dense: torch.Tensor | None = None  # [R, K] 16-bit rows after the NF4 ones (LoRA A), or None
+    bias: torch.Tensor | None = None  # [Σ N_i + R] (zeros on the dense rows), or None
+
+    @property
+    def nf4_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def out_features(self) -> int:
+        return self.nf4_rows + (self.dense.shape[0] if self.dense is not None else 0)
+
+
+def groupable(weights: list) -> str | None:
+    """Why these bitsandbytes NF4 weights cannot be one group (None: they can): NF4 in blocks of 64 stored as
+    bytes, one input width that is a multiple of 64, every weight but the last a multiple of 16 rows (a row tile
+    never straddles two weights: tiles shrink to the largest power of two dividing them), on one device."""
+    if not 1 <= len(weights) <= MAX_NF4:
+        return f"{len(weights)} weights (1 to {MAX_NF4})"
+    shapes = []
+    for w in weights:
+        state = getattr(w, "quant_state", None)
+        if state is None or state.quant_type != "nf4" or state.blocksize != BLOCKSIZE or w.data.dtype != torch.uint8:
+            return "not NF4 codes in bytes with blocks of 64"
+        shapes.append(tuple(state.shape))
+    if len({k for _, k in shapes}) > 1 or shapes[0][1] % BLOCKSIZE:
+        return f"input widths {sorted({k for _, k in shapes})} (one, a multiple of {BLOCKSIZE})"
+    if any(n % MIN_BN for n, _ in shapes[:-1]):
+        return f"row counts {[n for n, _ in shapes]} (all but the last a multiple of {MIN_BN})"
+    if len({w.device for w in weights}) > 1:
+        return "weights on several devices"
+    return None
+
+
+def nf4_group(weights: list, dense: torch.Tensor | None = None, biases: list | None = None) -> NF4Group:
+    """The group of bitsandbytes NF4 ``Params4bit`` weights (q/k/v, gate/up, or one), their biases (a list with
+    None for none; all None: no bias) and the 16-bit rows ``dense`` [R, K] after them. Expands the scales (4 bytes
+    per 64 parameters, alive with the group); the codes are not copied."""
+    reason = groupable(weights)
+    if reason:
+        raise ValueError(f"nf4_group: {reason}")
+    ops = [nf4_operands(w) for w in weights]
+    K = ops[0][4]
+    scales = torch.cat([a.view(n, K // BLOCKSIZE) for _, a, _, n, _ in ops]).t().contiguous()  # [K/64, Σ N]
+    if dense is not None and (dense.dim() != 2 or dense.shape[1] != K):
+        raise ValueError(f"nf4_group: dense rows {tuple(dense.shape)} do not have the input width {K}")
+    bias = None
+    if biases is not None and any(b is not None for b in biases):
+        parts = [b if b is not None else torch.zeros(n, device=scales.device) for b, (*_, n, _) in zip(biases, ops)]
+        dtype = next(b.dtype for b in biases if b is not None)
+        tail = [torch.zeros(dense.shape[0], device=scales.device)] if dense is not None else []
+        bias = torch.cat([p.to(dtype) for p in parts + tail])
+    return NF4Group([p for p, *_ in ops], [n for *_, n, _ in ops], scales, ops[0][2], K,
+                    dense.contiguous() if dense is not None else None, bias)
+
+
+def nf4_group_weight(group: NF4Group, dtype: torch.dtype) -> torch.Tensor:
+    """The group's stacked weight [Σ N_i + R, K] in ``dtype``, each NF4 weight dequantized as bitsandbytes does."""
+    parts, start = [], 0
+    for packed, n in zip(group.packed, group.rows):
+        absmax = group.scales[:, start:start + n].t().reshape(-1)  # [n·K/64], row-major blocks
+        parts.append(dequantize_nf4(packed, absmax, group.code, n, group.K, dtype))
+        start += n
+    if group.dense is not None:
+        parts.append(group.dense.to(dtype))
+    return torch.cat(parts)
+
+
+def nf4_group_reference(x: torch.Tensor, group: NF4Group) -> torch.Tensor:
+    """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin)."""
+    bias = group.bias.to(x.dtype) if group.bias is not None else None
+    return torch.nn.functional.linear(x, nf4_group_weight(group, x.dtype), bias)
+
+
 if triton is not None:
     @triton.jit
-    def _nf4_kernel(X, P, A, CODE, Y, M, N, K, KB, KS, stride_ym, stride_ys, K_PER_SPLIT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Program (n tile, m tile, K split): acc [BM, BN] over its K range in chunks of BK (BK/2 bytes a row,
-        BK/64 scales), written to the split's float32 slice of Y. KB = K/2 bytes and KS = K/64 scales a row are
-        arguments of their own, so that their divisibility is known and the byte loads are vectorised."""
-        pn, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n = pn * BN + tl.arange(0, BN)
+    def _nf4_group_kernel(X, P0, P1, P2, S, CODE, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
+                          stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles,
+                          HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+        """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
+        their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
+        [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
+        to split ps's float32 slice of Y, or (one split) to Y itself with the bias, cast."""
+        pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
-        j = tl.arange(0, BK // 2)  # byte of the chunk: elements 2j (high nibble), 2j + 1 (low)
-        kk = tl.arange(0, BK)
-        n_ok, m_ok = n < N, m < M
-        row_bytes = n.to(tl.int64)[:, None] * KB
-        row_scales = n.to(tl.int64)[:, None] * KS
-        x_rows = m.to(tl.int64)[:, None] * K
-        first_half = (j < 32)[None, :]  # bytes 0..31 of a chunk are block k0/64, 32..63 the next one
-        acc = tl.zeros([BM, BN], tl.float32)
-        x_dtype = X.dtype.element_ty
-        for off in range(0, K_PER_SPLIT, BK):
-            k0 = ps * K_PER_SPLIT + off
-            k0_t = tl.zeros([1, 1], tl.int32) + k0  # masks from tensors (a bare bool breaks the interpreter)
-            in_k = (k0 + 2 * j < K)[None, :]  # [1, BK/2]
-            byte = tl.load(P + row_bytes + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & in_k, other=0)  # [BN, BK/2]
-            s_lo = tl.load(A + row_scales + k0 // 64, mask=n_ok[:, None] & (k0_t < K), other=0.0)  # [BN, 1]
-            s_hi = tl.load(A + row_scales + k0 // 64 + 1, mask=n_ok[:, None] & (k0_t + 64 < K), other=0.0)
-            scale = tl.where(first_half, s_lo, s_hi)  # [BN, BK/2]
-            w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j]
-            w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
-            x = tl.load(X + x_rows + (k0 + kk)[None, :], mask=m_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
-            x_even, x_odd = tl.split(tl.reshape(x, [BM, BK // 2, 2]))  # [BM, BK/2] each: columns 2j and 2j + 1
-            acc += tl.dot(x_even, tl.trans(w_hi), out_dtype=tl.float32)
-            acc += tl.dot(x_odd, tl.trans(w_lo), out_dtype=tl.float32)
-        y = Y + ps * stride_ys + m[:, None].to(tl.int64) * stride_ym + n[None, :]
-        tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
+        m_ok = m < M
+        x_rows = X + m.to(tl.int64) * stride_xm  # [BM]
+        c_start = ps * chunks_per_split
+        c_stop = tl.minimum(c_start + chunks_per_split, n_chunks)
+        if SWAP:
+            acc = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], tl.float32)
+        if pn < dense_tiles:  # 16-bit rows: plain product
+            r = pn * BN + tl.arange(0, BN)
+            r_ok = r < R
+            col, c_ok = NQ + r, r_ok
+            kk = tl.arange(0, 128)
+            d_rows = D + r.to(tl.int64) * K
+            for c in range(c_start, c_stop):
+                k = c * 128 + kk
+                k_ok = k < K
+                d = tl.load(d_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, 128]
+                if SWAP:
+                    xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                    acc += tl.dot(d.to(xt.dtype), xt, out_dtype=tl.float32)
+                else:
+                    xk = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc += tl.dot(xk, tl.trans(d.to(xk.dtype)), out_dtype=tl.float32)
+        else:
+            row0 = (pn - dense_tiles) * BN
+            n = row0 + tl.arange(0, BN)  # rows of the group
+            n_ok = n < NQ
+            col, c_ok = n, n_ok  # (not col < NT: the dense rows' columns follow)
+            base = tl.where(row0 >= N01, P2, tl.where(row0 >= N0, P1, P0))  # this tile's weight
+            local0 = tl.where(row0 >= N01, row0 - N01, tl.where(row0 >= N0, row0 - N0, row0))
+            w_rows = base + (local0 + tl.arange(0, BN)).to(tl.int64) * KB  # [BN] first byte of each row
+            j = tl.arange(0, 64)  # byte of the chunk: elements 2j (high nibble), 2j + 1 (low)
+            first_block = (j < 32)[None, :]  # bytes 0..31: block 2c, 32..63: block 2c + 1
+            x_dtype = X.dtype.element_ty
+            for c in range(c_start, c_stop):
+                k_even = c * 128 + 2 * j  # [64]
+                k_ok = k_even < K
+                byte = tl.load(w_rows[:, None] + (c * 64 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                               other=0)  # [BN, 64] uint8
+                s0 = tl.load(S + (2 * c) * NQ + n, mask=n_ok, other=0.0)  # [BN]
+                s1 = tl.load(S + (2 * c + 1) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 < K),
+                             other=0.0)  # (a tensor: a bare bool breaks the interpreter)
+                scale = tl.where(first_block, s0[:, None], s1[:, None])  # [BN, 64]
+                w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j]
+                w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
+                if SWAP:
+                    xe = tl.load(x_rows[None, :] + k_even[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                    xo = tl.load(x_rows[None, :] + (k_even + 1)[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                                 other=0.0)  # [64, BM]
+                    acc += tl.dot(w_hi, xe, out_dtype=tl.float32)
+                    acc += tl.dot(w_lo, xo, out_dtype=tl.float32)
+                else:
+                    xe = tl.load(x_rows[:, None] + k_even[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    xo = tl.load(x_rows[:, None] + (k_even + 1)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                                 other=0.0)  # [BM, 64]
+                    acc += tl.dot(xe, tl.trans(w_hi), out_dtype=tl.float32)
+                    acc += tl.dot(xo, tl.trans(w_lo), out_dtype=tl.float32)
+        if SWAP:
+            ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
+            mask = c_ok[:, None] & m_ok[None, :]
+            if HAS_BIAS:
+                acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            ptr = Y + ps * stride_ys + m[:, None].to(tl.int64) * stride_ym + col[None, :]
+            mask = m_ok[:, None] & c_ok[None, :]
+            if HAS_BIAS:
+                acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(ptr, acc.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _split_sum_kernel(PART, BIAS, Y, total, NT, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """Y[i] = cast(Σ_s PART[s, i] (+ bias[i mod NT])), the splits added in order."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < total
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, splits):
+            acc += tl.load(PART + s * total + i, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + i % NT, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-def _split_k(N: int, K: int, bn: int, m_tiles: int, programs: int = 264) -> int:
-    """K splits so that about ``programs`` programs run (a 4,096-row weight is only 64 tiles of 64), each split
-    at least 512 of K."""
-    tiles = -(-N // bn) * m_tiles
-    return max(1, min(K // 512, -(-programs // tiles)))
+def launch_for(M: int, launch: dict | None = None) -> tuple[int, dict]:
+    """(row tile BM, LAUNCH entry) for M rows of x."""
+    bucket = next((b for b in sorted(LAUNCH) if b >= M), max(LAUNCH))
+    entry = {**LAUNCH[bucket], **(launch or {})}
+    return min(bucket, max(16, triton.next_power_of_2(M))), entry
+
+
+def split_for(row_tiles: int, n_chunks: int, programs: int) -> int:
+    """K splits: about ``programs`` programs in all, each split at least MIN_CHUNKS_PER_SPLIT chunks of K."""
+    return max(1, min(n_chunks // MIN_CHUNKS_PER_SPLIT, -(-programs // row_tiles)))
+
+
+def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
+                     launch: dict | None = None) -> torch.Tensor:
+    """x [..., K] → [..., Σ N_i + R] = x · [W_0; …; D]ᵀ (+ bias) for the group (module docstring); the twin when
+    Triton is off or x is not 16-bit. ``launch`` overrides :data:`LAUNCH`'s entry (for tuning; the result does not
+    depend on it beyond float32 summation order)."""
+    K = group.K
+    if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
+        return nf4_group_reference(x, group)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, NQ, NT = x2.shape[0], group.nf4_rows, group.out_features
+    R = NT - NQ
+    BM, cfg = launch_for(M, launch)
+    BN = cfg["bn"]
+    while any(n % BN for n in group.rows[:-1]):  # no tile across two weights (groupable: multiples of MIN_BN)
+        BN //= 2
+    dense_tiles = -(-R // BN)
+    row_tiles = dense_tiles + -(-NQ // BN)
+    m_tiles = -(-M // BM)
+    n_chunks = -(-K // CHUNK)
+    split = split_for(row_tiles * m_tiles, n_chunks, cfg["programs"])
+    per_split = -(-n_chunks // split)
+    split = -(-n_chunks // per_split)
+    out = torch.empty(M, NT, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, M, NT, dtype=torch.float32, device=x.device)
+    p = group.packed + [group.packed[0]] * (MAX_NF4 - len(group.packed))
+    N0 = group.rows[0]
+    N01 = N0 + (group.rows[1] if len(group.rows) > 1 else NQ)
+    dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
+    bias = group.bias if group.bias is not None else out
+    _nf4_group_kernel[(row_tiles, split, m_tiles)](
+        x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, N0, N01, NQ, R,
+        x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
+        HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(-(-M * NT // block),)](target, bias, out, M * NT, NT, split,
+                                                  HAS_BIAS=group.bias is not None, BLOCK=block)
+    return out.view(*lead, NT)
 
 
 def nf4_linear(x: torch.Tensor, packed, absmax, code, N: int, K: int, bias=None, use_triton: bool = True):
-    """x [..., K] → [..., N] = x · Wᵀ (+ bias) for the NF4 weight (see the module docstring); the twin when Triton
-    is off or the shapes are not the kernel's (K a multiple of 64, 16-bit x)."""
-    if (not use_triton or triton is None or K % BLOCKSIZE or x.shape[-1] != K
-            or x.dtype not in (torch.bfloat16, torch.float16)):
+    """x [..., K] → [..., N] = x · Wᵀ (+ bias) for one NF4 weight given by its :func:`nf4_operands` (the scales
+    transposed per call: for tests and one-off products; decode steps hold an :class:`NF4Group`)."""
+    if not use_triton or triton is None or K % BLOCKSIZE:
         return nf4_linear_reference(x, packed, absmax, code, N, K, bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    BM = min(128, max(16, triton.next_power_of_2(M)))  # up to 128 rows in one tile: the weight is read once
-    BN, BK = 64, 128
-    m_tiles = -(-M // BM)
-    split = _split_k(N, K, BN, m_tiles)
-    per_split = -(-(-(-K // split)) // BK) * BK  # each split a multiple of BK
-    split = -(-K // per_split)
-    partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    _nf4_kernel[(-(-N // BN), m_tiles, split)](x2, packed, absmax, code, partial, M, N, K, K // 2, K // BLOCKSIZE,
-                                               partial.stride(1), partial.stride(0), K_PER_SPLIT=per_split, BM=BM,
-                                               BN=BN, BK=BK,
-                                               num_warps=8 if BM == 128 else 4, num_stages=3)
-    y = partial.sum(0) if split > 1 else partial[0]  # a fixed order: the same result every call
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*lead, N)
+    group = NF4Group([packed], [N], absmax.view(N, K // BLOCKSIZE).t().contiguous(), code, K, None, bias)
+    return nf4_group_linear(x, group)

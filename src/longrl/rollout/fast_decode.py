@@ -18,9 +18,12 @@ transformers' forward for each architecture.
 
 Between :meth:`FastDecoder.prepare_nf4` and :meth:`FastDecoder.release_nf4` (the sampler calls them around a
 rollout when ``generation.nf4_kernel`` is on), projections over a bitsandbytes NF4 base compute their base product
-with :func:`longrl.ops.nf4_matmul.nf4_linear` (the 4-bit weight read directly) and add the fused LoRA delta
-(:func:`longrl.rollout.lora_fusion.fused_adder`) instead of calling the module; a projection whose adapters run
-through PEFT's own forward keeps the module call.
+with :func:`longrl.ops.nf4_matmul.nf4_group_linear` (the 4-bit weights read directly) instead of calling the
+module; a projection whose adapters run through PEFT's own forward keeps the module call. With packing on, a
+layer's q/k/v, o, gate/up and down are grouped as in the 16-bit packed decode below, their stacked LoRA A rows read
+by the same product (nothing moved: the group holds the codes' pointers, the expanded scales and the A rows);
+otherwise each projection is a product of its own plus the fused LoRA delta
+(:func:`longrl.rollout.lora_fusion.fused_adder`).
 
 Between :meth:`FastDecoder.prepare_packing` and :meth:`FastDecoder.release_packing` (``generation.pack_projections``,
 on by default) the base weights of each layer's q/k/v and of its gate/up projections
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.nf4_matmul import nf4_linear, nf4_operands
+from ..ops.nf4_matmul import groupable, nf4_group, nf4_group_linear
 from .attention import DecodeMeta, decode_attend
 from .fused_ops import LoraFold, add_rmsnorm, rotary_kv, silu_mul
 from .lora_fusion import fused_adder
@@ -64,6 +67,14 @@ class _Pack:
     group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
     a_start: int = 0
     fold: tuple | None = None  # q/k/v or gate/up: (column offsets into A x, (s B)ᵀ each, r) for the glue kernel
+    nf4: object = None  # an NF4 base's operands (ops/nf4_matmul.NF4Group; ``weight`` is then None)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, in] → [B, Σ out (+ Σ r)]."""
+        if self.nf4 is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        # as bitsandbytes' forward: the product in the layer's compute dtype, the result in the input's
+        return nf4_group_linear(x.to(self.bases[0].compute_dtype or x.dtype), self.nf4).to(x.dtype)
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -92,38 +103,47 @@ class FastDecoder:
         self.body = causal_lm.model
         self.layers = list(self.body.layers[: causal_lm.config.num_hidden_layers])
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
-        self.nf4: dict = {}  # projection module → (base layer, NF4 operands, delta hook or None), for one rollout
+        self.nf4: dict = {}  # projection module → (base layer, its NF4Group or None when grouped, delta hook or None)
+        self.nf4_packs: dict = {}  # (layer index, first projection's name) → _Pack of NF4 bases, for one rollout
         self.packs: dict = {}  # (layer index, first projection's name) → _Pack, for one rollout
 
-    def prepare_nf4(self) -> int:
+    def prepare_nf4(self, pack: bool = True) -> int:
         """Route the NF4-base projections through the 4-bit product for the coming rollout (call inside the
-        sampler's fused-LoRA context, before its graphs are captured); returns how many. The expanded block
-        scales (4 bytes per 64 parameters) live until :meth:`release_nf4`."""
-        self.nf4 = {}
+        sampler's fused-LoRA context, before :meth:`prepare_packing` and before its graphs are captured), grouped
+        by layer when ``pack`` (module docstring); returns how many projections. The expanded block scales (4 bytes
+        per 64 parameters) and the groups' copies of the A rows live until :meth:`release_nf4`."""
+        self.nf4, self.nf4_packs = {}, {}
         try:
             from bitsandbytes.nn import Linear4bit
         except ImportError:  # no 4-bit layers without bitsandbytes
             return 0
+        routed = {}  # module → (base, adder)
         for layer in self.layers:
             for parent, name in PROJECTIONS:
                 module = getattr(getattr(layer, parent), name)
                 base = getattr(module, "base_layer", module)
                 if (not isinstance(base, Linear4bit) or getattr(base.weight, "quant_state", None) is None
-                        or base.in_features % 64):  # the kernel's shapes; others keep bitsandbytes' call
+                        or groupable([base.weight])):  # the kernel's shapes; others keep bitsandbytes' call
                     continue
                 adder = fused_adder(base)
                 peft_runs = base is not module and adder is None and not getattr(module, "disable_adapters", False)
-                if peft_runs:  # PEFT's forward adds the adapters: only the module call is right
-                    continue
-                try:
-                    ops = nf4_operands(base.weight)
-                except ValueError:  # not NF4 with 64-element blocks
-                    continue
-                self.nf4[module] = (base, ops, adder)
+                if not peft_runs:  # (PEFT's forward adds the adapters: only the module call is right)
+                    routed[module] = (base, adder)
+        for i, layer in enumerate(self.layers):
+            for parent, names in PACKED_GROUPS:
+                modules = [getattr(getattr(layer, parent), n) for n in names]
+                group = _nf4_pack(modules, routed) if pack else None
+                if group is not None:
+                    self.nf4_packs[(i, names[0])] = group
+                for m in modules:
+                    if m in routed:
+                        base, adder = routed[m]
+                        self.nf4[m] = (base, None if group is not None else
+                                       nf4_group([base.weight], biases=[base.bias]), adder)
         return len(self.nf4)
 
     def release_nf4(self) -> None:
-        self.nf4 = {}
+        self.nf4, self.nf4_packs = {}, {}
 
     def prepare_packing(self) -> int:
         """Pack each layer's q/k/v and gate/up base weights, and o/down's when they have fused adapters (see the
@@ -140,7 +160,7 @@ class FastDecoder:
                     if pack is not None:
                         self.packs[(i, names[0])] = pack
         _return_cached_blocks(any(p.weight.is_cuda for p in self.packs.values()))
-        return len(self.packs)
+        return len(self.packs) + len(self.nf4_packs)
 
     def release_packing(self) -> None:
         """Every packed weight back in storage of its own, a group at a time: a group's buffer is freed with its
@@ -163,19 +183,19 @@ class FastDecoder:
         """(the projections' outputs, the LoRA deltas the next glue kernel adds or None): with a packed group whose
         adapters fold (q/k/v → rotary_kv, gate/up → silu_mul), the base outputs and A x from one product, the B
         products left to the kernel; otherwise the outputs with their deltas added."""
-        pack = self.packs.get((i, first))
+        pack = self.packs.get((i, first)) or self.nf4_packs.get((i, first))
         if pack is None or pack.fold is None:
             return self._project_group(i, first, modules, x), None
-        y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out + Σ r]
+        y = pack.product(x)  # [B, Σ out + Σ r]
         return [y[:, a:b] for a, b in pack.bounds], LoraFold(y[:, pack.a_start:], *pack.fold)
 
     def _project_group(self, i: int, first: str, modules: list, x: torch.Tensor) -> list:
         """The outputs of sibling projections (or a lone one; ``first``: the first one's name) on x [B, in]: one
         packed product, or a call each."""
-        pack = self.packs.get((i, first))
+        pack = self.packs.get((i, first)) or self.nf4_packs.get((i, first))
         if pack is None:
             return [self._project(m, x) for m in modules]
-        y = torch.nn.functional.linear(x, pack.weight, pack.bias)  # [B, Σ out (+ Σ r)]
+        y = pack.product(x)  # [B, Σ out (+ Σ r)]
         if pack.group is not None:
             pack.group.seed(x, y[:, pack.a_start:])
         return [y[:, lo:hi] if adder is None else adder(base, (x,), y[:, lo:hi])
@@ -185,9 +205,9 @@ class FastDecoder:
         entry = self.nf4.get(module)
         if entry is None:
             return module(x)
-        base, ops, adder = entry
+        base, group, adder = entry
         # as bitsandbytes' forward: the product in the layer's compute dtype, the result in the input's
-        y = nf4_linear(x.to(base.compute_dtype or x.dtype), *ops, bias=base.bias).to(x.dtype)
+        y = nf4_group_linear(x.to(base.compute_dtype or x.dtype), group).to(x.dtype)
         return y if adder is None else adder(base, (x,), y)
 
     @staticmethod
@@ -238,6 +258,48 @@ def _return_cached_blocks(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def _lora_rows(modules: list, bases: list, dtype: torch.dtype):
+    """(adders, the fused group, its stacked A rows [Σ r, in], the glue kernels' fold) of sibling projections whose
+    fused adapters group exactly these projections (A rows None otherwise; adders None: PEFT's forward adds an
+    adapter here, so only the module calls are right)."""
+    adders = [fused_adder(b) for b in bases]
+    for m, b, adder in zip(modules, bases, adders):
+        if b is not m and adder is None and not getattr(m, "disable_adapters", False):
+            return None, None, None, None
+    if all(a is not None for a in adders) and len({id(a.group) for a in adders}) == 1:
+        g = adders[0].group
+        spans = [a.rows for a in adders]
+        if (g.size == len(adders) and g.a_t.dtype == dtype and spans[0][0] == 0
+                and all(p[1] == n[0] for p, n in zip(spans, spans[1:])) and spans[-1][1] == g.a_t.shape[1]):
+            fold = None
+            ranks = {a.rows[1] - a.rows[0] for a in adders}
+            if len(bases) > 1 and len(ranks) == 1 and all(a.b_t.dtype == dtype for a in adders):  # q/k/v, gate/up
+                fold = (tuple(a.rows[0] for a in adders), tuple(a.b_t for a in adders), ranks.pop())
+            return adders, g, g.a_t.t(), fold
+    return adders, None, None, None
+
+
+def _nf4_pack(modules: list, routed: dict) -> "_Pack | None":
+    """The NF4 group of sibling projections routed to the 4-bit product (``routed``: module → (base, adder)), their
+    adapters' A rows read by the same product when the fused adapters group exactly these projections; None when
+    they cannot be one group (or, alone without A rows, would gain nothing)."""
+    if not all(m in routed for m in modules):
+        return None
+    bases = [routed[m][0] for m in modules]
+    dtypes = {b.compute_dtype for b in bases}
+    if groupable([b.weight for b in bases]) or len(dtypes) > 1 or None in dtypes:
+        return None
+    adders, group, a_rows, fold = _lora_rows(modules, bases, dtypes.pop())
+    if adders is None or (a_rows is None and len(bases) == 1):
+        return None
+    ops = nf4_group([b.weight for b in bases], a_rows, [b.bias for b in bases])
+    bounds, start = [], 0
+    for b in bases:
+        bounds.append((start, start + b.out_features))
+        start += b.out_features
+    return _Pack(bases, None, None, bounds, adders, group, start, fold, nf4=ops)
+
+
 def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
     """Move the base weights of sibling projections (or of a lone one with an adapter) into one buffer, their
     adapters' A rows appended when the fused adapters group exactly these projections; None when they cannot
@@ -249,19 +311,9 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
                    or not b.weight.is_contiguous() for b in bases)
             or len({None if b.bias is None else b.bias.dtype for b in bases}) > 1):  # (one bias buffer, one dtype)
         return None
-    adders = [fused_adder(b) for b in bases]
-    for m, b, adder in zip(modules, bases, adders):
-        if b is not m and adder is None and not getattr(m, "disable_adapters", False):
-            return None  # PEFT's forward adds this adapter: only the module call is right
-    group, a_rows = None, None
-    if all(a is not None for a in adders) and len({id(a.group) for a in adders}) == 1:
-        g = adders[0].group
-        spans = [a.rows for a in adders]
-        if (g.size == len(adders) and g.a_t.dtype == w0.dtype and spans[0][0] == 0
-                and all(p[1] == n[0] for p, n in zip(spans, spans[1:])) and spans[-1][1] == g.a_t.shape[1]):
-            group, a_rows = g, g.a_t.t()  # [Σ r, in]
-    if a_rows is None and len(bases) == 1:
-        return None  # a lone projection gains nothing from a copy of its weight
+    adders, group, a_rows, fold = _lora_rows(modules, bases, w0.dtype)
+    if adders is None or (a_rows is None and len(bases) == 1):
+        return None  # PEFT's forward adds an adapter; or a lone projection gains nothing from a copy of its weight
     outs = [b.out_features for b in bases]
     total = sum(outs) + (a_rows.shape[0] if a_rows is not None else 0)
     weight = torch.empty(total, w0.shape[1], dtype=w0.dtype, device=w0.device)
@@ -275,10 +327,6 @@ def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
             b.bias.data = bias[start:start + n]
         bounds.append((start, start + n))
         start += n
-    fold = None
     if a_rows is not None:
         weight[start:] = a_rows
-        ranks = {a.rows[1] - a.rows[0] for a in adders}
-        if len(bases) > 1 and len(ranks) == 1 and all(a.b_t.dtype == w0.dtype for a in adders):  # q/k/v, gate/up
-            fold = (tuple(a.rows[0] for a in adders), tuple(a.b_t for a in adders), ranks.pop())
     return _Pack(bases, weight, bias, bounds, adders, group, start, fold)

@@ -142,7 +142,7 @@ class Sampler:
         try:
             start = time.perf_counter()
             with fusion as fused:
-                nf4 = self.fast.prepare_nf4() if self.nf4_kernel and self.fast is not None and self.use_triton else 0
+                nf4 = self.fast.prepare_nf4(self.pack_projections) if self.nf4_kernel and self.fast is not None and self.use_triton else 0
                 packer = self.fast if self.pack_projections else None  # (kept: a failing first fast step drops
                 try:  # self.fast, and the weights must leave the packed buffers whatever happens)
                     packed = packer.prepare_packing() if packer is not None else 0
