@@ -51,12 +51,12 @@ def quantized(N: int, K: int, dev, seed: int = 0):
 
 def sweep_choices(M: int) -> list[dict]:
     """Launch choices tried at M rows (the larger set where the rollout benchmark runs: 128 rows)."""
+    c = lambda bn, w, st=3, swap=True, join=True: dict(bn=bn, swap=swap, join=join, warps=w, stages=st,  # noqa: E731
+                                                        programs=264)
     if M >= 128:
-        return [dict(bn=bn, swap=sw, warps=w, stages=st, programs=264)
-                for bn in (64, 128) for sw in (True, False) for w in (4, 8) for st in (3, 4)]
-    return [dict(bn=64, swap=True, warps=4, stages=3, programs=264), dict(bn=64, swap=True, warps=4, stages=4, programs=264),
-            dict(bn=128, swap=True, warps=4, stages=3, programs=264), dict(bn=128, swap=True, warps=8, stages=3, programs=264),
-            dict(bn=64, swap=False, warps=4, stages=3, programs=264)]
+        return ([c(bn, w, join=j) for j in (True, False) for bn in (64, 128) for w in (4, 8)]
+                + [c(128, 8, st=4), c(128, 8, swap=False)])
+    return [c(bn, 4, join=j) for j in (True, False) for bn in (64, 128)] + [c(64, 4, st=4)]
 
 
 def table(dev, bw: float) -> list[dict]:
@@ -165,10 +165,11 @@ def main() -> None:
                   "µs a call; 'layer' is the four groups' sum (bf16: the same groups as bf16 packed products, "
                   "rollout/fast_decode.py's 16-bit path). Fastest per row count: " +
                   ", ".join(f"{m} rows {c}" for m, c in best.items()) + ".", "",
-                  "| rows | bn | swap | warps | stages | programs | " + " | ".join(names) +
-                  " | layer µs | bf16 layer µs | × bf16 |", "|---" * (9 + len(names)) + "|"]
+                  "| rows | bn | swap | join | warps | stages | programs | " + " | ".join(names) +
+                  " | layer µs | bf16 layer µs | × bf16 |", "|---" * (10 + len(names)) + "|"]
         for r in sweep_rows:
-            head = f"| {r['M']} | {r['bn']} | {r['swap']} | {r['warps']} | {r['stages']} | {r['programs']} | "
+            head = (f"| {r['M']} | {r['bn']} | {r['swap']} | {r['join']} | {r['warps']} | {r['stages']} | "
+                    f"{r['programs']} | ")
             if "error" in r:
                 lines.append(head + f"failed: {r['error']} |" + " |" * (len(names) + 2))
                 continue

@@ -65,10 +65,11 @@ KERNEL_CHECK = textwrap.dedent('''
         assert got.shape == (2, M, N) and got.dtype == torch.float16
         check(got, x.double() @ W.t() + (b.double() if bias else 0), (N, K, M))
     # groups: q/k/v-like (three weights), gate/up-like (two), with 16-bit rows after them and biases; row tiles that
-    # shrink to the weights' boundaries (48 rows), K splits (programs), both operand orders, M from 1 to 65
+    # shrink to the weights' boundaries (48 rows), K splits (programs), both operand orders, the tile interleaved in
+    # registers (join) or read as even and odd k, M from 1 to 65
     for rows, K, M, R, bias, launch in [([128, 64, 70], 320, 17, 5, True, dict(swap=False)),
-                                        ([48, 80], 1280, 1, 3, False, dict(programs=64)),
-                                        ([96], 576, 33, 0, True, dict(bn=32, programs=8)),
+                                        ([48, 80], 1280, 1, 3, False, dict(programs=64, join=False)),
+                                        ([96], 576, 33, 0, True, dict(bn=32, programs=8, swap=False, join=False)),
                                         ([64, 64], 128, 65, 7, False, None)]:
         ws = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
         dense = torch.randn(R, K, dtype=torch.float16) if R else None
@@ -133,7 +134,8 @@ def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
 @pytest.mark.parametrize("M", [1, 61, 128, 200])
 def test_group_kernel_on_the_gpu_equals_the_twin(M):
     """bf16 on the GPU: a q/k/v-like group with LoRA A rows and a bias, and a down-like weight (K = 14,336 in
-    112 chunks, split) under every launch choice of the table and the other operand order, against the float32
+    112 chunks, split) under every launch choice of the table, the other operand order and the even/odd products,
+    against the float32
     product of the twin's bf16 weight."""
     from longrl.ops.nf4_matmul import LAUNCH, nf4_group, nf4_group_linear, nf4_group_weight
 
@@ -147,7 +149,7 @@ def test_group_kernel_on_the_gpu_equals_the_twin(M):
         W = nf4_group_weight(g, torch.bfloat16).float()  # the kernel's operands, exactly
         exact = x.float() @ W.t() + (g.bias.float() if g.bias is not None else 0)
         scale = x.float().abs() @ W.abs().t()
-        for cfg in [*LAUNCH.values(), dict(swap=False, bn=64, warps=4, stages=2, programs=132)]:
+        for cfg in [*LAUNCH.values(), dict(swap=False, bn=64, warps=4, stages=2, programs=132), dict(join=False)]:
             got = nf4_group_linear(x, g, launch=cfg).float()
             assert got.shape == exact.shape
             # one bfloat16 rounding of the result (2^-8 relative) plus float32 sums in another order

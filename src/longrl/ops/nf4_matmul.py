@@ -43,13 +43,14 @@ CHUNK = 128  # elements of K a program reads per step: two blocks, 64 bytes a ro
 MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 
 # launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128):
-# bn rows of the group a program owns, whether the NF4 tile is the left operand (swap), warps, pipeline stages, and
-# the programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
+# bn rows of the group a program owns, whether the NF4 tile is the left operand (swap), whether it is interleaved
+# into k order in registers so that x is read contiguously (join; else two products on even and odd k), warps,
+# pipeline stages, and the programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
 # --sweep times the alternatives; the table below is its fastest (see benchmarks/results/nf4_matmul_h200.md).
-LAUNCH = {16: dict(bn=64, swap=True, warps=4, stages=3, programs=264),
-          32: dict(bn=64, swap=True, warps=4, stages=3, programs=264),
-          64: dict(bn=128, swap=True, warps=4, stages=3, programs=264),
-          128: dict(bn=128, swap=True, warps=8, stages=3, programs=264)}
+LAUNCH = {16: dict(bn=64, swap=True, join=True, warps=4, stages=3, programs=264),
+          32: dict(bn=64, swap=True, join=True, warps=4, stages=3, programs=264),
+          64: dict(bn=128, swap=True, join=True, warps=4, stages=3, programs=264),
+          128: dict(bn=128, swap=True, join=True, warps=8, stages=3, programs=264)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
@@ -171,7 +172,8 @@ if triton is not None:
     @triton.jit
     def _nf4_group_kernel(X, P0, P1, P2, S, CODE, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles,
-                          HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
+                          JOIN: tl.constexpr):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
@@ -224,7 +226,17 @@ if triton is not None:
                 scale = tl.where(first_block, s0[:, None], s1[:, None])  # [BN, 64]
                 w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j]
                 w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
-                if SWAP:
+                if JOIN:  # the tile in k order (codes interleaved in registers), x read contiguously
+                    w = tl.reshape(tl.join(w_hi, w_lo), [BN, 128])  # W[n, k0 + i]
+                    k = c * 128 + tl.arange(0, 128)
+                    kx_ok = k < K
+                    if SWAP:
+                        xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & kx_ok[:, None], other=0.0)
+                        acc += tl.dot(w, xt, out_dtype=tl.float32)  # [BN, 128] · [128, BM]
+                    else:
+                        xk = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & kx_ok[None, :], other=0.0)
+                        acc += tl.dot(xk, tl.trans(w), out_dtype=tl.float32)
+                elif SWAP:  # even and odd k as two products, x read with a stride of 2
                     xe = tl.load(x_rows[None, :] + k_even[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
                     xo = tl.load(x_rows[None, :] + (k_even + 1)[:, None], mask=m_ok[None, :] & k_ok[:, None],
                                  other=0.0)  # [64, BM]
@@ -308,7 +320,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     _nf4_group_kernel[(row_tiles, split, m_tiles)](
         x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, N0, N01, NQ, R,
         x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
-        HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"],
+        HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
         num_warps=cfg["warps"], num_stages=cfg["stages"])
     if split > 1:
         block = 1024
