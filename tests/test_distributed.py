@@ -1,7 +1,10 @@
 """Data-parallel GRPO on CPU process groups (gloo): N processes give the one-process run on the same global
-batch (per-step metrics and final weights), for LoRA, a 4-bit base and full weights sharded by FSDP2; a
-checkpoint made on 2 processes resumes on 1 and on 3 with the uninterrupted trajectory; only rank 0 writes
-outputs; a failing rank ends the job with its error, quickly."""
+batch (per-step metrics and final weights), for LoRA, a 4-bit base and full weights sharded by FSDP2, and for
+each whole-step statistic (the batch reward std, GDPO's batch normalisation, the high-entropy quantile, the
+entropy bonus, several optimizer steps per rollout batch) and both rollout backends; a checkpoint made on 2
+processes resumes on 1 and on 3 with the uninterrupted trajectory; only rank 0 writes outputs; a failing rank
+ends the job with its error, quickly. The spawned jobs are few and shared by the assertions (they cost most of
+this file's time): each run combines several of the options."""
 
 import json
 import math
@@ -25,9 +28,15 @@ from longrl.trainer import GRPOTrainer
 QUICK = ["train.prompts_per_step=3", "grpo.num_generations=4", "train.micro_batch_size=5", "train.max_steps=2",
          "output.progress_bar=false", "output.tensorboard=false", "generation.max_completion_length=12",
          "output.log_completions=2", "output.logging_steps=1", "distributed.timeout_s=60"]  # a hang fails in a minute
+# LoRA (DDP): global B, the batch std, the KL, old log-probs, the entropy quantile over every rank's tokens, the
+# entropy bonus's global normaliser; rollouts through transformers' generate (keyed by global sequence id)
 LORA = ["lora.enabled=true", "lora.r=4", "grpo.loss_type=grpo", "grpo.scale_rewards=batch", "grpo.beta=0.05",
-        "grpo.num_iterations=2", "train.max_steps=4"]  # global B, the batch std, the KL and old log-probs
-FULL = ["lora.enabled=false", "grpo.loss_type=dapo"]  # FSDP2 on several processes
+        "grpo.num_iterations=2", "train.max_steps=4", "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01",
+        "generation.backend=hf"]
+# full weights (FSDP2): two optimizer steps per rollout batch (each step's prompts split across the ranks),
+# GDPO's batch normalisation of the two reward functions
+FULL = ["lora.enabled=false", "grpo.loss_type=dapo", "grpo.steps_per_generation=2",
+        "grpo.multi_objective_aggregation=normalize_then_sum"]
 QLORA = ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "model.dtype=bfloat16", "grpo.loss_type=dr_grpo"]
 
 
@@ -57,6 +66,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, list[st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    _no_plots()
     for name, *config, overrides in jobs:
         trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
         history = trainer.train()
@@ -66,6 +76,20 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, list[st
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _no_plots():
+    """Training-curve plots off (matplotlib costs seconds a save; this file checks no plot)."""
+    from longrl.reporting import RunReporter
+
+    RunReporter.plot = lambda self: None
+
+
+@pytest.fixture(autouse=True)
+def no_plots(monkeypatch):
+    from longrl.reporting import RunReporter
+
+    monkeypatch.setattr(RunReporter, "plot", lambda self: None)
 
 
 def _spawn(world_size: int, jobs, results: Path):

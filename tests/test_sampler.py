@@ -292,6 +292,29 @@ def test_hf_backend_honours_stop_rules():
     assert text[4:6] in tok.decode(cut) and text[4:6] not in tok.decode(cut[:-1])
 
 
+def test_hf_backend_draws_as_the_sampler_by_global_sequence_id():
+    """transformers' generate with longrl's keyed draw (penalty, temperature, top-p) samples the tokens longrl's
+    sampler samples, and a completion depends on its global sequence id alone: a rank's share of the batch,
+    generated one sequence at a time with its ids, is that share of the whole batch."""
+    from dataclasses import replace
+
+    from longrl.config import GenerationConfig
+    from longrl.rollout import generate_completions
+    from longrl.rollout.completions import sampling_params
+
+    model, tok = tiny_model(seed=1)
+    gen = GenerationConfig(max_completion_length=9, temperature=1.3, top_p=0.95, repetition_penalty=1.2,
+                           ignore_eos=True)
+    params = sampling_params(gen, tok, seed=11)
+    whole = generate_completions(model, tok, PROMPTS, 2, gen, "cpu", params=params)
+    assert whole.completion_ids == Sampler(model, tok).generate(PROMPTS, 2, params).completion_ids
+    share = generate_completions(model, tok, PROMPTS[1:3], 2, gen, "cpu", batch_size=1,
+                                 params=replace(params, sequence_ids=(2, 3, 4, 5)))
+    assert share.completion_ids == whole.completion_ids[2:6]
+    other = generate_completions(model, tok, PROMPTS, 2, gen, "cpu", params=replace(params, seed=12))
+    assert other.completion_ids != whole.completion_ids  # the seed keys the draw
+
+
 def test_uniforms_are_uniform_and_keyed():
     from longrl.rollout.sampling import uniform_for
 

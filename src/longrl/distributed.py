@@ -4,12 +4,14 @@ gradient engine (DDP for replicated weights, FSDP2 ``fully_shard`` per decoder l
 N ranks take the single-process step on the same global batch:
 
   prompts     the step's P prompts (drawn from one global stream) are cut in N contiguous blocks
-              (:func:`shard`); rank r samples, scores and computes group advantages for its block, so a
-              prompt's G completions never leave their rank
+              (:func:`shard`; with several optimizer steps per rollout batch, each step's, :func:`rank_prompts`);
+              rank r samples, scores and computes group advantages for its block, so a prompt's G completions
+              never leave their rank
   sampling    the sampler keys its random numbers by (seed, global sequence index, position), so a rank
-              samples the tokens one process would (``SamplingParams.sequence_offset``)
-  statistics  everything global (loss-weight normalisers, batch reward std, metrics) is a sum of per-rank
-              sums: :meth:`World.all_sum` (identity in one process)
+              samples the tokens one process would (``SamplingParams.sequence_ids``; both backends)
+  statistics  everything global (loss-weight normalisers, batch reward statistics, the entropy bonus's
+              normaliser, metrics) is a sum of per-rank sums: :meth:`World.all_sum` (identity in one process);
+              the high-entropy quantile is taken over every rank's entropies (:meth:`World.all_gather_cat`)
   gradients   each rank's loss is its share of the global loss Σ ω ℓ, so the global gradient is the *sum*
               of the ranks' gradients: DDP with a summing communication hook, or FSDP2 with divide factor 1
 
@@ -79,6 +81,18 @@ class World:
         slots[self.rank] = float(value)
         return self.all_sum(slots).tolist()
 
+    def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:
+        """[Σ_r n_r] the 1-D tensors ``t`` [n_r] of every rank, concatenated in rank order (in t's dtype, on t's
+        device; the sizes may differ); ``t`` itself in one process."""
+        if not self.distributed:
+            return t
+        sizes = [int(n) for n in self.gather_floats(t.numel())]
+        buf = torch.zeros(max(sizes), dtype=t.dtype, device=self.comm_device)
+        buf[:t.numel()] = t.detach().reshape(-1)
+        parts = [torch.empty_like(buf) for _ in sizes]
+        dist.all_gather(parts, buf)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(t.device)
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
@@ -104,6 +118,15 @@ def shard(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of rank's contiguous block when ``num_items`` are cut in ``world_size`` blocks whose sizes
     differ by at most one (the first ranks get fewer when the cut is uneven)."""
     return num_items * rank // world_size, num_items * (rank + 1) // world_size
+
+
+def rank_prompts(prompts_per_step: int, steps: int, rank: int, world_size: int) -> list[int]:
+    """Positions, in a rollout batch of ``steps`` optimizer steps of ``prompts_per_step`` prompts (step s owns
+    positions [s·P, (s+1)·P)), of the prompts rank ``rank`` samples: its :func:`shard` of every step, in order. Each
+    rank then holds the same number of prompts of every step, and a step's rows are a contiguous block of its
+    rollout batch, as in one process."""
+    first, stop = shard(prompts_per_step, rank, world_size)
+    return [s * prompts_per_step + i for s in range(steps) for i in range(first, stop)]
 
 
 def launched_by_torchrun() -> bool:
@@ -138,27 +161,13 @@ def init_world(device: str = "auto", timeout_s: float = 600.0) -> tuple[World, s
 
 
 def unsupported_with_ranks(cfg, world: World) -> None:
-    """ConfigError, before anything loads, for what several ranks cannot yet take as one process would: fewer
-    prompts than ranks, and the whole-step statistics not yet reduced across ranks (a quantile, the entropy
-    bonus's normaliser, GDPO's batch normalisation, several optimizer steps per rollout batch)."""
+    """ConfigError, before anything loads, for fewer prompts per step than ranks (each rank samples whole groups)."""
     from .config import ConfigError
 
-    if world.world_size == 1:
-        return
     n = world.world_size
-    if cfg.train.prompts_per_step < n:
+    if n > 1 and cfg.train.prompts_per_step < n:
         raise ConfigError(f"config key 'train.prompts_per_step': got {cfg.train.prompts_per_step}; allowed: at least "
                           f"the number of processes ({n}): each samples whole groups")
-    g = cfg.grpo
-    refused = [(g.steps_per_generation != 1, "grpo.steps_per_generation", g.steps_per_generation, "1"),
-               (g.top_entropy_quantile < 1.0, "grpo.top_entropy_quantile", g.top_entropy_quantile, "1.0"),
-               (g.entropy_coef != 0.0, "grpo.entropy_coef", g.entropy_coef, "0.0"),
-               (g.multi_objective_aggregation != "sum_then_normalize", "grpo.multi_objective_aggregation",
-                g.multi_objective_aggregation, "sum_then_normalize")]
-    for bad, key, value, allowed in refused:
-        if bad:
-            raise ConfigError(f"config key '{key}': got {value!r}; with {n} processes only {allowed} for now (its "
-                              "whole-step statistic is not yet reduced across processes); run on one process")
 
 
 def shutdown() -> None:

@@ -27,7 +27,7 @@ from .checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, CheckpointWriteE
 from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
 from .distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
-                          is_sharded, lockstep, save_sharded_optimizer, shard, unsupported_with_ranks)
+                          is_sharded, lockstep, rank_prompts, save_sharded_optimizer, unsupported_with_ranks)
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, token_budget_groups
 from .memory.layout import budget_bytes
@@ -298,15 +298,18 @@ class GRPOTrainer:
                     if main and cfg.output.log_completions and (self.step_idx % cfg.output.logging_steps == 0
                                                                 or self.step_idx == 1):
                         reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
-                    reason = guards.after_step(self.step_idx, nonfinite, has_learning_signal(
-                        self.batch.advantages, self.batch.mask) if new_batch else None)
-                    if signals.received is not None and stop is None:
-                        stop = (f"stopped by {signal_name(signals.received)}", 128 + signals.received)
+                    # every rank takes the same decisions: a signal, a guard, a save by the clock of any rank
+                    received, save_due, signal = self._agreed(signals.received, guards.save_due(self.step_idx),
+                                                              new_batch and has_learning_signal(self.batch.advantages,
+                                                                                                self.batch.mask))
+                    reason = guards.after_step(self.step_idx, nonfinite, signal if new_batch else None)
+                    if received is not None and stop is None:
+                        stop = (f"stopped by {signal_name(received)}", 128 + received)
                     elif reason and stop is None:
                         stop = (f"stopped: {reason}", EXIT_GUARD)
                     if self.step_idx % per_rollout:  # checkpoints fall between rollout batches
                         continue
-                    if stop or guards.save_due(self.step_idx):
+                    if stop or save_due:
                         if self._save_or_stop(guards) is not None and main:
                             reporter.plot()
                     if stop:
@@ -321,6 +324,13 @@ class GRPOTrainer:
                 self.run_lock.release()
         notify(self.callbacks, "on_train_end", history)
         return history
+
+    def _agreed(self, received: int | None, save_due: bool, signal: bool) -> tuple[int | None, bool, bool]:
+        """(signal received, save due, learning signal) of any rank, on every rank (one process: as given)."""
+        if self.world.world_size == 1:
+            return received, save_due, signal
+        any_rank = self.world.max_floats({"received": received or 0, "save_due": save_due, "signal": signal})
+        return int(any_rank["received"]) or None, bool(any_rank["save_due"]), bool(any_rank["signal"])
 
     def _save_or_stop(self, guards: RunGuards) -> Path | None:
         """Save; a write that fails (disk full) stops the run, or with ``output.on_save_error=continue`` is
@@ -434,19 +444,22 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ phases
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
-        rows_idx = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)  # global
-        first, stop = shard(len(rows_idx), self.world.rank, self.world.world_size)
-        rows_idx = rows_idx[first:stop]  # this rank's: whole groups, sequences first·G ... stop·G − 1 of the step
+        drawn = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)  # global
+        # this rank's prompts (whole groups) of every optimizer step of the batch, and their global sequence ids
+        mine = rank_prompts(cfg.train.prompts_per_step, cfg.grpo.steps_per_generation, self.world.rank,
+                            self.world.world_size)
+        rows_idx = [drawn[p] for p in mine]
+        params = self._sampling_params(tuple(p * G + k for p in mine for k in range(G)))
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
         agent = None
         with self._phase("generation"), full_weights(self.policy):
             if self.agents is not None:  # multi-turn episodes (agents/rollout.py)
-                agent = self.agents.generate(self.rollout_sampler, rows, G, self._sampling_params())
+                agent = self.agents.generate(self.rollout_sampler, rows, G, params)
                 rollout = agent.rollout
             else:
-                rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation,
-                                 self._sampling_params(sequence_offset=first * G), self.rollout_sampler, self.device)
+                rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, params,
+                                 self.rollout_sampler, self.device)
         prompts, completions, columns = reward_inputs(rows, self.data.prompt_column, G, self.tokenizer, rollout)
         if agent is not None:  # the prompts the episodes opened with, their trajectories as messages with roles
             prompts, completions = agent.prompts, agent.completions
@@ -458,7 +471,8 @@ class GRPOTrainer:
             log.warning(line)
         if cfg.grpo.multi_objective_aggregation == "normalize_then_sum":
             weights_f = torch.tensor([w for _, _, w in self.scorer.functions], dtype=torch.float32)
-            advantages = decoupled_group_advantages(per_function, weights_f, G, invalid=torch.isnan(rewards))
+            advantages = decoupled_group_advantages(per_function, weights_f, G, invalid=torch.isnan(rewards),
+                                                    all_sum=self.world.all_sum)
         else:
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards, all_sum=self.world.all_sum)
         width = max(len(c) for c in rollout.completion_ids)
@@ -522,9 +536,9 @@ class GRPOTrainer:
             self.scorer.functions.append(("environment_reward", environment_reward, 1.0))
         return agents
 
-    def _sampling_params(self, sequence_offset: int = 0) -> SamplingParams:
+    def _sampling_params(self, sequence_ids: tuple[int, ...] = ()) -> SamplingParams:
         params = sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
-        return dataclasses.replace(params, sequence_offset=sequence_offset)  # a rank's first global sequence
+        return dataclasses.replace(params, sequence_ids=sequence_ids)  # a rank's sequences' global ids
 
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train
@@ -565,10 +579,12 @@ class GRPOTrainer:
             with self._policy_forward():
                 _, entropy = self._logprobs([b.prompt_ids[i] for i in rows], [b.completion_ids[i] for i in rows],
                                             mask.shape[1], with_entropy=True)
-            keep = high_entropy_mask(entropy, mask, g.top_entropy_quantile).to(mask.dtype)
+            keep = high_entropy_mask(entropy, mask, g.top_entropy_quantile,  # over every rank's tokens
+                                     all_gather=self.world.all_gather_cat).to(mask.dtype)
         bonus = None
         if g.entropy_coef != 0.0:
-            bonus = g.entropy_coef * entropy_bonus_weights(mask if keep is None else mask * keep)
+            bonus = g.entropy_coef * entropy_bonus_weights(mask if keep is None else mask * keep,
+                                                           all_sum=self.world.all_sum)
         return keep, bonus
 
     def _policy_update(self, b: RolloutBatch, rows: list[int] | None = None) -> dict:

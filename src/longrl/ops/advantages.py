@@ -18,8 +18,8 @@ weighted sum over the whole rollout batch:
 (functions that returned None for a sample are left out of its sum; scale_rewards does not apply).
 
 ``all_sum`` (a function summing a tensor over data-parallel ranks; None in one process) makes σ of
-``scale_rewards="batch"`` the std over the global batch; group statistics never need it (a group stays on
-one rank).
+``scale_rewards="batch"`` and GDPO's μ(s), σ(s) the global batch's; group statistics never need it (a group
+stays on one rank).
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
 
 
 def decoupled_group_advantages(rewards_per_function: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                               invalid: torch.Tensor | None = None) -> torch.Tensor:
+                               invalid: torch.Tensor | None = None, all_sum=None) -> torch.Tensor:
     """GDPO advantages [P·G] from per-function rewards [P·G, F] (NaN: not applicable) and weights [F].
 
     invalid [P·G] (bool): samples with no learning signal (a reward function failed): A = 0, left out of μ, σ.
-    The batch statistics are over the whole rollout batch, all of its optimizer steps.
+    The batch statistics are over the whole rollout batch, all of its optimizer steps (``all_sum``: of every rank).
     """
     n, f = rewards_per_function.shape
     if n % num_generations:
@@ -78,8 +78,9 @@ def decoupled_group_advantages(rewards_per_function: torch.Tensor, weights: torc
     if invalid is not None:
         total[invalid] = float("nan")
     ok = ~torch.isnan(total)
-    centred = total - (total[ok].mean() if ok.any() else 0.0)
-    scaled = centred / (_nanstd(total, dim=0) + 1e-4)
+    batch = all_sum or (lambda t: t)
+    mean = batch(torch.nansum(total, 0, keepdim=True)) / batch(ok.sum(0, keepdim=True)).clamp(min=1)  # [1]
+    scaled = (total - mean) / (_nanstd(total, dim=0, all_sum=all_sum) + 1e-4)
     return torch.where(ok, scaled, torch.zeros_like(scaled))
 
 

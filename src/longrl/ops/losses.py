@@ -214,29 +214,36 @@ def off_policy_sequence_mask(advantages: torch.Tensor, logps: torch.Tensor, samp
     return ((advantages[:, None] >= 0) | (mean_kl <= threshold)).to(logps.dtype)
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float,
+                      all_gather=None) -> torch.Tensor:
     """The top-ρ tokens by entropy [B, T] (bool): H ≥ the (1 − ρ) quantile of H over the masked tokens.
 
     entropies, mask: [B, T], the whole optimizer step's (the threshold is a statistic of the step, so it must
     not be taken per micro-batch). ρ = 0 keeps the highest-entropy token(s), ρ = 1 every token. Quantiles
     interpolate linearly, as torch.quantile (and TRL) do; by a sort, since torch.quantile refuses more than 2^24
-    values (a long-context step can have more tokens).
+    values (a long-context step can have more tokens). ``all_gather``: this rank's rows of a data-parallel step (a
+    function concatenating a 1-D tensor over the ranks; None in one process): the quantile of every rank's tokens.
     """
     valid = mask.bool()
-    if not valid.any():
+    values = entropies[valid]  # [n] this rank's
+    if all_gather is not None:
+        values = all_gather(values)  # [N] the step's, every rank's
+    if values.numel() == 0:
         return torch.zeros_like(valid)
-    values = entropies[valid].sort().values  # [N]
+    values = values.sort().values
     rank = (1.0 - top_quantile) * (values.numel() - 1)
     below = math.floor(rank)
     threshold = torch.lerp(values[below], values[min(below + 1, values.numel() - 1)], rank - below)
     return (entropies >= threshold) & valid
 
 
-def entropy_bonus_weights(mask: torch.Tensor, steps_per_generation: int = 1) -> torch.Tensor:
-    """Weights [S·B, T] of the entropy bonus: each step's mean over its kept tokens, m / Σ_step m."""
+def entropy_bonus_weights(mask: torch.Tensor, steps_per_generation: int = 1, all_sum=None) -> torch.Tensor:
+    """Weights [S·B, T] of the entropy bonus: each step's mean over its kept tokens, m / Σ_step m (``all_sum``: the
+    sum over the ranks of a data-parallel step too, as in :func:`loss_token_weights`)."""
+    total = all_sum or (lambda t: t)
     rows, width = mask.shape
     steps = mask.view(steps_per_generation, rows // steps_per_generation, width)
-    return (steps / steps.sum((1, 2), keepdim=True).clamp(min=1.0)).reshape(rows, width)
+    return (steps / total(steps.sum((1, 2), keepdim=True)).clamp(min=1.0)).reshape(rows, width)
 
 
 def _where(cond: torch.Tensor, a: float, b: float, like: torch.Tensor) -> torch.Tensor:

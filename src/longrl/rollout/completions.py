@@ -44,15 +44,15 @@ def inference_sampler(model, tokenizer, gen, max_length: int) -> Sampler | None:
 def sample(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen, params: SamplingParams,
            sampler: Sampler | None, device) -> Rollout:
     """``num_generations`` completions per prompt (contiguous per prompt) through ``sampler``, or through
-    transformers' generate when it is None (with ``gen``'s settings; ``params`` then gives only the length and
-    temperature)."""
+    transformers' generate when it is None (with ``gen``'s settings; ``params`` then gives only the length, the
+    temperature, the seed and the sequence ids)."""
     if sampler is not None:
         return sampler.generate(prompt_ids, num_generations, params)
     if params.max_new_tokens != gen.max_completion_length or params.temperature != gen.temperature:
         from dataclasses import replace
 
         gen = replace(gen, max_completion_length=params.max_new_tokens, temperature=params.temperature)
-    return generate_completions(model, tokenizer, prompt_ids, num_generations, gen, device)
+    return generate_completions(model, tokenizer, prompt_ids, num_generations, gen, device, params=params)
 
 
 def reward_inputs(rows: list[dict], prompt_column: str, num_generations: int, tokenizer, rollout: Rollout):

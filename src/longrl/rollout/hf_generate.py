@@ -1,12 +1,20 @@
-"""Rollouts through transformers' ``generate`` on the training weights (LoRA applied, no second copy)."""
+"""Rollouts through transformers' ``generate`` on the training weights (LoRA applied, no second copy).
+
+Tokens are drawn as longrl's sampler draws them (``sampling.next_tokens``: repetition penalty, temperature, top-k,
+top-p, min-p, then one uniform number keyed by (seed, global sequence id, position)), inside a logits processor
+that leaves only the drawn token possible, so that ``generate``'s greedy pick returns it. A completion therefore
+depends on its sequence id and not on its batch, its rank or its order: data-parallel ranks sample what one
+process samples, as with longrl's sampler.
+"""
 
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor
 
 from ..policy import compute_context
 from .sampler import Rollout
-from .sampling import stop_index, stop_token_ids
+from .sampling import SamplingParams, next_tokens, stop_index, stop_token_ids
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,21 +27,47 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     return ids.to(device), mask.to(device)
 
 
+class KeyedDraw(LogitsProcessor):
+    """The next token of each row drawn by ``sampling.next_tokens`` (keyed by the rows' global sequence ids and
+    the number of tokens generated so far); the scores returned are 0 at it and −inf elsewhere."""
+
+    def __init__(self, params: SamplingParams, sequence_ids: list[int], prompt_starts: list[int], width: int,
+                 device):
+        self.params, self.width = params, width  # width: the left-padded prompts' length
+        self.sequences = torch.tensor(sequence_ids, dtype=torch.long, device=device)  # [B]
+        self.starts = torch.tensor(prompt_starts, dtype=torch.long, device=device)[:, None]  # [B, 1] first real token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        seen = None
+        if self.params.repetition_penalty != 1.0:  # the tokens of each row's prompt and completion (not its padding)
+            real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] >= self.starts  # [B, W]
+            seen = torch.zeros(scores.shape, dtype=torch.long, device=scores.device).scatter_add_(
+                1, input_ids, real.long()) > 0  # [B, V]
+        position = torch.full_like(self.sequences, input_ids.shape[1] - self.width)  # [B] tokens generated so far
+        tokens, _ = next_tokens(scores, self.params, self.sequences, position, seen)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen_cfg,
-                         device, batch_size: int = 256) -> Rollout:
+                         device, batch_size: int = 256, params: SamplingParams | None = None) -> Rollout:
     """``num_generations`` sampled completions per prompt (contiguous per prompt), in eval mode. Honours the
-    same stop rules as longrl's sampler: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop_strings``."""
-    from transformers import GenerationConfig
+    same stop rules as longrl's sampler: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop_strings``.
+    ``params``: the seed and the sequences' global ids (``sequence_ids``) that key the draws (None: ``gen_cfg``'s
+    settings with a seed drawn from torch's generator); the sampling settings are always ``gen_cfg``'s."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
+    from .completions import sampling_params
+
+    seed = params.seed if params is not None else int(torch.randint(2 ** 62, ()))
+    keyed = sampling_params(gen_cfg, tokenizer, seed=seed)
     stop_ids = set(stop_token_ids(gen_cfg, tokenizer))
     stop_strings = tuple(gen_cfg.stop_strings)
     generation_config = GenerationConfig(
-        do_sample=True, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
-        top_k=gen_cfg.top_k or None, min_p=gen_cfg.min_p or None, repetition_penalty=gen_cfg.repetition_penalty,
-        max_new_tokens=gen_cfg.max_completion_length, eos_token_id=sorted(stop_ids) or None,
+        do_sample=False, max_new_tokens=gen_cfg.max_completion_length, eos_token_id=sorted(stop_ids),
         pad_token_id=tokenizer.pad_token_id, use_cache=True,
-    )  # stop strings are cut afterwards: transformers' StopStringCriteria cannot read every tokenizer's vocab
+    )  # [] (ignore_eos, no stop ids): no stop, not the model's EOS. The draw is KeyedDraw's; stop strings are cut
+    # afterwards: transformers' StopStringCriteria cannot read every tokenizer's vocab
     expanded = [p for p in prompt_ids for _ in range(num_generations)]
     was_training = model.training
     model.eval()
@@ -42,8 +76,11 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
         for start in range(0, len(expanded), batch_size):
             chunk = expanded[start:start + batch_size]
             ids, mask = _left_pad(chunk, tokenizer.pad_token_id, device)
+            draw = KeyedDraw(keyed, [params.sequence_id(start + i) if params else start + i for i in range(len(chunk))],
+                             [ids.shape[1] - len(p) for p in chunk], ids.shape[1], ids.device)
             with compute_context(model):
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                                     logits_processor=LogitsProcessorList([draw]))
             for row in out[:, ids.shape[1]:].tolist():
                 cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
                 j = stop_index(row[:cut], stop_strings, tokenizer.decode)

@@ -230,7 +230,7 @@ class _Run:
         self.members = torch.full((self.P, G), -1, **long)  # slots reading each prefix entry (grouped kernel)
         self.entry_len = torch.zeros(self.P, **long)
         self.logits_buf = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
-        self.seq_id = torch.zeros(S, **long)  # the sequence in each slot (offset + 0..N-1): keys its random numbers
+        self.seq_id = torch.zeros(S, **long)  # the sequence in each slot (its global id): keys its random numbers
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
         self.buckets = batch_buckets(S)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -387,7 +387,7 @@ class _Run:
             for slot, p in zip(slots.tolist(), prompts):
                 self.seen[slot, torch.tensor(self.prompts[p], device=dev)] = True
             seen = self.seen[slots]
-        sequences = torch.tensor([a[1] + self.params.sequence_offset for a in admitted], device=dev)  # global ids
+        sequences = torch.tensor([self.params.sequence_id(a[1]) for a in admitted], device=dev)  # global ids
         self.seq_id[slots] = sequences
         tok, lp = next_tokens(self.prompt_logits[entry], self.params, sequences, torch.zeros_like(sequences), seen)
         self.tokens[slots, 0], self.logps[slots, 0] = tok, lp

@@ -33,7 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end a sequence (the stop token is kept, as EOS is)
     stop_strings: tuple[str, ...] = ()  # end a sequence at the token that completes the string
     seed: int = 0
-    sequence_offset: int = 0  # index of the first sequence in the whole batch (a data-parallel rank's share)
+    sequence_ids: tuple[int, ...] = ()  # global id of each sequence (a data-parallel rank's share); () : 0, 1, ...
 
     def __post_init__(self):
         checks = [(self.max_new_tokens >= 1, "max_new_tokens", ">= 1"), (self.temperature >= 0, "temperature", ">= 0"),
@@ -47,6 +47,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def sequence_id(self, index: int) -> int:
+        """The global id (which keys the random numbers) of the batch's sequence ``index``."""
+        return self.sequence_ids[index] if self.sequence_ids else index
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
