@@ -83,6 +83,8 @@
 #              unsloth_zoo, trl 1.15, datasets 4.x and their pure-Python needs, unpacked)
 #   sftslope_us  the same lengths through Unsloth (benchmarks/sft_unsloth.py, its own process) (~4 min)
 #   sftslope4 / sftslope4_us  the same with an NF4 base (longrl / Unsloth) (~2.5 / ~3.5 min)
+#   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
+#              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
 #   scale1     benchmarks/grpo_scale.py, 8B LoRA, 1 prompt x 8 x 20,480 (the 20,480 x 8 step with its rollout), 2 steps:
 #              the distributed path at world size 1 (torchrun, DDP) beside the one-process path (~5 min)
 set -u
@@ -218,6 +220,11 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl --offload-all --reps 1 --tag _slope ;;
         sftslope4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope4_us 220 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --lengths "${SFT_LENGTHS:-16384,32768,65536}" --reps 1 --tag _slope ;;
+        sftcap4) stage sft_cap4 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit --cap-gib 24 \
+            --lengths "${CAP_LENGTHS:-12288,12288,49152,98304,131072,147456}" --impls longrl --reps 0 --tag "_cap24${CAPTAG:-}" ;;
+        sftcap4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \
+            --shape llama-3.1-8b --load-in-4bit --cap-gib 24 --reps 0 --tag _cap24 \
+            --lengths "${CAP_LENGTHS_US:-12288,12288,24576,49152,65536,81920,98304}" ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 260 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \

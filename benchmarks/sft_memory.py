@@ -33,10 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import longrl  # noqa: E402,F401  (first: its allocator default, longrl/allocator.py, as the longrl command has it)
+import torch  # noqa: E402
 
 import trl_baseline as tb  # noqa: E402
 
@@ -137,6 +138,7 @@ def slope_gib_per_1k(rows: list[dict], row: dict) -> float | None:
 def write_results(args, rows: list[dict], cuda: bool, extra_meta: dict | None = None) -> list[str]:
     """The table so far, as markdown and JSON (rewritten after every row: a run cut short keeps what it measured)."""
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+            "allocator": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "torch": torch.__version__, "shape": args.shape, "base": "nf4" if args.load_in_4bit else "bf16",
             "cap_gib": args.cap_gib or None, "offload_all": args.offload_all, **(extra_meta or {})}
@@ -217,6 +219,7 @@ def main():
     free = budget_free_bytes(args.cap_gib) if cuda else 64 * GIB
     impls = args.impls.split(",")
     failed: set[str] = set()
+    planner_refused: set[int] = set()
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
         g = torch.Generator().manual_seed(length)
@@ -226,10 +229,13 @@ def main():
             plan = make_plan(shape, sequence_lengths=[length], lora_r=32, weight_bytes=weight_bytes,
                              gpu_free_bytes=free,
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                             offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available(), **pins)
-        except PlanError as e:
-            print(f"--- {length}: the planner refuses ({e}); measuring anyway untiled", flush=True)
-            plan = Plan(length, 0, True, args.chunk, 0, 0, {}, args.mlp_tile if args.offload_all else None)
+                             offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available(),
+                             fused_norms=cuda and triton_available(), **pins)
+        except PlanError as e:  # measured anyway in the leanest layout: the run says whether the planner was right
+            print(f"--- {length}: the planner refuses ({e}); measuring anyway with no resident layer inputs and "
+                  f"MLP tiles of {args.mlp_tile}", flush=True)
+            plan = Plan(length, 0, True, args.chunk, 0, 0, {}, args.mlp_tile)
+            planner_refused.add(length)
         print(f"--- {length}: resident {plan.gpu_resident_layers}, MLP tile {plan.mlp_tile_tokens}", flush=True)
         for impl in impls:
             if impl in failed:
@@ -254,7 +260,8 @@ def main():
             r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)
             if impl == "longrl":
-                r.update(layout=f"resident {plan.gpu_resident_layers}, tile {plan.mlp_tile_tokens or 0}",
+                r.update(layout=f"resident {plan.gpu_resident_layers}, tile {plan.mlp_tile_tokens or 0}"
+                         + (" (planner refused)" if length in planner_refused else ""),
                          planner_gib=plan.predicted_gpu_bytes / GIB)
             rows.append(r)
             print(json.dumps(r), flush=True)

@@ -304,7 +304,8 @@ def test_without_checkpointing_every_layers_activations_are_counted():
 
     plain, checkpointed = plan(False), plan(True)
     T, r = plain.micro_batch_tokens, LoraConfig().r  # the default rank
-    per_layer = layer_kept_bytes(LLAMA_8B, T, 2, tile=T, lora_r=r, offload=False) + 3 * T * 14336 * 2
+    # a GPU run of a Llama model: the fused RMSNorm kernels keep 16-bit inputs (planner.fused_norms_apply)
+    per_layer = layer_kept_bytes(LLAMA_8B, T, 2, tile=T, lora_r=r, offload=False, norm_bytes=2) + 3 * T * 14336 * 2
     assert plain.parts_gpu_bytes["activations of the other layers"] == 31 * per_layer
     assert "activations of the other layers" not in checkpointed.parts_gpu_bytes
     assert plain.predicted_gpu_bytes > checkpointed.predicted_gpu_bytes + 31 * per_layer * 0.99
@@ -493,3 +494,32 @@ def test_plan_for_one_gpu_of_a_data_parallel_job():
     lora_one, lora_three = (plan_for_config(cfg("true"), llama, 139 * GIB, world_size=n) for n in (1, 3))
     assert lora_three.parts_gpu_bytes["base weights"] == lora_one.parts_gpu_bytes["base weights"]
     assert lora_three.rollout.sequences == 3 * 8  # ⌈8 / 3⌉ prompts of 8 completions on the busiest rank
+
+
+def test_fused_rmsnorm_kernels_keep_16_bit_inputs_in_the_prediction():
+    """With the fused RMSNorm kernels (ops/rmsnorm.py) the layer keeps the norms' 16-bit inputs instead of float32
+    copies, and their backward writes one [T, H] gradient instead of five float32 temporaries: per token the kept
+    bytes fall by 2·H·(4 − 2), and the backward's largest transient is the attention's, not the norm's. The
+    planner applies it to GPU runs of Llama-family models with model.fused_layers on."""
+    from types import SimpleNamespace
+
+    from longrl.memory.planner import (attention_backward_bytes, fused_norms_apply, layer_kept_bytes, predict)
+
+    T, h = 8192, LLAMA_8B.hidden
+    plain = layer_kept_bytes(LLAMA_8B, T, 2, tile=1024, lora_r=32, offload=True)
+    fused = layer_kept_bytes(LLAMA_8B, T, 2, tile=1024, lora_r=32, offload=True, norm_bytes=2)
+    assert plain - fused == T * 2 * h * (4 - 2)
+    common = dict(tokens=T, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024, mlp_tile=1024,
+                  logprob_kernel=True)
+    _, _, parts_plain = predict(LLAMA_8B, **common)
+    _, _, parts_fused = predict(LLAMA_8B, **common, fused_norms=True)
+    transient = parts_fused["layer recompute"] - fused
+    assert transient == attention_backward_bytes(T, h, LLAMA_8B.q_dim, LLAMA_8B.kv_dim, 2, norm_bytes=2)
+    assert parts_plain["layer recompute"] - plain == 5 * T * h * 4  # transformers' norm backward was the largest
+    run = SimpleNamespace(model=SimpleNamespace(fused_layers=True, device="auto"))
+    llama, gemma = SimpleNamespace(model_type="llama"), SimpleNamespace(model_type="gemma2")
+    assert fused_norms_apply(run, llama) and not fused_norms_apply(run, gemma)
+    run.model.device = "cpu"
+    assert not fused_norms_apply(run, llama)
+    run.model.device, run.model.fused_layers = "cuda", False
+    assert not fused_norms_apply(run, llama)

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import importlib
 
+from .allocator import default_allocator_settings
+
 __version__ = "0.1.0"
+
+default_allocator_settings()  # expandable segments unless the user configured the allocator (allocator.py)
 
 # public name → the module that defines it
 _LAZY = {

@@ -295,7 +295,7 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
             chunk: int, optimizer: bool = True, trainable_head: bool = False, trainable_base: bool = False,
             mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
             compute_bytes: int | None = None, checkpointing: bool = True,
-            logprob_kernel: bool = False, weight_shards: int = 1) -> tuple[int, int, dict]:
+            logprob_kernel: bool = False, weight_shards: int = 1, fused_norms: bool = False) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
@@ -308,8 +308,10 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     from the checkpointed terms, not measured on a GPU). ``logprob_kernel``: the log-prob backward through the row
     kernels (see the module docstring). ``weight_shards`` > 1: FSDP2 over that many ranks holds 1/N of the base
     weights, their gradients and Adam's moments, plus the full weights of the root (embeddings, head) and of two
-    decoder layers at a time (the one computing and the one prefetched)."""
+    decoder layers at a time (the one computing and the one prefetched). ``fused_norms``: the RMSNorms run as the
+    fused kernels (ops/rmsnorm.py: the 16-bit input and a float32 r per row kept, no float32 copies of x)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
+    n = b if fused_norms else F32  # bytes an RMSNorm keeps per element of its input
     L = shape.layers
     resident = L if not offload else min(gpu_resident, L)
     per_input = shape.saved_bytes_per_token(b, reuse_attention)
@@ -319,9 +321,12 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
         "layer inputs on GPU": tokens * per_input * inputs_live(L, offload, resident),
         "layer recompute": layer_backward_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload,
-                                                repeat_kv=repeat_kv),
-        "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b, logprob_kernel),
+                                                repeat_kv=repeat_kv, norm_bytes=n),
+        "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b, logprob_kernel,
+                                                    norm_bytes=n),
     }
+    if weight_bytes < 2:  # a 4-bit base: bitsandbytes dequantizes each product's weight, forward and backward
+        parts["NF4 dequantized weights"] = 2 * shape.hidden * max(shape.intermediate, shape.q_dim) * b
     if trainable_head:
         parts["LoRA (+grads, Adam)"] += shape.vocab * shape.hidden * 4 * 4
     if trainable_base:
@@ -332,7 +337,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         root = shape.base_params() - shape.layers * shape.layer_params()
         parts["FSDP2 unsharded root + 2 layers"] = int((root + 2 * shape.layer_params()) * weight_bytes)
     if not (checkpointing or offload):
-        kept = layer_kept_bytes(shape, tokens, b, tile=tokens, lora_r=lora_r, offload=False, repeat_kv=repeat_kv)
+        kept = layer_kept_bytes(shape, tokens, b, tile=tokens, lora_r=lora_r, offload=False, repeat_kv=repeat_kv,
+                                norm_bytes=n)
         parts["activations of the other layers"] = (L - 1) * (kept + 3 * tokens * shape.intermediate * b)
     host = (L - resident) * tokens * per_input if offload else 0
     not_together = min(parts["layer recompute"], parts["log-prob backward"])  # sequential in backward
@@ -353,18 +359,20 @@ def inputs_live(layers: int, offload: bool, resident: int) -> int:
 
 
 def layer_backward_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
-                         repeat_kv: bool = False) -> int:
+                         repeat_kv: bool = False, norm_bytes: int = F32) -> int:
     """One layer recomputed and backpropagated: what the recompute keeps through the backward, plus the largest
-    transient of the backward (MLP tile, RMSNorm or attention; module docstring)."""
+    transient of the backward (MLP tile, RMSNorm or attention; module docstring). ``norm_bytes``: what an RMSNorm
+    keeps per element of its input, 4 (transformers' float32 copy) or b (the fused kernel)."""
     h, i, q = shape.hidden, shape.intermediate, shape.q_dim
     kv = q if repeat_kv else shape.kv_dim
-    kept = layer_kept_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload, repeat_kv=repeat_kv)
-    return kept + max(mlp_backward_bytes(tokens, tile, h, i, b), norm_backward_bytes(tokens, h),
-                      attention_backward_bytes(tokens, h, q, kv, b))
+    kept = layer_kept_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload, repeat_kv=repeat_kv,
+                            norm_bytes=norm_bytes)
+    return kept + max(mlp_backward_bytes(tokens, tile, h, i, b), norm_backward_bytes(tokens, h, b, norm_bytes),
+                      attention_backward_bytes(tokens, h, q, kv, b, norm_bytes))
 
 
 def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
-                     repeat_kv: bool = False) -> int:
+                     repeat_kv: bool = False, norm_bytes: int = F32) -> int:
     """What a layer's recompute keeps until its backward is done, T tokens, MLP tiles of t (module docstring):
 
         T × (2 H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b"""
@@ -372,7 +380,8 @@ def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_
     heads = shape.query_heads
     kv = q if repeat_kv else shape.kv_dim
     per_token = (h * b * (2 if offload else 1)  # the recomputed output (offloaded backward) and its gradient [T, H]
-                 + h * F32 * (2 if b < 4 else 1)  # both RMSNorm inputs in float32 [T, H]
+                 + h * norm_bytes * (1 if norm_bytes == b == F32 else 2)  # both RMSNorm inputs [T, H], float32
+                 # copies (for b = 4 the first is the layer input itself; fused kernels: the 16-bit inputs)
                  + h * b  # the input norm's output, q/k/v's LoRA input [T, H]
                  + 2 * q * b + 2 * kv * b + heads * F32  # q, attention output [T, Q]; k, v [T, K]; lse [heads, T]
                  + 2 * (q // heads) * b  # rotary cos, sin [T, D]
@@ -388,27 +397,29 @@ def mlp_backward_bytes(tokens: int, tile: int, h: int, i: int, b: int) -> int:
     return (tokens * h + 6 * tile * i + (tokens - tile) * h) * b
 
 
-def norm_backward_bytes(tokens: int, h: int) -> int:
+def norm_backward_bytes(tokens: int, h: int, b: int = 2, norm_bytes: int = F32) -> int:
     """An RMSNorm's backward in float32 (transformers' LlamaRMSNorm: x.to(float32), pow, mean, rsqrt), at its
     largest in pow's backward: x · rsqrt's input gradient, the mean's expanded gradient, and pow's x, 2 x and their
-    product with the gradient, 5 × [T, H] float32 at once."""
-    return 5 * tokens * h * F32
+    product with the gradient, 5 × [T, H] float32 at once. The fused kernel (``norm_bytes`` = b < 4) writes only
+    dx [T, H]: its float32 terms stay in registers."""
+    return tokens * h * b if norm_bytes < F32 else 5 * tokens * h * F32
 
 
-def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int) -> int:
+def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_bytes: int = F32) -> int:
     """The attention's backward: the residual's gradient [T, H] and the attention output's [T, Q], less the
     post-attention norm's float32 input [T, H] (freed by then), plus flash attention's own (PyTorch's flash_api.cpp
     mha_bwd): dq [T, Q], dk, dv [T, K], a float32 dq accumulator [T, Q], dk and dv expanded to the query heads
     [T, Q] each when K < Q."""
     flash = tokens * (q * b + 2 * kv * b + q * F32 + (2 * q * b if kv < q else 0))
-    return tokens * ((h + q) * b - h * F32) + flash
+    return tokens * ((h + q) * b - h * norm_bytes) + flash
 
 
-def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, kernel: bool = False) -> int:
+def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, kernel: bool = False,
+                           norm_bytes: int = F32) -> int:
     """The log-prob backward: the final RMSNorm's float32 input [T, H], the completion rows' hidden states and their
     gradient [≤ T, H], and one chunk's float32 logits, log-probs, probabilities and logit gradients [chunk, V]
     (with the row kernels: one chunk of logits in the compute dtype, overwritten by their gradient)."""
-    return tokens * h * F32 + 2 * tokens * h * b + (chunk * vocab * b if kernel else 4 * chunk * vocab * F32)
+    return tokens * h * norm_bytes + 2 * tokens * h * b + (chunk * vocab * b if kernel else 4 * chunk * vocab * F32)
 
 
 def choose_mlp_tile(tokens: int, fits) -> int | None:
@@ -428,17 +439,18 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
               trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False,
-              weight_shards: int = 1) -> Plan:
+              weight_shards: int = 1, fused_norms: bool = False) -> Plan:
     """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
     if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
-    ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``, ``weight_shards``: see
-    :func:`predict`."""
+    ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``, ``weight_shards``,
+    ``fused_norms``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
     # what predict() takes that no choice below changes
     step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
                 repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,
-                checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards)
+                checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards,
+                fused_norms=fused_norms)
 
     def cost(tokens, resident, tile=None):
         gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, **step)
@@ -524,6 +536,18 @@ def logprob_kernel_applies(cfg, model_config) -> bool:
     return str(cfg.model.device) != "cpu" and not softcap and cfg.model.dtype != "float64"
 
 
+FUSED_NORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # models/fused_layers.py: RMSNORM_CLASSES
+
+
+def fused_norms_apply(cfg, model_config) -> bool:
+    """Whether the run's RMSNorms take the fused kernels (model_setup enables them on CUDA with Triton, which GPU
+    installs of PyTorch carry): model.fused_layers on a GPU run (device auto counts as one, as in
+    logprob_kernel_applies) of a Llama-family model."""
+    text = getattr(model_config, "get_text_config", lambda: model_config)()
+    return (bool(cfg.model.fused_layers) and str(cfg.model.device) != "cpu"
+            and getattr(text, "model_type", "") in FUSED_NORM_MODEL_TYPES)
+
+
 # the no-recompute layout's prediction is an estimate from the checkpointed terms (predict): the auto layout takes
 # it only when it fits in this fraction of the memory, else it recomputes (offloaded checkpointing)
 NO_RECOMPUTE_SHARE = 0.6
@@ -570,7 +594,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 mlp_tile_tokens=cfg.train.mlp_tile_tokens, reuse_attention=cfg.model.reuse_attention,
                 repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
                 trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config),
-                weight_shards=shards)
+                weight_shards=shards, fused_norms=fused_norms_apply(cfg, model_config))
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
     try:
         plan = _first_fitting(shape, candidates, gpu_free_bytes, step)
