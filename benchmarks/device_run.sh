@@ -83,6 +83,8 @@
 #              unsloth_zoo, trl 1.15, datasets 4.x and their pure-Python needs, unpacked)
 #   sftslope_us  the same lengths through Unsloth (benchmarks/sft_unsloth.py, its own process) (~4 min)
 #   sftslope4 / sftslope4_us  the same with an NF4 base (longrl / Unsloth) (~2.5 / ~3.5 min)
+#   sftdefault longrl's SFT step in the planner's own layout (bf16; resident layer inputs where they fit), for time
+#              per token beside sftslope_us (~1.5 min)
 #   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
 #              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
 #   scale1     benchmarks/grpo_scale.py, 8B LoRA, 1 prompt x 8 x 20,480 (the 20,480 x 8 step with its rollout), 2 steps:
@@ -220,6 +222,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl --offload-all --reps 1 --tag _slope ;;
         sftslope4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope4_us 220 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --lengths "${SFT_LENGTHS:-16384,32768,65536}" --reps 1 --tag _slope ;;
+        sftdefault) stage sft_default 120 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
+            --lengths "${SFT_LENGTHS:-12288,24576,49152}" --reps 1 --tag _default ;;
         sftcap4) stage sft_cap4 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit --cap-gib 24 \
             --lengths "${CAP_LENGTHS:-12288,12288,49152,98304,131072,147456}" --impls longrl --reps 0 --tag "_cap24${CAPTAG:-}" ;;
         sftcap4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \
