@@ -4,10 +4,10 @@ or to call a lookup tool and use its answer over two turns (``tools``, tasks/too
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from .config import Config, DataConfig, EnvironmentConfig, GenerationConfig, GRPOLossConfig, LoraConfig, \
     ModelConfig, OutputConfig, RewardSpec, SFTSettings, TrainConfig
-
 
 
 def demo_config(task: str = "arithmetic") -> Config:
@@ -28,19 +28,18 @@ def demo_config(task: str = "arithmetic") -> Config:
 
 
 def tools_demo_config() -> Config:
-    """Two turns of one token each: call the lookup ('?'), then answer with what it returned (tasks/tools.py)."""
-    return Config(
-        model=ModelConfig(name_or_path="builtin:tiny-arith", dtype="float32", device="cpu"),
-        lora=LoraConfig(enabled=False),
-        data=DataConfig(source="task:lookup", num_examples=2000, max_prompt_length=8),
-        generation=GenerationConfig(max_completion_length=1, temperature=1.0),
-        grpo=GRPOLossConfig(num_generations=16, loss_type="dapo", beta=0.0, scale_rewards="group"),
-        train=TrainConfig(max_steps=150, prompts_per_step=16, micro_batch_size=256, learning_rate=1e-3,
-                          warmup_steps=5, max_grad_norm=1.0, seed=0),
+    """The arithmetic demo's model, loss and schedule on two turns of one token each: call the lookup ('?'), then
+    answer with what it returned (tasks/tools.py); shorter (150 steps), at a larger learning rate."""
+    base = demo_config()
+    return replace(
+        base,
+        data=replace(base.data, source="task:lookup", max_prompt_length=8),
+        generation=replace(base.generation, max_completion_length=1),
+        train=replace(base.train, max_steps=150, micro_batch_size=256, learning_rate=1e-3),
         rewards=[RewardSpec("longrl.tasks.tools:lookup_reward", 0.2),
                  RewardSpec("longrl.tasks.tools:answer_reward", 0.8)],
         environment=EnvironmentConfig(factory="longrl.tasks.tools:LookupEnvironment", max_turns=2, max_tokens=4),
-        output=OutputConfig(output_dir="longrl-demo-tools", logging_steps=10, save_steps=50),
+        output=replace(base.output, output_dir="longrl-demo-tools"),
     )
 
 
