@@ -20,15 +20,6 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 4]]
 STOP = (2, 6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread (spin-waiting OpenMP threads on a shared 2-core CPU slow them down many times)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class ScriptedHandler:
     """Appends 2–5 environment tokens after each turn (depending on sequence and turn); ends after ``turns``."""
 

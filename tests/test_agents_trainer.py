@@ -17,15 +17,6 @@ QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=
          "output.tensorboard=false", "output.save_steps=0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread (spin-waiting OpenMP threads on a shared 2-core CPU slow them down many times)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _tools_cfg(tmp_path, *overrides):
     return load_config(None, QUICK + [f"output.output_dir={tmp_path}", *overrides], base=demo_config("tools"))
 

@@ -21,15 +21,6 @@ from longrl.trainer import GRPOTrainer  # noqa: E402
 DAMAGED = "model.layers.1.self_attn.v_proj"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread (two spin-waiting OpenMP threads on a shared 2-core CPU make them ~100× slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _plant_outliers(model, name=DAMAGED, k=20.0):
     """One outlier of k·std in every block of 64 weights: NF4 scales each block by its absmax, so the other 63
     weights fall onto the few codes near zero."""
