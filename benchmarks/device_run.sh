@@ -70,6 +70,10 @@
 #              the query heads so cuDNN takes the GQA call: longrl_sdpa_mha) (~3 min; compare reuse20k)
 #   reuse20k   grpo_memory 8B 20,480 x 8, MLP tiles 4,096: offloaded vs offloaded + attention reuse, warmed, and
 #              the GPU gradient check (offload and reuse vs plain) on the 1.5B shape (~5 min)
+#   reusecheck attention reuse vs plain checkpointing per SDPA backend (PyTorch's order, flash, efficient, cuDNN),
+#              stacked and packed rows: noise floor (plain vs plain), offload, reuse, and reuse with the host copies
+#              made contiguous (the code before the fix) (benchmarks/reuse_gradient_check.py, 1.5B shape); then the
+#              reuse GPU tests of tests/test_memory_gpu.py (~1.5 min)
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; both under each
 #              launch choice of decode_attention_speed.SWEEP at 16K), whole-model 8B decode
@@ -240,6 +244,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         budget20k) stage budget20k 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
             --completion 19968 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
             --auto-layout ;;
+        reusecheck) stage reusecheck 150 python3 benchmarks/reuse_gradient_check.py --tag "${RCTAG:-h200}"
+            stage reuse_gpu 120 python3 -m pytest -q tests/test_memory_gpu.py -k reused ;;
         reuse20k) stage reuse20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl,longrl-reuse --mlp-tile 4096 --reps 1 --check-equality --tag reuse_20k ;;
         sdpa20k) stage sdpa20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

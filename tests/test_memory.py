@@ -340,6 +340,92 @@ def test_reused_attention_keeps_the_random_stream_of_the_layer(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), reuse
 
 
+def _causal_scores(q, k):
+    T = q.shape[2]
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+
+
+@torch.library.custom_op("longrl_test::bshd_attention", mutates_args=())
+def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stands for a fused CUDA attention kernel: q, k, v [B, H, T, D] → causal softmax(q kᵀ/√D) v as [B, H, T, D]
+    laid out in memory as [B, T, H, D] (as the flash, memory-efficient and cuDNN kernels write it), and the
+    log-sum-exp [B, H, T]."""
+    s = _causal_scores(q, k)
+    lse = s.logsumexp(-1)
+    return ((s - lse[..., None]).exp() @ v).transpose(1, 2).contiguous().transpose(1, 2), lse
+
+
+@_bshd_attention.register_fake
+def _(q, k, v):
+    return torch.empty_like(q), q.new_empty(q.shape[:3])
+
+
+def _bshd_attention_backward(ctx, d_out, d_lse):
+    """As the memory-efficient kernel's backward: it reads the output by the [B, T, H, D] strides its forward wrote
+    (PyTorch hands it the output's batch and head strides only; the token stride is H·D, hard-coded)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    B, H, T, D = out.shape
+    out_as_written = out.as_strided(out.shape, (T * H * D, D, H * D, 1), out.storage_offset())
+    p = (_causal_scores(q, k) - lse[..., None]).exp()  # [B, H, T, T]
+    ds = p * (d_out @ v.transpose(-1, -2) - (d_out * out_as_written).sum(-1, keepdim=True)) / D ** 0.5
+    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+_bshd_attention.register_autograd(_bshd_attention_backward,
+                                  setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs, *output))
+
+
+def test_reused_attention_output_keeps_the_kernels_memory_layout(monkeypatch):
+    """The cause of attention reuse's wrong GPU gradients: the host round trip handed the kept attention output back
+    contiguous ([B, H, T, D]) while the CUDA kernels write it as [B, T, H, D] and their backward reads it so. With
+    such a kernel (stood for on the CPU, float64, every output through the host pool) the reused layer's output
+    and gradients equal the unchecked layer's bit for bit (they differed in the q and k projections' gradients)."""
+    from longrl.memory import attention_reuse
+    from longrl.memory.offload import offloaded_checkpoint
+
+    monkeypatch.setattr(attention_reuse, "ATTENTION_OPS",
+                        attention_reuse.ATTENTION_OPS | {torch.ops.longrl_test.bshd_attention.default})
+    monkeypatch.setattr(ActivationOffloader, "EXTRA_MIN_BYTES", 0)
+    B, T, H, D = 2, 7, 3, 4
+    torch.manual_seed(0)
+    w = [torch.randn(H * D, H * D, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    x = torch.randn(B, T, H * D, dtype=torch.float64)
+
+    def layer(h):
+        q, k, v = ((h @ wi).view(B, T, H, D).transpose(1, 2) for wi in w[:3])
+        out, _ = _bshd_attention(q, k, v)
+        return out.transpose(1, 2).reshape(B, T, H * D) @ w[3]
+
+    def run(checkpoint_fn):
+        for wi in w:
+            wi.grad = None
+        out = layer(x) if checkpoint_fn is None else checkpoint_fn(layer, x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
+        return [out.detach()] + [wi.grad.clone() for wi in w]
+
+    want = run(None)
+    for reuse in (False, True):
+        got = run(offloaded_checkpoint(ActivationOffloader("cpu", reuse_attention=reuse)))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), reuse
+
+
+def test_host_copies_keep_the_layout_and_the_replay_refuses_another(monkeypatch):
+    """The offloader's host round trip returns a permuted tensor with its strides; a round trip that loses them
+    (contiguous, as before the fix) makes the replay of the CPU flash kernel's outputs (the log-sum-exp is laid
+    out [B, T, H]) raise instead of feeding the backward another layout."""
+    from longrl.memory import offload
+
+    off = ActivationOffloader("cpu")
+    t = torch.randn(2, 5, 3, 4).transpose(1, 2)  # [B, H, T, D] laid out as [B, T, H, D]
+    back = off._take(off._put(t, offload=True))
+    assert back.stride() == t.stride() and torch.equal(back, t) and back.data_ptr() != t.data_ptr()
+    monkeypatch.setattr(ActivationOffloader, "EXTRA_MIN_BYTES", 0)
+    monkeypatch.setattr(offload, "dense_strides", lambda t: torch.empty(t.shape, device="meta").stride())
+    with pytest.raises(RuntimeError, match="laid out"):
+        _grads(_base(layers=1), "reuse", True, 0.0, True, _batch(3, n=2))
+
+
 def test_a_failing_layer_leaves_nothing_on_the_offload_stack():
     from longrl.memory.offload import offloaded_checkpoint
 

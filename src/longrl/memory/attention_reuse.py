@@ -14,7 +14,12 @@ returns those instead of running the kernel:
 This runs below autograd, as PyTorch's selective activation checkpointing does (a TorchDispatchMode), so
 transformers' attention code is untouched and autograd's own SDPA backward consumes the replayed tensors. The
 forward is deterministic, so the replayed tensors equal the recomputed ones bit for bit and the gradients are
-exactly those of plain checkpointing (tests/test_memory.py). With attention dropout the CUDA kernels draw from
+exactly those of plain checkpointing (tests/test_memory.py). Bit for bit includes the memory layout: the kernels
+write their output [B, H, T, D] laid out as [B, T, H, D], and their backward reads it by those strides (the
+memory-efficient kernel takes only the output's batch and head strides and assumes H·D between tokens; cuDNN
+reuses a backward plan built for the first output layout it saw), so a replayed output with other strides gives
+wrong gradients with no error. The offloader's host copies keep the strides (memory/offload.py), and the replay
+refuses an output whose layout is not the one recorded. With attention dropout the CUDA kernels draw from
 the generator (their seed and offset are among the recorded outputs); setting the generator to its state after
 the recorded call keeps every later draw of the layer (e.g. LoRA dropout) where the forward had it. Attention
 that is not one fused op (e.g. eager attention) is simply recomputed.
@@ -22,9 +27,11 @@ that is not one fused op (e.g. eager attention) is simply recomputed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def _attention_ops() -> frozenset:
@@ -77,13 +84,27 @@ def _signature(func, args: tuple, kwargs: dict) -> tuple:
     return (func, tuple(describe(a) for a in args), tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
+def _layout(out) -> tuple:
+    """Shape and strides of each tensor among ``out`` (None for the other outputs)."""
+    return tuple((tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else None for t in tree_leaves(out))
+
+
+class Record(NamedTuple):
+    """One fused attention call of the forward: its signature, its outputs, the generator state after it, and the
+    memory layout of its outputs (the replay hands back exactly that layout)."""
+
+    signature: tuple
+    out: object
+    rng_after: torch.Tensor
+    layout: tuple
+
+
 class RecordAttention(TorchDispatchMode):
-    """Runs everything; keeps ``records``: (call signature, outputs, generator state after the call) of each fused
-    attention op, in call order."""
+    """Runs everything; keeps ``records``: a Record of each fused attention op, in call order."""
 
     def __init__(self):
         super().__init__()
-        self.records: list[tuple] = []
+        self.records: list[Record] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -91,15 +112,16 @@ class RecordAttention(TorchDispatchMode):
             return func(*args, **kwargs)
         call_args, call_kwargs = _with_log_sumexp(func, args, kwargs)
         out = func(*call_args, **call_kwargs)
-        self.records.append((_signature(func, args, kwargs), _detached(out), _rng_state(_device_of(out))))
+        self.records.append(Record(_signature(func, args, kwargs), _detached(out), _rng_state(_device_of(out)),
+                                   _layout(out)))
         return out
 
 
 class ReplayAttention(TorchDispatchMode):
     """Runs everything but the fused attention ops, which return the recorded outputs (the same call, in the same
-    order, or it raises); ``check_done`` raises unless every record was used."""
+    order, in the recorded memory layout, or it raises); ``check_done`` raises unless every record was used."""
 
-    def __init__(self, records: list[tuple]):
+    def __init__(self, records: list[Record]):
         super().__init__()
         self.records, self.served = records, 0
 
@@ -109,13 +131,16 @@ class ReplayAttention(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.served >= len(self.records):
             raise RuntimeError("attention reuse: the recompute ran more attention ops than the forward recorded")
-        signature, out, rng_after = self.records[self.served]
-        if signature != _signature(func, args, kwargs):
-            raise RuntimeError(f"attention reuse: recorded {signature}, the recompute asks "
+        record = self.records[self.served]
+        if record.signature != _signature(func, args, kwargs):
+            raise RuntimeError(f"attention reuse: recorded {record.signature}, the recompute asks "
                                f"{_signature(func, args, kwargs)}")
+        if _layout(record.out) != record.layout:  # the kernel's backward would read the output by other strides
+            raise RuntimeError(f"attention reuse: {func} recorded outputs laid out as {record.layout}, kept ones "
+                               f"came back as {_layout(record.out)}")
         self.served += 1
-        _set_rng_state(_device_of(out), rng_after)  # as if the kernel had run (and drawn what it drew)
-        return _detached(out)
+        _set_rng_state(_device_of(record.out), record.rng_after)  # as if the kernel had run (and drawn what it drew)
+        return _detached(record.out)
 
     def check_done(self) -> None:
         if self.served != len(self.records):

@@ -25,7 +25,7 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_map
 
-from .attention_reuse import RecordAttention, ReplayAttention
+from .attention_reuse import Record, RecordAttention, ReplayAttention
 from .tiling import layer_recompute
 
 
@@ -50,13 +50,25 @@ class PinnedPool:
 
 
 class _Copy:
-    """One tensor kept for backward: on the GPU, or in a pool buffer with the events that order its copies."""
+    """One tensor kept for backward: on the GPU, or in a pool buffer with the events that order its copies. The
+    host copy and the tensor fetched back keep the memory layout (strides) of the original: the fused attention
+    kernels' backward reads their output by the strides their forward wrote it with (attention reuse)."""
 
-    __slots__ = ("gpu", "host", "shape", "dtype", "device", "offload_done", "fetch_done", "pending")
+    __slots__ = ("gpu", "host", "shape", "stride", "dtype", "device", "offload_done", "fetch_done", "pending")
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.stride = dense_strides(t)
         self.gpu = self.host = self.offload_done = self.fetch_done = self.pending = None
+
+    def host_view(self) -> torch.Tensor:
+        return self.host.view(self.dtype).as_strided(self.shape, self.stride)
+
+
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides where its elements fill their memory without gaps or overlaps, in any dimension order (an
+    attention output [B, H, T, D] laid out as [B, T, H, D]); else those of a dense tensor in the same order."""
+    return torch.empty_like(t, device="meta").stride()
 
 
 class _Saved:
@@ -122,7 +134,7 @@ class ActivationOffloader:
             c.gpu = t.detach()
             return c
         c.host = self.pool.take(t.numel() * t.element_size())
-        host_view = c.host.view(t.dtype).view(t.shape)
+        host_view = c.host_view()
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
@@ -147,7 +159,7 @@ class ActivationOffloader:
         self.stack.append(s)
         return s
 
-    def attach(self, s: _Saved, records: list[tuple]) -> None:
+    def attach(self, s: _Saved, records: list[Record]) -> None:
         """Keep the attention records of layer ``s`` with its input: large tensors offloaded when it is."""
         offload = s.input.host is not None
 
@@ -157,7 +169,7 @@ class ActivationOffloader:
             s.extras.append(self._put(t, offload))
             return _ExtraRef(len(s.extras) - 1)
 
-        s.records = [(signature, tree_map(keep, out), rng) for signature, out, rng in records]
+        s.records = [r._replace(out=tree_map(keep, r.out)) for r in records]
 
     def discard(self, s: _Saved) -> None:
         """Forget layer ``s`` (its forward failed): off the stack, its host buffers back to the pool (their next
@@ -178,18 +190,18 @@ class ActivationOffloader:
         if c.pending is not None:  # its offload is still in flight: the GPU copy is right here
             c.gpu = c.pending
             return
-        host_view = c.host.view(c.dtype).view(c.shape)
+        host_view = c.host_view()
         if self.cuda:
             # allocated on the compute stream (stream-ordered reuse), written by the side stream after the
             # compute work enqueued so far, read by compute only after the fetch event
-            c.gpu = torch.empty(c.shape, dtype=c.dtype, device=c.device)
+            c.gpu = torch.empty_strided(c.shape, c.stride, dtype=c.dtype, device=c.device)
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 c.gpu.copy_(host_view, non_blocking=True)
                 c.fetch_done = torch.cuda.Event()
                 c.fetch_done.record(self.side)
         else:
-            c.gpu = host_view.clone()
+            c.gpu = torch.empty_strided(c.shape, c.stride, dtype=c.dtype, device=c.device).copy_(host_view)
 
     def _take(self, c: _Copy) -> torch.Tensor:
         """The copy's tensor on its device (after its fetch); its host buffer back to the pool."""
@@ -203,7 +215,7 @@ class ActivationOffloader:
             self.pool.give(c.host)
         return t
 
-    def load(self, s: _Saved) -> tuple[torch.Tensor, list[tuple] | None]:
+    def load(self, s: _Saved) -> tuple[torch.Tensor, list[Record] | None]:
         """The saved input (and attention records) back on the device, and a prefetch of what backward needs
         next (the previous layer's)."""
         idx = self.stack.index(s)
@@ -219,8 +231,8 @@ class ActivationOffloader:
         self.stack.pop(idx)
         records = None
         if s.records is not None:
-            records = [(signature, tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, out), rng)
-                       for signature, out, rng in s.records]
+            records = [r._replace(out=tree_map(lambda t: extras[t.index] if isinstance(t, _ExtraRef) else t, r.out))
+                       for r in s.records]
         return x, records
 
 
