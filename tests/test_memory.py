@@ -216,7 +216,8 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
     a = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'a'}", "train.micro_batch_size=16"],
                                 base=demo_config())).train()
     b = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'b'}", "train.micro_batch_tokens=20",
-                                                "model.offload_activations=true"], base=demo_config())).train()
+                                                "model.offload_activations=true", "model.reuse_attention=false"],
+                                base=demo_config())).train()
     c = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'c'}", "train.micro_batch_tokens=20",
                                                 "model.offload_activations=true", "model.reuse_attention=true"],
                                 base=demo_config())).train()

@@ -244,12 +244,59 @@ def test_4bit_base_computing_in_float32_counts_float32_activations():
     def parts(dtype, four_bit):
         cfg = load_config(overrides=[f"model.dtype={dtype}", f"model.load_in_4bit={four_bit}",
                                      "model.offload_activations=true", "train.micro_batch_tokens=20480",
+                                     "model.reuse_attention=false",
                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
         return plan_for_config(cfg, model, 139 * GIB, 500 * GIB).parts_gpu_bytes
 
     qlora32, full32, qlora16 = parts("float32", True), parts("float32", False), parts("bfloat16", True)
     for key in ("layer inputs on GPU", "layer recompute"):
         assert qlora32[key] == full32[key] > qlora16[key]
+
+
+def test_attention_reuse_left_null_is_on_with_offloading_where_it_costs_no_tokens():
+    """model.reuse_attention null: with offloading the planner takes the plan with attention reuse unless it has
+    fewer micro-batch tokens or a finer MLP tile than the plan without (then it is off); never without offloading;
+    a pinned value is kept. On the CPU (nothing planned) null means on with offloading."""
+    import torch
+    from transformers import LlamaConfig
+
+    from longrl.config import load_config
+    from longrl.memory.layout import resolve_layout
+    from longrl.memory.planner import plan_for_config
+
+    model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+
+    def cfg(*over):
+        return load_config(overrides=["model.dtype=bfloat16", "data.max_prompt_length=512", "train.prompts_per_step=1",
+                                      "generation.max_completion_length=19968", *over,
+                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+
+    offload = "model.offload_activations=true"
+    chosen = set()
+    coarse = lambda p: p.mlp_tile_tokens or p.micro_batch_tokens  # noqa: E731
+    for gpu_gib in (139, 30, 24, 22, 21.5, 21, 20.8):
+        plan = lambda *pin: plan_for_config(cfg(offload, *pin), model, int(gpu_gib * GIB), 500 * GIB)  # noqa: E731
+        auto, off = plan(), plan("model.reuse_attention=false")
+        try:
+            on = plan("model.reuse_attention=true")
+        except PlanError:  # only the layout without reuse fits
+            assert auto == off, gpu_gib
+            chosen.add("fits only without")
+            continue
+        assert on.reuse_attention and not off.reuse_attention and on.predicted_host_bytes >= off.predicted_host_bytes
+        free = on.micro_batch_tokens >= off.micro_batch_tokens and coarse(on) >= coarse(off)
+        assert auto == (on if free else off), gpu_gib
+        chosen.add(auto.reuse_attention)
+    assert chosen == {True, False, "fits only without"}  # every outcome occurs between 20.8 and 139 GiB
+    assert "attention reuse" in auto.table()
+    plain = plan_for_config(cfg("model.offload_activations=false", "model.gradient_checkpointing=true"), model,
+                            139 * GIB, 500 * GIB)
+    assert not plain.reuse_attention
+    for over, want in (((offload,), True), ((), False), ((offload, "model.reuse_attention=false"), False)):
+        c = cfg(*over)
+        resolve_layout(c, None, torch.device("cpu"))
+        assert c.model.reuse_attention is want, over
 
 
 def test_full_fine_tuning_counts_the_base_weights_training_state():
@@ -298,6 +345,7 @@ def test_without_checkpointing_every_layers_activations_are_counted():
     def plan(checkpointing):
         cfg = load_config(overrides=[f"model.gradient_checkpointing={checkpointing}", "model.dtype=bfloat16",
                                      "train.micro_batch_tokens=4096", "data.max_prompt_length=512",
+                                     "model.reuse_attention=false",
                                      "generation.max_completion_length=3584",
                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
         return plan_for_config(cfg, model, 139 * GIB, 500 * GIB)

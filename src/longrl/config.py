@@ -44,8 +44,9 @@ class ModelConfig:
     #                                            planner decides on CUDA (memory/layout.py), off on CPU
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones); 0: the
     #                               planner's choice
-    reuse_attention: bool = False  # with offloading: keep each layer's attention output with its input; backward
-    #                                skips the attention kernel in the recompute (one more activation per layer)
+    reuse_attention: Optional[bool] = None  # with offloading: keep each layer's attention output with its input;
+    #   backward skips the attention kernel in the recompute (one more activation per layer; gradients unchanged);
+    #   null: on with offloading unless the planner finds it costs micro-batch tokens or a finer MLP tile
     fused_layers: bool = True  # CUDA + Triton: Llama-family RMSNorms, SiLU MLPs and rotary embeddings through fused
     #                            kernels (training and prefill; ops/rmsnorm.py, ops/swiglu.py, ops/rotary.py); false:
     #                            transformers' modules

@@ -41,7 +41,8 @@ def _resolve(cfg, model_config, device, recipe: str, world_size: int = 1):
         return resolve_layout(cfg, model_config, device, world_size)
     view = _sft_planning_view(cfg)
     plan = resolve_layout(view, model_config, device)
-    for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers")),
+    for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers",
+                                     "reuse_attention")),
                           ("train", ("micro_batch_tokens", "mlp_tile_tokens"))):
         for key in keys:
             setattr(getattr(cfg, section), key, getattr(getattr(view, section), key))
@@ -75,7 +76,7 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
     if not planned:  # the same plan `longrl plan` prints
         plan = _resolve(cfg, base_model(model).config, device, recipe, world_size)
     offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
-                                                reuse_attention=cfg.model.reuse_attention)
+                                                reuse_attention=bool(cfg.model.reuse_attention))
                  if cfg.model.offload_activations else None)
     tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
     if tile:

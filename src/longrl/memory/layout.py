@@ -1,11 +1,12 @@
 """A run's memory layout and GPU budget: what the planner chose, what the user pinned, and the cap that holds it.
 
 On CUDA the planner (memory/planner.py: plan_for_config) decides every layout key left null or 0 —
-model.gradient_checkpointing, model.offload_activations, model.gpu_resident_layers, train.micro_batch_tokens,
-train.mlp_tile_tokens — for the memory the run may use: train.gpu_memory_gib when set (capped at what is free),
+model.gradient_checkpointing, model.offload_activations, model.gpu_resident_layers, model.reuse_attention,
+train.micro_batch_tokens, train.mlp_tile_tokens — for the memory the run may use: train.gpu_memory_gib when set (capped at what is free),
 else what is free. A pinned key is an input to the plan, never overridden. With a budget the caching allocator is
 capped too (torch.cuda.set_per_process_memory_fraction: an allocation past the budget raises out-of-memory), and the
-sampler sizes its KV cache within it. On the CPU nothing is planned: null layout keys mean off.
+sampler sizes its KV cache within it. On the CPU nothing is planned: null layout keys mean off (attention reuse:
+on with offloading).
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1)
     if device.type != "cuda":
         m.offload_activations = bool(m.offload_activations)
         m.gradient_checkpointing = bool(m.gradient_checkpointing)
+        if m.reuse_attention is None:  # nothing to plan: on with offloading
+            m.reuse_attention = m.offload_activations
         return None
     plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size)
     m.offload_activations = plan.offload
     m.gradient_checkpointing = plan.checkpointing and not plan.offload  # offloading installs its own checkpointing
+    if m.reuse_attention is None:
+        m.reuse_attention = plan.reuse_attention
     if cfg.train.micro_batch_tokens == 0:
         cfg.train.micro_batch_tokens = plan.micro_batch_tokens
     if not m.gpu_resident_layers:

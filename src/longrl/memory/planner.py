@@ -164,12 +164,14 @@ class Plan:
     rollout: "RolloutPlan | None" = None  # the sampler phase (plan_for_config sets it)
     checkpointing: bool = True  # layers recomputed in backward (offloaded or plain); False: every activation kept
     budget_bytes: int = 0  # the GPU memory planned for (train.gpu_memory_gib, or what was free)
+    reuse_attention: bool = False  # offloaded layers keep their attention outputs (memory/attention_reuse.py)
 
     def table(self) -> str:
         rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
         rows += [("micro-batch token budget", f"{self.micro_batch_tokens:,}"),
                  ("activation checkpointing", "yes" if self.checkpointing else "no"),
                  ("offloaded checkpointing", "yes" if self.offload else "no"),
+                 ("attention reuse", "yes" if self.reuse_attention else "no"),
                 ("layer inputs kept on GPU", str(self.gpu_resident_layers)),
                 ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}"),
                 ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
@@ -506,7 +508,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     if gpu > usable:
         raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
     return Plan(budget, resident, offload, chunk, gpu, host, parts, tile, checkpointing=checkpointing or offload,
-                budget_bytes=gpu_free_bytes)
+                budget_bytes=gpu_free_bytes, reuse_attention=bool(reuse_attention and offload))
 
 
 def host_memory_bytes() -> int:
@@ -622,12 +624,17 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
 
 def _first_fitting(shape: ModelShape, candidates: list, gpu_free_bytes: int, step: dict) -> Plan:
     """make_plan's plan for the first layout of ``candidates`` that fits (the last one's PlanError if none does);
-    the no-recompute layout, when the planner chooses, within NO_RECOMPUTE_SHARE of the memory."""
+    the no-recompute layout, when the planner chooses, within NO_RECOMPUTE_SHARE of the memory. Attention reuse
+    left null (model.reuse_attention) is on with offloading unless it costs the plan micro-batch tokens or a finer
+    MLP tile, or does not fit where the layout without it does."""
     for i, (offload, checkpointing) in enumerate(candidates):
         auto_no_recompute = len(candidates) > 1 and not checkpointing
         room = int(gpu_free_bytes * NO_RECOMPUTE_SHARE) if auto_no_recompute else gpu_free_bytes
         try:
-            plan = make_plan(shape, gpu_free_bytes=room, offload=offload, checkpointing=checkpointing, **step)
+            plan = make_plan(shape, gpu_free_bytes=room, offload=offload, checkpointing=checkpointing,
+                             **{**step, "reuse_attention": bool(step.get("reuse_attention"))})
+            if step.get("reuse_attention") is None and offload:
+                plan = _with_reuse_if_free(shape, plan, room, checkpointing, step)
         except PlanError:
             if i == len(candidates) - 1:
                 raise
@@ -635,3 +642,16 @@ def _first_fitting(shape: ModelShape, candidates: list, gpu_free_bytes: int, ste
         plan.budget_bytes = gpu_free_bytes
         return plan
     raise AssertionError("no layout candidates")
+
+
+def _with_reuse_if_free(shape: ModelShape, plain: Plan, room: int, checkpointing: bool, step: dict) -> Plan:
+    """The offloaded ``plain`` plan with attention reuse, when that plan fits with as many micro-batch tokens and an
+    MLP tile no finer (it costs only host memory and one more activation on the GPU); else ``plain``."""
+    try:
+        reuse = make_plan(shape, gpu_free_bytes=room, offload=True, checkpointing=checkpointing,
+                          **{**step, "reuse_attention": True})
+    except PlanError:
+        return plain
+    coarse = lambda p: p.mlp_tile_tokens or p.micro_batch_tokens  # noqa: E731  (untiled: the whole micro-batch)
+    better = reuse.micro_batch_tokens >= plain.micro_batch_tokens and coarse(reuse) >= coarse(plain)
+    return reuse if better else plain
