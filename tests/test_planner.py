@@ -273,13 +273,29 @@ def test_attention_reuse_left_null_is_on_with_offloading_where_it_costs_no_token
                                       "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
 
     offload = "model.offload_activations=true"
-    chosen = set()
+
+    def plan(gpu_gib, *pin):
+        return plan_for_config(cfg(offload, *pin), model, int(gpu_gib * GIB), 500 * GIB)
+
+    def smallest_fitting(*pin) -> float:  # GiB, to 0.01
+        lo, hi = 8.0, 139.0
+        while hi - lo > 0.01:
+            mid = (lo + hi) / 2
+            try:
+                plan(mid, *pin)
+                hi = mid
+            except PlanError:
+                lo = mid
+        return hi
+
+    on_min, off_min = smallest_fitting("model.reuse_attention=true"), smallest_fitting("model.reuse_attention=false")
+    assert off_min < on_min  # reuse keeps more on the GPU
     coarse = lambda p: p.mlp_tile_tokens or p.micro_batch_tokens  # noqa: E731
-    for gpu_gib in (139, 30, 24, 22, 21.5, 21, 20.8):
-        plan = lambda *pin: plan_for_config(cfg(offload, *pin), model, int(gpu_gib * GIB), 500 * GIB)  # noqa: E731
-        auto, off = plan(), plan("model.reuse_attention=false")
+    chosen = set()
+    for gpu_gib in [139, 40, 30, (off_min + on_min) / 2] + [on_min + 0.1 * k for k in range(12)]:
+        auto, off = plan(gpu_gib), plan(gpu_gib, "model.reuse_attention=false")
         try:
-            on = plan("model.reuse_attention=true")
+            on = plan(gpu_gib, "model.reuse_attention=true")
         except PlanError:  # only the layout without reuse fits
             assert auto == off, gpu_gib
             chosen.add("fits only without")
@@ -288,7 +304,7 @@ def test_attention_reuse_left_null_is_on_with_offloading_where_it_costs_no_token
         free = on.micro_batch_tokens >= off.micro_batch_tokens and coarse(on) >= coarse(off)
         assert auto == (on if free else off), gpu_gib
         chosen.add(auto.reuse_attention)
-    assert chosen == {True, False, "fits only without"}  # every outcome occurs between 20.8 and 139 GiB
+    assert chosen == {True, False, "fits only without"}  # each outcome occurs
     assert "attention reuse" in auto.table()
     plain = plan_for_config(cfg("model.offload_activations=false", "model.gradient_checkpointing=true"), model,
                             139 * GIB, 500 * GIB)
