@@ -4,7 +4,8 @@ each whole-step statistic (the batch reward std, GDPO's batch normalisation, the
 entropy bonus, several optimizer steps per rollout batch) and both rollout backends; a checkpoint made on 2
 processes resumes on 1 and on 3 with the uninterrupted trajectory; only rank 0 writes outputs; a failing rank
 ends the job with its error, quickly. The spawned jobs are few and shared by the assertions (they cost most of
-this file's time): each run combines several of the options."""
+this file's time): one spawn of 3 processes serves every equality and resume assertion, and each run combines
+several of the options."""
 
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 
 from longrl.config import load_config
 from longrl.demo import demo_config
-from longrl.distributed import World, shard
+from longrl.distributed import World, rank_prompts, shard
 from longrl.reporting import read_metrics
 from longrl.trainer import GRPOTrainer
 
@@ -31,13 +32,14 @@ QUICK = ["train.prompts_per_step=3", "grpo.num_generations=4", "train.micro_batc
 # LoRA (DDP): global B, the batch std, the KL, old log-probs, the entropy quantile over every rank's tokens, the
 # entropy bonus's global normaliser; rollouts through transformers' generate (keyed by global sequence id)
 LORA = ["lora.enabled=true", "lora.r=4", "grpo.loss_type=grpo", "grpo.scale_rewards=batch", "grpo.beta=0.05",
-        "grpo.num_iterations=2", "train.max_steps=4", "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01",
-        "generation.backend=hf"]
+        "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01", "generation.backend=hf", "output.save_steps=1"]
 # full weights (FSDP2): two optimizer steps per rollout batch (each step's prompts split across the ranks),
 # GDPO's batch normalisation of the two reward functions
 FULL = ["lora.enabled=false", "grpo.loss_type=dapo", "grpo.steps_per_generation=2",
-        "grpo.multi_objective_aggregation=normalize_then_sum"]
-QLORA = ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "model.dtype=bfloat16", "grpo.loss_type=dr_grpo"]
+        "grpo.multi_objective_aggregation=normalize_then_sum", "train.max_steps=4", "output.save_steps=2"]
+# a 4-bit base (DDP over the adapters): a second iteration on the rollout batch (old log-probs)
+QLORA = ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "model.dtype=bfloat16", "grpo.loss_type=dr_grpo",
+         "grpo.num_iterations=2"]
 
 
 def _cfg(out, *overrides):
@@ -60,24 +62,6 @@ def _trainable(model) -> dict:
     return out
 
 
-def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, list[str]]], results: str):
-    """One rank of a torchrun-like job (the environment torchrun sets): each job (name, [config file,]
-    overrides) trains a run; rank 0 saves its metrics and final trainable weights."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    _no_plots()
-    for name, *config, overrides in jobs:
-        trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
-        history = trainer.train()
-        weights = _trainable(trainer.model)
-        if rank == 0:
-            torch.save({"history": history, "weights": weights}, Path(results) / f"{name}.pt")
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-
-
 def _no_plots():
     """Training-curve plots off (matplotlib costs seconds a save; this file checks no plot)."""
     from longrl.reporting import RunReporter
@@ -92,13 +76,66 @@ def no_plots(monkeypatch):
     monkeypatch.setattr(RunReporter, "plot", lambda self: None)
 
 
-def _spawn(world_size: int, jobs, results: Path):
-    import torch.multiprocessing as mp
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
-    results.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world_size, _free_port(), jobs, str(results)), nprocs=world_size,
-                       start_method="spawn")
-    return {job[0]: torch.load(results / f"{job[0]}.pt", weights_only=False) for job in jobs}
+
+def _train(jobs, results: Path, rank: int, suffix: str = "") -> None:
+    """Each job (name, [config file,] overrides) trains a run; rank 0 saves its metrics and final trainable weights
+    to results/NAME{suffix}.pt."""
+    for name, *config, overrides in jobs:
+        trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
+        history = trainer.train()
+        weights = _trainable(trainer.model)
+        if rank == 0:
+            torch.save({"history": history, "weights": weights}, results / f"{name}{suffix}.pt")
+
+
+def _wait_for(*flags: Path, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(f.exists() for f in flags):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {[str(f) for f in flags]}")
+        time.sleep(0.1)
+
+
+def _alone() -> None:
+    """This process outside any process group (as one started without torchrun)."""
+    for key in TORCHRUN_ENV:
+        os.environ.pop(key, None)
+
+
+def _worker(rank: int, ports: tuple[int, int], root: str, two: list, single: list, cuts: list, three: list,
+            one: list):
+    """One of 3 spawned processes, in the environment torchrun sets. Ranks 0 and 1 train the ``two`` jobs as a
+    2-process job while process 2 trains the ``single`` jobs alone (no process group); then rank 0 makes the
+    ``cuts`` (copies of 2-process runs cut after their first checkpoint), all three resume some of them as the
+    3-process ``three`` jobs, and then the others alone, the ``one`` jobs shared among the processes."""
+    import torch.distributed as dist
+
+    root = Path(root)
+    results = root / "results"
+    torch.set_num_threads(1)
+    _no_plots()
+    if rank < 2:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), WORLD_SIZE="2",
+                          LOCAL_RANK=str(rank))
+        _train(two, results, rank)
+        dist.destroy_process_group()
+        if rank == 0:
+            for src, dst in cuts:
+                _cut_after_first_checkpoint(Path(src), Path(dst))
+            (root / "two.done").touch()
+    else:
+        _alone()
+        _train(single, results, 0, suffix="-single")
+        (root / "single.done").touch()
+    _wait_for(root / "two.done", root / "single.done")  # then every rank joins the 3-process group promptly
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1]), RANK=str(rank), WORLD_SIZE="3",
+                      LOCAL_RANK=str(rank))
+    _train(three, results, rank, suffix="-three")
+    dist.destroy_process_group()
+    _alone()
+    _train(one[rank::3], results, 0, suffix="-one")
 
 
 def _comparable(metrics: dict) -> dict:
@@ -132,42 +169,65 @@ def test_shard_splits_every_item_once_in_order():
             assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
 
 
+def test_rank_prompts_split_every_step_across_the_ranks():
+    P, S = 5, 3
+    for world in (1, 2, 3, 5):
+        shares = [rank_prompts(P, S, r, world) for r in range(world)]
+        assert sorted(p for share in shares for p in share) == list(range(P * S))  # each prompt once
+        for share in shares:  # the same count of every step, steps in order: a step is a contiguous block
+            per_step = len(share) // S
+            assert [p // P for p in share] == [s for s in range(S) for _ in range(per_step)]
+
+
 def test_single_world_reductions_are_the_identity():
     w = World()
     t = torch.tensor([1.5, float("nan")])
-    assert w.all_sum(t) is t
+    assert w.all_sum(t) is t and w.all_gather_cat(t) is t
     assert w.sum_floats({"a": 2}) == {"a": 2.0} and w.max_floats({"a": 3}) == {"a": 3.0}
     assert w.gather_floats(4.0) == [4.0] and w.broadcast_text("x") == "x"
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory):
+def spawned_runs(tmp_path_factory):
     """LoRA (DDP over the adapters), full weights (FSDP2 per decoder layer) and, where bitsandbytes runs on the
-    CPU, a 4-bit base: each trained by one 2-process job (checkpoints at step 2 and 4)."""
-    root = tmp_path_factory.mktemp("two")
-    runs = {"lora": LORA, "full": FULL + ["train.max_steps=4"]}
+    CPU, a 4-bit base: each trained by one 2-process job and by one process alone; the LoRA and full-weight runs
+    cut after their first checkpoint and resumed by one 3-process job. One spawn of 3 processes for all."""
+    import torch.multiprocessing as mp
+
+    root = tmp_path_factory.mktemp("spawned")
+    runs = {"lora": LORA, "full": FULL}
     if _bitsandbytes_cpu():
         runs["qlora"] = QLORA
-    jobs = [(name, QUICK + extra + [f"output.output_dir={root / name}", "output.save_steps=2"])
-            for name, extra in runs.items()]
-    return root, runs, _spawn(2, jobs, root / "results")
+    two = [(name, QUICK + extra + [f"output.output_dir={root / name}"]) for name, extra in runs.items()]
+    single = [(name, QUICK + extra + [f"output.output_dir={root / 'single' / name}"]) for name, extra in runs.items()]
+    resumed = ["lora", "full"]
+    cuts = [(str(root / name), str(root / ranks / name)) for name in resumed for ranks in ("three", "one")]
+    three, one = ([(name, str(root / ranks / name / "config.yaml"), _resume(root / ranks / name)) for name in resumed]
+                  for ranks in ("three", "one"))
+    (root / "results").mkdir()
+    mp.start_processes(_worker, args=((_free_port(), _free_port()), str(root), two, single, cuts, three, one),
+                       nprocs=3, start_method="spawn")
+    load = lambda stem: torch.load(root / "results" / f"{stem}.pt", weights_only=False)  # noqa: E731
+    return root, runs, {name: {"two": load(name), "single": load(f"{name}-single"),
+                               **({"three": load(f"{name}-three"), "one": load(f"{name}-one")} if name in resumed
+                                  else {})} for name in runs}
 
 
-def test_two_processes_equal_one(tmp_path, two_process_runs):
+def test_two_processes_equal_one(spawned_runs):
     """A 2-process run takes the 1-process run's steps on the same global batch: per-step metrics and final
     trainable weights within float tolerance (4-bit: within the bf16 base's rounding)."""
-    root, runs, got = two_process_runs
-    for name, extra in runs.items():
-        trainer = GRPOTrainer(_cfg(tmp_path / name, *extra))
-        history = trainer.train()
-        _assert_same_run(got[name]["history"], history, got[name]["weights"], _trainable(trainer.model),
+    root, runs, got = spawned_runs
+    for name in runs:
+        two, one = got[name]["two"], got[name]["single"]
+        _assert_same_run(two["history"], one["history"], two["weights"], one["weights"],
                          tol=2e-2 if name == "qlora" else 1e-5)
+    assert "high_entropy_ratio" in got["lora"]["two"]["history"][0]  # the options did run
     # rank 0 alone wrote the outputs, once
     out = root / "lora"
-    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    assert len((out / "completions.jsonl").read_text().splitlines()) == 2 * 4  # 2 samples a step, from rank 0
-    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["world_size"] == 2
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert len((out / "completions.jsonl").read_text().splitlines()) == 2 * 2  # 2 samples a step, from rank 0
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["world_size"] == 2
     assert not list(out.glob(".*checkpoint*"))  # no staging left behind
     # FSDP2: the full weights gathered into one model file, the optimizer as DCP shards of both ranks
     full = root / "full" / "checkpoint-4"
@@ -175,33 +235,31 @@ def test_two_processes_equal_one(tmp_path, two_process_runs):
     assert sorted(p.name for p in (full / "optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def _cut_at_step_2(src: Path, dst: Path) -> Path:
-    """A copy of a run's output directory as a kill after the save at step 2 would have left it."""
+def _cut_after_first_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a run's output directory as a kill after its first save would have left it."""
     import shutil
 
     shutil.copytree(src, dst)
-    shutil.rmtree(dst / "checkpoint-4")
+    for later in sorted(dst.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[1:]:
+        shutil.rmtree(later)
     return dst
 
 
-def test_two_process_checkpoint_resumes_on_one_and_three(tmp_path, two_process_runs):
+def _first_checkpoint_step(output_dir: Path) -> int:
+    return min(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
+
+
+def test_two_process_checkpoint_resumes_on_one_and_three(spawned_runs):
     """Checkpoints of a 2-process job (LoRA: replicated; full weights: DCP shards) resumed on 1 process and on
-    3: steps 3 and 4 are those of the uninterrupted 2-process run."""
-    root, _, got = two_process_runs
-    names = ["lora", "full"]
-    jobs = []
-    for name in names:
-        resumed = _cut_at_step_2(root / name, tmp_path / f"{name}3")
-        jobs.append((name, str(resumed / "config.yaml"), _resume(resumed)))
-    three = _spawn(3, jobs, tmp_path / "results3")
-    for name in names:
-        resumed = _cut_at_step_2(root / name, tmp_path / f"{name}1")
-        trainer = GRPOTrainer(load_config(resumed / "config.yaml", _resume(resumed)))
-        one = trainer.train()
-        want = got[name]["history"][2:]
-        _assert_same_run(one, want, _trainable(trainer.model), got[name]["weights"])
-        _assert_same_run(three[name]["history"], want, three[name]["weights"], got[name]["weights"])
-        assert [m["step"] for m in read_metrics(tmp_path / f"{name}3")] == [1, 2, 3, 4]
+    3: the steps after the checkpoint are those of the uninterrupted 2-process run."""
+    root, _, got = spawned_runs
+    for name in ["lora", "full"]:
+        two = got[name]["two"]
+        want = two["history"][_first_checkpoint_step(root / "three" / name):]
+        assert want and len(want) < len(two["history"])
+        for ranks in ("one", "three"):
+            _assert_same_run(got[name][ranks]["history"], want, got[name][ranks]["weights"], two["weights"])
+            assert [m["step"] for m in read_metrics(root / ranks / name)] == [m["step"] for m in two["history"]]
 
 
 def _resume(output_dir: Path) -> list[str]:
@@ -218,7 +276,7 @@ calls = 0
 def reward(prompts, completions, **kwargs):
     global calls
     calls += 1
-    if os.environ.get("RANK") == "1" and calls == 2:  # rank 1 dies in the second step; rank 0 waits on it
+    if os.environ.get("RANK") == "1" and calls == 1:  # rank 1 dies in the first step; rank 0 waits on it
         print(f"rank 1 is going down at {time.time()}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)
@@ -226,12 +284,13 @@ def reward(prompts, completions, **kwargs):
 
 
 def test_a_killed_rank_ends_the_job_quickly_with_its_error(tmp_path):
-    """Rank 1 is killed in step 2 while rank 0 is in a collective with it: the launcher ends the whole job,
-    naming the rank and its signal, long before the process-group timeout would."""
+    """Rank 1 is killed in step 1 while rank 0 is in a collective with it: the launcher ends the whole job,
+    naming the rank and its signal, long before the process-group timeout would (full weights: no PEFT to
+    import in the workers)."""
     reward = tmp_path / "reward.py"
     reward.write_text(FAILING_REWARD)
     out = tmp_path / "out"
-    args = QUICK + ["lora.enabled=true", "lora.r=4", "train.max_steps=4", f"output.output_dir={out}",
+    args = QUICK + ["lora.enabled=false", "train.max_steps=4", f"output.output_dir={out}",
                     f"rewards=[{{function: '{reward}:reward'}}]", "distributed.timeout_s=300"]
     proc = subprocess.run([sys.executable, "-m", "longrl", "train", str(_demo_yaml(tmp_path)),
                            "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=240,
