@@ -61,8 +61,13 @@ class _Copy:
         self.stride = dense_strides(t)
         self.gpu = self.host = self.offload_done = self.fetch_done = self.pending = None
 
-    def host_view(self) -> torch.Tensor:
-        return self.host.view(self.dtype).as_strided(self.shape, self.stride)
+    def copy_pair(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``t``, the host buffer) as two tensors for one ``copy_`` either way: flat in memory order when ``t`` has
+        the kept strides (one contiguous transfer, as for a contiguous tensor), else elementwise into the host
+        buffer viewed with the kept strides."""
+        if t.stride() == self.stride:
+            return t.as_strided((t.numel(),), (1,)), self.host.view(self.dtype)
+        return t, self.host.view(self.dtype).as_strided(self.shape, self.stride)
 
 
 def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -134,17 +139,17 @@ class ActivationOffloader:
             c.gpu = t.detach()
             return c
         c.host = self.pool.take(t.numel() * t.element_size())
-        host_view = c.host_view()
+        src, host = c.copy_pair(t.detach())
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
-                host_view.copy_(t.detach(), non_blocking=True)
+                host.copy_(src, non_blocking=True)
                 c.offload_done = torch.cuda.Event()
                 c.offload_done.record(self.side)
             c.pending = t.detach()  # kept until the compute stream is ordered after the copy
             self.in_flight.append(c)
         else:
-            host_view.copy_(t.detach())
+            host.copy_(src)
         self.host_bytes_in_use += c.host.numel()
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         return c
@@ -190,18 +195,18 @@ class ActivationOffloader:
         if c.pending is not None:  # its offload is still in flight: the GPU copy is right here
             c.gpu = c.pending
             return
-        host_view = c.host_view()
+        # on CUDA allocated on the compute stream (stream-ordered reuse), written by the side stream after the
+        # compute work enqueued so far, read by compute only after the fetch event
+        c.gpu = torch.empty_strided(c.shape, c.stride, dtype=c.dtype, device=c.device)
+        dst, host = c.copy_pair(c.gpu)
         if self.cuda:
-            # allocated on the compute stream (stream-ordered reuse), written by the side stream after the
-            # compute work enqueued so far, read by compute only after the fetch event
-            c.gpu = torch.empty_strided(c.shape, c.stride, dtype=c.dtype, device=c.device)
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
-                c.gpu.copy_(host_view, non_blocking=True)
+                dst.copy_(host, non_blocking=True)
                 c.fetch_done = torch.cuda.Event()
                 c.fetch_done.record(self.side)
         else:
-            c.gpu = torch.empty_strided(c.shape, c.stride, dtype=c.dtype, device=c.device).copy_(host_view)
+            dst.copy_(host)
 
     def _take(self, c: _Copy) -> torch.Tensor:
         """The copy's tensor on its device (after its fetch); its host buffer back to the pool."""
