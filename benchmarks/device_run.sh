@@ -91,8 +91,10 @@
 #              per token beside sftslope_us (~1.5 min)
 #   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
 #              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
-#   scale1     benchmarks/grpo_scale.py, 8B LoRA, 1 prompt x 8 x 20,480 (the 20,480 x 8 step with its rollout), 2 steps:
-#              the distributed path at world size 1 (torchrun, DDP) beside the one-process path (~5 min)
+#   scale1     benchmarks/grpo_scale.py --phases train,rollout, 8B LoRA: the 20,480 x 8 training step alone (reference
+#              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
+#              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
+#              beside the one-process path, one model load per path (~6 min; SCTAG names the files)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -259,8 +261,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 2 --sdpa cudnn --tag target_cudnn_20k ;;
         mem20k) stage mem20k 560 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl --mlp-tile 0,4096 --reps 2 --tag warm_20k ;;
-        scale1) stage scale1 400 python3 benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single \
-            --prompts-per-gpu 1 --completion 19968 --steps 2 --tag "${SCTAG:-_ws1_20k}" ;;
+        scale1) stage scale1 480 python3 benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single \
+            --phases train,rollout --prompts-per-gpu 1 --completion 19968 --rollout-prompts 16 \
+            --rollout-completion 1024 --reps 1 --timeout 240 --tag "${SCTAG:-_ws1_phases}" ;;
         *) echo "unknown stage $s" ;;
     esac
 done

@@ -12,6 +12,20 @@ be compared side by side. Random-weight models of real shapes in bf16, LoRA r=32
     python benchmarks/grpo_scale.py --layouts lora,qlora,full --gpus 1,2,4,8               # on an 8-GPU machine
     python benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single --prompts-per-gpu 1 --completion 19968
     python benchmarks/grpo_scale.py --shape tiny --device cpu --gpus 1,2 --layouts lora,full --steps 2 --completion 16
+
+``--phases train,rollout`` measures the two halves of a step apart, through the trainer (the policy module it
+trains through: DDP under torchrun, the model itself in one process), one model load per path:
+
+  train    the training step alone on fixed completions (random tokens, seeded: the same on both paths) of
+           --completion tokens: the reference pass (base with adapters off) + the policy update (forward/backward
+           over the planner's micro-batches + optimizer step) — benchmarks/grpo_memory.py's figure, with the step
+  rollout  the trainer's rollout (its sampler on the training weights) of --rollout-prompts prompts per GPU ×
+           G × --rollout-completion tokens, beta 0 (no reference pass in it) — benchmarks/rollout_speed.py's figure
+
+each warmed up once (Triton compiles, CUDA-graph captures) and then measured --reps times (the median reported):
+
+    python benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single --phases train,rollout --prompts-per-gpu 1 \
+        --completion 19968 --rollout-prompts 16 --rollout-completion 1024 --tag _ws1_phases
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,8 +128,77 @@ def _collective_seconds(prof) -> float:
     return total_us / 1e6
 
 
+def _fixed_batch(trainer, prompts: int, G: int, prompt_len: int, completion: int):
+    """This rank's share of a fabricated global batch of ``prompts`` prompts × G completions (random tokens and
+    advantages, seeded: every path and world size cuts the same batch), as the trainer's RolloutBatch without its
+    reference log-probs (the measured reference pass computes them)."""
+    from longrl.distributed import rank_prompts
+    from longrl.ops.losses import loss_token_weights
+    from longrl.trainer import RolloutBatch
+
+    vocab = trainer.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, vocab - 1, (prompts, prompt_len), generator=g)  # [P, prompt]
+    completion_ids = torch.randint(3, vocab - 1, (prompts * G, completion), generator=g)  # [P·G, T]
+    advantages = torch.randn(prompts * G, generator=g)  # [P·G]
+    w = trainer.world
+    rows = [p * G + k for p in rank_prompts(prompts, 1, w.rank, w.world_size) for k in range(G)]
+    n = len(rows)
+    mask = torch.ones(n, completion)  # [n, T]
+    weights = loss_token_weights(mask, trainer.cfg.grpo.loss_type, completion, all_sum=w.all_sum)
+    return RolloutBatch(prompts=[""] * n, completions=[""] * n,
+                        prompt_ids=[prompt_ids[i // G].tolist() for i in rows],
+                        completion_ids=[completion_ids[i].tolist() for i in rows], rewards=torch.zeros(n),
+                        rewards_per_function=torch.zeros(n, 1), advantages=advantages[rows], mask=mask,
+                        weights=weights, old_logps=None, ref_logps=None, sampler_logps=None,
+                        truncated=torch.zeros(n, dtype=torch.bool), num_reward_failures=0)
+
+
+def measure_phases(trainer, args) -> dict:
+    """[warm-up + --reps] measurements of each of --phases: the training step alone on fixed completions, the
+    rollout alone (see the module docstring). Seconds and peak GPU GiB come from the trainer's own phase timers."""
+    from longrl.policy import reference_mode
+
+    out = {}
+    world = trainer.world.world_size
+    if "train" in args.phases:
+        runs = []
+        for _ in range(1 + args.reps):
+            batch = _fixed_batch(trainer, args.prompts_per_gpu * world, args.G, args.prompt_len, args.completion)
+            trainer.phase_stats = {}
+            with trainer._phase("reference"):  # as in the trainer's rollout batch (beta 0: none)
+                if trainer.cfg.grpo.beta != 0.0:
+                    with reference_mode(trainer.model):
+                        batch.ref_logps = trainer._logprobs(batch.prompt_ids, batch.completion_ids, args.completion)
+            with trainer._phase("update"):
+                stats = trainer._policy_update(batch)
+            st = trainer.phase_stats
+            runs.append(dict(reference_s=st["reference_time_s"], update_s=st["update_time_s"],
+                             train_s=st["reference_time_s"] + st["update_time_s"],
+                             peak_gib=max(st.get("reference_peak_gib", 0.0), st.get("update_peak_gib", 0.0)),
+                             loss=stats["loss"], grad_norm=stats["grad_norm"]))
+            print("train:", {k: round(v, 3) for k, v in runs[-1].items()}, flush=True)
+        out["train"] = runs
+    if "rollout" in args.phases:  # the trainer's rollout batch at the rollout shape (beta 0: no reference pass)
+        cfg = trainer.cfg
+        cfg.train.prompts_per_step = args.rollout_prompts * world
+        cfg.generation.max_completion_length, cfg.grpo.beta = args.rollout_completion, 0.0
+        runs = []
+        for _ in range(1 + args.reps):
+            trainer.phase_stats = {}
+            b = trainer._rollout_batch()
+            st = trainer.phase_stats
+            tokens = sum(len(c) for c in b.completion_ids)  # this rank's
+            runs.append(dict(generation_s=st["generation_time_s"], peak_gib=st.get("generation_peak_gib", 0.0),
+                             tokens=tokens, tokens_per_s=tokens / st["generation_time_s"]))
+            print("rollout:", {k: round(v, 3) for k, v in runs[-1].items()}, flush=True)
+        out["rollout"] = runs
+    return out
+
+
 def worker(args) -> None:
-    """One rank (or the single process): train --steps steps, rank 0 writes the result JSON."""
+    """One rank (or the single process): train --steps steps (or measure --phases), rank 0 writes the result
+    JSON."""
     from longrl.trainer import GRPOTrainer
 
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -127,11 +211,18 @@ def worker(args) -> None:
     if args.shape != "tiny":
         model, tok = _random_model(args, device, root)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        data, reward = _write_inputs(root, args.prompts_per_gpu * world * max(args.steps + 1, 2), args.prompt_len,
+        per_gpu = max(args.prompts_per_gpu, args.rollout_prompts if args.phases else 0)
+        data, reward = _write_inputs(root, per_gpu * world * max(args.steps + 1, args.reps + 1, 2), args.prompt_len,
                                      model.config.vocab_size)
     cfg = _config(args, root, data, reward, device)
     trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
     trainer.save = lambda: None  # timing only: no checkpoint at the end
+    if args.phases:
+        phases = measure_phases(trainer, args)
+        if rank == 0:
+            Path(args.result).write_text(json.dumps(dict(phases=phases, world_size=trainer.world.world_size,
+                                                         distributed=trainer.world.distributed)))
+        return
     start = time.perf_counter()
     history = trainer.train()
     wall = time.perf_counter() - start
@@ -158,6 +249,9 @@ def _run(args, layout: str, n: int, single: bool, workdir: Path) -> dict:
                                                          ("prompt_len", args.prompt_len),
                                                          ("completion", args.completion), ("steps", args.steps))]
     flags += ["--worker", f"--layout={layout}", f"--result={result}", f"--workdir={workdir}"]
+    if args.phases:
+        flags += [f"--phases={args.phases}", f"--reps={args.reps}", f"--rollout-prompts={args.rollout_prompts}",
+                  f"--rollout-completion={args.rollout_completion}"]
     flags += ["--single"] if single else []
     flags += ["--collectives"] if args.collectives and n > 1 else []
     here = str(Path(__file__).resolve())
@@ -172,6 +266,9 @@ def _run(args, layout: str, n: int, single: bool, workdir: Path) -> dict:
         return dict(layout=layout, gpus=n, single=single, error=f"exit code {proc.returncode}",
                     seconds=time.perf_counter() - start)
     r = json.loads(result.read_text())
+    if args.phases:
+        return dict(layout=layout, gpus=n, single=single, distributed=r["distributed"],
+                    wall_s=time.perf_counter() - start, **_phase_summary(r["phases"], n))
     last = r["history"][-1]
     n_gen = args.prompts_per_gpu * n * args.G * args.completion  # generated tokens of the step, all ranks
     peaks = {k: v for k, v in last.items() if k.endswith("_peak_gib") and v is not None}
@@ -183,6 +280,17 @@ def _run(args, layout: str, n: int, single: bool, workdir: Path) -> dict:
                 phases={k: last.get(f"{k}_time_s") for k in ("generation", "rewards", "reference", "update")},
                 peak_gib=max(peaks.values()) if peaks else None, peaks_per_rank=per_rank,
                 collectives=r["collectives"], distributed=r["distributed"], history=r["history"])
+
+
+def _phase_summary(phases: dict, n: int) -> dict:
+    """Medians of the measured reps (the warm-up left out) of each phase; the rollout's tokens/s per GPU."""
+    out = {}
+    for name, runs in phases.items():
+        measured = runs[1:] or runs
+        out[name] = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+        out[name]["warmup"] = runs[0]
+        out[name]["reps"] = len(measured)
+    return out
 
 
 def _fmt(x, spec=".1f"):
@@ -204,6 +312,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--collectives", action="store_true", help="one more, profiled step per world size > 1")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for one world size's run")
+    ap.add_argument("--phases", default="", help="train,rollout: the training step alone on fixed completions and "
+                    "the rollout alone (see above) instead of whole steps")
+    ap.add_argument("--reps", type=int, default=1, help="--phases: measured repetitions after one warm-up")
+    ap.add_argument("--rollout-prompts", type=int, default=16, help="--phases rollout: prompts per GPU")
+    ap.add_argument("--rollout-completion", type=int, default=1024, help="--phases rollout: tokens per completion")
     ap.add_argument("--tag", default="")
     # one rank's run (set by the orchestrator)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -218,6 +331,9 @@ def main() -> None:
                         stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     if args.worker:
         return worker(args)
+    bad_phases = [x for x in args.phases.split(",") if x and x not in ("train", "rollout")]
+    if bad_phases:
+        ap.error(f"unknown phases {bad_phases}; choose from train, rollout")
     layouts = [x for x in args.layouts.split(",") if x]
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad:
@@ -233,7 +349,42 @@ def main() -> None:
             for n in sizes:
                 if n <= available:
                     rows.append(_run(args, layout, n, False, Path(tmp)))
-    write(args, rows, skipped)
+    (write_phases if args.phases else write)(args, rows, skipped)
+
+
+def write_phases(args, rows: list[dict], skipped: list[int]) -> None:
+    """The --phases table: per layout and path, the training step alone and the rollout alone."""
+    device = "CPU" if args.device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else "?")
+    meta = run_meta(shape=args.shape, phases=args.phases, prompts_per_gpu=args.prompts_per_gpu, G=args.G,
+                    prompt_len=args.prompt_len, completion=args.completion, rollout_prompts=args.rollout_prompts,
+                    rollout_completion=args.rollout_completion, reps=args.reps, skipped_world_sizes=skipped)
+    lines = [f"# GRPO step phases through the trainer, {args.shape} shape, {device}", "",
+             f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}; `{meta['command']}`", "",
+             f"Training step alone: {args.prompts_per_gpu} prompt(s) × G={args.G} per GPU, {args.prompt_len}-token "
+             f"prompts, fixed {args.completion}-token completions (random tokens), LoRA r=32, beta 0.04: the reference "
+             "pass + the policy update (forward/backward, optimizer step). Rollout alone: "
+             f"{args.rollout_prompts} prompts × G={args.G} per GPU × {args.rollout_completion} tokens (EOS ignored) "
+             f"through the trainer's sampler. Medians of {args.reps} measured rep(s) after one warm-up; peak: the "
+             "largest GPU allocation of the phase (rank 0's). Loss and gradient norm: the paths update on the same batch, "
+             "so they agree up to reduction order.", "",
+             "| layout | GPUs | path | train s (ref + update) | ref s | update s | train peak GiB | rollout s "
+             "| rollout tok/s/GPU | rollout peak GiB | warm-up train s / rollout s | update loss / grad norm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        path = "one process" if r.get("single") else "torchrun"
+        if "error" in r:
+            lines.append(f"| {r['layout']} | {r['gpus']} | {path} | failed: {r['error']} | | | | | | | | |")
+            continue
+        t, ro = r.get("train") or {}, r.get("rollout") or {}
+        lines.append(f"| {r['layout']} | {r['gpus']} | {path} | {_fmt(t.get('train_s'), '.2f')} "
+                     f"| {_fmt(t.get('reference_s'), '.2f')} | {_fmt(t.get('update_s'), '.2f')} "
+                     f"| {_fmt(t.get('peak_gib'), '.2f')} | {_fmt(ro.get('generation_s'), '.2f')} "
+                     f"| {_fmt(ro.get('tokens_per_s'), ',.0f')} | {_fmt(ro.get('peak_gib'), '.2f')} "
+                     f"| {_fmt((t.get('warmup') or {}).get('train_s'), '.1f')} / "
+                     f"{_fmt((ro.get('warmup') or {}).get('generation_s'), '.1f')} "
+                     f"| {_fmt(t.get('loss'), '.6g')} / {_fmt(t.get('grad_norm'), '.6g')} |")
+    stem = f"grpo_scale_phases_{args.shape}_{'cpu' if args.device == 'cpu' else 'gpu'}{args.tag}"
+    write_result(stem, dict(meta=meta, rows=rows), lines)
 
 
 def write(args, rows: list[dict], skipped: list[int]) -> None:
