@@ -34,8 +34,9 @@ SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 1024x4096": (1024, 4096), "gate/up
 # the packed decode's groups of one Llama-3.1-8B layer at LoRA r = 32: (NF4 weights' rows, A rows, K)
 GROUPS = {"q/k/v + A": ((4096, 1024, 1024), 96, 4096), "o + A": ((4096,), 32, 4096),
           "gate/up + A": ((14336, 14336), 64, 4096), "down + A": ((4096,), 32, 14336)}
-DECODE_ROWS = (16, 32, 64, 128)
-TRAIN_ROWS = (512, 2048)  # training-side products (a micro-batch's tokens): bitsandbytes keeps these
+DECODE_ROWS = (16, 128)
+SWEEP_ROWS = (128, 16)  # the rollout's first
+TRAIN_ROWS = (2048,)  # training-side products (a micro-batch's tokens): bitsandbytes keeps these
 
 
 def quantized(N: int, K: int, dev, seed: int = 0):
@@ -50,13 +51,13 @@ def quantized(N: int, K: int, dev, seed: int = 0):
 
 
 def sweep_choices(M: int) -> list[dict]:
-    """Launch choices tried at M rows (the larger set where the rollout benchmark runs: 128 rows)."""
-    c = lambda bn, w, st=3, swap=True, join=True: dict(bn=bn, swap=swap, join=join, warps=w, stages=st,  # noqa: E731
-                                                        programs=264)
+    """Launch choices tried at M rows (where the rollout benchmark runs: 128 rows; and 16)."""
+    def c(bn, w, st, lut=3, swap=True):
+        return dict(bn=bn, swap=swap, join=True, lut=lut, warps=w, stages=st, programs=264)
+
     if M >= 128:
-        return ([c(bn, w, join=j) for j in (True, False) for bn in (64, 128) for w in (4, 8)]
-                + [c(128, 8, st=4), c(128, 8, swap=False)])
-    return [c(bn, 4, join=j) for j in (True, False) for bn in (64, 128)] + [c(64, 4, st=4)]
+        return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1)]
+    return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1)]
 
 
 def table(dev, bw: float) -> list[dict]:
@@ -95,7 +96,7 @@ def sweep(dev) -> tuple[list[dict], dict]:
         g = nm.nf4_group(params, a)
         groups[name] = (g, nm.nf4_group_weight(g, torch.bfloat16))
     rows, best = [], {}
-    for M in DECODE_ROWS:
+    for M in SWEEP_ROWS:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
         bf16 = {name: graph_seconds(lambda: torch.nn.functional.linear(xs[name], W)) for name, (_, W) in groups.items()}
         choices = sweep_choices(M)
@@ -144,8 +145,10 @@ def main() -> None:
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     sweep_rows, best = sweep(dev) if args.sweep else ([], {})
-    if best:
+    if best:  # each bucket takes the fastest choice of the nearest swept row count at or above it
         nm.LAUNCH.update({b: best[min((m for m in best if m >= b), default=max(best))] for b in nm.LAUNCH})
+        write_result("nf4_matmul_h200_sweep", {"best": {str(b): c for b, c in nm.LAUNCH.items()}, "sweep": sweep_rows},
+                     [f"NF4 launch sweep (fastest per row count): {best}"])  # (rollout_speed --nf4-launch, at once)
     rows = table(dev, bw)
     meta = run_meta(copy_bandwidth_gbs=bw / 1e9, bitsandbytes=bitsandbytes.__version__, launch=dict(nm.LAUNCH))
     lines = [f"# NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, {meta['gpu']}", "",
@@ -165,16 +168,16 @@ def main() -> None:
                   "µs a call; 'layer' is the four groups' sum (bf16: the same groups as bf16 packed products, "
                   "rollout/fast_decode.py's 16-bit path). Fastest per row count: " +
                   ", ".join(f"{m} rows {c}" for m, c in best.items()) + ".", "",
-                  "| rows | bn | swap | join | warps | stages | programs | " + " | ".join(names) +
-                  " | layer µs | bf16 layer µs | × bf16 |", "|---" * (10 + len(names)) + "|"]
+                  "| rows | bn | lut | warps | stages | programs | " + " | ".join(names) +
+                  " | layer µs | bf16 layer µs | × bf16 |", "|---" * (9 + len(names)) + "|"]
         for r in sweep_rows:
-            head = (f"| {r['M']} | {r['bn']} | {r['swap']} | {r['join']} | {r['warps']} | {r['stages']} | "
-                    f"{r['programs']} | ")
+            head = f"| {r['M']} | {r['bn']} | {r['lut']} | {r['warps']} | {r['stages']} | {r['programs']} | "
             if "error" in r:
                 lines.append(head + f"failed: {r['error']} |" + " |" * (len(names) + 2))
                 continue
             lines.append(head + " | ".join(f"{r['us'][n]:.1f}" for n in names) +
-                         f" | {r['layer_us']:.1f} | {r['bf16_layer_us']:.1f} | {r['bf16_layer_us'] / r['layer_us']:.2f} |")
+                         f" | {r['layer_us']:.1f} | {r['bf16_layer_us']:.1f} | "
+                         f"{r['bf16_layer_us'] / r['layer_us']:.2f} |")
     write_result("nf4_matmul_h200", {**meta, "rows": rows, "sweep": sweep_rows,
                                      "best": {str(m): c for m, c in best.items()}}, lines)
 

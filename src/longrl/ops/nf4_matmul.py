@@ -44,13 +44,16 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 
 # launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128):
 # bn rows of the group a program owns, whether the NF4 tile is the left operand (swap), whether it is interleaved
-# into k order in registers so that x is read contiguously (join; else two products on even and odd k), warps,
-# pipeline stages, and the programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
+# into k order in registers so that x is read contiguously (join; else two products on even and odd k; lut 3
+# always joins), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 1 a register
+# gather from them, tl.gather; 2 a tree of selects; 0 a load from the 16-entry table in memory, which Triton's
+# pipeliner stages through shared memory one element at a time: 15-30x slower), warps, pipeline stages, and the
+# programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
 # --sweep times the alternatives; the table below is its fastest (see benchmarks/results/nf4_matmul_h200.md).
-LAUNCH = {16: dict(bn=64, swap=True, join=True, warps=4, stages=3, programs=264),
-          32: dict(bn=64, swap=True, join=True, warps=4, stages=3, programs=264),
-          64: dict(bn=128, swap=True, join=True, warps=4, stages=3, programs=264),
-          128: dict(bn=128, swap=True, join=True, warps=8, stages=3, programs=264)}
+LAUNCH = {16: dict(bn=128, swap=True, join=True, lut=3, warps=4, stages=3, programs=264),
+          32: dict(bn=128, swap=True, join=True, lut=3, warps=4, stages=3, programs=264),
+          64: dict(bn=128, swap=True, join=True, lut=3, warps=4, stages=3, programs=264),
+          128: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=2, programs=264)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
@@ -170,10 +173,86 @@ def nf4_group_reference(x: torch.Tensor, group: NF4Group) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
+    def _select16(q, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15):
+        """c[q] for 4-bit q (int32 tensor) by a tree of selects on its bits."""
+        b0, b1, b2, b3 = (q & 1) != 0, (q & 2) != 0, (q & 4) != 0, (q & 8) != 0
+        v0 = tl.where(b1, tl.where(b0, c03, c02), tl.where(b0, c01, c00))
+        v1 = tl.where(b1, tl.where(b0, c07, c06), tl.where(b0, c05, c04))
+        v2 = tl.where(b1, tl.where(b0, c11, c10), tl.where(b0, c09, c08))
+        v3 = tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12))
+        return tl.where(b3, tl.where(b2, v3, v2), tl.where(b2, v1, v0))
+
+
+    # PRMT selects 4 bytes of an 8-byte pair of registers by the 4 nibbles of its selector: the 16 bits of two code
+    # bytes are already such nibbles (element order 1, 0, 3, 2), so one permute looks up four 4-bit codes in an 8-entry
+    # byte table. A 16-entry table of bf16 values is two byte planes (low, high) of four registers each: per plane,
+    # entries 0-7 and 8-15 are looked up with the nibbles' low 3 bits, and a third permute picks between them by
+    # bit 3 (selector 0x3210 + 4 · bit3 a nibble); two more interleave the planes into the bf16 pairs of the high-
+    # and low-nibble elements. 11 instructions per two bytes. (tests/test_nf4_matmul.py replays it on the CPU.)
+    PRMT_ASM = tl.constexpr("""
+    {
+    .reg .b32 s, t, a, b, rl, rh, w;
+    and.b32 s, $4, 0x7777;
+    shr.b32 t, $4, 1;
+    and.b32 t, t, 0x4444;
+    or.b32 t, t, 0x3210;
+    prmt.b32 a, $5, $9, s;
+    prmt.b32 b, $13, $17, s;
+    prmt.b32 rl, a, b, t;
+    prmt.b32 a, $21, $25, s;
+    prmt.b32 b, $29, $33, s;
+    prmt.b32 rh, a, b, t;
+    prmt.b32 $0, rl, rh, 0x7351;
+    prmt.b32 $2, rl, rh, 0x6240;
+    shr.b32 w, $4, 16;
+    and.b32 s, w, 0x7777;
+    shr.b32 t, w, 1;
+    and.b32 t, t, 0x4444;
+    or.b32 t, t, 0x3210;
+    prmt.b32 a, $5, $9, s;
+    prmt.b32 b, $13, $17, s;
+    prmt.b32 rl, a, b, t;
+    prmt.b32 a, $21, $25, s;
+    prmt.b32 b, $29, $33, s;
+    prmt.b32 rh, a, b, t;
+    prmt.b32 $1, rl, rh, 0x7351;
+    prmt.b32 $3, rl, rh, 0x6240;
+    }
+    """)
+
+    PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
+
+    @triton.jit
+    def _bf16_bits(c, s):
+        """The 16 bits of bf16(c · s) (s float32 [BN]) as int32."""
+        return (c * s).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+    @triton.jit
+    def _planes(v0, v1, v2, v3):
+        """(low bytes, high bytes) of four bf16 bit patterns, each packed into an int32 (entry t in byte t)."""
+        lo = (v0 & 0xFF) | ((v1 & 0xFF) << 8) | ((v2 & 0xFF) << 16) | ((v3 & 0xFF) << 24)
+        hi = (v0 >> 8) | ((v1 >> 8) << 8) | ((v2 >> 8) << 16) | ((v3 >> 8) << 24)
+        return lo, hi
+
+    @triton.jit
+    def _prmt_lookup(byte, s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15,
+                     BN: tl.constexpr):
+        """(bf16(code[hi nibble] · s), bf16(code[lo nibble] · s)) of a block's bytes [BN, 32] (PRMT_ASM)."""
+        L0, H0 = _planes(_bf16_bits(c00, s), _bf16_bits(c01, s), _bf16_bits(c02, s), _bf16_bits(c03, s))
+        L1, H1 = _planes(_bf16_bits(c04, s), _bf16_bits(c05, s), _bf16_bits(c06, s), _bf16_bits(c07, s))
+        L2, H2 = _planes(_bf16_bits(c08, s), _bf16_bits(c09, s), _bf16_bits(c10, s), _bf16_bits(c11, s))
+        L3, H3 = _planes(_bf16_bits(c12, s), _bf16_bits(c13, s), _bf16_bits(c14, s), _bf16_bits(c15, s))
+        z = tl.zeros([BN, 32], tl.int32)
+        return tl.inline_asm_elementwise(PRMT_ASM, PRMT_CONSTRAINTS,
+                                         [byte, L0[:, None] + z, L1[:, None] + z, L2[:, None] + z, L3[:, None] + z,
+                                          H0[:, None] + z, H1[:, None] + z, H2[:, None] + z, H3[:, None] + z],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
     def _nf4_group_kernel(X, P0, P1, P2, S, CODE, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles,
                           HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
-                          JOIN: tl.constexpr):
+                          JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
@@ -194,7 +273,8 @@ if triton is not None:
             col, c_ok = NQ + r, r_ok
             kk = tl.arange(0, 128)
             d_rows = D + r.to(tl.int64) * K
-            for c in range(c_start, c_stop):
+            for c in tl.range(c_start, c_stop, num_stages=1):  # (few programs: no staging, whose buffers would be
+                # the kernel's largest and cut how many NF4 programs share an SM)
                 k = c * 128 + kk
                 k_ok = k < K
                 d = tl.load(d_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, 128]
@@ -215,39 +295,91 @@ if triton is not None:
             j = tl.arange(0, 64)  # byte of the chunk: elements 2j (high nibble), 2j + 1 (low)
             first_block = (j < 32)[None, :]  # bytes 0..31: block 2c, 32..63: block 2c + 1
             x_dtype = X.dtype.element_ty
-            for c in range(c_start, c_stop):
-                k_even = c * 128 + 2 * j  # [64]
-                k_ok = k_even < K
-                byte = tl.load(w_rows[:, None] + (c * 64 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                               other=0)  # [BN, 64] uint8
-                s0 = tl.load(S + (2 * c) * NQ + n, mask=n_ok, other=0.0)  # [BN]
-                s1 = tl.load(S + (2 * c + 1) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 < K),
-                             other=0.0)  # (a tensor: a bare bool breaks the interpreter)
-                scale = tl.where(first_block, s0[:, None], s1[:, None])  # [BN, 64]
-                w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j]
-                w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * scale).to(x_dtype)  # W[n, k0 + 2j + 1]
-                if JOIN:  # the tile in k order (codes interleaved in registers), x read contiguously
-                    w = tl.reshape(tl.join(w_hi, w_lo), [BN, 128])  # W[n, k0 + i]
-                    k = c * 128 + tl.arange(0, 128)
-                    kx_ok = k < K
-                    if SWAP:
-                        xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & kx_ok[:, None], other=0.0)
-                        acc += tl.dot(w, xt, out_dtype=tl.float32)  # [BN, 128] · [128, BM]
+            i32 = tl.arange(0, 32)
+            code2 = tl.load(CODE + i32 % 16)  # [32] the table twice (LUT 1)
+            c00, c01, c02, c03 = tl.load(CODE), tl.load(CODE + 1), tl.load(CODE + 2), tl.load(CODE + 3)
+            c04, c05, c06, c07 = tl.load(CODE + 4), tl.load(CODE + 5), tl.load(CODE + 6), tl.load(CODE + 7)
+            c08, c09, c10, c11 = tl.load(CODE + 8), tl.load(CODE + 9), tl.load(CODE + 10), tl.load(CODE + 11)
+            c12, c13, c14, c15 = tl.load(CODE + 12), tl.load(CODE + 13), tl.load(CODE + 14), tl.load(CODE + 15)
+            j32 = tl.arange(0, 32)
+            if LUT == 3:  # a block at a time, looked up by byte permutes (GPU only)
+                for c in range(c_start, c_stop):
+                    k = c * 128 + tl.arange(0, 64)
+                    for blk in tl.static_range(2):
+                        kb = k + 64 * blk
+                        if EVEN_K:
+                            byte = tl.load(w_rows[:, None] + (c * 64 + 32 * blk + j32)[None, :], mask=n_ok[:, None],
+                                           other=0)  # [BN, 32] uint8
+                            xt = tl.load(x_rows[None, :] + kb[:, None], mask=m_ok[None, :], other=0.0)  # [64, BM]
+                        else:
+                            kb_ok = (c * 128 + 64 * blk + 2 * j32) < K
+                            byte = tl.load(w_rows[:, None] + (c * 64 + 32 * blk + j32)[None, :],
+                                           mask=n_ok[:, None] & kb_ok[None, :], other=0)
+                            xt = tl.load(x_rows[None, :] + kb[:, None], mask=m_ok[None, :] & (kb < K)[:, None],
+                                         other=0.0)
+                        sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
+                                     other=0.0)  # [BN] this block's scales
+                        if ASM:
+                            w_hi, w_lo = _prmt_lookup(byte, sb, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10,
+                                                      c11, c12, c13, c14, c15, BN)
+                        else:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
+                            w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * sb[:, None]).to(x_dtype)
+                            w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * sb[:, None]).to(x_dtype)
+                        w = tl.reshape(tl.join(w_hi, w_lo), [BN, 64])  # W[n, k0 + 64 blk + i]
+                        if SWAP:
+                            acc += tl.dot(w, xt, out_dtype=tl.float32)
+                        else:
+                            acc += tl.dot(tl.trans(xt), tl.trans(w), out_dtype=tl.float32)
+            else:
+                for c in range(c_start, c_stop):
+                    k_even = c * 128 + 2 * j  # [64]
+                    k_ok = k_even < K
+                    if EVEN_K:  # no mask along k: the loads stay 16-byte vectors
+                        byte = tl.load(w_rows[:, None] + (c * 64 + j)[None, :], mask=n_ok[:, None], other=0)
                     else:
-                        xk = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & kx_ok[None, :], other=0.0)
-                        acc += tl.dot(xk, tl.trans(w), out_dtype=tl.float32)
-                elif SWAP:  # even and odd k as two products, x read with a stride of 2
-                    xe = tl.load(x_rows[None, :] + k_even[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-                    xo = tl.load(x_rows[None, :] + (k_even + 1)[:, None], mask=m_ok[None, :] & k_ok[:, None],
-                                 other=0.0)  # [64, BM]
-                    acc += tl.dot(w_hi, xe, out_dtype=tl.float32)
-                    acc += tl.dot(w_lo, xo, out_dtype=tl.float32)
-                else:
-                    xe = tl.load(x_rows[:, None] + k_even[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    xo = tl.load(x_rows[:, None] + (k_even + 1)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                                 other=0.0)  # [BM, 64]
-                    acc += tl.dot(xe, tl.trans(w_hi), out_dtype=tl.float32)
-                    acc += tl.dot(xo, tl.trans(w_lo), out_dtype=tl.float32)
+                        byte = tl.load(w_rows[:, None] + (c * 64 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                       other=0)  # [BN, 64] uint8
+                    s0 = tl.load(S + (2 * c) * NQ + n, mask=n_ok, other=0.0)  # [BN]
+                    s1 = tl.load(S + (2 * c + 1) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 < K),
+                                 other=0.0)  # (a tensor: a bare bool breaks the interpreter)
+                    q_hi, q_lo = (byte >> 4).to(tl.int32), (byte & 15).to(tl.int32)
+                    if LUT == 1:  # this chunk's 32 values bf16(code[i] · s) a row (two blocks), gathered in registers
+                        table = (tl.where((i32 < 16)[None, :], s0[:, None], s1[:, None]) * code2[None, :]).to(x_dtype)
+                        second = tl.where(first_block, 0, 16)  # [1, 64]
+                        w_hi = tl.gather(table, q_hi + second, 1)  # W[n, k0 + 2j]   [BN, 64]
+                        w_lo = tl.gather(table, q_lo + second, 1)  # W[n, k0 + 2j + 1]
+                    else:
+                        scale = tl.where(first_block, s0[:, None], s1[:, None])  # [BN, 64]
+                        if LUT == 2:  # a select tree over the 16 values held in registers
+                            w_hi = (_select16(q_hi, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12,
+                                              c13, c14, c15) * scale).to(x_dtype)
+                            w_lo = (_select16(q_lo, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12,
+                                              c13, c14, c15) * scale).to(x_dtype)
+                        else:  # loads from the 16-entry table in memory (the pipeliner may stage them: slow)
+                            w_hi = (tl.load(CODE + q_hi) * scale).to(x_dtype)
+                            w_lo = (tl.load(CODE + q_lo) * scale).to(x_dtype)
+                    if JOIN:  # the tile in k order (codes interleaved in registers), x read contiguously
+                        w = tl.reshape(tl.join(w_hi, w_lo), [BN, 128])  # W[n, k0 + i]
+                        k = c * 128 + tl.arange(0, 128)
+                        kx_ok = k < K
+                        if SWAP:
+                            xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & kx_ok[:, None], other=0.0)
+                            acc += tl.dot(w, xt, out_dtype=tl.float32)  # [BN, 128] · [128, BM]
+                        else:
+                            xk = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & kx_ok[None, :], other=0.0)
+                            acc += tl.dot(xk, tl.trans(w), out_dtype=tl.float32)
+                    elif SWAP:  # even and odd k as two products, x read with a stride of 2
+                        xe = tl.load(x_rows[None, :] + k_even[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                        xo = tl.load(x_rows[None, :] + (k_even + 1)[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                                     other=0.0)  # [64, BM]
+                        acc += tl.dot(w_hi, xe, out_dtype=tl.float32)
+                        acc += tl.dot(w_lo, xo, out_dtype=tl.float32)
+                    else:
+                        xe = tl.load(x_rows[:, None] + k_even[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                        xo = tl.load(x_rows[:, None] + (k_even + 1)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                                     other=0.0)  # [BM, 64]
+                        acc += tl.dot(xe, tl.trans(w_hi), out_dtype=tl.float32)
+                        acc += tl.dot(xo, tl.trans(w_lo), out_dtype=tl.float32)
         if SWAP:
             ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
             mask = c_ok[:, None] & m_ok[None, :]
@@ -271,6 +403,10 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(BIAS + i % NT, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _interpreting() -> bool:
+    return type(_nf4_group_kernel).__name__ == "InterpretedFunction"
 
 
 def launch_for(M: int, launch: dict | None = None) -> tuple[int, dict]:
@@ -321,6 +457,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
         x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, N0, N01, NQ, R,
         x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
         HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
+        LUT=cfg["lut"], EVEN_K=K % CHUNK == 0, ASM=not _interpreting(),
         num_warps=cfg["warps"], num_stages=cfg["stages"])
     if split > 1:
         block = 1024
