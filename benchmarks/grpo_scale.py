@@ -352,31 +352,46 @@ def main() -> None:
     (write_phases if args.phases else write)(args, rows, skipped)
 
 
+def _row_start(r: dict, columns: int) -> tuple[str, bool]:
+    """A table row's first cells (layout, GPUs, path), and whether the row is done (a failed run: its error)."""
+    path = "one process" if r.get("single") else "torchrun"
+    start = f"| {r['layout']} | {r['gpus']} | {path} |"
+    if "error" in r:
+        return start + f" failed: {r['error']} |" + " |" * (columns - 4), True
+    return start, False
+
+
+def _heading(args, title: str, **params) -> tuple[dict, list[str]]:
+    """(the run's metadata, the table's title and provenance lines)."""
+    device = "CPU" if args.device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else "?")
+    meta = run_meta(shape=args.shape, prompts_per_gpu=args.prompts_per_gpu, G=args.G, prompt_len=args.prompt_len,
+                    completion=args.completion, **params)
+    return meta, [f"# {title}, {args.shape} shape, {device}", "",
+                  f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}; `{meta['command']}`", ""]
+
+
 def write_phases(args, rows: list[dict], skipped: list[int]) -> None:
     """The --phases table: per layout and path, the training step alone and the rollout alone."""
-    device = "CPU" if args.device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else "?")
-    meta = run_meta(shape=args.shape, phases=args.phases, prompts_per_gpu=args.prompts_per_gpu, G=args.G,
-                    prompt_len=args.prompt_len, completion=args.completion, rollout_prompts=args.rollout_prompts,
-                    rollout_completion=args.rollout_completion, reps=args.reps, skipped_world_sizes=skipped)
-    lines = [f"# GRPO step phases through the trainer, {args.shape} shape, {device}", "",
-             f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}; `{meta['command']}`", "",
-             f"Training step alone: {args.prompts_per_gpu} prompt(s) × G={args.G} per GPU, {args.prompt_len}-token "
-             f"prompts, fixed {args.completion}-token completions (random tokens), LoRA r=32, beta 0.04: the reference "
-             "pass + the policy update (forward/backward, optimizer step). Rollout alone: "
-             f"{args.rollout_prompts} prompts × G={args.G} per GPU × {args.rollout_completion} tokens (EOS ignored) "
-             f"through the trainer's sampler. Medians of {args.reps} measured rep(s) after one warm-up; peak: the "
-             "largest GPU allocation of the phase (rank 0's). Loss and gradient norm: the paths update on the same batch, "
-             "so they agree up to reduction order.", "",
-             "| layout | GPUs | path | train s (ref + update) | ref s | update s | train peak GiB | rollout s "
-             "| rollout tok/s/GPU | rollout peak GiB | warm-up train s / rollout s | update loss / grad norm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    meta, lines = _heading(args, "GRPO step phases through the trainer", phases=args.phases,
+                           rollout_prompts=args.rollout_prompts, rollout_completion=args.rollout_completion,
+                           reps=args.reps, skipped_world_sizes=skipped)
+    lines += [f"Training step alone: {args.prompts_per_gpu} prompt(s) × G={args.G} per GPU, {args.prompt_len}-token "
+              f"prompts, fixed {args.completion}-token completions (random tokens), LoRA r=32, beta 0.04: the reference "
+              "pass + the policy update (forward/backward, optimizer step). Rollout alone: "
+              f"{args.rollout_prompts} prompts × G={args.G} per GPU × {args.rollout_completion} tokens (EOS ignored) "
+              f"through the trainer's sampler. Medians of {args.reps} measured rep(s) after one warm-up; peak: the "
+              "largest GPU allocation of the phase (rank 0's). Loss and gradient norm: the paths update on the same "
+              "batch, so they agree up to reduction order.", "",
+              "| layout | GPUs | path | train s (ref + update) | ref s | update s | train peak GiB | rollout s "
+              "| rollout tok/s/GPU | rollout peak GiB | warm-up train s / rollout s | update loss / grad norm |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        path = "one process" if r.get("single") else "torchrun"
-        if "error" in r:
-            lines.append(f"| {r['layout']} | {r['gpus']} | {path} | failed: {r['error']} | | | | | | | | |")
+        start, failed = _row_start(r, 12)
+        if failed:
+            lines.append(start)
             continue
         t, ro = r.get("train") or {}, r.get("rollout") or {}
-        lines.append(f"| {r['layout']} | {r['gpus']} | {path} | {_fmt(t.get('train_s'), '.2f')} "
+        lines.append(f"{start} {_fmt(t.get('train_s'), '.2f')} "
                      f"| {_fmt(t.get('reference_s'), '.2f')} | {_fmt(t.get('update_s'), '.2f')} "
                      f"| {_fmt(t.get('peak_gib'), '.2f')} | {_fmt(ro.get('generation_s'), '.2f')} "
                      f"| {_fmt(ro.get('tokens_per_s'), ',.0f')} | {_fmt(ro.get('peak_gib'), '.2f')} "
@@ -388,27 +403,23 @@ def write_phases(args, rows: list[dict], skipped: list[int]) -> None:
 
 
 def write(args, rows: list[dict], skipped: list[int]) -> None:
-    device = "CPU" if args.device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else "?")
-    meta = run_meta(shape=args.shape, prompts_per_gpu=args.prompts_per_gpu, G=args.G, prompt_len=args.prompt_len,
-                    completion=args.completion, steps=args.steps, skipped_world_sizes=skipped)
+    meta, lines = _heading(args, "GRPO scale-out", steps=args.steps, skipped_world_sizes=skipped)
     base = {r["layout"]: r for r in rows if r.get("gpus") == 1 and not r.get("single") and "error" not in r}
-    lines = [f"# GRPO scale-out, {args.shape} shape, {device}", "",
-             f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}; `{meta['command']}`", "",
-             f"{args.prompts_per_gpu} prompts × G={args.G} per GPU, {args.prompt_len}-token prompts, "
-             f"{args.completion}-token completions; the last of {args.steps} steps. Tokens/s per GPU: generated "
-             "tokens of the step ÷ step time ÷ GPUs. Efficiency: tokens/s/GPU ÷ that of the 1-GPU torchrun run.", "",
-             "| layout | GPUs | path | step s | tok/s/GPU | rollout tok/s/GPU | efficiency | peak GiB (max rank) "
-             "| collectives s | gen / ref / update s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"{args.prompts_per_gpu} prompts × G={args.G} per GPU, {args.prompt_len}-token prompts, "
+              f"{args.completion}-token completions; the last of {args.steps} steps. Tokens/s per GPU: generated "
+              "tokens of the step ÷ step time ÷ GPUs. Efficiency: tokens/s/GPU ÷ that of the 1-GPU torchrun run.", "",
+              "| layout | GPUs | path | step s | tok/s/GPU | rollout tok/s/GPU | efficiency | peak GiB (max rank) "
+              "| collectives s | gen / ref / update s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        path = "one process" if r.get("single") else "torchrun"
-        if "error" in r:
-            lines.append(f"| {r['layout']} | {r['gpus']} | {path} | failed: {r['error']} | | | | | | |")
+        start, failed = _row_start(r, 10)
+        if failed:
+            lines.append(start)
             continue
         one = base.get(r["layout"])
         eff = r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one else None
         ph = r["phases"]
-        lines.append(f"| {r['layout']} | {r['gpus']} | {path} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} "
+        lines.append(f"{start} {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} "
                      f"| {r['rollout_tokens_per_s_per_gpu']:,.0f} | {_fmt(eff, '.1%')} | {_fmt(r['peak_gib'], '.2f')} "
                      f"| {_fmt((r['collectives'] or {}).get('seconds'), '.2f')} "
                      f"| {_fmt(ph['generation'], '.1f')} / {_fmt(ph['reference'], '.1f')} / "
