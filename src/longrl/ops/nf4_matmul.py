@@ -189,11 +189,9 @@ if triton is not None:
     # entries 0-7 and 8-15 are looked up with the nibbles' low 3 bits, and a third permute picks between them by
     # bit 3 (selector 0x3210 + 4 · bit3 a nibble); two more interleave the planes into the bf16 pairs of the high-
     # and low-nibble elements. 11 instructions per two bytes. (tests/test_nf4_matmul.py replays it on the CPU.)
-    PRMT_ASM = tl.constexpr("""
-    {
-    .reg .b32 s, t, a, b, rl, rh, w;
-    and.b32 s, $4, 0x7777;
-    shr.b32 t, $4, 1;
+    _PRMT_PAIR = """
+    and.b32 s, {w}, 0x7777;
+    shr.b32 t, {w}, 1;
     and.b32 t, t, 0x4444;
     or.b32 t, t, 0x3210;
     prmt.b32 a, $5, $9, s;
@@ -202,24 +200,12 @@ if triton is not None:
     prmt.b32 a, $21, $25, s;
     prmt.b32 b, $29, $33, s;
     prmt.b32 rh, a, b, t;
-    prmt.b32 $0, rl, rh, 0x7351;
-    prmt.b32 $2, rl, rh, 0x6240;
-    shr.b32 w, $4, 16;
-    and.b32 s, w, 0x7777;
-    shr.b32 t, w, 1;
-    and.b32 t, t, 0x4444;
-    or.b32 t, t, 0x3210;
-    prmt.b32 a, $5, $9, s;
-    prmt.b32 b, $13, $17, s;
-    prmt.b32 rl, a, b, t;
-    prmt.b32 a, $21, $25, s;
-    prmt.b32 b, $29, $33, s;
-    prmt.b32 rh, a, b, t;
-    prmt.b32 $1, rl, rh, 0x7351;
-    prmt.b32 $3, rl, rh, 0x6240;
-    }
-    """)
-
+    prmt.b32 {hi}, rl, rh, 0x7351;
+    prmt.b32 {lo}, rl, rh, 0x6240;"""  # two code bytes (the low 16 bits of {w}) → bf16 pairs {hi}, {lo}
+    # operands: $0 $1 the high-nibble values, $2 $3 the low-nibble ones (2 bf16 each), $4 four code bytes, then the
+    # planes L0..L3, H0..H3 (each 4 times: pack=4 gives every element of an int32 input its own register)
+    PRMT_ASM = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh, w;" + _PRMT_PAIR.format(w="$4", hi="$0", lo="$2")
+                            + "\nshr.b32 w, $4, 16;" + _PRMT_PAIR.format(w="w", hi="$1", lo="$3") + "\n}")
     PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
 
     @triton.jit
