@@ -294,6 +294,59 @@ def frozen_base_weights(model) -> dict | None:
     return weights if all(v.is_floating_point() for v in weights.values()) else None
 
 
+def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict | None]:
+    """(trainer state, frozen base weights) of a checkpoint of either recipe: the data position and the config, and
+    what ``longrl export`` needs to rebuild exactly the trained model: the base's real dtype (model.dtype=auto
+    depends on the device), the modules a 4-bit base kept in 16-bit, and the builtin model's frozen base, which only
+    a seed and this torch version's initializers could otherwise rebuild. ``extra``: the recipe's own entries."""
+    from .models import TINY_NAME, base_model
+
+    base = base_model(model)
+    dtype = base.get_input_embeddings().weight.dtype
+    state = {"data_position": data_position, "config": cfg.to_dict(),
+             "model_dtype": str(dtype).removeprefix("torch."), **extra}
+    report = getattr(base, "longrl_quant_report", None)
+    if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
+        state["quant_kept"] = sorted(report.kept)
+    frozen = (frozen_base_weights(model)
+              if cfg.model.name_or_path == TINY_NAME and hasattr(model, "peft_config") else None)
+    return state, frozen
+
+
+def resume_request(output_dir: Path, checkpoint: bool | str | Path) -> None:
+    """Check TRL's ``train(resume_from_checkpoint=...)``: True, the output directory, or its latest checkpoint
+    (longrl resumes from the newest checkpoint that verifies); another path is refused."""
+    if checkpoint is True:
+        return
+    from .config import ConfigError
+
+    latest = latest_checkpoint(output_dir)
+    given = Path(checkpoint).resolve()
+    if given != Path(output_dir).resolve() and (latest is None or given != latest.resolve()):
+        raise ConfigError(f"resume_from_checkpoint={str(checkpoint)!r}: longrl resumes from the latest checkpoint "
+                          f"of output_dir ({latest or f'none in {output_dir}'}); pass True")
+
+
+def load_newest(candidates: list[Path], output_dir: Path, model, optimizer, scheduler) -> tuple[Path, dict] | None:
+    """(path, trainer state) of the newest of ``candidates`` (verified checkpoints, newest first) that loads; one that
+    fails is skipped with a warning, and when none loads :class:`CheckpointError` lists why. None without
+    candidates (a resume asked for in a directory without checkpoints starts from scratch, warned)."""
+    if not candidates:
+        log.warning("resume=true but no checkpoint in %s: starting from scratch", output_dir)
+        return None
+    problems = []
+    for path in candidates:
+        try:
+            state = load_checkpoint(path, model, optimizer, scheduler)
+        except CheckpointError as e:
+            problems.append(f"{path.name}: {e}")
+            log.warning("resume: %s skipped: %s", path.name, e)
+            continue
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return path, state
+    raise CheckpointError(f"output.resume: no checkpoint in {output_dir} loads ({'; '.join(problems)})")
+
+
 # save_checkpoint's staging directories: .tmp- (the new copy) or .old- (a moved-aside copy), the step, the saving
 # host and pid (earlier versions: no host)
 _STAGING = re.compile(r"^\.(tmp|old)-checkpoint-(\d+)-(?:(.+)-)?(\d+)$")

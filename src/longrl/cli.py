@@ -22,8 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="print a commented starting config for a real model: longrl init > run.yaml")
     init.add_argument("--model", default=None, metavar="ID_OR_DIR",
                       help="hub id or local model directory (default: Qwen/Qwen2.5-1.5B-Instruct)")
-    init.add_argument("--task", choices=("math", "code", "custom"), default="math",
-                      help="math: a built-in answer reward on an `answer` column; code, custom: your rewards.py")
+    init.add_argument("--task", choices=("math", "code", "custom"), default=None,
+                      help="math (default): a built-in answer reward on an `answer` column; code, custom: your "
+                           "rewards.py")
+    init.add_argument("--sft", action="store_true", help="a config for `longrl sft` (supervised fine-tuning)")
     train = sub.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file (see `longrl demo --print-config`)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.max_steps=10")
@@ -35,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="GPU memory to plan for (default: free memory of the current CUDA device)")
+    plan.add_argument("--sft", action="store_true", help="plan a supervised step (`longrl sft` configs)")
     plan.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                       help="plan one GPU of a data-parallel job on N GPUs (full weights sharded by FSDP2, LoRA and "
                            "4-bit bases replicated)")
@@ -142,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     if args.command == "init":
-        from .starter import render
+        from .starter import render, render_sft
 
-        sys.stdout.write(render(args.model, args.task))
+        if args.sft and args.task:
+            parser.error("--task chooses GRPO's rewards; `longrl init --sft` takes only --model")
+        sys.stdout.write(render_sft(args.model) if args.sft else render(args.model, args.task or "math"))
         return 0
     try:
         if args.command in ("generate", "eval"):
@@ -165,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sft: {len(history)} steps, last loss {last.get('loss', float('nan')):.4f}"
                   + (f", held-out loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))
             return 0
-        cfg = load_config(args.config, args.overrides)
+        sft_plan = args.command == "plan" and args.sft
+        cfg = load_config(args.config, args.overrides, recipe="sft" if sft_plan else "grpo")
         if args.command == "plan":
-            return _plan(cfg, args.gpu_memory_gib, args.nproc_per_node)
+            return _plan(cfg, args.gpu_memory_gib, args.nproc_per_node, sft=sft_plan)
         _run(cfg)
         return 0
     except ConfigError as e:
@@ -249,10 +255,19 @@ def _export(args) -> int:
     return 0
 
 
-def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1) -> int:
+def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = False) -> int:
     import torch
 
     from .memory.planner import GIB, PlanError, model_config_of, plan_for_config
+    from .model_setup import sft_planning_view
+
+    if sft:  # a supervised step, as the planner sees it: sft.examples_per_step sequences of sft.max_length tokens
+        if world_size != 1:
+            print("longrl: error: --nproc-per-node: `longrl sft` runs in one process in this version",
+                  file=sys.stderr)
+            return 2
+        label = f"{cfg.sft.examples_per_step} examples × {cfg.sft.max_length:,} tokens"
+        cfg = sft_planning_view(cfg)
 
     if gpu_memory_gib is None:
         if not torch.cuda.is_available():
@@ -270,6 +285,10 @@ def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1) -> int:
         print(f"longrl: this job cannot fit{f' on {world_size} GPUs' if world_size > 1 else ''}: {e}", file=sys.stderr)
         return 1
     n = cfg.train.prompts_per_step * cfg.grpo.num_generations
+    if sft:
+        print(f"plan for {cfg.model.name_or_path} (sft): {label}, {gpu_memory_gib:.1f} GiB GPU")
+        print(plan.table())
+        return 0
     layout = ""
     if world_size > 1:
         per_rank = -(-cfg.train.prompts_per_step // world_size) * cfg.grpo.num_generations

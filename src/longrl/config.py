@@ -233,6 +233,8 @@ class SFTSettings:
     #                             gradient_accumulation_steps); micro-batches follow train.micro_batch_tokens
     label_smoothing: float = 0.0  # ε of the label-smoothed cross-entropy (TRL: label_smoothing_factor)
     eval_examples: int = 64  # held-out examples scored at each output.eval_steps (0: none)
+    num_train_epochs: Optional[float] = None  # passes over the training examples: the run's optimizer steps are
+    #                                           ceil(epochs × examples / examples_per_step); null: train.max_steps
 
 
 @dataclass
@@ -278,7 +280,7 @@ def trajectory_tokens(cfg: "Config") -> int:
 # keys a resumed run may change: how long it runs, where and how it reports, and how fast or in how much memory it
 # computes the same steps; every other key decides the run's trajectory (data, model, adapters, optimizer, loss,
 # sampling) and must stay what the checkpoint was trained with
-RESUMABLE_CHANGES = ("train.max_steps", "output.", "generation.backend", "generation.cuda_graphs",
+RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "generation.backend", "generation.cuda_graphs",
                      "generation.kv_cache_gib", "generation.kv_cache_dtype", "generation.sync_every",
                      "train.gpu_memory_gib", "generation.fast_decode",
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
@@ -331,12 +333,13 @@ def config_keys(cls=None, prefix: str = "") -> tuple[str, ...]:
     return tuple(out)
 
 
-def trl_key(name: str) -> str | None:
-    """The dotted key TRL's flat field ``name`` sets in this tree (``longrl.trl_names``), or None: the name is not
-    TRL's, or its longrl key is not in this version (then found by its leaf name if that is unique)."""
+def trl_key(name: str, names: dict | None = None) -> str | None:
+    """The dotted key TRL's flat field ``name`` sets in this tree (``names``: ``longrl.trl_names.TRL_NAMES``, or
+    ``TRL_SFT_NAMES``), or None: the name is not TRL's, or its longrl key is not in this version (then found by its
+    leaf name if that is unique)."""
     from .trl_names import TRL_NAMES
 
-    entry = TRL_NAMES.get(name)
+    entry = (TRL_NAMES if names is None else names).get(name)
     if entry is None or entry.key is None:
         return None
     keys = config_keys()
@@ -350,12 +353,13 @@ def trl_key(name: str) -> str | None:
 def suggest_key(path: str) -> str:
     """'did you mean train.learning_rate?' for an unknown key: a TRL flat name, a key of another section, or a
     near miss; '' when nothing is close."""
-    from .trl_names import TRL_NAMES
+    from .trl_names import SFT_NAMES, TRL_NAMES
 
     leaf = path.rsplit(".", 1)[-1]
     keys = config_keys()
-    if leaf in TRL_NAMES:
-        entry, key = TRL_NAMES[leaf], trl_key(leaf)
+    table = TRL_NAMES if leaf in TRL_NAMES else SFT_NAMES
+    if leaf in table:
+        entry, key = table[leaf], trl_key(leaf, table)
         note = f": {entry.note}" if entry.note else ""
         if key is None:
             return f"TRL's {leaf} has no longrl key{note or ': not in this version of longrl'}"
@@ -662,6 +666,8 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     _check(s.examples_per_step >= 1, "sft.examples_per_step", s.examples_per_step, "an integer >= 1")
     _check(0 <= s.label_smoothing < 1, "sft.label_smoothing", s.label_smoothing, "0 <= label_smoothing < 1")
     _check(s.eval_examples >= 0, "sft.eval_examples", s.eval_examples, "an integer >= 0")
+    _check(s.num_train_epochs is None or s.num_train_epochs > 0, "sft.num_train_epochs", s.num_train_epochs,
+           "null (train.max_steps decides) or > 0")
     for i, r in enumerate(cfg.rewards):
         _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
                "'path/to/file.py:function' or 'package.module:function'")

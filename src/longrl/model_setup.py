@@ -26,7 +26,7 @@ def _config_or_none(model_cfg):
         return None
 
 
-def _sft_planning_view(cfg):
+def sft_planning_view(cfg):
     """The config as the planner sees a supervised step: sft.examples_per_step sequences of sft.max_length
     tokens, no rollout phase."""
     view = copy.deepcopy(cfg)
@@ -39,7 +39,7 @@ def _sft_planning_view(cfg):
 def _resolve(cfg, model_config, device, recipe: str, world_size: int = 1):
     if recipe != "sft":
         return resolve_layout(cfg, model_config, device, world_size)
-    view = _sft_planning_view(cfg)
+    view = sft_planning_view(cfg)
     plan = resolve_layout(view, model_config, device)
     for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers",
                                      "reuse_attention")),
@@ -100,3 +100,38 @@ def make_optimizer(model, train_cfg):
                                   weight_decay=t.weight_decay)
     return params, optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))
+
+
+def given_model(cfg, model, tokenizer, device, describe: bool, needed_tokens: tuple[int, str]):
+    """(model, tokenizer) of a model passed in: on ``device``, with gradient checkpointing when cfg asks, with
+    adapters when LoRA is on (``ensure_adapters``), with a tokenizer (TRL-style, the one saved with the model) that
+    has a pad token. ``describe`` (TRL-style): cfg.model and cfg.lora are made to describe the model (checkpoints and
+    export read them). ``needed_tokens``: (tokens a sequence may have, the keys that say so), checked against an
+    Unsloth model's max_seq_length."""
+    from .config import ConfigError
+    from .models import ensure_adapters
+
+    base = base_model(model)
+    if not getattr(base, "is_loaded_in_4bit", False) and not hasattr(base, "hf_device_map"):
+        model.to(device)
+    on = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_checkpointing before)
+    on = getattr(base, "is_gradient_checkpointing", True) if on is None else on
+    if cfg.model.gradient_checkpointing and not on:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.config.use_cache = False
+    limit, (tokens, keys) = getattr(model, "max_seq_length", None), needed_tokens
+    if limit and tokens > limit:
+        raise ConfigError(f"{keys} = {tokens} is more than the model's max_seq_length={limit} "
+                          "(FastLanguageModel.from_pretrained)")
+    had_adapters = hasattr(model, "peft_config")
+    model = ensure_adapters(model, cfg.lora)
+    if describe:
+        from .trl_api import describe_model, tokenizer_for
+
+        describe_model(cfg, model, had_adapters)
+        tokenizer = tokenizer_for(model) if tokenizer is None else tokenizer
+    if tokenizer is None:
+        raise ValueError("a model passed with a Config needs tokenizer= as well")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

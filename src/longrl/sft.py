@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write_text, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import atomic_write_text, save_checkpoint
 from .config import Config
 from .data import PromptSampler
 from .memory import count_groups, token_budget_groups
-from .models import base_model
 from .policy import token_cross_entropy
 from .reporting import RunReporter
 from .sft_data import SFTExample, build_examples, load_examples
@@ -56,24 +55,52 @@ def step_loss(model, examples: list[SFTExample], groups: list[list[int]], *, pad
 
 
 class SFTTrainer:
-    """Build the model (as GRPO does), the examples and the optimizer from a :class:`Config`; :meth:`train`."""
+    """Build the model (as GRPO does), the examples and the optimizer from a :class:`Config`; :meth:`train`.
 
-    def __init__(self, cfg: Config, model=None, tokenizer=None, train_rows: list[dict] | None = None,
-                 eval_rows: list[dict] | None = None):
-        from .model_setup import build_policy_model, make_optimizer
-        from .trainer import check_output_dir
+    Also takes TRL's signature, ``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=..., eval_dataset=...,
+    processing_class=..., peft_config=..., formatting_func=..., callbacks=...)`` (positionally too: model, args,
+    data_collator, train_dataset, eval_dataset); see :mod:`longrl.trl_api`.
+    """
 
+    def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, train_rows: list[dict] | None = None,
+                 eval_rows: list[dict] | None = None, *, args=None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, peft_config=None, formatting_func=None, callbacks=None):
         import weakref
 
+        from .callbacks import check_callbacks
+        from .model_setup import build_policy_model, given_model, make_optimizer
+        from .models import check_model_files, resolve_device
         from .runlock import acquire_run_lock, check_output_dir_contents
+        from .trainer import check_output_dir
 
+        trl = dict(args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                   processing_class=processing_class, peft_config=peft_config, formatting_func=formatting_func)
+        self.trl_style = not isinstance(cfg, Config)
+        if not self.trl_style and any(v is not None for v in trl.values()):
+            given = ", ".join(k for k, v in trl.items() if v is not None)
+            raise TypeError(f"SFTTrainer(cfg, ...) is the Config API (model=, tokenizer=, train_rows=, eval_rows=); "
+                            f"for {given} use TRL's form, SFTTrainer(model=..., args=cfg, ...)")
+        if self.trl_style:
+            from .trl_api import sft_trainer_inputs
+
+            inputs = sft_trainer_inputs((cfg, model, tokenizer, train_rows, eval_rows), callbacks=callbacks, **trl)
+            cfg, model, tokenizer = inputs.cfg, inputs.model, inputs.tokenizer
+            train_rows, eval_rows, callbacks = inputs.rows, inputs.eval_rows, inputs.callbacks
+        self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
         self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
         weakref.finalize(self, self.run_lock.release)
         check_output_dir_contents(cfg.output.output_dir, kind="sft", command="sft",
                                   overwrite=cfg.output.overwrite_output_dir)
-        check_output_dir(cfg)
+        # TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...)
+        self.resume_from = check_output_dir(cfg, allow_existing=self.trl_style)
+        if model is None:
+            check_model_files(cfg.model.name_or_path)
+        else:
+            model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(cfg.model.device),
+                                           describe=self.trl_style, needed_tokens=(cfg.sft.max_length,
+                                                                                   "sft.max_length"))
         self.model, self.tokenizer, self.device, self.plan, self.offloader = build_policy_model(
             cfg, model, tokenizer, recipe="sft")
         s = cfg.sft
@@ -93,6 +120,10 @@ class SFTTrainer:
         else:
             self.eval_examples = []
         self.examples = examples
+        if s.num_train_epochs is not None:  # epochs → optimizer steps, before the schedule is built
+            cfg.train.max_steps = max(1, math.ceil(s.num_train_epochs * len(examples) / s.examples_per_step))
+            log.info("sft.num_train_epochs=%g over %d examples: %d optimizer steps", s.num_train_epochs,
+                     len(examples), cfg.train.max_steps)
         self.sampler = PromptSampler(len(examples), cfg.train.seed, cfg.data.shuffle)
         self.params, self.optimizer, self.scheduler = make_optimizer(self.model, cfg.train)
         self.step_idx = 0
@@ -105,15 +136,33 @@ class SFTTrainer:
         t = self.cfg.train
         return _micro_batches(examples, t.micro_batch_tokens, t.micro_batch_size)
 
-    def train(self) -> list[dict]:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict]:
+        """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
+        the output directory or its latest checkpoint, resumes from it (as output.resume=true)."""
+        from .callbacks import notify
+        from .checkpoint import load_newest, resume_request
+        from .runlock import acquire_run_lock
+        from .trainer import check_output_dir
+
         cfg = self.cfg
+        if not self.run_lock.held:  # a second train() of this trainer
+            self.run_lock = acquire_run_lock(self.output_dir)
+        if resume_from_checkpoint:
+            resume_request(self.output_dir, resume_from_checkpoint)
+            cfg.output.resume = True
+        if self.trl_style or resume_from_checkpoint:
+            self.resume_from = check_output_dir(cfg)
         if cfg.output.resume:
-            self._resume()
+            loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
+            if loaded is not None:
+                self.step_idx, self.sampler.position = loaded[1]["step"], loaded[1]["data_position"]
         self.model.train()
         reporter = RunReporter.for_config(cfg, resume_step=self.step_idx)
         atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
+        notify(self.callbacks, "on_train_begin", self)
         history = []
         eval_every = getattr(cfg.output, "eval_steps", 0) or 0
+        finished = False
         try:
             while self.step_idx < cfg.train.max_steps:
                 metrics = self._step()
@@ -122,11 +171,15 @@ class SFTTrainer:
                     metrics.update(self.evaluate())
                 history.append(metrics)
                 reporter.log_step(metrics)
+                notify(self.callbacks, "on_step_end", self.step_idx, metrics)
                 save_every = cfg.output.save_steps
                 if (save_every and self.step_idx % save_every == 0) or last:
                     self.save()
+            finished = True
         finally:
-            reporter.close()
+            reporter.close(finished)
+            self.run_lock.release()
+        notify(self.callbacks, "on_train_end", history)
         return history
 
     def _step(self) -> dict:
@@ -156,10 +209,13 @@ class SFTTrainer:
         return pad if pad is not None else (self.tokenizer.eos_token_id or 0)
 
     @torch.no_grad()
-    def evaluate(self, examples: list[SFTExample] | None = None) -> dict:
+    def evaluate(self, eval_dataset=None) -> dict:
         """``eval/loss`` (mean cross-entropy over the held-out trained tokens, no label smoothing) and
-        ``eval/perplexity`` = exp(eval/loss)."""
-        examples = self.eval_examples if examples is None else examples
+        ``eval/perplexity`` = exp(eval/loss). ``eval_dataset``: examples, or as TRL's a ``datasets.Dataset``, a list
+        of rows or a path; default: the trainer's held-out examples."""
+        examples = self.eval_examples if eval_dataset is None else self._eval_examples(eval_dataset)
+        if not examples:
+            raise ValueError("no held-out examples to evaluate on: give eval_dataset (data.eval_source)")
         was_training = self.model.training
         self.model.eval()
         try:
@@ -170,29 +226,30 @@ class SFTTrainer:
             self.model.train(was_training)
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": n}
 
-    def save(self) -> Path:
-        from .checkpoint import frozen_base_weights
-        from .models import TINY_NAME
+    def _eval_examples(self, dataset) -> list[SFTExample]:
+        if isinstance(dataset, list) and all(isinstance(e, SFTExample) for e in dataset):
+            return dataset
+        from .trl_api import dataset_rows
 
-        dtype = base_model(self.model).get_input_embeddings().weight.dtype
-        state = {"data_position": self.sampler.position, "config": self.cfg.to_dict(), "recipe": "sft",
-                 "model_dtype": str(dtype).removeprefix("torch.")}
-        report = getattr(base_model(self.model), "longrl_quant_report", None)
-        if report is not None:
-            state["quant_kept"] = sorted(report.kept)
-        frozen = (frozen_base_weights(self.model)
-                  if self.cfg.model.name_or_path == TINY_NAME and hasattr(self.model, "peft_config") else None)
+        rows = dataset_rows(dataset, "eval_dataset")
+        if rows is None:
+            return load_examples(self.cfg.data, self.cfg.sft, self.tokenizer, source=str(dataset))
+        return build_examples(self.tokenizer, rows, self.cfg.sft, "eval_dataset")
+
+    def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
+        """TRL's save_model: the model as it is now through ``longrl export`` (a PEFT adapter for LoRA runs, else a
+        merged model; ``format="merged"`` or ``"gguf"``); see :func:`longrl.export.save_trained_model`."""
+        from .export import save_trained_model
+
+        return save_trained_model(self, output_dir, format)
+
+    def save(self) -> Path:
+        from .callbacks import notify
+        from .checkpoint import trainer_state
+
+        state, frozen = trainer_state(self.model, self.cfg, self.sampler.position, recipe="sft")
         path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
                                self.cfg.output.save_total_limit, base_weights=frozen)
         log.info("saved %s", path)
+        notify(self.callbacks, "on_save", path)
         return path
-
-    def _resume(self) -> None:
-        path = latest_checkpoint(self.output_dir)
-        if path is None:
-            log.warning("resume=true but no checkpoint in %s: starting from scratch", self.output_dir)
-            return
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        self.step_idx = state["step"]
-        self.sampler.position = state["data_position"]
-        log.info("resumed from %s (step %d)", path, self.step_idx)

@@ -1,4 +1,5 @@
-"""``longrl init``: a commented starting config for a real model on a GPU, in current GRPO practice.
+"""``longrl init``: a commented starting config for a real model on a GPU, in current GRPO practice
+(``longrl init --sft``: one for supervised fine-tuning, :func:`render_sft`).
 
 LoRA on (r 16, every linear layer), the model's own dtype on CUDA (bf16), the memory layout left to the planner,
 DAPO's token-level loss without a KL term (beta 0, so no reference forward), 8 completions a prompt, clip-higher,
@@ -132,3 +133,77 @@ output:
   save_steps: 50
   save_total_limit: 3             # the newest checkpoints kept
 {report}"""
+
+
+_SFT_LENGTH = 4096  # tokens an example may have, unless the model's context is shorter
+
+
+def render_sft(model: str | None = None) -> str:
+    """The YAML text of a starting config for ``longrl sft``: LoRA r 16 on every linear layer, the assistant's
+    (or the completion's) tokens trained, one epoch at lr 1e-4 with a cosine schedule, the memory layout left to
+    the planner. Keys that this version's tree lacks are left out."""
+    name, context = _model_entry(model or DEFAULT_MODEL)
+    max_length = min(_SFT_LENGTH, context) if context else _SFT_LENGTH
+    keys = set(config_keys())
+    run_name = Path(name).name or "model"
+    epochs = ("  num_train_epochs: 1             # passes over the data; the run's steps follow from the number of "
+              "examples\n                                  # (null: train.max_steps decides)\n"
+              if "sft.num_train_epochs" in keys else "")
+    budget = ("  gpu_memory_gib: 0               # GPU memory this run may use (0: all that is free); e.g. 22 on a "
+              "24 GB card\n") if "train.gpu_memory_gib" in keys else ""
+    return f"""\
+# longrl supervised fine-tuning config: `longrl init --sft --model {model or DEFAULT_MODEL}`
+#   longrl plan run.yaml --sft  the memory layout and predicted peaks (--gpu-memory-gib N for another GPU)
+#   longrl sft run.yaml         train; KEY=VALUE after the file overrides, e.g. train.max_steps=10
+#   longrl export out --from runs/{run_name}-sft --format gguf   then serve it (adapter and merged too)
+# Relative paths are read from this file's folder. Every key: docs/config.md; the formats: docs/sft.md.
+
+model:
+  name_or_path: {json.dumps(name)}
+  device: auto                    # cuda when there is one
+  dtype: auto                     # bfloat16 on CUDA (float32 on the CPU)
+  load_in_4bit: false             # true: NF4 base (QLoRA), a quarter of the weight memory
+  # The memory layout (checkpointing, offloading, MLP tiles, packed token budgets) is left to the planner:
+  # `longrl plan run.yaml --sft` prints what it chooses.
+
+lora:
+  enabled: true                   # adapters on a frozen base (false: every weight, lr ~1e-5)
+  r: 16
+  alpha: 32
+  dropout: 0.0
+  target_modules: [all-linear]    # every linear layer but the LM head
+
+data:
+  # one JSON object a line, any of: {{"messages": [{{"role": "user", "content": "..."}}, {{"role": "assistant", ...}}]}}
+  # (rendered by the chat template), {{"prompt": "...", "completion": "..."}}, or {{"text": "..."}}
+  source: train.jsonl
+  num_examples: null              # all rows
+  shuffle: true
+  eval_source: null               # held-out rows for eval/loss; null: the last sft.eval_examples rows are held out
+
+sft:
+  max_length: {max_length}                # tokens an example may have
+  overlong: truncate              # longer rows: keep the first max_length tokens (skip: drop them; error: stop)
+  assistant_only_loss: true       # messages: train only the assistant's turns (located via the chat template)
+  completion_only_loss: true      # prompt/completion: train only the completion
+  text_column: text               # text rows: every token trained
+  examples_per_step: 8            # examples an optimizer step (the loss: the mean over their trained tokens)
+  label_smoothing: 0.0
+  eval_examples: 64
+{epochs}
+train:
+  max_steps: 1000                 # optimizer steps when sft.num_train_epochs is null
+  learning_rate: 1.0e-4           # LoRA (full weights: ~1e-5)
+  lr_scheduler_type: cosine
+  warmup_steps: 10
+  weight_decay: 0.0
+  max_grad_norm: 1.0
+  seed: 0
+{budget}
+output:
+  output_dir: runs/{run_name}-sft
+  logging_steps: 1
+  save_steps: 100
+  eval_steps: 100                 # eval/loss and eval/perplexity on the held-out rows
+  save_total_limit: 3             # the newest checkpoints kept
+"""

@@ -22,8 +22,8 @@ import torch
 
 from .callbacks import check_callbacks, notify
 from .checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, CheckpointWriteError, atomic_write_text, \
-    checkpoint_config, frozen_base_weights, latest_checkpoint, list_checkpoints, load_checkpoint, read_state, \
-    recover_interrupted_saves, resume_candidates, save_checkpoint, staging_dir
+    checkpoint_config, latest_checkpoint, list_checkpoints, load_newest, read_state, recover_interrupted_saves, \
+    resume_candidates, resume_request, save_checkpoint, staging_dir, trainer_state
 from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
 from .distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
@@ -31,8 +31,8 @@ from .distributed import (data_parallel, full_model_state, full_weights, grad_no
 from .evaluation import evaluate, load_eval_prompts, read_eval_rows
 from .memory import count_groups, token_budget_groups
 from .memory.layout import budget_bytes
-from .model_setup import build_policy_model, make_optimizer
-from .models import TINY_NAME, base_model, check_model_files, resolve_device
+from .model_setup import build_policy_model, given_model, make_optimizer
+from .models import base_model, check_model_files, resolve_device
 from .models.lora_training import fused_lora_training
 from .ops.advantages import decoupled_group_advantages, group_advantages
 from .ops.attention_backend import sdpa_priority
@@ -225,35 +225,10 @@ class GRPOTrainer:
         self.output_dir = Path(cfg.output.output_dir)
 
     def _given_model(self, model, tokenizer):
-        """A model passed in: on the run's device, with adapters when LoRA is on (``ensure_adapters``), with a
-        tokenizer; TRL-style, cfg.model and cfg.lora are made to describe it (checkpoints and export read them)."""
-        from .models import ensure_adapters
-
-        base = base_model(model)
-        if not getattr(base, "is_loaded_in_4bit", False) and not hasattr(base, "hf_device_map"):
-            model.to(self.device)
-        on = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_checkpointing before)
-        on = getattr(base, "is_gradient_checkpointing", True) if on is None else on
-        if self.cfg.model.gradient_checkpointing and not on:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            base.config.use_cache = False
-        limit, cfg = getattr(model, "max_seq_length", None), self.cfg
-        if limit and cfg.data.max_prompt_length + cfg.generation.max_completion_length > limit:
-            raise ConfigError(f"data.max_prompt_length + generation.max_completion_length = "
-                              f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length} is more than the "
-                              f"model's max_seq_length={limit} (FastLanguageModel.from_pretrained)")
-        had_adapters = hasattr(model, "peft_config")
-        model = ensure_adapters(model, cfg.lora)
-        if self.trl_style:
-            from .trl_api import describe_model, tokenizer_for
-
-            describe_model(self.cfg, model, had_adapters)
-            tokenizer = tokenizer_for(model) if tokenizer is None else tokenizer
-        if tokenizer is None:
-            raise ValueError("GRPOTrainer(cfg, model=...) needs tokenizer= as well")
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
+        cfg = self.cfg
+        return given_model(cfg, model, tokenizer, self.device, describe=self.trl_style,
+                           needed_tokens=(cfg.data.max_prompt_length + cfg.generation.max_completion_length,
+                                          "data.max_prompt_length + generation.max_completion_length"))
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict]:
@@ -356,12 +331,7 @@ class GRPOTrainer:
 
     def _ask_resume(self, checkpoint: bool | str) -> None:
         """TRL's resume_from_checkpoint: True, the output directory, or its latest checkpoint."""
-        if checkpoint is not True:
-            latest = latest_checkpoint(self.output_dir)
-            given = Path(checkpoint).resolve()
-            if given != self.output_dir.resolve() and (latest is None or given != latest.resolve()):
-                raise ConfigError(f"resume_from_checkpoint={str(checkpoint)!r}: longrl resumes from the latest "
-                                  f"checkpoint of output_dir ({latest or f'none in {self.output_dir}'}); pass True")
+        resume_request(self.output_dir, checkpoint)
         self.cfg.output.resume = True
 
     def evaluate(self, eval_dataset=None):
@@ -384,28 +354,10 @@ class GRPOTrainer:
 
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
-        weights, or ``format="merged"``), or ``format="gguf"``. Saves a checkpoint of this step first if there is
-        none. ``output_dir``: new or empty, or the run's own output_dir (TRL's ``save_model(args.output_dir)``: the
-        files land beside the checkpoints, replacing an earlier save's); default output_dir/final."""
-        import os
-        import shutil
+        weights, or ``format="merged"``), or ``format="gguf"`` (:func:`longrl.export.save_trained_model`)."""
+        from .export import save_trained_model
 
-        from .export import export_checkpoint
-
-        fmt = format or ("adapter" if hasattr(self.model, "peft_config") else "merged")
-        ckpt = self.output_dir / f"checkpoint-{self.step_idx}"
-        if not ckpt.is_dir():
-            ckpt = self.save()
-        target = Path(output_dir) if output_dir is not None else self.output_dir / "final"
-        if target.resolve() != self.output_dir.resolve():
-            return export_checkpoint(ckpt, target, fmt=fmt)
-        staged = export_checkpoint(ckpt, self.output_dir / f".save_model-{os.getpid()}", fmt=fmt)
-        for entry in sorted(staged.iterdir()):  # none is named like a checkpoint, metrics or logs of the run
-            if (self.output_dir / entry.name).is_dir():
-                shutil.rmtree(self.output_dir / entry.name)
-            os.replace(entry, self.output_dir / entry.name)
-        staged.rmdir()
-        return self.output_dir
+        return save_trained_model(self, output_dir, format)
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -705,18 +657,8 @@ class GRPOTrainer:
     def save(self) -> Path | None:
         """Write checkpoint-STEP (rank 0: the state is replicated; under FSDP2 every rank its optimizer shards) and
         return its path (None on other ranks); every rank returns once it is complete."""
-        # the dtype the base really had (model.dtype=auto depends on the device), and the builtin model's
-        # frozen base, which only a seed and this torch version's initializers could otherwise rebuild:
-        # `longrl export` needs both to reproduce the trained model exactly
-        dtype = base_model(self.model).get_input_embeddings().weight.dtype
-        state = {"data_position": self.sampler.position, "config": self.cfg.to_dict(),
-                 "model_dtype": str(dtype).removeprefix("torch."), "data_fingerprint": self.data_fingerprint,
-                 "world_size": self.world.world_size}
-        report = getattr(base_model(self.model), "longrl_quant_report", None)
-        if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
-            state["quant_kept"] = sorted(report.kept)
-        frozen = (frozen_base_weights(self.model)
-                  if self.cfg.model.name_or_path == TINY_NAME and hasattr(self.model, "peft_config") else None)
+        state, frozen = trainer_state(self.model, self.cfg, self.sampler.position,
+                                      data_fingerprint=self.data_fingerprint, world_size=self.world.world_size)
         model_state, staged = None, None
         if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
             model_state = full_model_state(self.model)
@@ -734,19 +676,6 @@ class GRPOTrainer:
         return path
 
     def _resume(self) -> None:
-        if not self.resume_from:
-            log.warning("resume=true but no checkpoint in %s: starting from scratch", self.output_dir)
-            return
-        problems = []
-        for path in self.resume_from:  # verified, newest first; one that fails to load is skipped
-            try:
-                state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-                break
-            except CheckpointError as e:
-                problems.append(f"{path.name}: {e}")
-                log.warning("resume: %s skipped: %s", path.name, e)
-        else:
-            raise CheckpointError(f"output.resume: no checkpoint in {self.output_dir} loads ({'; '.join(problems)})")
-        self.step_idx = state["step"]
-        self.sampler.position = state["data_position"]
-        log.info("resumed from %s (step %d)", path, self.step_idx)
+        loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
+        if loaded is not None:
+            self.step_idx, self.sampler.position = loaded[1]["step"], loaded[1]["data_position"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .config import Config, ConfigError, RewardSpec, _build, _convert, _set_dotted, config_keys, suggest_key, \
     trl_key, validate
-from .trl_names import TRL_NAMES, FlatNameError
+from .trl_names import GRPO_ONLY, SFT_BATCH_NOTE, SFT_NAMES, TRL_NAMES, TRL_SFT_NAMES, FlatNameError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ _BATCH_NAMES = ("per_device_train_batch_size", "gradient_accumulation_steps", "g
 _TRL_PER_DEVICE, _TRL_ACCUMULATION = 8, 1  # TrainingArguments' defaults, used when only one of the two is given
 _BATCH_NOTE_SHORT = ("train.micro_batch_size = per_device_train_batch_size, train.prompts_per_step = "
                      "per_device_train_batch_size × gradient_accumulation_steps / num_generations")
-_JOINT = (*_BATCH_NAMES, "warmup_ratio", "reward_weights")  # read together with other settings: constructor only
 
 
 def _leaf_key(name: str) -> str | None:
@@ -40,13 +39,15 @@ def _leaf_key(name: str) -> str | None:
     return same[0] if len(same) == 1 else None
 
 
-class GRPOConfig(Config):
-    """A :class:`~longrl.config.Config` built from TRL ``GRPOConfig``'s flat names (``learning_rate=1e-5``), longrl's
-    own names (``prompts_per_step=4``, ``**{"model.offload_activations": True}``, ``lora={"r": 8}``), or both.
+class _FlatConfig(Config):
+    """A :class:`~longrl.config.Config` built from one recipe's TRL flat names (``_names``), longrl's own names
+    (``prompts_per_step=4``, ``**{"model.offload_activations": True}``, ``lora={"r": 8}``), or both. ``_joint``:
+    names read together with other settings (constructor only), handed to :meth:`_apply_joint` once the tree is
+    built; ``_refused``: {TRL name of another recipe: why}."""
 
-    Unset values are longrl's defaults. Every value is checked here, as a YAML file's would be; TRL names without a
-    longrl equivalent are refused with what to use instead. ``cfg.learning_rate`` reads ``cfg.train.learning_rate``.
-    """
+    _names: dict = TRL_NAMES
+    _joint: tuple = ()
+    _refused: dict = {}
 
     def __init__(self, **kwargs):
         tree = Config().to_dict()
@@ -65,37 +66,28 @@ class GRPOConfig(Config):
                 tree[name].update(value)
             else:
                 tree[name] = value  # a wrong type is reported by _build, naming the key
-        batch = {n: flat.pop(n) for n in _BATCH_NAMES if n in flat}
-        train_section = sections.get("train") if isinstance(sections.get("train"), dict) else {}
-        pinned = [k for k in ("prompts_per_step", "micro_batch_size")
-                  if k in flat or f"train.{k}" in flat or k in train_section]
-        if batch and pinned:
-            raise ConfigError(f"GRPOConfig: give TRL's batch sizes ({', '.join(batch)}) or longrl's "
-                              f"({', '.join(pinned)}), not both: {_BATCH_NOTE_SHORT}")
-        warmup_ratio = flat.pop("warmup_ratio", None)
-        weights = flat.pop("reward_weights", None)
+        joint = {n: flat.pop(n) for n in self._joint if n in flat}
+        self._check_joint(joint, flat, sections)
         for name, value in flat.items():
-            for key, v in _flat_to_dotted(name, value).items():
+            for key, v in _flat_to_dotted(name, value, type(self)).items():
                 _set_dotted(tree, key, v)
         built = _build(Config, tree)
         for f in fields(Config):
             object.__setattr__(self, f.name, getattr(built, f.name))
-        if batch:
-            batch_arithmetic(self, **batch)
-        if warmup_ratio is not None:
-            self.train.warmup_steps = round(float(warmup_ratio) * self.train.max_steps)
-        if weights is not None:
-            if self.rewards and len(self.rewards) != len(weights):
-                raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.rewards)} rewards")
-            self.rewards = [RewardSpec(spec.function, float(w))
-                            for spec, w in zip(self.rewards or [RewardSpec()] * len(weights), weights)]
+        self._apply_joint(joint)
         validate(self, require_rewards=False)
 
+    def _check_joint(self, joint: dict, flat: dict, sections: dict) -> None:
+        """Refuse combinations of joint names with other arguments, before anything is built."""
+
+    def _apply_joint(self, joint: dict) -> None:
+        """Set what the joint names mean on the built tree."""
+
     def __getattr__(self, name: str):  # only for names that are not sections: TRL's flat names and unique leaves
-        key = None if name.startswith("_") else trl_key(name) or _leaf_key(name)
+        key = None if name.startswith("_") else trl_key(name, self._names) or _leaf_key(name)
         if key is None or "." not in key:
-            raise AttributeError(f"GRPOConfig has no setting {name!r}" + (f"; {suggest_key(name)}"
-                                                                         if suggest_key(name) else ""))
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}" + (
+                f"; {suggest_key(name)}" if suggest_key(name) else ""))
         node = self
         for part in key.split("."):
             node = getattr(node, part)
@@ -105,9 +97,10 @@ class GRPOConfig(Config):
         if name in _SECTIONS:
             object.__setattr__(self, name, value)
             return
-        if name in _JOINT:
-            raise ConfigError(f"{name} is read with the other batch and schedule settings: pass it to GRPOConfig(...)")
-        for key, v in _flat_to_dotted(name, value).items():
+        if name in self._joint:
+            raise ConfigError(f"{name} is read with the other batch and schedule settings: pass it to "
+                              f"{type(self).__name__}(...)")
+        for key, v in _flat_to_dotted(name, value, type(self)).items():
             section, leaf = key.rsplit(".", 1)
             node = self
             for part in section.split("."):
@@ -116,21 +109,134 @@ class GRPOConfig(Config):
         validate(self, require_rewards=False)
 
 
-def _flat_to_dotted(name: str, value) -> dict:
-    """{dotted key: longrl value} for one flat argument (a TRL name, a dotted key or a unique leaf name)."""
+def _pinned(flat: dict, sections: dict, section: str, keys: tuple) -> list[str]:
+    """The longrl keys among ``section.keys`` given directly (leaf, dotted, or in a whole section)."""
+    given = sections.get(section) if isinstance(sections.get(section), dict) else {}
+    return [k for k in keys if k in flat or f"{section}.{k}" in flat or k in given]
+
+
+class GRPOConfig(_FlatConfig):
+    """A :class:`~longrl.config.Config` built from TRL ``GRPOConfig``'s flat names (``learning_rate=1e-5``), longrl's
+    own names (``prompts_per_step=4``, ``**{"model.offload_activations": True}``, ``lora={"r": 8}``), or both.
+
+    Unset values are longrl's defaults. Every value is checked here, as a YAML file's would be; TRL names without a
+    longrl equivalent are refused with what to use instead. ``cfg.learning_rate`` reads ``cfg.train.learning_rate``.
+    """
+
+    _names = TRL_NAMES
+    _joint = (*_BATCH_NAMES, "warmup_ratio", "reward_weights")
+
+    def _check_joint(self, joint, flat, sections):
+        batch = [n for n in _BATCH_NAMES if n in joint]
+        pinned = _pinned(flat, sections, "train", ("prompts_per_step", "micro_batch_size"))
+        if batch and pinned:
+            raise ConfigError(f"GRPOConfig: give TRL's batch sizes ({', '.join(batch)}) or longrl's "
+                              f"({', '.join(pinned)}), not both: {_BATCH_NOTE_SHORT}")
+
+    def _apply_joint(self, joint):
+        batch = {n: joint[n] for n in _BATCH_NAMES if n in joint}
+        if batch:
+            batch_arithmetic(self, **batch)
+        if joint.get("warmup_ratio") is not None:
+            self.train.warmup_steps = round(float(joint["warmup_ratio"]) * self.train.max_steps)
+        weights = joint.get("reward_weights")
+        if weights is not None:
+            if self.rewards and len(self.rewards) != len(weights):
+                raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.rewards)} rewards")
+            self.rewards = [RewardSpec(spec.function, float(w))
+                            for spec, w in zip(self.rewards or [RewardSpec()] * len(weights), weights)]
+
+
+_SFT_BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps")
+_TRL_EPOCHS = 3.0  # TrainingArguments' num_train_epochs, used when max_steps=-1 and no num_train_epochs is given
+
+
+class SFTConfig(_FlatConfig):
+    """A :class:`~longrl.config.Config` for ``longrl sft`` built from TRL ``SFTConfig``'s flat names
+    (``max_length=2048, packing=True, assistant_only_loss=True``), longrl's own names, or both; GRPO's own names
+    (``beta``, ``num_generations``, ...) are refused.
+
+    The batch is counted as TRL counts it (one process): per_device_train_batch_size × gradient_accumulation_steps
+    examples an optimizer step (sft.examples_per_step), per_device_train_batch_size a forward/backward
+    (train.micro_batch_size), or with ``packing=True`` per_device_train_batch_size × max_length tokens packed into one
+    row (train.micro_batch_tokens). ``num_train_epochs`` sets sft.num_train_epochs (the steps follow from the
+    number of examples); ``max_steps`` > 0 overrides it, as in TRL. Unset values are longrl's defaults.
+    """
+
+    _names = TRL_SFT_NAMES
+    _joint = (*_SFT_BATCH, "packing", "warmup_ratio", "num_train_epochs", "max_steps")
+    _refused = {n: "GRPO's (the objective, sampling or rewards); a supervised run has no such setting"
+                for n in GRPO_ONLY if n not in TRL_SFT_NAMES}
+
+    def _check_joint(self, joint, flat, sections):
+        batch = [n for n in _SFT_BATCH if n in joint]
+        pinned = (_pinned(flat, sections, "sft", ("examples_per_step",))
+                  + _pinned(flat, sections, "train", ("micro_batch_size",)))
+        if batch and pinned:
+            raise ConfigError(f"SFTConfig: give TRL's batch sizes ({', '.join(batch)}) or longrl's "
+                              f"({', '.join(pinned)}), not both: {SFT_BATCH_NOTE}")
+        if joint.get("warmup_ratio") is not None and self._epochs(joint) is not None:
+            raise ConfigError("SFTConfig(warmup_ratio=...) with num_train_epochs: the number of steps is known only "
+                              "once the data is read; give warmup_steps, or max_steps")
+        for name in ("max_steps", "num_train_epochs"):
+            if name in joint and joint[name] is not None and not isinstance(joint[name], (int, float)):
+                raise ConfigError(f"SFTConfig({name}={joint[name]!r}): expected a number")
+
+    @staticmethod
+    def _epochs(joint: dict) -> float | None:
+        """TRL's rule: max_steps > 0 decides; else num_train_epochs (TRL's default 3 when max_steps=-1 alone)."""
+        steps = joint.get("max_steps")
+        if steps is not None and steps > 0:
+            return None
+        if joint.get("num_train_epochs") is not None:
+            return float(joint["num_train_epochs"])
+        return _TRL_EPOCHS if steps is not None else None
+
+    def _apply_joint(self, joint):
+        epochs = self._epochs(joint)
+        if epochs is not None:
+            self.sft.num_train_epochs = _convert(epochs, float, "sft.num_train_epochs")
+        elif joint.get("max_steps") is not None:
+            self.train.max_steps = _convert(joint["max_steps"], int, "train.max_steps")
+            self.sft.num_train_epochs = None
+        per_device = joint.get("per_device_train_batch_size")
+        if any(n in joint for n in _SFT_BATCH):
+            per_device = per_device or _TRL_PER_DEVICE
+            self.train.micro_batch_size = per_device
+            self.sft.examples_per_step = per_device * (joint.get("gradient_accumulation_steps") or _TRL_ACCUMULATION)
+        if joint.get("packing"):
+            self.train.micro_batch_tokens = (per_device or self.train.micro_batch_size) * self.sft.max_length
+            self.train.padding_free = True
+        if joint.get("warmup_ratio") is not None:
+            self.train.warmup_steps = round(float(joint["warmup_ratio"]) * self.train.max_steps)
+
+
+def _flat_to_dotted(name: str, value, cls=GRPOConfig) -> dict:
+    """{dotted key: longrl value} for one flat argument of ``cls`` (a TRL name of its table, a dotted key or a
+    unique leaf name)."""
     if "." in name:
         return {name: value}
-    entry = TRL_NAMES.get(name)
+    what = cls.__name__
+    if name in cls._refused:
+        raise ConfigError(f"{what}({name}=...): TRL's {name} is {cls._refused[name]}")
+    entry = cls._names.get(name)
     if entry is not None:
-        key = trl_key(name)
+        key = trl_key(name, cls._names)
         if name == "model_init_kwargs":
-            return _model_init_kwargs(value)
+            return _model_init_kwargs(value, what)
+        if entry.key is None and entry.convert is not None:  # accepted; it changes no result
+            try:
+                entry.convert(value)
+            except FlatNameError as e:
+                raise ConfigError(f"{what}({name}=...): {e}") from None
+            return {}
         if key is None:
-            raise ConfigError(f"GRPOConfig({name}=...): {suggest_key(name)}")
+            raise ConfigError(f"{what}({name}=...): " + (suggest_key(name) if name in TRL_NAMES else
+                                                         f"TRL's {name} has no longrl key: {entry.note}"))
         try:
             value = entry.convert(value) if entry.convert else value
         except FlatNameError as e:
-            raise ConfigError(f"GRPOConfig({name}=...): {e}") from None
+            raise ConfigError(f"{what}({name}=...): {e}") from None
         if name == "vllm_importance_sampling_correction":
             return {} if value else {key: "none"}
         if name in ("log_completions", "num_completions_to_print"):
@@ -141,18 +247,18 @@ def _flat_to_dotted(name: str, value) -> dict:
     key = _leaf_key(name)
     if key is None:
         hint = suggest_key(name)
-        raise ConfigError(f"GRPOConfig got an unknown argument {name!r}{'; ' + hint if hint else ''}")
+        raise ConfigError(f"{what} got an unknown argument {name!r}{'; ' + hint if hint else ''}")
     return {key: value}
 
 
-def _model_init_kwargs(kwargs) -> dict:
+def _model_init_kwargs(kwargs, what: str = "GRPOConfig") -> dict:
     """TRL's model_init_kwargs (from_pretrained arguments) → model.* keys; others refused."""
     known = {"dtype": "model.dtype", "torch_dtype": "model.dtype", "attn_implementation": "model.attn_implementation",
              "revision": "model.revision", "trust_remote_code": "model.trust_remote_code"}
     out = {}
     for k, v in (kwargs or {}).items():
         if k not in known:
-            raise ConfigError(f"GRPOConfig(model_init_kwargs={{{k!r}: ...}}): longrl loads models itself; supported: "
+            raise ConfigError(f"{what}(model_init_kwargs={{{k!r}: ...}}): longrl loads models itself; supported: "
                               f"{', '.join(known)}")
         out[known[k]] = str(v).removeprefix("torch.") if k.endswith("dtype") else v
     return out
@@ -234,31 +340,103 @@ def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=
             raise TypeError("GRPOTrainer(scorer=...) is the Config-based API's; with TRL's arguments give "
                             "reward_funcs=...")
 
-    if args is not None and not isinstance(args, Config):
-        raise TypeError(f"GRPOTrainer(args=...) takes a longrl.GRPOConfig (or longrl.Config); got "
-                        f"{type(args).__module__}.{type(args).__name__}: build it with `from longrl import GRPOConfig` "
-                        "and the same arguments")
-    cfg = copy.deepcopy(args) if args is not None else GRPOConfig()
-    if model is None:
-        raise TypeError("GRPOTrainer needs a model: a hub id or local directory, a transformers model or a PEFT model")
-    if isinstance(model, (str, Path)):
-        cfg.model.name_or_path = str(model)
-        model = None
-    if peft_config is not None:
-        lora_from_peft(cfg, peft_config)
-    rows = eval_rows = None
-    if train_dataset is not None:
-        rows = dataset_rows(train_dataset, "train_dataset")
-        if rows is None:
-            cfg.data.source = str(train_dataset)
-        else:
-            cfg.data.source = f"memory:{_fingerprint(rows)}"
+    cfg = _args_config(args, GRPOConfig, "GRPOTrainer")
+    model, rows = _model_and_rows(cfg, model, peft_config, train_dataset, "GRPOTrainer")
+    eval_rows = None
     if eval_dataset is not None:
         eval_rows, cfg.data.eval_source = held_out_rows(cfg, eval_dataset)
     only_environment = environment and reward_funcs is None and not cfg.rewards
     scorer = None if only_environment else reward_scorer(cfg, reward_funcs, reward_weights)
     validate(cfg, require_rewards=not only_environment)
     return TrainerInputs(cfg, model, processing_class, scorer, rows, eval_rows, check_callbacks(callbacks or []))
+
+
+def _args_config(args, cls, trainer: str) -> Config:
+    """A copy of TRL's ``args`` (a longrl Config), or ``cls()`` for None."""
+    if args is not None and not isinstance(args, Config):
+        raise TypeError(f"{trainer}(args=...) takes a longrl.{cls.__name__} (or longrl.Config); got "
+                        f"{type(args).__module__}.{type(args).__name__}: build it with `from longrl import "
+                        f"{cls.__name__}` and the same arguments")
+    return copy.deepcopy(args) if args is not None else cls()
+
+
+def _model_and_rows(cfg: Config, model, peft_config, train_dataset, trainer: str):
+    """(model or None to load cfg.model.name_or_path, training rows in memory or None); cfg.model, cfg.lora and
+    cfg.data.source record what was given (rows in memory as ``memory:<digest>``)."""
+    if model is None:
+        raise TypeError(f"{trainer} needs a model: a hub id or local directory, a transformers model or a PEFT model")
+    if isinstance(model, (str, Path)):
+        cfg.model.name_or_path = str(model)
+        model = None
+    if peft_config is not None:
+        lora_from_peft(cfg, peft_config)
+    rows = None
+    if train_dataset is not None:
+        rows = dataset_rows(train_dataset, "train_dataset")
+        cfg.data.source = str(train_dataset) if rows is None else f"memory:{_fingerprint(rows)}"
+    return model, rows
+
+
+def sft_trainer_inputs(slots: tuple, *, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                       processing_class=None, peft_config=None, formatting_func=None,
+                       callbacks=None) -> TrainerInputs:
+    """Normalise TRL-style ``SFTTrainer`` arguments (checks before any model loads).
+
+    ``slots``: the trainer's first five parameters (cfg, model, tokenizer, train_rows, eval_rows). A first one that
+    is not a Config means TRL's positional order, (model, args, data_collator, train_dataset, eval_dataset); else
+    keywords (model=, and tokenizer= as processing_class). ``formatting_func(row) -> str``: each row becomes a text
+    row of that string (every token trained), as in TRL."""
+    from .callbacks import check_callbacks
+    from .data import read_rows
+
+    first, second, third, fourth, fifth = slots
+    if first is not None:
+        model, args = first, args if second is None else second
+        data_collator = data_collator if third is None else third
+        train_dataset = train_dataset if fourth is None else fourth
+        eval_dataset = eval_dataset if fifth is None else fifth
+    else:
+        model, processing_class = second, processing_class if third is None else third
+        train_dataset = train_dataset if fourth is None else fourth
+        eval_dataset = eval_dataset if fifth is None else fifth
+    if data_collator is not None:
+        raise TypeError("SFTTrainer(data_collator=...): longrl builds its micro-batches itself (packed into one row "
+                        "or padded, the same loss); leave it out (packing / padding_free in SFTConfig)")
+    if formatting_func is not None and not callable(formatting_func):
+        raise TypeError(f"SFTTrainer(formatting_func=...): expected a callable row -> str; got "
+                        f"{type(formatting_func).__name__}")
+    cfg = _args_config(args, SFTConfig, "SFTTrainer")
+    model, rows = _model_and_rows(cfg, model, peft_config, train_dataset, "SFTTrainer")
+    if formatting_func is not None:
+        d = cfg.data
+        rows = _formatted(rows if rows is not None else read_rows(d.source, d.split, d.num_examples, cfg.train.seed),
+                          formatting_func, cfg.sft.text_column, "train_dataset")
+        cfg.data.source = f"memory:{_fingerprint(rows)}"
+    eval_rows = None
+    if eval_dataset is not None:
+        eval_rows = dataset_rows(eval_dataset, "eval_dataset")
+        if eval_rows is None and formatting_func is not None:
+            eval_rows = read_rows(str(eval_dataset), cfg.data.eval_split)
+        if eval_rows is None:
+            cfg.data.eval_source = str(eval_dataset)
+        else:
+            if formatting_func is not None:
+                eval_rows = _formatted(eval_rows, formatting_func, cfg.sft.text_column, "eval_dataset")
+            cfg.data.eval_source = f"memory:{_fingerprint(eval_rows)}"
+    validate(cfg, require_rewards=False)
+    return TrainerInputs(cfg, model, processing_class, None, rows, eval_rows, check_callbacks(callbacks or []))
+
+
+def _formatted(rows: list[dict], formatting_func, column: str, name: str) -> list[dict]:
+    """TRL's formatting_func: each row → {column: formatting_func(row)}, a text row."""
+    out = []
+    for i, row in enumerate(rows):
+        text = formatting_func(row)
+        if not isinstance(text, str) or not text:
+            raise ConfigError(f"formatting_func on {name} row {i + 1}: returned {text!r:.60}; expected a non-empty "
+                              "string (the text to train on)")
+        out.append({column: text})
+    return out
 
 
 def lora_from_peft(cfg: Config, peft_config) -> None:
@@ -383,27 +561,33 @@ def describe_model(cfg: Config, model, had_adapters: bool) -> None:
         lora_from_peft(cfg, next(iter(model.peft_config.values())))
 
 
-def flat_name_table() -> str:
-    """The Markdown table of TRL's flat names and the longrl keys they set (docs/api.md holds it; a test keeps the
-    two equal)."""
+def flat_name_table(names: dict | None = None) -> str:
+    """The Markdown table of TRL's flat names (``names``: TRL_NAMES, or SFT_NAMES) and the longrl keys they set
+    (docs/api.md holds both; a test keeps them equal)."""
+    names = TRL_NAMES if names is None else names
     lines = ["| TRL name | longrl key | how it maps |", "|---|---|---|"]
-    for name, entry in TRL_NAMES.items():
-        key = trl_key(name)
+    for name, entry in names.items():
+        key = trl_key(name, names)
         shown = "rewards[i].weight" if key == "rewards" else key
-        lines.append(f"| `{name}` | {f'`{shown}`' if key else '—'} | "
-                     f"{entry.note or ('' if key else 'not in this version of longrl')} |")
+        note = entry.note or ("" if key else "not in this version of longrl")
+        if entry.key is None and entry.convert is not None:
+            note = f"accepted, sets nothing: {note}"
+        lines.append(f"| `{name}` | {f'`{shown}`' if key else '—'} | {note} |")
     return "\n".join(lines) + "\n"
 
 
 TABLE_BEGIN, TABLE_END = "<!-- flat-names:begin (python -m longrl.trl_api) -->\n", "<!-- flat-names:end -->\n"
+SFT_TABLE_BEGIN, SFT_TABLE_END = "<!-- sft-names:begin (python -m longrl.trl_api) -->\n", "<!-- sft-names:end -->\n"
 
 
 def write_table(doc: Path) -> None:
-    """Rewrite the flat-name table between the markers of ``doc`` (docs/api.md)."""
+    """Rewrite the flat-name tables between the markers of ``doc`` (docs/api.md): GRPOConfig's, SFTConfig's own."""
     text = doc.read_text()
-    head, _, rest = text.partition(TABLE_BEGIN)
-    _, _, tail = rest.partition(TABLE_END)
-    doc.write_text(head + TABLE_BEGIN + flat_name_table() + TABLE_END + tail)
+    for begin, end, names in ((TABLE_BEGIN, TABLE_END, TRL_NAMES), (SFT_TABLE_BEGIN, SFT_TABLE_END, SFT_NAMES)):
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        text = head + begin + flat_name_table(names) + end + tail
+    doc.write_text(text)
 
 
 if __name__ == "__main__":

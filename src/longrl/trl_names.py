@@ -1,10 +1,13 @@
-"""TRL ``GRPOConfig``'s flat field names → longrl's dotted config keys: one table, read two ways.
+"""TRL ``GRPOConfig``'s and ``SFTConfig``'s flat field names → longrl's dotted config keys: tables read two ways.
 
 ``longrl.GRPOConfig(learning_rate=1e-5, ...)`` sets the dotted keys it names; an unknown key in a YAML file or a
 ``KEY=VALUE`` override gets "did you mean train.learning_rate?" from it. Names are TRL 1.x's (``trl/trainer/
 grpo_config.py`` and the ``transformers.TrainingArguments`` fields it inherits); ``max_prompt_length`` is TRL's
 older name, kept because scripts still use it. A name whose longrl key is not in the config tree (a feature of
-another version) is refused naming that. Imports nothing heavy: ``longrl.config`` reads it for its messages.
+another version) is refused naming that; an entry without a key but with a ``convert`` is accepted and sets nothing
+(a value that changes no result, e.g. ``dataset_num_proc``), its ``convert`` refusing the values longrl cannot honour.
+``TRL_SFT_NAMES`` (``longrl.SFTConfig``) is TRL_NAMES without GRPO's own names, with ``SFT_NAMES`` over it.
+Imports nothing heavy: ``longrl.config`` reads it for its messages.
 """
 
 from __future__ import annotations
@@ -167,3 +170,84 @@ TRL_NAMES: dict[str, FlatName] = {
     "lora_alpha": FlatName("lora.alpha", "PEFT's name"),
     "lora_dropout": FlatName("lora.dropout", "PEFT's name"),
 }
+
+
+# ------------------------------------------------------------------------------ SFTConfig (TRL 1.15 trl/trainer/sft_config.py)
+
+def _only(name, allowed, why):
+    def convert(v):
+        if v not in allowed:
+            raise FlatNameError(f"{name}={v!r}: {why}")
+        return v
+    return convert
+
+
+def _any(v):
+    return v
+
+
+def _truncation_mode(v):
+    if v not in ("keep_start", "truncate", "skip", "error"):
+        raise FlatNameError(f"truncation_mode={v!r}: longrl keeps the start of a row (keep_start), or skips the row, "
+                            "or stops naming it (sft.overlong: truncate, skip, error)")
+    return "truncate" if v == "keep_start" else v
+
+
+def _max_length(v):
+    if v is None:
+        raise FlatNameError("max_length=None: longrl plans memory for the longest example; give a number of tokens "
+                            "(longer rows follow sft.overlong)")
+    return v
+
+
+SFT_BATCH_NOTE = ("examples per optimizer step = per_device_train_batch_size × gradient_accumulation_steps = "
+                   "sft.examples_per_step; per_device_train_batch_size is train.micro_batch_size (examples per "
+                   "forward/backward; with packing, train.micro_batch_tokens = per_device_train_batch_size × max_length)")
+
+SFT_NAMES: dict[str, FlatName] = {
+    "max_length": FlatName("sft.max_length", "tokens an example may have; longer rows follow sft.overlong (truncate "
+                           "by default, as TRL)", _max_length),
+    "max_seq_length": FlatName("sft.max_length", "TRL's older name of max_length", _max_length),
+    "truncation_mode": FlatName("sft.overlong", "keep_start: truncate (the first max_length tokens); longrl also has "
+                                "skip and error", _truncation_mode),
+    "packing": FlatName("train.micro_batch_tokens", "True: micro-batches of per_device_train_batch_size × max_length "
+                        "tokens in one row, positions restarting per example (train.padding_free=true); no row is cut; "
+                        "the optimizer step still counts examples"),
+    "packing_strategy": FlatName(None, "bfd only: longrl packs whole examples; none is cut or wrapped",
+                                 _only("packing_strategy", ("bfd",), "longrl packs whole examples (bfd); it never "
+                                       "cuts or wraps one across packs")),
+    "padding_free": FlatName("train.padding_free", "the micro-batch layout (one packed row or padded rows); the loss "
+                             "is the same"),
+    "eval_packing": FlatName(None, "evaluation is split as training is (the loss does not depend on it)", _any),
+    "completion_only_loss": FlatName("sft.completion_only_loss", "prompt/completion rows; None: True (as TRL for "
+                                     "those rows)", _none_is(True)),
+    "assistant_only_loss": FlatName("sft.assistant_only_loss", "messages rows; located through the chat template"),
+    "dataset_text_field": FlatName("sft.text_column"),
+    "label_smoothing_factor": FlatName("sft.label_smoothing"),
+    "loss_type": FlatName(None, "nll only (longrl's cross-entropy is always chunked: TRL's chunked_nll)",
+                          _only("loss_type", ("nll", "chunked_nll"), "longrl's SFT loss is the token-mean "
+                                "cross-entropy (nll); dft is not implemented")),
+    "activation_offloading": FlatName("model.offload_activations", "layer inputs in host memory, layers recomputed "
+                                      "in backward"),
+    "num_train_epochs": FlatName("sft.num_train_epochs", "optimizer steps = ceil(epochs × examples / "
+                                 "examples_per_step); max_steps > 0 overrides it, as in TRL"),
+    "max_steps": FlatName("train.max_steps", "optimizer steps; -1 (TRL's default): num_train_epochs decides"),
+    "per_device_train_batch_size": FlatName("train.micro_batch_size", SFT_BATCH_NOTE),
+    "gradient_accumulation_steps": FlatName("sft.examples_per_step", SFT_BATCH_NOTE),
+    "per_device_eval_batch_size": FlatName(None, "evaluation is split as training is (the loss does not depend on "
+                                           "it)", _any),
+    "dataset_num_proc": FlatName(None, "longrl tokenizes in the trainer's process", _any),
+    "dataset_kwargs": FlatName(None, "longrl always prepares the rows itself (longrl.sft_data)"),
+    "chat_template_path": FlatName(None, "set tokenizer.chat_template and pass the tokenizer as processing_class"),
+    "eos_token": FlatName(None, "set it on the tokenizer passed as processing_class"),
+    "pad_token": FlatName(None, "set it on the tokenizer passed as processing_class"),
+    "router_aux_loss_coef": FlatName(None, "not in this version of longrl (the model's own MoE loss is not added)"),
+}
+
+# TRL_NAMES entries that are GRPO's own (the objective, sampling, rewards, rollout batching): SFTConfig refuses them
+GRPO_ONLY = frozenset(name for name, entry in TRL_NAMES.items()
+                      if (entry.key or "").split(".")[0] in ("grpo", "generation", "rewards")
+                      or name in ("max_prompt_length", "num_generations_eval", "log_completions",
+                                  "num_completions_to_print", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization"))
+
+TRL_SFT_NAMES: dict[str, FlatName] = {**{n: e for n, e in TRL_NAMES.items() if n not in GRPO_ONLY}, **SFT_NAMES}

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("adapter", "merged", "gguf")
 
-__all__ = ["FORMATS", "Checkpoint", "ExportError", "dequantize_4bit_linears", "export_checkpoint", "read_checkpoint"]
+__all__ = ["FORMATS", "Checkpoint", "ExportError", "dequantize_4bit_linears", "export_checkpoint", "read_checkpoint",
+           "save_trained_model"]
 
 
 def _base_config(ckpt: Checkpoint):
@@ -137,6 +138,30 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
         raise
     log.info("exported %s as %s to %s", ckpt.path, fmt, output_dir)
     return output_dir
+
+
+def save_trained_model(trainer, output_dir: str | Path | None = None, fmt: str | None = None) -> Path:
+    """TRL's ``trainer.save_model``, for either recipe: the trainer's model as it is now, through
+    :func:`export_checkpoint`: a PEFT adapter (LoRA runs) or a merged model (full weights, or ``fmt="merged"``), or
+    ``fmt="gguf"``; a checkpoint of the current step is saved first if there is none. ``output_dir``: new or empty,
+    or the run's own output directory (TRL's ``save_model(args.output_dir)``: the files land beside the
+    checkpoints, replacing an earlier save's); default output_dir/final. ``trainer``: has ``model``, ``output_dir``,
+    ``step_idx`` and ``save()``."""
+    run_dir = Path(trainer.output_dir)
+    fmt = fmt or ("adapter" if hasattr(trainer.model, "peft_config") else "merged")
+    ckpt = run_dir / f"checkpoint-{trainer.step_idx}"
+    if not ckpt.is_dir():
+        ckpt = trainer.save()
+    target = Path(output_dir) if output_dir is not None else run_dir / "final"
+    if target.resolve() != run_dir.resolve():
+        return export_checkpoint(ckpt, target, fmt=fmt)
+    staged = export_checkpoint(ckpt, run_dir / f".save_model-{os.getpid()}", fmt=fmt)
+    for entry in sorted(staged.iterdir()):  # none is named like a checkpoint, metrics or logs of the run
+        if (run_dir / entry.name).is_dir():
+            shutil.rmtree(run_dir / entry.name)
+        os.replace(entry, run_dir / entry.name)
+    staged.rmdir()
+    return run_dir
 
 
 def _write_gguf(out: Path, model, tokenizer, quant: str, ckpt: Checkpoint, plan) -> None:
