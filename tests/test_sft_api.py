@@ -185,3 +185,46 @@ def test_init_sft_output_is_accepted_by_sft_and_plan(tmp_path, capsys):
     assert len(read_metrics(tmp_path / "out")) == 1
     assert main(["plan", str(tmp_path / "run.yaml"), "--gpu-memory-gib", "24"]) == 2  # as GRPO: no reward functions
     assert "rewards" in capsys.readouterr().err
+
+
+def test_sft_checkpoint_exports_as_adapter_merged_and_gguf(tmp_path, capsys):
+    """`longrl export` of a `longrl sft` checkpoint (builtin model, LoRA): the PEFT adapter over the shipped base and
+    the float32 merged model give the trained logits, and the GGUF holds the merged weights (f16 rounding)."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from longrl import SFTConfig, SFTTrainer
+    from longrl.cli import main
+    from longrl.export.gguf_writer import unpermute_qk
+    from test_export import _logits, _read_gguf, gguf
+
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, learning_rate=0.05, lora={"r": 4}, max_length=16,
+                     per_device_train_batch_size=8, report_to="none", disable_tqdm=True,
+                     **{"model.device": "cpu", "model.dtype": "float32", "sft.eval_examples": 0})
+    trainer = SFTTrainer(model="builtin:tiny-arith", args=args, train_dataset=make_arithmetic_sft_rows(16, seed=1))
+    trainer.train()
+    trained = trainer.model.eval()
+    want = _logits(trained)
+    with trained.disable_adapter():
+        assert (_logits(trained) - want).abs().max() > 1e-2  # the adapter is not a no-op
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    for fmt, extra in (("adapter", []), ("merged", ["--dtype", "float32"]), ("gguf", [])):
+        assert main(["export", str(tmp_path / fmt), "--from", str(ckpt), "--format", fmt, *extra]) == 0, \
+            capsys.readouterr().err
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "base_model"),
+                                        tmp_path / "adapter").eval()
+    assert torch.allclose(_logits(adapter), want, atol=1e-5, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(_logits(merged), want, atol=1e-4, rtol=0)  # float32: merge rounding only
+    _, tensors = _read_gguf(tmp_path / "gguf" / "model.gguf")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, merged.config.num_hidden_layers)
+    state = merged.state_dict()
+    assert len(tensors) == len(state)
+    for hf_name, weight in state.items():
+        got = torch.from_numpy(np.ascontiguousarray(tensors[names.get_name(hf_name, try_suffixes=(".weight",))][0]))
+        if "q_proj" in hf_name or "k_proj" in hf_name:  # llama.cpp's rotary row order
+            heads = merged.config.num_attention_heads if "q_proj" in hf_name else merged.config.num_key_value_heads
+            got = unpermute_qk(got.float(), heads)
+        assert torch.equal(got.float(), weight if weight.dim() == 1 else weight.half().float()), hf_name
