@@ -41,10 +41,11 @@ class Recorder:
         self.events.append(("save", path.name))
 
 
-def test_trl_sft_script_matches_the_yaml_cli_and_resumes(tmp_path):
+def test_trl_sft_script_matches_the_yaml_cli_and_resumes(tmp_path, capsys):
     """SFTTrainer(model=str, args=SFTConfig(TRL names), train_dataset=Dataset) trains with the same metrics as
     `longrl sft run.yaml` on the same rows; num_train_epochs gives ceil(epochs × examples / examples_per_step) steps;
-    resumed from its step-1 checkpoint by train(resume_from_checkpoint=True) it gives the same steps."""
+    resumed from its step-1 checkpoint by train(resume_from_checkpoint=True) it gives the same steps; resumes on
+    other rows or a changed data file are refused."""
     import datasets
 
     from longrl import SFTConfig, SFTTrainer
@@ -67,6 +68,10 @@ def test_trl_sft_script_matches_the_yaml_cli_and_resumes(tmp_path):
         **YAML_KEYS["output"], "output_dir": str(tmp_path / "cli")}}))
     assert main(["sft", str(tmp_path / "run.yaml")]) == 0
     assert _untimed(read_metrics(tmp_path / "cli")) == _untimed(history)
+    with open(tmp_path / "train.jsonl", "a") as f:  # the data file changed: its resume is refused before loading
+        f.write(json.dumps(rows[0]) + "\n")
+    assert main(["sft", str(tmp_path / "run.yaml"), "output.resume=true", "train.max_steps=4"]) == 2
+    assert "changed since" in capsys.readouterr().err
 
     import shutil
 

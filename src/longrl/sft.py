@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import atomic_write_text, save_checkpoint
 from .config import Config
-from .data import PromptSampler
+from .data import PromptSampler, data_fingerprint
 from .memory import count_groups, token_budget_groups
 from .policy import token_cross_entropy
 from .reporting import RunReporter
@@ -71,7 +71,7 @@ class SFTTrainer:
         from .model_setup import build_policy_model, given_model, make_optimizer
         from .models import check_model_files, resolve_device
         from .runlock import acquire_run_lock, check_output_dir_contents
-        from .trainer import check_output_dir
+        from .trainer import check_data_unchanged, check_output_dir
 
         trl = dict(args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
                    processing_class=processing_class, peft_config=peft_config, formatting_func=formatting_func)
@@ -95,6 +95,9 @@ class SFTTrainer:
                                   overwrite=cfg.output.overwrite_output_dir)
         # TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...)
         self.resume_from = check_output_dir(cfg, allow_existing=self.trl_style)
+        self.data_fingerprint = data_fingerprint(cfg.data.source)  # a data file's SHA-256: a resume on another refused
+        if self.resume_from:
+            check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         if model is None:
             check_model_files(cfg.model.name_or_path)
         else:
@@ -142,7 +145,7 @@ class SFTTrainer:
         from .callbacks import notify
         from .checkpoint import load_newest, resume_request
         from .runlock import acquire_run_lock
-        from .trainer import check_output_dir
+        from .trainer import check_data_unchanged, check_output_dir
 
         cfg = self.cfg
         if not self.run_lock.held:  # a second train() of this trainer
@@ -152,6 +155,8 @@ class SFTTrainer:
             cfg.output.resume = True
         if self.trl_style or resume_from_checkpoint:
             self.resume_from = check_output_dir(cfg)
+            if self.resume_from:
+                check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         if cfg.output.resume:
             loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
             if loaded is not None:
@@ -247,7 +252,8 @@ class SFTTrainer:
         from .callbacks import notify
         from .checkpoint import trainer_state
 
-        state, frozen = trainer_state(self.model, self.cfg, self.sampler.position, recipe="sft")
+        state, frozen = trainer_state(self.model, self.cfg, self.sampler.position, recipe="sft",
+                                      data_fingerprint=self.data_fingerprint)
         path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
                                self.cfg.output.save_total_limit, base_weights=frozen)
         log.info("saved %s", path)
