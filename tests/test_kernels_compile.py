@@ -17,10 +17,14 @@ SM90 = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes a block may use on sm_90
 
 
-def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2, **options):
+def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2, aligned=(),
+                     **options):
+    """``aligned``: arguments known divisible by 16, as Triton specialises them at a launch (pointers of fresh
+    tensors, sizes such as 4,096)."""
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
     try:
-        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=SM90,
+        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), target=SM90,
                                 options={"num_warps": num_warps, "num_stages": num_stages, **options})
     except Exception as e:  # no ptxas for this platform: nothing to check here
         if "ptxas" in str(e).lower() and "not found" in str(e).lower():
@@ -103,15 +107,23 @@ def test_fused_decode_kernels_build(dtype):
             assert ("mma" in kernel.asm["ptx"]) == dot16
 
 
-@pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
-@pytest.mark.parametrize("bm, k_per_split, warps", [(16, 4096, 4), (64, 1024, 4), (128, 2048, 8)])
-def test_nf4_kernel_builds(dtype, bm, k_per_split, warps):
+@pytest.mark.parametrize("rows", [16, 128])
+def test_nf4_group_kernel_builds_with_packed_permutes(rows):
+    """The NF4 product's build of each row count's launch choice fits the shared memory, and hands its byte
+    permutes four consecutive code bytes of one row a thread (what PRMT_ASM assumes; nf4_matmul.permutes_packed,
+    the check the product itself makes on the GPU before trusting a build). 32 and 64 rows share 128's choice."""
     from longrl.ops import nf4_matmul as nm
 
-    compile_for_sm90(nm._nf4_kernel, {"X": dtype, "P": "*u8", "A": "*fp32", "CODE": "*fp32", "Y": "*fp32", "M": "i32",
-                                      "N": "i32", "K": "i32", "KB": "i32", "KS": "i32", "stride_ym": "i64",
-                                      "stride_ys": "i64"},
-                     dict(K_PER_SPLIT=k_per_split, BM=bm, BN=64, BK=128), num_warps=warps, num_stages=3)
+    cfg = nm.LAUNCH[rows]
+    ptrs = dict(X="*bf16", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D="*bf16", BIAS="*bf16", Y="*fp32")
+    ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
+                               "n_chunks", "chunks_per_split", "dense_tiles")}
+    kernel = compile_for_sm90(nm._nf4_group_kernel, {**ptrs, **ints},
+                              dict(HAS_BIAS=False, BM=rows, BN=cfg["bn"], SWAP=cfg["swap"], JOIN=cfg["join"],
+                                   LUT=cfg["lut"], EVEN_K=True, ASM=True),
+                              num_warps=cfg["warps"], num_stages=cfg["stages"],
+                              aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
+    assert nm.permutes_packed(kernel)  # (the 8B shapes: every pointer, width and row boundary a multiple of 16)
 
 
 @pytest.mark.parametrize("vocab", [128_256, 151_936, 3001])

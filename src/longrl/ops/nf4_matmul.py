@@ -28,6 +28,8 @@ benchmarks/nf4_matmul.py times them and sweeps :data:`LAUNCH`.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs without Triton use the twin
     triton = None
+
+log = logging.getLogger(__name__)
 
 BLOCKSIZE = 64  # bitsandbytes' NF4 block (elements per absmax)
 CHUNK = 128  # elements of K a program reads per step: two blocks, 64 bytes a row
@@ -49,11 +53,12 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # gather from them, tl.gather; 2 a tree of selects; 0 a load from the 16-entry table in memory, which Triton's
 # pipeliner stages through shared memory one element at a time: 15-30x slower), warps, pipeline stages, and the
 # programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
-# --sweep times the alternatives; the table below is its fastest (see benchmarks/results/nf4_matmul_h200.md).
-LAUNCH = {16: dict(bn=128, swap=True, join=True, lut=3, warps=4, stages=3, programs=264),
-          32: dict(bn=128, swap=True, join=True, lut=3, warps=4, stages=3, programs=264),
-          64: dict(bn=128, swap=True, join=True, lut=3, warps=4, stages=3, programs=264),
-          128: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=2, programs=264)}
+# --sweep times the alternatives; the table below is its fastest at 16 and 128 rows, 32 and 64 rows taking the
+# 128-row choice (benchmarks/results/nf4_matmul_h200.md, 2026-12-01). permutes_packed guards lut 3's assumption.
+LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=3, warps=4, stages=3, programs=528),
+          32: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132),
+          64: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132),
+          128: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
@@ -391,6 +396,25 @@ if triton is not None:
         tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
 
 
+PERMUTE_FALLBACKS: set = set()  # builds whose permute operands were not four consecutive bytes (register gather)
+
+
+def permutes_packed(kernel) -> bool:
+    """Whether a compiled lut-3 build hands its byte permutes (PRMT_ASM) what they assume: each thread's four packed
+    code bytes consecutive in one row (a blocked layout whose rows run fastest and whose per-thread width is a
+    multiple of 4). Triton picks the layout by propagation; another one would pair bytes of two rows with one
+    row's tables."""
+    ttgir = getattr(kernel, "asm", {}).get("ttgir", "")
+    uses = re.findall(r"elementwise_inline_asm[^\n]*?tensor<\d+x32xi8, #(\w+)>", ttgir)
+    if not uses:
+        return False
+    for name in set(uses):
+        d = re.search(rf"^#{name} = #ttg\.blocked<\{{sizePerThread = \[\d+, (\d+)\].*order = \[1, 0\]", ttgir, re.M)
+        if d is None or int(d.group(1)) % 4:
+            return False
+    return True
+
+
 def _interpreting() -> bool:
     return type(_nf4_group_kernel).__name__ == "InterpretedFunction"
 
@@ -439,12 +463,24 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     N01 = N0 + (group.rows[1] if len(group.rows) > 1 else NQ)
     dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
     bias = group.bias if group.bias is not None else out
-    _nf4_group_kernel[(row_tiles, split, m_tiles)](
-        x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, N0, N01, NQ, R,
-        x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
-        HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
-        LUT=cfg["lut"], EVEN_K=K % CHUNK == 0, ASM=not _interpreting(),
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    lut, asm = cfg["lut"], not _interpreting()
+    key = (BM, BN, cfg["swap"], cfg["warps"], cfg["stages"], K % CHUNK == 0, x.dtype)
+    if lut == 3 and asm and key in PERMUTE_FALLBACKS:
+        lut = 1
+    for _ in range(2):
+        kernel = _nf4_group_kernel[(row_tiles, split, m_tiles)](
+            x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, N0, N01, NQ, R,
+            x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
+            HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
+            LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        if lut != 3 or not asm or permutes_packed(kernel):
+            break
+        # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
+        # the launch again with the register gather rewrites every output)
+        PERMUTE_FALLBACKS.add(key)
+        log.warning("nf4_matmul: the byte-permute lookup does not fit this build's layout (rows %d, tile %d, %d "
+                    "warps); using the register gather for it", BM, BN, cfg["warps"])
+        lut = 1
     if split > 1:
         block = 1024
         _split_sum_kernel[(-(-M * NT // block),)](target, bias, out, M * NT, NT, split,
