@@ -21,6 +21,10 @@
 #              sweep of the folding SiLU·up kernel's launch choices (~2 min; GTAG names the file; rollout8b/rollout15
 #              with GLUE_FROM=benchmarks/results/decode_glue_h200<GTAG>.json run its fastest choice)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
+#   nf4sweep   the same, first the packed decode's NF4 groups under a sweep of launch choices (~2 min); rollout8b
+#              with NF4_FROM=benchmarks/results/nf4_matmul_h200_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
+#              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side)
+#   nf4gpu     the NF4 GPU tests alone (~40 s)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
@@ -34,7 +38,8 @@
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
 #   e2e8b_a1   e2e8b_a with 1 step (+ CLI smoke), files tagged ETAG (default _fused) (~2.5 min)
-#   e2e8b_a4   the same with an NF4 4-bit base, 1 step
+#   e2e8b_a4   the same with an NF4 4-bit base, 1 step (decode products on longrl's NF4 kernel, the default since
+#              2026-12-01; e2e8b_a4b: through bitsandbytes' call, as before)
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
 #   e2e8b_a4k  e2e8b_a4 with generation.nf4_kernel (decode products read the NF4 weight directly; compare e2e8b_a4)
 #   trl8b_a    TRL GRPOTrainer.train() anchor for e2e8b_a (long: transformers generate)
@@ -152,6 +157,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
+        nf4sweep) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep ;;
+        nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
@@ -159,7 +166,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
-            ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} ;;
+            ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} \
+            ${NF4_FROM:+--nf4-launch "$NF4_FROM"} ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-nolora,hf-generate}" --tag "${TAG:-_fast}" \
             ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} ;;
@@ -171,6 +179,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --steps 1 --tag "${ETAG:-_fused}" ;;
         e2e8b_a4) stage e2e8b_a4 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --load-in-4bit ;;
+        e2e8b_a4b) stage e2e8b_a4b 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke --load-in-4bit --bnb-decode ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke ;;
         trl8b_a) stage trl8b_a 560 with_tf524 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \

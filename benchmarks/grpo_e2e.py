@@ -306,7 +306,10 @@ def main() -> None:
     ap.add_argument("--load-in-4bit", action="store_true",
                     help="NF4 base with dynamic 16-bit exceptions (longrl only); files get _4bit")
     ap.add_argument("--nf4-kernel", action="store_true", help="with --load-in-4bit: generation.nf4_kernel (decode "
-                    "products read the NF4 weight directly); files get _nf4k")
+                    "products read the NF4 weight directly; the default since 2026-12-01, the flag kept for older "
+                    "commands); files get _nf4k")
+    ap.add_argument("--bnb-decode", action="store_true", help="with --load-in-4bit: generation.nf4_kernel off "
+                    "(decode products through bitsandbytes' own call, as before 2026-12-01); files keep _4bit alone")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0, help="train.gpu_memory_gib: the run's budget (the "
                     "planner, the KV cache and the allocator's cap); files get _capN")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="generation.kv_cache_dtype; "
@@ -316,8 +319,11 @@ def main() -> None:
     args = ap.parse_args()
     args.tag = (f"_cap{args.gpu_memory_gib:g}" if args.gpu_memory_gib else "") + (
         "_kvfp8" if args.kv_cache_dtype == "fp8" else "") + args.tag
-    if args.nf4_kernel and not args.load_in_4bit:
-        ap.error("--nf4-kernel needs --load-in-4bit")
+    if (args.nf4_kernel or args.bnb_decode) and not args.load_in_4bit:
+        ap.error("--nf4-kernel / --bnb-decode need --load-in-4bit")
+    if args.nf4_kernel and args.bnb_decode:
+        ap.error("--nf4-kernel and --bnb-decode exclude each other")
+    args.nf4_kernel = args.load_in_4bit and not args.bnb_decode
     if args.load_in_4bit:
         args.tag = "_4bit" + ("_nf4k" if args.nf4_kernel else "") + args.tag
     import logging
