@@ -103,6 +103,9 @@ def test_step_line_and_report_targets():
     line = step_line({"step": 3, "reward": 0.25, "loss": None, "kl": 0.001, "completion_length": 4.0,
                       "step_time_s": 0.5}, 10, 65.0)
     assert line == "step 3/10 reward=0.25 loss=- kl=0.001 completion_length=4 step_time_s=0.5 eta=1:05"
+    sft = step_line({"step": 4, "loss": 2.5, "grad_norm": 1.25, "lr": 0.001, "tokens_per_s": 1500.0, "reward": 9.0,
+                     "step_time_s": 0.5, "eval/loss": 2.25}, 10, None, recipe="sft")
+    assert sft == "step 4/10 loss=2.5 grad_norm=1.25 lr=0.001 tokens_per_s=1500 step_time_s=0.5 eval/loss=2.25 eta=-"
     assert report_targets(OutputConfig()) == ["tensorboard"]
     assert report_targets(OutputConfig(report_to=["none"])) == []
     assert report_targets(OutputConfig(tensorboard=False)) == []  # the deprecated alias still works
@@ -191,3 +194,16 @@ def test_eval_steps_without_eval_data_fail_before_the_model_loads(tmp_path, monk
     cfg = load_config(None, [f"output.output_dir={tmp_path}", "data.eval_source=nowhere.jsonl"], base=demo_config())
     with pytest.raises(ValueError, match="data.eval_source: dataset file not found: nowhere.jsonl"):
         GRPOTrainer(cfg)
+
+
+def test_an_sft_run_sums_up_its_loss_not_a_reward(tmp_path):
+    out = io.StringIO()
+    reporter = RunReporter(tmp_path, 4, report_to=(), progress_bar=False, stream=out, recipe="sft")
+    for step, loss in enumerate([3.0, 2.0, 1.5, 1.0], start=1):
+        reporter.log_step({"step": step, "loss": loss, "grad_norm": 1.0, "lr": 0.1, "tokens_per_s": 10.0,
+                           "step_time_s": 0.1, **({"eval/loss": 2.0 - step / 4} if step % 2 == 0 else {})})
+    reporter.close()
+    text = out.getvalue()
+    assert "step 2/4 loss=2 grad_norm=1 lr=0.1 tokens_per_s=10 step_time_s=0.1 eval/loss=1.5" in text
+    assert "loss: 3.000 (mean of the first 1 steps) → 1.000 (last 1)" in text
+    assert "eval loss: 1.500 (step 2) → 1.000 (step 4)" in text and "reward" not in text

@@ -24,7 +24,9 @@ from .checkpoint import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-LINE_KEYS = ("reward", "loss", "kl", "completion_length")  # the figures of a log line and of the bar
+LINE_KEYS = ("reward", "loss", "kl", "completion_length")  # the figures of a GRPO log line and of the bar
+# per recipe: (the figures of a log line and of the bar, the first of them summed up at the end; the eval figure)
+RECIPE_FIGURES = {"grpo": (LINE_KEYS, "eval/reward"), "sft": (("loss", "grad_norm", "lr", "tokens_per_s"), "eval/loss")}
 REPORT_TARGETS = ("tensorboard", "wandb", "none")
 CURVES_FILE = "training_curves.png"
 
@@ -72,14 +74,15 @@ def _figure(value) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def step_line(metrics: dict, total_steps: int, eta_s: float | None) -> str:
+def step_line(metrics: dict, total_steps: int, eta_s: float | None, recipe: str = "grpo") -> str:
     """``step 10/600 reward=0.412 loss=0.0123 kl=- completion_length=3.2 step_time_s=0.09 eta=0:52`` (and the eval
-    reward on steps that evaluated)."""
+    reward on steps that evaluated); an SFT run's line: loss, grad_norm, lr, tokens_per_s (and eval/loss)."""
+    keys, eval_key = RECIPE_FIGURES[recipe]
     parts = [f"step {metrics['step']}/{total_steps}"]
-    parts += [f"{k}={_figure(metrics.get(k))}" for k in LINE_KEYS]
+    parts += [f"{k}={_figure(metrics.get(k))}" for k in keys]
     parts.append(f"step_time_s={_figure(metrics.get('step_time_s'))}")
-    if "eval/reward" in metrics:
-        parts.append(f"eval/reward={_figure(metrics['eval/reward'])}")
+    if eval_key in metrics:
+        parts.append(f"{eval_key}={_figure(metrics[eval_key])}")
     parts.append(f"eta={format_duration(eta_s) if eta_s is not None else '-'}")
     return " ".join(parts)
 
@@ -119,10 +122,14 @@ class RunReporter:
     """Writes a run's metrics and samples, reports them to the console and integrations, and sums the run up.
 
     ``stream``: where the console output goes (default sys.stdout); a progress bar only when it is a terminal.
+    ``recipe``: "grpo" or "sft", whose figures the lines, the bar and the summary show (RECIPE_FIGURES).
     """
 
     def __init__(self, output_dir: Path, total_steps: int, report_to=("tensorboard",), progress_bar: bool = True,
-                 resume_step: int = 0, logging_steps: int = 1, config: dict | None = None, stream=None):
+                 resume_step: int = 0, logging_steps: int = 1, config: dict | None = None, stream=None,
+                 recipe: str = "grpo"):
+        self.recipe = recipe
+        self.line_keys, self.eval_key = RECIPE_FIGURES[recipe]
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps, self.logging_steps, self.resume_step = total_steps, logging_steps, resume_step
@@ -150,10 +157,10 @@ class RunReporter:
             self._start_bar(total_steps, resume_step)
 
     @classmethod
-    def for_config(cls, cfg, resume_step: int = 0, stream=None) -> "RunReporter":
+    def for_config(cls, cfg, resume_step: int = 0, stream=None, recipe: str = "grpo") -> "RunReporter":
         o = cfg.output
         return cls(Path(o.output_dir), cfg.train.max_steps, report_targets(o), o.progress_bar, resume_step,
-                   o.logging_steps, cfg.to_dict(), stream)
+                   o.logging_steps, cfg.to_dict(), stream, recipe)
 
     # ------------------------------------------------------------------------------------------ console
     def _start_bar(self, total_steps: int, resume_step: int) -> None:
@@ -161,7 +168,7 @@ class RunReporter:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         console = Console(file=self.stream)
-        self.progress = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        self.progress = Progress(TextColumn(f"[bold]{self.recipe.upper()}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[figures]}"), console=console, transient=False)
         self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, figures="")
         # the handlers that write to the terminal print through the bar's console while it runs
@@ -238,12 +245,12 @@ class RunReporter:
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
         if self.progress is not None:
-            figures = "  ".join(f"{k} {metrics[k]:.3g}" for k in LINE_KEYS if metrics.get(k) is not None)
+            figures = "  ".join(f"{k} {metrics[k]:.3g}" for k in self.line_keys if metrics.get(k) is not None)
             self.progress.update(self.task, completed=step, figures=figures)
-            if "eval/reward" in metrics:
-                self.print(step_line(metrics, self.total_steps, self.eta_s(step)))
-        elif step % self.logging_steps == 0 or step in (1, self.total_steps) or "eval/reward" in metrics:
-            self.print(step_line(metrics, self.total_steps, self.eta_s(step)))
+            if self.eval_key in metrics:
+                self.print(step_line(metrics, self.total_steps, self.eta_s(step), self.recipe))
+        elif step % self.logging_steps == 0 or step in (1, self.total_steps) or self.eval_key in metrics:
+            self.print(step_line(metrics, self.total_steps, self.eta_s(step), self.recipe))
 
     def log_completions(self, step: int, samples: list[dict]) -> None:
         self._append(self.completions_path,
@@ -271,15 +278,16 @@ class RunReporter:
                  + (f" ({elapsed / done:.3g} s/step)" if done else "")
                  + (f", resumed at step {self.resume_step}" if self.resume_step else "")
                  + f"; step {self.last_step}/{self.total_steps}"]
-        rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
-        if rewards:
-            window = max(1, min(10, len(rewards) // 5))
-            first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
-            lines.append(f"reward: {first:.3f} (mean of the first {window} steps) → {last:.3f} (last {window})")
-        evals = [m for m in metrics if m.get("eval/reward") is not None]
+        head, ev = self.line_keys[0], self.eval_key  # reward (GRPO) or loss (SFT)
+        values = [m[head] for m in metrics if m.get(head) is not None]
+        if values:
+            window = max(1, min(10, len(values) // 5))
+            first, last = sum(values[:window]) / window, sum(values[-window:]) / window
+            lines.append(f"{head}: {first:.3f} (mean of the first {window} steps) → {last:.3f} (last {window})")
+        evals = [m for m in metrics if m.get(ev) is not None]
         if evals:
-            lines.append(f"eval reward: {evals[0]['eval/reward']:.3f} (step {evals[0]['step']}) → "
-                         f"{evals[-1]['eval/reward']:.3f} (step {evals[-1]['step']})")
+            lines.append(f"eval {ev[5:]}: {evals[0][ev]:.3f} (step {evals[0]['step']}) → "
+                         f"{evals[-1][ev]:.3f} (step {evals[-1]['step']})")
         from .checkpoint import latest_checkpoint
 
         outputs = [p for p in (latest_checkpoint(self.output_dir), self.metrics_path, self.completions_path,

@@ -162,7 +162,7 @@ class SFTTrainer:
             if loaded is not None:
                 self.step_idx, self.sampler.position = loaded[1]["step"], loaded[1]["data_position"]
         self.model.train()
-        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx)
+        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx, recipe="sft")
         atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
         notify(self.callbacks, "on_train_begin", self)
         history = []
