@@ -83,7 +83,12 @@ def _train(jobs, results: Path, rank: int, suffix: str = "") -> None:
     """Each job (name, [config file,] overrides) trains a run; rank 0 saves its metrics and final trainable weights
     to results/NAME{suffix}.pt."""
     for name, *config, overrides in jobs:
-        trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
+        if name == "sft":  # `longrl sft` (test_sft_two_processes_equal_one)
+            from longrl.sft import SFTTrainer
+
+            trainer = SFTTrainer(load_config(config[0] if config else None, overrides, recipe="sft"))
+        else:
+            trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
         history = trainer.train()
         weights = _trainable(trainer.model)
         if rank == 0:
@@ -201,6 +206,8 @@ def spawned_runs(tmp_path_factory):
         runs["qlora"] = QLORA
     two = [(name, QUICK + extra + [f"output.output_dir={root / name}"]) for name, extra in runs.items()]
     single = [(name, QUICK + extra + [f"output.output_dir={root / 'single' / name}"]) for name, extra in runs.items()]
+    two.append(("sft", SFT + [f"output.output_dir={root / 'sft'}"]))  # supervised: one job each, no resume here
+    single.append(("sft", SFT + [f"output.output_dir={root / 'single' / 'sft'}"]))
     resumed = ["lora", "full"]
     cuts = [(str(root / name), str(root / ranks / name)) for name in resumed for ranks in ("three", "one")]
     three, one = ([(name, str(root / ranks / name / "config.yaml"), _resume(root / ranks / name)) for name in resumed]
@@ -211,7 +218,7 @@ def spawned_runs(tmp_path_factory):
     load = lambda stem: torch.load(root / "results" / f"{stem}.pt", weights_only=False)  # noqa: E731
     return root, runs, {name: {"two": load(name), "single": load(f"{name}-single"),
                                **({"three": load(f"{name}-three"), "one": load(f"{name}-one")} if name in resumed
-                                  else {})} for name in runs}
+                                  else {})} for name in [*runs, "sft"]}
 
 
 def test_two_processes_equal_one(spawned_runs):
@@ -234,6 +241,34 @@ def test_two_processes_equal_one(spawned_runs):
     full = root / "full" / "checkpoint-4"
     assert (full / "model.safetensors").is_file() and not (full / "optimizer.pt").exists()
     assert sorted(p.name for p in (full / "optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+# `longrl sft`: 5 examples a step on 2 ranks (an uneven split, 2 and 3), micro-batches of 2 (crossing the split),
+# 4 held-out examples (2 a rank)
+SFT = ["model.device=cpu", "model.dtype=float32", "lora.enabled=true", "lora.r=4", "data.source=task:arithmetic_sft",
+       "data.num_examples=40", "sft.max_length=16", "sft.examples_per_step=5", "train.micro_batch_size=2",
+       "train.max_steps=2", "train.learning_rate=3e-3", "output.save_steps=1", "output.progress_bar=false",
+       "output.report_to=[none]", "distributed.timeout_s=60"]
+
+
+def test_sft_two_processes_equal_one_and_resume_on_one(spawned_runs, tmp_path):
+    """`longrl sft` on 2 processes: each rank's share of the step's examples, the mean over the trained tokens of the
+    whole step (the count all-reduced), gradients summed: the 1-process run's per-step metrics (loss, held-out loss)
+    and final adapters; rank 0 alone wrote; its step-1 checkpoint resumes in one process on the same trajectory."""
+    from longrl.sft import SFTTrainer
+
+    root, _, got = spawned_runs
+    untimed = lambda ms: [{k: v for k, v in m.items() if not k.endswith("_per_s")} for m in ms]  # noqa: E731
+    two, one = got["sft"]["two"], got["sft"]["single"]
+    assert "eval/loss" in one["history"][-1] and one["history"][0]["trained_tokens"] > 5
+    _assert_same_run(untimed(two["history"]), untimed(one["history"]), two["weights"], one["weights"], tol=1e-5)
+    out = root / "sft"
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["world_size"] == 2
+    cut = _cut_after_first_checkpoint(out, tmp_path / "cut")
+    resumed = SFTTrainer(load_config(None, SFT + [f"output.output_dir={cut}", "output.resume=true"],
+                                     recipe="sft")).train()
+    _assert_same_run(untimed(resumed), untimed(one["history"][1:]))
 
 
 def _cut_after_first_checkpoint(src: Path, dst: Path) -> Path:

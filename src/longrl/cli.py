@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                      "pairs or plain text)")
     sft.add_argument("config", help="YAML config file (the sft: section and data.source)")
     sft.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    sft.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                     help="data-parallel on N processes of this machine (one per GPU): starts torchrun for you")
     return p
 
 
@@ -109,14 +111,15 @@ def _run(cfg) -> list[dict]:
 
 
 def _torchrun(args) -> int:
-    """``longrl train --nproc-per-node N ...`` → ``torchrun --standalone --nproc-per-node N -m longrl train ...``."""
+    """``longrl train|sft --nproc-per-node N ...`` → ``torchrun --standalone --nproc-per-node N -m longrl train|sft
+    ...``."""
     import subprocess
 
     if args.nproc_per_node < 1:
         print(f"longrl: error: --nproc-per-node must be >= 1; got {args.nproc_per_node}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-           "-m", "longrl", "train", args.config, *args.overrides]
+           "-m", "longrl", args.command, args.config, *args.overrides]
     return subprocess.call(cmd)
 
 
@@ -133,11 +136,11 @@ def _log_setup() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "train" and all("=" in x and not x.startswith("-") for x in extra):
+    if extra and args.command in ("train", "sft") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # KEY=VALUE overrides after an option (longrl train run.yaml --nproc-per-node 2 K=V)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "train" and args.nproc_per_node is not None:
+    if args.command in ("train", "sft") and args.nproc_per_node is not None:
         return _torchrun(args)
     _log_setup()
     for noisy in ("httpx", "urllib3", "huggingface_hub", "datasets"):
@@ -163,9 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return _demo(cfg, warm_start=args.sft)
         if args.command == "sft":
+            from .distributed import shutdown
             from .sft import SFTTrainer
 
-            history = SFTTrainer(load_config(args.config, args.overrides, recipe="sft")).train()
+            try:
+                history = SFTTrainer(load_config(args.config, args.overrides, recipe="sft")).train()
+            finally:
+                shutdown()  # a torchrun job's process group (nothing in one process)
             last = history[-1] if history else {}
             print(f"sft: {len(history)} steps, last loss {last.get('loss', float('nan')):.4f}"
                   + (f", held-out loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from .checkpoint import atomic_write_text, save_checkpoint
-from .config import Config
+from .config import Config, ConfigError
 from .data import PromptSampler, data_fingerprint
+from .distributed import init_world, shard
 from .memory import count_groups, token_budget_groups
 from .policy import token_cross_entropy
 from .reporting import RunReporter
@@ -38,10 +39,11 @@ def _micro_batches(examples: list[SFTExample], micro_batch_tokens: int, micro_ba
 
 
 def step_loss(model, examples: list[SFTExample], groups: list[list[int]], *, pad_id: int, label_smoothing: float,
-              chunk_size: int, packed: bool, backward: bool) -> tuple[float, int]:
+              chunk_size: int, packed: bool, backward: bool, n_total: int | None = None) -> tuple[float, int]:
     """(Σ CE / N, N) over ``examples`` split into ``groups``; with ``backward`` each group's share is
-    back-propagated as it is computed (gradients accumulate; the sum is the whole step's mean)."""
-    n_tokens = sum(sum(e.loss_mask) for e in examples)
+    back-propagated as it is computed (gradients accumulate; the sum is the whole step's mean). ``n_total``: N
+    when ``examples`` are one rank's share of the step (the trained tokens of every rank), else theirs."""
+    n_tokens = sum(sum(e.loss_mask) for e in examples) if n_total is None else n_total
     total = 0.0
     for idx in groups:
         mb = [examples[i] for i in idx]
@@ -71,7 +73,7 @@ class SFTTrainer:
         from .model_setup import build_policy_model, given_model, make_optimizer
         from .models import check_model_files, resolve_device
         from .runlock import acquire_run_lock, check_output_dir_contents
-        from .trainer import check_data_unchanged, check_output_dir
+        from .trainer import check_data_unchanged, checked_output_dir
 
         trl = dict(args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
                    processing_class=processing_class, peft_config=peft_config, formatting_func=formatting_func)
@@ -89,23 +91,31 @@ class SFTTrainer:
         self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
-        self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
-        weakref.finalize(self, self.run_lock.release)
-        check_output_dir_contents(cfg.output.output_dir, kind="sft", command="sft",
-                                  overwrite=cfg.output.overwrite_output_dir)
+        # one process, or a rank of a torchrun job (the step's examples split across the ranks); rank 0 holds the
+        # run lock and writes every output
+        self.world, device = init_world(cfg.model.device, cfg.distributed.timeout_s)
+        if self.world.world_size > cfg.sft.examples_per_step:
+            raise ConfigError(f"config key 'sft.examples_per_step': got {cfg.sft.examples_per_step}; allowed: at "
+                              f"least the number of processes ({self.world.world_size}): each trains whole examples")
+        self.run_lock = None
+        if self.world.is_main:
+            self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before any write
+            weakref.finalize(self, self.run_lock.release)
+            check_output_dir_contents(cfg.output.output_dir, kind="sft", command="sft",
+                                      overwrite=cfg.output.overwrite_output_dir)
         # TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...)
-        self.resume_from = check_output_dir(cfg, allow_existing=self.trl_style)
+        self.resume_from = checked_output_dir(cfg, self.world, allow_existing=self.trl_style)
         self.data_fingerprint = data_fingerprint(cfg.data.source)  # a data file's SHA-256: a resume on another refused
         if self.resume_from:
             check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         if model is None:
             check_model_files(cfg.model.name_or_path)
         else:
-            model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(cfg.model.device),
+            model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(device),
                                            describe=self.trl_style, needed_tokens=(cfg.sft.max_length,
                                                                                    "sft.max_length"))
         self.model, self.tokenizer, self.device, self.plan, self.offloader = build_policy_model(
-            cfg, model, tokenizer, recipe="sft")
+            cfg, model, tokenizer, recipe="sft", device=device)
         s = cfg.sft
         if train_rows is not None:
             examples = build_examples(self.tokenizer, train_rows, s, "train_dataset")
@@ -129,6 +139,10 @@ class SFTTrainer:
                      len(examples), cfg.train.max_steps)
         self.sampler = PromptSampler(len(examples), cfg.train.seed, cfg.data.shuffle)
         self.params, self.optimizer, self.scheduler = make_optimizer(self.model, cfg.train)
+        if self.world.distributed:  # every rank starts from rank 0's trainable weights
+            with torch.no_grad():
+                for p in self.params:
+                    p.copy_(self.world.all_sum(p if self.world.is_main else torch.zeros_like(p)))
         self.step_idx = 0
         self.output_dir = Path(cfg.output.output_dir)
         # one packed row per micro-batch on CUDA; padded rows on the CPU, where attention over a packed row costs its
@@ -145,16 +159,17 @@ class SFTTrainer:
         from .callbacks import notify
         from .checkpoint import load_newest, resume_request
         from .runlock import acquire_run_lock
-        from .trainer import check_data_unchanged, check_output_dir
+        from .trainer import check_data_unchanged, checked_output_dir
 
         cfg = self.cfg
-        if not self.run_lock.held:  # a second train() of this trainer
+        main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
+        if main and not self.run_lock.held:  # a second train() of this trainer
             self.run_lock = acquire_run_lock(self.output_dir)
         if resume_from_checkpoint:
             resume_request(self.output_dir, resume_from_checkpoint)
             cfg.output.resume = True
         if self.trl_style or resume_from_checkpoint:
-            self.resume_from = check_output_dir(cfg)
+            self.resume_from = checked_output_dir(cfg, self.world)
             if self.resume_from:
                 check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
         if cfg.output.resume:
@@ -162,8 +177,9 @@ class SFTTrainer:
             if loaded is not None:
                 self.step_idx, self.sampler.position = loaded[1]["step"], loaded[1]["data_position"]
         self.model.train()
-        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx, recipe="sft")
-        atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
+        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx, recipe="sft") if main else None
+        if main:
+            atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
         notify(self.callbacks, "on_train_begin", self)
         history = []
         eval_every = getattr(cfg.output, "eval_steps", 0) or 0
@@ -175,26 +191,30 @@ class SFTTrainer:
                 if self.eval_examples and ((eval_every and self.step_idx % eval_every == 0) or last):
                     metrics.update(self.evaluate())
                 history.append(metrics)
-                reporter.log_step(metrics)
+                if main:
+                    reporter.log_step(metrics)
                 notify(self.callbacks, "on_step_end", self.step_idx, metrics)
                 save_every = cfg.output.save_steps
                 if (save_every and self.step_idx % save_every == 0) or last:
                     self.save()
             finished = True
         finally:
-            reporter.close(finished)
-            self.run_lock.release()
+            if main:
+                reporter.close(finished)
+                self.run_lock.release()
         notify(self.callbacks, "on_train_end", history)
         return history
 
     def _step(self) -> dict:
         start = time.perf_counter()
         cfg = self.cfg
-        batch = [self.examples[i] for i in self.sampler.next(cfg.sft.examples_per_step)]
+        batch = [self.examples[i] for i in self.sampler.next(cfg.sft.examples_per_step)]  # the global step's
         self.optimizer.zero_grad(set_to_none=True)
-        loss, n_tokens = step_loss(self.model, batch, self._groups(batch), pad_id=self._pad_id(),
-                                   label_smoothing=cfg.sft.label_smoothing, chunk_size=cfg.train.logprob_chunk_size,
-                                   packed=self.packed, backward=True)
+        loss, n_tokens = self._loss(batch, label_smoothing=cfg.sft.label_smoothing, backward=True)
+        if self.world.distributed:  # each rank's loss is its share of the step's mean: the gradient is their sum
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.copy_(self.world.all_sum(p.grad))
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         self.optimizer.step()
@@ -208,6 +228,19 @@ class SFTTrainer:
         if self.device.type == "cuda":
             metrics["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
+
+    def _loss(self, examples: list[SFTExample], label_smoothing: float, backward: bool) -> tuple[float, int]:
+        """step_loss of ``examples`` (all ranks' alike): this rank's contiguous share, over the trained tokens of
+        every rank, with the loss summed over ranks (one process: all of them)."""
+        start, stop = shard(len(examples), self.world.rank, self.world.world_size)
+        mine = examples[start:stop]
+        n_total = int(self.world.all_sum(torch.tensor(sum(sum(e.loss_mask) for e in mine), dtype=torch.float64)))
+        loss, _ = step_loss(self.model, mine, self._groups(mine), pad_id=self._pad_id(),
+                            label_smoothing=label_smoothing, chunk_size=self.cfg.train.logprob_chunk_size,
+                            packed=self.packed, backward=backward, n_total=n_total)
+        if self.world.distributed:
+            loss = self.world.sum_floats({"loss": loss})["loss"]
+        return loss, n_total
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -224,9 +257,7 @@ class SFTTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            loss, n = step_loss(self.model, examples, self._groups(examples), pad_id=self._pad_id(),
-                                label_smoothing=0.0, chunk_size=self.cfg.train.logprob_chunk_size, packed=self.packed,
-                                backward=False)
+            loss, n = self._loss(examples, label_smoothing=0.0, backward=False)
         finally:
             self.model.train(was_training)
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": n}
@@ -248,14 +279,19 @@ class SFTTrainer:
 
         return save_trained_model(self, output_dir, format)
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write checkpoint-STEP (rank 0) and return its path (None on other ranks); every rank returns once it is
+        complete."""
         from .callbacks import notify
         from .checkpoint import trainer_state
 
-        state, frozen = trainer_state(self.model, self.cfg, self.sampler.position, recipe="sft",
-                                      data_fingerprint=self.data_fingerprint)
-        path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
-                               self.cfg.output.save_total_limit, base_weights=frozen)
-        log.info("saved %s", path)
-        notify(self.callbacks, "on_save", path)
+        path = None
+        if self.world.is_main:  # the state is replicated: rank 0 writes it
+            state, frozen = trainer_state(self.model, self.cfg, self.sampler.position, recipe="sft",
+                                          data_fingerprint=self.data_fingerprint, world_size=self.world.world_size)
+            path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
+                                   self.cfg.output.save_total_limit, base_weights=frozen)
+            log.info("saved %s", path)
+            notify(self.callbacks, "on_save", path)
+        self.world.barrier()
         return path

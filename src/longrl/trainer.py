@@ -104,6 +104,16 @@ def check_output_dir(cfg: Config, allow_existing: bool = False, recover: bool = 
     return good
 
 
+def checked_output_dir(cfg: Config, world, allow_existing: bool = False) -> list[Path]:
+    """check_output_dir on every rank of ``world``, rank 0 first (it alone finishes or undoes a killed run's
+    saves)."""
+    found = check_output_dir(cfg, allow_existing=allow_existing) if world.is_main else []
+    world.barrier()
+    if not world.is_main:
+        found = check_output_dir(cfg, allow_existing=allow_existing, recover=False)
+    return found
+
+
 def check_data_unchanged(cfg: Config, checkpoint: Path, fingerprint: str | None) -> None:
     """Refuse to resume on a data file that differs from the one ``checkpoint`` trained on (its position in the
     data would point elsewhere), unless ``output.resume_changed_data``."""
@@ -322,12 +332,7 @@ class GRPOTrainer:
         return path
 
     def _check_output_dir(self, allow_existing: bool = False) -> list[Path]:
-        """check_output_dir on every rank, rank 0 first (it alone finishes or undoes a killed run's saves)."""
-        found = check_output_dir(self.cfg, allow_existing=allow_existing) if self.world.is_main else []
-        self.world.barrier()
-        if not self.world.is_main:
-            found = check_output_dir(self.cfg, allow_existing=allow_existing, recover=False)
-        return found
+        return checked_output_dir(self.cfg, self.world, allow_existing)
 
     def _ask_resume(self, checkpoint: bool | str) -> None:
         """TRL's resume_from_checkpoint: True, the output directory, or its latest checkpoint."""
