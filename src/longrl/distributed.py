@@ -87,6 +87,8 @@ class World:
         if not self.distributed:
             return t
         sizes = [int(n) for n in self.gather_floats(t.numel())]
+        if max(sizes) == 0:  # nothing on any rank
+            return t.reshape(-1)
         buf = torch.zeros(max(sizes), dtype=t.dtype, device=self.comm_device)
         buf[:t.numel()] = t.detach().reshape(-1)
         parts = [torch.empty_like(buf) for _ in sizes]
