@@ -17,8 +17,8 @@ KERNEL_CHECK = textwrap.dedent('''
     torch.manual_seed(int(__import__("sys").argv[1]))
     for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 8, 2, 77, 131, 32), (2, 5, 6, 2, 64, 65, 16), (1, 3, 4, 4, 1, 1, 16),
                                       (2, 2, 4, 1, 130, 700, 24), (1, 2, 4, 2, 40, 1500, 16),  # > 16 partials
-                                      (2, 3, 4, 2, 1100, 9, 16),  # a prompt longer than one prefix chunk
-                                      (1, 9, 16, 2, 1100, 5, 16)]:  # 9 × 8 rows > 64: per-sequence prefix chunks
+                                      (2, 3, 4, 1, 1100, 9, 16),  # a prompt over the largest prefix chunk (1,024)
+                                      (1, 9, 16, 2, 150, 5, 16)]:  # 9 × 8 rows > 64: two subgroups per prompt
         k_pre, v_pre = torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D)
         k_suf, v_suf, q = torch.randn(S, Hkv, T, D), torch.randn(S, Hkv, T, D), torch.randn(S, Hq, D)
         pidx = torch.randint(0, P, (S,))
@@ -29,8 +29,10 @@ KERNEL_CHECK = textwrap.dedent('''
         members[pidx, torch.arange(S)] = torch.arange(S)
         args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
         ref = decode_attention_reference(*args)
+        # the default launch (on these few programs: chunks of one block), then few programs: chunks of many blocks,
+        # a prompt's keys in chunks of up to 1,024
         for kw in ({}, dict(members=members, prompt_len=entry_len),
-                   dict(members=members, prompt_len=entry_len, launch=dict(block=32, programs=4096))):
+                   dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw), ref, atol=1e-5, rtol=1e-5)
     print("kernel ok")
 ''')
