@@ -62,6 +62,8 @@ def test_trl_sft_script_matches_the_yaml_cli_and_resumes(tmp_path, capsys):
     assert [e for e in recorder.events if e[0] == "step"] == [("step", i + 1) for i in range(len(history))]
     assert ("save", f"checkpoint-{len(history)}") in recorder.events
     assert len({round(m["loss"], 9) for m in history}) == len(history) and "eval/loss" in history[-1]
+    final = trainer.save_model()  # TRL's save_model: a PEFT adapter (LoRA is on), in output_dir/final
+    assert final == tmp_path / "py" / "final" and (final / "adapter_model.safetensors").is_file()
 
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**YAML_KEYS, "output": {

@@ -263,18 +263,25 @@ def _export(args) -> int:
 
 
 def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = False) -> int:
+    import copy
+
     import torch
 
     from .memory.planner import GIB, PlanError, model_config_of, plan_for_config
     from .model_setup import sft_planning_view
 
     if sft:  # a supervised step, as the planner sees it: sft.examples_per_step sequences of sft.max_length tokens
-        if world_size != 1:
-            print("longrl: error: --nproc-per-node: `longrl sft` runs in one process in this version",
+        if world_size < 1 or world_size > cfg.sft.examples_per_step:
+            print(f"longrl: error: --nproc-per-node must be between 1 and sft.examples_per_step "
+                  f"({cfg.sft.examples_per_step}: each process trains whole examples); got {world_size}",
                   file=sys.stderr)
             return 2
         label = f"{cfg.sft.examples_per_step} examples × {cfg.sft.max_length:,} tokens"
-        cfg = sft_planning_view(cfg)
+        if world_size > 1:  # one process of the job: its share of the step's examples, the weights replicated
+            cfg = copy.deepcopy(cfg)
+            cfg.sft.examples_per_step = -(-cfg.sft.examples_per_step // world_size)
+            label += f"; per GPU of {world_size} (replicated weights): up to {cfg.sft.examples_per_step} examples"
+        cfg, world_size = sft_planning_view(cfg), 1
 
     if gpu_memory_gib is None:
         if not torch.cuda.is_available():

@@ -146,22 +146,30 @@ def save_trained_model(trainer, output_dir: str | Path | None = None, fmt: str |
     ``fmt="gguf"``; a checkpoint of the current step is saved first if there is none. ``output_dir``: new or empty,
     or the run's own output directory (TRL's ``save_model(args.output_dir)``: the files land beside the
     checkpoints, replacing an earlier save's); default output_dir/final. ``trainer``: has ``model``, ``output_dir``,
-    ``step_idx`` and ``save()``."""
+    ``step_idx`` and ``save()``, and under torchrun a ``world`` (every rank calls this; rank 0 exports)."""
     run_dir = Path(trainer.output_dir)
     fmt = fmt or ("adapter" if hasattr(trainer.model, "peft_config") else "merged")
+    target = Path(output_dir) if output_dir is not None else run_dir / "final"
+    world = getattr(trainer, "world", None)
     ckpt = run_dir / f"checkpoint-{trainer.step_idx}"
     if not ckpt.is_dir():
-        ckpt = trainer.save()
-    target = Path(output_dir) if output_dir is not None else run_dir / "final"
-    if target.resolve() != run_dir.resolve():
-        return export_checkpoint(ckpt, target, fmt=fmt)
-    staged = export_checkpoint(ckpt, run_dir / f".save_model-{os.getpid()}", fmt=fmt)
-    for entry in sorted(staged.iterdir()):  # none is named like a checkpoint, metrics or logs of the run
-        if (run_dir / entry.name).is_dir():
-            shutil.rmtree(run_dir / entry.name)
-        os.replace(entry, run_dir / entry.name)
-    staged.rmdir()
-    return run_dir
+        ckpt = trainer.save()  # every rank (a collective under torchrun)
+    if world is not None and not world.is_main:
+        world.barrier()  # until rank 0 has exported
+        return target
+    try:
+        if target.resolve() != run_dir.resolve():
+            return export_checkpoint(ckpt, target, fmt=fmt)
+        staged = export_checkpoint(ckpt, run_dir / f".save_model-{os.getpid()}", fmt=fmt)
+        for entry in sorted(staged.iterdir()):  # none is named like a checkpoint, metrics or logs of the run
+            if (run_dir / entry.name).is_dir():
+                shutil.rmtree(run_dir / entry.name)
+            os.replace(entry, run_dir / entry.name)
+        staged.rmdir()
+        return run_dir
+    finally:
+        if world is not None:
+            world.barrier()
 
 
 def _write_gguf(out: Path, model, tokenizer, quant: str, ckpt: Checkpoint, plan) -> None:
