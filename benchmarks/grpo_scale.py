@@ -12,6 +12,7 @@ be compared side by side. Random-weight models of real shapes in bf16, LoRA r=32
     python benchmarks/grpo_scale.py --layouts lora,qlora,full --gpus 1,2,4,8               # on an 8-GPU machine
     python benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single --prompts-per-gpu 1 --completion 19968
     python benchmarks/grpo_scale.py --shape tiny --device cpu --gpus 1,2 --layouts lora,full --steps 2 --completion 16
+    python benchmarks/grpo_scale.py --shape llama-3.1-70b --layouts qlora --gpus 1,8   # the 70B shape, 4-bit base
 
 ``--phases train,rollout`` measures the two halves of a step apart, through the trainer (the policy module it
 trains through: DDP under torchrun, the model itself in one process), one model load per path:
