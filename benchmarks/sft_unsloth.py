@@ -1,7 +1,7 @@
 """Unsloth's supervised step on the same sequences as benchmarks/sft_memory.py, in its own process.
 
 Unsloth patches transformers when it is imported, so it runs apart from longrl and TRL (whose rows come from
-sft_memory.py) and is imported before anything else. The same random-weight model of the shape (saved once to
+sft_memory.py) and is imported before anything else. A random-weight model of the same shape (saved once to
 --model-dir with its tokenizer, since Unsloth loads from a path), LoRA r=32 on every linear projection,
 ``FastLanguageModel.get_peft_model(use_gradient_checkpointing="unsloth")`` (its offloaded checkpointing), one
 sequence of each length with labels = the ids (its fused chunked cross-entropy; every token but the first
