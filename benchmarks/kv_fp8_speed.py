@@ -48,17 +48,21 @@ def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
     fp8_args = (q, codes[0], codes[1], pidx, lens[0], codes[2], codes[3], lens[1], D ** -0.5)
     bf16 = lambda: decode_attention_triton(*bf16_args, **kw)  # noqa: E731
     fp8 = lambda: decode_attention_triton(*fp8_args, **kw, kv_exp=exps)  # noqa: E731
+    fp8_f16 = lambda: decode_attention_triton(*fp8_args, **kw, kv_exp=exps, launch=dict(fp8_f16=True))  # noqa: E731
     row = dict(P=P, G=G, Lp=Lp, suffix=s)
     if B * (Lp + s) <= 2 ** 20:  # the float32 reference materializes [B, Hkv, Lp + s, D]
         ref = decode_attention_reference(q.float(), *[t.float() for t in raw[:2]], pidx, lens[0],
                                          *[t.float() for t in raw[2:]], lens[1], D ** -0.5)
         twin = decode_attention_reference(*fp8_args, **kw, kv_exp=exps).float()
         rel = lambda o: float((o.float() - ref).norm() / ref.norm())  # noqa: E731
-        row.update(bf16_rel_err=rel(bf16()), fp8_rel_err=rel(fp8()),
-                   fp8_kernel_vs_twin_max_abs=float((fp8().float() - twin).abs().max()))
+        row.update(bf16_rel_err=rel(bf16()), fp8_rel_err=rel(fp8()), fp8_f16_rel_err=rel(fp8_f16()),
+                   fp8_kernel_vs_twin_max_abs=float((fp8().float() - twin).abs().max()),
+                   fp8_f16_kernel_vs_twin_max_abs=float((fp8_f16().float() - twin).abs().max()))
     if timed:
-        row.update(bf16_us=graph_seconds(bf16) * 1e6, fp8_us=graph_seconds(fp8) * 1e6)
+        row.update(bf16_us=graph_seconds(bf16) * 1e6, fp8_us=graph_seconds(fp8) * 1e6,
+                   fp8_f16_us=graph_seconds(fp8_f16) * 1e6)
         row["speedup"] = row["bf16_us"] / row["fp8_us"]
+        row["speedup_f16"] = row["bf16_us"] / row["fp8_f16_us"]
     row["bf16_kv_mb"] = 2 * Hkv * D * 2 * (P * Lp + B * s) / 1e6
     row["fp8_kv_mb"] = 2 * Hkv * (D + 1) * (P * Lp + B * s) / 1e6
     return row
@@ -81,12 +85,15 @@ def sweep(P, G, Lp, T, s, dev) -> list[dict]:
     cases = {"bf16": ((q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5), {}),
              "fp8": ((q, *[c for c, _ in quant[:2]], pidx, lens[0], *[c for c, _ in quant[2:]], lens[1], D ** -0.5),
                      {"kv_exp": tuple(e for _, e in quant)})}
+    cases["fp8_f16"] = cases["fp8"]  # the same codes, widened to float16 (launch fp8_f16)
     rows = []
     for launch in SWEEP:
         row = dict(launch)
         for name, (a, extra) in cases.items():
+            chosen = {**launch, "fp8_f16": name == "fp8_f16"}
             try:
-                row[f"{name}_us"] = graph_seconds(lambda: decode_attention_triton(*a, **kw, **extra, launch=launch)) * 1e6
+                row[f"{name}_us"] = graph_seconds(lambda: decode_attention_triton(*a, **kw, **extra,
+                                                                                  launch=chosen)) * 1e6
             except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:80]}"
         rows.append(row)
@@ -191,12 +198,16 @@ def main() -> None:
     lines = [f"# FP8 KV cache vs bf16, Llama-3.1-8B heads, {meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"## Decode attention, one layer, {args.prompts} prompts × {args.G}, prefix {args.prompt_len}", "",
-             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | fp8 µs | speed-up |", "|---|---|---|---|---|---|"]
+             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | fp8 µs | speed-up | fp8 (float16 products) µs | speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['suffix']} | {r['bf16_kv_mb']:.1f} | {r['fp8_kv_mb']:.1f} | {r['bf16_us']:.1f} | "
-              f"{r['fp8_us']:.1f} | {r['speedup']:.2f} × |" for r in rows]
+              f"{r['fp8_us']:.1f} | {r['speedup']:.2f} × | {r['fp8_f16_us']:.1f} | {r['speedup_f16']:.2f} × |"
+              for r in rows]
     lines += ["", f"Errors (2 × 4 sequences, prefix 77 + suffix 1,300, against float32 attention on the unquantized "
               f"keys/values): bf16 cache ‖Δ‖/‖o‖ = {small['bf16_rel_err']:.4f}, FP8 cache {small['fp8_rel_err']:.4f}; "
-              f"FP8 kernel vs its PyTorch twin on the same codes: max |Δ| = {small['fp8_kernel_vs_twin_max_abs']:.2e}."]
+              f"FP8 kernel vs its PyTorch twin on the same codes: max |Δ| = {small['fp8_kernel_vs_twin_max_abs']:.2e}; "
+              f"with float16 products (decode_kernel.LAUNCH fp8_f16): ‖Δ‖/‖o‖ = {small['fp8_f16_rel_err']:.4f}, "
+              f"max |Δ| vs the twin {small['fp8_f16_kernel_vs_twin_max_abs']:.2e}."]
     if decode:
         lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {args.prompts} prompts × "
                   f"{args.G}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
@@ -215,13 +226,17 @@ def main() -> None:
                   f"**{decode['speedup']:.2f} ×**. Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "
                   f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
     if swept:
-        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"]) for d in ("bf16", "fp8")}
+        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"])
+                for d in ("bf16", "fp8", "fp8_f16")}
         lines += ["", f"## Launch sweep at suffix {args.suffix.split(',')[-1]} (decode_attention_speed.SWEEP)", "",
-                  "| block | warps | programs | prefix programs | bf16 µs | fp8 µs |", "|---|---|---|---|---|---|"]
+                  "| block | warps | programs | prefix programs | bf16 µs | fp8 µs | fp8 float16 µs |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['block']} | {r['warps']} | {r['programs']} | {r['prefix_programs']} | "
-                  f"{r.get('bf16_us', float('nan')):.1f} | {r.get('fp8_us', float('nan')):.1f} |" for r in swept]
+                  f"{r.get('bf16_us', float('nan')):.1f} | {r.get('fp8_us', float('nan')):.1f} | "
+                  f"{r.get('fp8_f16_us', float('nan')):.1f} |" for r in swept]
         lines += ["", f"Fastest: bf16 {best['bf16']['bf16_us']:.1f} µs, FP8 {best['fp8']['fp8_us']:.1f} µs "
-                  f"({best['bf16']['bf16_us'] / best['fp8']['fp8_us']:.2f} ×)."]
+                  f"({best['bf16']['bf16_us'] / best['fp8']['fp8_us']:.2f} ×), FP8 with float16 products "
+                  f"{best['fp8_f16']['fp8_f16_us']:.1f} µs ({best['bf16']['bf16_us'] / best['fp8_f16']['fp8_f16_us']:.2f} ×)."]
     write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode,
                                                       sweep=swept), lines)
 

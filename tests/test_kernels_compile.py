@@ -107,6 +107,30 @@ def test_fused_decode_kernels_build(dtype):
             assert ("mma" in kernel.asm["ptx"]) == dot16
 
 
+def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
+    """Why the FP8 cache's decode attention is no faster than bf16's (kv_fp8_speed_h200.md): Triton widens e4m3 to
+    bf16 through float16 and a scalar cvt.bf16.f16 per value (an F2F, 16 a clock per SM on sm_90); the float16
+    variant (LAUNCH fp8_f16, FP8 == 2) keeps the packed e4m3x2 → f16x2 conversion alone."""
+    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp",
+                                  "stride_eph", "stride_sb", "stride_sh", "stride_st", "stride_esb", "stride_esh")}
+    sig = dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
+               M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
+               KSE="*i8", VSE="*i8", scale="fp32")
+    order = list(sig) + ["stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_sb", "stride_sh",
+                         "stride_st", "stride_epp", "stride_eph", "stride_esb", "stride_esh"]
+    sig = {**{k: ({**sig, **strides})[k] for k in order}, "NPART": "i32", "FIRST": "i32", "NPRE": "i32"}
+    rb = 4
+    np_, cb = dk._merge_blocks(2, rb)
+    counts = {}
+    for fp8 in (1, 2):
+        kernel = compile_for_sm90(dk._chunk_kernel, sig,
+                                  dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
+                                       DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8),
+                                  num_warps=4)
+        counts[fp8] = kernel.asm["ptx"].count("cvt.bf16.f16")
+    assert counts[1] > 0 and counts[2] == 0, counts
+
+
 @pytest.mark.parametrize("rows", [16, 128])
 def test_nf4_group_kernel_builds_with_packed_permutes(rows):
     """The NF4 product's build of each row count's launch choice fits the shared memory, and hands its byte

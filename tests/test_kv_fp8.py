@@ -103,6 +103,10 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         for kw in ({}, dict(members=members, prompt_len=entry_len),  # many chunks of one block: chunk-crossing
                    dict(members=members, prompt_len=entry_len, launch=dict(programs=4096, prefix_programs=4096))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw, kv_exp=exp), ref, atol=1e-5, rtol=1e-5)
+        # float16 products (launch fp8_f16): q and p 2^(ev - E) rounded to float16 (2^-11), the rest as above
+        got = decode_attention_triton(*args, members=members, prompt_len=entry_len, kv_exp=exp,
+                                      launch=dict(fp8_f16=True, programs=4096, prefix_programs=4096))
+        torch.testing.assert_close(got, ref, atol=4e-3, rtol=4e-3)
     print("fp8 kernels ok")
 ''')
 

@@ -40,7 +40,8 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
         exp = (kpe, vpe, kse, vse)
         args = (q, kp, vp, pidx, entry_len[pidx], ks, vs, slen, D ** -0.5)
         ref = decode_attention_reference(*args, kv_exp=exp).float()
-        for kw in ({}, dict(members=members, prompt_len=entry_len)):
+        for kw in ({}, dict(members=members, prompt_len=entry_len),
+                   dict(members=members, prompt_len=entry_len, launch=dict(fp8_f16=True))):  # float16 products
             out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
             err = float((out - ref).norm() / ref.norm())
             assert err < 1e-2, (P, S, T, D, err)  # bf16 operands, float32 accumulation

@@ -27,7 +27,9 @@ BLOCK = 32
 # keys per block, warps and pipeline stages of the attention programs, the programs a layer call aims at for the
 # per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
 # (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
-LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512)
+# fp8_f16: an FP8 cache widened to float16 for float16 products (FP8 == 2 in the kernels) instead of to the query's
+# bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM: the FP8 path's bound; unmeasured)
+LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
 COUNT0 = -8388608  # 0xFF800000
@@ -38,14 +40,24 @@ def _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, first, end, m, l, acc
                 DP: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP].
     FP8: keys and values are e4m3 bits (uint8) with an int8 exponent per position at ke_ptr/ve_ptr (kv_quant.py),
-    widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t weighs v8_t."""
+    widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t weighs v8_t. FP8 == 2: widened to
+    float16 instead (also exact; bf16 targets cost a float32 step per value on sm_90) and the products in float16:
+    q clamped to ±65504, p_t 2^ev_t as p_t 2^(ev_t − E) · 2^E with E the block's largest ev − 15."""
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
     ok = in_range[:, None] & (dims[None, :] < D)
     k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0)
     v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0)
-    if FP8:
+    if FP8 == 2:  # e4m3 → float16 (exact, one packed conversion per two values) and float16 products
+        k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        ek = tl.load(ke_ptr + t, mask=in_range, other=0).to(tl.int32)
+        ev = tl.load(ve_ptr + t, mask=in_range, other=0).to(tl.int32)
+        q16 = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        s = tl.dot(q16, tl.trans(k)) * ((ek + 127) << 23).to(tl.float32, bitcast=True)[None, :]
+        s = s * scale  # [R, BLOCK] float32
+    elif FP8:
         k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         ek = tl.load(ke_ptr + t, mask=in_range, other=0).to(tl.int32)
@@ -59,11 +71,17 @@ def _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, first, end, m, l, acc
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
     p = tl.where(in_range[None, :], tl.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + tl.sum(p, 1)
-    if FP8:
-        pv = p * ((ev + 127) << 23).to(tl.float32, bitcast=True)[None, :]
+    if FP8 == 2:  # p 2^ev in float16 around the block's largest exponent E: p 2^(ev − E + 15) ≤ 2^15, × 2^E after
+        big = tl.maximum(tl.max(tl.where(in_range, ev, -126), 0) - 15, -126)
+        rel = tl.where(in_range, ev - big, 0)
+        pv = p * ((rel + 127) << 23).to(tl.float32, bitcast=True)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float16), v) * ((big + 127) << 23).to(tl.float32, bitcast=True)
     else:
-        pv = p
-    acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
+        if FP8:
+            pv = p * ((ev + 127) << 23).to(tl.float32, bitcast=True)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
     return m_new, l, acc
 
 
@@ -272,7 +290,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
     T = k_suf.shape[2]
     q = q.contiguous()
-    fp8 = kv_exp is not None
+    fp8 = (2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
     if fp8:
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
