@@ -131,14 +131,16 @@ def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
     assert counts[1] > 0 and counts[2] == 0, counts
 
 
-@pytest.mark.parametrize("rows", [16, 128])
-def test_nf4_group_kernel_builds_with_packed_permutes(rows):
+@pytest.mark.parametrize("rows, spread", [(16, False), (128, False), (16, True)])
+def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
     """The NF4 product's build of each row count's launch choice fits the shared memory, and hands its byte
     permutes four consecutive code bytes of one row a thread (what PRMT_ASM assumes; nf4_matmul.permutes_packed,
-    the check the product itself makes on the GPU before trusting a build). 32 and 64 rows share 128's choice."""
+    the check the product itself makes on the GPU before trusting a build). 32 and 64 rows share 128's choice.
+    spread: 128-row tiles with 4 warps, whose build gave wrong results on the H200 (nf4_matmul_h200.md): the check
+    refuses it."""
     from longrl.ops import nf4_matmul as nm
 
-    cfg = nm.LAUNCH[rows]
+    cfg = {**nm.LAUNCH[rows], **(dict(bn=128, warps=4) if spread else {})}
     ptrs = dict(X="*bf16", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D="*bf16", BIAS="*bf16", Y="*fp32")
     ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
                                "n_chunks", "chunks_per_split", "dense_tiles")}
@@ -147,7 +149,7 @@ def test_nf4_group_kernel_builds_with_packed_permutes(rows):
                                    LUT=cfg["lut"], EVEN_K=True, ASM=True),
                               num_warps=cfg["warps"], num_stages=cfg["stages"],
                               aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
-    assert nm.permutes_packed(kernel)  # (the 8B shapes: every pointer, width and row boundary a multiple of 16)
+    assert nm.permutes_packed(kernel) != spread  # (8B shapes: every pointer, width, row boundary a multiple of 16)
 
 
 @pytest.mark.parametrize("vocab", [128_256, 151_936, 3001])

@@ -415,6 +415,16 @@ def permutes_packed(kernel) -> bool:
     return True
 
 
+_PACKED: dict = {}  # id of a compiled build → (it, permutes_packed of it): its IR is parsed once
+
+
+def _checked(kernel) -> bool:
+    key = id(kernel)
+    if key not in _PACKED:
+        _PACKED[key] = (kernel, permutes_packed(kernel))  # (the build kept: its id stays its own)
+    return _PACKED[key][1]
+
+
 def _interpreting() -> bool:
     return type(_nf4_group_kernel).__name__ == "InterpretedFunction"
 
@@ -473,7 +483,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
             x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
             LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, num_warps=cfg["warps"], num_stages=cfg["stages"])
-        if lut != 3 or not asm or permutes_packed(kernel):
+        if lut != 3 or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
         # the launch again with the register gather rewrites every output)
