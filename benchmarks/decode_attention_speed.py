@@ -153,7 +153,7 @@ def main() -> None:
         s_max, s_min = max(suffixes), min(suffixes)
         swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, s_min, dev)
         ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"] + r["us_short"])
-        keys = tuple(LAUNCH)  # block, warps, stages, programs, prefix_programs
+        keys = tuple(SWEEP[0])  # block, warps, stages, programs, prefix_programs (LAUNCH also has fp8_f16)
         head = "/".join(str(LAUNCH[k]) for k in keys)
         lines += ["", f"Launch choices (block, warps, stages, target programs for the sequences' own keys and for "
                   f"the shared prompts; by the sum of the two times, fastest first; default {head}):", "",
