@@ -225,3 +225,41 @@ def test_sft_config_needs_no_rewards_and_validates():
     with pytest.raises(ConfigError, match="sft.label_smoothing"):
         load_config(None, ["sft.label_smoothing=1.5"], recipe="sft")
     assert isinstance(Config().sft, SFTSettings)
+
+
+def test_sft_stops_with_a_checkpoint_on_a_signal_and_on_non_finite_steps(tmp_path, monkeypatch):
+    """SFT runs under GRPO's guards: a SIGTERM during a step ends the run after it with a checkpoint, exit code
+    143 and the command that resumes it; steps whose gradient norm is not finite make no update, and
+    train.max_nonfinite_steps of them in a row stop the run (EXIT_GUARD) with the untouched weights saved."""
+    import os
+    import signal
+
+    from longrl.checkpoint import latest_checkpoint, verify_checkpoint
+    from longrl.run_guards import EXIT_GUARD
+    from longrl.sft import SFTTrainer
+    from longrl.stop_signals import TrainingStopped
+
+    trainer = SFTTrainer(_sft_config(tmp_path, **{"train.max_steps": 50}))
+
+    class TermAtStep2:
+        def on_step_end(self, step, metrics):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.callbacks = [TermAtStep2()]
+    with pytest.raises(TrainingStopped, match=r"stopped by SIGTERM after step 2: .*checkpoint-2; resume with: "
+                                              r"longrl sft .*config.yaml output.resume=true") as stop:
+        trainer.train()
+    assert stop.value.exit_code == 128 + signal.SIGTERM
+    assert latest_checkpoint(tmp_path / "run").name == "checkpoint-2"
+    assert verify_checkpoint(tmp_path / "run" / "checkpoint-2") is None
+
+    guarded = SFTTrainer(_sft_config(tmp_path / "g", **{"train.max_nonfinite_steps": 2}))
+    before = {k: v.clone() for k, v in guarded.model.state_dict().items()}
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, clip: torch.tensor(float("nan")))
+    with pytest.raises(TrainingStopped, match="2 steps in a row .* non-finite gradient norm") as stop:
+        guarded.train()
+    assert stop.value.exit_code == EXIT_GUARD
+    after = guarded.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update from a non-finite step
+    assert latest_checkpoint(tmp_path / "g" / "run").name == "checkpoint-2"

@@ -7,13 +7,21 @@
   (every reward failed or was None, or each group's rewards are equal); after ``train.max_no_signal_steps`` such
   batches in a row the run stops the same way.
 - Saves fall due every ``output.save_steps`` steps, every ``output.save_minutes`` minutes, and at the last step.
+
+Both recipes (GRPO, SFT) run their loop through :func:`agreed` (every rank takes the same decision),
+:func:`save_or_stop` (a failed write stops the run, or is skipped with ``output.on_save_error=continue``) and
+:func:`stopped` (the exception that ends a run with its checkpoint and the command that resumes it).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 EXIT_GUARD = 3  # a guard stopped the run (non-finite steps, no learning signal); a checkpoint was written
 EXIT_SAVE_FAILED = 4  # a checkpoint could not be written (e.g. disk full)
@@ -55,3 +63,40 @@ class RunGuards:
 
     def saved(self) -> None:
         self.last_save_s = time.monotonic()
+
+
+def agreed(world, received: int | None, save_due: bool, signal: bool = True) -> tuple[int | None, bool, bool]:
+    """(signal received, save due, learning signal) of any rank, on every rank (one process: as given)."""
+    if world.world_size == 1:
+        return received, save_due, signal
+    any_rank = world.max_floats({"received": received or 0, "save_due": save_due, "signal": signal})
+    return int(any_rank["received"]) or None, bool(any_rank["save_due"]), bool(any_rank["signal"])
+
+
+def save_or_stop(save, cfg, output_dir: Path, guards: RunGuards) -> Path | None:
+    """``save()``; a write that fails (disk full) stops the run (exit code :data:`EXIT_SAVE_FAILED`), or with
+    ``output.on_save_error=continue`` is reported and the run goes on without that checkpoint."""
+    from .checkpoint import CheckpointWriteError, latest_checkpoint
+    from .stop_signals import TrainingStopped
+
+    try:
+        path = save()
+    except CheckpointWriteError as e:
+        if cfg.output.on_save_error == "continue":
+            log.error("%s; going on without it (output.on_save_error=continue)", e.strerror or e)
+            return None
+        raise TrainingStopped(f"{e.strerror or e}; stopped (output.on_save_error=continue goes on without "
+                              "saving)", EXIT_SAVE_FAILED, latest_checkpoint(output_dir)) from e
+    guards.saved()
+    return path
+
+
+def stopped(stop: tuple[str, int], step: int, output_dir: Path, command: str):
+    """The TrainingStopped that ends a run after ``step`` for ``stop`` = (reason, exit code), naming the newest
+    checkpoint and how to resume (``command``: train or sft)."""
+    from .checkpoint import latest_checkpoint
+    from .stop_signals import TrainingStopped
+
+    path = latest_checkpoint(output_dir)
+    return TrainingStopped(f"{stop[0]} after step {step}: checkpoint {path}; resume with: longrl {command} "
+                           f"{output_dir / 'config.yaml'} output.resume=true", stop[1], path)

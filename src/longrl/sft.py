@@ -27,6 +27,8 @@ from .distributed import init_world, shard
 from .memory import count_groups, token_budget_groups
 from .policy import token_cross_entropy
 from .reporting import RunReporter
+from .run_guards import EXIT_GUARD, RunGuards, agreed, save_or_stop, stopped
+from .stop_signals import StopSignals, signal_name
 from .sft_data import SFTExample, build_examples, load_examples
 
 log = logging.getLogger(__name__)
@@ -184,19 +186,30 @@ class SFTTrainer:
         history = []
         eval_every = getattr(cfg.output, "eval_steps", 0) or 0
         finished = False
+        guards = RunGuards(cfg)
+        stop = None  # (message, exit code) once a signal or a guard asks the run to stop
         try:
-            while self.step_idx < cfg.train.max_steps:
-                metrics = self._step()
-                last = self.step_idx == cfg.train.max_steps
-                if self.eval_examples and ((eval_every and self.step_idx % eval_every == 0) or last):
-                    metrics.update(self.evaluate())
-                history.append(metrics)
-                if main:
-                    reporter.log_step(metrics)
-                notify(self.callbacks, "on_step_end", self.step_idx, metrics)
-                save_every = cfg.output.save_steps
-                if (save_every and self.step_idx % save_every == 0) or last:
-                    self.save()
+            with StopSignals() as signals:
+                while self.step_idx < cfg.train.max_steps:
+                    metrics = self._step()
+                    nonfinite = metrics.pop("nonfinite")  # the terms that were not finite: for the guard
+                    last = self.step_idx == cfg.train.max_steps
+                    if self.eval_examples and ((eval_every and self.step_idx % eval_every == 0) or last):
+                        metrics.update(self.evaluate())
+                    history.append(metrics)
+                    if main:
+                        reporter.log_step(metrics)
+                    notify(self.callbacks, "on_step_end", self.step_idx, metrics)
+                    received, save_due, _ = agreed(self.world, signals.received, guards.save_due(self.step_idx))
+                    reason = guards.after_step(self.step_idx, nonfinite, None)
+                    if received is not None and stop is None:
+                        stop = (f"stopped by {signal_name(received)}", 128 + received)
+                    elif reason and stop is None:
+                        stop = (f"stopped: {reason}", EXIT_GUARD)
+                    if stop or save_due:
+                        save_or_stop(self.save, cfg, self.output_dir, guards)
+                    if stop:
+                        raise stopped(stop, self.step_idx, self.output_dir, "sft")
             finished = True
         finally:
             if main:
@@ -216,15 +229,22 @@ class SFTTrainer:
                 if p.grad is not None:
                     p.grad.copy_(self.world.all_sum(p.grad))
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))  # the same on every rank
+        nonfinite = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+        if nonfinite:  # no update from this step (train.max_nonfinite_steps counts it; the schedule advances)
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d: %s not finite (loss %s, gradient norm %s): no update", self.step_idx + 1,
+                        " and ".join(nonfinite), loss, grad_norm)
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.step_idx += 1
         elapsed = time.perf_counter() - start
         metrics = {"step": self.step_idx, "loss": loss, "trained_tokens": n_tokens,
                    "tokens": sum(len(e.input_ids) for e in batch), "grad_norm": grad_norm,
                    "lr": self.scheduler.get_last_lr()[0], "step_time_s": elapsed,
-                   "tokens_per_s": sum(len(e.input_ids) for e in batch) / elapsed}
+                   "tokens_per_s": sum(len(e.input_ids) for e in batch) / elapsed,
+                   "skipped_nonfinite": int(bool(nonfinite)), "nonfinite": nonfinite}
         if self.device.type == "cuda":
             metrics["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from .callbacks import check_callbacks, notify
-from .checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, CheckpointWriteError, atomic_write_text, \
-    checkpoint_config, latest_checkpoint, list_checkpoints, load_newest, read_state, recover_interrupted_saves, \
+from .checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, atomic_write_text, \
+    checkpoint_config, list_checkpoints, load_newest, read_state, recover_interrupted_saves, \
     resume_candidates, resume_request, save_checkpoint, staging_dir, trainer_state
 from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
@@ -45,9 +45,9 @@ from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams
 from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
-from .run_guards import EXIT_GUARD, EXIT_SAVE_FAILED, RunGuards, has_learning_signal
+from .run_guards import EXIT_GUARD, RunGuards, agreed, has_learning_signal, save_or_stop, stopped
 from .runlock import acquire_run_lock, check_output_dir_contents
-from .stop_signals import StopSignals, TrainingStopped, signal_name
+from .stop_signals import StopSignals, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +284,9 @@ class GRPOTrainer:
                                                                 or self.step_idx == 1):
                         reporter.log_completions(self.step_idx, self._completion_samples(cfg.output.log_completions))
                     # every rank takes the same decisions: a signal, a guard, a save by the clock of any rank
-                    received, save_due, signal = self._agreed(signals.received, guards.save_due(self.step_idx),
-                                                              new_batch and has_learning_signal(self.batch.advantages,
-                                                                                                self.batch.mask))
+                    received, save_due, signal = agreed(self.world, signals.received, guards.save_due(self.step_idx),
+                                                        new_batch and has_learning_signal(self.batch.advantages,
+                                                                                          self.batch.mask))
                     reason = guards.after_step(self.step_idx, nonfinite, signal if new_batch else None)
                     if received is not None and stop is None:
                         stop = (f"stopped by {signal_name(received)}", 128 + received)
@@ -295,13 +295,10 @@ class GRPOTrainer:
                     if self.step_idx % per_rollout:  # checkpoints fall between rollout batches
                         continue
                     if stop or save_due:
-                        if self._save_or_stop(guards) is not None and main:
+                        if save_or_stop(self.save, cfg, self.output_dir, guards) is not None and main:
                             reporter.plot()
                     if stop:
-                        path = latest_checkpoint(self.output_dir)
-                        raise TrainingStopped(f"{stop[0]} after step {self.step_idx}: checkpoint {path}; resume "
-                                              f"with: longrl train {self.output_dir / 'config.yaml'} "
-                                              "output.resume=true", stop[1], path)
+                        raise stopped(stop, self.step_idx, self.output_dir, "train")
             finished = True
         finally:
             if main:
@@ -309,27 +306,6 @@ class GRPOTrainer:
                 self.run_lock.release()
         notify(self.callbacks, "on_train_end", history)
         return history
-
-    def _agreed(self, received: int | None, save_due: bool, signal: bool) -> tuple[int | None, bool, bool]:
-        """(signal received, save due, learning signal) of any rank, on every rank (one process: as given)."""
-        if self.world.world_size == 1:
-            return received, save_due, signal
-        any_rank = self.world.max_floats({"received": received or 0, "save_due": save_due, "signal": signal})
-        return int(any_rank["received"]) or None, bool(any_rank["save_due"]), bool(any_rank["signal"])
-
-    def _save_or_stop(self, guards: RunGuards) -> Path | None:
-        """Save; a write that fails (disk full) stops the run, or with ``output.on_save_error=continue`` is
-        reported and the run goes on without that checkpoint."""
-        try:
-            path = self.save()
-        except CheckpointWriteError as e:
-            if self.cfg.output.on_save_error == "continue":
-                log.error("%s; going on without it (output.on_save_error=continue)", e.strerror or e)
-                return None
-            raise TrainingStopped(f"{e.strerror or e}; stopped (output.on_save_error=continue goes on without "
-                                  "saving)", EXIT_SAVE_FAILED, latest_checkpoint(self.output_dir)) from e
-        guards.saved()
-        return path
 
     def _check_output_dir(self, allow_existing: bool = False) -> list[Path]:
         return checked_output_dir(self.cfg, self.world, allow_existing)
