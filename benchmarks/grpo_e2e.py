@@ -30,42 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
+from bench_setup import REWARD_FILE, bench_lora, random_model, whitespace_tokenizer, write_grpo_inputs  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
-from longrl.config import Config, LoraConfig, RewardSpec, validate  # noqa: E402
+from longrl.config import Config, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
 from longrl.models.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSwiGLU  # noqa: E402
 from longrl.trainer import GRPOTrainer  # noqa: E402
 
 GIB = 2 ** 30
-REWARD_FILE = '''import random
-
-def random_reward(completions, **kwargs):
-    """A reward with spread (random weights generate noise): exercises advantages and the update."""
-    return [random.random() for _ in completions]
-'''
-
-
-def write_inputs(root: Path, prompts: int, prompt_len: int, vocab: int) -> tuple[Path, Path]:
-    g = torch.Generator().manual_seed(0)
-    data = root / "prompts.jsonl"
-    with open(data, "w") as f:
-        for _ in range(prompts):
-            ids = torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist()
-            f.write(json.dumps({"prompt": " ".join(f"<t{i}>" for i in ids)}) + "\n")
-    reward = root / "reward.py"
-    reward.write_text(REWARD_FILE)
-    return data, reward
-
-
 def run_loop(args, root: Path) -> dict:
     dev = torch.device("cuda")
-    model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
-    tok = tb.make_tokenizer(model)
-    from tokenizers import pre_tokenizers
-
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "<t17>" is one token, not "<", "t17", ">"
-    data, reward = write_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
+    model = random_model(args.shape, dev)
+    tok = whitespace_tokenizer(model)
+    data, reward = write_grpo_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
     first_prompt = json.loads(open(data).readline())["prompt"]
     assert len(tok(first_prompt, add_special_tokens=False)["input_ids"]) == args.prompt_len
     quant = None
@@ -73,7 +51,7 @@ def run_loop(args, root: Path) -> dict:
         quant = quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(dev)).lines()
         print("\n".join(quant), flush=True)
         torch.cuda.empty_cache()
-    lora = LoraConfig(r=32, alpha=64.0, dropout=0.0)
+    lora = bench_lora()
     model = apply_lora(model, lora)
     cfg = Config()
     cfg.model.offload_activations = None if args.auto_layout else True  # None: the planner decides
@@ -156,15 +134,12 @@ def run_trl(args, root: Path) -> dict:
     hf_constants.HF_HUB_DISABLE_TELEMETRY = True
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    model = tb.build_random_model(args.shape, dev, torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa")
+    model = random_model(args.shape, dev, dtype=torch.bfloat16 if cuda else torch.float32)
     # as a downloaded checkpoint's config says (the builder turns the cache off for the memory benchmark's TRL loss
     # step): without it transformers' generate re-runs the whole sequence for every new token
     model.config.use_cache = model.generation_config.use_cache = True
-    tok = tb.make_tokenizer(model)
-    from tokenizers import pre_tokenizers
-
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    data, _ = write_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
+    tok = whitespace_tokenizer(model)
+    data, _ = write_grpo_inputs(root, args.prompts, args.prompt_len, model.config.vocab_size)
     prompts = [json.loads(line)["prompt"] for line in open(data)]
     n_seq = args.prompts * args.G
     per_device = min(n_seq, 8)

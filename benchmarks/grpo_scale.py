@@ -46,16 +46,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from bench_setup import bench_lora, random_model, whitespace_tokenizer, write_grpo_inputs  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
 GIB = 2 ** 30
 LAYOUTS = ("lora", "qlora", "full")
-REWARD_FILE = '''import random
-
-def random_reward(completions, **kwargs):
-    """A reward with spread: exercises advantages and the update (seeded per call: ranks differ, as real ones)."""
-    return [random.random() for _ in completions]
-'''
 COLLECTIVE_NAMES = ("nccl", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "broadcast")
 
 
@@ -89,34 +84,17 @@ def _config(args, root: Path, data: Path | None, reward: Path | None, device: st
 
 def _random_model(args, device: str, root: Path):
     """The shape's random-weight model (the same on every rank: seeded), 4-bit and/or with LoRA per layout."""
-    import trl_baseline as tb
-    from tokenizers import pre_tokenizers
-
-    from longrl.config import LoraConfig
     from longrl.models import apply_lora, calibration_ids, quantize_model
 
     torch.manual_seed(0)
-    model = tb.build_random_model(args.shape, device, torch.bfloat16, attn_implementation="sdpa")
-    tok = tb.make_tokenizer(model)
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "<t17>" is one token
+    model = random_model(args.shape, device)
+    tok = whitespace_tokenizer(model)
     if args.layout == "qlora":
         quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(device))
         torch.cuda.empty_cache()
     if args.layout != "full":
-        model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+        model = apply_lora(model, bench_lora())
     return model, tok
-
-
-def _write_inputs(root: Path, prompts: int, prompt_len: int, vocab: int) -> tuple[Path, Path]:
-    g = torch.Generator().manual_seed(0)
-    data = root / "prompts.jsonl"
-    with open(data, "w") as f:
-        for _ in range(prompts):
-            ids = torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist()
-            f.write(json.dumps({"prompt": " ".join(f"<t{i}>" for i in ids)}) + "\n")
-    reward = root / "reward.py"
-    reward.write_text(REWARD_FILE)
-    return data, reward
 
 
 def _collective_seconds(prof) -> float:
@@ -213,8 +191,8 @@ def worker(args) -> None:
         model, tok = _random_model(args, device, root)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         per_gpu = max(args.prompts_per_gpu, args.rollout_prompts if args.phases else 0)
-        data, reward = _write_inputs(root, per_gpu * world * max(args.steps + 1, args.reps + 1, 2), args.prompt_len,
-                                     model.config.vocab_size)
+        data, reward = write_grpo_inputs(root, per_gpu * world * max(args.steps + 1, args.reps + 1, 2),
+                                         args.prompt_len, model.config.vocab_size)
     cfg = _config(args, root, data, reward, device)
     trainer = GRPOTrainer(cfg, model=model, tokenizer=tok)
     trainer.save = lambda: None  # timing only: no checkpoint at the end

@@ -30,21 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import trl_baseline as tb  # noqa: E402
+from bench_setup import add_shape_args, random_model, random_prompts, sync  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
-from longrl.config import LoraConfig  # noqa: E402
-from longrl.models import apply_lora  # noqa: E402
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
 from longrl.rollout.sampler import MultiTurn  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-
-
-def _sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
 
 class InstantTools:
     """Answers each of the first turns − 1 turns with ``tokens`` random ids (seeded by sequence and turn)."""
@@ -64,21 +54,16 @@ class InstantTools:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(tb.SHAPES))
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    add_shape_args(ap, prompts=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tool-tokens", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    dev = torch.device("cuda" if CUDA else "cpu")
-    model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
-    model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = random_model(args.shape, dev, lora=True)
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab)
     P, G, K, N, E = args.prompts, args.G, args.turns, args.new_tokens, args.tool_tokens
     total = K * N + (K - 1) * E  # tokens after the prompt per trajectory
     sampler = Sampler(model, None)
@@ -87,10 +72,10 @@ def main() -> None:
 
     def multi_turn():
         tools = InstantTools(K, E, vocab)
-        _sync()
+        sync()
         t = time.perf_counter()
         out = sampler.generate(prompts, G, params, MultiTurn(tools, max_tokens=total, workers=8))
-        _sync()
+        sync()
         return out, time.perf_counter() - t, dict(sampler.last_stats), tools
 
     multi_turn()  # warm-up: the same call (Triton compiles specialise on the slot store's length and the batch)
@@ -104,10 +89,10 @@ def main() -> None:
                                  history_reprefill_s=0.0, decode_steps=stats["decode_steps"],
                                  kv_cache_gib=stats["kv_cache_bytes"] / 2**30)
     print("multi-turn", results["multi-turn"], flush=True)
-    _sync()
+    sync()
     t = time.perf_counter()
     single = sampler.generate(prompts, G, SamplingParams(max_new_tokens=total, temperature=1.0, seed=0))
-    _sync()
+    sync()
     s = time.perf_counter() - t
     assert all(len(c) == total for c in single.completion_ids)
     results["single-turn"] = dict(seconds=s, trajectory_tokens_per_s=P * G * total / s,
@@ -120,10 +105,10 @@ def main() -> None:
         for seq in range(P * G):
             upto = (k - 1) * N + (k - 1) * E  # the history: k − 1 turns and their tool outputs
             histories.append(out.prompt_ids[seq] + out.completion_ids[seq][:upto])
-        _sync()
+        sync()
         t = time.perf_counter()
         sampler.generate(histories, 1, SamplingParams(max_new_tokens=1, temperature=1.0, seed=0))
-        _sync()
+        sync()
         reprefill.append(dict(turn=k, history_tokens=len(histories[0]), seconds=time.perf_counter() - t))
         print("re-prefill before turn", reprefill[-1], flush=True)
     results["re-prefill baseline"] = dict(per_turn=reprefill, history_reprefill_s=sum(r["seconds"] for r in reprefill),
@@ -134,7 +119,7 @@ def main() -> None:
 def write_tables(args, results, total) -> None:
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len, turns=args.turns,
                     tool_tokens=args.tool_tokens, new_tokens=args.new_tokens, trajectory_tokens=total)
-    stem = f"multiturn_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
+    stem = f"multiturn_speed_{args.shape}_{'h200' if torch.cuda.is_available() else 'cpu'}{args.tag}"
     m, s, b = results["multi-turn"], results["single-turn"], results["re-prefill baseline"]
     lines = [f"# Multi-turn rollout speed, {args.shape} shape (random weights, bf16, LoRA r=32 unmerged), {meta['gpu']}",
              "", f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`",

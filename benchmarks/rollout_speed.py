@@ -30,21 +30,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import trl_baseline as tb  # noqa: E402
+from bench_setup import add_shape_args, bench_lora, random_model, random_prompts, sync  # noqa: E402
 from results_io import RESULTS, copy_bandwidth, kernel_times, run_meta, write_result  # noqa: E402
 
-from longrl.config import LoraConfig  # noqa: E402
 from longrl.models import apply_lora, base_model  # noqa: E402
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
 from longrl.rollout.attention import KVCache, decode_attention_reference  # noqa: E402
 
 GIB = 2 ** 30
 CUDA = torch.cuda.is_available()
-
-
-def _sync():
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 def _start_peak() -> int:
@@ -114,11 +108,11 @@ def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_d
     base = _start_peak()
     t = time.perf_counter()
     first = sampler.generate(prompts, G, SamplingParams(max_new_tokens=1, seed=0))  # prefill + first token
-    _sync()
+    sync()
     prefill_s = time.perf_counter() - t
     t = time.perf_counter()
     out = sampler.generate(prompts, G, params)
-    _sync()
+    sync()
     total_s = time.perf_counter() - t
     assert all(len(c) == N for c in out.completion_ids) and len(first.completion_ids) == len(prompts) * G
     if fast_decode and not sampler.last_stats["fast_decode"]:  # a fallback must not pass for the fast path's figure
@@ -131,11 +125,11 @@ def four_bit_model(shape: str, dev):
     """``shape`` with every decoder projection in bitsandbytes NF4 and LoRA r = 32 (the head stays bf16)."""
     from longrl.models.quantize import quantize_linears_
 
-    model = tb.build_random_model(shape, dev, torch.bfloat16, attn_implementation="sdpa")
+    model = random_model(shape, dev)
     model.config.use_cache = True
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     quantize_linears_(model, names, torch.bfloat16)
-    return apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    return apply_lora(model, bench_lora())
 
 
 def nf4_state_bytes(model) -> int:
@@ -163,7 +157,7 @@ def run_hf_generate(model, prompts, G, N):
         base = _start_peak()
         t = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-        _sync()
+        sync()
     assert out.shape[1] == ids.shape[1] + N
     return dict(seconds=time.perf_counter() - t, peak_gib=_peak_above(base))
 
@@ -183,7 +177,7 @@ def run_hf_continuous(model, prompts, G, N):
             base = _start_peak()
             t = time.perf_counter()
             out = base_m.generate_batch(inputs=inputs, generation_config=cfg)
-            _sync()
+            sync()
         lengths = [len(o.generated_tokens) for o in out.values()]
         if sum(lengths) != len(inputs) * N:
             raise RuntimeError(f"generate_batch returned {sum(lengths)} of {len(inputs) * N} tokens")
@@ -233,10 +227,7 @@ def glue_launch(spec: str, shape: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(tb.SHAPES))
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    add_shape_args(ap, prompts=16)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--impls", default="longrl,longrl-nolora,hf-generate,hf-continuous")
     ap.add_argument("--tag", default="")
@@ -274,11 +265,10 @@ def main() -> None:
         print("NF4 launch:", nf4_matmul.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
-    model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
+    model = random_model(args.shape, dev)
     model.config.use_cache = True
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab)
     results: dict = {"kernel_max_abs_err": check_kernel(dev) if CUDA else float("nan"),
                      "copy_bandwidth_gbs": copy_bandwidth(dev) / 1e9 if CUDA else float("nan")}
     print(f"decode kernel vs reference: max abs err {results['kernel_max_abs_err']:.3g}; "
@@ -293,7 +283,7 @@ def main() -> None:
         r = run_longrl(model, prompts, args.G, N)
         results["longrl-nolora"] = {**r, "step_weight_bytes": step_bytes, "weights_gib": model_bytes(model)[1] / GIB}
         print("longrl-nolora", {k: v for k, v in r.items() if k != "stats"}, flush=True)
-    model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    model = apply_lora(model, bench_lora())
     if args.profile:
         profile_decode(args, model, prompts)
         return
@@ -369,11 +359,11 @@ def profile_decode(args, model, prompts) -> None:
         for n in (1, N):
             params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
             sampler.generate(prompts, args.G, params)  # warm-up and graph capture
-            _sync()
+            sync()
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 t = time.perf_counter()
                 sampler.generate(prompts, args.G, params)
-                _sync()
+                sync()
                 seconds = time.perf_counter() - t
             runs[n] = (seconds, kernel_times(prof))
         steps = N - 1
