@@ -112,7 +112,7 @@ SAMPLER_CHECK = textwrap.dedent('''
     from longrl.rollout.attention import KVCache
 
     model, tok = tiny_model(seed=0, lora=True)
-    n = 14
+    n = 8
     expected = [hf_greedy(model, p, n) for p in PROMPTS]
     stop = expected[0][3]
     cut = [e[:e.index(stop) + 1] if stop in e else e for e in expected]
