@@ -155,6 +155,33 @@ def test_tool_calls_never_raise():
     assert err and "bad arguments for add" in text
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit case
+def test_timed_calls_reuse_their_threads_and_abandon_the_ones_past_the_timeout():
+    """call_with_timeout runs calls on reused daemon threads (one started per call cost more than an instant
+    environment step); a thread whose call ran past its timeout takes no other call and ends once it returns; an
+    error is returned and keeps the thread; SystemExit in a call ends its thread only."""
+    import sys
+    import threading
+
+    from longrl.agents.tools import call_with_timeout
+
+    ident = threading.current_thread  # the Thread object: an OS thread id can come back for a new thread
+    first = call_with_timeout(ident, 5.0)[1]
+    assert first is not ident() and [call_with_timeout(ident, 5.0)[1] for _ in range(3)] == [first] * 3
+    finished, value, error = call_with_timeout(lambda: 1 / 0, 5.0)
+    assert finished and value is None and isinstance(error, ZeroDivisionError)
+    assert call_with_timeout(ident, 5.0) == (True, first, None)  # kept after the error
+    release = threading.Event()
+    assert call_with_timeout(release.wait, 0.05, 30) == (False, None, None)  # on `first`, abandoned there
+    other = call_with_timeout(ident, 5.0)[1]
+    assert other not in (first, ident())
+    release.set()
+    first.join(5.0)
+    assert not first.is_alive()  # it returned, saw it was abandoned, and ended
+    assert call_with_timeout(sys.exit, 5.0) == (True, None, None)  # SystemExit: the thread ends, the run does not
+    assert call_with_timeout(ident, 5.0)[0] and call_with_timeout(lambda x: x + 1, 5.0, 1) == (True, 2, None)
+
+
 def test_tool_environment_answers_each_call_and_ends_without_one():
     env = ToolEnvironment(ToolSet([add, explode]), "qwen")
     msg = {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import queue
 import threading
 from typing import Callable
 
@@ -40,27 +41,74 @@ def run_maybe_async(fn: Callable, *args, **kwargs):
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
+class _Job:
+    """One call handed to a worker thread: its result, and whether the caller stopped waiting for it."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.value = self.error = None
+        self.done, self.lock = threading.Event(), threading.Lock()
+        self.abandoned = self.worker_ended = False
+
+
+class _CallThreads:
+    """Daemon threads reused for timed calls (a thread started per call cost more than an instant environment's
+    step): a call goes to an idle thread and the caller waits for it up to its timeout. A thread whose call ran past
+    the timeout is abandoned: it finishes that call, then ends; it never takes another."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+
+    def call(self, fn: Callable, timeout_s: float, args: tuple, kwargs: dict):
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True, name="longrl-tool").start()
+        job = _Job(fn, args, kwargs)
+        inbox.put(job)
+        job.done.wait(timeout_s)
+        with job.lock:
+            if not job.done.is_set():
+                job.abandoned = True
+                return False, None, None
+        if not job.worker_ended:
+            with self._lock:
+                self._idle.append(inbox)
+        return True, job.value, job.error
+
+    @staticmethod
+    def _serve(inbox: queue.SimpleQueue) -> None:
+        while True:
+            job = inbox.get()
+            threading.current_thread().name = f"longrl-tool-{getattr(job.fn, '__name__', 'fn')}"
+            returned = False
+            try:
+                job.value = run_maybe_async(job.fn, *job.args, **job.kwargs)
+                returned = True
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                job.error, returned = e, True
+            finally:  # a BaseException (SystemExit in a tool) ends the thread, as it would end a thread of its own
+                with job.lock:
+                    job.worker_ended = job.abandoned or not returned
+                    job.done.set()
+            if job.worker_ended:
+                return
+
+
+_CALL_THREADS = _CallThreads()
+
+
 def call_with_timeout(fn: Callable, timeout_s: float | None, *args, **kwargs):
-    """(finished, value, exception): fn run in a daemon thread, abandoned after ``timeout_s`` (None: no limit)."""
+    """(finished, value, exception): fn run in a daemon thread, abandoned after ``timeout_s`` (None: no limit, in
+    the calling thread)."""
     if timeout_s is None:
         try:
             return True, run_maybe_async(fn, *args, **kwargs), None
         except Exception as e:  # noqa: BLE001 - reported, not raised
             return True, None, e
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = run_maybe_async(fn, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name=f"longrl-tool-{getattr(fn, '__name__', 'fn')}")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return False, None, None
-    return True, box.get("value"), box.get("error")
+    return _CALL_THREADS.call(fn, timeout_s, args, kwargs)
 
 
 def result_text(value) -> str:
