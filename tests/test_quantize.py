@@ -236,7 +236,8 @@ def test_planner_counts_nf4_weights():
     weights = q.parts_gpu_bytes["base weights (NF4 4-bit)"]
     assert weights == int(plain * 1.10) and 5.5 < weights / GIB < 6.0  # ≤ 10% exceptions over 5.3 GiB plain 4-bit
     assert bf16.parts_gpu_bytes["base weights"] / GIB > 14.9
-    assert bf16.predicted_gpu_bytes - q.predicted_gpu_bytes > 9 * GIB
+    # the weights' ~9.1 GiB less, minus what only the 4-bit step holds (a dequantized weight, the block scales)
+    assert bf16.predicted_gpu_bytes - q.predicted_gpu_bytes > 8.5 * GIB
 
 
 def test_bf16_qlora_keeps_activations_in_the_compute_dtype():
