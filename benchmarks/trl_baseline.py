@@ -188,29 +188,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
-    # meta-llama/Llama-3.1-70B (dimensions only; the multi-GPU and 4-bit scale runs)
-    "llama-3.1-70b": dict(
-        arch="llama",
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
     # Qwen/Qwen2.5-1.5B
     "qwen2.5-1.5b": dict(
         arch="qwen2",
@@ -245,6 +222,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         eos_token_id=2,
     ),
 }
+# meta-llama/Llama-3.1-70B (dimensions only; the multi-GPU and 4-bit scale runs): the 8B's vocabulary, RoPE and ids
+SHAPES["llama-3.1-70b"] = {**SHAPES["llama-3.1-8b"], "hidden_size": 8192, "intermediate_size": 28672,
+                           "num_hidden_layers": 80, "num_attention_heads": 64}
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
