@@ -73,6 +73,18 @@ def agreed(world, received: int | None, save_due: bool, signal: bool = True) -> 
     return int(any_rank["received"]) or None, bool(any_rank["save_due"]), bool(any_rank["signal"])
 
 
+def first_stop(stop: tuple[str, int] | None, received: int | None, reason: str | None) -> tuple[str, int] | None:
+    """The run's stop, (message, exit code): the first one asked for, by a signal (128 + its number) or a guard
+    (:data:`EXIT_GUARD`); None while nothing asked."""
+    from .stop_signals import signal_name
+
+    if stop is not None:
+        return stop
+    if received is not None:
+        return f"stopped by {signal_name(received)}", 128 + received
+    return (f"stopped: {reason}", EXIT_GUARD) if reason else None
+
+
 def save_or_stop(save, cfg, output_dir: Path, guards: RunGuards) -> Path | None:
     """``save()``; a write that fails (disk full) stops the run (exit code :data:`EXIT_SAVE_FAILED`), or with
     ``output.on_save_error=continue`` is reported and the run goes on without that checkpoint."""

@@ -27,8 +27,8 @@ from .distributed import init_world, shard
 from .memory import count_groups, token_budget_groups
 from .policy import token_cross_entropy
 from .reporting import RunReporter
-from .run_guards import EXIT_GUARD, RunGuards, agreed, save_or_stop, stopped
-from .stop_signals import StopSignals, signal_name
+from .run_guards import RunGuards, agreed, first_stop, save_or_stop, stopped
+from .stop_signals import StopSignals
 from .sft_data import SFTExample, build_examples, load_examples
 
 log = logging.getLogger(__name__)
@@ -202,10 +202,7 @@ class SFTTrainer:
                     notify(self.callbacks, "on_step_end", self.step_idx, metrics)
                     received, save_due, _ = agreed(self.world, signals.received, guards.save_due(self.step_idx))
                     reason = guards.after_step(self.step_idx, nonfinite, None)
-                    if received is not None and stop is None:
-                        stop = (f"stopped by {signal_name(received)}", 128 + received)
-                    elif reason and stop is None:
-                        stop = (f"stopped: {reason}", EXIT_GUARD)
+                    stop = first_stop(stop, received, reason)
                     if stop or save_due:
                         save_or_stop(self.save, cfg, self.output_dir, guards)
                     if stop:

@@ -45,9 +45,9 @@ from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams
 from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
-from .run_guards import EXIT_GUARD, RunGuards, agreed, has_learning_signal, save_or_stop, stopped
+from .run_guards import RunGuards, agreed, first_stop, has_learning_signal, save_or_stop, stopped
 from .runlock import acquire_run_lock, check_output_dir_contents
-from .stop_signals import StopSignals, signal_name
+from .stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -288,10 +288,7 @@ class GRPOTrainer:
                                                         new_batch and has_learning_signal(self.batch.advantages,
                                                                                           self.batch.mask))
                     reason = guards.after_step(self.step_idx, nonfinite, signal if new_batch else None)
-                    if received is not None and stop is None:
-                        stop = (f"stopped by {signal_name(received)}", 128 + received)
-                    elif reason and stop is None:
-                        stop = (f"stopped: {reason}", EXIT_GUARD)
+                    stop = first_stop(stop, received, reason)
                     if self.step_idx % per_rollout:  # checkpoints fall between rollout batches
                         continue
                     if stop or save_due:
