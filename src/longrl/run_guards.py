@@ -9,8 +9,8 @@
 - Saves fall due every ``output.save_steps`` steps, every ``output.save_minutes`` minutes, and at the last step.
 
 Both recipes (GRPO, SFT) run their loop through :func:`agreed` (every rank takes the same decision),
-:func:`save_or_stop` (a failed write stops the run, or is skipped with ``output.on_save_error=continue``) and
-:func:`stopped` (the exception that ends a run with its checkpoint and the command that resumes it).
+:func:`save_or_stop` (a failed write stops the run, or is skipped with ``output.on_save_error=continue``) inside
+:func:`checkpoint_after_step` (which then ends a stopped run with its checkpoint and the command that resumes it).
 """
 
 from __future__ import annotations
@@ -103,12 +103,17 @@ def save_or_stop(save, cfg, output_dir: Path, guards: RunGuards) -> Path | None:
     return path
 
 
-def stopped(stop: tuple[str, int], step: int, output_dir: Path, command: str):
-    """The TrainingStopped that ends a run after ``step`` for ``stop`` = (reason, exit code), naming the newest
-    checkpoint and how to resume (``command``: train or sft)."""
+def checkpoint_after_step(save, cfg, output_dir: Path, guards: RunGuards, step: int, stop: tuple[str, int] | None,
+                          save_due: bool, command: str, on_saved=None) -> None:
+    """Save when ``save_due`` or stopping (:func:`save_or_stop`; ``on_saved()`` once a checkpoint is written); then,
+    for ``stop`` = (reason, exit code), raise the TrainingStopped naming the newest checkpoint and how to resume
+    (``command``: train or sft)."""
     from .checkpoint import latest_checkpoint
     from .stop_signals import TrainingStopped
 
-    path = latest_checkpoint(output_dir)
-    return TrainingStopped(f"{stop[0]} after step {step}: checkpoint {path}; resume with: longrl {command} "
-                           f"{output_dir / 'config.yaml'} output.resume=true", stop[1], path)
+    if (stop or save_due) and save_or_stop(save, cfg, output_dir, guards) is not None and on_saved is not None:
+        on_saved()
+    if stop:
+        path = latest_checkpoint(output_dir)
+        raise TrainingStopped(f"{stop[0]} after step {step}: checkpoint {path}; resume with: longrl {command} "
+                              f"{output_dir / 'config.yaml'} output.resume=true", stop[1], path)

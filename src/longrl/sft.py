@@ -27,7 +27,7 @@ from .distributed import init_world, shard
 from .memory import count_groups, token_budget_groups
 from .policy import token_cross_entropy
 from .reporting import RunReporter
-from .run_guards import RunGuards, agreed, first_stop, save_or_stop, stopped
+from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop
 from .stop_signals import StopSignals
 from .sft_data import SFTExample, build_examples, load_examples
 
@@ -203,10 +203,7 @@ class SFTTrainer:
                     received, save_due, _ = agreed(self.world, signals.received, guards.save_due(self.step_idx))
                     reason = guards.after_step(self.step_idx, nonfinite, None)
                     stop = first_stop(stop, received, reason)
-                    if stop or save_due:
-                        save_or_stop(self.save, cfg, self.output_dir, guards)
-                    if stop:
-                        raise stopped(stop, self.step_idx, self.output_dir, "sft")
+                    checkpoint_after_step(self.save, cfg, self.output_dir, guards, self.step_idx, stop, save_due, "sft")
             finished = True
         finally:
             if main:

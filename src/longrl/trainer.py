@@ -45,7 +45,7 @@ from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams
 from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
-from .run_guards import RunGuards, agreed, first_stop, has_learning_signal, save_or_stop, stopped
+from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal
 from .runlock import acquire_run_lock, check_output_dir_contents
 from .stop_signals import StopSignals
 
@@ -291,11 +291,8 @@ class GRPOTrainer:
                     stop = first_stop(stop, received, reason)
                     if self.step_idx % per_rollout:  # checkpoints fall between rollout batches
                         continue
-                    if stop or save_due:
-                        if save_or_stop(self.save, cfg, self.output_dir, guards) is not None and main:
-                            reporter.plot()
-                    if stop:
-                        raise stopped(stop, self.step_idx, self.output_dir, "train")
+                    checkpoint_after_step(self.save, cfg, self.output_dir, guards, self.step_idx, stop, save_due,
+                                          "train", on_saved=reporter.plot if main else None)
             finished = True
         finally:
             if main:
