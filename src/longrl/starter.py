@@ -58,6 +58,42 @@ def _model_entry(model: str) -> tuple[str, int | None]:
     return os.path.abspath(path), context
 
 
+_GRPO_LAYOUT = """\
+  # The memory layout (checkpointing, offloading, MLP tiles, token budgets) is left to the planner: `longrl plan`
+  # prints what it chooses. Set model.offload_activations, model.gpu_resident_layers, train.micro_batch_tokens or
+  # train.mlp_tile_tokens here only to pin a choice.
+"""
+_SFT_LAYOUT = """\
+  # The memory layout (checkpointing, offloading, MLP tiles, packed token budgets) is left to the planner:
+  # `longrl plan run.yaml --sft` prints what it chooses.
+"""
+
+
+def _model_and_lora(name: str, layout_note: str, lora_note: str) -> str:
+    """The model and lora sections both starting configs share (LoRA r 16 on every linear layer); ``lora_note``
+    ends the comment on lora.enabled."""
+    return f"""\
+model:
+  name_or_path: {json.dumps(name)}
+  device: auto                    # cuda when there is one
+  dtype: auto                     # bfloat16 on CUDA (float32 on the CPU)
+  load_in_4bit: false             # true: NF4 base (QLoRA), a quarter of the weight memory
+{layout_note}
+lora:
+  enabled: true                   # adapters on a frozen base{lora_note}
+  r: 16
+  alpha: 32
+  dropout: 0.0
+  target_modules: [all-linear]    # every linear layer but the LM head
+"""
+
+
+def _budget_line(keys: set) -> str:
+    """train.gpu_memory_gib, when this version's config tree has it."""
+    return ("  gpu_memory_gib: 0               # GPU memory this run may use (0: all that is free); e.g. 22 on a "
+            "24 GB card\n") if "train.gpu_memory_gib" in keys else ""
+
+
 def render(model: str | None = None, task: str = "math") -> str:
     """The YAML text of a starting config."""
     if task not in TASKS:
@@ -68,8 +104,7 @@ def render(model: str | None = None, task: str = "math") -> str:
         prompt_len, completion_len = max(1, context // 3), context - max(1, context // 3)
     keys = set(config_keys())
     run_name = Path(name).name or "model"
-    budget = ("  gpu_memory_gib: 0               # GPU memory this run may use (0: all that is free); e.g. 22 on a "
-              "24 GB card\n") if "train.gpu_memory_gib" in keys else ""
+    budget = _budget_line(keys)
     report = "  report_to: tensorboard          # tensorboard, wandb or none\n" if "output.report_to" in keys else ""
     return f"""\
 # longrl run config: `longrl init --model {model or DEFAULT_MODEL} --task {task}`
@@ -77,22 +112,7 @@ def render(model: str | None = None, task: str = "math") -> str:
 #   longrl train run.yaml      train; KEY=VALUE after the file overrides, e.g. train.max_steps=10
 # Relative paths are read from this file's folder. Every key: docs/config.md.
 
-model:
-  name_or_path: {json.dumps(name)}
-  device: auto                    # cuda when there is one
-  dtype: auto                     # bfloat16 on CUDA (float32 on the CPU)
-  load_in_4bit: false             # true: NF4 base (QLoRA), a quarter of the weight memory
-  # The memory layout (checkpointing, offloading, MLP tiles, token budgets) is left to the planner: `longrl plan`
-  # prints what it chooses. Set model.offload_activations, model.gpu_resident_layers, train.micro_batch_tokens or
-  # train.mlp_tile_tokens here only to pin a choice.
-
-lora:
-  enabled: true                   # adapters on a frozen base; the KL reference is the base with them disabled
-  r: 16
-  alpha: 32
-  dropout: 0.0
-  target_modules: [all-linear]    # every linear layer but the LM head
-
+{_model_and_lora(name, _GRPO_LAYOUT, "; the KL reference is the base with them disabled")}
 data:
   source: train.jsonl             # {_TASK_DATA[task]}
   prompt_column: prompt
@@ -149,8 +169,7 @@ def render_sft(model: str | None = None) -> str:
     epochs = ("  num_train_epochs: 1             # passes over the data; the run's steps follow from the number of "
               "examples\n                                  # (null: train.max_steps decides)\n"
               if "sft.num_train_epochs" in keys else "")
-    budget = ("  gpu_memory_gib: 0               # GPU memory this run may use (0: all that is free); e.g. 22 on a "
-              "24 GB card\n") if "train.gpu_memory_gib" in keys else ""
+    budget = _budget_line(keys)
     return f"""\
 # longrl supervised fine-tuning config: `longrl init --sft --model {model or DEFAULT_MODEL}`
 #   longrl plan run.yaml --sft  the memory layout and predicted peaks (--gpu-memory-gib N for another GPU)
@@ -158,21 +177,7 @@ def render_sft(model: str | None = None) -> str:
 #   longrl export out --from runs/{run_name}-sft --format gguf   then serve it (adapter and merged too)
 # Relative paths are read from this file's folder. Every key: docs/config.md; the formats: docs/sft.md.
 
-model:
-  name_or_path: {json.dumps(name)}
-  device: auto                    # cuda when there is one
-  dtype: auto                     # bfloat16 on CUDA (float32 on the CPU)
-  load_in_4bit: false             # true: NF4 base (QLoRA), a quarter of the weight memory
-  # The memory layout (checkpointing, offloading, MLP tiles, packed token budgets) is left to the planner:
-  # `longrl plan run.yaml --sft` prints what it chooses.
-
-lora:
-  enabled: true                   # adapters on a frozen base (false: every weight, lr ~1e-5)
-  r: 16
-  alpha: 32
-  dropout: 0.0
-  target_modules: [all-linear]    # every linear layer but the LM head
-
+{_model_and_lora(name, _SFT_LAYOUT, " (false: every weight, lr ~1e-5)")}
 data:
   # one JSON object a line, any of: {{"messages": [{{"role": "user", "content": "..."}}, {{"role": "assistant", ...}}]}}
   # (rendered by the chat template), {{"prompt": "...", "completion": "..."}}, or {{"text": "..."}}
