@@ -103,9 +103,9 @@ class GenerationConfig:
     #                                                  power-of-two scale per position and head (half the bytes)
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
     fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
-    nf4_kernel: bool = False  # with fast_decode and a 4-bit base: decode products read the NF4 weights directly
-    #                           (ops/nf4_matmul.py, grouped as the packed decode) instead of bitsandbytes' call;
-    #                           opt-in until its layout-checked builds have passed the GPU tests
+    nf4_kernel: bool = True  # with fast_decode and a 4-bit base: decode products read the NF4 weights directly
+    #                          (ops/nf4_matmul.py, grouped as the packed decode) instead of bitsandbytes' call
+    #                          (1.57x its tokens/s in the 8B rollout; false: bitsandbytes' call)
     pack_projections: bool = True  # with fast_decode: q/k/v and gate/up (+ LoRA A rows) one product a group
     #                                during rollouts (weights moved into one buffer a group, back after it)
     fuse_lora: bool = True  # rollouts add LoRA deltas by fused products (false: PEFT's forward)

@@ -98,7 +98,7 @@ class Sampler:
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
-                 nf4_kernel: bool = False, pack_projections: bool = True, memory_cap_bytes: int | None = None,
+                 nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
                  kv_cache_dtype: str = "bf16"):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
