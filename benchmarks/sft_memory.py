@@ -126,6 +126,38 @@ def trl_step(model, tokenizer, ids: list[int]) -> dict:
     return result
 
 
+KERNEL_KINDS = (  # GPU kernels by name, first match wins (cuDNN/flash/efficient attention, cuBLAS GEMMs, copies)
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cutlass::kernel<pytorch")),
+    ("GEMM", ("nvjet", "gemm", "sm90_xmma", "cublas", "cutlass")),
+    ("host/device copies", ("memcpy", "memset")),
+    ("PyTorch elementwise/reductions", ("at::native", "elementwise", "reduce")),
+)
+
+
+def profiled(step, title: str) -> tuple[dict, str]:
+    """``step()`` once under torch.profiler: its result, and GPU time by kernel kind then per kernel (top 40)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        result = step()
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total]
+    total = sum(e.self_device_time_total for e in kernels) or 1.0
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m.lower() in name for m in marks)), "other (Triton, ...)")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total
+    lines = [f"`{' '.join(['python'] + sys.argv)}`", "", f"{title}: one profiled step, {result['time_s']:.2f} s "
+             f"(profiler overhead included); GPU kernel time {total / 1e6:.3f} s", "",
+             "| kernel kind | GPU s | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v / 1e6:.3f} | {v / total:.1%} |" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    lines += ["", averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)]
+    return result, "\n".join(lines) + "\n"
+
+
 def slope_gib_per_1k(rows: list[dict], row: dict) -> float | None:
     """GiB per 1,000 tokens between ``row`` and the same implementation's previous measured length."""
     before = [r for r in rows if r["impl"] == row["impl"] and "peak_gib" in r and r["length"] < row["length"]]
@@ -166,6 +198,21 @@ def write_results(args, rows: list[dict], cuda: bool, extra_meta: dict | None = 
     return lines
 
 
+def trl_step_cast(model, tokenizer, ids: list[int]) -> dict:
+    """trl_step with PEFT's default input casting to the adapters' dtype, as TRL users run it."""
+    set_lora_input_casting(model, True)
+    try:
+        return trl_step(model, tokenizer, ids)
+    finally:
+        set_lora_input_casting(model, False)
+
+
+def write_profile(args, impl: str, table: str) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"sft_memory_{args.shape}{args.tag}_profile_{impl}.txt").write_text(table)
+
+
 def add_budget_args(ap) -> None:
     """The flags sft_memory.py and sft_unsloth.py share: base precision, budget, layout pins."""
     ap.add_argument("--load-in-4bit", action="store_true", help="NF4 base (files get _4bit)")
@@ -173,6 +220,9 @@ def add_budget_args(ap) -> None:
     ap.add_argument("--offload-all", action="store_true",
                     help="longrl: no GPU-resident layer inputs, MLP tiles of --mlp-tile (the longest lengths' layout)")
     ap.add_argument("--mlp-tile", type=int, default=4096)
+    ap.add_argument("--profile", action="store_true", help="after the last length's reps, one more step of each "
+                    "implementation there under torch.profiler: GPU time by kernel kind and per kernel to "
+                    "OUT/STEM_profile_IMPL.txt")
 
 
 def apply_cap(cap_gib: float) -> None:
@@ -221,7 +271,8 @@ def main():
     failed: set[str] = set()
     planner_refused: set[int] = set()
     rows = []
-    for length in [int(x) for x in args.lengths.split(",")]:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for length in lengths:
         g = torch.Generator().manual_seed(length)
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=g).tolist()
         try:
@@ -248,15 +299,16 @@ def main():
                     if impl == "longrl":
                         runs.append(longrl_step(model, ids, plan, args.chunk, cuda))
                     else:
-                        set_lora_input_casting(model, True)  # PEFT's default, as TRL users run it
-                        try:
-                            runs.append(trl_step(model, tokenizer, ids))
-                        finally:
-                            set_lora_input_casting(model, False)
+                        runs.append(trl_step_cast(model, tokenizer, ids))  # with PEFT's input casting
                 except torch.OutOfMemoryError:
                     runs = [{"oom": True}]
                     failed.add(impl)
                     break
+            if args.profile and length == lengths[-1] and "oom" not in runs[-1]:
+                model.zero_grad(set_to_none=True)
+                step = (functools.partial(longrl_step, model, ids, plan, args.chunk, cuda) if impl == "longrl"
+                        else functools.partial(trl_step_cast, model, tokenizer, ids))
+                write_profile(args, impl, *profiled(step, f"{impl}, {length:,} tokens")[1:])
             r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)
             if impl == "longrl":

@@ -97,6 +97,10 @@ def main():
             except torch.OutOfMemoryError:
                 runs, failed = [{"oom": True}], True
                 break
+        if args.profile and length == lengths[-1] and "oom" not in runs[-1]:
+            model.zero_grad(set_to_none=True)
+            sm.write_profile(args, "unsloth", sm.profiled(lambda: unsloth_step(model, ids),
+                                                          f"unsloth, {length:,} tokens")[1])
         r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
         r.update(length=length, impl="unsloth", tokens_per_s=(length / r["time_s"]) if "time_s" in r else None,
                  layout='use_gradient_checkpointing="unsloth"')

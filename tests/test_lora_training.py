@@ -27,6 +27,47 @@ def test_fused_training_gradients_equal_peft(mode, dropout):
         torch.testing.assert_close(grads_f[k], grads[k], atol=1e-10, rtol=1e-9, msg=k)
 
 
+@pytest.mark.parametrize("mode", ["none", "offload"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_lora_add_equals_its_out_of_place_twin_exactly(monkeypatch, mode, dtype):
+    """The B product added into the base product's own output (addmm_) is the same computation as the
+    out-of-place addmm: log-probs and every LoRA gradient bit for bit, through the checkpoint's recompute too, in
+    float32 and under bf16 autocast; and no [N, out] copy is made for it."""
+    base, batch = _base(layers=2), _batch(torch.seed() % 1000)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16)
+    with autocast:
+        lp, grads = _grads(base, mode, True, 0.0, True, batch, fused_lora=True)
+        monkeypatch.setattr(FusedLoraLinear, "in_place", False)
+        lp_ref, grads_ref = _grads(base, mode, True, 0.0, True, batch, fused_lora=True)
+    assert torch.equal(lp, lp_ref)
+    assert grads.keys() == grads_ref.keys() and any("lora_B" in k for k in grads)
+    for k in grads:
+        assert torch.equal(grads[k], grads_ref[k]), k
+
+
+def test_in_place_lora_add_makes_no_copy():
+    """The fused projection's forward runs no copy of its [N, out] product (an out-of-place addmm would copy it
+    first); its twin does, once a projection."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = apply_lora(llama(0, layers=1), LoraConfig(r=3, alpha=5.0))
+    randomise_adapters(model, 1)
+    ids = torch.randint(0, 97, (2, 7))
+
+    def copies_in_addmm(in_place: bool) -> int:
+        FusedLoraLinear.in_place = in_place
+        try:
+            with fused_lora_training(model), profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(input_ids=ids)
+        finally:
+            FusedLoraLinear.in_place = True
+        return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.cpu_parent is not None
+                   and e.cpu_parent.name.startswith("aten::addmm"))
+
+    assert copies_in_addmm(False) == 7  # q, k, v, o, gate, up, down
+    assert copies_in_addmm(True) == 0
+
+
 def test_fused_training_in_bf16_is_as_accurate_as_peft():
     """Under bf16 autocast (the trainer's mixed precision) the fused LoRA's gradients are no further from the float32
     model's than PEFT's own (the sum inside the product rounds once where PEFT rounds the product, the scale and

@@ -66,14 +66,22 @@ class FusedLoraLinear(SharedWrapper):
         super().__init__(inner)
         self.adapter, self.shared, self.lo, self.hi = adapter, shared, lo, hi
 
+    in_place = True  # add into the base product's own output (False: out-of-place addmm, the reference twin)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         inner, a = self.inner, self.adapter
-        y = inner.base_layer(x, *args, **kwargs)  # [..., out]
+        base = inner.base_layer
+        # a plain Linear's product of the 2-D input is a fresh tensor its backward does not keep: the B product
+        # adds into it in place (an out-of-place addmm first copies the whole [N, out] product)
+        in_place = self.in_place and type(base) is nn.Linear and not args and not kwargs
+        y = base(x.reshape(-1, x.shape[-1])) if in_place else base(x, *args, **kwargs)  # [N, out] / [..., out]
         if self.shared is not None:
             xa = self.shared.project(x)[:, self.lo:self.hi]  # [N, r]
         else:
             xa = _a_product(inner.lora_dropout[a](x), inner.lora_A[a].weight)
         b = inner.lora_B[a].weight * inner.scaling[a]  # [out, r]
+        if in_place:
+            return y.addmm_(xa.to(y.dtype), b.t().to(y.dtype)).view(*x.shape[:-1], y.shape[-1])  # y += xa (s B)ᵀ
         out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.to(y.dtype), b.t().to(y.dtype))  # y + xa (s B)ᵀ
         return out.view(y.shape)
 
