@@ -96,6 +96,8 @@
 #              per token beside sftslope_us (~1.5 min)
 #   sftprof    longrl's SFT step (planner's layout) and Unsloth's at 24,576 tokens, each timed then once under
 #              torch.profiler: GPU time by kernel kind and per kernel (sft_memory_*_prof*_profile_*.txt) (~4 min)
+#   sftcmp     longrl's SFT step (planner's layout) then Unsloth's, 12,288 and 24,576 tokens (SFT_LENGTHS), in one
+#              call: time per token side by side (SFTTAG names the files) (~3.5 min)
 #   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
 #              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
 #   scale1     benchmarks/grpo_scale.py --phases train,rollout, 8B LoRA: the 20,480 x 8 training step alone (reference
@@ -246,6 +248,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --lengths "${SFT_LENGTHS:-24576}" --reps 1 --profile --tag _prof
             PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_prof_us 200 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-24576}" --reps 1 --profile --tag _prof ;;
+        sftcmp) stage sft_cmp 120 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
+            --lengths "${SFT_LENGTHS:-12288,24576}" --reps 1 --tag "${SFTTAG:-_cmp}"
+            PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cmp_us 200 python3 benchmarks/sft_unsloth.py \
+            --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-12288,24576}" --reps 1 --tag "${SFTTAG:-_cmp}" ;;
         sftcap4) stage sft_cap4 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit --cap-gib 24 \
             --lengths "${CAP_LENGTHS:-12288,12288,49152,98304,131072,147456}" --impls longrl --reps 0 --tag "_cap24${CAPTAG:-}" ;;
         sftcap4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \

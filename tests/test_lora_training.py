@@ -35,6 +35,7 @@ def test_in_place_lora_add_equals_its_out_of_place_twin_exactly(monkeypatch, mod
     float32 and under bf16 autocast; and no [N, out] copy is made for it."""
     base, batch = _base(layers=2), _batch(torch.seed() % 1000)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16)
+    monkeypatch.setattr(FusedLoraLinear, "grouped", False)  # each projection's own product
     with autocast:
         lp, grads = _grads(base, mode, True, 0.0, True, batch, fused_lora=True)
         monkeypatch.setattr(FusedLoraLinear, "in_place", False)
@@ -47,25 +48,74 @@ def test_in_place_lora_add_equals_its_out_of_place_twin_exactly(monkeypatch, mod
 
 def test_in_place_lora_add_makes_no_copy():
     """The fused projection's forward runs no copy of its [N, out] product (an out-of-place addmm would copy it
-    first); its twin does, once a projection."""
+    first), alone or in its sibling group; its twin does, once a projection."""
     from torch.profiler import ProfilerActivity, profile
 
     model = apply_lora(llama(0, layers=1), LoraConfig(r=3, alpha=5.0))
     randomise_adapters(model, 1)
     ids = torch.randint(0, 97, (2, 7))
 
-    def copies_in_addmm(in_place: bool) -> int:
-        FusedLoraLinear.in_place = in_place
+    def copies_in_addmm(in_place: bool, grouped: bool) -> int:
+        FusedLoraLinear.in_place, FusedLoraLinear.grouped = in_place, grouped
         try:
             with fused_lora_training(model), profile(activities=[ProfilerActivity.CPU]) as prof:
                 model(input_ids=ids)
         finally:
-            FusedLoraLinear.in_place = True
+            FusedLoraLinear.in_place = FusedLoraLinear.grouped = True
         return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.cpu_parent is not None
                    and e.cpu_parent.name.startswith("aten::addmm"))
 
-    assert copies_in_addmm(False) == 7  # q, k, v, o, gate, up, down
-    assert copies_in_addmm(True) == 0
+    assert copies_in_addmm(False, False) == 7  # q, k, v, o, gate, up, down
+    assert copies_in_addmm(True, False) == 0
+    assert copies_in_addmm(True, True) == 0
+
+
+@pytest.mark.parametrize("mode", ["none", "offload"])
+def test_sibling_group_product_equals_each_projections_own(monkeypatch, mode):
+    """q/k/v, gate/up, o and down as one _LoraGroupProduct per group (the input gradient summed inside the
+    products) against each projection's own product with autograd's sums: float64 log-probs and LoRA gradients
+    equal up to summation order, on a model with biased q/k/v projections (Qwen2) and one without (Llama)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qwen_cfg = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    for base in (_base(layers=2).double(), Qwen2ForCausalLM(qwen_cfg).double()):
+        batch = _batch(torch.seed() % 1000)
+        lp, grads = _grads(base, mode, True, 0.0, True, batch, fused_lora=True)
+        monkeypatch.setattr(FusedLoraLinear, "grouped", False)
+        lp_ref, grads_ref = _grads(base, mode, True, 0.0, True, batch, fused_lora=True)
+        monkeypatch.setattr(FusedLoraLinear, "grouped", True)
+        torch.testing.assert_close(lp, lp_ref, atol=1e-12, rtol=1e-12)
+        assert grads.keys() == grads_ref.keys() and any("lora_A" in k for k in grads)
+        for k in grads:
+            torch.testing.assert_close(grads[k], grads_ref[k], atol=1e-11, rtol=1e-10, msg=k)
+
+
+def test_sibling_group_backward_adds_no_input_gradients():
+    """In backward, the grouped products leave autograd none of the [N, in] input-gradient sums of a layer's
+    projections (q/k/v, gate/up, o and down, each with its A product's share): with the twin, autograd adds
+    them (11 for this 2-layer model); the sums that remain are the residual stream's and the norms'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = apply_lora(llama(0, layers=2), LoraConfig(r=3, alpha=5.0))
+    randomise_adapters(model, 1)
+    ids = torch.randint(0, 97, (2, 7))
+
+    def backward_adds(grouped: bool) -> int:
+        FusedLoraLinear.grouped = grouped
+        try:
+            with fused_lora_training(model):
+                loss = model(input_ids=ids).logits.float().square().mean()
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    loss.backward()
+        finally:
+            FusedLoraLinear.grouped = True
+        model.zero_grad(set_to_none=True)
+        return sum(1 for e in prof.events() if e.name in ("aten::add", "aten::add_")
+                   and e.input_shapes and e.input_shapes[0] in ([2, 7, 48], [2, 7, 80], [14, 48], [14, 80]))
+
+    assert backward_adds(False) - backward_adds(True) >= 5 * 2
 
 
 def test_fused_training_in_bf16_is_as_accurate_as_peft():
@@ -90,6 +140,7 @@ def test_fused_training_swaps_in_and_out_and_steps_aside():
         shared = {id(m.shared) for m in wrapped if m.shared is not None}
         assert len(shared) == 2 * 2  # q/k/v and gate/up of each layer share one A product
         assert all(m.shared.x is None for m in wrapped if m.shared is not None)  # no activation kept after
+        assert all(m.group is not None and m.group.x is None and m.group.outs is None for m in wrapped)
         with fused_lora_training(model) as nested:  # the wrappers already add the adapters: nothing to swap
             assert not nested
             torch.testing.assert_close(model(input_ids=ids).logits, got, atol=0, rtol=0)
