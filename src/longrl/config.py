@@ -67,7 +67,9 @@ class LoraConfig:
     #                                                                            (names or suffixes); all-linear:
     #                                                                            every linear but the LM head
     fused_training: bool = True  # CUDA: the policy update's adapters as one addmm each (scale and add inside the
-    #                              B product) with q/k/v and gate/up sharing one A product (models/lora_training.py)
+    #                              B product, in place) with q/k/v and gate/up sharing one A product; over plain
+    #                              16-bit bases each sibling group is one product whose backward sums the input
+    #                              gradient inside the products (models/lora_training.py)
 
 
 @dataclass
