@@ -160,3 +160,30 @@ def test_logprob_kernels_match_the_pytorch_path_on_cuda(vocab, dtype):
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-3, rtol=1e-4)
     g, g_ref = out[True][2], out[False][2]
     assert (g - g_ref).norm() <= 1e-2 * g_ref.norm(), float((g - g_ref).norm() / g_ref.norm())
+
+
+@pytest.mark.parametrize("mode", ["offload", "plain"])
+def test_grouped_lora_products_on_cuda(mode, monkeypatch):
+    """The sibling groups' products (models/lora_training._LoraGroupProduct, cuBLAS addmm_ accumulating the input
+    gradient) under bf16 autocast on CUDA: the forward of each projection's own product bit for bit, and LoRA
+    gradients no further from the float32 model's than that path's (they differ only in where the sums round)."""
+    from test_memory import _base, _batch, _grads
+
+    from longrl.models.lora_training import FusedLoraLinear
+
+    base32 = _base(layers=3).to("cuda")
+    batch = _batch(7, n=4)
+    _, ref = _grads(base32, mode, True, 0.0, True, batch, b_scale=0.05)
+    base = _base(layers=3).to("cuda", torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp_g, g_g = _grads(base, mode, True, 0.0, True, batch, fused_lora=True, b_scale=0.05)
+        monkeypatch.setattr(FusedLoraLinear, "grouped", False)
+        lp_m, g_m = _grads(base, mode, True, 0.0, True, batch, fused_lora=True, b_scale=0.05)
+    assert torch.equal(lp_g, lp_m)
+
+    def error(g):
+        num = sum(float((g[k].float() - ref[k].float()).norm()) ** 2 for k in ref)
+        return (num / sum(float(ref[k].float().norm()) ** 2 for k in ref)) ** 0.5
+
+    assert g_g.keys() == g_m.keys() == ref.keys()
+    assert error(g_g) <= 1.5 * error(g_m) + 1e-3, (error(g_g), error(g_m))
