@@ -194,6 +194,20 @@ class LogprobModule(torch.nn.Module):
         return sequence_logprobs(self.model, prompt_ids, completion_ids, width, **kwargs)
 
 
+class CrossEntropyModule(torch.nn.Module):
+    """The supervised loss's differentiable forward (``policy.token_cross_entropy``: the trained tokens'
+    cross-entropy [N]) as a module, for DDP as :class:`LogprobModule` is for GRPO."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, seqs, loss_masks, **kwargs):
+        from .policy import token_cross_entropy
+
+        return token_cross_entropy(self.model, seqs, loss_masks, **kwargs)
+
+
 def _sum_allreduce_hook(process_group, bucket):
     """DDP communication hook: the bucket's gradients summed over ranks (DDP's default divides by N; the loss
     weights here are already normalised over the global step)."""
@@ -214,17 +228,20 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def data_parallel(model, world: World, shard_weights: bool) -> torch.nn.Module:
-    """The module whose forward the policy update calls (see :class:`LogprobModule`).
+def data_parallel(model, world: World, shard_weights: bool, wrapper: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The module whose forward the policy update calls: ``wrapper`` (default :class:`LogprobModule`; SFT's
+    :class:`CrossEntropyModule`), wrapped for the world.
 
     One process: the model itself. Replicated weights (LoRA, a 4-bit base): DDP over the trainable
     parameters (the adapters), the frozen base left alone; rank 0's trainable weights are broadcast first.
     ``shard_weights`` (full-weight training): FSDP2 ``fully_shard`` on every decoder layer and on the root,
     float32 gradient reduction for 16-bit weights, parameters kept as DTensor shards between forwards."""
-    wrapper = LogprobModule(model)
+    wrapper = LogprobModule(model) if wrapper is None else wrapper
     if not world.distributed:
         return wrapper
     if shard_weights:
+        if not isinstance(wrapper, LogprobModule):
+            raise ValueError("FSDP2 sharding is built for the GRPO policy's LogprobModule")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dtype = next(model.parameters()).dtype

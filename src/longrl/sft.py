@@ -23,9 +23,8 @@ import torch
 from .checkpoint import atomic_write_text, save_checkpoint
 from .config import Config, ConfigError
 from .data import PromptSampler, data_fingerprint
-from .distributed import init_world, shard
+from .distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
 from .memory import count_groups, token_budget_groups
-from .policy import token_cross_entropy
 from .reporting import RunReporter
 from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop
 from .stop_signals import StopSignals
@@ -41,19 +40,24 @@ def _micro_batches(examples: list[SFTExample], micro_batch_tokens: int, micro_ba
 
 
 def step_loss(model, examples: list[SFTExample], groups: list[list[int]], *, pad_id: int, label_smoothing: float,
-              chunk_size: int, packed: bool, backward: bool, n_total: int | None = None) -> tuple[float, int]:
+              chunk_size: int, packed: bool, backward: bool, n_total: int | None = None,
+              forward: torch.nn.Module | None = None) -> tuple[float, int]:
     """(Σ CE / N, N) over ``examples`` split into ``groups``; with ``backward`` each group's share is
     back-propagated as it is computed (gradients accumulate; the sum is the whole step's mean). ``n_total``: N
-    when ``examples`` are one rank's share of the step (the trained tokens of every rank), else theirs."""
+    when ``examples`` are one rank's share of the step (the trained tokens of every rank), else theirs.
+    ``forward``: the module computing a micro-batch's cross-entropies (``distributed.data_parallel``'s, whose DDP
+    sums the gradients over ranks at the last micro-batch); default: ``token_cross_entropy`` on ``model``."""
     n_tokens = sum(sum(e.loss_mask) for e in examples) if n_total is None else n_total
+    forward = CrossEntropyModule(model) if forward is None else forward
     total = 0.0
-    for idx in groups:
+    for k, idx in enumerate(groups):
         mb = [examples[i] for i in idx]
-        ce = token_cross_entropy(model, [e.input_ids for e in mb], [e.loss_mask for e in mb], pad_id=pad_id,
-                                 label_smoothing=label_smoothing, chunk_size=chunk_size, packed=packed)  # [n_mb]
-        loss = ce.sum() / max(n_tokens, 1)
-        if backward:
-            loss.backward()
+        with gradient_sync(forward, last=k == len(groups) - 1):
+            ce = forward([e.input_ids for e in mb], [e.loss_mask for e in mb], pad_id=pad_id,
+                         label_smoothing=label_smoothing, chunk_size=chunk_size, packed=packed)  # [n_mb]
+            loss = ce.sum() / max(n_tokens, 1)
+            if backward:
+                loss.backward()
         total += float(loss.detach())
     return total, n_tokens
 
@@ -141,10 +145,10 @@ class SFTTrainer:
                      len(examples), cfg.train.max_steps)
         self.sampler = PromptSampler(len(examples), cfg.train.seed, cfg.data.shuffle)
         self.params, self.optimizer, self.scheduler = make_optimizer(self.model, cfg.train)
-        if self.world.distributed:  # every rank starts from rank 0's trainable weights
-            with torch.no_grad():
-                for p in self.params:
-                    p.copy_(self.world.all_sum(p if self.world.is_main else torch.zeros_like(p)))
+        # the step's forward: on several ranks under DDP (every rank starts from rank 0's trainable weights; the
+        # gradients are summed over ranks at each step's last micro-batch: each rank's loss is its share of the mean)
+        self.forward = data_parallel(self.model, self.world, shard_weights=False,
+                                     wrapper=CrossEntropyModule(self.model))
         self.step_idx = 0
         self.output_dir = Path(cfg.output.output_dir)
         # one packed row per micro-batch on CUDA; padded rows on the CPU, where attention over a packed row costs its
@@ -218,10 +222,6 @@ class SFTTrainer:
         batch = [self.examples[i] for i in self.sampler.next(cfg.sft.examples_per_step)]  # the global step's
         self.optimizer.zero_grad(set_to_none=True)
         loss, n_tokens = self._loss(batch, label_smoothing=cfg.sft.label_smoothing, backward=True)
-        if self.world.distributed:  # each rank's loss is its share of the step's mean: the gradient is their sum
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.copy_(self.world.all_sum(p.grad))
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))  # the same on every rank
         nonfinite = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
@@ -251,7 +251,8 @@ class SFTTrainer:
         n_total = int(self.world.all_sum(torch.tensor(sum(sum(e.loss_mask) for e in mine), dtype=torch.float64)))
         loss, _ = step_loss(self.model, mine, self._groups(mine), pad_id=self._pad_id(),
                             label_smoothing=label_smoothing, chunk_size=self.cfg.train.logprob_chunk_size,
-                            packed=self.packed, backward=backward, n_total=n_total)
+                            packed=self.packed, backward=backward, n_total=n_total,
+                            forward=self.forward if backward else None)
         if self.world.distributed:
             loss = self.world.sum_floats({"loss": loss})["loss"]
         return loss, n_total
