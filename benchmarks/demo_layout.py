@@ -52,14 +52,14 @@ def update_only(repeats: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"output.output_dir={out}", "output.report_to=[none]"], base=demo_config())
         trainer = GRPOTrainer(cfg)
-        batch = trainer._rollout_batch()
+        batch = trainer.generate_batch()
         trainer.optimizer.step = trainer.scheduler.step = lambda *a, **k: None
         times = {True: [], False: []}
         for _ in range(repeats):
             for packed in (True, False):
                 trainer.padding_free = packed
                 start = time.perf_counter()
-                trainer._policy_update(batch)
+                trainer.train_on_batch(batch)  # (demo: beta 0, no reference pass)
                 times[packed].append(time.perf_counter() - start)
     lengths = sorted({len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)})
     load = os.getloadavg()

@@ -136,24 +136,16 @@ def _fixed_batch(trainer, prompts: int, G: int, prompt_len: int, completion: int
 def measure_phases(trainer, args) -> dict:
     """[warm-up + --reps] measurements of each of --phases: the training step alone on fixed completions, the
     rollout alone (see the module docstring). Seconds and peak GPU GiB come from the trainer's own phase timers."""
-    from longrl.policy import reference_mode
-
     out = {}
     world = trainer.world.world_size
     if "train" in args.phases:
         runs = []
         for _ in range(1 + args.reps):
             batch = _fixed_batch(trainer, args.prompts_per_gpu * world, args.G, args.prompt_len, args.completion)
-            trainer.phase_stats = {}
-            with trainer._phase("reference"):  # as in the trainer's rollout batch (beta 0: none)
-                if trainer.cfg.grpo.beta != 0.0:
-                    with reference_mode(trainer.model):
-                        batch.ref_logps = trainer._logprobs(batch.prompt_ids, batch.completion_ids, args.completion)
-            with trainer._phase("update"):
-                stats = trainer._policy_update(batch)
+            stats = trainer.train_on_batch(batch)  # the reference pass (beta ≠ 0), then the update
             st = trainer.phase_stats
-            runs.append(dict(reference_s=st["reference_time_s"], update_s=st["update_time_s"],
-                             train_s=st["reference_time_s"] + st["update_time_s"],
+            ref_s = st.get("reference_time_s", 0.0)
+            runs.append(dict(reference_s=ref_s, update_s=st["update_time_s"], train_s=ref_s + st["update_time_s"],
                              peak_gib=max(st.get("reference_peak_gib", 0.0), st.get("update_peak_gib", 0.0)),
                              loss=stats["loss"], grad_norm=stats["grad_norm"]))
             print("train:", {k: round(v, 3) for k, v in runs[-1].items()}, flush=True)
@@ -164,8 +156,7 @@ def measure_phases(trainer, args) -> dict:
         cfg.generation.max_completion_length, cfg.grpo.beta = args.rollout_completion, 0.0
         runs = []
         for _ in range(1 + args.reps):
-            trainer.phase_stats = {}
-            b = trainer._rollout_batch()
+            b = trainer.generate_batch()
             st = trainer.phase_stats
             tokens = sum(len(c) for c in b.completion_ids)  # this rank's
             runs.append(dict(generation_s=st["generation_time_s"], peak_gib=st.get("generation_peak_gib", 0.0),

@@ -315,3 +315,29 @@ def test_old_policy_logprobs_come_from_the_update_forward(tmp_path, monkeypatch)
     assert len(history) == 2
     assert entered.count("old") == 1 and "plain" not in entered  # old log-probs inside the fused forward
     assert sum(not isinstance(e, str) for e in entered) == 3  # old log-probs + two updates
+
+
+def test_generate_batch_and_train_on_batch_are_one_step_apart(tmp_path):
+    """The phase API: generate_batch makes a step's rollout batch (with its reference log-probs when beta ≠ 0),
+    train_on_batch updates on it, computing the reference pass itself when the batch has none; the same batch
+    with its reference log-probs or without them gives the same update, and the step counter does not move."""
+    import copy
+
+    import torch
+
+    trainers = [GRPOTrainer(_cfg(tmp_path / name, "grpo.beta=0.04", "lora.enabled=true", "lora.r=4")) for name in ("a", "b")]
+    batches = [t.generate_batch() for t in trainers]  # same seed, same prompts and samples
+    a, b = trainers
+    assert {"generation_time_s", "rewards_time_s", "reference_time_s"} <= a.phase_stats.keys()
+    assert len(batches[0].completion_ids) == 4 * 4 and batches[0].ref_logps is not None
+    assert batches[0].completion_ids == batches[1].completion_ids
+    given = copy.copy(batches[1])
+    given.ref_logps = None  # train_on_batch computes it
+    before = {n: p.detach().clone() for n, p in a.model.named_parameters() if p.requires_grad}
+    stats_a = a.train_on_batch(batches[0])
+    stats_b = b.train_on_batch(given)
+    assert "reference_time_s" not in a.phase_stats and {"reference_time_s", "update_time_s"} <= b.phase_stats.keys()
+    torch.testing.assert_close(given.ref_logps, batches[0].ref_logps)
+    assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6) and stats_a["kl"] is not None
+    changed = [n for n, p in a.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed and a.step_idx == 0

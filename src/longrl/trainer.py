@@ -369,6 +369,28 @@ class GRPOTrainer:
                 "lr": self.scheduler.get_last_lr()[0], **self._slowest(timing)}
 
     # ------------------------------------------------------------------------------------------ phases
+    def generate_batch(self) -> RolloutBatch:
+        """One step's rollouts as :meth:`train` makes them (generation, rewards, advantages, and the old-policy and
+        reference log-probs the config needs), not trained on: it draws the next prompts, as a step would. The
+        phases' seconds and peak GPU memory are in ``phase_stats`` (``generation_time_s``, ``rewards_time_s``,
+        ``reference_time_s``, ...)."""
+        self.phase_stats = {}
+        return self._rollout_batch()
+
+    def train_on_batch(self, batch: RolloutBatch) -> dict:
+        """One optimizer step on every completion of ``batch`` (made by :meth:`generate_batch`, or by hand, e.g.
+        fixed completions for a benchmark): the reference pass first when ``grpo.beta`` ≠ 0 and ``batch`` has no
+        ``ref_logps``, then the policy update. Returns the update's statistics (loss, kl, grad_norm, ...); the
+        phases' seconds and peaks are in ``phase_stats`` (``reference_*``, ``update_*``). The step counter and
+        the prompt sampler stay where they are."""
+        self.phase_stats = {}
+        if self.cfg.grpo.beta != 0.0 and batch.ref_logps is None:
+            width = batch.mask.shape[1]
+            with self._phase("reference"), reference_mode(self.model):
+                batch.ref_logps = self._logprobs(batch.prompt_ids, batch.completion_ids, width)
+        with self._phase("update"):
+            return self._policy_update(batch)
+
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
         drawn = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)  # global
