@@ -35,6 +35,13 @@ def float64_exact(model):
     return model
 
 
+def assert_close_normwise(got: torch.Tensor, want: torch.Tensor, rel: float, msg: str) -> None:
+    """‖got − want‖ ≤ rel · ‖want‖: a summation-order difference in float64 stays near 1e-16 of the tensor's scale
+    (1e-11 here at most, where the tiny random model amplifies it), a real difference is orders of magnitude above."""
+    err, scale = float((got - want).norm()), float(want.norm())
+    assert err <= rel * scale, f"{msg}: ‖Δ‖ = {err:.3g}, ‖g‖ = {scale:.3g}"
+
+
 @pytest.mark.parametrize("mode", ["none", "offload", "reuse"])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_fused_training_gradients_equal_peft(mode, dropout):
@@ -47,7 +54,7 @@ def test_fused_training_gradients_equal_peft(mode, dropout):
     torch.testing.assert_close(lp_f, lp, atol=1e-10, rtol=1e-10)
     assert grads_f.keys() == grads.keys() and any("lora_A" in k for k in grads)
     for k in grads:
-        torch.testing.assert_close(grads_f[k], grads[k], atol=1e-10, rtol=1e-9, msg=k)
+        assert_close_normwise(grads_f[k], grads[k], 1e-9, k)
 
 
 @pytest.mark.parametrize("mode", ["none", "offload"])
@@ -112,7 +119,7 @@ def test_sibling_group_product_equals_each_projections_own(monkeypatch, mode):
         torch.testing.assert_close(lp, lp_ref, atol=1e-12, rtol=1e-12)
         assert grads.keys() == grads_ref.keys() and any("lora_A" in k for k in grads)
         for k in grads:
-            torch.testing.assert_close(grads[k], grads_ref[k], atol=1e-11, rtol=1e-10, msg=k)
+            assert_close_normwise(grads[k], grads_ref[k], 1e-9, k)
 
 
 def test_sibling_group_backward_adds_no_input_gradients():
