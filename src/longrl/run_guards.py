@@ -16,6 +16,7 @@ Both recipes (GRPO, SFT) run their loop through :func:`agreed` (every rank takes
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -63,6 +64,19 @@ class RunGuards:
 
     def saved(self) -> None:
         self.last_save_s = time.monotonic()
+
+
+def step_if_finite(optimizer, step: int, loss: float, grad_norm: float) -> list[str]:
+    """``optimizer.step()`` when the step's loss and gradient norm are finite; else no update (the gradients are
+    dropped, a warning names the step) and the terms that were not finite, for :meth:`RunGuards.after_step`."""
+    nonfinite = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+    if nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        log.warning("step %d: %s not finite (loss %s, gradient norm %s): no update", step, " and ".join(nonfinite),
+                    loss, grad_norm)
+    else:
+        optimizer.step()
+    return nonfinite
 
 
 def agreed(world, received: int | None, save_due: bool, signal: bool = True) -> tuple[int | None, bool, bool]:

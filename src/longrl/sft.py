@@ -26,7 +26,7 @@ from .data import PromptSampler, data_fingerprint
 from .distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
 from .memory import count_groups, token_budget_groups
 from .reporting import RunReporter
-from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop
+from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
 from .stop_signals import StopSignals
 from .sft_data import SFTExample, build_examples, load_examples
 
@@ -224,13 +224,8 @@ class SFTTrainer:
         loss, n_tokens = self._loss(batch, label_smoothing=cfg.sft.label_smoothing, backward=True)
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))  # the same on every rank
-        nonfinite = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
-        if nonfinite:  # no update from this step (train.max_nonfinite_steps counts it; the schedule advances)
-            self.optimizer.zero_grad(set_to_none=True)
-            log.warning("step %d: %s not finite (loss %s, gradient norm %s): no update", self.step_idx + 1,
-                        " and ".join(nonfinite), loss, grad_norm)
-        else:
-            self.optimizer.step()
+        # no update from a non-finite step (train.max_nonfinite_steps counts it; the schedule advances)
+        nonfinite = step_if_finite(self.optimizer, self.step_idx + 1, loss, grad_norm)
         self.scheduler.step()
         self.step_idx += 1
         elapsed = time.perf_counter() - start

@@ -45,7 +45,7 @@ from .rewards import RewardScorer
 from .rollout import Sampler, SamplingParams
 from .rollout.completions import reward_inputs, sample, sampling_params
 from .rollout.attention import unsupported_reason
-from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal
+from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal, step_if_finite
 from .runlock import acquire_run_lock, check_output_dir_contents
 from .stop_signals import StopSignals
 
@@ -385,11 +385,17 @@ class GRPOTrainer:
         the prompt sampler stay where they are."""
         self.phase_stats = {}
         if self.cfg.grpo.beta != 0.0 and batch.ref_logps is None:
-            width = batch.mask.shape[1]
-            with self._phase("reference"), reference_mode(self.model):
-                batch.ref_logps = self._logprobs(batch.prompt_ids, batch.completion_ids, width)
+            with self._phase("reference"):
+                batch.ref_logps = self._reference_logps(batch.prompt_ids, batch.completion_ids, batch.mask.shape[1])
         with self._phase("update"):
             return self._policy_update(batch)
+
+    def _reference_logps(self, prompt_ids, completion_ids, width: int) -> torch.Tensor | None:
+        """[P·G, T] log-probs of the reference policy (the base, adapters disabled) when grpo.beta ≠ 0, else None."""
+        if self.cfg.grpo.beta == 0.0:
+            return None
+        with reference_mode(self.model):
+            return self._logprobs(prompt_ids, completion_ids, width)
 
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
@@ -439,10 +445,7 @@ class GRPOTrainer:
             if cfg.grpo.num_iterations > 1 or cfg.grpo.steps_per_generation > 1:
                 with self._policy_forward():  # the update's own forward: the first iteration's ratio is exactly 1
                     old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
-            ref_logps = None
-            if cfg.grpo.beta != 0.0:
-                with reference_mode(self.model):
-                    ref_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
+            ref_logps = self._reference_logps(rollout.prompt_ids, rollout.completion_ids, width)
         sampler_logps = (pad_right(rollout.logprobs, 0.0, width, dtype=torch.float32)
                          if rollout.logprobs is not None else None)
         return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
@@ -561,13 +564,8 @@ class GRPOTrainer:
         if keep is not None:
             tokens["high_entropy"] = float((keep * b.mask[rows]).sum())
         sums = self.world.sum_floats({**sums, **tokens})  # over every rank: every rank decides alike below
-        nonfinite = [name for name, v in (("loss", sums["loss"]), ("gradient norm", grad_norm)) if not math.isfinite(v)]
-        if nonfinite:  # no update from this step (the guard counts it; the schedule still advances)
-            self.optimizer.zero_grad(set_to_none=True)
-            log.warning("step %d: %s not finite (loss %s, gradient norm %s): no update", self.step_idx + 1,
-                        " and ".join(nonfinite), sums["loss"], grad_norm)
-        else:
-            self.optimizer.step()
+        # no update from a non-finite step (the guard counts it; the schedule still advances)
+        nonfinite = step_if_finite(self.optimizer, self.step_idx + 1, sums["loss"], grad_norm)
         self.scheduler.step()
         denom = max(sums.pop("tokens"), 1.0)
         per_token = {k: v / denom for k, v in sums.items() if k != "loss"}  # token means of the global step

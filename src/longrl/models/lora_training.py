@@ -13,9 +13,9 @@ with autograd through it all (A and B get their gradients; frozen bases none). R
 (the sum happens inside the product). Projections without dropout over frozen plain ``nn.Linear`` bases run per
 sibling group (q/k/v, gate/up; o and down each alone) as one :class:`_LoraGroupProduct`, whose backward also sums
 the input gradient inside the products, ``dx = dxa A + Σ_i dy_i W_i`` (``addmm_``, β = 1), where autograd would add
-one [N, in] tensor per extra consumer of x (seven a decoder layer). Within :func:`fused_lora_training` the adapted projections are replaced in
-their parents' slots by :class:`FusedLoraLinear` wrappers sharing their parameters (names and state dicts
-unchanged) and put back on exit, so outside it PEFT's own machinery (``disable_adapter`` for the reference pass,
+one [N, in] tensor per extra consumer of x (seven a decoder layer). Within :func:`fused_lora_training` the adapted
+projections are replaced in their parents' slots by :class:`FusedLoraLinear` wrappers sharing their parameters
+(names and state dicts unchanged) and put back on exit, so outside it PEFT's own machinery (``disable_adapter`` for the reference pass,
 saving, merging) never sees a wrapper; inside it, PEFT calls that walk the adapter layers find none (run them
 outside), and a nested :func:`fused_lora_training` or rollout ``fused_lora`` steps aside (the wrappers already add
 the adapters). The context must hold the forward and the backward of what it computes
@@ -154,14 +154,13 @@ class FusedLoraLinear(SharedWrapper):
     """An adapted projection as ``base(x) + (A x)(s B)ᵀ`` in one addmm (see the module docstring)."""
 
     grouped = True  # with a sibling group: its outputs from one _LoraGroupProduct (False: this module's own product)
+    in_place = True  # add into the base product's own output (False: out-of-place addmm, the reference twin)
 
     def __init__(self, inner: nn.Module, adapter: str, shared: _SharedProjection | None, lo: int, hi: int,
                  group: _SiblingGroup | None = None, index: int = 0):
         super().__init__(inner)
         self.adapter, self.shared, self.lo, self.hi = adapter, shared, lo, hi
         self.group, self.index = group, index
-
-    in_place = True  # add into the base product's own output (False: out-of-place addmm, the reference twin)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.grouped and self.group is not None and not args and not kwargs and self.group.usable(x):
