@@ -104,6 +104,7 @@
 #              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
 #              beside the one-process path, one model load per path (~6 min; SCTAG names the files)
+#   scale1s    the training step of scale1 alone, one-process path only, SCREPS measured reps (default 2) (~2.5 min)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -222,7 +223,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         side20k) stage side20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse+fused+flora,trl-frugal --mlp-tile 4096 --reps 1 --tag "${STAG:-side_20k}" ;;
         prof20kf) stage prof20kf 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
-            --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 0 --profile --tag prof_fused_20k ;;
+            --impls longrl-reuse+fused+flora --mlp-tile 4096 --reps 0 --profile --tag "${PFTAG:-prof_fused_20k}" ;;
         prof20k_cudnn) stage prof20k_cudnn 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --sdpa cudnn --tag prof_cudnn_20k ;;
         lmhead) stage lmhead 60 python3 benchmarks/lm_head_gemm.py --vocab 128256 --hidden 4096 \
@@ -248,9 +249,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --lengths "${SFT_LENGTHS:-24576}" --reps 1 --profile --tag _prof
             PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_prof_us 200 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-24576}" --reps 1 --profile --tag _prof ;;
-        sftcmp) stage sft_cmp 120 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
+        sftcmp) stage sft_cmp 280 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
             --lengths "${SFT_LENGTHS:-12288,24576}" --reps 1 --tag "${SFTTAG:-_cmp}"
-            PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cmp_us 200 python3 benchmarks/sft_unsloth.py \
+            PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cmp_us 300 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-12288,24576}" --reps 1 --tag "${SFTTAG:-_cmp}" ;;
         sftcap4) stage sft_cap4 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit --cap-gib 24 \
             --lengths "${CAP_LENGTHS:-12288,12288,49152,98304,131072,147456}" --impls longrl --reps 0 --tag "_cap24${CAPTAG:-}" ;;
@@ -286,6 +287,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         scale1) stage scale1 480 python3 benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single \
             --phases train,rollout --prompts-per-gpu 1 --completion 19968 --rollout-prompts 16 \
             --rollout-completion 1024 --reps 1 --timeout 240 --tag "${SCTAG:-_ws1_phases}" ;;
+        scale1s) stage scale1s 300 python3 benchmarks/grpo_scale.py --layouts lora --gpus "" --with-single \
+            --phases train --prompts-per-gpu 1 --completion 19968 --reps "${SCREPS:-2}" --timeout 280 \
+            --tag "${SCTAG:-_ws1_train}" ;;
         *) echo "unknown stage $s" ;;
     esac
 done
