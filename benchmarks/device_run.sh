@@ -104,7 +104,8 @@
 #              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
 #              beside the one-process path, one model load per path (~6 min; SCTAG names the files)
-#   scale1s    the training step of scale1 alone, one-process path only, SCREPS measured reps (default 2) (~2.5 min)
+#   scale1s    the training step of scale1 alone, one-process path only, SCREPS measured reps (default 2), SCNR layers
+#              not recomputed (model.no_recompute_layers; default -1: the planner's choice) (~2 min)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -157,7 +158,7 @@ for s in "$@"; do
     case $s in
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
 print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cuda')))" \
-            && stage sampler_gpu 120 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py \
+            && stage sampler_gpu 200 python3 -m pytest -q tests/test_sampler_gpu.py tests/test_memory_gpu.py \
             tests/test_nf4_matmul.py ;;
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
@@ -288,7 +289,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --phases train,rollout --prompts-per-gpu 1 --completion 19968 --rollout-prompts 16 \
             --rollout-completion 1024 --reps 1 --timeout 240 --tag "${SCTAG:-_ws1_phases}" ;;
         scale1s) stage scale1s 300 python3 benchmarks/grpo_scale.py --layouts lora --gpus "" --with-single \
-            --phases train --prompts-per-gpu 1 --completion 19968 --reps "${SCREPS:-2}" --timeout 280 \
+            --phases train --prompts-per-gpu 1 --completion 19968 --reps "${SCREPS:-2}" --timeout 280 --no-recompute "${SCNR:--1}" \
             --tag "${SCTAG:-_ws1_train}" ;;
         *) echo "unknown stage $s" ;;
     esac

@@ -62,6 +62,7 @@ def _config(args, root: Path, data: Path | None, reward: Path | None, device: st
     cfg.model.device = device
     cfg.model.offload_activations = device != "cpu"
     cfg.model.load_in_4bit = args.layout == "qlora"
+    cfg.model.no_recompute_layers = None if args.no_recompute < 0 else args.no_recompute
     cfg.lora = LoraConfig(enabled=args.layout != "full", r=32, alpha=64.0, dropout=0.0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.prompts_per_step, cfg.train.max_steps = args.prompts_per_gpu * world, args.steps
@@ -190,8 +191,11 @@ def worker(args) -> None:
     if args.phases:
         phases = measure_phases(trainer, args)
         if rank == 0:
+            m, plan = trainer.cfg.model, trainer.plan
+            layout = dict(no_recompute_layers=m.no_recompute_layers, gpu_resident_layers=m.gpu_resident_layers,
+                          predicted_train_gib=plan.predicted_gpu_bytes / 2 ** 30 if plan else None)
             Path(args.result).write_text(json.dumps(dict(phases=phases, world_size=trainer.world.world_size,
-                                                         distributed=trainer.world.distributed)))
+                                                         distributed=trainer.world.distributed, layout=layout)))
         return
     start = time.perf_counter()
     history = trainer.train()
@@ -217,7 +221,8 @@ def _run(args, layout: str, n: int, single: bool, workdir: Path) -> dict:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in (("shape", args.shape), ("device", args.device),
                                                          ("prompts_per_gpu", args.prompts_per_gpu), ("G", args.G),
                                                          ("prompt_len", args.prompt_len),
-                                                         ("completion", args.completion), ("steps", args.steps))]
+                                                         ("completion", args.completion), ("steps", args.steps),
+                                                         ("no_recompute", args.no_recompute))]
     flags += ["--worker", f"--layout={layout}", f"--result={result}", f"--workdir={workdir}"]
     if args.phases:
         flags += [f"--phases={args.phases}", f"--reps={args.reps}", f"--rollout-prompts={args.rollout_prompts}",
@@ -237,7 +242,7 @@ def _run(args, layout: str, n: int, single: bool, workdir: Path) -> dict:
                     seconds=time.perf_counter() - start)
     r = json.loads(result.read_text())
     if args.phases:
-        return dict(layout=layout, gpus=n, single=single, distributed=r["distributed"],
+        return dict(layout=layout, gpus=n, single=single, distributed=r["distributed"], plan=r.get("layout"),
                     wall_s=time.perf_counter() - start, **_phase_summary(r["phases"], n))
     last = r["history"][-1]
     n_gen = args.prompts_per_gpu * n * args.G * args.completion  # generated tokens of the step, all ranks
@@ -287,6 +292,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="--phases: measured repetitions after one warm-up")
     ap.add_argument("--rollout-prompts", type=int, default=16, help="--phases rollout: prompts per GPU")
     ap.add_argument("--rollout-completion", type=int, default=1024, help="--phases rollout: tokens per completion")
+    ap.add_argument("--no-recompute", type=int, default=-1,
+                    help="model.no_recompute_layers (the last N layers not recomputed); -1: the planner's choice")
     ap.add_argument("--tag", default="")
     # one rank's run (set by the orchestrator)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -353,21 +360,24 @@ def write_phases(args, rows: list[dict], skipped: list[int]) -> None:
               "largest GPU allocation of the phase (rank 0's). Loss and gradient norm: the paths update on the same "
               "batch, so they agree up to reduction order.", "",
               "| layout | GPUs | path | train s (ref + update) | ref s | update s | train peak GiB | rollout s "
-              "| rollout tok/s/GPU | rollout peak GiB | warm-up train s / rollout s | update loss / grad norm |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| rollout tok/s/GPU | rollout peak GiB | warm-up train s / rollout s | update loss / grad norm "
+              "| layers not recomputed / inputs resident / planned train GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        start, failed = _row_start(r, 12)
+        start, failed = _row_start(r, 13)
         if failed:
             lines.append(start)
             continue
-        t, ro = r.get("train") or {}, r.get("rollout") or {}
+        t, ro, plan = r.get("train") or {}, r.get("rollout") or {}, r.get("plan") or {}
         lines.append(f"{start} {_fmt(t.get('train_s'), '.2f')} "
                      f"| {_fmt(t.get('reference_s'), '.2f')} | {_fmt(t.get('update_s'), '.2f')} "
                      f"| {_fmt(t.get('peak_gib'), '.2f')} | {_fmt(ro.get('generation_s'), '.2f')} "
                      f"| {_fmt(ro.get('tokens_per_s'), ',.0f')} | {_fmt(ro.get('peak_gib'), '.2f')} "
                      f"| {_fmt((t.get('warmup') or {}).get('train_s'), '.1f')} / "
                      f"{_fmt((ro.get('warmup') or {}).get('generation_s'), '.1f')} "
-                     f"| {_fmt(t.get('loss'), '.6g')} / {_fmt(t.get('grad_norm'), '.6g')} |")
+                     f"| {_fmt(t.get('loss'), '.6g')} / {_fmt(t.get('grad_norm'), '.6g')} "
+                     f"| {_fmt(plan.get('no_recompute_layers'), 'd')} / {_fmt(plan.get('gpu_resident_layers'), 'd')} / "
+                     f"{_fmt(plan.get('predicted_train_gib'), '.2f')} |")
     stem = f"grpo_scale_phases_{args.shape}_{'cpu' if args.device == 'cpu' else 'gpu'}{args.tag}"
     write_result(stem, dict(meta=meta, rows=rows), lines)
 

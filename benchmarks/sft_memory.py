@@ -69,7 +69,7 @@ def _peak_gib() -> float:
 
 
 def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool) -> dict:
-    enable_offloaded_checkpointing(model, gpu_resident=plan.gpu_resident_layers)
+    enable_offloaded_checkpointing(model, gpu_resident=plan.gpu_resident_layers, no_recompute=plan.no_recompute_layers)
     if plan.mlp_tile_tokens:
         enable_mlp_tiling(model, plan.mlp_tile_tokens)
     if cuda and triton_available():
@@ -220,6 +220,8 @@ def add_budget_args(ap) -> None:
     ap.add_argument("--offload-all", action="store_true",
                     help="longrl: no GPU-resident layer inputs, MLP tiles of --mlp-tile (the longest lengths' layout)")
     ap.add_argument("--mlp-tile", type=int, default=4096)
+    ap.add_argument("--no-recompute", type=int, default=-1,
+                    help="longrl: the last N layers not recomputed (model.no_recompute_layers); -1: the planner's choice")
     ap.add_argument("--profile", action="store_true", help="after the last length's reps, one more step of each "
                     "implementation there under torch.profiler: GPU time by kernel kind and per kernel to "
                     "OUT/STEM_profile_IMPL.txt")
@@ -276,7 +278,8 @@ def main():
         g = torch.Generator().manual_seed(length)
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=g).tolist()
         try:
-            pins = dict(gpu_resident=0, mlp_tile_tokens=args.mlp_tile) if args.offload_all else {}
+            pins = (dict(gpu_resident=0, mlp_tile_tokens=args.mlp_tile, no_recompute=0) if args.offload_all
+                    else dict(no_recompute=None if args.no_recompute < 0 else args.no_recompute))
             plan = make_plan(shape, sequence_lengths=[length], lora_r=32, weight_bytes=weight_bytes,
                              gpu_free_bytes=free,
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
@@ -287,7 +290,8 @@ def main():
                   f"MLP tiles of {args.mlp_tile}", flush=True)
             plan = Plan(length, 0, True, args.chunk, 0, 0, {}, args.mlp_tile)
             planner_refused.add(length)
-        print(f"--- {length}: resident {plan.gpu_resident_layers}, MLP tile {plan.mlp_tile_tokens}", flush=True)
+        print(f"--- {length}: resident {plan.gpu_resident_layers}, MLP tile {plan.mlp_tile_tokens}, not recomputed "
+              f"{plan.no_recompute_layers}", flush=True)
         for impl in impls:
             if impl in failed:
                 rows.append({"length": length, "impl": impl, "skipped": "out of memory at a shorter length"})
@@ -312,7 +316,8 @@ def main():
             r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)
             if impl == "longrl":
-                r.update(layout=f"resident {plan.gpu_resident_layers}, tile {plan.mlp_tile_tokens or 0}"
+                r.update(layout=f"resident {plan.gpu_resident_layers}, tile {plan.mlp_tile_tokens or 0}, "
+                                f"not recomputed {plan.no_recompute_layers}"
                          + (" (planner refused)" if length in planner_refused else ""),
                          planner_gib=plan.predicted_gpu_bytes / GIB)
             rows.append(r)

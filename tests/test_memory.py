@@ -10,7 +10,8 @@ import torch
 from longrl.config import LoraConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from longrl.memory import ActivationOffloader, enable_offloaded_checkpointing, token_budget_groups
+from longrl.memory import (ActivationOffloader, enable_offloaded_checkpointing, keep_last_layers_whole,
+                           token_budget_groups)
 from longrl.memory.attention_reuse import ATTENTION_OPS
 from longrl.models import apply_lora
 from longrl.models.lora_training import fused_lora_training
@@ -34,7 +35,7 @@ def _batch(seed, n=5):
 
 
 def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mode=None, fused_lora=False,
-           b_scale=1.0, fused_layers=False):
+           b_scale=1.0, fused_layers=False, whole=0):
     model = copy.deepcopy(base)
     if lora:
         torch.manual_seed(3)
@@ -47,8 +48,10 @@ def _grads(base, mode, lora, dropout, packed, batch, gpu_resident=0, backward_mo
     inner = model.get_base_model() if lora else model
     if mode == "plain":
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        keep_last_layers_whole(model, whole)
     elif mode in ("offload", "reuse"):
-        enable_offloaded_checkpointing(model, gpu_resident=gpu_resident, reuse_attention=mode == "reuse")
+        enable_offloaded_checkpointing(model, gpu_resident=gpu_resident, reuse_attention=mode == "reuse",
+                                       no_recompute=whole)
     if fused_layers:  # as the trainer: after checkpointing (on the CPU the attention wrapper runs its own forward)
         from longrl.models.fused_layers import enable_fused_layers
 
@@ -146,6 +149,46 @@ def test_fused_layers_under_offloading_and_reuse_equal_plain_checkpointing_exact
             assert torch.equal(g[k], g_plain[k]), (mode, k)
 
 
+@pytest.mark.parametrize("mode, fused", [("plain", False), ("offload", False), ("reuse", False), ("reuse", True)])
+def test_layers_kept_whole_equal_checkpointed_layers_exactly(mode, fused, monkeypatch):
+    """model.no_recompute_layers: the last W layers out of checkpointing (plain or offloaded, with attention reuse,
+    resident inputs or none; the fused layers and fused LoRA or not) give the log-probs and gradients of every
+    layer checkpointed, bit for bit; each layer
+    taken out removes its recompute from the backward, and with all of them out (or more) the backward runs the ops
+    of no checkpointing at all."""
+    monkeypatch.setattr(ActivationOffloader, "EXTRA_MIN_BYTES", 0)
+    base, batch = _base(layers=4), _batch(torch.seed() % 1000)
+    fused_kw = dict(fused_layers=fused, fused_lora=fused)
+    lp_ref, g_ref = _grads(base, mode, True, 0.0, True, batch, **fused_kw)
+    backward_ops = {}
+    for whole, resident in ((0, 0), (1, 0), (3, 1), (4, 0), (9, 2)):
+        count = _CountOps()
+        lp, g = _grads(base, mode, True, 0.0, True, batch, whole=whole, gpu_resident=resident, backward_mode=count,
+                       **fused_kw)
+        assert torch.equal(lp, lp_ref) and g.keys() == g_ref.keys() and len(g) > 0
+        for k in g_ref:
+            assert torch.equal(g[k], g_ref[k]), (whole, k)
+        backward_ops[whole] = count.calls
+    unchecked = _CountOps()  # no checkpointing at all: backward alone
+    _grads(base, "none", True, 0.0, True, batch, backward_mode=unchecked, **fused_kw)
+    assert backward_ops[0] > backward_ops[1] > backward_ops[3] > backward_ops[4]
+    assert backward_ops[4] == backward_ops[9]
+    # (transformers' plain checkpointing also makes the embeddings' output require grad: a few more backward ops)
+    assert backward_ops[4] == unchecked.calls if mode != "plain" else backward_ops[4] > unchecked.calls
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen ops that run (used around backward: the recomputes and the backward itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_packed_equals_padded():
     """In float64, so that only a real difference (not summation order) can fail it."""
     base, batch = _base(1).double(), _batch(torch.seed() % 1000, n=6)
@@ -206,7 +249,8 @@ def test_token_budget_groups(seed):
 
 
 def test_trainer_token_budget_and_offload_match_default(tmp_path):
-    """A run split by token budget, offloaded, matches the plain run's metrics (float tolerance)."""
+    """A run split by token budget, offloaded, matches the plain run's metrics (float tolerance); with attention
+    reuse, and with its last layer not recomputed, the offloaded run's exactly."""
     from longrl.config import load_config
     from longrl.demo import demo_config
     from longrl.trainer import GRPOTrainer
@@ -221,10 +265,14 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
     c = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'c'}", "train.micro_batch_tokens=20",
                                                 "model.offload_activations=true", "model.reuse_attention=true"],
                                 base=demo_config())).train()
-    for ma, mb, mc in zip(a, b, c):
+    d = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'd'}", "train.micro_batch_tokens=20",
+                                                "model.offload_activations=true", "model.reuse_attention=true",
+                                                "model.no_recompute_layers=1"], base=demo_config())).train()
+    for ma, mb, mc, md in zip(a, b, c, d):
         for k in ("reward", "loss", "kl", "grad_norm", "entropy"):
             assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-6), k
             assert mc[k] == mb[k], k  # attention reuse is exact
+            assert md[k] == mc[k], k  # so is a layer kept whole
 
 
 def test_reuse_attention_needs_offloading():

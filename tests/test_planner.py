@@ -244,7 +244,7 @@ def test_4bit_base_computing_in_float32_counts_float32_activations():
     def parts(dtype, four_bit):
         cfg = load_config(overrides=[f"model.dtype={dtype}", f"model.load_in_4bit={four_bit}",
                                      "model.offload_activations=true", "train.micro_batch_tokens=20480",
-                                     "model.reuse_attention=false",
+                                     "model.reuse_attention=false", "model.no_recompute_layers=0",
                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
         return plan_for_config(cfg, model, 139 * GIB, 500 * GIB).parts_gpu_bytes
 
@@ -329,6 +329,7 @@ def test_full_fine_tuning_counts_the_base_weights_training_state():
     def plan(lora):
         cfg = load_config(overrides=[f"lora.enabled={lora}", "grpo.beta=0", "model.dtype=bfloat16",
                                      "model.offload_activations=true", "train.micro_batch_tokens=8192",
+                                     "model.no_recompute_layers=0",
                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
         return plan_for_config(cfg, model, 139 * GIB, 500 * GIB)
 
@@ -361,7 +362,7 @@ def test_without_checkpointing_every_layers_activations_are_counted():
     def plan(checkpointing):
         cfg = load_config(overrides=[f"model.gradient_checkpointing={checkpointing}", "model.dtype=bfloat16",
                                      "train.micro_batch_tokens=4096", "data.max_prompt_length=512",
-                                     "model.reuse_attention=false",
+                                     "model.reuse_attention=false", "model.no_recompute_layers=0",
                                      "generation.max_completion_length=3584",
                                      "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
         return plan_for_config(cfg, model, 139 * GIB, 500 * GIB)
@@ -455,7 +456,8 @@ def test_budget_caps_every_phase_of_the_8b_20k_job(fourbit, gib):
     assert 1 <= bf16.rollout.slots < 8 if gib == 22 else bf16.rollout.slots == 8  # 40 GiB: 15 + 19.6 GiB KV fit
     uncapped = plan_for_config(_run_cfg(*overrides[:2], f"model.load_in_4bit={str(fourbit).lower()}"),
                                _llama_config(), 139 * GIB, 500 * GIB)
-    assert uncapped.rollout.slots == 8 and uncapped.gpu_resident_layers >= bf16.gpu_resident_layers
+    assert uncapped.rollout.slots == 8  # and more layer inputs stay on the GPU (resident, or in layers kept whole)
+    assert uncapped.gpu_resident_layers + uncapped.no_recompute_layers >= bf16.gpu_resident_layers
 
 
 def test_budget_that_cannot_fit_names_the_way_out():
@@ -587,3 +589,38 @@ def test_fused_rmsnorm_kernels_keep_16_bit_inputs_in_the_prediction():
     assert not fused_norms_apply(run, llama)
     run.model.device, run.model.fused_layers = "cuda", False
     assert not fused_norms_apply(run, llama)
+
+
+def test_layers_not_recomputed_fill_the_planners_share_of_plentiful_memory():
+    """model.no_recompute_layers left null: with memory to spare (the 8B 20K job on 139 GiB) the planner takes the
+    last layers out of checkpointing while the step fits in NO_RECOMPUTE_SHARE of the memory, as many as fit and no
+    more; each counts kept + 3 T I b. In a 40 GiB budget, with MLP tiles, or pinned, it takes what it is given."""
+    from longrl.memory.planner import NO_RECOMPUTE_SHARE, _SAFETY, layer_kept_bytes, plan_for_config
+
+    job = ("generation.max_completion_length=19968", "train.prompts_per_step=1")
+    plan = plan_for_config(_run_cfg(*job), _llama_config(), 139 * GIB, 500 * GIB)
+    W, T = plan.no_recompute_layers, plan.micro_batch_tokens
+    assert 0 < W < 32 and plan.offload and plan.mlp_tile_tokens is None
+    share = int(139 * GIB * NO_RECOMPUTE_SHARE * _SAFETY)
+    assert plan.predicted_gpu_bytes <= share
+    per_layer = layer_kept_bytes(LLAMA_8B, T, 2, tile=T, lora_r=32, offload=False, norm_bytes=2) + 3 * T * 14336 * 2
+    assert plan.parts_gpu_bytes["layers not recomputed"] == W * per_layer
+    more = plan_for_config(_run_cfg(*job, f"model.no_recompute_layers={W + 1}"), _llama_config(), 139 * GIB, 500 * GIB)
+    assert more.no_recompute_layers == W + 1 and more.predicted_gpu_bytes > share  # one more would not fit
+    assert more.gpu_resident_layers <= 32 - (W + 1)  # the checkpointed layers' inputs only
+    budget = plan_for_config(_run_cfg(*job, "train.gpu_memory_gib=40"), _llama_config(), 139 * GIB, 500 * GIB)
+    tiled = plan_for_config(_run_cfg(*job, "train.mlp_tile_tokens=4096"), _llama_config(), 139 * GIB, 500 * GIB)
+    pinned = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=0"), _llama_config(), 139 * GIB, 500 * GIB)
+    assert budget.no_recompute_layers == tiled.no_recompute_layers == pinned.no_recompute_layers == 0
+    assert "layers not recomputed" not in pinned.parts_gpu_bytes
+    assert pinned.predicted_gpu_bytes < plan.predicted_gpu_bytes
+    assert "layers not recomputed" in plan.table()
+
+
+def test_no_recompute_layers_config_errors_name_the_key():
+    from longrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.no_recompute_layers"):
+        _run_cfg("model.no_recompute_layers=-1")
+    with pytest.raises(ConfigError, match="model.no_recompute_layers.*without checkpointing"):
+        _run_cfg("model.no_recompute_layers=2", "model.gradient_checkpointing=false")

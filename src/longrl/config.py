@@ -44,6 +44,10 @@ class ModelConfig:
     #                                            planner decides on CUDA (memory/layout.py), off on CPU
     gpu_resident_layers: int = 0  # with offloading: layer inputs per forward kept on the GPU (the last ones); 0: the
     #                               planner's choice
+    no_recompute_layers: Optional[int] = None  # with checkpointing (offloaded or plain): the last N decoder layers
+    #   keep every activation from forward to backward and are not recomputed (memory for speed; gradients
+    #   unchanged; more than the model has: all); null: as many as the planner fits in its share of GPU memory on
+    #   CUDA, 0 on CPU
     reuse_attention: Optional[bool] = None  # with offloading: keep each layer's attention output with its input;
     #   backward skips the attention kernel in the recompute (one more activation per layer; gradients unchanged);
     #   null: on with offloading unless the planner finds it costs micro-batch tokens or a finer MLP tile
@@ -289,7 +293,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
-                     "model.gpu_resident_layers", "model.sdpa_backends", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
+                     "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
                      "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
                      "data.eval_split", "data.eval_num_examples",
                      "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",
@@ -618,6 +622,11 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
     m = cfg.model
     _check(all(b in ("cudnn", "flash", "efficient", "math") for b in m.sdpa_backends), "model.sdpa_backends",
            m.sdpa_backends, "a list of cudnn, flash, efficient, math")
+    _check(m.no_recompute_layers is None or (isinstance(m.no_recompute_layers, int) and m.no_recompute_layers >= 0),
+           "model.no_recompute_layers", m.no_recompute_layers, "null (the planner's choice) or an integer >= 0")
+    _check(not m.no_recompute_layers or m.gradient_checkpointing is not False,
+           "model.no_recompute_layers", m.no_recompute_layers,
+           "0 or null without checkpointing (model.gradient_checkpointing=false: no layer is recomputed anyway)")
     _check(not m.reuse_attention or m.offload_activations is True, "model.reuse_attention", m.reuse_attention,
            "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
     _check(not (m.offload_activations and m.gradient_checkpointing is False), "model.gradient_checkpointing",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from .memory import enable_mlp_tiling, enable_offloaded_checkpointing
+from .memory import enable_mlp_tiling, enable_offloaded_checkpointing, keep_last_layers_whole
 from .memory.layout import cap_allocator, resolve_layout
 from .memory.planner import model_config_of
 from .models import base_model, load_model, resolve_device
@@ -42,7 +42,7 @@ def _resolve(cfg, model_config, device, recipe: str, world_size: int = 1):
     view = sft_planning_view(cfg)
     plan = resolve_layout(view, model_config, device)
     for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers",
-                                     "reuse_attention")),
+                                     "no_recompute_layers", "reuse_attention")),
                           ("train", ("micro_batch_tokens", "mlp_tile_tokens"))):
         for key in keys:
             setattr(getattr(cfg, section), key, getattr(getattr(view, section), key))
@@ -75,9 +75,12 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
         tokenizer = loaded if tokenizer is None else tokenizer
     if not planned:  # the same plan `longrl plan` prints
         plan = _resolve(cfg, base_model(model).config, device, recipe, world_size)
+    whole = cfg.model.no_recompute_layers or 0  # the plan's on CUDA when it was null
     offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
-                                                reuse_attention=bool(cfg.model.reuse_attention))
+                                                reuse_attention=bool(cfg.model.reuse_attention), no_recompute=whole)
                  if cfg.model.offload_activations else None)
+    if whole and offloader is None and cfg.model.gradient_checkpointing:
+        keep_last_layers_whole(model, whole)
     tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
     if tile:
         enable_mlp_tiling(model, tile)

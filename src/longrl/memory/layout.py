@@ -1,12 +1,12 @@
 """A run's memory layout and GPU budget: what the planner chose, what the user pinned, and the cap that holds it.
 
 On CUDA the planner (memory/planner.py: plan_for_config) decides every layout key left null or 0 —
-model.gradient_checkpointing, model.offload_activations, model.gpu_resident_layers, model.reuse_attention,
-train.micro_batch_tokens, train.mlp_tile_tokens — for the memory the run may use: train.gpu_memory_gib when set (capped at what is free),
-else what is free. A pinned key is an input to the plan, never overridden. With a budget the caching allocator is
-capped too (torch.cuda.set_per_process_memory_fraction: an allocation past the budget raises out-of-memory), and the
-sampler sizes its KV cache within it. On the CPU nothing is planned: null layout keys mean off (attention reuse:
-on with offloading).
+model.gradient_checkpointing, model.offload_activations, model.gpu_resident_layers, model.no_recompute_layers,
+model.reuse_attention, train.micro_batch_tokens, train.mlp_tile_tokens — for the memory the run may use:
+train.gpu_memory_gib when set (capped at what is free), else what is free. A pinned key is an input to the plan,
+never overridden. With a budget the caching allocator is capped too (torch.cuda.set_per_process_memory_fraction: an
+allocation past the budget raises out-of-memory), and the sampler sizes its KV cache within it. On the CPU nothing
+is planned: null layout keys mean off (attention reuse: on with offloading).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1)
         m.gradient_checkpointing = bool(m.gradient_checkpointing)
         if m.reuse_attention is None:  # nothing to plan: on with offloading
             m.reuse_attention = m.offload_activations
+        if m.no_recompute_layers is None:
+            m.no_recompute_layers = 0
         return None
     plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size)
     m.offload_activations = plan.offload
@@ -62,6 +64,8 @@ def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1)
         cfg.train.micro_batch_tokens = plan.micro_batch_tokens
     if not m.gpu_resident_layers:
         m.gpu_resident_layers = plan.gpu_resident_layers
+    if m.no_recompute_layers is None:
+        m.no_recompute_layers = plan.no_recompute_layers
     if cfg.train.mlp_tile_tokens is None:
         cfg.train.mlp_tile_tokens = plan.mlp_tile_tokens or 0
     log.info("memory plan:\n%s", plan.table())

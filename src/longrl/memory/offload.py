@@ -310,16 +310,41 @@ def offloaded_checkpoint(offloader: ActivationOffloader):
     return checkpoint_fn
 
 
-def enable_offloaded_checkpointing(model, gpu_resident: int = 0, reuse_attention: bool = False) -> ActivationOffloader:
+def decoder_layers(model) -> list:
+    """The decoder layers transformers checkpoints (its GradientCheckpointingLayer modules), in forward order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from ..models import base_model
+
+    return [m for m in base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def keep_last_layers_whole(model, n: int) -> int:
+    """Turn checkpointing off for the last ``n`` decoder layers (all when ``n`` exceeds them): they keep every
+    activation from forward to backward and are not recomputed. Through transformers' own per-layer switch (the
+    ``gradient_checkpointing`` flag its checkpointing sets on each layer). Returns how many layers stay
+    checkpointed."""
+    layers = decoder_layers(model)
+    n = min(max(n, 0), len(layers))
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < len(layers) - n
+    return len(layers) - n
+
+
+def enable_offloaded_checkpointing(model, gpu_resident: int = 0, reuse_attention: bool = False,
+                                   no_recompute: int = 0) -> ActivationOffloader:
     """Checkpoint every decoder layer of ``model`` (a transformers or PEFT model), its inputs offloaded;
-    ``reuse_attention``: its attention outputs kept with them instead of recomputed."""
+    ``reuse_attention``: its attention outputs kept with them instead of recomputed; ``no_recompute``: the last
+    that many layers not checkpointed at all (keep_last_layers_whole)."""
     from ..models import base_model
 
     base = base_model(model)
     device = next(base.parameters()).device
-    num_layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)
-    offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=num_layers,
+    offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=None,
                                     reuse_attention=reuse_attention)
     base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offloaded_checkpoint(offloader))
     base.config.use_cache = False
+    # the layers checkpointed per forward: the resident inputs are the last of these
+    offloader.num_layers = keep_last_layers_whole(model, no_recompute) if no_recompute else (
+        getattr(base.config.get_text_config(), "num_hidden_layers", None))
     return offloader

@@ -34,7 +34,10 @@ the next one starts. So the peak is inside one of those steps, and a term counts
                    and logit gradients (ops/logprobs.py: backward); with the row kernels (a GPU, no softcap:
                    ops/logprob_kernel.py) one chunk of logits in the compute dtype, overwritten by their gradient,
                    instead: chunk × V × b
-    host         = (L − gpu_resident) × T × s                   pinned pool of layer inputs (offloaded only)
+    whole        = W × (kept + 3 T I b)                        the last W layers not checkpointed
+                   (model.no_recompute_layers): every activation from forward to backward, the MLP's gate, up and
+                   product too; the other L − W layers are checkpointed as above (their inputs counted in gpu inputs)
+    host         = (L − W − gpu_resident) × T × s               pinned pool of layer inputs (offloaded only)
 
     peak GPU     = weights + lora + gpu inputs + max(layer, log-prob)
                    (the log-prob chunks are freed before the last layer recomputes; the log-prob step holds only
@@ -57,7 +60,9 @@ peak is the larger of the two phases:
 T is the micro-batch token budget: a sequence longer than the budget is a micro-batch alone, so the budget
 is at least the longest sequence. The planner picks the largest budget that fits, up to the longest sequence
 or MAX_PACKED_TOKENS, whichever is larger (packed micro-batches need a [T, T] attention mask),
-then keeps as many layer inputs on the GPU as the remaining memory allows. MLP tiles are chosen only when the
+then keeps as many layer inputs on the GPU as the remaining memory allows, then (untiled) takes the last layers out
+of checkpointing while the whole step fits in NO_RECOMPUTE_SHARE of the memory: each one saves its recompute (a
+layer's forward, ~1/4 of its training FLOPs) for ~(kept + 3 T I b) of memory. MLP tiles are chosen only when the
 longest micro-batch cannot fit untiled: the largest of T/2, T/3, ... (rounded up to MLP_TILE_ALIGN tokens) that
 fits. Tiling costs one extra MLP forward per token in backward, 2 × 3 H I FLOPs per token and layer: ~13% of a
 step at 20K tokens for Llama-3.1-8B (linear layers dominate), ~2% at 400K (attention dominates). The terms count
@@ -165,6 +170,7 @@ class Plan:
     checkpointing: bool = True  # layers recomputed in backward (offloaded or plain); False: every activation kept
     budget_bytes: int = 0  # the GPU memory planned for (train.gpu_memory_gib, or what was free)
     reuse_attention: bool = False  # offloaded layers keep their attention outputs (memory/attention_reuse.py)
+    no_recompute_layers: int = 0  # the last layers not checkpointed: all activations kept, no recompute
 
     def table(self) -> str:
         rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
@@ -173,6 +179,7 @@ class Plan:
                  ("offloaded checkpointing", "yes" if self.offload else "no"),
                  ("attention reuse", "yes" if self.reuse_attention else "no"),
                 ("layer inputs kept on GPU", str(self.gpu_resident_layers)),
+                ("layers not recomputed", str(self.no_recompute_layers)),
                 ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}"),
                 ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
@@ -297,7 +304,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
             chunk: int, optimizer: bool = True, trainable_head: bool = False, trainable_base: bool = False,
             mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
             compute_bytes: int | None = None, checkpointing: bool = True,
-            logprob_kernel: bool = False, weight_shards: int = 1, fused_norms: bool = False) -> tuple[int, int, dict]:
+            logprob_kernel: bool = False, weight_shards: int = 1, fused_norms: bool = False,
+            no_recompute: int = 0) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
@@ -311,10 +319,12 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     kernels (see the module docstring). ``weight_shards`` > 1: FSDP2 over that many ranks holds 1/N of the base
     weights, their gradients and Adam's moments, plus the full weights of the root (embeddings, head) and of two
     decoder layers at a time (the one computing and the one prefetched). ``fused_norms``: the RMSNorms run as the
-    fused kernels (ops/rmsnorm.py: the 16-bit input and a float32 r per row kept, no float32 copies of x)."""
+    fused kernels (ops/rmsnorm.py: the 16-bit input and a float32 r per row kept, no float32 copies of x).
+    ``no_recompute``: with checkpointing, the last that many layers are not checkpointed (module docstring: whole)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     n = b if fused_norms else F32  # bytes an RMSNorm keeps per element of its input
-    L = shape.layers
+    whole = min(max(no_recompute, 0), shape.layers) if (checkpointing or offload) else 0
+    L = shape.layers - whole  # the checkpointed layers
     resident = L if not offload else min(gpu_resident, L)
     per_input = shape.saved_bytes_per_token(b, reuse_attention)
     tile = mlp_tile if mlp_tile and mlp_tile < tokens else tokens
@@ -338,10 +348,13 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         parts["base weights"] //= weight_shards
         root = shape.base_params() - shape.layers * shape.layer_params()
         parts["FSDP2 unsharded root + 2 layers"] = int((root + 2 * shape.layer_params()) * weight_bytes)
-    if not (checkpointing or offload):
+    if not (checkpointing or offload) or whole:
         kept = layer_kept_bytes(shape, tokens, b, tile=tokens, lora_r=lora_r, offload=False, repeat_kv=repeat_kv,
                                 norm_bytes=n)
-        parts["activations of the other layers"] = (L - 1) * (kept + 3 * tokens * shape.intermediate * b)
+        if whole:
+            parts["layers not recomputed"] = whole * (kept + 3 * tokens * shape.intermediate * b)
+        else:
+            parts["activations of the other layers"] = (L - 1) * (kept + 3 * tokens * shape.intermediate * b)
     host = (L - resident) * tokens * per_input if offload else 0
     not_together = min(parts["layer recompute"], parts["log-prob backward"])  # sequential in backward
     return sum(parts.values()) - not_together, host, parts
@@ -441,9 +454,11 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
               trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False,
-              weight_shards: int = 1, fused_norms: bool = False) -> Plan:
-    """Choose the micro-batch token budget, MLP tile and GPU-resident layer inputs so the step fits; PlanError
-    if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never tiles, n tiles by n.
+              weight_shards: int = 1, fused_norms: bool = False, no_recompute: int | None = 0) -> Plan:
+    """Choose the micro-batch token budget, MLP tile, GPU-resident layer inputs and layers not recomputed so the
+    step fits; PlanError if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never
+    tiles, n tiles by n. ``no_recompute``: None lets the planner take layers out of checkpointing (untiled, within
+    NO_RECOMPUTE_SHARE of the memory), n takes the last n out.
     ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``, ``weight_shards``,
     ``fused_norms``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
@@ -454,8 +469,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards,
                 fused_norms=fused_norms)
 
-    def cost(tokens, resident, tile=None):
-        gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, **step)
+    def cost(tokens, resident, tile=None, whole=0):
+        gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, no_recompute=whole, **step)
         return gpu, host
 
     def fewest_resident(tokens, tile=None) -> int:
@@ -501,14 +516,24 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
             resident = fewest_resident(budget, tile)
             while resident < shape.layers and cost(budget, resident + 1, tile)[0] <= usable:
                 resident += 1
-    gpu, host, parts = predict(shape, tokens=budget, gpu_resident=resident, mlp_tile=tile, **step)
+    whole = no_recompute or 0
+    if no_recompute is None and (checkpointing or offload) and not tile:
+        # an estimate from the checkpointed terms (predict), so within the share the no-recompute layout gets
+        share = int(gpu_free_bytes * NO_RECOMPUTE_SHARE * _SAFETY)
+        while whole < shape.layers and cost(budget, resident, tile, whole + 1)[0] <= share:
+            whole += 1
+    whole = min(whole, shape.layers) if (checkpointing or offload) else 0
+    resident = min(resident, shape.layers - whole)
+    gpu, host, parts = predict(shape, tokens=budget, gpu_resident=resident, mlp_tile=tile, no_recompute=whole,
+                               **step)
     if reuse_attention:
         parts = {("layer inputs + attention outputs on GPU" if k == "layer inputs on GPU" else k): v
                  for k, v in parts.items()}
     if gpu > usable:
         raise PlanError(f"the step needs {gpu / GIB:.1f} GiB of GPU memory; {usable / GIB:.1f} GiB is usable")
     return Plan(budget, resident, offload, chunk, gpu, host, parts, tile, checkpointing=checkpointing or offload,
-                budget_bytes=gpu_free_bytes, reuse_attention=bool(reuse_attention and offload))
+                budget_bytes=gpu_free_bytes, reuse_attention=bool(reuse_attention and offload),
+                no_recompute_layers=whole)
 
 
 def host_memory_bytes() -> int:
@@ -596,7 +621,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 mlp_tile_tokens=cfg.train.mlp_tile_tokens, reuse_attention=cfg.model.reuse_attention,
                 repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
                 trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config),
-                weight_shards=shards, fused_norms=fused_norms_apply(cfg, model_config))
+                weight_shards=shards, fused_norms=fused_norms_apply(cfg, model_config),
+                no_recompute=cfg.model.no_recompute_layers)
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
     try:
         plan = _first_fitting(shape, candidates, gpu_free_bytes, step)
