@@ -624,3 +624,12 @@ def test_no_recompute_layers_config_errors_name_the_key():
         _run_cfg("model.no_recompute_layers=-1")
     with pytest.raises(ConfigError, match="model.no_recompute_layers.*without checkpointing"):
         _run_cfg("model.no_recompute_layers=2", "model.gradient_checkpointing=false")
+
+
+def test_pinned_layers_not_recomputed_that_do_not_fit_name_the_key():
+    from longrl.memory.planner import plan_for_config
+
+    with pytest.raises(PlanError, match="32 layers not recomputed: lower model.no_recompute_layers"):
+        plan_for_config(_run_cfg("generation.max_completion_length=19968", "train.prompts_per_step=1",
+                                 "model.no_recompute_layers=32", "train.gpu_memory_gib=60"), _llama_config(),
+                        139 * GIB, 500 * GIB)
