@@ -227,7 +227,8 @@ def test_planner_counts_nf4_weights():
     llama8b = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
     over = ["data.max_prompt_length=512", "generation.max_completion_length=19968", "train.prompts_per_step=1",
-            "grpo.num_generations=8", "model.offload_activations=true", "model.dtype=bfloat16", "lora.enabled=true"]
+            "grpo.num_generations=8", "model.offload_activations=true", "model.dtype=bfloat16", "lora.enabled=true",
+            "model.no_recompute_layers=0"]  # (else both fill the planner's share with layers kept whole)
     bf16 = plan_for_config(load_config(None, over, base=demo_config()), llama8b, 139 * GIB, 500 * GIB)
     q = plan_for_config(load_config(None, over + ["model.load_in_4bit=true"], base=demo_config()), llama8b,
                         139 * GIB, 500 * GIB)
