@@ -105,7 +105,8 @@
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
 #              beside the one-process path, one model load per path (~6 min; SCTAG names the files)
 #   scale1s    the training step of scale1 alone, one-process path only, SCREPS measured reps (default 2), SCNR layers
-#              not recomputed (model.no_recompute_layers; default -1: the planner's choice) (~2 min)
+#              not recomputed (model.no_recompute_layers; default -1: the planner's choice), SCLAYOUT=qlora for the
+#              4-bit base (~2 min)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -288,7 +289,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         scale1) stage scale1 480 python3 benchmarks/grpo_scale.py --layouts lora --gpus 1 --with-single \
             --phases train,rollout --prompts-per-gpu 1 --completion 19968 --rollout-prompts 16 \
             --rollout-completion 1024 --reps 1 --timeout 240 --tag "${SCTAG:-_ws1_phases}" ;;
-        scale1s) stage scale1s 300 python3 benchmarks/grpo_scale.py --layouts lora --gpus "" --with-single \
+        scale1s) stage scale1s 300 python3 benchmarks/grpo_scale.py --layouts "${SCLAYOUT:-lora}" --gpus "" --with-single \
             --phases train --prompts-per-gpu 1 --completion 19968 --reps "${SCREPS:-2}" --timeout 280 --no-recompute "${SCNR:--1}" \
             --tag "${SCTAG:-_ws1_train}" ;;
         *) echo "unknown stage $s" ;;
