@@ -177,6 +177,44 @@ def test_layers_kept_whole_equal_checkpointed_layers_exactly(mode, fused, monkey
     assert backward_ops[4] == unchecked.calls if mode != "plain" else backward_ops[4] > unchecked.calls
 
 
+def test_layers_kept_whole_leave_the_resident_inputs_to_the_checkpointed_layers():
+    """With W layers kept whole the offloader counts only the L − W checkpointed ones: the last ``gpu_resident`` of
+    those stay on the GPU and the rest go to the host pool, over two micro-batches."""
+    base, batch = _base(layers=4), _batch(5)
+    for whole, resident in ((2, 1), (1, 2), (3, 0), (4, 1)):
+        model = apply_lora(copy.deepcopy(base), LoraConfig(r=4))
+        model.train()
+        off = enable_offloaded_checkpointing(model, gpu_resident=resident, no_recompute=whole)
+        assert off.num_layers == 4 - whole
+        prompts, completions = batch
+        for _ in range(2):
+            lp = sequence_logprobs(model, prompts, completions, 11, pad_id=0, packed=True)[0]
+            saved = [s.input.host is not None for s in off.stack]
+            assert saved == [True] * max(0, 4 - whole - resident) + [False] * min(resident, 4 - whole)
+            lp.sum().backward()
+            assert not off.stack
+
+
+def test_a_model_given_again_gets_the_new_layout_of_layers_kept_whole(tmp_path):
+    """Plain checkpointing on a model passed in twice: the second layout (none kept whole) replaces the first's flags."""
+    from longrl.config import load_config
+    from longrl.demo import demo_config
+    from longrl.model_setup import build_policy_model
+
+    def layout(whole):
+        return load_config(None, ["model.gradient_checkpointing=true", "model.offload_activations=false",
+                                  f"model.no_recompute_layers={whole}", f"output.output_dir={tmp_path}"],
+                           base=demo_config())
+
+    from longrl.models import base_model
+
+    model, tokenizer, *_ = build_policy_model(layout(1))
+    flags = [layer.gradient_checkpointing for layer in base_model(model).model.layers]
+    assert len(flags) > 1 and flags == [True] * (len(flags) - 1) + [False]
+    model, *_ = build_policy_model(layout(0), model=model, tokenizer=tokenizer)
+    assert all(layer.gradient_checkpointing for layer in base_model(model).model.layers)
+
+
 class _CountOps(TorchDispatchMode):
     """Counts the ATen ops that run (used around backward: the recomputes and the backward itself)."""
 
@@ -268,6 +306,7 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
     d = GRPOTrainer(load_config(None, common + [f"output.output_dir={tmp_path / 'd'}", "train.micro_batch_tokens=20",
                                                 "model.offload_activations=true", "model.reuse_attention=true",
                                                 "model.no_recompute_layers=1"], base=demo_config())).train()
+    load_config(tmp_path / "d" / "config.yaml", ["output.resume=true"])  # the layout it recorded loads again
     for ma, mb, mc, md in zip(a, b, c, d):
         for k in ("reward", "loss", "kl", "grad_norm", "entropy"):
             assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-6), k

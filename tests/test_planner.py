@@ -505,8 +505,19 @@ def test_trainer_fails_before_the_model_loads_and_fills_the_layout_from_the_plan
     cfg = _run_cfg(*base, "train.gpu_memory_gib=40")
     with pytest.raises(Loaded):
         tr.GRPOTrainer(cfg)
-    assert loads and cfg.model.offload_activations is True and cfg.model.gradient_checkpointing is False
+    assert loads and cfg.model.offload_activations is True and cfg.model.gradient_checkpointing is True
     assert cfg.train.micro_batch_tokens == 20480 and 0 < cfg.model.gpu_resident_layers <= 32
+    assert cfg.model.no_recompute_layers == 0  # a 40 GiB budget: the frugal layout
+    roomy = _run_cfg(*base)
+    with pytest.raises(Loaded):
+        tr.GRPOTrainer(roomy)
+    assert roomy.model.no_recompute_layers > 0 and roomy.model.gradient_checkpointing is True
+    from longrl.config import load_config
+
+    for filled in (cfg, roomy):  # the filled-in layout (what config.yaml records) loads again, as a resume reads it
+        (tmp_path / "saved.yaml").write_text(filled.to_yaml())
+        again = load_config(tmp_path / "saved.yaml", ["output.resume=true"])
+        assert again.model == filled.model
 
 
 def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path):
@@ -622,14 +633,29 @@ def test_no_recompute_layers_config_errors_name_the_key():
 
     with pytest.raises(ConfigError, match="model.no_recompute_layers"):
         _run_cfg("model.no_recompute_layers=-1")
-    with pytest.raises(ConfigError, match="model.no_recompute_layers.*without checkpointing"):
-        _run_cfg("model.no_recompute_layers=2", "model.gradient_checkpointing=false")
+    with pytest.raises(ConfigError, match="model.no_recompute_layers"):
+        _run_cfg("model.no_recompute_layers=true")
+    # without checkpointing every layer keeps its activations anyway: accepted (a saved, resolved layout may say so)
+    assert _run_cfg("model.no_recompute_layers=2", "model.gradient_checkpointing=false").model.no_recompute_layers == 2
 
 
 def test_pinned_layers_not_recomputed_that_do_not_fit_name_the_key():
     from longrl.memory.planner import plan_for_config
 
-    with pytest.raises(PlanError, match="32 layers not recomputed: lower model.no_recompute_layers"):
+    with pytest.raises(PlanError, match=r"lower model.no_recompute_layers \(now 32\)"):
         plan_for_config(_run_cfg("generation.max_completion_length=19968", "train.prompts_per_step=1",
                                  "model.no_recompute_layers=32", "train.gpu_memory_gib=60"), _llama_config(),
                         139 * GIB, 500 * GIB)
+
+
+def test_a_pinned_count_of_layers_not_recomputed_sizes_the_micro_batch():
+    """model.no_recompute_layers pinned: the token budget and the resident inputs are chosen with those layers'
+    activations counted, so the plan shrinks the micro-batch to fit rather than failing."""
+    from longrl.memory.planner import plan_for_config
+
+    job = ("generation.max_completion_length=1536", "train.prompts_per_step=8", "train.gpu_memory_gib=40",
+           "model.offload_activations=true")
+    free = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=0"), _llama_config(), 139 * GIB, 500 * GIB)
+    pinned = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=8"), _llama_config(), 139 * GIB, 500 * GIB)
+    assert pinned.no_recompute_layers == 8 and pinned.predicted_gpu_bytes <= 40 * GIB
+    assert pinned.micro_batch_tokens < free.micro_batch_tokens

@@ -46,8 +46,8 @@ class ModelConfig:
     #                               planner's choice
     no_recompute_layers: Optional[int] = None  # with checkpointing (offloaded or plain): the last N decoder layers
     #   keep every activation from forward to backward and are not recomputed (memory for speed; gradients
-    #   unchanged; more than the model has: all); null: as many as the planner fits in its share of GPU memory on
-    #   CUDA, 0 on CPU
+    #   unchanged; more than the model has: all; without checkpointing no layer is recomputed anyway); null: as
+    #   many as the planner fits in its share of GPU memory on CUDA, 0 on CPU
     reuse_attention: Optional[bool] = None  # with offloading: keep each layer's attention output with its input;
     #   backward skips the attention kernel in the recompute (one more activation per layer; gradients unchanged);
     #   null: on with offloading unless the planner finds it costs micro-batch tokens or a finer MLP tile
@@ -624,9 +624,6 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
            m.sdpa_backends, "a list of cudnn, flash, efficient, math")
     _check(m.no_recompute_layers is None or (isinstance(m.no_recompute_layers, int) and m.no_recompute_layers >= 0),
            "model.no_recompute_layers", m.no_recompute_layers, "null (the planner's choice) or an integer >= 0")
-    _check(not m.no_recompute_layers or m.gradient_checkpointing is not False,
-           "model.no_recompute_layers", m.no_recompute_layers,
-           "0 or null without checkpointing (model.gradient_checkpointing=false: no layer is recomputed anyway)")
     _check(not m.reuse_attention or m.offload_activations is True, "model.reuse_attention", m.reuse_attention,
            "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
     _check(not (m.offload_activations and m.gradient_checkpointing is False), "model.gradient_checkpointing",

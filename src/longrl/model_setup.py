@@ -79,7 +79,7 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
     offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
                                                 reuse_attention=bool(cfg.model.reuse_attention), no_recompute=whole)
                  if cfg.model.offload_activations else None)
-    if whole and offloader is None and cfg.model.gradient_checkpointing:
+    if offloader is None and cfg.model.gradient_checkpointing:  # (0 too: a model given again keeps no stale flags)
         keep_last_layers_whole(model, whole)
     tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
     if tile:

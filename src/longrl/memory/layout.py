@@ -49,7 +49,7 @@ def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1)
     m = cfg.model
     if device.type != "cuda":
         m.offload_activations = bool(m.offload_activations)
-        m.gradient_checkpointing = bool(m.gradient_checkpointing)
+        m.gradient_checkpointing = bool(m.gradient_checkpointing) or m.offload_activations  # offloading recomputes
         if m.reuse_attention is None:  # nothing to plan: on with offloading
             m.reuse_attention = m.offload_activations
         if m.no_recompute_layers is None:
@@ -57,7 +57,7 @@ def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1)
         return None
     plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size)
     m.offload_activations = plan.offload
-    m.gradient_checkpointing = plan.checkpointing and not plan.offload  # offloading installs its own checkpointing
+    m.gradient_checkpointing = plan.checkpointing  # layers recomputed (offloading installs its own checkpointing)
     if m.reuse_attention is None:
         m.reuse_attention = plan.reuse_attention
     if cfg.train.micro_batch_tokens == 0:

@@ -310,20 +310,13 @@ def offloaded_checkpoint(offloader: ActivationOffloader):
     return checkpoint_fn
 
 
-def decoder_layers(model) -> list:
-    """The decoder layers transformers checkpoints (its GradientCheckpointingLayer modules), in forward order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    from ..models import base_model
-
-    return [m for m in base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 def keep_last_layers_whole(model, n: int) -> int:
-    """Turn checkpointing off for the last ``n`` decoder layers (all when ``n`` exceeds them): they keep every
-    activation from forward to backward and are not recomputed. Through transformers' own per-layer switch (the
-    ``gradient_checkpointing`` flag its checkpointing sets on each layer). Returns how many layers stay
-    checkpointed."""
+    """Checkpoint every decoder layer but the last ``n`` (all when ``n`` exceeds them): those keep every activation
+    from forward to backward and are not recomputed. Through transformers' own per-layer switch (the
+    ``gradient_checkpointing`` flag its checkpointing sets on each layer); ``n`` = 0 checkpoints them all again.
+    Returns how many layers stay checkpointed."""
+    from ..distributed import decoder_layers
+
     layers = decoder_layers(model)
     n = min(max(n, 0), len(layers))
     for i, layer in enumerate(layers):
@@ -340,11 +333,11 @@ def enable_offloaded_checkpointing(model, gpu_resident: int = 0, reuse_attention
 
     base = base_model(model)
     device = next(base.parameters()).device
-    offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=None,
+    num_layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)
+    offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=num_layers,
                                     reuse_attention=reuse_attention)
     base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offloaded_checkpoint(offloader))
     base.config.use_cache = False
-    # the layers checkpointed per forward: the resident inputs are the last of these
-    offloader.num_layers = keep_last_layers_whole(model, no_recompute) if no_recompute else (
-        getattr(base.config.get_text_config(), "num_hidden_layers", None))
+    if no_recompute:  # the layers checkpointed per forward: the resident inputs are the last of these
+        offloader.num_layers = keep_last_layers_whole(model, no_recompute)
     return offloader

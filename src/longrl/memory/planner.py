@@ -36,7 +36,8 @@ the next one starts. So the peak is inside one of those steps, and a term counts
                    instead: chunk × V × b
     whole        = W × (kept + 3 T I b)                        the last W layers not checkpointed
                    (model.no_recompute_layers): every activation from forward to backward, the MLP's gate, up and
-                   product too; the other L − W layers are checkpointed as above (their inputs counted in gpu inputs)
+                   product too (4 T I b with transformers' MLP, which keeps act(gate) as well); the other L − W
+                   layers are checkpointed as above (their inputs counted in gpu inputs)
     host         = (L − W − gpu_resident) × T × s               pinned pool of layer inputs (offloaded only)
 
     peak GPU     = weights + lora + gpu inputs + max(layer, log-prob)
@@ -351,10 +352,14 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     if not (checkpointing or offload) or whole:
         kept = layer_kept_bytes(shape, tokens, b, tile=tokens, lora_r=lora_r, offload=False, repeat_kv=repeat_kv,
                                 norm_bytes=n)
+        # the MLP's [T, I] tensors autograd keeps: gate and up (the fused SiLU·up recomputes act(gate)) and the
+        # product (down's input); transformers' MLP keeps act(gate) too. fused_norms: model.fused_layers applies,
+        # which installs the fused SiLU·up with the norms (models/fused_layers.py)
+        mlp = (3 if fused_norms else 4) * tokens * shape.intermediate * b
         if whole:
-            parts["layers not recomputed"] = whole * (kept + 3 * tokens * shape.intermediate * b)
+            parts["layers not recomputed"] = whole * (kept + mlp)
         else:
-            parts["activations of the other layers"] = (L - 1) * (kept + 3 * tokens * shape.intermediate * b)
+            parts["activations of the other layers"] = (L - 1) * (kept + mlp)
     host = (L - resident) * tokens * per_input if offload else 0
     not_together = min(parts["layer recompute"], parts["log-prob backward"])  # sequential in backward
     return sum(parts.values()) - not_together, host, parts
@@ -469,7 +474,9 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards,
                 fused_norms=fused_norms)
 
-    def cost(tokens, resident, tile=None, whole=0):
+    pinned_whole = no_recompute or 0  # a pinned count sizes the budget and the resident inputs too
+
+    def cost(tokens, resident, tile=None, whole=pinned_whole):
         gpu, host, _ = predict(shape, tokens=tokens, gpu_resident=resident, mlp_tile=tile, no_recompute=whole, **step)
         return gpu, host
 
@@ -502,7 +509,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 + f"(usable: {usable / GIB:.1f} GiB) and {host / GIB:.1f} GiB of host memory (free: "
                 f"{host_free_bytes / GIB:.1f} GiB); shorten generation.max_completion_length"
                 + ("" if offload else ", or set model.offload_activations=true")
-                + (", or use a 4-bit base (model.load_in_4bit=true)" if weight_bytes >= 2 else ""))
+                + (", or use a 4-bit base (model.load_in_4bit=true)" if weight_bytes >= 2 else "")
+                + (f", or lower model.no_recompute_layers (now {pinned_whole})" if pinned_whole else ""))
         lo, hi = longest, max(longest, min(total, MAX_PACKED_TOKENS))
         while lo < hi:  # largest budget that fits
             mid = (lo + hi + 1) // 2
@@ -516,7 +524,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
             resident = fewest_resident(budget, tile)
             while resident < shape.layers and cost(budget, resident + 1, tile)[0] <= usable:
                 resident += 1
-    whole = no_recompute or 0
+    whole = pinned_whole
     if no_recompute is None and (checkpointing or offload) and not tile:
         # the no-recompute layout's share: the term is built from the checkpointed ones (predict; on the H200 it
         # was 3.5-4.7% above the measured peak)
