@@ -68,7 +68,10 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
         model, loaded = load_model(m.name_or_path, lora=cfg.lora, dtype=m.dtype, device=device_name,
                                       trust_remote_code=m.trust_remote_code, revision=m.revision,
                                       attn_implementation=m.attn_implementation,
-                                      gradient_checkpointing=m.gradient_checkpointing, seed=cfg.train.seed,
+                                      # offloading installs its own checkpointing (below): transformers' would
+                                      # also make the embeddings' output require grad, one more input gradient
+                                      gradient_checkpointing=m.gradient_checkpointing and not m.offload_activations,
+                                      seed=cfg.train.seed,
                                       load_in_4bit=m.load_in_4bit, quant_keep_modules=m.quant_keep_modules,
                                       quant_exception_budget=m.quant_exception_budget,
                                       quant_calibration_text=m.quant_calibration_text)
@@ -119,7 +122,7 @@ def given_model(cfg, model, tokenizer, device, describe: bool, needed_tokens: tu
         model.to(device)
     on = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_checkpointing before)
     on = getattr(base, "is_gradient_checkpointing", True) if on is None else on
-    if cfg.model.gradient_checkpointing and not on:
+    if cfg.model.gradient_checkpointing and not cfg.model.offload_activations and not on:  # (as in build_policy_model)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.config.use_cache = False
     limit, (tokens, keys) = getattr(model, "max_seq_length", None), needed_tokens
