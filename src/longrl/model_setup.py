@@ -26,6 +26,13 @@ def _config_or_none(model_cfg):
         return None
 
 
+def transformers_checkpointing(model_cfg) -> bool:
+    """Whether the layout recomputes layers through transformers' own checkpointing: gradient checkpointing without
+    offloading. Offloading installs its own checkpoint function; transformers' would also make the embeddings'
+    output require grad (one more input gradient)."""
+    return bool(model_cfg.gradient_checkpointing) and not model_cfg.offload_activations
+
+
 def sft_planning_view(cfg):
     """The config as the planner sees a supervised step: sft.examples_per_step sequences of sft.max_length
     tokens, no rollout phase."""
@@ -68,9 +75,7 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
         model, loaded = load_model(m.name_or_path, lora=cfg.lora, dtype=m.dtype, device=device_name,
                                       trust_remote_code=m.trust_remote_code, revision=m.revision,
                                       attn_implementation=m.attn_implementation,
-                                      # offloading installs its own checkpointing (below): transformers' would
-                                      # also make the embeddings' output require grad, one more input gradient
-                                      gradient_checkpointing=m.gradient_checkpointing and not m.offload_activations,
+                                      gradient_checkpointing=transformers_checkpointing(m),
                                       seed=cfg.train.seed,
                                       load_in_4bit=m.load_in_4bit, quant_keep_modules=m.quant_keep_modules,
                                       quant_exception_budget=m.quant_exception_budget,
@@ -82,7 +87,7 @@ def build_policy_model(cfg, model=None, tokenizer=None, recipe: str = "grpo", de
     offloader = (enable_offloaded_checkpointing(model, cfg.model.gpu_resident_layers,
                                                 reuse_attention=bool(cfg.model.reuse_attention), no_recompute=whole)
                  if cfg.model.offload_activations else None)
-    if offloader is None and cfg.model.gradient_checkpointing:  # (0 too: a model given again keeps no stale flags)
+    if transformers_checkpointing(cfg.model):  # (0 too: a model given again keeps no stale flags)
         keep_last_layers_whole(model, whole)
     tile = cfg.train.mlp_tile_tokens  # the plan's on CUDA when it was null; 0 or None: off
     if tile:
@@ -122,7 +127,7 @@ def given_model(cfg, model, tokenizer, device, describe: bool, needed_tokens: tu
         model.to(device)
     on = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_checkpointing before)
     on = getattr(base, "is_gradient_checkpointing", True) if on is None else on
-    if cfg.model.gradient_checkpointing and not cfg.model.offload_activations and not on:  # (as in build_policy_model)
+    if transformers_checkpointing(cfg.model) and not on:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.config.use_cache = False
     limit, (tokens, keys) = getattr(model, "max_seq_length", None), needed_tokens
