@@ -87,6 +87,12 @@
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
 #              (~7 min)
+#   e2e20k4    budget20k without the budget: the same 4-bit, FP8-KV whole step uncapped, for the step time beside it
+#              (~7 min)
+#   e2e20k_cap40  grpo_e2e 8B bf16 base, 20,480 x 8, train.gpu_memory_gib=40 (bf16 KV), auto layout, 1 step (~5 min)
+#   sft8b4     sft8b with an NF4 base (longrl's quantize_model; TRL trains the same Linear4bit layers through PEFT),
+#              32K and 128K (SFT_LENGTHS) (~5 min)
+#   sftcap4_trl  sftcap4 for TRL: NF4 base, allocator capped at 24 GiB, lengths rising to past its limit (~2 min)
 #   sftslope   sft_memory 8B bf16, longrl (--offload-all: the longest lengths' layout) and TRL at 16K/32K/64K: peak
 #              slope per token predicts the longest sequence a budget holds (~3 min; needs .whl_us/site: unsloth,
 #              unsloth_zoo, trl 1.15, datasets 4.x and their pure-Python needs, unpacked)
@@ -236,6 +242,11 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             .whl_trl/*.whl >/dev/null 2>&1 || echo "trl wheel install failed"
             PYTHONPATH=/tmp/site_trl:$PYTHONPATH stage sft8b 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b \
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 ;;
+        sft8b4) stage sft8b4 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+            --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 --tag "${SFTTAG:-}" ;;
+        sftcap4_trl) stage sft_cap4_trl 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+            --cap-gib 24 --lengths "${CAP_LENGTHS_TRL:-12288,12288,24576,32768,40960,49152}" --impls trl --reps 0 \
+            --tag _cap24_trl ;;
         sftslope) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope 200 python3 benchmarks/sft_memory.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl,trl --offload-all \
             --reps 1 --tag _slope ;;
@@ -271,6 +282,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         budget20k) stage budget20k 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
             --completion 19968 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
             --auto-layout ;;
+        e2e20k4) stage e2e20k4 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
+            --completion 19968 --steps 1 --no-cli-smoke --load-in-4bit --kv-cache-dtype fp8 --auto-layout ;;
+        e2e20k_cap40) stage e2e20k_cap40 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
+            --completion 19968 --steps 1 --no-cli-smoke --gpu-memory-gib 40 --auto-layout ;;
         reusecheck) stage reusecheck 150 python3 benchmarks/reuse_gradient_check.py --tag "${RCTAG:-h200}"
             stage reuse_gpu 120 python3 -m pytest -q tests/test_memory_gpu.py -k reused ;;
         reuse20k) stage reuse20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \

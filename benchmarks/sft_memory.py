@@ -15,8 +15,10 @@ offloaded or checkpointed layer inputs), so ``--offload-all`` pins the layout th
 lengths (no GPU-resident layer inputs, MLP tiles of --mlp-tile) and the table's slope column (GiB per 1K tokens
 between consecutive lengths) predicts the longest length a budget holds; ``--cap-gib`` enforces a budget on the
 allocator (an allocation past it fails) so a run near the predicted limit checks the prediction.
-``--load-in-4bit``: NF4 base with dynamic 16-bit exceptions (longrl's quantize_model). Unsloth runs in its own
-process (it patches transformers on import): benchmarks/sft_unsloth.py, same table.
+``--load-in-4bit``: NF4 base with dynamic 16-bit exceptions (longrl's quantize_model: bitsandbytes' Linear4bit
+layers, which TRL's row trains through PEFT as it would a model loaded with BitsAndBytesConfig, on the same
+weights). Unsloth runs in its own process (it patches transformers on import): benchmarks/sft_unsloth.py, same
+table.
 """
 
 from __future__ import annotations
@@ -258,8 +260,6 @@ def main():
     model = tb.build_random_model(args.shape, device, torch.bfloat16 if cuda else torch.float32)
     weight_bytes = 2 if cuda else 4
     if args.load_in_4bit:  # scored and quantized where it lies, then the 16-bit weights are freed
-        if "trl" in args.impls.split(","):
-            ap.error("--load-in-4bit measures longrl here (Unsloth's 4-bit: benchmarks/sft_unsloth.py)")
         report = quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(device))
         print("\n".join(report.lines()), flush=True)
         weight_bytes = report.total_bytes / ModelShape.from_config(model.config).base_params()
