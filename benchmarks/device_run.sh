@@ -242,9 +242,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             .whl_trl/*.whl >/dev/null 2>&1 || echo "trl wheel install failed"
             PYTHONPATH=/tmp/site_trl:$PYTHONPATH stage sft8b 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b \
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 ;;
-        sft8b4) stage sft8b4 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+        sft8b4) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft8b4 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 --tag "${SFTTAG:-}" ;;
-        sftcap4_trl) stage sft_cap4_trl 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+        sftcap4_trl) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_trl 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
             --cap-gib 24 --lengths "${CAP_LENGTHS_TRL:-12288,12288,24576,32768,40960,49152}" --impls trl --reps 0 \
             --tag _cap24_trl ;;
         sftslope) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope 200 python3 benchmarks/sft_memory.py \
