@@ -80,9 +80,11 @@
 #              made contiguous (the code before the fix) (benchmarks/reuse_gradient_check.py, 1.5B shape); then the
 #              reuse GPU tests of tests/test_memory_gpu.py (~1.5 min)
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
-#   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; both under each
-#              launch choice of decode_attention_speed.SWEEP at 16K), whole-model 8B decode
-#              at 16K-token sequences with each cache, warmed (~3 min; KTAG names the files)
+#   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
+#              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
+#              decode_attention_speed.SWEEP at 16K), whole-model 8B decode at 16K-token sequences with each cache
+#              (FP8 twice: the default launch, and float16 products + exponents ahead), warmed (~4 min; KTAG names
+#              the files)
 #   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
@@ -272,7 +274,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --shape llama-3.1-8b --load-in-4bit --cap-gib 24 --reps 0 --tag _cap24 \
             --lengths "${CAP_LENGTHS_US:-12288,12288,24576,49152,65536,81920,98304}" ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
-        kvfp8) stage kvfp8 260 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
+        kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
             --G 8 --turns 4 --tool-tokens 200 --new-tokens 512 --prompt-len 512 ;;
         budget_small) stage budget_small 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \

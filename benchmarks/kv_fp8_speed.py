@@ -30,6 +30,12 @@ from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 from longrl.rollout.kv_quant import quantize_reference  # noqa: E402
 
 GIB = 2 ** 30
+# the FP8 kernel's launch variants measured beside the bf16 cache (decode_kernel.LAUNCH entries): products in the
+# query's bf16 or in float16 (fp8_f16), the scale exponents loaded one block ahead or not (fp8_prefetch)
+FP8_VARIANTS = {"fp8": {}, "fp8_f16": {"fp8_f16": True}, "fp8_ahead": {"fp8_prefetch": True},
+                "fp8_f16_ahead": {"fp8_f16": True, "fp8_prefetch": True}}
+FP8_TITLES = {"fp8": "fp8", "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
+              "fp8_f16_ahead": "fp8, float16 + ahead"}
 
 
 def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
@@ -46,23 +52,24 @@ def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
     codes, exps = [c for c, _ in quant], tuple(e for _, e in quant)
     bf16_args = (q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5)
     fp8_args = (q, codes[0], codes[1], pidx, lens[0], codes[2], codes[3], lens[1], D ** -0.5)
-    bf16 = lambda: decode_attention_triton(*bf16_args, **kw)  # noqa: E731
-    fp8 = lambda: decode_attention_triton(*fp8_args, **kw, kv_exp=exps)  # noqa: E731
-    fp8_f16 = lambda: decode_attention_triton(*fp8_args, **kw, kv_exp=exps, launch=dict(fp8_f16=True))  # noqa: E731
+    calls = {"bf16": lambda: decode_attention_triton(*bf16_args, **kw)}
+    for name, launch in FP8_VARIANTS.items():
+        calls[name] = lambda launch=launch: decode_attention_triton(*fp8_args, **kw, kv_exp=exps, launch=launch)
     row = dict(P=P, G=G, Lp=Lp, suffix=s)
     if B * (Lp + s) <= 2 ** 20:  # the float32 reference materializes [B, Hkv, Lp + s, D]
         ref = decode_attention_reference(q.float(), *[t.float() for t in raw[:2]], pidx, lens[0],
                                          *[t.float() for t in raw[2:]], lens[1], D ** -0.5)
         twin = decode_attention_reference(*fp8_args, **kw, kv_exp=exps).float()
-        rel = lambda o: float((o.float() - ref).norm() / ref.norm())  # noqa: E731
-        row.update(bf16_rel_err=rel(bf16()), fp8_rel_err=rel(fp8()), fp8_f16_rel_err=rel(fp8_f16()),
-                   fp8_kernel_vs_twin_max_abs=float((fp8().float() - twin).abs().max()),
-                   fp8_f16_kernel_vs_twin_max_abs=float((fp8_f16().float() - twin).abs().max()))
+        for name, call in calls.items():
+            out = call().float()
+            row[f"{name}_rel_err"] = float((out - ref).norm() / ref.norm())
+            if name != "bf16":
+                row[f"{name}_kernel_vs_twin_max_abs"] = float((out - twin).abs().max())
     if timed:
-        row.update(bf16_us=graph_seconds(bf16) * 1e6, fp8_us=graph_seconds(fp8) * 1e6,
-                   fp8_f16_us=graph_seconds(fp8_f16) * 1e6)
-        row["speedup"] = row["bf16_us"] / row["fp8_us"]
-        row["speedup_f16"] = row["bf16_us"] / row["fp8_f16_us"]
+        for name, call in calls.items():
+            row[f"{name}_us"] = graph_seconds(call) * 1e6
+            if name != "bf16":
+                row[f"speedup_{name}"] = row["bf16_us"] / row[f"{name}_us"]
     row["bf16_kv_mb"] = 2 * Hkv * D * 2 * (P * Lp + B * s) / 1e6
     row["fp8_kv_mb"] = 2 * Hkv * (D + 1) * (P * Lp + B * s) / 1e6
     return row
@@ -85,12 +92,13 @@ def sweep(P, G, Lp, T, s, dev) -> list[dict]:
     cases = {"bf16": ((q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5), {}),
              "fp8": ((q, *[c for c, _ in quant[:2]], pidx, lens[0], *[c for c, _ in quant[2:]], lens[1], D ** -0.5),
                      {"kv_exp": tuple(e for _, e in quant)})}
-    cases["fp8_f16"] = cases["fp8"]  # the same codes, widened to float16 (launch fp8_f16)
+    variants = {"bf16": {}, **FP8_VARIANTS}  # every FP8 variant on the same codes
     rows = []
     for launch in SWEEP:
         row = dict(launch)
-        for name, (a, extra) in cases.items():
-            chosen = {**launch, "fp8_f16": name == "fp8_f16"}
+        for name, variant in variants.items():
+            a, extra = cases["bf16" if name == "bf16" else "fp8"]
+            chosen = {**launch, **variant}
             try:
                 row[f"{name}_us"] = graph_seconds(lambda: decode_attention_triton(*a, **kw, **extra,
                                                                                   launch=chosen)) * 1e6
@@ -115,9 +123,13 @@ def model_decode(args, dev) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
                for _ in range(args.prompts)]
+    from longrl.rollout import decode_kernel
+
     out = {}
-    for dtype in ("bf16", "fp8"):
-        sampler = Sampler(model, None, kv_cache_dtype=dtype)
+    default_launch = dict(decode_kernel.LAUNCH)
+    for dtype, launch in (("bf16", {}), ("fp8", {}), ("fp8_ahead", {"fp8_f16": True, "fp8_prefetch": True})):
+        decode_kernel.LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads LAUNCH
+        sampler = Sampler(model, None, kv_cache_dtype=dtype[:4])
         sampler.generate(prompts, args.G, SamplingParams(max_new_tokens=args.short, seed=0))  # warm-up: compiles
         times = {}  # the kernels (and their launch choices at these lengths) outside the timed rollouts
         for n in (args.short, args.long):
@@ -133,7 +145,9 @@ def model_decode(args, dev) -> dict:
                           mismatch=mismatch(model, r, rows=4))
         del sampler
         torch.cuda.empty_cache()
+    decode_kernel.LAUNCH.update(default_launch)
     out["speedup"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
+    out["speedup_ahead"] = out["bf16"]["step_ms"] / out["fp8_ahead"]["step_ms"]
     shape = ModelShape.from_config(model.config)
     kv = dict(prompts=8, G=args.G, prompt_len=512, completion_len=16384)
     out["sequences_in_20_gib"] = {d: max_rollout_slots(20 * GIB, sequences=64, **kv,
@@ -198,45 +212,48 @@ def main() -> None:
     lines = [f"# FP8 KV cache vs bf16, Llama-3.1-8B heads, {meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"## Decode attention, one layer, {args.prompts} prompts × {args.G}, prefix {args.prompt_len}", "",
-             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | fp8 µs | speed-up | fp8 (float16 products) µs | speed-up |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | " + " | ".join(f"{FP8_TITLES[v]} µs (× bf16)"
+                                                                    for v in FP8_VARIANTS) + " |",
+             "|---|---|---|---|" + "---|" * len(FP8_VARIANTS)]
     lines += [f"| {r['suffix']} | {r['bf16_kv_mb']:.1f} | {r['fp8_kv_mb']:.1f} | {r['bf16_us']:.1f} | "
-              f"{r['fp8_us']:.1f} | {r['speedup']:.2f} × | {r['fp8_f16_us']:.1f} | {r['speedup_f16']:.2f} × |"
+              + " | ".join(f"{r[f'{v}_us']:.1f} ({r[f'speedup_{v}']:.2f} ×)" for v in FP8_VARIANTS) + " |"
               for r in rows]
     lines += ["", f"Errors (2 × 4 sequences, prefix 77 + suffix 1,300, against float32 attention on the unquantized "
               f"keys/values): bf16 cache ‖Δ‖/‖o‖ = {small['bf16_rel_err']:.4f}, FP8 cache {small['fp8_rel_err']:.4f}; "
               f"FP8 kernel vs its PyTorch twin on the same codes: max |Δ| = {small['fp8_kernel_vs_twin_max_abs']:.2e}; "
-              f"with float16 products (decode_kernel.LAUNCH fp8_f16): ‖Δ‖/‖o‖ = {small['fp8_f16_rel_err']:.4f}, "
-              f"max |Δ| vs the twin {small['fp8_f16_kernel_vs_twin_max_abs']:.2e}."]
+              + "; ".join(f"{FP8_TITLES[v]}: ‖Δ‖/‖o‖ = {small[f'{v}_rel_err']:.4f}, max |Δ| vs the twin "
+                          f"{small[f'{v}_kernel_vs_twin_max_abs']:.2e}" for v in FP8_VARIANTS if v != "fp8") + "."]
     if decode:
         lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {args.prompts} prompts × "
                   f"{args.G}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
                   "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
         lines += [f"| {d} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
-                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8")]
+                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8", "fp8_ahead")]
         lines += ["", "Sampler/trainer mismatch (the trainer's metrics, token_truncate at cap 2, first 4 completions of "
                   f"the {args.long}-token rollout, each cache's own rollout of the same prompts and seed):", "",
                   "| KV cache | sampler/k3_kl | sampler/logp_abs_diff | is_weight_mean | is_weight_changed | max weight |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {d} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | {m['sampler/is_weight_mean']:.4f} | "
                   f"{m['sampler/is_weight_changed']:.4f} | {m['is_weight_max']:.3f} |"
-                  for d in ("bf16", "fp8") for m in [decode[d]["mismatch"]]]
+                  for d in ("bf16", "fp8", "fp8_ahead") for m in [decode[d]["mismatch"]]]
         s = decode["sequences_in_20_gib"]
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
-                  f"**{decode['speedup']:.2f} ×**. Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "
+                  f"**{decode['speedup']:.2f} ×** (float16 products + exponents ahead: "
+                  f"**{decode['speedup_ahead']:.2f} ×**). Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "
                   f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
     if swept:
-        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"])
-                for d in ("bf16", "fp8", "fp8_f16")}
+        names = ["bf16", *FP8_VARIANTS]
+        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"]) for d in names}
         lines += ["", f"## Launch sweep at suffix {args.suffix.split(',')[-1]} (decode_attention_speed.SWEEP)", "",
-                  "| block | warps | programs | prefix programs | bf16 µs | fp8 µs | fp8 float16 µs |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| block | warps | programs | prefix programs | bf16 µs | "
+                  + " | ".join(f"{FP8_TITLES[v]} µs" for v in FP8_VARIANTS) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(FP8_VARIANTS)]
         lines += [f"| {r['block']} | {r['warps']} | {r['programs']} | {r['prefix_programs']} | "
-                  f"{r.get('bf16_us', float('nan')):.1f} | {r.get('fp8_us', float('nan')):.1f} | "
-                  f"{r.get('fp8_f16_us', float('nan')):.1f} |" for r in swept]
-        lines += ["", f"Fastest: bf16 {best['bf16']['bf16_us']:.1f} µs, FP8 {best['fp8']['fp8_us']:.1f} µs "
-                  f"({best['bf16']['bf16_us'] / best['fp8']['fp8_us']:.2f} ×), FP8 with float16 products "
-                  f"{best['fp8_f16']['fp8_f16_us']:.1f} µs ({best['bf16']['bf16_us'] / best['fp8_f16']['fp8_f16_us']:.2f} ×)."]
+                  + " | ".join(f"{r.get(f'{d}_us', float('nan')):.1f}" for d in names) + " |" for r in swept]
+        bf = best["bf16"]["bf16_us"]
+        lines += ["", f"Fastest: bf16 {bf:.1f} µs; " + "; ".join(
+            f"{FP8_TITLES[v]} {best[v][f'{v}_us']:.1f} µs ({bf / best[v][f'{v}_us']:.2f} ×)" for v in FP8_VARIANTS)
+            + "."]
     write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode,
                                                       sweep=swept), lines)
 

@@ -1,8 +1,9 @@
 """Instruction mix of the decode attention's chunk kernel for sm_90, compiled ahead of time (no GPU): the SASS of
 its key-block loop (per thread, one block of BLOCK keys), and the PTX conversions, for the bf16 cache (FP8=0), the
-FP8 cache widened to bf16 (1) and to float16 (2, decode_kernel.LAUNCH fp8_f16).
+FP8 cache widened to bf16 (1) and to float16 (2, decode_kernel.LAUNCH fp8_f16); PREFETCH 1: the FP8 cache's
+exponents loaded one block ahead (LAUNCH fp8_prefetch).
 
-    python benchmarks/sass_decode_attention.py FP8 BLOCK WARPS STAGES      # e.g. 1 32 4 2
+    python benchmarks/sass_decode_attention.py FP8 BLOCK WARPS STAGES [PREFETCH]     # e.g. 1 32 4 2 1
 """
 import sys, re, subprocess, collections
 import triton
@@ -10,6 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from longrl.rollout import decode_kernel as dk
 fp8 = int(sys.argv[1]); block = int(sys.argv[2]); warps = int(sys.argv[3]); stages = int(sys.argv[4])
+prefetch = len(sys.argv) > 5 and sys.argv[5] == "1"
 cache = "*u8" if fp8 else "*bf16"
 strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp", "stride_eph")}
 sig = dict(Q="*bf16", KP=cache, VP=cache, KS=cache, VS=cache, PIDX="*i64", PLEN="*i64", SLEN="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8", KSE="*i8", VSE="*i8", scale="fp32",
@@ -17,7 +19,7 @@ sig = dict(Q="*bf16", KP=cache, VP=cache, KS=cache, VS=cache, PIDX="*i64", PLEN=
 order = ["Q","KP","VP","KS","VS","PIDX","PLEN","SLEN","M_OUT","L_OUT","ACC_OUT","COUNT","OUT","KPE","VPE","KSE","VSE","scale","stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st","stride_epp","stride_eph","stride_esb","stride_esh","NPART","FIRST","NPRE"]
 sig = {k: sig[k] for k in order}
 rb = 4; np_, cb = dk._merge_blocks(2, rb)
-consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8)
+consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch)
 sig.update({k: "constexpr" for k in consts})
 aligned = [k for k in order if sig[k].startswith("*")] + ["stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st"]
 attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}

@@ -51,7 +51,8 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
              "OUT": dtype, **strides, "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32",
              "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "stride_esb": "i64", "stride_esh": "i64"},
             dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
-                 PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False),
+                 PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False,
+                 PREFETCH=False),
             num_warps=4)
         if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
             lines = kernel.asm["ptx"].splitlines()
@@ -64,7 +65,8 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
     compile_for_sm90(dk._prefix_kernel,
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},
                      dict(REP=rep, G=members, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=head_dim,
-                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True, FP8=False),
+                          DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True, FP8=False,
+                          PREFETCH=False),
                      num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))
@@ -125,10 +127,85 @@ def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
     for fp8 in (1, 2):
         kernel = compile_for_sm90(dk._chunk_kernel, sig,
                                   dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
-                                       DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8),
+                                       DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
+                                       PREFETCH=False),
                                   num_warps=4)
         counts[fp8] = kernel.asm["ptx"].count("cvt.bf16.f16")
     assert counts[1] > 0 and counts[2] == 0, counts
+
+
+def _sass_loops(kernel) -> list[list[str]]:
+    """The instructions of each loop body of a compiled kernel's SASS (a block from a label to the backward branch
+    that returns to it), through nvdisasm (shipped with Triton's CUDA backend; skips where it is not)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.access(tool, os.X_OK):
+        pytest.skip("no nvdisasm in this Triton build")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+    labels, instrs = {}, []
+    for line in text.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instrs.append(m.group(1).strip())
+    bodies = []
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
+        if m and labels.get(m.group(1), i + 1) < i:
+            bodies.append(instrs[labels[m.group(1)]:i + 1])
+    return bodies
+
+
+def _loads_waited_on_mid_block(body: list[str]) -> int:
+    """Plain global loads (not cp.async) of a loop body whose register is read before the last tenth of the body's
+    instructions (where a load for the next iteration is only packed into the loop's carried registers): a stall
+    of a global load's latency inside each block's work."""
+    import re
+
+    tail = int(0.9 * len(body))
+    waited = 0
+    for i, ins in enumerate(body):
+        m = re.search(r"\bLDG\.E\S*\s+(R\d+)", ins)
+        if m and "LDGSTS" not in ins:
+            reg = re.compile(rf"\b{m.group(1)}\b")
+            first_use = next((j for j in range(i + 1, len(body)) if reg.search(body[j])), len(body))
+            waited += first_use < tail
+    return waited
+
+
+@pytest.mark.parametrize("fp8", [1, 2])
+def test_fp8_prefetch_takes_the_exponent_loads_off_each_block(fp8):
+    """The FP8 cache's scale exponents are 1 byte a position, loaded by plain global loads that Triton's pipeliner
+    does not stage: without LAUNCH fp8_prefetch each block waits for them before its scaling; with it the loads
+    are for the next block, first read at the block's end (sm_90 SASS of both attention loops, with the 16-aligned
+    strides a launch specialises)."""
+    strides = ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_sb", "stride_sh",
+               "stride_st", "stride_epp", "stride_eph", "stride_esb", "stride_esh")
+    sig = dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
+               M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
+               KSE="*i8", VSE="*i8", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
+               NPRE="i32")
+    aligned = {n for n in sig if n.startswith("stride") or sig[n].startswith("*")}
+    np_, cb = dk._merge_blocks(33, 4)
+    waited = {}
+    for prefetch in (False, True):
+        kernel = compile_for_sm90(dk._chunk_kernel, sig,
+                                  dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
+                                       DYNAMIC_STOP=True, FUSED=True, RB=4, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
+                                       PREFETCH=prefetch),
+                                  num_warps=4, aligned=aligned)
+        attention_loops = [b for b in _sass_loops(kernel) if any("HMMA" in ins for ins in b)]
+        assert len(attention_loops) == 2, len(attention_loops)  # the prefix's chunks and the suffix's
+        waited[prefetch] = [_loads_waited_on_mid_block(b) for b in attention_loops]
+    assert all(n > 0 for n in waited[False]) and waited[True] == [0, 0], waited
 
 
 @pytest.mark.parametrize("rows, spread", [(16, False), (128, False), (16, True)])

@@ -107,6 +107,19 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         got = decode_attention_triton(*args, members=members, prompt_len=entry_len, kv_exp=exp,
                                       launch=dict(fp8_f16=True, programs=4096, prefix_programs=4096))
         torch.testing.assert_close(got, ref, atol=4e-3, rtol=4e-3)
+        # the exponents loaded one block ahead (launch fp8_prefetch): the same results bit for bit, both products;
+        # chunks of one block (4,096 programs) and of several (1 program: a chunk of up to 1,024 positions)
+        for f16 in (False, True):
+            for kw in (dict(launch=dict(programs=1)), dict(members=members, prompt_len=entry_len,
+                                                           launch=dict(programs=1, prefix_programs=1)),
+                       dict(members=members, prompt_len=entry_len, launch=dict(programs=4096,
+                                                                               prefix_programs=4096))):
+                base = {**kw.pop("launch", {}), "fp8_f16": f16}
+                plain = decode_attention_triton(*args, **kw, kv_exp=exp, launch=base)
+                ahead = decode_attention_triton(*args, **kw, kv_exp=exp, launch={**base, "fp8_prefetch": True})
+                assert torch.equal(plain, ahead), (f16, kw.keys())
+                tol = 4e-3 if f16 else 1e-5
+                torch.testing.assert_close(plain, ref, atol=tol, rtol=tol)
     print("fp8 kernels ok")
 ''')
 

@@ -29,18 +29,35 @@ BLOCK = 32
 # (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
 # fp8_f16: an FP8 cache widened to float16 for float16 products (FP8 == 2 in the kernels) instead of to the query's
 # bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM: the FP8 path's bound; unmeasured)
-LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False)
+# fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds. Their
+# loads are plain global loads (1 byte a position: not staged through shared memory by Triton's pipeliner), which
+# otherwise stall each block for a global load's latency; the results are the same bit for bit (unmeasured)
+LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
 COUNT0 = -8388608  # 0xFF800000
 
 
 @triton.jit
-def _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, first, end, m, l, acc, scale, D: tl.constexpr,
+def _block_exponents(ke_ptr, ve_ptr, t, end, FP8: tl.constexpr):
+    """(ek, ev) int32 [BLOCK]: the FP8 cache's scale exponents of positions t [BLOCK] (0 at t ≥ end); zeros (unread)
+    for a 16-bit cache."""
+    if FP8:
+        in_range = t < end
+        ek = tl.load(ke_ptr + t, mask=in_range, other=0).to(tl.int32)
+        ev = tl.load(ve_ptr + t, mask=in_range, other=0).to(tl.int32)
+    else:
+        ek = tl.zeros(t.shape, tl.int32)
+        ev = ek
+    return ek, ev
+
+
+@triton.jit
+def _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, first, end, m, l, acc, scale, D: tl.constexpr,
                 DP: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP].
-    FP8: keys and values are e4m3 bits (uint8) with an int8 exponent per position at ke_ptr/ve_ptr (kv_quant.py),
-    widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t weighs v8_t. FP8 == 2: widened to
+    FP8: keys and values are e4m3 bits (uint8) with the int8 exponents ek, ev [BLOCK] of their positions
+    (kv_quant.py; _block_exponents), widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t weighs v8_t. FP8 == 2: widened to
     float16 instead (also exact; bf16 targets cost a float32 step per value on sm_90) and the products in float16:
     q clamped to ±65504, p_t 2^ev_t as p_t 2^(ev_t − E) · 2^E with E the block's largest ev − 15."""
     dims = tl.arange(0, DP)
@@ -52,16 +69,12 @@ def _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, first, end, m, l, acc
     if FP8 == 2:  # e4m3 → float16 (exact, one packed conversion per two values) and float16 products
         k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        ek = tl.load(ke_ptr + t, mask=in_range, other=0).to(tl.int32)
-        ev = tl.load(ve_ptr + t, mask=in_range, other=0).to(tl.int32)
         q16 = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         s = tl.dot(q16, tl.trans(k)) * ((ek + 127) << 23).to(tl.float32, bitcast=True)[None, :]
         s = s * scale  # [R, BLOCK] float32
     elif FP8:
         k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        ek = tl.load(ke_ptr + t, mask=in_range, other=0).to(tl.int32)
-        ev = tl.load(ve_ptr + t, mask=in_range, other=0).to(tl.int32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * ((ek + 127) << 23).to(tl.float32, bitcast=True)[None, :]
         s = s * scale  # [R, BLOCK] float32
     else:
@@ -94,18 +107,25 @@ DYNAMIC_STOP = type(_fold_block).__name__ != "InterpretedFunction"
 @triton.jit
 def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start, end, m, l, acc, scale, D: tl.constexpr,
             DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, DYNAMIC_STOP: tl.constexpr,
-            FP8: tl.constexpr):
+            FP8: tl.constexpr, PREFETCH: tl.constexpr):
     """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]. With
     DYNAMIC_STOP the loop ends at the last block with keys: a block past them leaves m, l and acc exactly as they
-    are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions."""
-    if DYNAMIC_STOP:
-        for off in range(0, tl.minimum(end - start, CHUNK), BLOCK):
-            m, l, acc = _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start + off, end, m, l, acc, scale, D,
-                                    DP, BLOCK, PREC, FP8)
+    are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions. PREFETCH (an
+    FP8 cache): each block's exponents are loaded one block ahead, carried through the loop (the same values)."""
+    stop = tl.minimum(end - start, CHUNK) if DYNAMIC_STOP else CHUNK
+    t = start + tl.arange(0, BLOCK)
+    if PREFETCH:
+        ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
+        for off in range(0, stop, BLOCK):
+            ek_next, ev_next = _block_exponents(ke_ptr, ve_ptr, t + BLOCK, end, FP8)
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, start + off, end, m, l, acc, scale, D, DP,
+                                    BLOCK, PREC, FP8)
+            ek, ev, t = ek_next, ev_next, t + BLOCK
     else:
-        for off in range(0, CHUNK, BLOCK):
-            m, l, acc = _fold_block(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start + off, end, m, l, acc, scale, D,
-                                    DP, BLOCK, PREC, FP8)
+        for off in range(0, stop, BLOCK):
+            ek, ev = _block_exponents(ke_ptr, ve_ptr, start + off + tl.arange(0, BLOCK), end, FP8)
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, start + off, end, m, l, acc, scale, D, DP,
+                                    BLOCK, PREC, FP8)
     return m, l, acc
 
 
@@ -114,7 +134,7 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
                    stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_epp, stride_eph, stride_mem, NPART,
                    NSUB, REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr,
-                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr):
+                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr):
     """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
     sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
     [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
@@ -143,7 +163,7 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
     base = p.to(tl.int64) * stride_pp + h * stride_ph
     ebase = p.to(tl.int64) * stride_epp + h * stride_eph
     m, l, acc = _attend(q, KP + base, VP + base, KPE + ebase, VPE + ebase, stride_pt, start, p_len, m, l, acc, scale,
-                        D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8)
+                        D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -157,7 +177,7 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
                   FIRST, NPRE, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-                  CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr):
+                  CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -196,12 +216,12 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
         base = entry * stride_pp + h * stride_ph
         ebase = entry * stride_epp + h * stride_eph
         m, l, acc = _attend(q, KP + base, VP + base, KPE + ebase, VPE + ebase, stride_pt, start, end, m, l, acc,
-                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8)
+                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH)
     else:
         base = b.to(tl.int64) * stride_sb + h * stride_sh
         ebase = b.to(tl.int64) * stride_esb + h * stride_esh
         m, l, acc = _attend(q, KS + base, VS + base, KSE + ebase, VSE + ebase, stride_st, start, end, m, l, acc,
-                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8)
+                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH)
     hq = stride_qb // stride_qh  # query heads (q is contiguous)
     part = (b.to(tl.int64) * hq + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
@@ -291,6 +311,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     T = k_suf.shape[2]
     q = q.contiguous()
     fp8 = (2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
+    prefetch = bool(fp8 and launch["fp8_prefetch"])
     if fp8:
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
@@ -330,7 +351,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
             q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
             R=max(16, triton.next_power_of_2(gs * rep)), D=D, DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec,
-            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, num_warps=warps, num_stages=stages)
+            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
@@ -338,7 +359,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *e_strides,
         npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
         CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb, COUNT0=COUNT0,
-        FP8=fp8, num_warps=warps, num_stages=stages)
+        FP8=fp8, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
