@@ -116,20 +116,19 @@ def model_decode(args, dev) -> dict:
     from longrl.config import LoraConfig
     from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
     from longrl.models import apply_lora
-    from longrl.rollout import Sampler, SamplingParams
+    from longrl.rollout import Sampler, SamplingParams, decode_kernel
 
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
     model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
                for _ in range(args.prompts)]
-    from longrl.rollout import decode_kernel
-
     out = {}
     default_launch = dict(decode_kernel.LAUNCH)
-    for dtype, launch in (("bf16", {}), ("fp8", {}), ("fp8_ahead", {"fp8_f16": True, "fp8_prefetch": True})):
+    runs = (("bf16", "bf16", {}), ("fp8", "fp8", {}), ("fp8_ahead", "fp8", {"fp8_f16": True, "fp8_prefetch": True}))
+    for dtype, cache, launch in runs:
         decode_kernel.LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads LAUNCH
-        sampler = Sampler(model, None, kv_cache_dtype=dtype[:4])
+        sampler = Sampler(model, None, kv_cache_dtype=cache)
         sampler.generate(prompts, args.G, SamplingParams(max_new_tokens=args.short, seed=0))  # warm-up: compiles
         times = {}  # the kernels (and their launch choices at these lengths) outside the timed rollouts
         for n in (args.short, args.long):
@@ -239,7 +238,8 @@ def main() -> None:
         s = decode["sequences_in_20_gib"]
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
                   f"**{decode['speedup']:.2f} ×** (float16 products + exponents ahead: "
-                  f"**{decode['speedup_ahead']:.2f} ×**). Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV "
+                  f"**{decode['speedup_ahead']:.2f} ×**). Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB "
+                  "of KV "
                   f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
     if swept:
         names = ["bf16", *FP8_VARIANTS]

@@ -28,7 +28,8 @@ BLOCK = 32
 # per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
 # (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
 # fp8_f16: an FP8 cache widened to float16 for float16 products (FP8 == 2 in the kernels) instead of to the query's
-# bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM: the FP8 path's bound; unmeasured)
+# bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM; 0.98 × bf16's time at a 16K suffix
+# against the default's 0.93 ×, kv_fp8_speed_h200_f16.md: the conversions were not the bound)
 # fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds. Their
 # loads are plain global loads (1 byte a position: not staged through shared memory by Triton's pipeliner), which
 # otherwise stall each block for a global load's latency; the results are the same bit for bit (unmeasured)
@@ -57,9 +58,10 @@ def _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, first, end, m, l, acc, scale,
                 DP: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP].
     FP8: keys and values are e4m3 bits (uint8) with the int8 exponents ek, ev [BLOCK] of their positions
-    (kv_quant.py; _block_exponents), widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t weighs v8_t. FP8 == 2: widened to
-    float16 instead (also exact; bf16 targets cost a float32 step per value on sm_90) and the products in float16:
-    q clamped to ±65504, p_t 2^ev_t as p_t 2^(ev_t − E) · 2^E with E the block's largest ev − 15."""
+    (kv_quant.py; _block_exponents), widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t
+    weighs v8_t. FP8 == 2: widened to float16 instead (also exact; bf16 targets cost a float32 step per value on
+    sm_90) and the products in float16: q clamped to ±65504, p_t 2^ev_t as p_t 2^(ev_t − E) · 2^E with E the
+    block's largest ev − 15."""
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
@@ -113,8 +115,8 @@ def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start, end, m, l, acc, sc
     are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions. PREFETCH (an
     FP8 cache): each block's exponents are loaded one block ahead, carried through the loop (the same values)."""
     stop = tl.minimum(end - start, CHUNK) if DYNAMIC_STOP else CHUNK
-    t = start + tl.arange(0, BLOCK)
     if PREFETCH:
+        t = start + tl.arange(0, BLOCK)
         ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
         for off in range(0, stop, BLOCK):
             ek_next, ev_next = _block_exponents(ke_ptr, ve_ptr, t + BLOCK, end, FP8)
