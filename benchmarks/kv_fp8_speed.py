@@ -1,12 +1,14 @@
 """FP8 KV cache (generation.kv_cache_dtype=fp8) against the bf16 cache, on the GPU, in one run:
 
 1. decode attention alone, one layer, Llama-3.1-8B heads (32/8 × 128), P prompts × G of prefix Lp + suffix s: the
-   Triton kernel on a bf16 cache and on its FP8 quantization (CUDA-graph timed), each one's error against the
+   Triton kernel on a bf16 cache and on its FP8 quantization under each of FP8_VARIANTS' launches (CUDA-graph
+   timed; speed-ups are bf16's µs over the variant's), each one's error against the
    float32 reference on the unquantized keys/values (‖Δ‖ / ‖o‖), and the cache bytes;
 2. whole-model decode at long sequences: the 8B shape (random weights, LoRA r=32), P prompts × G of a
    --long-prompt-token prompt, longrl's sampler with each cache; decode seconds a step from two rollouts of
    --short and --long new tokens (the difference: prefill and graph capture cancel), the KV cache each allocates,
-   and how many sequences each cache holds in the same bytes (memory/planner.py's rollout arithmetic).
+   and how many sequences each cache holds in the same bytes (memory/planner.py's rollout arithmetic); the FP8
+   cache twice: its default launch, and float16 products with the exponents loaded ahead.
 
     python benchmarks/kv_fp8_speed.py                        # 2 × 8, suffixes 1,024 / 8,192 / 16,384; 16K decode
     python benchmarks/kv_fp8_speed.py --no-model             # the attention part alone
@@ -32,8 +34,9 @@ from longrl.rollout.kv_quant import quantize_reference  # noqa: E402
 GIB = 2 ** 30
 # the FP8 kernel's launch variants measured beside the bf16 cache (decode_kernel.LAUNCH entries): products in the
 # query's bf16 or in float16 (fp8_f16), the scale exponents loaded one block ahead or not (fp8_prefetch)
-FP8_VARIANTS = {"fp8": {}, "fp8_f16": {"fp8_f16": True}, "fp8_ahead": {"fp8_prefetch": True},
-                "fp8_f16_ahead": {"fp8_f16": True, "fp8_prefetch": True}}
+FP8_VARIANTS = {name: {"fp8_f16": f16, "fp8_prefetch": ahead} for name, f16, ahead in
+                (("fp8", False, False), ("fp8_f16", True, False), ("fp8_ahead", False, True),
+                 ("fp8_f16_ahead", True, True))}
 FP8_TITLES = {"fp8": "fp8", "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
               "fp8_f16_ahead": "fp8, float16 + ahead"}
 
@@ -116,7 +119,7 @@ def model_decode(args, dev) -> dict:
     from longrl.config import LoraConfig
     from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
     from longrl.models import apply_lora
-    from longrl.rollout import Sampler, SamplingParams, decode_kernel
+    from longrl.rollout import decode_kernel
 
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
     model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
@@ -125,10 +128,30 @@ def model_decode(args, dev) -> dict:
                for _ in range(args.prompts)]
     out = {}
     default_launch = dict(decode_kernel.LAUNCH)
-    runs = (("bf16", "bf16", {}), ("fp8", "fp8", {}), ("fp8_ahead", "fp8", {"fp8_f16": True, "fp8_prefetch": True}))
-    for dtype, cache, launch in runs:
-        decode_kernel.LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads LAUNCH
-        sampler = Sampler(model, None, kv_cache_dtype=cache)
+    runs = (("bf16", "bf16", {}), ("fp8", "fp8", FP8_VARIANTS["fp8"]),
+            ("fp8_f16_ahead", "fp8", FP8_VARIANTS["fp8_f16_ahead"]))
+    try:
+        for name, cache, launch in runs:
+            decode_kernel.LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads LAUNCH
+            out[name] = _decode_run(model, prompts, args, cache)
+    finally:
+        decode_kernel.LAUNCH.update(default_launch)
+    out["speedup"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
+    out["speedup_ahead"] = out["bf16"]["step_ms"] / out["fp8_f16_ahead"]["step_ms"]
+    shape = ModelShape.from_config(model.config)
+    kv = dict(prompts=8, G=args.G, prompt_len=512, completion_len=16384)
+    out["sequences_in_20_gib"] = {d: max_rollout_slots(20 * GIB, sequences=64, **kv,
+                                                       kv_token=kv_bytes_per_token(shape, 2, d == "fp8"))
+                                  for d in ("bf16", "fp8")}
+    return out
+
+
+def _decode_run(model, prompts, args, cache: str) -> dict:
+    """One sampler with KV cache ``cache``: decode seconds a step from the --short and --long rollouts."""
+    from longrl.rollout import Sampler, SamplingParams
+
+    sampler = Sampler(model, None, kv_cache_dtype=cache)
+    try:
         sampler.generate(prompts, args.G, SamplingParams(max_new_tokens=args.short, seed=0))  # warm-up: compiles
         times = {}  # the kernels (and their launch choices at these lengths) outside the timed rollouts
         for n in (args.short, args.long):
@@ -139,20 +162,12 @@ def model_decode(args, dev) -> dict:
             times[n] = time.perf_counter() - start
             assert all(len(c) == n for c in r.completion_ids)  # random weights: no EOS in the vocabulary's noise
         step = (times[args.long] - times[args.short]) / (args.long - args.short)
-        out[dtype] = dict(step_ms=step * 1e3, tokens_per_s=args.prompts * args.G / step, seconds=times,
-                          kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"],
-                          mismatch=mismatch(model, r, rows=4))
+        return dict(step_ms=step * 1e3, tokens_per_s=args.prompts * args.G / step, seconds=times,
+                    kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"],
+                    mismatch=mismatch(model, r, rows=4))
+    finally:
         del sampler
         torch.cuda.empty_cache()
-    decode_kernel.LAUNCH.update(default_launch)
-    out["speedup"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
-    out["speedup_ahead"] = out["bf16"]["step_ms"] / out["fp8_ahead"]["step_ms"]
-    shape = ModelShape.from_config(model.config)
-    kv = dict(prompts=8, G=args.G, prompt_len=512, completion_len=16384)
-    out["sequences_in_20_gib"] = {d: max_rollout_slots(20 * GIB, sequences=64, **kv,
-                                                       kv_token=kv_bytes_per_token(shape, 2, d == "fp8"))
-                                  for d in ("bf16", "fp8")}
-    return out
 
 
 def mismatch(model, rollout, rows: int) -> dict:
@@ -191,7 +206,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=320)
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also both kernels under decode_attention_speed.SWEEP's launch "
+    ap.add_argument("--sweep", action="store_true", help="also every kernel variant under decode_attention_speed.SWEEP's launch "
                     "choices at the longest suffix")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -211,7 +226,7 @@ def main() -> None:
     lines = [f"# FP8 KV cache vs bf16, Llama-3.1-8B heads, {meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"## Decode attention, one layer, {args.prompts} prompts × {args.G}, prefix {args.prompt_len}", "",
-             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | " + " | ".join(f"{FP8_TITLES[v]} µs (× bf16)"
+             "| suffix | bf16 KV MB | fp8 KV MB | bf16 µs | " + " | ".join(f"{FP8_TITLES[v]} µs (speed-up)"
                                                                     for v in FP8_VARIANTS) + " |",
              "|---|---|---|---|" + "---|" * len(FP8_VARIANTS)]
     lines += [f"| {r['suffix']} | {r['bf16_kv_mb']:.1f} | {r['fp8_kv_mb']:.1f} | {r['bf16_us']:.1f} | "
@@ -226,15 +241,15 @@ def main() -> None:
         lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {args.prompts} prompts × "
                   f"{args.G}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
                   "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
-        lines += [f"| {d} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
-                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8", "fp8_ahead")]
+        lines += [f"| {FP8_TITLES.get(d, d)} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
+                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8", "fp8_f16_ahead")]
         lines += ["", "Sampler/trainer mismatch (the trainer's metrics, token_truncate at cap 2, first 4 completions of "
                   f"the {args.long}-token rollout, each cache's own rollout of the same prompts and seed):", "",
                   "| KV cache | sampler/k3_kl | sampler/logp_abs_diff | is_weight_mean | is_weight_changed | max weight |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {d} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | {m['sampler/is_weight_mean']:.4f} | "
+        lines += [f"| {FP8_TITLES.get(d, d)} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | {m['sampler/is_weight_mean']:.4f} | "
                   f"{m['sampler/is_weight_changed']:.4f} | {m['is_weight_max']:.3f} |"
-                  for d in ("bf16", "fp8", "fp8_ahead") for m in [decode[d]["mismatch"]]]
+                  for d in ("bf16", "fp8", "fp8_f16_ahead") for m in [decode[d]["mismatch"]]]
         s = decode["sequences_in_20_gib"]
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
                   f"**{decode['speedup']:.2f} ×** (float16 products + exponents ahead: "
@@ -243,17 +258,17 @@ def main() -> None:
                   f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
     if swept:
         names = ["bf16", *FP8_VARIANTS]
-        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"]) for d in names}
+        best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"], default=None) for d in names}
         lines += ["", f"## Launch sweep at suffix {args.suffix.split(',')[-1]} (decode_attention_speed.SWEEP)", "",
                   "| block | warps | programs | prefix programs | bf16 µs | "
                   + " | ".join(f"{FP8_TITLES[v]} µs" for v in FP8_VARIANTS) + " |",
                   "|---|---|---|---|---|" + "---|" * len(FP8_VARIANTS)]
         lines += [f"| {r['block']} | {r['warps']} | {r['programs']} | {r['prefix_programs']} | "
                   + " | ".join(f"{r.get(f'{d}_us', float('nan')):.1f}" for d in names) + " |" for r in swept]
-        bf = best["bf16"]["bf16_us"]
+        bf = best["bf16"]["bf16_us"] if best["bf16"] else float("nan")
         lines += ["", f"Fastest: bf16 {bf:.1f} µs; " + "; ".join(
-            f"{FP8_TITLES[v]} {best[v][f'{v}_us']:.1f} µs ({bf / best[v][f'{v}_us']:.2f} ×)" for v in FP8_VARIANTS)
-            + "."]
+            f"{FP8_TITLES[v]} {best[v][f'{v}_us']:.1f} µs ({bf / best[v][f'{v}_us']:.2f} × bf16's speed)"
+            if best[v] else f"{FP8_TITLES[v]}: no launch built" for v in FP8_VARIANTS) + "."]
     write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode,
                                                       sweep=swept), lines)
 

@@ -206,6 +206,13 @@ def test_fp8_prefetch_takes_the_exponent_loads_off_each_block(fp8):
         assert len(attention_loops) == 2, len(attention_loops)  # the prefix's chunks and the suffix's
         waited[prefetch] = [_loads_waited_on_mid_block(b) for b in attention_loops]
     assert all(n > 0 for n in waited[False]) and waited[True] == [0, 0], waited
+    prefix_sig = {k: sig[k] for k in ("Q", "KP", "VP", "KPE", "VPE")}  # the grouped prompts' kernel builds with it
+    prefix_sig.update(MEMBERS="*i64", PLEN_P="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", scale="fp32",
+                      **{n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt",
+                                            "stride_epp", "stride_eph", "stride_mem")}, NPART="i32", NSUB="i32")
+    compile_for_sm90(dk._prefix_kernel, prefix_sig,
+                     dict(REP=4, G=8, GS=8, R=32, D=128, DP=128, BLOCK=dk.BLOCK, PCHUNK=1024, PREC="tf32",
+                          DYNAMIC_STOP=True, FP8=fp8, PREFETCH=True), num_warps=4, aligned=aligned)
 
 
 @pytest.mark.parametrize("rows, spread", [(16, False), (128, False), (16, True)])

@@ -45,6 +45,10 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
             out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
             err = float((out - ref).norm() / ref.norm())
             assert err < 1e-2, (P, S, T, D, err)  # bf16 operands, float32 accumulation
+            # the exponents loaded one block ahead (launch fp8_prefetch): the same compiled arithmetic, bit for bit
+            ahead = decode_attention_triton(*args, **{**kw, "launch": {**kw.get("launch", {}), "fp8_prefetch": True}},
+                                            kv_exp=exp).float()
+            assert torch.equal(ahead, out), (P, S, T, D, kw.keys())
 
 
 def test_budget_caps_the_allocator():

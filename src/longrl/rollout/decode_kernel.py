@@ -28,7 +28,7 @@ BLOCK = 32
 # per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
 # (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
 # fp8_f16: an FP8 cache widened to float16 for float16 products (FP8 == 2 in the kernels) instead of to the query's
-# bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM; 0.98 × bf16's time at a 16K suffix
+# bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM; 0.98 × bf16's speed at a 16K suffix
 # against the default's 0.93 ×, kv_fp8_speed_h200_f16.md: the conversions were not the bound)
 # fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds. Their
 # loads are plain global loads (1 byte a position: not staged through shared memory by Triton's pipeliner), which
