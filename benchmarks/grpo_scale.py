@@ -191,8 +191,6 @@ def worker(args) -> None:
     if args.phases:
         phases = measure_phases(trainer, args)
         if rank == 0:
-            from longrl.memory.planner import GIB
-
             m, plan = trainer.cfg.model, trainer.plan
             layout = dict(no_recompute_layers=m.no_recompute_layers, gpu_resident_layers=m.gpu_resident_layers,
                           predicted_train_gib=plan.predicted_gpu_bytes / GIB if plan else None)

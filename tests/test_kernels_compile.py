@@ -109,18 +109,21 @@ def test_fused_decode_kernels_build(dtype):
             assert ("mma" in kernel.asm["ptx"]) == dot16
 
 
+def _fp8_chunk_signature() -> dict:
+    """The chunk kernel's argument types on an FP8 cache (codes as uint8, int8 exponents), bf16 queries."""
+    strides = ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_sb", "stride_sh",
+               "stride_st", "stride_epp", "stride_eph", "stride_esb", "stride_esh")
+    return dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
+                M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
+                KSE="*i8", VSE="*i8", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
+                NPRE="i32")
+
+
 def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
     """Why the FP8 cache's decode attention is no faster than bf16's (kv_fp8_speed_h200.md): Triton widens e4m3 to
     bf16 through float16 and a scalar cvt.bf16.f16 per value (an F2F, 16 a clock per SM on sm_90); the float16
     variant (LAUNCH fp8_f16, FP8 == 2) keeps the packed e4m3x2 → f16x2 conversion alone."""
-    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp",
-                                  "stride_eph", "stride_sb", "stride_sh", "stride_st", "stride_esb", "stride_esh")}
-    sig = dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
-               M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
-               KSE="*i8", VSE="*i8", scale="fp32")
-    order = list(sig) + ["stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_sb", "stride_sh",
-                         "stride_st", "stride_epp", "stride_eph", "stride_esb", "stride_esh"]
-    sig = {**{k: ({**sig, **strides})[k] for k in order}, "NPART": "i32", "FIRST": "i32", "NPRE": "i32"}
+    sig = _fp8_chunk_signature()
     rb = 4
     np_, cb = dk._merge_blocks(2, rb)
     counts = {}
@@ -187,12 +190,7 @@ def test_fp8_prefetch_takes_the_exponent_loads_off_each_block(fp8):
     does not stage: without LAUNCH fp8_prefetch each block waits for them before its scaling; with it the loads
     are for the next block, first read at the block's end (sm_90 SASS of both attention loops, with the 16-aligned
     strides a launch specialises)."""
-    strides = ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_sb", "stride_sh",
-               "stride_st", "stride_epp", "stride_eph", "stride_esb", "stride_esh")
-    sig = dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
-               M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
-               KSE="*i8", VSE="*i8", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
-               NPRE="i32")
+    sig = _fp8_chunk_signature()
     aligned = {n for n in sig if n.startswith("stride") or sig[n].startswith("*")}
     np_, cb = dk._merge_blocks(33, 4)
     waited = {}
