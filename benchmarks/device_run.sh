@@ -110,6 +110,8 @@
 #              call: time per token side by side (SFTTAG names the files) (~3.5 min)
 #   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
 #              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
+#   sftcap40 / sftcap40_us  bf16 base, allocator capped at 40 GiB (a 40/48 GB card), lengths rising to past each
+#              tool's limit: longrl in the planner's own layout, then Unsloth (~5.5 / ~3.5 min; run _us first)
 #   scale1     benchmarks/grpo_scale.py --phases train,rollout, 8B LoRA: the 20,480 x 8 training step alone (reference
 #              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
@@ -277,6 +279,11 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftcap4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --cap-gib 24 --reps 0 --tag _cap24 \
             --lengths "${CAP_LENGTHS_US:-12288,12288,24576,49152,65536,81920,98304}" ;;
+        sftcap40) stage sft_cap40 330 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --cap-gib 40 \
+            --lengths "${CAP40_LENGTHS:-12288,131072,180224,196608}" --impls longrl --reps 0 --tag _cap40 ;;
+        sftcap40_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
+            --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
+            --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
         fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
