@@ -3,7 +3,9 @@
 Each grpo_memory row records the peak, the micro-batch budget, the GPU-resident layer inputs and the MLP tile of
 the run; this recomputes ``planner.predict`` for exactly that configuration (no optimizer state, as the
 benchmark step; keys/values repeated where the run put cuDNN or memory-efficient SDPA first). Each grpo_e2e run
-records its rollout phase's peak; this recomputes ``planner.plan_rollout`` for its prompts × G × lengths. Writes
+records its rollout phase's peak; this recomputes ``planner.plan_rollout`` for its prompts × G × lengths. Each
+sft_memory row (longrl's SFT step on one sequence: forward and backward, no optimizer state, the fused norms and
+log-prob kernels) records its layout; this recomputes ``planner.predict`` for it. Writes
 results/planner_accuracy.{md,json}.
 
     python benchmarks/planner_accuracy.py
@@ -12,6 +14,7 @@ results/planner_accuracy.{md,json}.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,7 +36,30 @@ ROLLOUTS = {"grpo_e2e_llama-3.1-8b_4x8x4096_h200": (LLAMA_8B, 2), "grpo_e2e_llam
             "grpo_e2e_llama-3.1-8b_4x8x4096_h200_4bit": (LLAMA_8B, NF4_8B),
             "grpo_e2e_llama-3.1-8b_2x8x16384_h200_4bit": (LLAMA_8B, NF4_8B),
             "grpo_e2e_qwen2.5-1.5b_4x8x4096_h200": (QWEN_15B, 2)}
+SFT_SOURCES = {"sft_memory_llama-3.1-8b_slope": 2, "sft_memory_llama-3.1-8b_default": 2,
+               "sft_memory_llama-3.1-8b_nr": 2, "sft_memory_llama-3.1-8b_nr128k": 2,
+               "sft_memory_llama-3.1-8b_cap40": 2, "sft_memory_llama-3.1-8b_cap40_edge": 2,
+               "sft_memory_llama-3.1-8b_4bit_slope": NF4_8B, "sft_memory_llama-3.1-8b_4bit_cap24_expandable": NF4_8B,
+               "sft_memory_llama-3.1-8b_4bit": NF4_8B}
+SFT_LAYOUT = re.compile(r"resident (\d+), tile (\d+)(?:, not recomputed (\d+))?")
 H200_FREE = 139 * GIB
+
+
+def sft_rows() -> list[dict]:
+    """The SFT rows of SFT_SOURCES beside ``predict`` for each one's layout (resident inputs, MLP tile, layers not
+    recomputed, as its ``layout`` column reads)."""
+    rows = []
+    for stem, weight_bytes in SFT_SOURCES.items():
+        for r in json.loads((RESULTS / f"{stem}.json").read_text())["rows"]:
+            if r.get("impl") != "longrl" or not r.get("peak_gib"):
+                continue
+            resident, tile, whole = (int(g or 0) for g in SFT_LAYOUT.match(r["layout"]).groups())
+            gpu, _, _ = predict(LLAMA_8B, tokens=r["length"], lora_r=32, weight_bytes=weight_bytes, offload=True,
+                                gpu_resident=resident, chunk=1024, optimizer=False, mlp_tile=tile or None,
+                                logprob_kernel=True, fused_norms=True, no_recompute=whole)
+            rows.append(dict(source=stem, tokens=r["length"], layout=r["layout"], measured_gib=r["peak_gib"],
+                             predicted_gib=gpu / GIB, error=gpu / GIB / r["peak_gib"] - 1))
+    return rows
 
 
 def main() -> None:
@@ -74,7 +100,13 @@ def main() -> None:
               "| source | measured GiB | predicted GiB | error |", "|---|---|---|---|"]
     lines += [f"| {r['source']} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | {100 * r['error']:+.1f}% |"
               for r in rollouts]
-    write_result("planner_accuracy", {**run_meta(), "rows": rows, "rollouts": rollouts}, lines)
+    sft = sft_rows()
+    lines += ["", "SFT step, one sequence (`benchmarks/sft_memory.py`'s longrl rows, each in its own layout; \"planner "
+              "refused\": the leanest layout measured anyway):", "",
+              "| source | tokens | layout | measured GiB | predicted GiB | error |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['source']} | {r['tokens']:,} | {r['layout']} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | "
+              f"{100 * r['error']:+.1f}% |" for r in sft]
+    write_result("planner_accuracy", {**run_meta(), "rows": rows, "rollouts": rollouts, "sft": sft}, lines)
 
 
 if __name__ == "__main__":
