@@ -30,9 +30,10 @@ BLOCK = 32
 # fp8_f16: an FP8 cache widened to float16 for float16 products (FP8 == 2 in the kernels) instead of to the query's
 # bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM; 0.98 × bf16's speed at a 16K suffix
 # against the default's 0.93 ×, kv_fp8_speed_h200_f16.md: the conversions were not the bound)
-# fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds. Their
-# loads are plain global loads (1 byte a position: not staged through shared memory by Triton's pipeliner), which
-# otherwise stall each block for a global load's latency; the results are the same bit for bit (unmeasured)
+# fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds (plain
+# global loads, 1 byte a position, that Triton's pipeliner does not stage); the same results bit for bit. Measured at a
+# 16K suffix on an H200 (kv_fp8_speed_h200_s15.md): 2-4% slower alone; with fp8_f16 and block 64 the fastest FP8
+# launch, 1.07 × bf16's speed; not faster in the whole-model decode, so off
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
