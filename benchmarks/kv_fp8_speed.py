@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
-from longrl.rollout.kv_quant import quantize_reference  # noqa: E402
+from longrl.rollout.kv_quant import quantize_cache  # noqa: E402
 
 GIB = 2 ** 30
 # the FP8 kernel's launch variants measured beside the bf16 cache (decode_kernel.LAUNCH entries): products in the
@@ -51,7 +51,7 @@ def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
     pidx = torch.arange(B, device=dev) // G
     lens = (torch.full((B,), Lp, device=dev), torch.full((B,), s, device=dev))
     kw = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
-    quant = [quantize_reference(t) for t in raw]
+    quant = quantize_cache(*raw)  # values position-minor
     codes, exps = [c for c, _ in quant], tuple(e for _, e in quant)
     bf16_args = (q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5)
     fp8_args = (q, codes[0], codes[1], pidx, lens[0], codes[2], codes[3], lens[1], D ** -0.5)
@@ -88,7 +88,7 @@ def sweep(P, G, Lp, T, s, dev) -> list[dict]:
     B, Hq, Hkv, D = P * G, 32, 8, 128
     mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
     raw = [mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)]
-    quant = [quantize_reference(t) for t in raw]
+    quant = quantize_cache(*raw)  # values position-minor
     q, pidx = mk(B, Hq, D), torch.arange(B, device=dev) // G
     lens = (torch.full((B,), Lp, device=dev), torch.full((B,), s, device=dev))
     kw = dict(members=torch.arange(B, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))

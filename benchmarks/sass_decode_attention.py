@@ -1,7 +1,8 @@
 """Instruction mix of the decode attention's chunk kernel for sm_90, compiled ahead of time (no GPU): the SASS of
 its key-block loop (per thread, one block of BLOCK keys), and the PTX conversions, for the bf16 cache (FP8=0), the
 FP8 cache widened to bf16 (1) and to float16 (2, decode_kernel.LAUNCH fp8_f16); PREFETCH 1: the FP8 cache's
-exponents loaded one block ahead (LAUNCH fp8_prefetch).
+exponents loaded one block ahead (LAUNCH fp8_prefetch). The FP8 values are position-minor and read in whole blocks
+(V_WHOLE: what a cache of kv_quant.value_capacity positions gets).
 
     python benchmarks/sass_decode_attention.py FP8 BLOCK WARPS STAGES [PREFETCH]     # e.g. 1 32 4 2 1
 """
@@ -14,14 +15,15 @@ fp8 = int(sys.argv[1]); block = int(sys.argv[2]); warps = int(sys.argv[3]); stag
 prefetch = len(sys.argv) > 5 and sys.argv[5] == "1"
 cache = "*u8" if fp8 else "*bf16"
 strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp", "stride_eph")}
+v_strides = ("stride_vpp", "stride_vph", "stride_vp", "stride_vsb", "stride_vsh", "stride_vs")
 sig = dict(Q="*bf16", KP=cache, VP=cache, KS=cache, VS=cache, PIDX="*i64", PLEN="*i64", SLEN="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8", KSE="*i8", VSE="*i8", scale="fp32",
-           **strides, stride_sb="i64", stride_sh="i64", stride_st="i64", stride_esb="i64", stride_esh="i64", NPART="i32", FIRST="i32", NPRE="i32")
-order = ["Q","KP","VP","KS","VS","PIDX","PLEN","SLEN","M_OUT","L_OUT","ACC_OUT","COUNT","OUT","KPE","VPE","KSE","VSE","scale","stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st","stride_epp","stride_eph","stride_esb","stride_esh","NPART","FIRST","NPRE"]
+           **strides, stride_sb="i64", stride_sh="i64", stride_st="i64", **{n: "i64" for n in v_strides}, stride_esb="i64", stride_esh="i64", NPART="i32", FIRST="i32", NPRE="i32")
+order = ["Q","KP","VP","KS","VS","PIDX","PLEN","SLEN","M_OUT","L_OUT","ACC_OUT","COUNT","OUT","KPE","VPE","KSE","VSE","scale","stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st",*v_strides,"stride_epp","stride_eph","stride_esb","stride_esh","NPART","FIRST","NPRE"]
 sig = {k: sig[k] for k in order}
 rb = 4; np_, cb = dk._merge_blocks(2, rb)
-consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch)
+consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=bool(fp8))
 sig.update({k: "constexpr" for k in consts})
-aligned = [k for k in order if sig[k].startswith("*")] + ["stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st"]
+aligned = [k for k in order if sig[k].startswith("*") or k.startswith("stride")]  # as a launch specialises them
 attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}
 k = triton.compile(ASTSource(dk._chunk_kernel, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 open("/tmp/a.cubin","wb").write(k.asm["cubin"])

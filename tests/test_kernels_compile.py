@@ -4,6 +4,8 @@ is checked against the PyTorch twins through the interpreter in test_decode_kern
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -37,8 +39,8 @@ def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_
 @pytest.mark.parametrize("dtype, prec", [("*bf16", "tf32"), ("*fp32", "ieee")])
 @pytest.mark.parametrize("head_dim, rep, members", [(128, 4, 8), (128, 6, 8), (64, 8, 16)])
 def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
-    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp",
-                                  "stride_eph")}
+    strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_vpp",
+                                  "stride_vph", "stride_vp", "stride_epp", "stride_eph")}
     # the 16-bit cache (FP8=False): the FP8 cache's exponent pointers are typed but unread
     common = dict(Q=dtype, KP=dtype, VP=dtype, KPE="*i8", VPE="*i8", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
                   scale="fp32", NPART="i32")
@@ -49,10 +51,11 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
             dk._chunk_kernel,
             {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", "COUNT": "*i32",
              "OUT": dtype, **strides, "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32",
-             "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "stride_esb": "i64", "stride_esh": "i64"},
+             "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "stride_esb": "i64", "stride_esh": "i64",
+             **{n: "i64" for n in ("stride_vsb", "stride_vsh", "stride_vs")}},
             dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
                  PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False,
-                 PREFETCH=False),
+                 PREFETCH=False, V_WHOLE=False),
             num_warps=4)
         if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
             lines = kernel.asm["ptx"].splitlines()
@@ -66,7 +69,7 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},
                      dict(REP=rep, G=members, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=head_dim,
                           DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True, FP8=False,
-                          PREFETCH=False),
+                          PREFETCH=False, V_WHOLE=False),
                      num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))
@@ -112,7 +115,8 @@ def test_fused_decode_kernels_build(dtype):
 def _fp8_chunk_signature() -> dict:
     """The chunk kernel's argument types on an FP8 cache (codes as uint8, int8 exponents), bf16 queries."""
     strides = ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_sb", "stride_sh",
-               "stride_st", "stride_epp", "stride_eph", "stride_esb", "stride_esh")
+               "stride_st", "stride_vpp", "stride_vph", "stride_vp", "stride_vsb", "stride_vsh", "stride_vs",
+               "stride_epp", "stride_eph", "stride_esb", "stride_esh")
     return dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
                 M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
                 KSE="*i8", VSE="*i8", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
@@ -131,28 +135,33 @@ def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
         kernel = compile_for_sm90(dk._chunk_kernel, sig,
                                   dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
                                        DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
-                                       PREFETCH=False),
+                                       PREFETCH=False, V_WHOLE=True),
                                   num_warps=4)
         counts[fp8] = kernel.asm["ptx"].count("cvt.bf16.f16")
     assert counts[1] > 0 and counts[2] == 0, counts
 
 
-def _sass_loops(kernel) -> list[list[str]]:
-    """The instructions of each loop body of a compiled kernel's SASS (a block from a label to the backward branch
-    that returns to it), through nvdisasm (shipped with Triton's CUDA backend; skips where it is not)."""
+def _cubin_tool(kernel, tool: str, *args: str) -> str:
+    """stdout of one of the CUDA binary tools shipped with Triton's CUDA backend (nvdisasm, cuobjdump) run on a
+    compiled kernel's cubin; skips where the tool is not there."""
     import os
-    import re
     import subprocess
     import tempfile
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if not os.access(tool, os.X_OK):
-        pytest.skip("no nvdisasm in this Triton build")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"no {tool} in this Triton build")
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.cubin")
-        with open(path, "wb") as f:
+        cubin = os.path.join(d, "kernel.cubin")
+        with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
-        text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([path, *args, cubin], capture_output=True, text=True, check=True).stdout
+
+
+def _sass_loops(kernel) -> list[list[str]]:
+    """The instructions of each loop body of a compiled kernel's SASS (a block from a label to the backward branch
+    that returns to it), through nvdisasm."""
+    text = _cubin_tool(kernel, "nvdisasm", "-c")
     labels, instrs = {}, []
     for line in text.splitlines():
         if m := re.match(r"\s*(\.L_x_\d+):", line):
@@ -171,8 +180,6 @@ def _loads_waited_on_mid_block(body: list[str]) -> int:
     """Plain global loads (not cp.async) of a loop body whose register is read before the last tenth of the body's
     instructions (where a load for the next iteration is only packed into the loop's carried registers): a stall
     of a global load's latency inside each block's work."""
-    import re
-
     tail = int(0.9 * len(body))
     waited = 0
     for i, ins in enumerate(body):
@@ -184,33 +191,64 @@ def _loads_waited_on_mid_block(body: list[str]) -> int:
     return waited
 
 
+_ALIGNED = {n for n, t in _fp8_chunk_signature().items() if n.startswith("stride") or t.startswith("*")}  # as a
+# launch specialises them (fresh tensors, strides that are multiples of 16)
+
+
+def _fp8_chunk_build(fp8: int, prefetch: bool):
+    """(kernel, its two attention loops' SASS: the prefix's chunks and the suffix's) of the chunk kernel on an FP8
+    cache read in whole value blocks, 8B heads, 4 warps."""
+    np_, cb = dk._merge_blocks(33, 4)
+    kernel = compile_for_sm90(dk._chunk_kernel, _fp8_chunk_signature(),
+                              dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
+                                   DYNAMIC_STOP=True, FUSED=True, RB=4, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
+                                   PREFETCH=prefetch, V_WHOLE=True),
+                              num_warps=4, aligned=_ALIGNED)
+    attention_loops = [b for b in _sass_loops(kernel) if any("HMMA" in ins for ins in b)]
+    assert len(attention_loops) == 2, len(attention_loops)
+    return kernel, attention_loops
+
+
 @pytest.mark.parametrize("fp8", [1, 2])
 def test_fp8_prefetch_takes_the_exponent_loads_off_each_block(fp8):
     """The FP8 cache's scale exponents are 1 byte a position, loaded by plain global loads that Triton's pipeliner
     does not stage: without LAUNCH fp8_prefetch each block waits for them before its scaling; with it the loads
     are for the next block, first read at the block's end (sm_90 SASS of both attention loops, with the 16-aligned
     strides a launch specialises)."""
-    sig = _fp8_chunk_signature()
-    aligned = {n for n in sig if n.startswith("stride") or sig[n].startswith("*")}
-    np_, cb = dk._merge_blocks(33, 4)
     waited = {}
     for prefetch in (False, True):
-        kernel = compile_for_sm90(dk._chunk_kernel, sig,
-                                  dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
-                                       DYNAMIC_STOP=True, FUSED=True, RB=4, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
-                                       PREFETCH=prefetch),
-                                  num_warps=4, aligned=aligned)
-        attention_loops = [b for b in _sass_loops(kernel) if any("HMMA" in ins for ins in b)]
-        assert len(attention_loops) == 2, len(attention_loops)  # the prefix's chunks and the suffix's
+        _, attention_loops = _fp8_chunk_build(fp8, prefetch)
         waited[prefetch] = [_loads_waited_on_mid_block(b) for b in attention_loops]
     assert all(n > 0 for n in waited[False]) and waited[True] == [0, 0], waited
+    sig, aligned = _fp8_chunk_signature(), _ALIGNED
     prefix_sig = {k: sig[k] for k in ("Q", "KP", "VP", "KPE", "VPE")}  # the grouped prompts' kernel builds with it
     prefix_sig.update(MEMBERS="*i64", PLEN_P="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", scale="fp32",
                       **{n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt",
-                                            "stride_epp", "stride_eph", "stride_mem")}, NPART="i32", NSUB="i32")
+                                            "stride_vpp", "stride_vph", "stride_vp", "stride_epp", "stride_eph",
+                                            "stride_mem")}, NPART="i32", NSUB="i32")
     compile_for_sm90(dk._prefix_kernel, prefix_sig,
                      dict(REP=4, G=8, GS=8, R=32, D=128, DP=128, BLOCK=dk.BLOCK, PCHUNK=1024, PREC="tf32",
-                          DYNAMIC_STOP=True, FP8=fp8, PREFETCH=True), num_warps=4, aligned=aligned)
+                          DYNAMIC_STOP=True, FP8=fp8, PREFETCH=True, V_WHOLE=True), num_warps=4, aligned=aligned)
+
+
+def _registers(kernel) -> int:
+    """Registers a thread of a compiled kernel (cuobjdump)."""
+    return int(re.search(r"REG:(\d+)", _cubin_tool(kernel, "cuobjdump", "--dump-resource-usage")).group(1))
+
+
+@pytest.mark.parametrize("fp8", [1, 2])
+def test_fp8_values_read_in_whole_blocks_need_no_byte_gathers(fp8):
+    """The FP8 value store is position-minor (kv_quant.py), so the second product's operand has its positions
+    contiguous. Read in whole blocks (V_WHOLE: a capacity of whole blocks, no position mask), the values go through
+    16-byte asynchronous copies and wider shared loads, with no byte loads from shared memory in either attention
+    loop, and in fewer than 128 registers a thread. Stored [T, D], as before, they took 32 byte gathers a loop at
+    128 registers (Triton 3.6 and 3.9; benchmarks/results/kv_fp8_decode_sass.md)."""
+    kernel, attention_loops = _fp8_chunk_build(fp8, prefetch=False)
+    for body in attention_loops:
+        assert not [ins for ins in body if re.match(r"LDS\.U8\b", ins)], "byte gathers from shared memory"
+        # a block of 32 positions: 4 KB of key codes and 4 KB of value codes, 16 bytes a thread and copy
+        assert sum("LDGSTS.E.BYPASS.128" in ins for ins in body) >= 4
+    assert _registers(kernel) < 128
 
 
 @pytest.mark.parametrize("rows, spread", [(16, False), (128, False), (16, True)])

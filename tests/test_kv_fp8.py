@@ -13,7 +13,8 @@ from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_sl
 from longrl.ops.rollout_correction import rollout_correction_weights
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.attention import KVCache, decode_attention_reference
-from longrl.rollout.kv_quant import FP8, FP8_MAX, dequantize, pow2, quantize_reference
+from longrl.rollout.kv_quant import (FP8, FP8_MAX, dequantize, dequantize_values, pow2, quantize_cache, quantize_reference,
+                                     quantize_values)
 
 # Stated tolerances. e4m3 keeps 3 mantissa bits: each normal element within 2^-4 of itself (relative). Attention
 # over unit-variance random keys/values: output within ATTN_REL of full precision (‖Δ‖ / ‖o‖; measured 0.04 at
@@ -46,8 +47,27 @@ def test_quantizer_picks_the_smallest_power_of_two_scale_and_bounds_the_error():
     assert torch.equal(dequantize(q[:1], e[:1]), torch.zeros(1, 40))
 
 
-def _fp8(*tensors):
-    return [quantize_reference(t) for t in tensors]
+def test_values_are_stored_position_minor_and_read_back_as_the_keys_are():
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 70, 24)
+    q, e = quantize_values(x)
+    assert q.shape == (2, 3, 24, 128) and e.shape == (2, 3, 70)  # 70 positions → a capacity of 128
+    assert torch.equal(q[..., 70:].view(torch.uint8), torch.zeros(2, 3, 24, 58, dtype=torch.uint8))
+    kq, ke = quantize_reference(x)
+    assert torch.equal(q[..., :70].transpose(-1, -2).view(torch.uint8), kq.view(torch.uint8)) and torch.equal(e, ke)
+    assert torch.equal(dequantize_values(q, e), dequantize(kq, ke))
+
+
+def test_a_nan_element_is_stored_as_zero_so_every_code_is_finite():
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    x[2] = float("nan")
+    q, e = quantize_reference(x)
+    assert torch.isfinite(q.float()).all()
+    assert float(q[1, 3].float()) == 0.0 and torch.equal(q[2].float(), torch.zeros(16))
+    clean = x.clone()
+    clean[1, 3] = 0.0
+    assert torch.equal(q[1].view(torch.uint8), quantize_reference(clean[1])[0].view(torch.uint8))
 
 
 def test_fp8_attention_is_within_its_tolerance_of_full_precision():
@@ -58,7 +78,7 @@ def test_fp8_attention_is_within_its_tolerance_of_full_precision():
         pidx, slen = torch.randint(0, P, (S,)), torch.randint(1, T + 1, (S,))
         plen = torch.full((S,), Lp)
         ref = decode_attention_reference(q, k_pre, v_pre, pidx, plen, k_suf, v_suf, slen, D ** -0.5)
-        (kp, kpe), (vp, vpe), (ks, kse), (vs, vse) = _fp8(k_pre, v_pre, k_suf, v_suf)
+        (kp, kpe), (vp, vpe), (ks, kse), (vs, vse) = quantize_cache(k_pre, v_pre, k_suf, v_suf)
         out = decode_attention_reference(q, kp, vp, pidx, plen, ks, vs, slen, D ** -0.5, kv_exp=(kpe, vpe, kse, vse))
         rel = float((out - ref).norm() / ref.norm())
         assert 0 < rel <= ATTN_REL, rel
@@ -69,7 +89,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
     import torch
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import decode_attention_triton
-    from longrl.rollout.kv_quant import quantize_reference, store_decode
+    from longrl.rollout.kv_quant import quantize_reference, quantize_values, store_decode, value_capacity
 
     torch.manual_seed(int(sys.argv[1]))
     # the store kernel: bit for bit the twin's fp8 codes and exponents, at odd head sizes and magnitudes
@@ -77,8 +97,10 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         k = torch.randn(B, H, D) * torch.logspace(-8, 6, B * H).view(B, H, 1)
         v = torch.randn(B, H, D) * 3
         k[0, 0] = 0.0
+        v[-1, -1, 1] = float("nan")  # stored as 0
         idx = torch.randint(0, T, (B,))
-        caches = [[torch.zeros(S, H, T, D, dtype=torch.float8_e4m3fn), torch.zeros(S, H, T, D, dtype=torch.float8_e4m3fn),
+        caches = [[torch.zeros(S, H, T, D, dtype=torch.float8_e4m3fn),
+                   torch.zeros(S, H, D, value_capacity(T), dtype=torch.float8_e4m3fn),  # values position-minor
                    torch.zeros(S, H, T, dtype=torch.int8), torch.zeros(S, H, T, dtype=torch.int8)] for _ in range(2)]
         for c, tri in zip(caches, (False, True)):
             store_decode(k, v, *c, idx, tri)
@@ -89,7 +111,14 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
     for (P, S, Hq, Hkv, Lp, T, D) in [(3, 5, 8, 2, 77, 131, 32), (2, 3, 6, 2, 33, 65, 24), (1, 3, 4, 4, 1, 1, 16)]:
         raw = [torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D), torch.randn(S, Hkv, T, D) * 5,
                torch.randn(S, Hkv, T, D)]
-        (kp, kpe), (vp, vpe), (ks, kse), (vs, vse) = [quantize_reference(t) for t in raw]
+        (kp, kpe), (ks, kse) = quantize_reference(raw[0]), quantize_reference(raw[2])
+        # values position-minor, at a capacity of exactly the positions (a value block past it is masked) and at
+        # whole blocks (value_capacity: read whole, the padding holding finite codes that must add exactly 0)
+        (vp, vpe), (vs, vse) = quantize_values(raw[1], Lp), quantize_values(raw[3], T)
+        (vp_w, _), (vs_w, _) = quantize_values(raw[1]), quantize_values(raw[3])
+        for whole, exact, n in ((vp_w, vp, Lp), (vs_w, vs, T)):
+            pad = torch.randint(0, 0x7F, whole[..., n:].shape, dtype=torch.uint8)  # finite codes (0x7F is NaN)
+            whole[..., n:] = (pad | (torch.randint(0, 2, pad.shape, dtype=torch.uint8) << 7)).view(torch.float8_e4m3fn)
         q = torch.randn(S, Hq, D)
         pidx = torch.randint(0, P, (S,))
         entry_len = torch.randint(0, Lp + 1, (P,))
@@ -118,6 +147,9 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
                 plain = decode_attention_triton(*args, **kw, kv_exp=exp, launch=base)
                 ahead = decode_attention_triton(*args, **kw, kv_exp=exp, launch={**base, "fp8_prefetch": True})
                 assert torch.equal(plain, ahead), (f16, kw.keys())
+                # whole value blocks: the same results bit for bit
+                args_w = (q, kp, vp_w, pidx, entry_len[pidx], ks, vs_w, slen, D ** -0.5)
+                assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=base), plain)
                 tol = 4e-3 if f16 else 1e-5
                 torch.testing.assert_close(plain, ref, atol=tol, rtol=tol)
     print("fp8 kernels ok")

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import decode_attention_triton
-    from longrl.rollout.kv_quant import FP8, quantize_reference, store_decode
+    from longrl.rollout.kv_quant import FP8, quantize_reference, quantize_values, store_decode, value_capacity
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -19,7 +19,8 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
         k = (torch.randn(B, H, D, device=dev) * torch.logspace(-6, 4, B * H, device=dev).view(B, H, 1)).bfloat16()
         v = torch.randn(B, H, D, device=dev).bfloat16()
         idx = torch.randint(0, T, (B,), device=dev)
-        caches = [[torch.zeros(S, H, T, D, dtype=FP8, device=dev), torch.zeros(S, H, T, D, dtype=FP8, device=dev),
+        caches = [[torch.zeros(S, H, T, D, dtype=FP8, device=dev),
+                   torch.zeros(S, H, D, value_capacity(T), dtype=FP8, device=dev),  # values position-minor
                    torch.zeros(S, H, T, dtype=torch.int8, device=dev), torch.zeros(S, H, T, dtype=torch.int8,
                                                                                device=dev)] for _ in range(2)]
         for c, tri in zip(caches, (False, True)):
@@ -30,7 +31,14 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
                                       (1, 3, 4, 4, 1, 1, 128), (2, 5, 6, 2, 1100, 65, 80)]:
         raw = [torch.randn(P, Hkv, Lp, D, device=dev), torch.randn(P, Hkv, Lp, D, device=dev),
                torch.randn(S, Hkv, T, D, device=dev) * 4, torch.randn(S, Hkv, T, D, device=dev)]
-        (kp, kpe), (vp, vpe), (ks, kse), (vs, vse) = [quantize_reference(t.bfloat16()) for t in raw]
+        (kp, kpe), (ks, kse) = quantize_reference(raw[0].bfloat16()), quantize_reference(raw[2].bfloat16())
+        # values position-minor: whole blocks (value_capacity, finite codes in the padding: the unmasked 16-byte
+        # loads) and a capacity of exactly the positions (masked), which must agree bit for bit
+        (vp, vpe), (vs, vse) = quantize_values(raw[1].bfloat16()), quantize_values(raw[3].bfloat16())
+        for whole, n in ((vp, Lp), (vs, T)):
+            pad = torch.randint(0, 0x7F, whole[..., n:].shape, dtype=torch.uint8, device=dev)  # 0x7F is NaN
+            whole[..., n:] = (pad | (torch.randint(0, 2, pad.shape, dtype=torch.uint8, device=dev) << 7)).view(FP8)
+        vp_exact, vs_exact = quantize_values(raw[1].bfloat16(), Lp)[0], quantize_values(raw[3].bfloat16(), T)[0]
         q = torch.randn(S, Hq, D, device=dev).bfloat16()
         pidx = torch.randint(0, P, (S,), device=dev)
         slen = torch.randint(1, T + 1, (S,), device=dev)
@@ -49,6 +57,9 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
             ahead = decode_attention_triton(*args, **{**kw, "launch": {**kw.get("launch", {}), "fp8_prefetch": True}},
                                             kv_exp=exp).float()
             assert torch.equal(ahead, out), (P, S, T, D, kw.keys())
+            exact = decode_attention_triton(q, kp, vp_exact, pidx, entry_len[pidx], ks, vs_exact, slen, D ** -0.5,
+                                            **kw, kv_exp=exp).float()
+            assert torch.equal(exact, out), (P, S, T, D, kw.keys())
 
 
 def test_budget_caps_the_allocator():

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import FP8, dequantize, quantize_reference, store_decode
+from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, value_capacity
 
 SAMPLER_ATTENTION = "longrl_sampler"
 
@@ -31,9 +31,9 @@ SAMPLER_ATTENTION = "longrl_sampler"
 @dataclass
 class KVCache:
     k_pre: torch.Tensor  # [L, P, Hkv, Lp, D]
-    v_pre: torch.Tensor
+    v_pre: torch.Tensor  # [L, P, Hkv, Lp, D]; FP8: position-minor [L, P, Hkv, D, Lp'] (kv_quant.value_capacity)
     k_suf: torch.Tensor  # [L, S, Hkv, T, D]
-    v_suf: torch.Tensor
+    v_suf: torch.Tensor  # [L, S, Hkv, T, D]; FP8: [L, S, Hkv, D, T']
     # FP8 caches (k_pre ... v_suf float8_e4m3fn): the int8 scale exponent of each position and key head
     # (rollout/kv_quant.py), and the decode step's keys/values before they are quantized into the slot store
     k_pre_e: torch.Tensor | None = None  # [L, P, Hkv, Lp]
@@ -47,11 +47,16 @@ class KVCache:
     @classmethod
     def allocate(cls, *, layers: int, kv_heads: int, head_dim: int, prefix_slots: int, prefix_len: int, slots: int,
                  suffix_len: int, dtype: torch.dtype, device, compute_dtype: torch.dtype | None = None) -> "KVCache":
-        """Zeroed stores; ``dtype`` float8_e4m3fn adds the scale exponents and the stage (``compute_dtype``)."""
+        """Zeroed stores; ``dtype`` float8_e4m3fn adds the scale exponents and the stage (``compute_dtype``), and
+        keeps the values position-minor."""
         pre = (layers, prefix_slots, kv_heads, prefix_len, head_dim)
         suf = (layers, slots, kv_heads, suffix_len, head_dim)
-        cache = cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(pre, dtype=dtype, device=device),
-                    torch.zeros(suf, dtype=dtype, device=device), torch.zeros(suf, dtype=dtype, device=device))
+        v_pre, v_suf = pre, suf
+        if dtype == FP8:
+            v_pre = (*pre[:3], head_dim, value_capacity(prefix_len))
+            v_suf = (*suf[:3], head_dim, value_capacity(suffix_len))
+        cache = cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(v_pre, dtype=dtype, device=device),
+                    torch.zeros(suf, dtype=dtype, device=device), torch.zeros(v_suf, dtype=dtype, device=device))
         if dtype == FP8:
             exp = dict(dtype=torch.int8, device=device)
             cache.k_pre_e, cache.v_pre_e = torch.zeros(pre[:-1], **exp), torch.zeros(pre[:-1], **exp)
@@ -90,7 +95,10 @@ class KVCache:
             return
         for x, store, exp in ((key, self.k_pre, self.k_pre_e), (value, self.v_pre, self.v_pre_e)):
             q, e = quantize_reference(x)
-            store[layer, entries, :, :width] = q
+            if store is self.v_pre:
+                store[layer, entries, :, :, :width] = q.transpose(-1, -2)
+            else:
+                store[layer, entries, :, :width] = q
             exp[layer, entries, :, :width] = e
 
     def write_decode(self, layer: int, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,
@@ -113,12 +121,16 @@ class KVCache:
             return
         for x, store, exp in ((key, self.k_suf, self.k_suf_e), (value, self.v_suf, self.v_suf_e)):
             q, e = quantize_reference(x)
-            store[layer][slots, :, positions] = q
+            if store is self.v_suf:
+                store[layer][slots, :, :, positions] = q  # [M, Hkv, D] (the indexed dimensions go first)
+            else:
+                store[layer][slots, :, positions] = q
             exp[layer][slots, :, positions] = e
 
     @staticmethod
     def nbytes(*, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
-        """Bytes of keys + values for ``tokens`` positions (FP8: one byte an element and one a position and head)."""
+        """Bytes of keys + values for ``tokens`` positions (FP8: one byte an element and one a position and head;
+        a value store's capacity rounded up to kv_quant.V_ALIGN positions adds < 64 positions of value codes)."""
         if dtype == FP8:
             return 2 * layers * kv_heads * (head_dim + 1) * tokens
         return 2 * layers * kv_heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
@@ -173,7 +185,7 @@ def extend_attention(query, key, value, layer: int, meta: ExtendMeta, scale: flo
     if cache.fp8:
         k_pre_e, v_pre_e, k_suf_e, v_suf_e = cache.layer_exp(layer)
         exps = [k_pre_e[meta.prefix_index], k_suf_e[meta.slots], v_pre_e[meta.prefix_index], v_suf_e[meta.slots]]
-        stores = [dequantize(t, e) for t, e in zip(stores, exps)]
+        stores = [(dequantize_values if i >= 2 else dequantize)(t, e) for i, (t, e) in enumerate(zip(stores, exps))]
     k = torch.cat(stores[:2], dim=2).to(query.dtype)  # [B, Hkv, Lp + T, D]
     v = torch.cat(stores[2:], dim=2).to(query.dtype)
     Lp, T = cache.k_pre.shape[3], k_suf.shape[2]
@@ -192,9 +204,12 @@ def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf,
 
     With members [P, G] (slots of each prefix entry, −1: none) and prompt_len [P], the prefix of each slot is
     found through that table, as the grouped Triton kernel finds it (a slot listed nowhere has no prefix).
-    kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache, dequantized first (kv_quant.dequantize)."""
+    kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache, its values position-minor (v_pre [P, Hkv, D, Lp'],
+    v_suf [≥B, Hkv, D, T'], kv_quant.quantize_values), dequantized first."""
     if kv_exp is not None:
-        k_pre, v_pre, k_suf, v_suf = (dequantize(t, e) for t, e in zip((k_pre, v_pre, k_suf, v_suf), kv_exp))
+        k_pre_e, v_pre_e, k_suf_e, v_suf_e = kv_exp
+        k_pre, k_suf = dequantize(k_pre, k_pre_e), dequantize(k_suf, k_suf_e)
+        v_pre, v_suf = dequantize_values(v_pre, v_pre_e), dequantize_values(v_suf, v_suf_e)
     B, Hq, D = q.shape
     if members is not None:
         listed = members >= 0

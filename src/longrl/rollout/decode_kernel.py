@@ -55,20 +55,33 @@ def _block_exponents(ke_ptr, ve_ptr, t, end, FP8: tl.constexpr):
 
 
 @triton.jit
-def _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, first, end, m, l, acc, scale, D: tl.constexpr,
-                DP: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+def _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l, acc, scale, D: tl.constexpr,
+                DP: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+                V_WHOLE: tl.constexpr, DYNAMIC_STOP: tl.constexpr):
     """Fold keys [first, min(end, first + BLOCK)) into the online softmax (m, l, acc) of the query rows q [R, DP].
+    Keys [T, D] (position stride stride_t); values [T, D] with position stride stride_v, or for an FP8 cache
+    position-minor [D, T'] with dimension stride stride_v = T' (kv_quant.py).
     FP8: keys and values are e4m3 bits (uint8) with the int8 exponents ek, ev [BLOCK] of their positions
     (kv_quant.py; _block_exponents), widened to q's dtype exactly; s_t = (q · k8_t) 2^ek_t · scale, and p_t 2^ev_t
     weighs v8_t. FP8 == 2: widened to float16 instead (also exact; bf16 targets cost a float32 step per value on
     sm_90) and the products in float16: q clamped to ±65504, p_t 2^ev_t as p_t 2^(ev_t − E) · 2^E with E the
-    block's largest ev − 15."""
+    block's largest ev − 15. V_WHOLE (FP8, T' a multiple of BLOCK): the value block is read whole, past end too
+    (finite codes there, weighed by p = 0, add exactly 0), so its loads have no position mask and run 16 bytes wide;
+    under the interpreter, whose loops run to CHUNK, masked at T'."""
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
     ok = in_range[:, None] & (dims[None, :] < D)
     k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0)
-    v = tl.load(v_ptr + t[:, None] * stride_t + dims[None, :], mask=ok, other=0)
+    if not FP8:
+        v = tl.load(v_ptr + t[:, None] * stride_v + dims[None, :], mask=ok, other=0)
+    elif not V_WHOLE:
+        v = tl.load(v_ptr + t[:, None] + dims[None, :] * stride_v, mask=ok, other=0)
+    elif DYNAMIC_STOP:
+        v = tl.load(v_ptr + t[:, None] + dims[None, :] * stride_v, mask=(dims < D)[None, :], other=0)
+    else:
+        v = tl.load(v_ptr + t[:, None] + dims[None, :] * stride_v, mask=(t < stride_v)[:, None] & (dims < D)[None, :],
+                    other=0)
     if FP8 == 2:  # e4m3 → float16 (exact, one packed conversion per two values) and float16 products
         k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -108,9 +121,9 @@ DYNAMIC_STOP = type(_fold_block).__name__ != "InterpretedFunction"
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start, end, m, l, acc, scale, D: tl.constexpr,
+def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, stride_v, start, end, m, l, acc, scale, D: tl.constexpr,
             DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, DYNAMIC_STOP: tl.constexpr,
-            FP8: tl.constexpr, PREFETCH: tl.constexpr):
+            FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr):
     """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]. With
     DYNAMIC_STOP the loop ends at the last block with keys: a block past them leaves m, l and acc exactly as they
     are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions. PREFETCH (an
@@ -121,23 +134,24 @@ def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, start, end, m, l, acc, sc
         ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
         for off in range(0, stop, BLOCK):
             ek_next, ev_next = _block_exponents(ke_ptr, ve_ptr, t + BLOCK, end, FP8)
-            m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, start + off, end, m, l, acc, scale, D, DP,
-                                    BLOCK, PREC, FP8)
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off, end, m, l, acc, scale,
+                                    D, DP, BLOCK, PREC, FP8, V_WHOLE, DYNAMIC_STOP)
             ek, ev, t = ek_next, ev_next, t + BLOCK
     else:
         for off in range(0, stop, BLOCK):
             ek, ev = _block_exponents(ke_ptr, ve_ptr, start + off + tl.arange(0, BLOCK), end, FP8)
-            m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, start + off, end, m, l, acc, scale, D, DP,
-                                    BLOCK, PREC, FP8)
+            m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off, end, m, l, acc, scale,
+                                    D, DP, BLOCK, PREC, FP8, V_WHOLE, DYNAMIC_STOP)
     return m, l, acc
 
 
 @triton.jit
 def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, scale,
-                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_epp, stride_eph, stride_mem, NPART,
+                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_vpp, stride_vph, stride_vp,
+                   stride_epp, stride_eph, stride_mem, NPART,
                    NSUB, REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr,
-                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr):
+                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr):
     """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
     sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
     [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
@@ -164,9 +178,10 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, DP], tl.float32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
+    vbase = p.to(tl.int64) * stride_vpp + h * stride_vph
     ebase = p.to(tl.int64) * stride_epp + h * stride_eph
-    m, l, acc = _attend(q, KP + base, VP + base, KPE + ebase, VPE + ebase, stride_pt, start, p_len, m, l, acc, scale,
-                        D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH)
+    m, l, acc = _attend(q, KP + base, VP + vbase, KPE + ebase, VPE + ebase, stride_pt, stride_vp, start, p_len, m, l,
+                        acc, scale, D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
     tl.store(M_OUT + part, m, mask=row_ok)
     tl.store(L_OUT + part, l, mask=row_ok)
@@ -176,11 +191,13 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
 @triton.jit
 def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, KPE, VPE, KSE, VSE, scale,
                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st,
+                  stride_vpp, stride_vph, stride_vp, stride_vsb, stride_vsh, stride_vs,
                   stride_epp, stride_eph, stride_esb, stride_esh, NPART,
                   FIRST, NPRE, REP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-                  CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr):
+                  CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
+                  V_WHOLE: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -217,14 +234,16 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
     if c < NPRE:
         entry = tl.load(PIDX + b).to(tl.int64)
         base = entry * stride_pp + h * stride_ph
+        vbase = entry * stride_vpp + h * stride_vph
         ebase = entry * stride_epp + h * stride_eph
-        m, l, acc = _attend(q, KP + base, VP + base, KPE + ebase, VPE + ebase, stride_pt, start, end, m, l, acc,
-                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH)
+        m, l, acc = _attend(q, KP + base, VP + vbase, KPE + ebase, VPE + ebase, stride_pt, stride_vp, start, end, m,
+                            l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     else:
         base = b.to(tl.int64) * stride_sb + h * stride_sh
+        vbase = b.to(tl.int64) * stride_vsb + h * stride_vsh
         ebase = b.to(tl.int64) * stride_esb + h * stride_esh
-        m, l, acc = _attend(q, KS + base, VS + base, KSE + ebase, VSE + ebase, stride_st, start, end, m, l, acc,
-                            scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH)
+        m, l, acc = _attend(q, KS + base, VS + vbase, KSE + ebase, VSE + ebase, stride_st, stride_vs, start, end, m,
+                            l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     hq = stride_qb // stride_qh  # query heads (q is contiguous)
     part = (b.to(tl.int64) * hq + h * REP + rows) * NPART + FIRST + c
     tl.store(M_OUT + part, m, mask=row_ok)
@@ -300,8 +319,9 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
                             kv_exp=None):
     """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D].
 
-    kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache (k_pre ... v_suf float8_e4m3fn) and its int8 scale
-    exponents [P, Hkv, Lp] / [S, Hkv, T] (kv_quant.py); q keeps its 16-bit (or float32) dtype.
+    kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache (k_pre ... v_suf float8_e4m3fn, the values
+    position-minor: v_pre [P, Hkv, D, Lp'], v_suf [S, Hkv, D, T'], Lp' ≥ Lp, T' ≥ T, kv_quant.quantize_values) and its
+    int8 scale exponents [P, Hkv, Lp] / [S, Hkv, T] (kv_quant.py); q keeps its 16-bit (or float32) dtype.
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
@@ -319,6 +339,8 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
         assert kpe.stride(2) == 1 and kse.stride(2) == 1, "the scale exponents run contiguously along positions"
+        assert v_pre.shape[2] == D and v_pre.shape[3] >= Lp and v_suf.shape[3] >= T, "values are position-minor"
+        assert v_pre.stride(3) == 1 and v_suf.stride(3) == 1, "value positions run contiguously"
         e_strides = (kpe.stride(0), kpe.stride(1), kse.stride(0), kse.stride(1))
     else:
         kpe = vpe = kse = vse = q  # not read
@@ -349,20 +371,24 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     acc_part = torch.empty(cells, DP, dtype=torch.float32, device=q.device)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
+    # the values' (entry or slot, head, position or, position-minor, dimension) strides
+    v_strides = (v_pre.stride(0), v_pre.stride(1), v_pre.stride(2), v_suf.stride(0), v_suf.stride(1), v_suf.stride(2))
+    v_whole = bool(fp8 and v_pre.shape[3] % block == 0 and v_suf.shape[3] % block == 0)  # whole value blocks
     if grouped and first:
         _prefix_kernel[(P, Hkv, first * n_sub)](
             q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
-            *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
+            *v_strides[:3], *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
             R=max(16, triton.next_power_of_2(gs * rep)), D=D, DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec,
-            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=v_whole, num_warps=warps,
+            num_stages=stages)
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
-        kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *e_strides,
-        npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP, BLOCK=block,
-        CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb, COUNT0=COUNT0,
-        FP8=fp8, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+        kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *v_strides,
+        *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
+        BLOCK=block, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
+        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=v_whole, num_warps=warps, num_stages=stages)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out

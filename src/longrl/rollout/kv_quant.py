@@ -9,6 +9,12 @@ and read back as x̂ = float(q) · 2^e. Scaling by a power of two is exact in fl
 (3 mantissa bits: |x̂ − x| ≤ 2^−4 |x| for normal values, 2^−9 · 2^e absolute below them), and the kernel and its
 twin compute e and q bit for bit alike (integer arithmetic on the float32 bits; the cast rounds to nearest even).
 Per position: D bytes + 1 exponent byte, against 2 D for bf16 ((D + 1) / 2D of the bytes: 0.504 at D = 128).
+A NaN element is stored as 0, so that every code in a store is finite (the attention kernel reads whole blocks of
+values past a sequence's end, where they are weighed by p = 0).
+
+The value codes are stored position-minor, [..., D, T'] with T' = T rounded up to V_ALIGN (:func:`value_capacity`):
+the decode attention's second product reads them as its k-major operand, four positions a 32-bit word, with no
+byte gathers and no position mask (:func:`quantize_values`, :func:`dequantize_values`). Keys stay [..., T, D].
 
 :func:`store_decode` is the decode step's write (a Triton kernel on CUDA, one program per row and key head);
 :func:`quantize_reference` its PyTorch twin (and the prefill's write).
@@ -23,6 +29,12 @@ from .sampling import triton_available
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 EXP_LIMIT = 120  # |e| bound: 2^±e stays a normal float32 (and far past any key or value magnitude)
+V_ALIGN = 64  # positions a value store's capacity is a multiple of (the largest key block of decode_kernel's sweep)
+
+
+def value_capacity(positions: int) -> int:
+    """T' ≥ positions, a multiple of V_ALIGN: the position capacity of an FP8 value store."""
+    return -(-positions // V_ALIGN) * V_ALIGN
 
 
 def exponent_reference(amax: torch.Tensor) -> torch.Tensor:
@@ -39,7 +51,7 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] → (q [..., D] float8_e4m3fn, e [...] int8): x ≈ float(q) · 2^e per row."""
-    xf = x.float()
+    xf = torch.nan_to_num(x.float(), nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     e = exponent_reference(xf.abs().amax(-1))
     q = (xf * pow2(-e)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, e.to(torch.int8)
@@ -50,13 +62,37 @@ def dequantize(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return q.float() * pow2(e)[..., None]
 
 
+def quantize_values(x: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values x [..., T, D] → (q [..., D, T'] float8_e4m3fn, position-minor, T' = ``capacity`` or
+    value_capacity(T); positions past T hold 0) and e [..., T] int8: quantize_reference's codes, transposed."""
+    q, e = quantize_reference(x)
+    T = x.shape[-2]
+    out = torch.zeros(*x.shape[:-2], x.shape[-1], capacity or value_capacity(T), dtype=FP8, device=x.device)
+    out[..., :T] = q.transpose(-1, -2)
+    return out, e
+
+
+def quantize_cache(k_pre, v_pre, k_suf, v_suf) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(codes, exponents) of a whole cache as decode attention reads it: keys by quantize_reference, values
+    position-minor by quantize_values (whole blocks)."""
+    return [quantize_reference(k_pre), quantize_values(v_pre), quantize_reference(k_suf), quantize_values(v_suf)]
+
+
+def dequantize_values(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """float32 [..., T, D] of a position-minor value store q [..., D, T'] and its exponents e [..., T] (T ≤ T')."""
+    return dequantize(q[..., : e.shape[-1]].transpose(-1, -2), e)
+
+
 def store_reference(k, v, k_cache, v_cache, k_exp, v_exp, write_index) -> None:
-    """k, v [B, Hkv, D] into row write_index[b] of slot b: k_cache, v_cache [S, Hkv, T, D] fp8, k_exp, v_exp
-    [S, Hkv, T] int8."""
+    """k, v [B, Hkv, D] into position write_index[b] of slot b: k_cache [S, Hkv, T, D] and v_cache [S, Hkv, D, T']
+    (position-minor) fp8, k_exp, v_exp [S, Hkv, T] int8."""
     rows = torch.arange(k.shape[0], device=k.device)
     for x, cache, exp in ((k, k_cache, k_exp), (v, v_cache, v_exp)):
         q, e = quantize_reference(x)
-        cache[rows, :, write_index] = q
+        if cache is v_cache:
+            cache[rows, :, :, write_index] = q  # [B, Hkv, D] at [rows, :, :, write_index]
+        else:
+            cache[rows, :, write_index] = q
         exp[rows, :, write_index] = e
 
 
@@ -67,6 +103,7 @@ if triton_available():
     @triton.jit
     def _quantize_row(x, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
         """(q bits [DP] uint8, e int32) of one row x [DP] float32 (masked lanes 0): the twin's arithmetic."""
+        x = tl.where(x != x, 0.0, x)  # NaN → 0: every stored code is finite
         amax = tl.max(tl.abs(x), 0)
         bits = amax.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -87,9 +124,10 @@ if triton_available():
 
     @triton.jit
     def _store_kernel(K, V, KC, VC, KE, VE, WIDX, stride_kb, stride_kh, stride_vb, stride_vh,
-                      stride_cs, stride_ch, stride_ct, stride_es, stride_eh, D: tl.constexpr, DP: tl.constexpr,
-                      FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
-        """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b."""
+                      stride_cs, stride_ch, stride_ct, stride_vcs, stride_vch, stride_vcd, stride_es, stride_eh,
+                      D: tl.constexpr, DP: tl.constexpr, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
+        """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b (the
+        key store [S, Hkv, T, D], the value store position-minor [S, Hkv, D, T'])."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dims = tl.arange(0, DP)
@@ -99,9 +137,8 @@ if triton_available():
         v = tl.load(V + b * stride_vb + h * stride_vh + dims, mask=ok, other=0.0).to(tl.float32)
         kq, ke = _quantize_row(k, FP8_MAX, EXP_LIMIT)
         vq, ve = _quantize_row(v, FP8_MAX, EXP_LIMIT)
-        cell = b * stride_cs + h * stride_ch + t * stride_ct
-        tl.store(KC + cell + dims, kq, mask=ok)
-        tl.store(VC + cell + dims, vq, mask=ok)
+        tl.store(KC + b * stride_cs + h * stride_ch + t * stride_ct + dims, kq, mask=ok)
+        tl.store(VC + b * stride_vcs + h * stride_vch + dims * stride_vcd + t, vq, mask=ok)
         tl.store(KE + b * stride_es + h * stride_eh + t, ke.to(tl.int8))
         tl.store(VE + b * stride_es + h * stride_eh + t, ve.to(tl.int8))
 
@@ -113,6 +150,8 @@ def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: 
         return
     B, H, D = k.shape
     kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    assert kc.stride(3) == 1 and vc.stride(3) == 1, "key rows and value positions run contiguously"
     _store_kernel[(B, H)](k, v, kc, vc, k_exp, v_exp, write_index, k.stride(0), k.stride(1), v.stride(0),
-                          v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), k_exp.stride(0), k_exp.stride(1),
+                          v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
+                          vc.stride(2), k_exp.stride(0), k_exp.stride(1),
                           D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT, num_warps=1)
