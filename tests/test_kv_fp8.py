@@ -58,6 +58,16 @@ def test_values_are_stored_position_minor_and_read_back_as_the_keys_are():
     assert torch.equal(dequantize_values(q, e), dequantize(kq, ke))
 
 
+def test_the_kv_budget_counts_the_value_stores_padding():
+    from longrl.memory.planner import rollout_kv_bytes
+
+    # 1 prompt entry of 9 positions and 1 slot of 12: the value stores hold 64 each, 55 + 52 positions of padding
+    kv = dict(prompts=1, G=1, prompt_len=9, completion_len=12, kv_token=10)
+    assert rollout_kv_bytes(1, **kv) == 210
+    assert rollout_kv_bytes(1, **kv, value_pad_token=3) == 210 + 3 * (55 + 52)
+    assert rollout_kv_bytes(1, **{**kv, "prompt_len": 64, "completion_len": 128}, value_pad_token=3) == 1920
+
+
 def test_a_nan_element_is_stored_as_zero_so_every_code_is_finite():
     x = torch.randn(4, 16)
     x[1, 3] = float("nan")
@@ -116,7 +126,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         # whole blocks (value_capacity: read whole, the padding holding finite codes that must add exactly 0)
         (vp, vpe), (vs, vse) = quantize_values(raw[1], Lp), quantize_values(raw[3], T)
         (vp_w, _), (vs_w, _) = quantize_values(raw[1]), quantize_values(raw[3])
-        for whole, exact, n in ((vp_w, vp, Lp), (vs_w, vs, T)):
+        for whole, n in ((vp_w, Lp), (vs_w, T)):
             pad = torch.randint(0, 0x7F, whole[..., n:].shape, dtype=torch.uint8)  # finite codes (0x7F is NaN)
             whole[..., n:] = (pad | (torch.randint(0, 2, pad.shape, dtype=torch.uint8) << 7)).view(torch.float8_e4m3fn)
         q = torch.randn(S, Hq, D)
@@ -180,9 +190,13 @@ def test_fp8_rollouts_log_probs_within_tolerance_and_slot_moves_keep_the_scales(
     params = SamplingParams(max_new_tokens=n, seed=3, stop_token_ids=(13,))
     per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=FP8)
     wide = Sampler(model, tok, kv_cache_dtype="fp8", sync_every=3).generate(prompts, 2, params)
-    narrow_sampler = Sampler(model, tok, kv_cache_dtype="fp8", kv_cache_bytes=per * (3 * n + 3 * 9), sync_every=3)
+    # 3 slots of n positions and 3 prompt entries of 9, the value stores padded to 64 positions each
+    budget = per * (3 * n + 3 * 9) + 2 * 2 * 16 * (3 * (64 - n) + 3 * (64 - 9))
+    narrow_sampler = Sampler(model, tok, kv_cache_dtype="fp8", kv_cache_bytes=budget, sync_every=3)
     narrow = narrow_sampler.generate(prompts, 2, params)
     assert narrow_sampler.last_stats["slots"] == 3 and narrow_sampler.last_stats["compactions"] > 0
+    stage = 3 * (2 * 2 * 16 * 4 + 8)  # the decode step's float32 keys/values before quantization, and their index
+    assert narrow_sampler.last_stats["kv_cache_bytes"] - stage <= budget  # the stores: within the budget
     assert narrow.completion_ids == wide.completion_ids
     torch.testing.assert_close(torch.tensor(sum(narrow.logprobs, [])), torch.tensor(sum(wide.logprobs, [])))
     diffs = []

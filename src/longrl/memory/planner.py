@@ -206,6 +206,20 @@ class RolloutPlan:
     parts_gpu_bytes: dict
 
 
+V_ALIGN = 64  # positions an FP8 value store's capacity is a multiple of (rollout/kv_quant.py: read in whole blocks)
+
+
+def value_capacity(positions: int) -> int:
+    """T' ≥ positions, a multiple of V_ALIGN: the position capacity of an FP8 value store."""
+    return -(-positions // V_ALIGN) * V_ALIGN
+
+
+def kv_value_pad_bytes_per_token(shape: ModelShape, fp8: bool) -> int:
+    """Bytes of value codes one position of an FP8 value store holds in every layer (what each position of its
+    capacity padding costs); 0 for a 16-bit cache (no padding)."""
+    return shape.layers * shape.kv_dim if fp8 else 0
+
+
 def kv_bytes_per_token(shape: ModelShape, compute_bytes: int, fp8: bool = False) -> int:
     """Keys + values of one position in every layer; ``fp8``: one byte an element plus a one-byte scale exponent
     per key head (rollout/kv_quant.py)."""
@@ -244,9 +258,13 @@ def prefix_entries(slots: int, prompts: int, G: int) -> int:
     return min(prompts, -(-slots // G) + 1)
 
 
-def rollout_kv_bytes(slots: int, *, prompts: int, G: int, prompt_len: int, completion_len: int, kv_token: int) -> int:
-    """KV cache of ``slots`` decode slots: each prompt entry holds prompt_len positions, each slot completion_len."""
-    return (prefix_entries(slots, prompts, G) * prompt_len + slots * completion_len) * kv_token
+def rollout_kv_bytes(slots: int, *, prompts: int, G: int, prompt_len: int, completion_len: int, kv_token: int,
+                     value_pad_token: int = 0) -> int:
+    """KV cache of ``slots`` decode slots: each prompt entry holds prompt_len positions, each slot completion_len;
+    an FP8 cache's value stores are padded to value_capacity positions (value_pad_token bytes each)."""
+    entries = prefix_entries(slots, prompts, G)
+    pad = entries * (value_capacity(prompt_len) - prompt_len) + slots * (value_capacity(completion_len) - completion_len)
+    return (entries * prompt_len + slots * completion_len) * kv_token + pad * value_pad_token
 
 
 def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
@@ -271,7 +289,8 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
     shards; the Adam moments are sharded."""
     n = prompts * G
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
-              kv_token=kv_bytes_per_token(shape, compute_bytes, kv_fp8))
+              kv_token=kv_bytes_per_token(shape, compute_bytes, kv_fp8),
+              value_pad_token=kv_value_pad_bytes_per_token(shape, kv_fp8))
     fixed = {"base weights": int(shape.base_params() * weight_bytes),
              # float32 adapters + Adam's two moments, and the rollout's fused copy in the compute dtype
              "LoRA (+Adam, fused copy)": shape.lora_params(lora_r) * (4 * 3 + compute_bytes),
@@ -293,7 +312,7 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
     slots = max_rollout_slots(kv_cache_bytes or room, sequences=n, **kv)
     if slots < 1:
         raise PlanError(f"the rollout cannot hold one sequence of {prompt_len + completion_len:,} tokens: "
-                        f"{(prompt_len + completion_len) * kv['kv_token'] / GIB:.2f} GiB of KV cache, "
+                        f"{rollout_kv_bytes(1, **kv) / GIB:.2f} GiB of KV cache, "
                         f"{max(room, 0) / GIB:.2f} GiB left after weights and workspace; shorten "
                         "generation.max_completion_length" + ("" if kv_fp8 else ", or set generation.kv_cache_dtype=fp8")
                         + ("" if weight_bytes < 2 else ", or use a 4-bit base (model.load_in_4bit=true)"))

@@ -8,6 +8,8 @@ the model's ``**kwargs``). The KV cache lives here, not in a transformers ``Cach
     prefix store  K_pre, V_pre: [L, P, Hkv, Lp, D]   one entry per prompt, shared by its G completions
     slot store    K_suf, V_suf: [L, S, Hkv, T, D]    one entry per decoding sequence (its own tokens)
 
+(an FP8 cache keeps its values position-minor, V_pre [L, P, Hkv, D, Lp'] and V_suf [L, S, Hkv, D, T']: kv_quant.py)
+
 Prefill runs a right-padded batch of prompts with causal SDPA and writes their keys/values into the prefix
 store. A decode step writes each sequence's new key/value at its slot and attends over
 prefix[:prefix_len] ++ suffix[:write_index + 1] (an extend step, between the turns of a multi-turn rollout, does the
@@ -130,7 +132,7 @@ class KVCache:
     @staticmethod
     def nbytes(*, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
         """Bytes of keys + values for ``tokens`` positions (FP8: one byte an element and one a position and head;
-        a value store's capacity rounded up to kv_quant.V_ALIGN positions adds < 64 positions of value codes)."""
+        a value store's capacity padding is counted apart: planner.rollout_kv_bytes)."""
         if dtype == FP8:
             return 2 * layers * kv_heads * (head_dim + 1) * tokens
         return 2 * layers * kv_heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()

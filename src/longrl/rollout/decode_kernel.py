@@ -339,7 +339,9 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
         assert kpe.stride(2) == 1 and kse.stride(2) == 1, "the scale exponents run contiguously along positions"
-        assert v_pre.shape[2] == D and v_pre.shape[3] >= Lp and v_suf.shape[3] >= T, "values are position-minor"
+        assert v_pre.shape[2] == D and v_suf.shape[2] == D and v_pre.shape[3] >= Lp and v_suf.shape[3] >= T, \
+            "values are position-minor"
+        assert kpe.shape == k_pre.shape[:3] and kse.shape == k_suf.shape[:3], "one exponent a key position and head"
         assert v_pre.stride(3) == 1 and v_suf.stride(3) == 1, "value positions run contiguously"
         e_strides = (kpe.stride(0), kpe.stride(1), kse.stride(0), kse.stride(1))
     else:
@@ -373,7 +375,10 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     # the values' (entry or slot, head, position or, position-minor, dimension) strides
     v_strides = (v_pre.stride(0), v_pre.stride(1), v_pre.stride(2), v_suf.stride(0), v_suf.stride(1), v_suf.stride(2))
-    v_whole = bool(fp8 and v_pre.shape[3] % block == 0 and v_suf.shape[3] % block == 0)  # whole value blocks
+    # whole value blocks: capacities of whole blocks, each store's positions its own (the interpreter's loops read to
+    # the dimension stride), chunks starting at whole blocks (chunks are powers of two from block to 1,024)
+    assert block & (block - 1) == 0 and block <= 1024, "the key block is a power of two of at most 1,024"
+    v_whole = bool(fp8 and all(v.shape[3] % block == 0 and v.stride(2) == v.shape[3] for v in (v_pre, v_suf)))
     if grouped and first:
         _prefix_kernel[(P, Hkv, first * n_sub)](
             q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,

@@ -8,11 +8,12 @@ A row x [D] (one position of one key head) is stored as q = fp8(clamp(x · 2^−
 and read back as x̂ = float(q) · 2^e. Scaling by a power of two is exact in float32, so the only rounding is e4m3's
 (3 mantissa bits: |x̂ − x| ≤ 2^−4 |x| for normal values, 2^−9 · 2^e absolute below them), and the kernel and its
 twin compute e and q bit for bit alike (integer arithmetic on the float32 bits; the cast rounds to nearest even).
-Per position: D bytes + 1 exponent byte, against 2 D for bf16 ((D + 1) / 2D of the bytes: 0.504 at D = 128).
+Per position: D bytes + 1 exponent byte, against 2 D for bf16 ((D + 1) / 2D of the bytes: 0.504 at D = 128; the
+value stores' capacity padding, below 64 positions a store, adds to that).
 A NaN element is stored as 0, so that every code in a store is finite (the attention kernel reads whole blocks of
 values past a sequence's end, where they are weighed by p = 0).
 
-The value codes are stored position-minor, [..., D, T'] with T' = T rounded up to V_ALIGN (:func:`value_capacity`):
+The value codes are stored position-minor, [..., D, T'] with T' = T rounded up to planner.V_ALIGN (value_capacity):
 the decode attention's second product reads them as its k-major operand, four positions a 32-bit word, with no
 byte gathers and no position mask (:func:`quantize_values`, :func:`dequantize_values`). Keys stay [..., T, D].
 
@@ -24,17 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from ..memory.planner import value_capacity  # T' (planner.V_ALIGN: the largest key block of the launch sweep)
 from .sampling import triton_available
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 EXP_LIMIT = 120  # |e| bound: 2^±e stays a normal float32 (and far past any key or value magnitude)
-V_ALIGN = 64  # positions a value store's capacity is a multiple of (the largest key block of decode_kernel's sweep)
-
-
-def value_capacity(positions: int) -> int:
-    """T' ≥ positions, a multiple of V_ALIGN: the position capacity of an FP8 value store."""
-    return -(-positions // V_ALIGN) * V_ALIGN
 
 
 def exponent_reference(amax: torch.Tensor) -> torch.Tensor:

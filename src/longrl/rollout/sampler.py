@@ -269,7 +269,9 @@ class _Run:
                 free = min(free, s.memory_cap_bytes - torch.cuda.memory_allocated(s.device))
             budget = int(0.9 * free) - self._workspace_bytes()
         prompts = len(self.prompts)
-        shape = dict(prompts=prompts, G=self.G, prompt_len=self.Lp, completion_len=self.T, kv_token=kv_token)
+        value_pad = s.layers * s.kv_heads * s.head_dim if s.cache_dtype == FP8 else 0  # a value code a position
+        shape = dict(prompts=prompts, G=self.G, prompt_len=self.Lp, completion_len=self.T, kv_token=kv_token,
+                     value_pad_token=value_pad)
         slots = self.N if budget is None else max_rollout_slots(budget, sequences=self.N, **shape)
         if slots < 1:
             need = rollout_kv_bytes(1, **shape)
