@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, value_capacity
+from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, store_rows, value_capacity
 
 SAMPLER_ATTENTION = "longrl_sampler"
 
@@ -95,13 +95,11 @@ class KVCache:
             self.k_pre[layer, entries, :, :width] = key.to(self.k_pre.dtype)
             self.v_pre[layer, entries, :, :width] = value.to(self.v_pre.dtype)
             return
-        for x, store, exp in ((key, self.k_pre, self.k_pre_e), (value, self.v_pre, self.v_pre_e)):
-            q, e = quantize_reference(x)
-            if store is self.v_pre:
-                store[layer, entries, :, :, :width] = q.transpose(-1, -2)
-            else:
-                store[layer, entries, :, :width] = q
-            exp[layer, entries, :, :width] = e
+        (kq, ke), (vq, ve) = quantize_reference(key), quantize_reference(value)
+        self.k_pre[layer, entries, :, :width] = kq
+        self.v_pre[layer, entries, :, :, :width] = vq.transpose(-1, -2)  # position-minor
+        self.k_pre_e[layer, entries, :, :width] = ke
+        self.v_pre_e[layer, entries, :, :width] = ve
 
     def write_decode(self, layer: int, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,
                      use_triton: bool) -> None:
@@ -121,13 +119,8 @@ class KVCache:
             self.k_suf[layer][slots, :, positions] = key.to(self.k_suf.dtype)
             self.v_suf[layer][slots, :, positions] = value.to(self.v_suf.dtype)
             return
-        for x, store, exp in ((key, self.k_suf, self.k_suf_e), (value, self.v_suf, self.v_suf_e)):
-            q, e = quantize_reference(x)
-            if store is self.v_suf:
-                store[layer][slots, :, :, positions] = q  # [M, Hkv, D] (the indexed dimensions go first)
-            else:
-                store[layer][slots, :, positions] = q
-            exp[layer][slots, :, positions] = e
+        store_rows(key, value, self.k_suf[layer], self.v_suf[layer], self.k_suf_e[layer], self.v_suf_e[layer], slots,
+                   positions)
 
     @staticmethod
     def nbytes(*, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
@@ -187,7 +180,8 @@ def extend_attention(query, key, value, layer: int, meta: ExtendMeta, scale: flo
     if cache.fp8:
         k_pre_e, v_pre_e, k_suf_e, v_suf_e = cache.layer_exp(layer)
         exps = [k_pre_e[meta.prefix_index], k_suf_e[meta.slots], v_pre_e[meta.prefix_index], v_suf_e[meta.slots]]
-        stores = [(dequantize_values if i >= 2 else dequantize)(t, e) for i, (t, e) in enumerate(zip(stores, exps))]
+        stores = [dequantize(stores[0], exps[0]), dequantize(stores[1], exps[1]),
+                  dequantize_values(stores[2], exps[2]), dequantize_values(stores[3], exps[3])]  # keys, then values
     k = torch.cat(stores[:2], dim=2).to(query.dtype)  # [B, Hkv, Lp + T, D]
     v = torch.cat(stores[2:], dim=2).to(query.dtype)
     Lp, T = cache.k_pre.shape[3], k_suf.shape[2]

@@ -79,17 +79,19 @@ def dequantize_values(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return dequantize(q[..., : e.shape[-1]].transpose(-1, -2), e)
 
 
+def store_rows(k, v, k_cache, v_cache, k_exp, v_exp, slots, positions) -> None:
+    """k, v [M, Hkv, D] quantized into position positions[m] of slot slots[m]: k_cache [S, Hkv, T, D] and v_cache
+    [S, Hkv, D, T'] (position-minor) fp8, k_exp, v_exp [S, Hkv, T] int8."""
+    (kq, ke), (vq, ve) = quantize_reference(k), quantize_reference(v)
+    k_cache[slots, :, positions] = kq
+    v_cache[slots, :, :, positions] = vq  # [M, Hkv, D]: the indexed dimensions go first
+    k_exp[slots, :, positions] = ke
+    v_exp[slots, :, positions] = ve
+
+
 def store_reference(k, v, k_cache, v_cache, k_exp, v_exp, write_index) -> None:
-    """k, v [B, Hkv, D] into position write_index[b] of slot b: k_cache [S, Hkv, T, D] and v_cache [S, Hkv, D, T']
-    (position-minor) fp8, k_exp, v_exp [S, Hkv, T] int8."""
-    rows = torch.arange(k.shape[0], device=k.device)
-    for x, cache, exp in ((k, k_cache, k_exp), (v, v_cache, v_exp)):
-        q, e = quantize_reference(x)
-        if cache is v_cache:
-            cache[rows, :, :, write_index] = q  # [B, Hkv, D] at [rows, :, :, write_index]
-        else:
-            cache[rows, :, write_index] = q
-        exp[rows, :, write_index] = e
+    """k, v [B, Hkv, D] into position write_index[b] of slot b (store_rows)."""
+    store_rows(k, v, k_cache, v_cache, k_exp, v_exp, torch.arange(k.shape[0], device=k.device), write_index)
 
 
 if triton_available():
