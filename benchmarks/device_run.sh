@@ -82,9 +82,9 @@
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
-#              decode_attention_speed.SWEEP at 16K), whole-model 8B decode at 16K-token sequences with each cache
-#              (FP8 twice: the default launch, and float16 products + exponents ahead), warmed (~4 min; KTAG names
-#              the files)
+#              kv_fp8_speed.FP8_SWEEP at 16K), whole-model 8B decode at 16K-token sequences with each cache
+#              (FP8 twice: the default launch, and LAUNCH's choices), 2 prompts x 8 and 16 x 1, warmed (~4 min; KTAG
+#              names the files; KVFP8_ARGS replaces --sweep, e.g. KVFP8_ARGS= for no sweep)
 #   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
@@ -284,8 +284,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftcap40_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
             --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
-        fp8gpu) stage fp8gpu 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
-        kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py --sweep --tag "${KTAG:-}" ;;
+        fp8gpu) stage fp8gpu 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
+        kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
             --G 8 --turns 4 --tool-tokens 200 --new-tokens 512 --prompt-len 512 ;;
         budget_small) stage budget_small 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \

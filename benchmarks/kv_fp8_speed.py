@@ -32,12 +32,22 @@ from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 from longrl.rollout.kv_quant import quantize_cache  # noqa: E402
 
 GIB = 2 ** 30
-# the FP8 kernel's launch variants measured beside the bf16 cache (decode_kernel.LAUNCH entries): products in the
-# query's bf16 or in float16 (fp8_f16), the scale exponents loaded one block ahead or not (fp8_prefetch)
-FP8_VARIANTS = {name: {"fp8_f16": f16, "fp8_prefetch": ahead} for name, f16, ahead in
-                (("fp8", False, False), ("fp8_f16", True, False), ("fp8_ahead", False, True),
-                 ("fp8_f16_ahead", True, True))}
-FP8_TITLES = {"fp8": "fp8", "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
+# the FP8 kernel's launches measured beside the bf16 cache: its default (decode_kernel.FP8_LAUNCH over LAUNCH), and
+# LAUNCH's own choices (the default until 2026-12-02: bf16 products, exponents loaded with their block, 4 warps, 2
+# stages)
+FP8_VARIANTS = {"fp8": {}, "fp8_bf16": dict(fp8_f16=False, fp8_prefetch=False, warps=4, stages=2)}
+# the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
+# scale exponents loaded one block ahead or not (fp8_prefetch)
+SWEEP_VARIANTS = {name: {"fp8_f16": f16, "fp8_prefetch": ahead} for name, f16, ahead in
+                  (("fp8_plain", False, False), ("fp8_f16", True, False), ("fp8_ahead", False, True),
+                   ("fp8_f16_ahead", True, True))}
+# the launch choices swept at the longest suffix: the FP8 kernel reads half the bytes a block, so it may want longer
+# blocks, fewer warps or deeper pipelines than the bf16 kernel's defaults (decode_attention_speed.SWEEP: warps 8, which
+# were slower for every variant at 16K, kv_fp8_speed_h200_s15.md)
+FP8_SWEEP = [dict(block=b, warps=w, stages=st, programs=pr, prefix_programs=512) for b in (32, 64, 128)
+             for w in (2, 4) for st in (2, 3) for pr in (2048, 4096)]
+FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices", "fp8_plain": "fp8, bf16 products",
+              "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
               "fp8_f16_ahead": "fp8, float16 + ahead"}
 
 
@@ -79,10 +89,7 @@ def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
 
 
 def sweep(P, G, Lp, T, s, dev) -> list[dict]:
-    """Both caches' decode attention under each launch choice of decode_attention_speed.SWEEP at suffix s (the FP8
-    kernel reads half the bytes a block: it may want other blocks or warps than the bf16 kernel's defaults)."""
-    from decode_attention_speed import SWEEP
-
+    """Both caches' decode attention under each launch choice of FP8_SWEEP at suffix s."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
     B, Hq, Hkv, D = P * G, 32, 8, 128
@@ -95,9 +102,9 @@ def sweep(P, G, Lp, T, s, dev) -> list[dict]:
     cases = {"bf16": ((q, raw[0], raw[1], pidx, lens[0], raw[2], raw[3], lens[1], D ** -0.5), {}),
              "fp8": ((q, *[c for c, _ in quant[:2]], pidx, lens[0], *[c for c, _ in quant[2:]], lens[1], D ** -0.5),
                      {"kv_exp": tuple(e for _, e in quant)})}
-    variants = {"bf16": {}, **FP8_VARIANTS}  # every FP8 variant on the same codes
+    variants = {"bf16": {}, **SWEEP_VARIANTS}  # every FP8 variant on the same codes
     rows = []
-    for launch in SWEEP:
+    for launch in FP8_SWEEP:
         row = dict(launch)
         for name, variant in variants.items():
             a, extra = cases["bf16" if name == "bf16" else "fp8"]
@@ -112,8 +119,9 @@ def sweep(P, G, Lp, T, s, dev) -> list[dict]:
     return rows
 
 
-def model_decode(args, dev) -> dict:
-    """Decode seconds a step at --long-prompt + new tokens with each cache (8B shape, random weights, LoRA)."""
+def model_decode(args, dev, n_prompts: int, G: int) -> dict:
+    """Decode seconds a step at --long-prompt + new tokens with each cache (8B shape, random weights, LoRA),
+    n_prompts distinct prompts × G sequences each."""
     import trl_baseline as tb
 
     from longrl.config import LoraConfig
@@ -125,44 +133,43 @@ def model_decode(args, dev) -> dict:
     model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
-               for _ in range(args.prompts)]
-    out = {}
-    default_launch = dict(decode_kernel.LAUNCH)
-    runs = (("bf16", "bf16", {}), ("fp8", "fp8", FP8_VARIANTS["fp8"]),
-            ("fp8_f16_ahead", "fp8", FP8_VARIANTS["fp8_f16_ahead"]))
+               for _ in range(n_prompts)]
+    out = dict(prompts=n_prompts, G=G)
+    default_launch = dict(decode_kernel.FP8_LAUNCH)
     try:
-        for name, cache, launch in runs:
-            decode_kernel.LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads LAUNCH
-            out[name] = _decode_run(model, prompts, args, cache)
+        for name, cache, launch in (("bf16", "bf16", {}), *((v, "fp8", launch) for v, launch in FP8_VARIANTS.items())):
+            decode_kernel.FP8_LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads it
+            out[name] = _decode_run(model, prompts, G, args, cache)
     finally:
-        decode_kernel.LAUNCH.update(default_launch)
-    out["speedup"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
-    out["speedup_ahead"] = out["bf16"]["step_ms"] / out["fp8_f16_ahead"]["step_ms"]
+        decode_kernel.FP8_LAUNCH.clear()
+        decode_kernel.FP8_LAUNCH.update(default_launch)
+    for v in FP8_VARIANTS:
+        out[f"speedup_{v}"] = out["bf16"]["step_ms"] / out[v]["step_ms"]
     shape = ModelShape.from_config(model.config)
-    kv = dict(prompts=8, G=args.G, prompt_len=512, completion_len=16384)
+    kv = dict(prompts=8, G=8, prompt_len=512, completion_len=16384)
     out["sequences_in_20_gib"] = {d: max_rollout_slots(20 * GIB, sequences=64, **kv,
                                                        kv_token=kv_bytes_per_token(shape, 2, d == "fp8"))
                                   for d in ("bf16", "fp8")}
     return out
 
 
-def _decode_run(model, prompts, args, cache: str) -> dict:
+def _decode_run(model, prompts, G: int, args, cache: str) -> dict:
     """One sampler with KV cache ``cache``: decode seconds a step from the --short and --long rollouts."""
     from longrl.rollout import Sampler, SamplingParams
 
     sampler = Sampler(model, None, kv_cache_dtype=cache)
     try:
-        sampler.generate(prompts, args.G, SamplingParams(max_new_tokens=args.short, seed=0))  # warm-up: compiles
+        sampler.generate(prompts, G, SamplingParams(max_new_tokens=args.short, seed=0))  # warm-up: compiles
         times = {}  # the kernels (and their launch choices at these lengths) outside the timed rollouts
         for n in (args.short, args.long):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            r = sampler.generate(prompts, args.G, SamplingParams(max_new_tokens=n, seed=1))
+            r = sampler.generate(prompts, G, SamplingParams(max_new_tokens=n, seed=1))
             torch.cuda.synchronize()
             times[n] = time.perf_counter() - start
             assert all(len(c) == n for c in r.completion_ids)  # random weights: no EOS in the vocabulary's noise
         step = (times[args.long] - times[args.short]) / (args.long - args.short)
-        return dict(step_ms=step * 1e3, tokens_per_s=args.prompts * args.G / step, seconds=times,
+        return dict(step_ms=step * 1e3, tokens_per_s=len(prompts) * G / step, seconds=times,
                     kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"],
                     mismatch=mismatch(model, r, rows=4))
     finally:
@@ -206,8 +213,10 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=320)
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also every kernel variant under decode_attention_speed.SWEEP's launch "
-                    "choices at the longest suffix")
+    ap.add_argument("--model-cases", default="2x8,16x1", help="whole-model decodes, PROMPTSxG each: 2x8 shares each "
+                    "long prompt among 8 sequences (its keys read once for them), 16x1 reads 16 sequences' own keys")
+    ap.add_argument("--sweep", action="store_true", help="also every kernel variant under FP8_SWEEP's "
+                    "launch choices at the longest suffix")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -220,8 +229,9 @@ def main() -> None:
         print(r, flush=True)
     swept = sweep(args.prompts, args.G, args.prompt_len, args.max_suffix, int(args.suffix.split(",")[-1]), dev) \
         if args.sweep else None
-    decode = None if args.no_model else model_decode(args, dev)
-    print(decode, flush=True)
+    decodes = [] if args.no_model else [model_decode(args, dev, *map(int, c.split("x")))
+                                        for c in args.model_cases.split(",")]
+    print(decodes, flush=True)
     meta = run_meta()
     lines = [f"# FP8 KV cache vs bf16, Llama-3.1-8B heads, {meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
@@ -237,39 +247,39 @@ def main() -> None:
               f"FP8 kernel vs its PyTorch twin on the same codes: max |Δ| = {small['fp8_kernel_vs_twin_max_abs']:.2e}; "
               + "; ".join(f"{FP8_TITLES[v]}: ‖Δ‖/‖o‖ = {small[f'{v}_rel_err']:.4f}, max |Δ| vs the twin "
                           f"{small[f'{v}_kernel_vs_twin_max_abs']:.2e}" for v in FP8_VARIANTS if v != "fp8") + "."]
-    if decode:
-        lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {args.prompts} prompts × "
-                  f"{args.G}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
+    for decode in decodes:
+        names = ["bf16", *FP8_VARIANTS]
+        lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {decode['prompts']} prompts × "
+                  f"{decode['G']}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
                   "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
         lines += [f"| {FP8_TITLES.get(d, d)} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
-                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in ("bf16", "fp8", "fp8_f16_ahead")]
+                  f"{decode[d]['kv_cache_gib']:.2f} |" for d in names]
         lines += ["", "Sampler/trainer mismatch (the trainer's metrics, token_truncate at cap 2, first 4 completions of "
                   f"the {args.long}-token rollout, each cache's own rollout of the same prompts and seed):", "",
                   "| KV cache | sampler/k3_kl | sampler/logp_abs_diff | is_weight_mean | is_weight_changed | max weight |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {FP8_TITLES.get(d, d)} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | {m['sampler/is_weight_mean']:.4f} | "
-                  f"{m['sampler/is_weight_changed']:.4f} | {m['is_weight_max']:.3f} |"
-                  for d in ("bf16", "fp8", "fp8_f16_ahead") for m in [decode[d]["mismatch"]]]
+        lines += [f"| {FP8_TITLES.get(d, d)} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | "
+                  f"{m['sampler/is_weight_mean']:.4f} | {m['sampler/is_weight_changed']:.4f} | {m['is_weight_max']:.3f} |"
+                  for d in names for m in [decode[d]["mismatch"]]]
         s = decode["sequences_in_20_gib"]
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "
-                  f"**{decode['speedup']:.2f} ×** (float16 products + exponents ahead: "
-                  f"**{decode['speedup_ahead']:.2f} ×**). Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB "
-                  "of KV "
-                  f"cache: bf16 {s['bf16']}, FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
+                  + "; ".join(f"{FP8_TITLES[v]} **{decode[f'speedup_{v}']:.2f} ×**" for v in FP8_VARIANTS)
+                  + f". Sequences of 512 + 16,384 tokens (8 prompts × 8) in 20 GiB of KV cache: bf16 {s['bf16']}, "
+                  f"FP8 {s['fp8']} ({s['fp8'] / s['bf16']:.2f} ×)."]
     if swept:
-        names = ["bf16", *FP8_VARIANTS]
+        names = ["bf16", *SWEEP_VARIANTS]
         best = {d: min((r for r in swept if f"{d}_us" in r), key=lambda r: r[f"{d}_us"], default=None) for d in names}
-        lines += ["", f"## Launch sweep at suffix {args.suffix.split(',')[-1]} (decode_attention_speed.SWEEP)", "",
-                  "| block | warps | programs | prefix programs | bf16 µs | "
-                  + " | ".join(f"{FP8_TITLES[v]} µs" for v in FP8_VARIANTS) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(FP8_VARIANTS)]
-        lines += [f"| {r['block']} | {r['warps']} | {r['programs']} | {r['prefix_programs']} | "
+        lines += ["", f"## Launch sweep at suffix {args.suffix.split(',')[-1]} (FP8_SWEEP)", "",
+                  "| block | warps | stages | programs | prefix programs | bf16 µs | "
+                  + " | ".join(f"{FP8_TITLES[v]} µs" for v in SWEEP_VARIANTS) + " |",
+                  "|---|---|---|---|---|---|" + "---|" * len(SWEEP_VARIANTS)]
+        lines += [f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['prefix_programs']} | "
                   + " | ".join(f"{r.get(f'{d}_us', float('nan')):.1f}" for d in names) + " |" for r in swept]
         bf = best["bf16"]["bf16_us"] if best["bf16"] else float("nan")
         lines += ["", f"Fastest: bf16 {bf:.1f} µs; " + "; ".join(
             f"{FP8_TITLES[v]} {best[v][f'{v}_us']:.1f} µs ({bf / best[v][f'{v}_us']:.2f} × bf16's speed)"
-            if best[v] else f"{FP8_TITLES[v]}: no launch built" for v in FP8_VARIANTS) + "."]
-    write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decode,
+            if best[v] else f"{FP8_TITLES[v]}: no launch built" for v in SWEEP_VARIANTS) + "."]
+    write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decodes,
                                                       sweep=swept), lines)
 
 

@@ -48,13 +48,16 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
         exp = (kpe, vpe, kse, vse)
         args = (q, kp, vp, pidx, entry_len[pidx], ks, vs, slen, D ** -0.5)
         ref = decode_attention_reference(*args, kv_exp=exp).float()
-        for kw in ({}, dict(members=members, prompt_len=entry_len),
-                   dict(members=members, prompt_len=entry_len, launch=dict(fp8_f16=True))):  # float16 products
+        bf16_products = dict(fp8_f16=False, fp8_prefetch=False)
+        for kw in (dict(launch=bf16_products), dict(members=members, prompt_len=entry_len, launch=bf16_products),
+                   dict(members=members, prompt_len=entry_len, launch=dict(fp8_f16=True, fp8_prefetch=False)),
+                   dict(launch=dict(fp8_f16=True, fp8_prefetch=False, block=64, warps=4))):  # float16 products
             out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
             err = float((out - ref).norm() / ref.norm())
             assert err < 1e-2, (P, S, T, D, err)  # bf16 operands, float32 accumulation
-            # the exponents loaded one block ahead (launch fp8_prefetch): the same compiled arithmetic, bit for bit
-            ahead = decode_attention_triton(*args, **{**kw, "launch": {**kw.get("launch", {}), "fp8_prefetch": True}},
+            # the exponents loaded one block ahead (launch fp8_prefetch; on by default, FP8_LAUNCH): the same
+            # compiled arithmetic, bit for bit
+            ahead = decode_attention_triton(*args, **{**kw, "launch": {**kw["launch"], "fp8_prefetch": True}},
                                             kv_exp=exp).float()
             assert torch.equal(ahead, out), (P, S, T, D, kw.keys())
             exact = decode_attention_triton(q, kp, vp_exact, pidx, entry_len[pidx], ks, vs_exact, slen, D ** -0.5,

@@ -32,9 +32,13 @@ BLOCK = 32
 # against the default's 0.93 ×, kv_fp8_speed_h200_f16.md: the conversions were not the bound)
 # fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds (plain
 # global loads, 1 byte a position, that Triton's pipeliner does not stage); the same results bit for bit. Measured at a
-# 16K suffix on an H200 (kv_fp8_speed_h200_s15.md): 2-4% slower alone; with fp8_f16 and block 64 the fastest FP8
-# launch, 1.07 × bf16's speed; not faster in the whole-model decode, so off
+# 16K suffix on an H200 (kv_fp8_speed_h200_s15.md): 2-4% slower alone, with values key-minor
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False)
+# an FP8 cache's own choices over LAUNCH (``launch`` still overrides both): with the values position-minor, float16
+# products with the exponents loaded ahead, 2 warps and 3 pipeline stages were the fastest launch at a 16K suffix,
+# 193.8 µs against bf16's fastest 274.2 µs (1.41 ×; LAUNCH's choices for the FP8 cache: 0.91 ×), on an H200
+# (kv_fp8_speed_h200_s16_sweep.md)
+FP8_LAUNCH = dict(warps=2, stages=3, fp8_f16=True, fp8_prefetch=True)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
 COUNT0 = -8388608  # 0xFF800000
@@ -321,13 +325,14 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
 
     kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache (k_pre ... v_suf float8_e4m3fn, the values
     position-minor: v_pre [P, Hkv, D, Lp'], v_suf [S, Hkv, D, T'], Lp' ≥ Lp, T' ≥ T, kv_quant.quantize_values) and its
-    int8 scale exponents [P, Hkv, Lp] / [S, Hkv, T] (kv_quant.py); q keeps its 16-bit (or float32) dtype.
+    int8 scale exponents [P, Hkv, Lp] / [S, Hkv, T] (kv_quant.py); q keeps its 16-bit (or float32) dtype. Its launch
+    is LAUNCH with FP8_LAUNCH over it.
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
-    of LAUNCH (for tuning; the result does not depend on them beyond float32 summation order). ``fused_merge``
+    of LAUNCH and FP8_LAUNCH (for tuning; the result does not depend on them beyond float32 summation order). ``fused_merge``
     False: merge the partials in a launch of their own (merge_partials; for comparison)."""
-    launch = {**LAUNCH, **(launch or {})}
+    launch = {**LAUNCH, **(FP8_LAUNCH if kv_exp is not None else {}), **(launch or {})}
     block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     B, Hq, D = q.shape
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
@@ -380,12 +385,13 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     assert block & (block - 1) == 0 and block <= 1024, "the key block is a power of two of at most 1,024"
     v_whole = bool(fp8 and all(v.shape[3] % block == 0 and v.stride(2) == v.shape[3] for v in (v_pre, v_suf)))
     if grouped and first:
+        prefix_rows = max(16, triton.next_power_of_2(gs * rep))
         _prefix_kernel[(P, Hkv, first * n_sub)](
             q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             *v_strides[:3], *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
-            R=max(16, triton.next_power_of_2(gs * rep)), D=D, DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec,
-            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=v_whole, num_warps=warps,
-            num_stages=stages)
+            R=prefix_rows, D=D, DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec,
+            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=v_whole,
+            num_warps=max(warps, prefix_rows // 16), num_stages=stages)  # a warp for each 16 rows at least
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
