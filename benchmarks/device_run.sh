@@ -79,6 +79,7 @@
 #              stacked and packed rows: noise floor (plain vs plain), offload, reuse, and reuse with the host copies
 #              made contiguous (the code before the fix) (benchmarks/reuse_gradient_check.py, 1.5B shape); then the
 #              reuse GPU tests of tests/test_memory_gpu.py (~1.5 min)
+#   groupedgpu the per-key-head attention backward's GPU tests (ops/grouped_attention.py) (~40 s)
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
@@ -284,6 +285,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftcap40_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
             --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
+        groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
         fp8gpu) stage fp8gpu 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \

@@ -49,6 +49,7 @@ from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan  #
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
+from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
 from longrl.rollout.sampling import triton_available  # noqa: E402
 from longrl.sft import step_loss  # noqa: E402
 from longrl.sft_data import SFTExample  # noqa: E402
@@ -70,7 +71,7 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
 
 
-def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool) -> dict:
+def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool, grouped: bool = False) -> dict:
     enable_offloaded_checkpointing(model, gpu_resident=plan.gpu_resident_layers, no_recompute=plan.no_recompute_layers)
     if plan.mlp_tile_tokens:
         enable_mlp_tiling(model, plan.mlp_tile_tokens)
@@ -80,7 +81,9 @@ def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool) -> di
         example = SFTExample(ids, [False] + [True] * (len(ids) - 1))
         _peak_reset()
         start = time.perf_counter()
-        with fused_lora_training(model) if cuda else _null():
+        # --grouped-attention: the attention backward per key head (model.grouped_attention_backward)
+        with fused_lora_training(model) if cuda else _null(), sdpa_priority([], "cuda" if cuda else "cpu", model,
+                                                                             grouped):
             loss, n = step_loss(model, [example], [[0]], pad_id=0, label_smoothing=0.0, chunk_size=chunk,
                                 packed=True, backward=True)
         _sync()
@@ -222,6 +225,8 @@ def add_budget_args(ap) -> None:
     ap.add_argument("--offload-all", action="store_true",
                     help="longrl: no GPU-resident layer inputs, MLP tiles of --mlp-tile (the longest lengths' layout)")
     ap.add_argument("--mlp-tile", type=int, default=4096)
+    ap.add_argument("--grouped-attention", action="store_true", help="the attention backward per key head "
+                    "(model.grouped_attention_backward); the planner counts it")
     ap.add_argument("--no-recompute", type=int, default=-1,
                     help="longrl: the last N layers not recomputed (model.no_recompute_layers); -1: the planner's choice")
     ap.add_argument("--profile", action="store_true", help="after the last length's reps, one more step of each "
@@ -284,7 +289,8 @@ def main():
                              gpu_free_bytes=free,
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
                              offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available(),
-                             fused_norms=cuda and triton_available(), **pins)
+                             fused_norms=cuda and triton_available(),
+                             grouped_attention=cuda and args.grouped_attention, **pins)
         except PlanError as e:  # measured anyway in the leanest layout: the run says whether the planner was right
             print(f"--- {length}: the planner refuses ({e}); measuring anyway with no resident layer inputs and "
                   f"MLP tiles of {args.mlp_tile}", flush=True)
@@ -301,7 +307,7 @@ def main():
                 model.zero_grad(set_to_none=True)
                 try:
                     if impl == "longrl":
-                        runs.append(longrl_step(model, ids, plan, args.chunk, cuda))
+                        runs.append(longrl_step(model, ids, plan, args.chunk, cuda, args.grouped_attention))
                     else:
                         runs.append(trl_step_cast(model, tokenizer, ids))  # with PEFT's input casting
                 except torch.OutOfMemoryError:
@@ -310,8 +316,8 @@ def main():
                     break
             if args.profile and length == lengths[-1] and "oom" not in runs[-1]:
                 model.zero_grad(set_to_none=True)
-                step = (functools.partial(longrl_step, model, ids, plan, args.chunk, cuda) if impl == "longrl"
-                        else functools.partial(trl_step_cast, model, tokenizer, ids))
+                step = (functools.partial(longrl_step, model, ids, plan, args.chunk, cuda, args.grouped_attention)
+                        if impl == "longrl" else functools.partial(trl_step_cast, model, tokenizer, ids))
                 write_profile(args, impl, *profiled(step, f"{impl}, {length:,} tokens")[1:])
             r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)

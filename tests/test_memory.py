@@ -566,18 +566,22 @@ def test_repeated_kv_attention_equals_transformers_sdpa(padded):
         torch.testing.assert_close(g_b[k], g_a[k], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("first, switched", [("cudnn", True), ("efficient", True), ("flash", False)])
-def test_backends_without_gqa_get_repeated_kv_attention(first, switched):
+@pytest.mark.parametrize("names, grouped, inside", [(["cudnn"], False, "mha"), (["efficient"], True, "mha"),
+                                                   (["flash"], False, "sdpa"), ([], False, "sdpa"),
+                                                   (["flash"], True, "grouped"), ([], True, "grouped"),
+                                                   (["math"], True, "sdpa")])
+def test_backends_without_gqa_get_repeated_kv_attention(names, grouped, inside):
     """With cuDNN or memory-efficient listed first, a grouped-query model's attention becomes longrl_sdpa_mha
-    inside the context (transformers' enable_gqa call would be refused by them and silently run flash), and is
-    back to SDPA after it."""
+    inside the context (so that those kernels take the call); with model.grouped_attention_backward and flash first
+    or nothing listed, longrl_sdpa_grouped (the per-key-head backward); else SDPA. Back to SDPA after it."""
     from longrl.ops.attention_backend import MHA_SDPA, sdpa_priority
+    from longrl.ops.grouped_attention import GROUPED_SDPA
 
     model = apply_lora(_base(6), LoraConfig(r=2))
     inner = model.get_base_model()
     assert inner.config._attn_implementation == "sdpa"
-    with sdpa_priority([first], "cuda", model):
-        assert inner.config._attn_implementation == (MHA_SDPA if switched else "sdpa")
+    with sdpa_priority(names, "cuda", model, grouped):
+        assert inner.config._attn_implementation == {"mha": MHA_SDPA, "grouped": GROUPED_SDPA, "sdpa": "sdpa"}[inside]
     assert inner.config._attn_implementation == "sdpa"
 
 

@@ -222,6 +222,36 @@ def test_repeated_kv_attention_is_counted():
     assert gpu(mha, True) == gpu(mha, False)
 
 
+def test_grouped_attention_backward_is_counted_per_key_head_group():
+    """model.grouped_attention_backward: from MIN_TOKENS tokens the flash transients of one key head group (its
+    float32 dq accumulator, expanded dk and dv, and its gradients before their copy) instead of all heads': for the
+    8B heads at 131,072 tokens, (32 − 4) KB − 1.5 KB a token less; below MIN_TOKENS, and without GQA, nothing
+    changes; the flag reaches the planner only on a GPU run on SDPA with flash first or nothing listed."""
+    from longrl.config import load_config
+    from longrl.memory.planner import attention_groups, grouped_attention_applies
+    from longrl.ops.grouped_attention import MIN_TOKENS
+
+    def gpu(shape, tokens, grouped):
+        return predict(shape, tokens=tokens, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024,
+                       mlp_tile=4096, fused_norms=True, grouped_attention=grouped)[0]
+
+    T = 131072
+    assert attention_groups(LLAMA_8B, T, True) == 8 and attention_groups(LLAMA_8B, MIN_TOKENS - 1, True) == 1
+    per_group = T * (512 * 4 + 2 * 512 * 2)  # dq accumulator and expanded dk, dv of 4 query heads
+    copies = T * (512 + 2 * 128) * 2  # the group's dq, dk, dv
+    assert gpu(LLAMA_8B, T, False) - gpu(LLAMA_8B, T, True) == 8 * per_group - per_group - copies
+    assert gpu(LLAMA_8B, MIN_TOKENS - 1, False) == gpu(LLAMA_8B, MIN_TOKENS - 1, True)
+    mha = ModelShape(layers=4, hidden=512, intermediate=1024, kv_dim=512, q_dim=512, vocab=1000, tied=True)
+    assert gpu(mha, T, True) == gpu(mha, T, False)
+    base = ["rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]", "model.device=cuda"]
+    cases = [([], False), (["model.grouped_attention_backward=true"], True),
+             (["model.grouped_attention_backward=true", "model.sdpa_backends=[cudnn]"], False),
+             (["model.grouped_attention_backward=true", "model.attn_implementation=eager"], False),
+             (["model.grouped_attention_backward=true", "model.device=cpu"], False)]
+    for overrides, applies in cases:
+        assert grouped_attention_applies(load_config(overrides=base + overrides)) == applies, overrides
+
+
 def test_nf4_kernel_block_scales_are_counted_in_the_rollout():
     kw = dict(prompts=4, G=8, prompt_len=512, completion_len=4096, lora_r=32, weight_bytes=0.6, compute_bytes=2,
               gpu_free_bytes=139 * GIB)

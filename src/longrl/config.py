@@ -38,6 +38,10 @@ class ModelConfig:
     attn_implementation: Optional[str] = None  # None: transformers picks (sdpa where supported)
     sdpa_backends: list[str] = field(default_factory=list)  # CUDA: SDPA kernels tried first (cudnn, flash, efficient,
     #                                                          math), the others after; empty: PyTorch's order
+    grouped_attention_backward: bool = False  # CUDA: the attention backward of calls of ≥ 65,536 tokens one key head
+    #   group at a time on PyTorch's flash kernels (ops/grouped_attention.py; gradients as flash's): its transients
+    #   1/heads_kv as large (8B: ~28 KB a token less), for the longest sequences; slower where SDPA's own choice is
+    #   cuDNN (torch 2.11 on an H200: a 131,072-token SFT step 79 s against 54 s)
     gradient_checkpointing: Optional[bool] = None  # recompute layer activations in backward (transformers'
     #                                               checkpointing); null: the planner decides on CUDA, off on CPU
     offload_activations: Optional[bool] = None  # checkpoint every layer and keep its input in host memory; null: the
@@ -293,7 +297,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
-                     "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
+                     "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends",
+                     "model.grouped_attention_backward", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
                      "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
                      "data.eval_split", "data.eval_num_examples",
                      "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",

@@ -25,6 +25,7 @@ from .config import Config, ConfigError
 from .data import PromptSampler, data_fingerprint
 from .distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
 from .memory import count_groups, token_budget_groups
+from .ops.attention_backend import sdpa_priority
 from .reporting import RunReporter
 from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
 from .stop_signals import StopSignals
@@ -193,7 +194,8 @@ class SFTTrainer:
         guards = RunGuards(cfg)
         stop = None  # (message, exit code) once a signal or a guard asks the run to stop
         try:
-            with StopSignals() as signals:
+            with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model,
+                               cfg.model.grouped_attention_backward), StopSignals() as signals:
                 while self.step_idx < cfg.train.max_steps:
                     metrics = self._step()
                     nonfinite = metrics.pop("nonfinite")  # the terms that were not finite: for the guard

@@ -266,7 +266,8 @@ class GRPOTrainer:
         guards = RunGuards(cfg)
         stop = None  # (message, exit code) once a signal or a guard asks the run to stop
         try:
-            with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model), StopSignals() as signals:
+            with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model,
+                               cfg.model.grouped_attention_backward), StopSignals() as signals:
                 while self.step_idx < cfg.train.max_steps:
                     per_rollout = cfg.grpo.num_iterations * cfg.grpo.steps_per_generation
                     new_batch = self.step_idx % per_rollout == 0

@@ -327,7 +327,7 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
             mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
             compute_bytes: int | None = None, checkpointing: bool = True,
             logprob_kernel: bool = False, weight_shards: int = 1, fused_norms: bool = False,
-            no_recompute: int = 0) -> tuple[int, int, dict]:
+            no_recompute: int = 0, grouped_attention: bool = False) -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
@@ -342,7 +342,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     weights, their gradients and Adam's moments, plus the full weights of the root (embeddings, head) and of two
     decoder layers at a time (the one computing and the one prefetched). ``fused_norms``: the RMSNorms run as the
     fused kernels (ops/rmsnorm.py: the 16-bit input and a float32 r per row kept, no float32 copies of x).
-    ``no_recompute``: with checkpointing, the last that many layers are not checkpointed (module docstring: whole)."""
+    ``no_recompute``: with checkpointing, the last that many layers are not checkpointed (module docstring: whole).
+    ``grouped_attention``: the attention backward runs per key head (ops/grouped_attention.py; attention_groups)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     n = b if fused_norms else F32  # bytes an RMSNorm keeps per element of its input
     whole = min(max(no_recompute, 0), shape.layers) if (checkpointing or offload) else 0
@@ -355,7 +356,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "LoRA (+grads, Adam)": shape.lora_params(lora_r) * 4 * (4 if optimizer else 2),
         "layer inputs on GPU": tokens * per_input * inputs_live(L, offload, resident),
         "layer recompute": layer_backward_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload,
-                                                repeat_kv=repeat_kv, norm_bytes=n, fused_mlp=fused_norms),
+                                                repeat_kv=repeat_kv, norm_bytes=n, fused_mlp=fused_norms,
+                                                grouped_attention=grouped_attention),
         "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b, logprob_kernel,
                                                     norm_bytes=n),
     }
@@ -400,18 +402,20 @@ def inputs_live(layers: int, offload: bool, resident: int) -> int:
 
 
 def layer_backward_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
-                         repeat_kv: bool = False, norm_bytes: int = F32, fused_mlp: bool = False) -> int:
+                         repeat_kv: bool = False, norm_bytes: int = F32, fused_mlp: bool = False,
+                         grouped_attention: bool = False) -> int:
     """One layer recomputed and backpropagated: what the recompute keeps through the backward, plus the largest
     transient of the backward (MLP tile, RMSNorm or attention; module docstring). ``norm_bytes``: what an RMSNorm
     keeps per element of its input, 4 (transformers' float32 copy) or b (the fused kernel). ``fused_mlp``: the
-    fused SiLU·up (mlp_backward_bytes)."""
+    fused SiLU·up (mlp_backward_bytes). ``grouped_attention``: attention_groups."""
     h, i, q = shape.hidden, shape.intermediate, shape.q_dim
     kv = q if repeat_kv else shape.kv_dim
     kept = layer_kept_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload, repeat_kv=repeat_kv,
                             norm_bytes=norm_bytes)
     mlp = mlp_backward_bytes(tokens, tile, h, i, b, fused_mlp)
     return kept + max(mlp, norm_backward_bytes(tokens, h, b, norm_bytes),
-                      attention_backward_bytes(tokens, h, q, kv, b, norm_bytes))
+                      attention_backward_bytes(tokens, h, q, kv, b, norm_bytes,
+                                               attention_groups(shape, tokens, grouped_attention and not repeat_kv)))
 
 
 def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
@@ -451,13 +455,30 @@ def norm_backward_bytes(tokens: int, h: int, b: int = 2, norm_bytes: int = F32) 
     return tokens * h * b if norm_bytes < F32 else 5 * tokens * h * F32
 
 
-def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_bytes: int = F32) -> int:
+def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_bytes: int = F32,
+                             groups: int = 1) -> int:
     """The attention's backward: the residual's gradient [T, H] and the attention output's [T, Q], less the
     post-attention norm's float32 input [T, H] (freed by then), plus flash attention's own (PyTorch's flash_api.cpp
     mha_bwd): dq [T, Q], dk, dv [T, K], a float32 dq accumulator [T, Q], dk and dv expanded to the query heads
-    [T, Q] each when K < Q."""
-    flash = tokens * (q * b + 2 * kv * b + q * F32 + (2 * q * b if kv < q else 0))
-    return tokens * ((h + q) * b - h * norm_bytes) + flash
+    [T, Q] each when K < Q. ``groups`` > 1: the backward per key head group (ops/grouped_attention.py): the
+    accumulator and the expanded dk, dv of one group, [T, Q / groups] each, and that group's dq, dk, dv before
+    they are copied into the whole ones."""
+    grads = tokens * (q * b + 2 * kv * b)
+    qg, kg = q // groups, kv // groups
+    internal = tokens * (qg * F32 + (2 * qg * b if kv < q else 0))
+    if groups > 1:
+        internal += tokens * (qg + 2 * kg) * b
+    return tokens * ((h + q) * b - h * norm_bytes) + grads + internal
+
+
+def attention_groups(shape: "ModelShape", tokens: int, grouped: bool) -> int:
+    """The flash backward calls of one layer: its key heads when ``grouped`` (the run attends through
+    ops/grouped_attention.py) and the micro-batch reaches that path's MIN_TOKENS with fewer key than query heads,
+    else 1."""
+    from ..ops.grouped_attention import MIN_TOKENS
+
+    kv_heads = shape.kv_dim // shape.head_dim
+    return kv_heads if grouped and tokens >= MIN_TOKENS and shape.kv_dim < shape.q_dim else 1
 
 
 def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, kernel: bool = False,
@@ -485,20 +506,21 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               token_budget: int = 0, gpu_resident: int | None = None, mlp_tile_tokens: int | None = None,
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
               trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False,
-              weight_shards: int = 1, fused_norms: bool = False, no_recompute: int | None = 0) -> Plan:
+              weight_shards: int = 1, fused_norms: bool = False, no_recompute: int | None = 0,
+              grouped_attention: bool = False) -> Plan:
     """Choose the micro-batch token budget, MLP tile, GPU-resident layer inputs and layers not recomputed so the
     step fits; PlanError if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never
     tiles, n tiles by n. ``no_recompute``: None lets the planner take layers out of checkpointing (untiled, within
     NO_RECOMPUTE_SHARE of the memory), n takes the last n out.
     ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``, ``weight_shards``,
-    ``fused_norms``: see :func:`predict`."""
+    ``fused_norms``, ``grouped_attention``: see :func:`predict`."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * _SAFETY)
     # what predict() takes that no choice below changes
     step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
                 repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,
                 checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards,
-                fused_norms=fused_norms)
+                fused_norms=fused_norms, grouped_attention=grouped_attention)
 
     pinned_whole = no_recompute or 0  # a pinned count sizes the budget and the resident inputs too
 
@@ -611,6 +633,17 @@ def fused_norms_apply(cfg, model_config) -> bool:
             and getattr(text, "model_type", "") in FUSED_NORM_MODEL_TYPES)
 
 
+def grouped_attention_applies(cfg) -> bool:
+    """Whether the run's attention backward runs per key head (ops/grouped_attention.py; the trainers enter it on
+    CUDA through ops/attention_backend.sdpa_priority): model.grouped_attention_backward on a GPU run (device auto
+    counts as one) on SDPA attention with flash first (model.sdpa_backends empty or flash first)."""
+    from ..ops.attention_backend import grouped_backward_applies
+
+    return (cfg.model.grouped_attention_backward and str(cfg.model.device) != "cpu"
+            and cfg.model.attn_implementation in (None, "sdpa")
+            and grouped_backward_applies(cfg.model.sdpa_backends))
+
+
 # the no-recompute layout's prediction is an estimate from the checkpointed terms (predict): the auto layout takes
 # it only when it fits in this fraction of the memory, else it recomputes (offloaded checkpointing)
 NO_RECOMPUTE_SHARE = 0.6
@@ -658,7 +691,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
                 trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config),
                 weight_shards=shards, fused_norms=fused_norms_apply(cfg, model_config),
-                no_recompute=cfg.model.no_recompute_layers)
+                no_recompute=cfg.model.no_recompute_layers, grouped_attention=grouped_attention_applies(cfg))
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
     try:
         plan = _first_fitting(shape, candidates, gpu_free_bytes, step)

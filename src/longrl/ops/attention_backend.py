@@ -11,7 +11,11 @@ transformers' own SDPA function on keys/values repeated to the query heads,
 
     k, v [B, Hkv, T, D] → [B, Hq, T, D]   (head h reads key head h // (Hq / Hkv), as GQA does)
 
-which every backend accepts (transient cost: 2 · T · Hq · D elements per layer call).
+which every backend accepts (transient cost: 2 · T · Hq · D elements per layer call). With
+``model.grouped_attention_backward`` (and flash first, or nothing listed), training attends through
+``longrl_sdpa_grouped`` instead (ops/grouped_attention.py): PyTorch's flash kernels, the backward of long calls run
+one key head group at a time. (On torch 2.11 with an H200, transformers' enable_gqa call runs cuDNN's kernels
+when nothing is listed: ``aten._scaled_dot_product_cudnn_attention``.)
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ def repeats_kv(names: list[str]) -> bool:
     """Whether this ``model.sdpa_backends`` order runs grouped-query models on ``longrl_sdpa_mha`` (cuDNN or
     memory-efficient first; the planner counts the repeated keys/values)."""
     return bool(names) and names[0] in NO_GQA_BACKENDS
+
+
+def grouped_backward_applies(names: list[str]) -> bool:
+    """Whether this ``model.sdpa_backends`` order lets training attend through ops/grouped_attention.py (flash
+    kernels called directly): nothing listed, or flash first."""
+    return not names or names[0] == "flash"
 
 
 def repeat_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -76,28 +86,28 @@ def register_mha_sdpa() -> None:
 
 
 @contextlib.contextmanager
-def sdpa_priority(names: list[str], device_type: str, model=None):
-    """Context in which SDPA tries ``names`` first (CUDA only; nothing changes for an empty list or on CPU). With
-    ``model`` (a transformers or PEFT model on SDPA attention) and cuDNN or memory-efficient first, its attention
-    is ``longrl_sdpa_mha`` inside the context and back to what it was after."""
-    if not names or device_type != "cuda":
+def sdpa_priority(names: list[str], device_type: str, model=None, grouped: bool = False):
+    """Context in which SDPA tries ``names`` first (CUDA only; nothing changes on CPU). With ``model`` (a
+    transformers or PEFT model on SDPA attention): cuDNN or memory-efficient first, its attention is
+    ``longrl_sdpa_mha`` inside the context; with ``grouped`` (model.grouped_attention_backward) and nothing listed
+    or flash first, it is ``longrl_sdpa_grouped`` (grouped_attention.grouped_backward); back to what it was
+    after."""
+    if device_type != "cuda":
         yield
         return
-    order = backend_order(names)
-    base = None
-    if model is not None and repeats_kv(names):
-        from ..models import base_model
+    with contextlib.ExitStack() as stack:
+        if names:
+            stack.enter_context(sdpa_kernel(backend_order(names), set_priority=True))
+        if model is not None and grouped and grouped_backward_applies(names):
+            from .grouped_attention import grouped_backward
 
-        base = base_model(model)
-        if base.config._attn_implementation != "sdpa":
-            base = None
-    with sdpa_kernel(order, set_priority=True):
-        if base is None:
-            yield
-            return
-        register_mha_sdpa()
-        base.set_attn_implementation(MHA_SDPA)
-        try:
-            yield
-        finally:
-            base.set_attn_implementation("sdpa")
+            stack.enter_context(grouped_backward(model))
+        elif model is not None and repeats_kv(names):
+            from ..models import base_model
+
+            base = base_model(model)
+            if base.config._attn_implementation == "sdpa":
+                register_mha_sdpa()
+                base.set_attn_implementation(MHA_SDPA)
+                stack.callback(base.set_attn_implementation, "sdpa")
+        yield
