@@ -41,7 +41,9 @@ SFT_SOURCES = {"sft_memory_llama-3.1-8b_slope": 2, "sft_memory_llama-3.1-8b_defa
                "sft_memory_llama-3.1-8b_nr": 2, "sft_memory_llama-3.1-8b_nr128k": 2,
                "sft_memory_llama-3.1-8b_cap40": 2, "sft_memory_llama-3.1-8b_cap40_edge": 2,
                "sft_memory_llama-3.1-8b_4bit_slope": NF4_8B, "sft_memory_llama-3.1-8b_4bit_cap24_expandable": NF4_8B,
-               "sft_memory_llama-3.1-8b_4bit": NF4_8B}
+               "sft_memory_llama-3.1-8b_4bit": NF4_8B, "sft_memory_llama-3.1-8b_cap40_grouped": 2}
+# SFT runs whose attention backward ran per key head group (ops/grouped_attention.py, then on by default)
+GROUPED_SFT_SOURCES = {"sft_memory_llama-3.1-8b_cap40_grouped"}
 SFT_LAYOUT = re.compile(r"resident (\d+), tile (\d+)(?:, not recomputed (\d+))?")
 H200_FREE = 139 * GIB
 
@@ -57,7 +59,8 @@ def sft_rows() -> list[dict]:
             resident, tile, whole = (int(g or 0) for g in SFT_LAYOUT.match(r["layout"]).groups())
             gpu, _, _ = predict(LLAMA_8B, tokens=r["length"], lora_r=32, weight_bytes=weight_bytes, offload=True,
                                 gpu_resident=resident, chunk=1024, optimizer=False, mlp_tile=tile or None,
-                                logprob_kernel=True, fused_norms=True, no_recompute=whole)
+                                logprob_kernel=True, fused_norms=True, no_recompute=whole,
+                                grouped_attention=stem in GROUPED_SFT_SOURCES)
             rows.append(dict(source=stem, tokens=r["length"], layout=r["layout"], measured_gib=r["peak_gib"],
                              predicted_gib=gpu / GIB, error=gpu / GIB / r["peak_gib"] - 1))
     return rows
