@@ -112,7 +112,8 @@
 #   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
 #              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
 #   sftcap40 / sftcap40_us  bf16 base, allocator capped at 40 GiB (a 40/48 GB card), lengths rising to past each
-#              tool's limit: longrl in the planner's own layout, then Unsloth (~5.5 / ~3.5 min; run _us first)
+#              tool's limit: longrl in the planner's own layout, then Unsloth (~5.5 / ~3.5 min; run _us first;
+#              SFT_ARGS=--grouped-attention: longrl's attention backward per key head, CAPTAG names the files)
 #   scale1     benchmarks/grpo_scale.py --phases train,rollout, 8B LoRA: the 20,480 x 8 training step alone (reference
 #              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
@@ -281,7 +282,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --shape llama-3.1-8b --load-in-4bit --cap-gib 24 --reps 0 --tag _cap24 \
             --lengths "${CAP_LENGTHS_US:-12288,12288,24576,49152,65536,81920,98304}" ;;
         sftcap40) stage sft_cap40 330 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --cap-gib 40 \
-            --lengths "${CAP40_LENGTHS:-12288,131072,180224,196608}" --impls longrl --reps 0 --tag _cap40 ;;
+            --lengths "${CAP40_LENGTHS:-12288,131072,180224,196608}" --impls longrl --reps 0 --tag "_cap40${CAPTAG:-}" \
+            ${SFT_ARGS:-} ;;
         sftcap40_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
             --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
