@@ -256,10 +256,12 @@ def main() -> None:
                   f"{decode[d]['kv_cache_gib']:.2f} |" for d in names]
         lines += ["", "Sampler/trainer mismatch (the trainer's metrics, token_truncate at cap 2, first 4 completions of "
                   f"the {args.long}-token rollout, each cache's own rollout of the same prompts and seed):", "",
-                  "| KV cache | sampler/k3_kl | sampler/logp_abs_diff | is_weight_mean | is_weight_changed | max weight |",
+                  "| KV cache | sampler/k3_kl | sampler/logp_abs_diff | is_weight_mean | is_weight_changed "
+                  "| max weight |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {FP8_TITLES.get(d, d)} | {m['sampler/k3_kl']:.2e} | {m['sampler/logp_abs_diff']:.2e} | "
-                  f"{m['sampler/is_weight_mean']:.4f} | {m['sampler/is_weight_changed']:.4f} | {m['is_weight_max']:.3f} |"
+                  f"{m['sampler/is_weight_mean']:.4f} | {m['sampler/is_weight_changed']:.4f} | "
+                  f"{m['is_weight_max']:.3f} |"
                   for d in names for m in [decode[d]["mismatch"]]]
         s = decode["sequences_in_20_gib"]
         lines += ["", f"Decode speed-up at {args.long_prompt + args.long:,}-token sequences: "

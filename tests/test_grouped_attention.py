@@ -15,8 +15,10 @@ def _qkv(B, Hq, Hkv, T, D, dtype, seed):
     return mk(Hq), mk(Hkv), mk(Hkv)
 
 
-@pytest.mark.parametrize("B, Hq, Hkv, T, D, dtype", [(1, 8, 2, 37, 16, torch.float32), (2, 6, 3, 129, 24, torch.float64),
-                                                     (3, 4, 1, 300, 8, torch.bfloat16), (1, 12, 4, 1, 32, torch.float32),
+@pytest.mark.parametrize("B, Hq, Hkv, T, D, dtype", [(1, 8, 2, 37, 16, torch.float32),
+                                                     (2, 6, 3, 129, 24, torch.float64),
+                                                     (3, 4, 1, 300, 8, torch.bfloat16),
+                                                     (1, 12, 4, 1, 32, torch.float32),
                                                      (2, 4, 4, 65, 16, torch.float32)])
 def test_grouped_backward_equals_sdpa_bit_for_bit(B, Hq, Hkv, T, D, dtype):
     """o and (dq, dk, dv) of GroupedBackwardAttention equal SDPA's (enable_gqa, causal) exactly: each query head's

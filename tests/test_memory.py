@@ -363,6 +363,12 @@ def test_sdpa_backend_order_and_config():
         "cudnn", "flash"]
     with pytest.raises(ConfigError, match="model.sdpa_backends"):
         load_config(None, ["model.sdpa_backends=[fa3]"], base=demo_config())
+    # the per-head attention backward runs flash's kernels: refused beside another kernel first or another attention
+    for other in ("model.sdpa_backends=[cudnn]", "model.attn_implementation=eager"):
+        with pytest.raises(ConfigError, match="model.grouped_attention_backward"):
+            load_config(None, ["model.grouped_attention_backward=true", other], base=demo_config())
+    assert load_config(None, ["model.grouped_attention_backward=true", "model.sdpa_backends=[flash]"],
+                       base=demo_config()).model.grouped_attention_backward
 
 
 def test_recorded_efficient_and_cudnn_calls_ask_for_the_log_sumexp():

@@ -245,8 +245,7 @@ def test_grouped_attention_backward_is_counted_per_key_head_group():
     assert gpu(mha, T, True) == gpu(mha, T, False)
     base = ["rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]", "model.device=cuda"]
     cases = [([], False), (["model.grouped_attention_backward=true"], True),
-             (["model.grouped_attention_backward=true", "model.sdpa_backends=[cudnn]"], False),
-             (["model.grouped_attention_backward=true", "model.attn_implementation=eager"], False),
+             (["model.grouped_attention_backward=true", "model.sdpa_backends=[flash]"], True),
              (["model.grouped_attention_backward=true", "model.device=cpu"], False)]
     for overrides, applies in cases:
         assert grouped_attention_applies(load_config(overrides=base + overrides)) == applies, overrides

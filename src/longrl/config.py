@@ -298,7 +298,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
                      "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends",
-                     "model.grouped_attention_backward", "model.reuse_attention", "model.attn_implementation", "model.gradient_checkpointing",
+                     "model.grouped_attention_backward", "model.reuse_attention", "model.attn_implementation",
+                     "model.gradient_checkpointing",
                      "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
                      "data.eval_split", "data.eval_num_examples",
                      "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",
@@ -629,6 +630,11 @@ def validate(cfg: Config, require_rewards: bool = True) -> None:
            m.sdpa_backends, "a list of cudnn, flash, efficient, math")
     _check(m.no_recompute_layers is None or (isinstance(m.no_recompute_layers, int) and m.no_recompute_layers >= 0),
            "model.no_recompute_layers", m.no_recompute_layers, "null (the planner's choice) or an integer >= 0")
+    _check(not m.grouped_attention_backward or ((not m.sdpa_backends or m.sdpa_backends[0] == "flash")
+                                                and m.attn_implementation in (None, "sdpa")),
+           "model.grouped_attention_backward", m.grouped_attention_backward,
+           "false unless attention is SDPA (model.attn_implementation null or sdpa) with flash first or nothing in "
+           "model.sdpa_backends (it runs flash's kernels)")
     _check(not m.reuse_attention or m.offload_activations is True, "model.reuse_attention", m.reuse_attention,
            "true only with model.offload_activations=true (it keeps attention outputs beside the offloaded inputs)")
     _check(not (m.offload_activations and m.gradient_checkpointing is False), "model.gradient_checkpointing",

@@ -330,8 +330,8 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
-    of LAUNCH and FP8_LAUNCH (for tuning; the result does not depend on them beyond float32 summation order). ``fused_merge``
-    False: merge the partials in a launch of their own (merge_partials; for comparison)."""
+    of LAUNCH and FP8_LAUNCH (for tuning; the result does not depend on them beyond float32 summation order).
+    ``fused_merge`` False: merge the partials in a launch of their own (merge_partials; for comparison)."""
     launch = {**LAUNCH, **(FP8_LAUNCH if kv_exp is not None else {}), **(launch or {})}
     block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     B, Hq, D = q.shape
