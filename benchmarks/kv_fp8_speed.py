@@ -249,8 +249,8 @@ def main() -> None:
                           f"{small[f'{v}_kernel_vs_twin_max_abs']:.2e}" for v in FP8_VARIANTS if v != "fp8") + "."]
     for decode in decodes:
         names = ["bf16", *FP8_VARIANTS]
-        lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {decode['prompts']} prompts × "
-                  f"{decode['G']}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
+        lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {decode['prompts']} prompts "
+                  f"× {decode['G']}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
                   "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
         lines += [f"| {FP8_TITLES.get(d, d)} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
                   f"{decode[d]['kv_cache_gib']:.2f} |" for d in names]

@@ -37,8 +37,9 @@ def test_grouped_backward_equals_sdpa_bit_for_bit(B, Hq, Hkv, T, D, dtype):
 
 def test_attention_function_takes_the_grouped_path_only_where_it_applies(monkeypatch):
     """grouped_sdpa_attention: the grouped Function for causal, unmasked, dropout-free grouped-query calls of at
-    least MIN_TOKENS query tokens (with or without gradient: both forwards of a checkpointed layer run the same
-    kernel call); transformers' SDPA function otherwise; the same output either way, [B, T, Hq, D]."""
+    least MIN_TOKENS query tokens with no argument that changes the attention (with or without gradient: both
+    forwards of a checkpointed layer run the same kernel call); transformers' SDPA function otherwise (a position
+    bias applied, a softcap refused, as it does); the same output either way, [B, T, Hq, D]."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -54,7 +55,10 @@ def test_attention_function_takes_the_grouped_path_only_where_it_applies(monkeyp
              ((q[:1], k[:1], v[:1], None), {}, False),  # 40 tokens < 64
              ((q, k, v, None), {"dropout": 0.1}, False),
              ((q, k, v, torch.ones(2, 1, 40, 40, dtype=torch.bool)), {}, False),  # a mask
-             ((q, torch.cat([k, k], 1), torch.cat([v, v], 1), None), {}, False)]  # as many key heads as query heads
+             ((q, torch.cat([k, k], 1), torch.cat([v, v], 1), None), {}, False),  # as many key heads as query heads
+             ((q, k, v, None), {"position_ids": torch.arange(40)[None], "use_cache": False}, True),  # neutral
+             ((q, k, v, None), {"position_bias": torch.randn(1, 4, 40, 40)}, False),  # changes the attention
+             ((q, k, v, None), {"s_aux": torch.randn(4)}, False)]
     for args, kw, grouped in cases:
         calls.clear()
         torch.manual_seed(0)
@@ -63,6 +67,11 @@ def test_attention_function_takes_the_grouped_path_only_where_it_applies(monkeyp
         assert out.shape == (args[0].shape[0], args[0].shape[2], args[0].shape[1], args[0].shape[3])
     out, _ = ga.grouped_sdpa_attention(module, q, k, v, None)
     assert torch.equal(out, ref)
+    bias = torch.randn(1, 4, 40, 40)  # a position bias is SDPA's (transformers' function), not dropped
+    assert torch.equal(ga.grouped_sdpa_attention(module, q, k, v, None, position_bias=bias)[0],
+                       sdpa_attention_forward(module, q, k, v, None, position_bias=bias)[0])
+    with pytest.raises(ValueError, match="softcap"):  # refused as SDPA refuses it, not ignored
+        ga.grouped_sdpa_attention(module, q, k, v, None, softcap=50.0)
     with torch.no_grad():
         calls.clear()
         assert torch.equal(ga.grouped_sdpa_attention(module, q, k, v, None)[0], ref) and calls

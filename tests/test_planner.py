@@ -224,23 +224,25 @@ def test_repeated_kv_attention_is_counted():
 
 def test_grouped_attention_backward_is_counted_per_key_head_group():
     """model.grouped_attention_backward: from MIN_TOKENS tokens the flash transients of one key head group (its
-    float32 dq accumulator, expanded dk and dv, and its gradients before their copy) instead of all heads': for the
-    8B heads at 131,072 tokens, (32 − 4) KB − 1.5 KB a token less; below MIN_TOKENS, and without GQA, nothing
-    changes; the flag reaches the planner only on a GPU run on SDPA with flash first or nothing listed."""
+    float32 dq accumulator, expanded dk and dv, the contiguous copies of its output gradient and output, and its
+    gradients before their copy) instead of all heads': for the 8B heads at 131,072 tokens, (32 − 4) KB − 3.5 KB a
+    token less; below MIN_TOKENS, in float32, and without GQA, nothing changes; the flag reaches the planner only on
+    a GPU run on SDPA with flash first or nothing listed."""
     from longrl.config import load_config
     from longrl.memory.planner import attention_groups, grouped_attention_applies
     from longrl.ops.grouped_attention import MIN_TOKENS
 
-    def gpu(shape, tokens, grouped):
-        return predict(shape, tokens=tokens, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024,
-                       mlp_tile=4096, fused_norms=True, grouped_attention=grouped)[0]
+    def gpu(shape, tokens, grouped, weight_bytes=2):
+        return predict(shape, tokens=tokens, lora_r=32, weight_bytes=weight_bytes, offload=True, gpu_resident=0,
+                       chunk=1024, mlp_tile=4096, fused_norms=True, grouped_attention=grouped)[0]
 
     T = 131072
     assert attention_groups(LLAMA_8B, T, True) == 8 and attention_groups(LLAMA_8B, MIN_TOKENS - 1, True) == 1
     per_group = T * (512 * 4 + 2 * 512 * 2)  # dq accumulator and expanded dk, dv of 4 query heads
-    copies = T * (512 + 2 * 128) * 2  # the group's dq, dk, dv
+    copies = T * (2 * 512 + 512 + 2 * 128) * 2  # the group's do and o made contiguous, its dq, dk, dv
     assert gpu(LLAMA_8B, T, False) - gpu(LLAMA_8B, T, True) == 8 * per_group - per_group - copies
     assert gpu(LLAMA_8B, MIN_TOKENS - 1, False) == gpu(LLAMA_8B, MIN_TOKENS - 1, True)
+    assert gpu(LLAMA_8B, T, False, weight_bytes=4) == gpu(LLAMA_8B, T, True, weight_bytes=4)  # float32: flash can't
     mha = ModelShape(layers=4, hidden=512, intermediate=1024, kv_dim=512, q_dim=512, vocab=1000, tied=True)
     assert gpu(mha, T, True) == gpu(mha, T, False)
     base = ["rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]", "model.device=cuda"]

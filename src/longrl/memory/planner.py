@@ -415,7 +415,8 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, l
     mlp = mlp_backward_bytes(tokens, tile, h, i, b, fused_mlp)
     return kept + max(mlp, norm_backward_bytes(tokens, h, b, norm_bytes),
                       attention_backward_bytes(tokens, h, q, kv, b, norm_bytes,
-                                               attention_groups(shape, tokens, grouped_attention and not repeat_kv)))
+                                               attention_groups(shape, tokens, grouped_attention and not repeat_kv,
+                                                                b)))
 
 
 def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
@@ -461,24 +462,28 @@ def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_
     post-attention norm's float32 input [T, H] (freed by then), plus flash attention's own (PyTorch's flash_api.cpp
     mha_bwd): dq [T, Q], dk, dv [T, K], a float32 dq accumulator [T, Q], dk and dv expanded to the query heads
     [T, Q] each when K < Q. ``groups`` > 1: the backward per key head group (ops/grouped_attention.py): the
-    accumulator and the expanded dk, dv of one group, [T, Q / groups] each, and that group's dq, dk, dv before
-    they are copied into the whole ones."""
+    accumulator and the expanded dk, dv of one group, [T, Q / groups] each, the kernel's contiguous copies of the
+    group's output gradient and output [T, Q / groups] each (head slices are not contiguous), and that group's dq,
+    dk, dv before they are copied into the whole ones."""
     grads = tokens * (q * b + 2 * kv * b)
     qg, kg = q // groups, kv // groups
     internal = tokens * (qg * F32 + (2 * qg * b if kv < q else 0))
     if groups > 1:
-        internal += tokens * (qg + 2 * kg) * b
+        internal += tokens * (2 * qg + qg + 2 * kg) * b
     return tokens * ((h + q) * b - h * norm_bytes) + grads + internal
 
 
-def attention_groups(shape: "ModelShape", tokens: int, grouped: bool) -> int:
+def attention_groups(shape: "ModelShape", tokens: int, grouped: bool, b: int = 2) -> int:
     """The flash backward calls of one layer: its key heads when ``grouped`` (the run attends through
-    ops/grouped_attention.py) and the micro-batch reaches that path's MIN_TOKENS with fewer key than query heads,
-    else 1."""
+    ops/grouped_attention.py) and the call takes that path (grouped_attention.takes_grouped_path: at least
+    MIN_TOKENS tokens, fewer key than query heads, 16-bit activations, a head dimension that is a multiple of 8 up
+    to 256), else 1."""
     from ..ops.grouped_attention import MIN_TOKENS
 
     kv_heads = shape.kv_dim // shape.head_dim
-    return kv_heads if grouped and tokens >= MIN_TOKENS and shape.kv_dim < shape.q_dim else 1
+    takes = (grouped and tokens >= MIN_TOKENS and shape.kv_dim < shape.q_dim and b == 2
+             and shape.head_dim % 8 == 0 and shape.head_dim <= 256)
+    return kv_heads if takes else 1
 
 
 def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, kernel: bool = False,

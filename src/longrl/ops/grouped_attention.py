@@ -1,11 +1,12 @@
 """Causal attention whose backward runs one key/value head group at a time (less memory at long context).
 
 PyTorch's flash attention backward for grouped-query attention (Hkv key/value heads, Hq = rep · Hkv query heads)
-allocates, besides the gradients dq [T, Hq, D], dk and dv [T, Hkv, D]: a float32 dq accumulator [T, Hq, D] and dk,
-dv expanded to the query heads [T, Hq, D] each (summed over each group at the end). For the Llama-3.1-8B shape that
-is 32 KB a token on top of the gradients' 12 KB, the largest transient of a long-context training step. Run per key
-head h instead — query heads [h·rep, (h+1)·rep) against key/value head h, each call its own flash backward — and the
-transients are those of one group, 1/Hkv of that:
+allocates, besides the gradients dq [T, Hq, D], dk and dv [T, Hkv, D]: a float32 dq accumulator [T, Hq, D] and
+dk, dv expanded to the query heads [T, Hq, D] each (summed over each group at the end). For the Llama-3.1-8B shape
+that is 32 KB a token on top of the gradients' 12 KB, the largest transient of a long-context training step. Run
+per key head h instead — query heads [h·rep, (h+1)·rep) against key/value head h, each call its own flash
+backward — and the transients are those of one group, 1/Hkv of that (plus the group's contiguous copies of do and
+o, which the kernel makes of head slices):
 
     dq[:, h·rep:(h+1)·rep], dk[:, h], dv[:, h] = flash_backward(do_h, q_h, k_h, v_h, o_h, lse_h)   h = 0 … Hkv − 1
 
@@ -13,13 +14,13 @@ Each query head's gradient, and each key head's sum over its group, is computed 
 numbers either way (tests/test_grouped_attention.py: bit for bit on the CPU's flash kernels; on the GPU the flash
 backward accumulates dq with atomics, so two whole calls differ as much). The forward is the one flash call.
 
-:data:`GROUPED_SDPA` is a transformers attention function (``AttentionInterface``): causal training calls with
-fewer key/value than query heads, no mask, no dropout and at least :data:`MIN_TOKENS` query tokens take this path
-on a flash-capable device; everything else (decode steps, masks, short calls) is transformers' SDPA function
-unchanged. :func:`grouped_backward` switches a model on SDPA to it for a block of code
-(``model.grouped_attention_backward``; off by default: where SDPA's own GQA call runs cuDNN's kernels, as on torch
-2.11 with an H200, those are faster than the flash kernels this path calls, benchmarks/results/
-grouped_attention_h200.md).
+:data:`GROUPED_SDPA` is a transformers attention function (``AttentionInterface``). Causal calls with fewer
+key/value than query heads, no mask, no dropout, no other argument that changes the attention (a position bias, a
+softcap, ...: NEUTRAL_KWARGS) and at least :data:`MIN_TOKENS` query tokens take this path on a flash-capable
+device; everything else (decode steps, masks, short calls) is transformers' SDPA function unchanged.
+:func:`grouped_backward` switches a model on SDPA to it for a block of code (``model.grouped_attention_backward``;
+off by default: where SDPA's own GQA call runs cuDNN's kernels, as on torch 2.11 with an H200, those are faster
+than the flash kernels this path calls, benchmarks/results/grouped_attention_h200.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ GROUPED_SDPA = "longrl_sdpa_grouped"
 # blocks of keys to spread over the GPU (length / 128 for each of its query heads), so its last wave is a small
 # share of it; shorter calls run whole (their transients are small)
 MIN_TOKENS = 65536
+# keyword arguments transformers passes to an attention function that do not change SDPA's attention: a call with
+# any other one set (position_bias, softcap, attention sinks, ...) runs transformers' SDPA function unchanged
+NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values",
+                            "past_key_value", "position_embeddings", "sliding_window", "layer_idx"})
 
 
 def _flash_ops(device_type: str):
@@ -119,12 +124,14 @@ def takes_grouped_path(query, key, attention_mask, dropout: float) -> bool:
 
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            is_causal=None, **kwargs):
-    """transformers' SDPA attention function, with the grouped backward where :func:`takes_grouped_path` says;
-    query [B, Hq, T, D], key/value [B, Hkv, T, D] → ([B, T, Hq, D], None)."""
+    """transformers' SDPA attention function, with the grouped backward where :func:`takes_grouped_path` says and
+    no keyword argument outside NEUTRAL_KWARGS is set; query [B, Hq, T, D], key/value [B, Hkv, T, D] →
+    ([B, T, Hq, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not causal or not takes_grouped_path(query, key, attention_mask, dropout):
+    other = any(v is not None and v is not False for k, v in kwargs.items() if k not in NEUTRAL_KWARGS)
+    if other or not causal or not takes_grouped_path(query, key, attention_mask, dropout):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
