@@ -111,6 +111,9 @@
 #              call: time per token side by side (SFTTAG names the files) (~3.5 min)
 #   sftcap4 / sftcap4_us  NF4 base, allocator capped at 24 GiB, lengths rising to past the slope's predicted limit,
 #              one run each (the first length twice: a warm-up); longrl with the planner's own layout (~3.5 / ~3 min)
+#   sftsnap    longrl's SFT step, bf16, offload-all layout, 49,152 and 131,072 tokens (SNAP_LENGTHS), each once
+#              more with the allocator's history recorded: what is live at its peak, by the code that allocated it
+#              (sft_memory_*_snap_snapshot_<length>.md; the planner's attention term) (~4 min)
 #   sftcap40 / sftcap40_us  bf16 base, allocator capped at 40 GiB (a 40/48 GB card), lengths rising to past each
 #              tool's limit: longrl in the planner's own layout, then Unsloth (~5.5 / ~3.5 min; run _us first;
 #              SFT_ARGS=--grouped-attention: longrl's attention backward per key head, CAPTAG names the files)
@@ -281,6 +284,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftcap4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --cap-gib 24 --reps 0 --tag _cap24 \
             --lengths "${CAP_LENGTHS_US:-12288,12288,24576,49152,65536,81920,98304}" ;;
+        sftsnap) stage sft_snap 300 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl --offload-all \
+            --lengths "${SNAP_LENGTHS:-49152,131072}" --reps 0 --memory-snapshot --tag _snap ${SFT_ARGS:-} ;;
         sftcap40) stage sft_cap40 330 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --cap-gib 40 \
             --lengths "${CAP40_LENGTHS:-12288,131072,180224,196608}" --impls longrl --reps 0 --tag "_cap40${CAPTAG:-}" \
             ${SFT_ARGS:-} ;;

@@ -218,6 +218,29 @@ def write_profile(args, impl: str, table: str) -> None:
     (out / f"sft_memory_{args.shape}{args.tag}_profile_{impl}.txt").write_text(table)
 
 
+def write_snapshot(args, length: int, step) -> None:
+    """One more ``step`` with the allocator's history recorded; what is live at its peak, by the code that allocated
+    it (benchmarks/memory_peak.py), to results/sft_memory_<shape><tag>_snapshot_<length>.{md,json}."""
+    from memory_peak import summarize
+
+    _sync()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        r = step()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    figures, lines = summarize(snapshot, torch.cuda.current_device(), baseline)
+    stem = str(Path(args.out) / f"sft_memory_{args.shape}{args.tag}_snapshot_{length}")  # the shape has dots
+    Path(stem + ".json").write_text(json.dumps({"command": "python " + " ".join(sys.argv), "length": length,
+                                                "step": r, **figures}, indent=1))
+    head = [f"# SFT step's peak, {args.shape}, {length:,} tokens", "",
+            f"`python {' '.join(sys.argv)}`; max_memory_allocated {r['peak_gib']:.2f} GiB", ""]
+    Path(stem + ".md").write_text("\n".join(head + lines) + "\n")
+    print("\n".join(lines[:12]), flush=True)
+
+
 def add_budget_args(ap) -> None:
     """The flags sft_memory.py and sft_unsloth.py share: base precision, budget, layout pins."""
     ap.add_argument("--load-in-4bit", action="store_true", help="NF4 base (files get _4bit)")
@@ -225,6 +248,8 @@ def add_budget_args(ap) -> None:
     ap.add_argument("--offload-all", action="store_true",
                     help="longrl: no GPU-resident layer inputs, MLP tiles of --mlp-tile (the longest lengths' layout)")
     ap.add_argument("--mlp-tile", type=int, default=4096)
+    ap.add_argument("--memory-snapshot", action="store_true", help="after each length's longrl runs, one more step "
+                    "with the allocator's history recorded: what is live at its peak (memory_peak.py)")
     ap.add_argument("--grouped-attention", action="store_true", help="the attention backward per key head "
                     "(model.grouped_attention_backward); the planner counts it")
     ap.add_argument("--no-recompute", type=int, default=-1,
@@ -314,6 +339,10 @@ def main():
                     runs = [{"oom": True}]
                     failed.add(impl)
                     break
+            if args.memory_snapshot and cuda and impl == "longrl" and "oom" not in runs[-1]:
+                model.zero_grad(set_to_none=True)
+                write_snapshot(args, length, functools.partial(longrl_step, model, ids, plan, args.chunk, cuda,
+                                                               args.grouped_attention))
             if args.profile and length == lengths[-1] and "oom" not in runs[-1]:
                 model.zero_grad(set_to_none=True)
                 step = (functools.partial(longrl_step, model, ids, plan, args.chunk, cuda, args.grouped_attention)
