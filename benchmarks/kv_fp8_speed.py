@@ -119,18 +119,23 @@ def sweep(P, G, Lp, T, s, dev) -> list[dict]:
     return rows
 
 
-def model_decode(args, dev, n_prompts: int, G: int) -> dict:
-    """Decode seconds a step at --long-prompt + new tokens with each cache (8B shape, random weights, LoRA),
-    n_prompts distinct prompts × G sequences each."""
+def decode_model(args, dev):
+    """The whole-model decodes' model: --shape with random weights, LoRA r=32."""
     import trl_baseline as tb
 
     from longrl.config import LoraConfig
-    from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
     from longrl.models import apply_lora
-    from longrl.rollout import decode_kernel
 
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
-    model = apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+    return apply_lora(model, LoraConfig(r=32, alpha=64.0, dropout=0.0))
+
+
+def model_decode(model, args, n_prompts: int, G: int) -> dict:
+    """Decode seconds a step at --long-prompt + new tokens with each cache (decode_model's ``model``),
+    n_prompts distinct prompts × G sequences each."""
+    from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
+    from longrl.rollout import decode_kernel
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
                for _ in range(n_prompts)]
@@ -229,7 +234,8 @@ def main() -> None:
         print(r, flush=True)
     swept = sweep(args.prompts, args.G, args.prompt_len, args.max_suffix, int(args.suffix.split(",")[-1]), dev) \
         if args.sweep else None
-    decodes = [] if args.no_model else [model_decode(args, dev, *map(int, c.split("x")))
+    model = None if args.no_model else decode_model(args, dev)  # one model for every case
+    decodes = [] if args.no_model else [model_decode(model, args, *map(int, c.split("x")))
                                         for c in args.model_cases.split(",")]
     print(decodes, flush=True)
     meta = run_meta()

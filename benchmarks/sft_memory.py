@@ -327,26 +327,22 @@ def main():
             if impl in failed:
                 rows.append({"length": length, "impl": impl, "skipped": "out of memory at a shorter length"})
                 continue
+            step = (functools.partial(longrl_step, model, ids, plan, args.chunk, cuda, args.grouped_attention)
+                    if impl == "longrl" else functools.partial(trl_step_cast, model, tokenizer, ids))  # PEFT casting
             runs = []
             for _ in range(args.reps + 1):  # the first is the warm-up
                 model.zero_grad(set_to_none=True)
                 try:
-                    if impl == "longrl":
-                        runs.append(longrl_step(model, ids, plan, args.chunk, cuda, args.grouped_attention))
-                    else:
-                        runs.append(trl_step_cast(model, tokenizer, ids))  # with PEFT's input casting
+                    runs.append(step())
                 except torch.OutOfMemoryError:
                     runs = [{"oom": True}]
                     failed.add(impl)
                     break
             if args.memory_snapshot and cuda and impl == "longrl" and "oom" not in runs[-1]:
                 model.zero_grad(set_to_none=True)
-                write_snapshot(args, length, functools.partial(longrl_step, model, ids, plan, args.chunk, cuda,
-                                                               args.grouped_attention))
+                write_snapshot(args, length, step)
             if args.profile and length == lengths[-1] and "oom" not in runs[-1]:
                 model.zero_grad(set_to_none=True)
-                step = (functools.partial(longrl_step, model, ids, plan, args.chunk, cuda, args.grouped_attention)
-                        if impl == "longrl" else functools.partial(trl_step_cast, model, tokenizer, ids))
                 write_profile(args, impl, *profiled(step, f"{impl}, {length:,} tokens")[1:])
             r = runs[-1] if len(runs) == 1 else {**runs[-1], "warmup_time_s": runs[0]["time_s"]}
             r.update(length=length, impl=impl, tokens_per_s=(length / r["time_s"]) if "time_s" in r else None)

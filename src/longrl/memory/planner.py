@@ -475,14 +475,12 @@ def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_
 
 def attention_groups(shape: "ModelShape", tokens: int, grouped: bool, b: int = 2) -> int:
     """The flash backward calls of one layer: its key heads when ``grouped`` (the run attends through
-    ops/grouped_attention.py) and the call takes that path (grouped_attention.takes_grouped_path: at least
-    MIN_TOKENS tokens, fewer key than query heads, 16-bit activations, a head dimension that is a multiple of 8 up
-    to 256), else 1."""
-    from ..ops.grouped_attention import MIN_TOKENS
+    ops/grouped_attention.py) and the call takes that path (16-bit activations and grouped_attention.grouped_shape),
+    else 1."""
+    from ..ops.grouped_attention import grouped_shape
 
     kv_heads = shape.kv_dim // shape.head_dim
-    takes = (grouped and tokens >= MIN_TOKENS and shape.kv_dim < shape.q_dim and b == 2
-             and shape.head_dim % 8 == 0 and shape.head_dim <= 256)
+    takes = grouped and b == 2 and grouped_shape(tokens, shape.query_heads, kv_heads, shape.head_dim, True)
     return kv_heads if takes else 1
 
 

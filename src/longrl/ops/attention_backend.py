@@ -75,14 +75,37 @@ def sdpa_mha_attention(module, query, key, value, attention_mask, **kwargs):
                                   attention_mask, **kwargs)
 
 
-def register_mha_sdpa() -> None:
-    """Register the attention function and, for it, SDPA's mask builder (transformers builds no padding or
-    packing mask for an attention implementation without one)."""
+def register_sdpa_variant(name: str, function) -> None:
+    """Register ``function`` as transformers attention ``name`` and, for it, SDPA's mask builder (transformers
+    builds no padding or packing mask for an attention implementation without one)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(MHA_SDPA, sdpa_mha_attention)
-    AttentionMaskInterface.register(MHA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def register_mha_sdpa() -> None:
+    register_sdpa_variant(MHA_SDPA, sdpa_mha_attention)
+
+
+@contextlib.contextmanager
+def sdpa_variant(model, name: str, function):
+    """Context in which ``model`` (transformers or PEFT), if it is on SDPA attention, attends through ``function``
+    registered as ``name`` (register_sdpa_variant); back to SDPA after. A model on other attention is left as it
+    is."""
+    from ..models import base_model
+
+    base = base_model(model)
+    if base.config._attn_implementation != "sdpa":
+        yield
+        return
+    register_sdpa_variant(name, function)
+    base.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        base.set_attn_implementation("sdpa")
 
 
 @contextlib.contextmanager
@@ -103,11 +126,5 @@ def sdpa_priority(names: list[str], device_type: str, model=None, grouped: bool 
 
             stack.enter_context(grouped_backward(model))
         elif model is not None and repeats_kv(names):
-            from ..models import base_model
-
-            base = base_model(model)
-            if base.config._attn_implementation == "sdpa":
-                register_mha_sdpa()
-                base.set_attn_implementation(MHA_SDPA)
-                stack.callback(base.set_attn_implementation, "sdpa")
+            stack.enter_context(sdpa_variant(model, MHA_SDPA, sdpa_mha_attention))
         yield

@@ -105,6 +105,14 @@ class GroupedBackwardAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def grouped_shape(tokens: int, heads: int, kv_heads: int, head_dim: int, half: bool) -> bool:
+    """The shape rule of the path (shared with the planner, memory/planner.attention_groups): at least MIN_TOKENS
+    query tokens (batch × length), fewer key/value heads than query heads in whole groups, and on CUDA (``half``: a
+    16-bit call) a head dimension the flash kernels take, a multiple of 8 up to 256."""
+    return (tokens >= MIN_TOKENS and kv_heads < heads and heads % kv_heads == 0
+            and (not half or (head_dim % 8 == 0 and head_dim <= 256)))
+
+
 def takes_grouped_path(query, key, attention_mask, dropout: float) -> bool:
     """Whether a call (query [B, Hq, T, D], key [B, Hkv, S, D]) runs :class:`GroupedBackwardAttention`: a causal
     self-attention call (T = S > 1, no mask, no dropout) with Hkv < Hq, at least MIN_TOKENS query tokens, on a
@@ -112,14 +120,12 @@ def takes_grouped_path(query, key, attention_mask, dropout: float) -> bool:
     any floating dtype). With or without gradient: a checkpointed layer's two forwards must make the same kernel
     call (attention reuse, memory/attention_reuse.py, replays the first one's outputs by its signature)."""
     B, hq, T, D = query.shape
-    if attention_mask is not None or dropout or T <= 1 or key.shape[2] != T or key.shape[1] >= hq:
-        return False
-    if hq % key.shape[1] or B * T < MIN_TOKENS:
+    if attention_mask is not None or dropout or T <= 1 or key.shape[2] != T:
         return False
     if query.device.type == "cuda":
-        return (query.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+        return (query.dtype in (torch.float16, torch.bfloat16) and grouped_shape(B * T, hq, key.shape[1], D, True)
                 and torch.cuda.get_device_capability(query.device) >= (8, 0))
-    return query.device.type == "cpu"
+    return query.device.type == "cpu" and grouped_shape(B * T, hq, key.shape[1], D, False)
 
 
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -139,31 +145,16 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: f
     return out.transpose(1, 2).contiguous(), None  # flash writes [B, T, Hq, D]: the transpose is that layout
 
 
-def register_grouped_sdpa() -> None:
-    """Register the attention function and, for it, SDPA's mask builder."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-@contextlib.contextmanager
 def grouped_backward(model):
     """Context in which ``model`` (transformers or PEFT), if on SDPA attention with grouped-query heads, attends
-    through :data:`GROUPED_SDPA`; back to SDPA after. Any other model is left as it is."""
+    through :data:`GROUPED_SDPA` (attention_backend.sdpa_variant); back to SDPA after. Any other model is left as it
+    is."""
     from ..models import base_model
+    from .attention_backend import sdpa_variant
 
-    base = base_model(model)
-    config = base.config
+    config = base_model(model).config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if config._attn_implementation != "sdpa" or not heads or kv_heads >= heads:
-        yield
-        return
-    register_grouped_sdpa()
-    base.set_attn_implementation(GROUPED_SDPA)
-    try:
-        yield
-    finally:
-        base.set_attn_implementation("sdpa")
+    if not heads or kv_heads >= heads:
+        return contextlib.nullcontext()
+    return sdpa_variant(model, GROUPED_SDPA, grouped_sdpa_attention)
