@@ -71,6 +71,11 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
 
 
+def _reserved_gib() -> float:
+    """The allocator's peak reservation (what a budget cap compares against), beside max_memory_allocated."""
+    return torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else float("nan")
+
+
 def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool, grouped: bool = False) -> dict:
     enable_offloaded_checkpointing(model, gpu_resident=plan.gpu_resident_layers, no_recompute=plan.no_recompute_layers)
     if plan.mlp_tile_tokens:
@@ -87,7 +92,8 @@ def longrl_step(model, ids: list[int], plan: Plan, chunk: int, cuda: bool, group
             loss, n = step_loss(model, [example], [[0]], pad_id=0, label_smoothing=0.0, chunk_size=chunk,
                                 packed=True, backward=True)
         _sync()
-        return {"time_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "loss": loss, "tokens": n}
+        return {"time_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "reserved_gib": _reserved_gib(),
+                "loss": loss, "tokens": n}
     finally:
         disable_mlp_tiling(model)
         disable_fused_layers(model)
@@ -125,7 +131,8 @@ def trl_step(model, tokenizer, ids: list[int]) -> dict:
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
         _sync()
-        result = {"time_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "loss": float(loss.detach()),
+        result = {"time_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "reserved_gib": _reserved_gib(),
+                  "loss": float(loss.detach()),
                   "tokens": len(ids) - 1}
         del trainer, loss
     return result
@@ -188,17 +195,18 @@ def write_results(args, rows: list[dict], cuda: bool, extra_meta: dict | None = 
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# SFT step, {args.shape}, LoRA r=32, one sequence, {meta['base']} base", "",
              f"`{meta['command']}` — {meta}", "",
-             "| length | impl | step time | tokens/s | peak GPU | GiB / 1K tokens | layout | loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| length | impl | step time | tokens/s | peak GPU | reserved | GiB / 1K tokens | layout | loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "time_s" in r:
             slope = slope_gib_per_1k(rows, r)
             lines.append(f"| {r['length']:,} | {r['impl']} | {r['time_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
-                         f"{r['peak_gib']:.2f} GiB | {'' if slope is None else f'{slope:.4f}'} | "
+                         f"{r['peak_gib']:.2f} GiB | {r.get('reserved_gib', float('nan')):.2f} GiB | "
+                         f"{'' if slope is None else f'{slope:.4f}'} | "
                          f"{r.get('layout', '')} | {r['loss']:.4f} |")
         else:
             lines.append(f"| {r['length']:,} | {r['impl']} | {'out of memory' if r.get('oom') else r.get('skipped')} "
-                         "| | | | | |")
+                         "| | | | | | |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return lines
 

@@ -55,7 +55,8 @@ def unsloth_step(model, ids: list[int]) -> dict:
     loss = model(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     sm._sync()
-    return {"time_s": time.perf_counter() - start, "peak_gib": sm._peak_gib(), "loss": float(loss.detach()),
+    return {"time_s": time.perf_counter() - start, "peak_gib": sm._peak_gib(), "reserved_gib": sm._reserved_gib(),
+            "loss": float(loss.detach()),
             "tokens": len(ids) - 1}
 
 
