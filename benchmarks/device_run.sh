@@ -117,6 +117,10 @@
 #   sftcap40 / sftcap40_us  bf16 base, allocator capped at 40 GiB (a 40/48 GB card), lengths rising to past each
 #              tool's limit: longrl in the planner's own layout, then Unsloth (~5.5 / ~3.5 min; run _us first;
 #              SFT_ARGS=--grouped-attention: longrl's attention backward per key head, CAPTAG names the files)
+#   memgpu     tests/test_memory_gpu.py: offloading and attention reuse on the GPU's kernels, the planner's attention
+#              kernel against the one that runs (~1.5 min)
+#   sftplan    `longrl plan --sft` for the 8B shape, LoRA r=32, one sequence of each of PLAN_LENGTHS tokens in
+#              PLAN_GIB (40) GiB: what the product admits on this GPU (~20 s)
 #   scale1     benchmarks/grpo_scale.py --phases train,rollout, 8B LoRA: the 20,480 x 8 training step alone (reference
 #              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
@@ -292,6 +296,13 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftcap40_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
             --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
+        memgpu) stage memgpu 150 python3 -m pytest -q tests/test_memory_gpu.py ;;
+        sftplan) stage sftplan 60 bash -c 'python3 -c "from transformers import LlamaConfig; LlamaConfig(hidden_size=4096,
+            intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+            vocab_size=128256, max_position_embeddings=262144).save_pretrained(\"/tmp/l8b\")" &&
+            python3 -m longrl.cli init --sft --model /tmp/l8b >/tmp/l8b_sft.yaml && for n in ${PLAN_LENGTHS:-196608,202220,204800}; do
+            for L in ${n//,/ }; do python3 -m longrl.cli plan /tmp/l8b_sft.yaml sft.max_length=$L sft.examples_per_step=1 lora.r=32 \
+            --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1 | tail -3; done; done' ;;
         groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
         fp8gpu) stage fp8gpu 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;

@@ -5,8 +5,11 @@ the run; this recomputes ``planner.predict`` for exactly that configuration (no 
 benchmark step; keys/values repeated where the run put cuDNN or memory-efficient SDPA first). Each grpo_e2e run
 records its rollout phase's peak; this recomputes ``planner.plan_rollout`` for its prompts × G × lengths. Each
 sft_memory row (longrl's SFT step on one sequence: forward and backward, no optimizer state, the fused norms and
-log-prob kernels) records its layout; this recomputes ``planner.predict`` for it. Writes
-results/planner_accuracy.{md,json}.
+log-prob kernels) records its layout; this recomputes ``planner.predict`` for it. Each row gets two predictions:
+with flash's attention backward counted and with cuDNN's (PyTorch 2.11 runs cuDNN's kernels for transformers' call
+on an H200: ops/attention_backend.training_attention_kernel). Runs measured before the offloaded backward freed the
+recomputed layer output (memory/offload.py release_unread_output; every source not in OUTPUT_FREED) held it,
+[T, H] × b: it is counted back in for them. Writes results/planner_accuracy.{md,json}.
 
     python benchmarks/planner_accuracy.py
 """
@@ -41,9 +44,12 @@ SFT_SOURCES = {"sft_memory_llama-3.1-8b_slope": 2, "sft_memory_llama-3.1-8b_defa
                "sft_memory_llama-3.1-8b_nr": 2, "sft_memory_llama-3.1-8b_nr128k": 2,
                "sft_memory_llama-3.1-8b_cap40": 2, "sft_memory_llama-3.1-8b_cap40_edge": 2,
                "sft_memory_llama-3.1-8b_4bit_slope": NF4_8B, "sft_memory_llama-3.1-8b_4bit_cap24_expandable": NF4_8B,
-               "sft_memory_llama-3.1-8b_4bit": NF4_8B, "sft_memory_llama-3.1-8b_cap40_grouped": 2}
+               "sft_memory_llama-3.1-8b_4bit": NF4_8B, "sft_memory_llama-3.1-8b_cap40_grouped": 2,
+               "sft_memory_llama-3.1-8b_snap": 2, "sft_memory_llama-3.1-8b_cap40_s17": 2}
 # SFT runs whose attention backward ran per key head group (ops/grouped_attention.py, then on by default)
 GROUPED_SFT_SOURCES = {"sft_memory_llama-3.1-8b_cap40_grouped"}
+# sources measured with the recomputed layer output freed (release_unread_output)
+OUTPUT_FREED: set[str] = set()
 SFT_LAYOUT = re.compile(r"resident (\d+), tile (\d+)(?:, not recomputed (\d+))?")
 H200_FREE = 139 * GIB
 
@@ -57,13 +63,30 @@ def sft_rows() -> list[dict]:
             if r.get("impl") != "longrl" or not r.get("peak_gib"):
                 continue
             resident, tile, whole = (int(g or 0) for g in SFT_LAYOUT.match(r["layout"]).groups())
-            gpu, _, _ = predict(LLAMA_8B, tokens=r["length"], lora_r=32, weight_bytes=weight_bytes, offload=True,
-                                gpu_resident=resident, chunk=1024, optimizer=False, mlp_tile=tile or None,
-                                logprob_kernel=True, fused_norms=True, no_recompute=whole,
-                                grouped_attention=stem in GROUPED_SFT_SOURCES)
+            held = held_output_bytes(stem, r["length"], offload=whole < LLAMA_8B.layers)
             rows.append(dict(source=stem, tokens=r["length"], layout=r["layout"], measured_gib=r["peak_gib"],
-                             predicted_gib=gpu / GIB, error=gpu / GIB / r["peak_gib"] - 1))
+                             **predictions(r["peak_gib"], held, tokens=r["length"], lora_r=32,
+                                           weight_bytes=weight_bytes, offload=True, gpu_resident=resident,
+                                           chunk=1024, optimizer=False, mlp_tile=tile or None, logprob_kernel=True,
+                                           fused_norms=True, no_recompute=whole,
+                                           grouped_attention=stem in GROUPED_SFT_SOURCES)))
     return rows
+
+
+def held_output_bytes(stem: str, tokens: int, offload: bool) -> int:
+    """The recomputed layer output [T, H] × 2 an offloaded backward of a run measured before release_unread_output
+    held."""
+    return tokens * LLAMA_8B.hidden * 2 if offload and stem not in OUTPUT_FREED else 0
+
+
+def predictions(measured_gib: float, held: int, **config) -> dict:
+    """``predict`` for ``config`` (plus ``held`` bytes) with flash's and with cuDNN's attention backward counted,
+    and each one's error against the measured peak."""
+    out = {}
+    for kernel in ("flash", "cudnn"):
+        gpu = (predict(LLAMA_8B, attention_kernel=kernel, **config)[0] + held) / GIB
+        out[f"predicted_{kernel}_gib"], out[f"error_{kernel}"] = gpu, gpu / measured_gib - 1
+    return out
 
 
 ADMIT_HOST_GIB = 88  # host memory the H200 machine's SFT runs saw free (their planner refusals name it)
@@ -71,18 +94,23 @@ ADMIT_HOST_GIB = 88  # host memory the H200 machine's SFT runs saw free (their p
 
 def longest_admitted(cap_gib: float, weight_bytes: float) -> int:
     """The longest single SFT sequence ``make_plan`` admits in ``cap_gib`` of GPU memory (the 8B shape, LoRA r=32, the
-    fused norms and log-prob kernels, the planner's own layout), by bisection."""
+    fused norms and log-prob kernels, cuDNN's attention backward, the planner's own layout and safety fraction under
+    longrl's default allocator settings), by bisection."""
     lo, hi = 1024, 1 << 20
     while lo < hi:
         mid = (lo + hi + 1) // 2
         try:
             make_plan(LLAMA_8B, sequence_lengths=[mid], lora_r=32, weight_bytes=weight_bytes,
                       gpu_free_bytes=int(cap_gib * GIB), host_free_bytes=ADMIT_HOST_GIB * GIB, logprob_kernel=True,
-                      fused_norms=True, no_recompute=None)
+                      fused_norms=True, no_recompute=None, attention_kernel="cudnn")
             lo = mid
         except PlanError:
             hi = mid - 1
     return lo
+
+
+def prediction_cells(r: dict) -> str:
+    return " | ".join(f"{r[f'predicted_{k}_gib']:.2f} | {100 * r[f'error_{k}']:+.1f}%" for k in ("flash", "cudnn"))
 
 
 def main() -> None:
@@ -94,21 +122,24 @@ def main() -> None:
             if not r["impl"].startswith("longrl") or r.get("oom"):
                 continue
             plain = r["impl"].startswith("longrl-plain")
-            gpu, _, _ = predict(LLAMA_8B, tokens=r["planner_budget"], lora_r=32, weight_bytes=weight_bytes,
-                                offload=not plain, gpu_resident=r["planner_gpu_resident"], chunk=1024,
-                                optimizer=False, mlp_tile=r.get("mlp_tile"),
-                                reuse_attention=r["impl"].startswith("longrl-reuse"), repeat_kv=repeat_kv)
+            held = held_output_bytes(stem, r["planner_budget"], offload=not plain)
             rows.append(dict(source=stem, impl=r["impl"], tokens=r["length"], G=r.get("G", 8),
                              resident=r["planner_gpu_resident"], mlp_tile=r.get("mlp_tile"),
-                             measured_gib=r["peak_gpu_gib"], predicted_gib=gpu / GIB,
-                             error=gpu / GIB / r["peak_gpu_gib"] - 1))
+                             measured_gib=r["peak_gpu_gib"],
+                             **predictions(r["peak_gpu_gib"], held, tokens=r["planner_budget"], lora_r=32,
+                                           weight_bytes=weight_bytes, offload=not plain,
+                                           gpu_resident=r["planner_gpu_resident"], chunk=1024, optimizer=False,
+                                           mlp_tile=r.get("mlp_tile"),
+                                           reuse_attention=r["impl"].startswith("longrl-reuse"),
+                                           repeat_kv=repeat_kv)))
     lines = ["# Planner prediction vs measured peak (Llama-3.1-8B shape, one H200, no optimizer state)", "",
              "`python benchmarks/planner_accuracy.py` — the current `planner.predict` for each measured row's "
-             "configuration.", "", "| source | impl | tokens × G | inputs on GPU | MLP tile | measured GiB | "
-             "predicted GiB | error |", "|---|---|---|---|---|---|---|---|"]
+             "configuration, with flash's and with cuDNN's attention backward counted (runs from before the "
+             "recomputed layer output was freed: with it counted back in).", "",
+             "| source | impl | tokens × G | inputs on GPU | MLP tile | measured GiB | predicted, flash | error | "
+             "predicted, cuDNN | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['source']} | {r['impl']} | {r['tokens']:,} × {r['G']} | {r['resident']} | "
-              f"{r['mlp_tile'] or '–'} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | "
-              f"{100 * r['error']:+.1f}% |" for r in rows]
+              f"{r['mlp_tile'] or '–'} | {r['measured_gib']:.2f} | {prediction_cells(r)} |" for r in rows]
     rollouts = []
     for stem, (shape, weight_bytes) in ROLLOUTS.items():
         data = json.loads((RESULTS / f"{stem}.json").read_text())
@@ -126,9 +157,10 @@ def main() -> None:
     sft = sft_rows()
     lines += ["", "SFT step, one sequence (`benchmarks/sft_memory.py`'s longrl rows, each in its own layout; \"planner "
               "refused\": the leanest layout measured anyway):", "",
-              "| source | tokens | layout | measured GiB | predicted GiB | error |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['source']} | {r['tokens']:,} | {r['layout']} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | "
-              f"{100 * r['error']:+.1f}% |" for r in sft]
+              "| source | tokens | layout | measured GiB | predicted, flash | error | predicted, cuDNN | error |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['source']} | {r['tokens']:,} | {r['layout']} | {r['measured_gib']:.2f} | {prediction_cells(r)} |"
+              for r in sft]
     admitted = {"bf16, 40 GiB": longest_admitted(40, 2),
                 "NF4 (estimated weight bytes), 24 GiB": longest_admitted(24, NF4_8B)}
     lines += ["", f"The longest single SFT sequence the planner admits (`make_plan`, {ADMIT_HOST_GIB} GiB of host "

@@ -49,7 +49,7 @@ from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan  #
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
-from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
+from longrl.ops.attention_backend import sdpa_priority, training_attention_kernel  # noqa: E402
 from longrl.rollout.sampling import triton_available  # noqa: E402
 from longrl.sft import step_loss  # noqa: E402
 from longrl.sft_data import SFTExample  # noqa: E402
@@ -323,7 +323,10 @@ def main():
                              host_free_bytes=int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
                              offload=True, chunk=args.chunk, logprob_kernel=cuda and triton_available(),
                              fused_norms=cuda and triton_available(),
-                             grouped_attention=cuda and args.grouped_attention, **pins)
+                             grouped_attention=cuda and args.grouped_attention,
+                             attention_kernel=training_attention_kernel(
+                                 [], shape.query_heads, shape.kv_dim // shape.head_dim, shape.head_dim,
+                                 "cuda" if cuda else "cpu"), **pins)
         except PlanError as e:  # measured anyway in the leanest layout: the run says whether the planner was right
             print(f"--- {length}: the planner refuses ({e}); measuring anyway with no resident layer inputs and "
                   f"MLP tiles of {args.mlp_tile}", flush=True)

@@ -604,3 +604,33 @@ def test_repeated_kv_attention_in_packed_offloaded_training():
     torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=1e-6)
     for k in g_a:
         torch.testing.assert_close(g_b[k], g_a[k], atol=1e-6, rtol=1e-5)
+
+
+def test_the_recomputed_output_is_released_only_where_no_backward_reads_it():
+    from longrl.memory.offload import release_unread_output
+
+    a = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 7, dtype=torch.float64)
+    cases = {"residual add": lambda: (a * b) + a, "tanh keeps its result": lambda: torch.tanh(a * b),
+             "view of a larger sum": lambda: (a.repeat(1, 2) + b.repeat(1, 2))[:, :7]}
+    released = {}
+    for name, f in cases.items():
+        ref = torch.autograd.grad(f(), (a, b), g)
+        out = f()
+        released[name] = release_unread_output(out)
+        assert (out.untyped_storage().nbytes() == 0) == released[name]
+        got = torch.autograd.grad(out, (a, b), g)
+        assert all(torch.equal(x, y) for x, y in zip(got, ref)), name
+    assert released == {"residual add": True, "tanh keeps its result": False, "view of a larger sum": False}
+
+
+def test_offloaded_backward_releases_every_layers_recomputed_output(monkeypatch):
+    import longrl.memory.offload as offload
+
+    results = []
+    real = offload.release_unread_output
+    monkeypatch.setattr(offload, "release_unread_output", lambda out: results.append(real(out)) or results[-1])
+    base, batch = _base(layers=3), _batch(5)
+    _grads(base, "offload", True, 0.0, True, batch)
+    assert results == [True] * 3  # each decoder layer ends in its residual add

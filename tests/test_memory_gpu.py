@@ -72,6 +72,36 @@ def test_the_listed_backend_really_runs_for_a_gqa_model(first, op):
     torch.testing.assert_close(lp, lp_flash, atol=2e-2, rtol=2e-2)
 
 
+def test_the_planners_attention_kernel_is_the_one_transformers_call_runs():
+    """Nothing listed (PyTorch's own choice): the kernel training_attention_kernel reads off a probe call is the one
+    whose backward a grouped-query model's training step runs (the planner counts that kernel's transients)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from test_memory import _base, _batch, _grads
+
+    from longrl.ops.attention_backend import training_attention_kernel
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    base = _base(layers=2).to("cuda", torch.bfloat16)
+    prompts, completions = _batch(5, n=2)
+    prompts, completions = [p[:1] for p in prompts], [(c * 9)[:9] for c in completions]  # equal lengths: no mask
+    seen = Ops()
+    with seen:
+        _grads(base, "offload", True, 0.0, False, (prompts, completions))
+    cfg = base.config
+    kernel = training_attention_kernel([], cfg.num_attention_heads, cfg.num_key_value_heads,
+                                       cfg.hidden_size // cfg.num_attention_heads, "cuda")
+    assert f"_scaled_dot_product_{kernel}_attention_backward" in seen.names, sorted(
+        n for n in seen.names if "attention" in n)
+
+
 def test_fused_layers_match_transformers_modules_on_cuda():
     """The fused RMSNorm and SiLU·up kernels on the GPU: bf16 forwards rounded where transformers rounds (nearly
     every element equal), input gradients within bf16 rounding of transformers' own, and a tiny model's LoRA

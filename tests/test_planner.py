@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from longrl.memory.planner import (GIB, MAX_PACKED_TOKENS, MLP_TILE_ALIGN, ModelShape, PlanError, choose_mlp_tile,
-                                   kv_bytes_per_token, make_plan, plan_rollout, predict)
+                                   kv_bytes_per_token, make_plan, plan_rollout, predict, safety_fraction)
 
 LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, kv_dim=1024, q_dim=4096, vocab=128256, tied=False)
 QWEN_15B = ModelShape(layers=28, hidden=1536, intermediate=8960, kv_dim=256, q_dim=1536, vocab=151936, tied=True)
@@ -111,13 +111,16 @@ def test_mlp_tile_only_when_the_longest_sequence_needs_it():
     kw = dict(lora_r=32, weight_bytes=2, host_free_bytes=500 * GIB)
     assert make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, gpu_free_bytes=139 * GIB, **kw).mlp_tile_tokens is None
     assert make_plan(LLAMA_8B, sequence_lengths=[20480] * 8, gpu_free_bytes=27 * GIB, **kw).mlp_tile_tokens is None
-    # 409,600 tokens on an H200 (139 GiB) fit untiled: the MLP backward's 6 T I b = 66 GiB beside what the layer keeps
-    # (predicted 121 GiB with 2 inputs on the GPU, 127.6 GiB with 4); with 120 GiB they need two tiles
+    # 409,600 tokens on an H200 (139 GiB) fit untiled: the MLP backward's 6 T I b = 66 GiB beside what the layer keeps,
+    # with as many inputs on the GPU as fit; with 120 GiB they need two tiles
     h200 = make_plan(LLAMA_8B, sequence_lengths=[409600], gpu_free_bytes=139 * GIB, **kw)
-    assert h200.mlp_tile_tokens is None and h200.gpu_resident_layers == 4
-    assert h200.predicted_gpu_bytes <= 0.92 * 139 * GIB
+    assert h200.mlp_tile_tokens is None and h200.gpu_resident_layers >= 2
+    assert h200.predicted_gpu_bytes <= safety_fraction() * 139 * GIB
+    one_more, _, _ = predict(LLAMA_8B, tokens=409600, lora_r=32, weight_bytes=2, offload=True, chunk=1024,
+                             gpu_resident=h200.gpu_resident_layers + 1)
+    assert one_more > safety_fraction() * 139 * GIB
     plan = make_plan(LLAMA_8B, sequence_lengths=[409600], gpu_free_bytes=120 * GIB, **kw)
-    usable = 0.92 * 120 * GIB
+    usable = safety_fraction() * 120 * GIB
     untiled, _, _ = predict(LLAMA_8B, tokens=409600, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0, chunk=1024)
     assert untiled > usable >= plan.predicted_gpu_bytes
     assert plan.mlp_tile_tokens == 204800 and plan.micro_batch_tokens == 409600
@@ -160,21 +163,22 @@ def test_tiled_prediction_counts_one_tile_of_mlp_intermediates():
 def test_layer_backward_counts_what_is_live_at_the_measured_400k_peak():
     """benchmarks/results/grpo_memory_llama-3.1-8b_probe_400k: one 409,600-token sequence, MLP tiles of 204,800, 4
     layer inputs resident, no optimizer state: 95.43 GiB measured. The peak is the last layer's MLP backward: the 4
-    resident inputs (no prefetch: the layer below is resident too), what the recompute keeps (its output and
-    gradient, two float32 RMSNorm inputs, the input norm's output, q, the attention output, k, v, lse, cos/sin, LoRA
-    A outputs) and one tile's MLP backward. The final hidden states, their gradient and the log-prob chunk were freed
-    before (the planner used to add them and an offload copy on top: 125.74 GiB, +32%)."""
+    resident inputs (no prefetch: the layer below is resident too), what the recompute keeps (its incoming gradient,
+    two float32 RMSNorm inputs, the input norm's output, q, the attention output, k, v, lse, cos/sin, LoRA A outputs)
+    and one tile's MLP backward. The final hidden states, their gradient and the log-prob chunk were freed before
+    (the planner used to add them and an offload copy on top: 125.74 GiB, +32%). That run also held the recomputed
+    layer output [T, H], which the offloaded backward now frees (release_unread_output)."""
     T, t, h, i, k, q, r, b = 409600, 204800, 4096, 14336, 1024, 4096, 32, 2
     gpu, host, parts = predict(LLAMA_8B, tokens=T, lora_r=r, weight_bytes=2, offload=True, gpu_resident=4,
                                chunk=1024, optimizer=False, mlp_tile=t)
-    kept = (T * (2 * h * b + 2 * h * 4 + h * b + 2 * q * b + 2 * k * b + 32 * 4 + 2 * 128 * b + 4 * r * b)
+    kept = (T * (h * b + 2 * h * 4 + h * b + 2 * q * b + 2 * k * b + 32 * 4 + 2 * 128 * b + 4 * r * b)
             + 3 * t * r * b)
     mlp = (T * h + 6 * t * i + (T - t) * h) * b
     assert parts["layer inputs on GPU"] == 4 * T * h * b and host == 28 * T * h * b
     assert parts["layer recompute"] == kept + mlp
     assert parts["log-prob backward"] == T * h * 4 + 2 * T * h * b + 4 * 1024 * 128256 * 4
     assert gpu == sum(parts.values()) - parts["log-prob backward"]  # not live with the layer's backward
-    assert abs(gpu / GIB / 95.43 - 1) < 0.01
+    assert abs((gpu + T * h * b) / GIB / 95.43 - 1) < 0.01  # with the output that run held
 
 
 def test_offloaded_layers_hold_two_inputs_during_backward():
@@ -185,7 +189,7 @@ def test_offloaded_layers_hold_two_inputs_during_backward():
                        chunk=1024, mlp_tile=4096)[0]
 
     assert gpu(0) == gpu(1) == gpu(2) < gpu(3) and gpu(3) - gpu(2) == 20480 * 4096 * 2
-    assert gpu(32) - 20480 * 4096 * 2 == gpu(0, offload=False)  # plain checkpointing: all inputs, no output kept
+    assert gpu(32) == gpu(0, offload=False)  # as plain checkpointing: all inputs, the recomputed output freed
 
 
 def test_choose_mlp_tile_splits_evenly_and_aligns():
@@ -300,10 +304,10 @@ def test_attention_reuse_left_null_is_on_with_offloading_where_it_costs_no_token
 
     def cfg(*over):
         return load_config(overrides=["model.dtype=bfloat16", "data.max_prompt_length=512", "train.prompts_per_step=1",
-                                      "generation.max_completion_length=19968", *over,
+                                      "generation.max_completion_length=19968", *over, "generation.backend=hf",
                                       "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
 
-    offload = "model.offload_activations=true"
+    offload = "model.offload_activations=true"  # generation.backend=hf: the training phase alone sets the minimum
 
     def plan(gpu_gib, *pin):
         return plan_for_config(cfg(offload, *pin), model, int(gpu_gib * GIB), 500 * GIB)
@@ -459,7 +463,7 @@ def test_auto_layout_recomputes_only_when_it_must():
     short = plan_for_config(_run_cfg("generation.max_completion_length=512", "train.prompts_per_step=2"),
                             _llama_config(), 139 * GIB, 500 * GIB)
     assert not short.checkpointing and not short.offload
-    assert short.predicted_gpu_bytes <= NO_RECOMPUTE_SHARE * 139 * GIB * 0.92
+    assert short.predicted_gpu_bytes <= NO_RECOMPUTE_SHARE * 139 * GIB * safety_fraction()
     long = plan_for_config(_run_cfg("generation.max_completion_length=19968", "train.prompts_per_step=1"),
                            _llama_config(), 139 * GIB, 500 * GIB)
     assert long.checkpointing and long.offload and long.micro_batch_tokens == 20480
@@ -637,13 +641,13 @@ def test_layers_not_recomputed_fill_the_planners_share_of_plentiful_memory():
     """model.no_recompute_layers left null: with memory to spare (the 8B 20K job on 139 GiB) the planner takes the
     last layers out of checkpointing while the step fits in NO_RECOMPUTE_SHARE of the memory, as many as fit and no
     more; each counts kept + 3 T I b. In a 40 GiB budget, with MLP tiles, or pinned, it takes what it is given."""
-    from longrl.memory.planner import NO_RECOMPUTE_SHARE, _SAFETY, layer_kept_bytes, plan_for_config
+    from longrl.memory.planner import NO_RECOMPUTE_SHARE, layer_kept_bytes, plan_for_config
 
     job = ("generation.max_completion_length=19968", "train.prompts_per_step=1")
     plan = plan_for_config(_run_cfg(*job), _llama_config(), 139 * GIB, 500 * GIB)
     W, T = plan.no_recompute_layers, plan.micro_batch_tokens
     assert 0 < W < 32 and plan.offload and plan.mlp_tile_tokens is None
-    share = int(139 * GIB * NO_RECOMPUTE_SHARE * _SAFETY)
+    share = int(139 * GIB * NO_RECOMPUTE_SHARE * safety_fraction())
     assert plan.predicted_gpu_bytes <= share
     per_layer = layer_kept_bytes(LLAMA_8B, T, 2, tile=T, lora_r=32, offload=False, norm_bytes=2) + 3 * T * 14336 * 2
     assert plan.parts_gpu_bytes["layers not recomputed"] == W * per_layer
@@ -684,9 +688,48 @@ def test_a_pinned_count_of_layers_not_recomputed_sizes_the_micro_batch():
     activations counted, so the plan shrinks the micro-batch to fit rather than failing."""
     from longrl.memory.planner import plan_for_config
 
-    job = ("generation.max_completion_length=1536", "train.prompts_per_step=8", "train.gpu_memory_gib=40",
+    job = ("generation.max_completion_length=1536", "train.prompts_per_step=8", "train.gpu_memory_gib=36",
            "model.offload_activations=true")
     free = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=0"), _llama_config(), 139 * GIB, 500 * GIB)
     pinned = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=8"), _llama_config(), 139 * GIB, 500 * GIB)
-    assert pinned.no_recompute_layers == 8 and pinned.predicted_gpu_bytes <= 40 * GIB
+    assert pinned.no_recompute_layers == 8 and pinned.predicted_gpu_bytes <= 36 * GIB
     assert pinned.micro_batch_tokens < free.micro_batch_tokens
+
+
+def test_cudnn_attention_backward_counts_float32_dk_dv_and_a_statistic_per_head():
+    """cuDNN's backward (where SDPA runs it: training_attention_kernel) holds float32 dq [T, Q], dk and dv [T, K] and a
+    float32 statistic per query head, 24,704 bytes a token for the 8B heads (measured to the byte on an H200),
+    instead of flash's float32 dq and dk, dv expanded to the query heads (32,768); with as many key as query heads
+    (keys/values repeated for it) only the statistic differs from flash's count."""
+    from longrl.memory.planner import attention_backward_bytes
+
+    T, h, q, k, b = 5003, 4096, 4096, 1024, 2
+    flash = attention_backward_bytes(T, h, q, k, b)
+    cudnn = attention_backward_bytes(T, h, q, k, b, kernel="cudnn", heads=32)
+    assert flash - cudnn == T * (32768 - 24704)
+    assert (attention_backward_bytes(T, h, q, q, b, kernel="cudnn", heads=32)
+            - attention_backward_bytes(T, h, q, q, b)) == T * 32 * 4
+    # the grouped path runs flash kernels per key head whatever SDPA's own call would run
+    assert (attention_backward_bytes(T, h, q, k, b, groups=8, kernel="cudnn", heads=32)
+            == attention_backward_bytes(T, h, q, k, b, groups=8))
+    T = 65537  # long enough that the attention backward is the layer's largest transient
+    gpu = lambda kernel: predict(LLAMA_8B, tokens=T, lora_r=32, weight_bytes=2, offload=True, gpu_resident=0,  # noqa
+                                 chunk=1024, mlp_tile=4096, fused_norms=True, logprob_kernel=True,
+                                 attention_kernel=kernel)[0]
+    assert gpu("flash") - gpu("cudnn") == T * 8064
+
+
+def test_training_attention_kernel_without_a_gpu_and_with_a_listed_backend():
+    from longrl.ops.attention_backend import training_attention_kernel
+
+    assert training_attention_kernel(["cudnn", "flash"], 32, 8, 128, "cpu") == "cudnn"
+    assert training_attention_kernel(["flash"], 32, 8, 128, "cuda") == "flash"
+    assert training_attention_kernel(["efficient"], 32, 8, 128, "cuda") == "flash"
+    assert training_attention_kernel([], 32, 8, 128, "cpu") == "flash"  # cannot ask: the larger GQA count
+
+
+def test_safety_fraction_follows_the_allocator_settings():
+    assert safety_fraction({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == 0.95
+    assert safety_fraction({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}) == 0.95
+    assert safety_fraction({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}) == 0.92
+    assert safety_fraction({}) == 0.92

@@ -187,6 +187,8 @@ def test_init_sft_output_is_accepted_by_sft_and_plan(tmp_path, capsys):
     assert cfg.sft.max_length == 128  # fitted to the tiny model's context
     assert main(["plan", str(tmp_path / "run.yaml"), "--sft", "--gpu-memory-gib", "24"]) == 0
     assert "(sft): 8 examples × 128 tokens" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path / "run.yaml"), "--sft", "--gpu-memory-gib", "0.0001"]) == 1
+    assert "shorten sft.max_length" in capsys.readouterr().err  # the key an SFT user sets, not GRPO's
     assert main(["sft", str(tmp_path / "run.yaml"), "sft.num_train_epochs=null", "train.max_steps=1",
                  f"output.output_dir={tmp_path / 'out'}", "output.report_to=[none]", "output.progress_bar=false"]) == 0
     assert len(read_metrics(tmp_path / "out")) == 1

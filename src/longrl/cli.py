@@ -294,7 +294,8 @@ def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = Fa
         return 2
     try:
         plan = plan_for_config(cfg, model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code),
-                               int(gpu_memory_gib * GIB), world_size=world_size)
+                               int(gpu_memory_gib * GIB), world_size=world_size,
+                               length_key="sft.max_length" if sft else "generation.max_completion_length")
     except PlanError as e:
         print(f"longrl: this job cannot fit{f' on {world_size} GPUs' if world_size > 1 else ''}: {e}", file=sys.stderr)
         return 1

@@ -47,7 +47,7 @@ def _resolve(cfg, model_config, device, recipe: str, world_size: int = 1):
     if recipe != "sft":
         return resolve_layout(cfg, model_config, device, world_size)
     view = sft_planning_view(cfg)
-    plan = resolve_layout(view, model_config, device)
+    plan = resolve_layout(view, model_config, device, length_key="sft.max_length")
     for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers",
                                      "no_recompute_layers", "reuse_attention")),
                           ("train", ("micro_batch_tokens", "mlp_tile_tokens"))):

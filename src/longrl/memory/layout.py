@@ -43,9 +43,11 @@ def cap_allocator(cfg, device: torch.device) -> float | None:
     return fraction
 
 
-def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1) -> Plan | None:
+def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1,
+                   length_key: str = "generation.max_completion_length") -> Plan | None:
     """Fill the config's null layout keys in place: on CUDA from the plan (returned; PlanError when the job cannot
-    fit), on the CPU with off (None returned). ``world_size``: the plan of one GPU of a data-parallel job."""
+    fit, naming ``length_key`` to shorten), on the CPU with off (None returned). ``world_size``: the plan of one GPU
+    of a data-parallel job."""
     m = cfg.model
     if device.type != "cuda":
         m.offload_activations = bool(m.offload_activations)
@@ -55,7 +57,8 @@ def resolve_layout(cfg, model_config, device: torch.device, world_size: int = 1)
         if m.no_recompute_layers is None:
             m.no_recompute_layers = 0
         return None
-    plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size)
+    plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size,
+                           length_key=length_key)
     m.offload_activations = plan.offload
     m.gradient_checkpointing = plan.checkpointing  # layers recomputed (offloading installs its own checkpointing)
     if m.reuse_attention is None:

@@ -5,7 +5,8 @@ goes to host memory instead:
 
     forward  (layer l):  y = f_l(x_l) without autograd; copy x_l → a reused host buffer on a side stream
     backward (layer l):  wait (event) for x_l's copy back; start copying x_{l-1} back (prefetch); recompute
-                         y = f_l(x_l) with autograd, backpropagate the incoming gradient through it
+                         y = f_l(x_l) with autograd, free y's values (no backward reads them:
+                         release_unread_output), backpropagate the incoming gradient through it
 
 so the GPU holds about one layer's working set plus the prefetched input, and the host holds the inputs.
 The copies use one side CUDA stream ordered against the compute stream by events only (no host sync).
@@ -293,8 +294,28 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if records is not None:
             replay.check_done()
         if out.requires_grad:  # else nothing in the layer wants a gradient (frozen, its input too)
+            release_unread_output(out)
             torch.autograd.backward(out, grad_out)
         return None, None, (x.grad if ctx.saved.requires_grad else None), None
+
+
+# ops whose backward keeps nothing of their result: the recomputed layer output made by one of them (a decoder
+# layer's last residual add) is read by nobody once its graph exists
+OUTPUT_UNREAD_OPS = ("AddBackward0",)
+
+
+def release_unread_output(out: torch.Tensor) -> bool:
+    """Free the recomputed layer output's memory before backpropagating through it, [T, H] × b a layer: backward
+    from ``out`` reads its shape and graph, never its values, when the op that made it keeps nothing of its result
+    (OUTPUT_UNREAD_OPS) and ``out`` owns its whole storage (not a view into a tensor others may have saved).
+    Whether it was released."""
+    grad_fn = out.grad_fn
+    owns_storage = (out.is_contiguous() and out.storage_offset() == 0
+                    and out.untyped_storage().nbytes() == out.numel() * out.element_size())
+    if grad_fn is None or grad_fn.name() not in OUTPUT_UNREAD_OPS or not owns_storage:
+        return False
+    out.untyped_storage().resize_(0)
+    return True
 
 
 def offloaded_checkpoint(offloader: ActivationOffloader):

@@ -15,9 +15,9 @@ the next one starts. So the peak is inside one of those steps, and a term counts
                    attention output comes back as a contiguous [B, heads, T, D] tensor, and o_proj keeps a
                    [B, T, heads, D] copy of it: the attention output counted in kept
     layer        = kept + max(mlp, norm, attention)             one layer recomputed and backpropagated:
-      kept       = T × (2 H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b
-                   what the recompute keeps through the layer's backward: the recomputed output (held by the
-                   offloaded backward; plain checkpointing drops it) and its incoming gradient, both RMSNorm inputs
+      kept       = T × (H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b
+                   what the recompute keeps through the layer's backward: the layer's incoming gradient (the
+                   recomputed output's values are freed before its backward: memory/offload.py), both RMSNorm inputs
                    in float32 (8 H; 4 H for b = 4, whose first norm input is the layer input itself), the input
                    norm's output (q/k/v's LoRA input), q and the attention output, k and v (Q each when repeated for
                    cuDNN/efficient SDPA), the log-sum-exp, rotary cos/sin, the LoRA A outputs
@@ -29,7 +29,9 @@ the next one starts. So the peak is inside one of those steps, and a term counts
       attention  = T × ((H + Q) b − 4 H) + T × (Q b + 2 K b + 4 Q + 2 Q b · [K < Q])
                    the residual's and the attention output's gradients, less the post-norm float32 input freed by
                    then, plus flash attention's backward (dq, dk, dv, a float32 dq accumulator, dk/dv expanded to
-                   the query heads for GQA: PyTorch's flash_api.cpp mha_bwd)
+                   the query heads for GQA: PyTorch's flash_api.cpp mha_bwd); where SDPA runs cuDNN's kernels
+                   (ops/attention_backend.training_attention_kernel) float32 dk, dv and a statistic per query head
+                   instead of the expanded dk, dv: T × (4 Q + (8 K · [K < Q]) + 4 heads)
     log-prob     = T × H × 4 + 2 T × H × b + 4 × chunk × V × 4  the final RMSNorm's float32 input, the completion
                    rows' hidden states and their gradient, one chunk of float32 logits, log-probs, probabilities
                    and logit gradients (ops/logprobs.py: backward); with the row kernels (a GPU, no softcap:
@@ -79,7 +81,23 @@ from dataclasses import dataclass
 
 GIB = 2 ** 30
 F32 = 4  # bytes of a float32 element
-_SAFETY = 0.92  # fraction of free GPU memory the plan may use (allocator fragmentation, CUDA workspaces)
+# fraction of free GPU memory the plan may use (the planner's error, allocator fragmentation, CUDA workspaces):
+# with the allocator's fixed segments, which fragment, and with its expandable segments (longrl's default:
+# allocator.py), where the SFT peaks reserved 0.3-1.3% above what they allocated and the planner predicted them
+# within 0.2% (benchmarks/results/planner_accuracy.md)
+_SAFETY = 0.92
+_SAFETY_EXPANDABLE = 0.95
+
+
+def safety_fraction(environ=None) -> float:
+    """The fraction of free GPU memory a plan may use under this process's allocator settings."""
+    import os
+
+    from ..allocator import ALLOCATOR_VARIABLES, EXPANDABLE
+
+    environ = os.environ if environ is None else environ
+    settings = next((environ[v] for v in ALLOCATOR_VARIABLES if v in environ), "")
+    return _SAFETY_EXPANDABLE if EXPANDABLE.lower() in settings.replace(" ", "").lower() else _SAFETY
 MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
 MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
 
@@ -306,7 +324,7 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
                                                                optimizer=True) // weight_shards
     if weight_shards > 1:
         fixed["FSDP2 shards (beside the full weights)"] = fixed["base weights"] // weight_shards
-    room = int(gpu_free_bytes * _SAFETY) - sum(fixed.values())
+    room = int(gpu_free_bytes * safety_fraction()) - sum(fixed.values())
     if kv_cache_bytes and kv_cache_bytes > room:
         raise PlanError(f"generation.kv_cache_gib={kv_cache_bytes / GIB:g} is more than the rollout has left after "
                         f"weights and workspace ({max(room, 0) / GIB:.2f} GiB); lower it, or set it to 0 (the sampler "
@@ -327,7 +345,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
             mlp_tile: int | None = None, reuse_attention: bool = False, repeat_kv: bool = False,
             compute_bytes: int | None = None, checkpointing: bool = True,
             logprob_kernel: bool = False, weight_shards: int = 1, fused_norms: bool = False,
-            no_recompute: int = 0, grouped_attention: bool = False) -> tuple[int, int, dict]:
+            no_recompute: int = 0, grouped_attention: bool = False,
+            attention_kernel: str = "flash") -> tuple[int, int, dict]:
     """(GPU bytes, host bytes, GPU parts) for micro-batches of ``tokens`` tokens, the MLP in tiles of ``mlp_tile``,
     attention outputs kept with the layer inputs when ``reuse_attention``, keys/values repeated to the query heads
     when ``repeat_kv`` (ops/attention_backend.py: SDPA keeps the repeated K and V, 2 · T · (q_dim − kv_dim) more
@@ -343,7 +362,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
     decoder layers at a time (the one computing and the one prefetched). ``fused_norms``: the RMSNorms run as the
     fused kernels (ops/rmsnorm.py: the 16-bit input and a float32 r per row kept, no float32 copies of x).
     ``no_recompute``: with checkpointing, the last that many layers are not checkpointed (module docstring: whole).
-    ``grouped_attention``: the attention backward runs per key head (ops/grouped_attention.py; attention_groups)."""
+    ``grouped_attention``: the attention backward runs per key head (ops/grouped_attention.py; attention_groups).
+    ``attention_kernel``: 'flash' or 'cudnn', whose backward SDPA's one call runs (attention_backward_bytes)."""
     b = compute_bytes or (2 if weight_bytes < 4 else 4)
     n = b if fused_norms else F32  # bytes an RMSNorm keeps per element of its input
     whole = min(max(no_recompute, 0), shape.layers) if (checkpointing or offload) else 0
@@ -357,7 +377,8 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "layer inputs on GPU": tokens * per_input * inputs_live(L, offload, resident),
         "layer recompute": layer_backward_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload,
                                                 repeat_kv=repeat_kv, norm_bytes=n, fused_mlp=fused_norms,
-                                                grouped_attention=grouped_attention),
+                                                grouped_attention=grouped_attention,
+                                                attention_kernel=attention_kernel),
         "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b, logprob_kernel,
                                                     norm_bytes=n),
     }
@@ -403,11 +424,12 @@ def inputs_live(layers: int, offload: bool, resident: int) -> int:
 
 def layer_backward_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
                          repeat_kv: bool = False, norm_bytes: int = F32, fused_mlp: bool = False,
-                         grouped_attention: bool = False) -> int:
+                         grouped_attention: bool = False, attention_kernel: str = "flash") -> int:
     """One layer recomputed and backpropagated: what the recompute keeps through the backward, plus the largest
     transient of the backward (MLP tile, RMSNorm or attention; module docstring). ``norm_bytes``: what an RMSNorm
     keeps per element of its input, 4 (transformers' float32 copy) or b (the fused kernel). ``fused_mlp``: the
-    fused SiLU·up (mlp_backward_bytes). ``grouped_attention``: attention_groups."""
+    fused SiLU·up (mlp_backward_bytes). ``grouped_attention``: attention_groups. ``attention_kernel``: whose
+    backward SDPA runs (attention_backward_bytes)."""
     h, i, q = shape.hidden, shape.intermediate, shape.q_dim
     kv = q if repeat_kv else shape.kv_dim
     kept = layer_kept_bytes(shape, tokens, b, tile=tile, lora_r=lora_r, offload=offload, repeat_kv=repeat_kv,
@@ -416,18 +438,18 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, l
     return kept + max(mlp, norm_backward_bytes(tokens, h, b, norm_bytes),
                       attention_backward_bytes(tokens, h, q, kv, b, norm_bytes,
                                                attention_groups(shape, tokens, grouped_attention and not repeat_kv,
-                                                                b)))
+                                                                b), attention_kernel, shape.query_heads))
 
 
 def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_r: int, offload: bool,
                      repeat_kv: bool = False, norm_bytes: int = F32) -> int:
     """What a layer's recompute keeps until its backward is done, T tokens, MLP tiles of t (module docstring):
 
-        T × (2 H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b"""
+        T × (H b + 8 H + H b + 2 Q b + 2 K b + 4 heads + 2 D b + 4 r b) + 3 t r b"""
     h, q = shape.hidden, shape.q_dim
     heads = shape.query_heads
     kv = q if repeat_kv else shape.kv_dim
-    per_token = (h * b * (2 if offload else 1)  # the recomputed output (offloaded backward) and its gradient [T, H]
+    per_token = (h * b  # the incoming gradient [T, H] (offloaded: the recomputed output is freed, release_unread_output)
                  + h * norm_bytes * (1 if norm_bytes == b == F32 else 2)  # both RMSNorm inputs [T, H], float32
                  # copies (for b = 4 the first is the layer input itself; fused kernels: the 16-bit inputs)
                  + h * b  # the input norm's output, q/k/v's LoRA input [T, H]
@@ -457,17 +479,23 @@ def norm_backward_bytes(tokens: int, h: int, b: int = 2, norm_bytes: int = F32) 
 
 
 def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_bytes: int = F32,
-                             groups: int = 1) -> int:
+                             groups: int = 1, kernel: str = "flash", heads: int = 0) -> int:
     """The attention's backward: the residual's gradient [T, H] and the attention output's [T, Q], less the
     post-attention norm's float32 input [T, H] (freed by then), plus flash attention's own (PyTorch's flash_api.cpp
     mha_bwd): dq [T, Q], dk, dv [T, K], a float32 dq accumulator [T, Q], dk and dv expanded to the query heads
     [T, Q] each when K < Q. ``groups`` > 1: the backward per key head group (ops/grouped_attention.py): the
     accumulator and the expanded dk, dv of one group, [T, Q / groups] each, the kernel's contiguous copies of the
     group's output gradient and output [T, Q / groups] each (head slices are not contiguous), and that group's dq,
-    dk, dv before they are copied into the whole ones."""
+    dk, dv before they are copied into the whole ones. ``kernel`` 'cudnn' (one call, groups = 1): cuDNN's backward
+    holds float32 dq [T, Q], dk and dv [T, K] (when K < Q) and a float32 statistic per query head (``heads``):
+    24,704 bytes a token for the Llama-3.1-8B heads, measured to the byte on an H200 (torch 2.11), and the SFT peaks
+    at 65,536 to 204,800 tokens within 0.2% (benchmarks/results/planner_accuracy.md)."""
     grads = tokens * (q * b + 2 * kv * b)
     qg, kg = q // groups, kv // groups
-    internal = tokens * (qg * F32 + (2 * qg * b if kv < q else 0))
+    if kernel == "cudnn" and groups == 1:
+        internal = tokens * (q * F32 + (2 * kv * F32 if kv < q else 0) + heads * F32)
+    else:
+        internal = tokens * (qg * F32 + (2 * qg * b if kv < q else 0))
     if groups > 1:
         internal += tokens * (2 * qg + qg + 2 * kg) * b
     return tokens * ((h + q) * b - h * norm_bytes) + grads + internal
@@ -510,20 +538,22 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
               reuse_attention: bool = False, repeat_kv: bool = False, compute_bytes: int | None = None,
               trainable_base: bool = False, checkpointing: bool = True, logprob_kernel: bool = False,
               weight_shards: int = 1, fused_norms: bool = False, no_recompute: int | None = 0,
-              grouped_attention: bool = False) -> Plan:
+              grouped_attention: bool = False, attention_kernel: str = "flash",
+              length_key: str = "generation.max_completion_length") -> Plan:
     """Choose the micro-batch token budget, MLP tile, GPU-resident layer inputs and layers not recomputed so the
     step fits; PlanError if not. ``mlp_tile_tokens``: None lets the planner tile the MLP when needed, 0 never
     tiles, n tiles by n. ``no_recompute``: None lets the planner take layers out of checkpointing (untiled, within
     NO_RECOMPUTE_SHARE of the memory), n takes the last n out.
     ``compute_bytes``, ``trainable_base``, ``checkpointing``, ``logprob_kernel``, ``weight_shards``,
-    ``fused_norms``, ``grouped_attention``: see :func:`predict`."""
+    ``fused_norms``, ``grouped_attention``, ``attention_kernel``: see :func:`predict`. ``length_key``: the config key
+    a refusal tells the user to shorten."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
-    usable = int(gpu_free_bytes * _SAFETY)
+    usable = int(gpu_free_bytes * safety_fraction())
     # what predict() takes that no choice below changes
     step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
                 repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,
                 checkpointing=checkpointing, logprob_kernel=logprob_kernel, weight_shards=weight_shards,
-                fused_norms=fused_norms, grouped_attention=grouped_attention)
+                fused_norms=fused_norms, grouped_attention=grouped_attention, attention_kernel=attention_kernel)
 
     pinned_whole = no_recompute or 0  # a pinned count sizes the budget and the resident inputs too
 
@@ -558,7 +588,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 f"a single sequence of {longest:,} tokens needs {gpu / GIB:.1f} GiB of GPU memory "
                 + (f"with MLP tiles of {tried:,} tokens " if tried and tried < longest else "")
                 + f"(usable: {usable / GIB:.1f} GiB) and {host / GIB:.1f} GiB of host memory (free: "
-                f"{host_free_bytes / GIB:.1f} GiB); shorten generation.max_completion_length"
+                f"{host_free_bytes / GIB:.1f} GiB); shorten {length_key}"
                 + ("" if offload else ", or set model.offload_activations=true")
                 + (", or use a 4-bit base (model.load_in_4bit=true)" if weight_bytes >= 2 else "")
                 + (f", or lower model.no_recompute_layers (now {pinned_whole})" if pinned_whole else ""))
@@ -579,7 +609,7 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     if no_recompute is None and (checkpointing or offload) and not tile:
         # the no-recompute layout's share: the term is built from the checkpointed ones (predict; on the H200 it
         # was 3.5-4.7% above the measured peak)
-        share = int(gpu_free_bytes * NO_RECOMPUTE_SHARE * _SAFETY)
+        share = int(gpu_free_bytes * NO_RECOMPUTE_SHARE * safety_fraction())
         while whole < shape.layers and cost(budget, resident, tile, whole + 1)[0] <= share:
             whole += 1
     whole = min(whole, shape.layers) if (checkpointing or offload) else 0
@@ -647,6 +677,19 @@ def grouped_attention_applies(cfg) -> bool:
             and grouped_backward_applies(cfg.model.sdpa_backends))
 
 
+def attention_kernel_of(cfg, shape: ModelShape, compute_bytes: int) -> str:
+    """Whose backward the run's SDPA calls run, 'cudnn' or 'flash' (ops/attention_backend.training_attention_kernel):
+    asked of PyTorch on this machine's GPU for a GPU run (device auto counts as one) in 16-bit on SDPA attention;
+    'flash', the larger count for grouped-query heads, where it cannot be asked (no GPU here, e.g. `longrl plan` on
+    a laptop)."""
+    from ..ops.attention_backend import training_attention_kernel
+
+    if compute_bytes != 2 or str(cfg.model.device) == "cpu" or cfg.model.attn_implementation not in (None, "sdpa"):
+        return "flash"
+    kv_heads = shape.kv_dim // shape.head_dim
+    return training_attention_kernel(cfg.model.sdpa_backends, shape.query_heads, kv_heads, shape.head_dim, "cuda")
+
+
 # the no-recompute layout's prediction is an estimate from the checkpointed terms (predict): the auto layout takes
 # it only when it fits in this fraction of the memory, else it recomputes (offloaded checkpointing)
 NO_RECOMPUTE_SHARE = 0.6
@@ -664,7 +707,7 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
 
 
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None,
-                    world_size: int = 1) -> Plan:
+                    world_size: int = 1, length_key: str = "generation.max_completion_length") -> Plan:
     """The plan for a run: every completion at max_completion_length (multi-turn: the trajectory budget) after a
     max_prompt_length prompt, in
     ``gpu_free_bytes`` of GPU memory (train.gpu_memory_gib when set and smaller). The layout keys left null
@@ -694,7 +737,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                 repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
                 trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config),
                 weight_shards=shards, fused_norms=fused_norms_apply(cfg, model_config),
-                no_recompute=cfg.model.no_recompute_layers, grouped_attention=grouped_attention_applies(cfg))
+                no_recompute=cfg.model.no_recompute_layers, grouped_attention=grouped_attention_applies(cfg),
+                attention_kernel=attention_kernel_of(cfg, shape, compute), length_key=length_key)
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
     try:
         plan = _first_fitting(shape, candidates, gpu_free_bytes, step)

@@ -21,6 +21,7 @@ when nothing is listed: ``aten._scaled_dot_product_cudnn_attention``.)
 from __future__ import annotations
 
 import contextlib
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -52,6 +53,33 @@ def grouped_backward_applies(names: list[str]) -> bool:
     """Whether this ``model.sdpa_backends`` order lets training attend through ops/grouped_attention.py (flash
     kernels called directly): nothing listed, or flash first."""
     return not names or names[0] == "flash"
+
+
+def training_attention_kernel(names: list[str], heads: int, kv_heads: int, head_dim: int,
+                              device: str | torch.device | None = None) -> str:
+    """'cudnn' or 'flash': whose backward the training attention of a model with these heads runs, for the
+    planner's count of its transients (memory/planner.py: attention_backward_bytes). The first listed backend when
+    ``model.sdpa_backends`` names cuDNN or flash; else what PyTorch's own choice is for transformers' call on
+    ``device`` (CUDA: a 128-token causal bf16 call laid out as transformers hands it over, read off its autograd
+    node; PyTorch puts cuDNN first on some GPUs and versions); 'flash' without CUDA or for any other backend."""
+    if names and names[0] in ("cudnn", "flash"):
+        return names[0]
+    if names or device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "flash"
+    index = torch.device(device).index
+    return _default_training_kernel(torch.cuda.current_device() if index is None else index, heads, kv_heads,
+                                    head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_training_kernel(index: int, heads: int, kv_heads: int, head_dim: int) -> str:
+    def heads_first(n):  # [1, T, n, D] viewed as [1, n, T, D], as transformers passes q, k, v
+        return torch.zeros(1, 128, n, head_dim, device=f"cuda:{index}", dtype=torch.bfloat16).transpose(1, 2)
+
+    q = heads_first(heads).requires_grad_()
+    out = torch.nn.functional.scaled_dot_product_attention(q, heads_first(kv_heads), heads_first(kv_heads),
+                                                           is_causal=True, enable_gqa=kv_heads != heads)
+    return "cudnn" if "cudnn" in out.grad_fn.name().lower() else "flash"
 
 
 def repeat_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
