@@ -120,7 +120,7 @@
 #   memgpu     tests/test_memory_gpu.py: offloading and attention reuse on the GPU's kernels, the planner's attention
 #              kernel against the one that runs (~1.5 min)
 #   sftplan    `longrl plan --sft` for the 8B shape, LoRA r=32, one sequence of each of PLAN_LENGTHS tokens in
-#              PLAN_GIB (40) GiB: what the product admits on this GPU (~20 s)
+#              PLAN_GIB (40) GiB (PLAN_ARGS: more overrides): what the product admits on this GPU (~1 min)
 #   scale1     benchmarks/grpo_scale.py --phases train,rollout, 8B LoRA: the 20,480 x 8 training step alone (reference
 #              + update on fixed completions, grpo_memory's figure) and the 16 x 8 x 1,024 rollout alone (rollout_speed's
 #              figure), each warmed up once and measured once, the distributed path at world size 1 (torchrun, DDP)
@@ -302,7 +302,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             vocab_size=128256, max_position_embeddings=262144).save_pretrained(\"/tmp/l8b\")" &&
             python3 -m longrl.cli init --sft --model /tmp/l8b >/tmp/l8b_sft.yaml && for n in ${PLAN_LENGTHS:-196608,202220,204800}; do
             for L in ${n//,/ }; do python3 -m longrl.cli plan /tmp/l8b_sft.yaml sft.max_length=$L sft.examples_per_step=1 lora.r=32 \
-            --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1 | tail -3; done; done' ;;
+            --sft --gpu-memory-gib ${PLAN_GIB:-40} ${PLAN_ARGS:-} 2>&1; done; done' ;;
         groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
         fp8gpu) stage fp8gpu 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
