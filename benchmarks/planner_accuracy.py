@@ -45,11 +45,14 @@ SFT_SOURCES = {"sft_memory_llama-3.1-8b_slope": 2, "sft_memory_llama-3.1-8b_defa
                "sft_memory_llama-3.1-8b_cap40": 2, "sft_memory_llama-3.1-8b_cap40_edge": 2,
                "sft_memory_llama-3.1-8b_4bit_slope": NF4_8B, "sft_memory_llama-3.1-8b_4bit_cap24_expandable": NF4_8B,
                "sft_memory_llama-3.1-8b_4bit": NF4_8B, "sft_memory_llama-3.1-8b_cap40_grouped": 2,
-               "sft_memory_llama-3.1-8b_snap": 2, "sft_memory_llama-3.1-8b_cap40_s17": 2}
+               "sft_memory_llama-3.1-8b_snap": 2, "sft_memory_llama-3.1-8b_cap40_s17": 2,
+               "sft_memory_llama-3.1-8b_cap40_s17b": 2, "sft_memory_llama-3.1-8b_4bit_cap24_s17": NF4_8B,
+               "sft_memory_llama-3.1-8b_cap40_s17_98k": 2}
 # SFT runs whose attention backward ran per key head group (ops/grouped_attention.py, then on by default)
 GROUPED_SFT_SOURCES = {"sft_memory_llama-3.1-8b_cap40_grouped"}
 # sources measured with the recomputed layer output freed (release_unread_output)
-OUTPUT_FREED: set[str] = set()
+OUTPUT_FREED = {"sft_memory_llama-3.1-8b_cap40_s17b", "sft_memory_llama-3.1-8b_4bit_cap24_s17",
+                "sft_memory_llama-3.1-8b_cap40_s17_98k"}
 SFT_LAYOUT = re.compile(r"resident (\d+), tile (\d+)(?:, not recomputed (\d+))?")
 H200_FREE = 139 * GIB
 
