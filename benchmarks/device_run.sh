@@ -27,6 +27,8 @@
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
+#   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
+#              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min)
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
 #   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: defaults, transformers' forward, PEFT's LoRA, no LoRA (~2 min); with
 #              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice;
@@ -176,6 +178,9 @@ with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with
 
 export -f with_tf524
 
+PLAN_LENGTHS=${PLAN_LENGTHS:-196608,202220,204800}
+export PLAN_LENGTHS
+
 for s in "$@"; do
     case $s in
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
@@ -190,6 +195,9 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
+        profile8b_kv) for kv in bf16 fp8; do stage profile8b_$kv 150 python3 benchmarks/rollout_speed.py \
+            --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed \
+            --kv-cache-dtype $kv --tag _16k_$kv; done ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;
         rollout8b) stage rollout8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
@@ -297,12 +305,12 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
             --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
         memgpu) stage memgpu 150 python3 -m pytest -q tests/test_memory_gpu.py ;;
-        sftplan) stage sftplan 60 bash -c 'python3 -c "from transformers import LlamaConfig; LlamaConfig(hidden_size=4096,
-            intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-            vocab_size=128256, max_position_embeddings=262144).save_pretrained(\"/tmp/l8b\")" &&
-            python3 -m longrl.cli init --sft --model /tmp/l8b >/tmp/l8b_sft.yaml && for n in ${PLAN_LENGTHS:-196608,202220,204800}; do
-            for L in ${n//,/ }; do python3 -m longrl.cli plan /tmp/l8b_sft.yaml sft.max_length=$L sft.examples_per_step=1 lora.r=32 ${PLAN_ARGS:-} \
-            --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1; done; done' ;;
+        sftplan) stage sftplan 60 bash -c 'python3 -c "from transformers import LlamaConfig; LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=262144).save_pretrained(\"/tmp/l8b\")" &&
+            python3 -m longrl.cli init --sft --model /tmp/l8b >/tmp/l8b_sft.yaml &&
+            for L in ${PLAN_LENGTHS//,/ }; do python3 -m longrl.cli plan /tmp/l8b_sft.yaml sft.max_length=$L \
+            sft.examples_per_step=1 lora.r=32 ${PLAN_ARGS:-} --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1; done' ;;
         groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
         fp8gpu) stage fp8gpu 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;

@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
+    ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="with --profile: the sampler's KV cache (generation.kv_cache_dtype)")
     ap.add_argument("--profile-variants", default="packed,hf", metavar="LIST",
                     help="with --profile: which decode paths to profile, of packed (the defaults: fast decode, fused "
                     "LoRA, packed projections), fused (the same unpacked) and hf (transformers' forward + PEFT's LoRA)")
@@ -354,7 +356,8 @@ def profile_decode(args, model, prompts) -> None:
         if variant not in titles:
             raise SystemExit(f"--profile-variants: unknown {variant!r}; choose from {', '.join(titles)}")
         fuse = variant != "hf"
-        sampler = Sampler(model, None, fuse_lora=fuse, fast_decode=fuse, pack_projections=variant == "packed")
+        sampler = Sampler(model, None, fuse_lora=fuse, fast_decode=fuse, pack_projections=variant == "packed",
+                          kv_cache_dtype=args.kv_cache_dtype)
         runs = {}
         for n in (1, N):
             params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
@@ -371,7 +374,7 @@ def profile_decode(args, model, prompts) -> None:
                     for k, (us, c) in runs[N][1].items()}
         per_step = {k: v for k, v in per_step.items() if v[0] > 0.05}
         wall = (runs[N][0] - runs[1][0]) / steps * 1e6
-        lines += [f"## {titles[variant]}: {args.prompts} x "
+        lines += [f"## {titles[variant]}, {args.kv_cache_dtype} KV cache: {args.prompts} x "
                   f"{args.G}, {steps} decode steps: {wall:,.0f} µs a step wall-clock (rollout of {N} minus rollout "
                   f"of 1); GPU time of ops and kernels a step below (an op's time includes its kernels)", "",
                   "| µs a step | calls a step | name |", "|---|---|---|"]

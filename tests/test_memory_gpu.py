@@ -3,8 +3,21 @@ cuDNN first. Runs on a GPU machine (`bash benchmarks/device_run.sh kernel`); wit
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the aten ops that run inside it (without their overload)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype, packed, backends", [
@@ -46,24 +59,14 @@ def test_reused_attention_equals_offloaded_checkpointing_on_cuda(dtype, packed, 
 def test_the_listed_backend_really_runs_for_a_gqa_model(first, op):
     """model.sdpa_backends=[cudnn] on a grouped-query model: the cuDNN kernel runs (transformers' enable_gqa call
     alone would fall back to flash), through longrl_sdpa_mha; the log-probs agree with flash's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from test_memory import _base, _batch, _grads
 
     from longrl.ops.attention_backend import sdpa_priority
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     base = _base(layers=2).to("cuda", torch.bfloat16)
     prompts, completions = _batch(5, n=2)
     prompts, completions = [p[:1] for p in prompts], [(c * 9)[:9] for c in completions]  # equal lengths: no mask
-    seen = Ops()
+    seen = _OpNames()
     with sdpa_priority([first], "cuda", base), seen:
         lp, _ = _grads(base, "offload", True, 0.0, False, (prompts, completions))
     assert op in seen.names, sorted(n for n in seen.names if "attention" in n)
@@ -75,24 +78,14 @@ def test_the_listed_backend_really_runs_for_a_gqa_model(first, op):
 def test_the_planners_attention_kernel_is_the_one_transformers_call_runs():
     """Nothing listed (PyTorch's own choice): the kernel training_attention_kernel reads off a probe call is the one
     whose backward a grouped-query model's training step runs (the planner counts that kernel's transients)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from test_memory import _base, _batch, _grads
 
     from longrl.ops.attention_backend import training_attention_kernel
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     base = _base(layers=2).to("cuda", torch.bfloat16)
     prompts, completions = _batch(5, n=2)
     prompts, completions = [p[:1] for p in prompts], [(c * 9)[:9] for c in completions]  # equal lengths: no mask
-    seen = Ops()
+    seen = _OpNames()
     with seen:
         _grads(base, "offload", True, 0.0, False, (prompts, completions))
     cfg = base.config

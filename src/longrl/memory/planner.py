@@ -449,7 +449,7 @@ def layer_kept_bytes(shape: ModelShape, tokens: int, b: int, *, tile: int, lora_
     h, q = shape.hidden, shape.q_dim
     heads = shape.query_heads
     kv = q if repeat_kv else shape.kv_dim
-    per_token = (h * b  # the incoming gradient [T, H] (offloaded: the recomputed output is freed, release_unread_output)
+    per_token = (h * b  # the incoming gradient [T, H] (the recomputed output is freed: release_unread_output)
                  + h * norm_bytes * (1 if norm_bytes == b == F32 else 2)  # both RMSNorm inputs [T, H], float32
                  # copies (for b = 4 the first is the layer input itself; fused kernels: the 16-bit inputs)
                  + h * b  # the input norm's output, q/k/v's LoRA input [T, H]
