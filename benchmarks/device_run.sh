@@ -99,6 +99,8 @@
 #              32K and 128K (SFT_LENGTHS) (~5 min)
 #   sft8b4_us  the same lengths through Unsloth with its 4-bit base (benchmarks/sft_unsloth.py, its own process; run
 #              it right after sft8b4) (~5 min)
+#   sftcap40_trl  TRL 1.15's SFTTrainer step, bf16 base, allocator capped at 40 GiB, lengths rising to past its limit
+#              (by its slope, 0.619 GiB per 1K tokens, about 39K) (~3 min)
 #   sftcap4_trl  sftcap4 for TRL: NF4 base, allocator capped at 24 GiB, lengths rising to past its limit (~2 min)
 #   sftslope   sft_memory 8B bf16, longrl (--offload-all: the longest lengths' layout) and TRL at 16K/32K/64K: peak
 #              slope per token predicts the longest sequence a budget holds (~3 min; needs .whl_us/site: unsloth,
@@ -269,6 +271,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 --tag "${SFTTAG:-}" ;;
         sft8b4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft8b4_us 330 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --lengths "${SFT_LENGTHS:-32768,131072}" --reps 1 --tag "${SFTTAG:-}" ;;
+        sftcap40_trl) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_trl 230 python3 benchmarks/sft_memory.py \
+            --shape llama-3.1-8b --cap-gib 40 --lengths "${CAP40_LENGTHS_TRL:-12288,32768,36864,40960,49152}" \
+            --impls trl --reps 0 --tag _cap40_trl ;;
         sftcap4_trl) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_trl 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
             --cap-gib 24 --lengths "${CAP_LENGTHS_TRL:-12288,12288,24576,32768,40960,49152}" --impls trl --reps 0 \
             --tag _cap24_trl ;;

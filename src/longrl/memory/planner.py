@@ -81,10 +81,12 @@ from dataclasses import dataclass
 
 GIB = 2 ** 30
 F32 = 4  # bytes of a float32 element
+MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
+MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
 # fraction of free GPU memory the plan may use (the planner's error, allocator fragmentation, CUDA workspaces):
 # with the allocator's fixed segments, which fragment, and with its expandable segments (longrl's default:
-# allocator.py), where the SFT peaks reserved 0.3-1.3% above what they allocated and the planner predicted them
-# within 0.2% (benchmarks/results/planner_accuracy.md)
+# allocator.py), where the SFT peaks reserved 0.3-1.3% above what they allocated and the planner predicted the
+# attention-bound ones within -0.2% to +0.8% (benchmarks/results/planner_accuracy.md)
 _SAFETY = 0.92
 _SAFETY_EXPANDABLE = 0.95
 
@@ -98,8 +100,6 @@ def safety_fraction(environ=None) -> float:
     environ = os.environ if environ is None else environ
     settings = next((environ[v] for v in ALLOCATOR_VARIABLES if v in environ), "")
     return _SAFETY_EXPANDABLE if EXPANDABLE.lower() in settings.replace(" ", "").lower() else _SAFETY
-MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
-MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
 
 
 class PlanError(RuntimeError):
@@ -488,8 +488,8 @@ def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_
     group's output gradient and output [T, Q / groups] each (head slices are not contiguous), and that group's dq,
     dk, dv before they are copied into the whole ones. ``kernel`` 'cudnn' (one call, groups = 1): cuDNN's backward
     holds float32 dq [T, Q], dk and dv [T, K] (when K < Q) and a float32 statistic per query head (``heads``):
-    24,704 bytes a token for the Llama-3.1-8B heads, measured to the byte on an H200 (torch 2.11), and the SFT peaks
-    at 65,536 to 204,800 tokens within 0.2% (benchmarks/results/planner_accuracy.md)."""
+    24,704 bytes a token for the Llama-3.1-8B heads, measured to the byte on an H200 (torch 2.11); counted so, the
+    bf16 SFT peaks at 65,536 to 212,992 tokens are predicted within 0.2% (benchmarks/results/planner_accuracy.md)."""
     grads = tokens * (q * b + 2 * kv * b)
     qg, kg = q // groups, kv // groups
     if kernel == "cudnn" and groups == 1:
