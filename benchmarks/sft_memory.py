@@ -326,7 +326,7 @@ def main():
                              grouped_attention=cuda and args.grouped_attention,
                              attention_kernel=training_attention_kernel(
                                  [], shape.query_heads, shape.kv_dim // shape.head_dim, shape.head_dim,
-                                 "cuda" if cuda else "cpu"), **pins)
+                                 "cuda" if cuda else "cpu"), length_key="sft.max_length", **pins)
         except PlanError as e:  # measured anyway in the leanest layout: the run says whether the planner was right
             print(f"--- {length}: the planner refuses ({e}); measuring anyway with no resident layer inputs and "
                   f"MLP tiles of {args.mlp_tile}", flush=True)
