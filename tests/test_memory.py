@@ -625,6 +625,19 @@ def test_the_recomputed_output_is_released_only_where_no_backward_reads_it():
     assert released == {"residual add": True, "tanh keeps its result": False, "view of a larger sum": False}
 
 
+def test_an_output_that_does_not_own_its_storage_is_kept(monkeypatch):
+    """Even from an op on the list, a tensor that is part of a larger storage (others may read the rest) is kept."""
+    import longrl.memory.offload as offload
+
+    monkeypatch.setattr(offload, "OUTPUT_UNREAD_OPS", ("AddBackward0", "SliceBackward0"))
+    a = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    part = (a.repeat(1, 2) + 1)[:, :7]
+    assert part.grad_fn.name() == "SliceBackward0" and not offload.release_unread_output(part)
+    assert part.untyped_storage().nbytes() == 2 * part.numel() * part.element_size()
+    whole = a + 1
+    assert offload.release_unread_output(whole) and whole.untyped_storage().nbytes() == 0
+
+
 def test_offloaded_backward_releases_every_layers_recomputed_output(monkeypatch):
     import longrl.memory.offload as offload
 

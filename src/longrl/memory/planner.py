@@ -92,13 +92,15 @@ _SAFETY_EXPANDABLE = 0.95
 
 
 def safety_fraction(environ=None) -> float:
-    """The fraction of free GPU memory a plan may use under this process's allocator settings."""
+    """The fraction of free GPU memory a plan may use under this process's allocator settings (the variable this
+    torch reads: allocator.py)."""
     import os
 
-    from ..allocator import ALLOCATOR_VARIABLES, EXPANDABLE
+    from ..allocator import ALLOCATOR_VARIABLES, EXPANDABLE, _torch_before_2_10
 
     environ = os.environ if environ is None else environ
-    settings = next((environ[v] for v in ALLOCATOR_VARIABLES if v in environ), "")
+    names = ALLOCATOR_VARIABLES[1:] if _torch_before_2_10() else ALLOCATOR_VARIABLES
+    settings = next((environ[v] for v in names if v in environ), "")
     return _SAFETY_EXPANDABLE if EXPANDABLE.lower() in settings.replace(" ", "").lower() else _SAFETY
 
 
@@ -687,7 +689,8 @@ def attention_kernel_of(cfg, shape: ModelShape, compute_bytes: int) -> str:
     if compute_bytes != 2 or str(cfg.model.device) == "cpu" or cfg.model.attn_implementation not in (None, "sdpa"):
         return "flash"
     kv_heads = shape.kv_dim // shape.head_dim
-    return training_attention_kernel(cfg.model.sdpa_backends, shape.query_heads, kv_heads, shape.head_dim, "cuda")
+    device = str(cfg.model.device) if str(cfg.model.device).startswith("cuda") else "cuda"  # auto: the current GPU
+    return training_attention_kernel(cfg.model.sdpa_backends, shape.query_heads, kv_heads, shape.head_dim, device)
 
 
 # the no-recompute layout's prediction is an estimate from the checkpointed terms (predict): the auto layout takes

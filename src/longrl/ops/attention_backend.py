@@ -76,10 +76,11 @@ def _default_training_kernel(index: int, heads: int, kv_heads: int, head_dim: in
     def heads_first(n):  # [1, T, n, D] viewed as [1, n, T, D], as transformers passes q, k, v
         return torch.zeros(1, 128, n, head_dim, device=f"cuda:{index}", dtype=torch.bfloat16).transpose(1, 2)
 
-    q = heads_first(heads).requires_grad_()
-    out = torch.nn.functional.scaled_dot_product_attention(q, heads_first(kv_heads), heads_first(kv_heads),
-                                                           is_causal=True, enable_gqa=kv_heads != heads)
-    return "cudnn" if "cudnn" in out.grad_fn.name().lower() else "flash"
+    with torch.inference_mode(False), torch.enable_grad():  # the backward's kernel is named by the autograd node
+        q = heads_first(heads).requires_grad_()
+        out = torch.nn.functional.scaled_dot_product_attention(q, heads_first(kv_heads), heads_first(kv_heads),
+                                                               is_causal=True, enable_gqa=kv_heads != heads)
+        return "cudnn" if "cudnn" in out.grad_fn.name().lower() else "flash"
 
 
 def repeat_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
