@@ -268,7 +268,7 @@ def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = Fa
     import torch
 
     from .memory.planner import GIB, PlanError, model_config_of, plan_for_config
-    from .model_setup import sft_planning_view
+    from .model_setup import SFT_LENGTH_KEY, sft_planning_view
 
     if sft:  # a supervised step, as the planner sees it: sft.examples_per_step sequences of sft.max_length tokens
         if world_size < 1 or world_size > cfg.sft.examples_per_step:
@@ -295,7 +295,7 @@ def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = Fa
     try:
         plan = plan_for_config(cfg, model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code),
                                int(gpu_memory_gib * GIB), world_size=world_size,
-                               length_key="sft.max_length" if sft else "generation.max_completion_length")
+                               **({"length_key": SFT_LENGTH_KEY} if sft else {}))
     except PlanError as e:
         print(f"longrl: this job cannot fit{f' on {world_size} GPUs' if world_size > 1 else ''}: {e}", file=sys.stderr)
         return 1

@@ -33,6 +33,9 @@ def transformers_checkpointing(model_cfg) -> bool:
     return bool(model_cfg.gradient_checkpointing) and not model_cfg.offload_activations
 
 
+SFT_LENGTH_KEY = "sft.max_length"  # what a refused supervised plan tells the user to shorten
+
+
 def sft_planning_view(cfg):
     """The config as the planner sees a supervised step: sft.examples_per_step sequences of sft.max_length
     tokens, no rollout phase."""
@@ -47,7 +50,7 @@ def _resolve(cfg, model_config, device, recipe: str, world_size: int = 1):
     if recipe != "sft":
         return resolve_layout(cfg, model_config, device, world_size)
     view = sft_planning_view(cfg)
-    plan = resolve_layout(view, model_config, device, length_key="sft.max_length")
+    plan = resolve_layout(view, model_config, device, length_key=SFT_LENGTH_KEY)
     for section, keys in (("model", ("offload_activations", "gradient_checkpointing", "gpu_resident_layers",
                                      "no_recompute_layers", "reuse_attention")),
                           ("train", ("micro_batch_tokens", "mlp_tile_tokens"))):

@@ -136,6 +136,10 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.q_dim // self.query_heads
 
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_dim // self.head_dim
+
     def saved_bytes_per_token(self, compute_bytes: int, reuse_attention: bool = False) -> int:
         """What offloaded checkpointing keeps per layer and token: the layer input, and with attention reuse the
         attention output and its float32 log-sum-exp per head."""
@@ -245,7 +249,7 @@ def kv_bytes_per_token(shape: ModelShape, compute_bytes: int, fp8: bool = False)
     """Keys + values of one position in every layer; ``fp8``: one byte an element plus a one-byte scale exponent
     per key head (rollout/kv_quant.py)."""
     if fp8:
-        return 2 * shape.layers * (shape.kv_dim + shape.kv_dim // shape.head_dim)
+        return 2 * shape.layers * (shape.kv_dim + shape.kv_heads)
     return 2 * shape.layers * shape.kv_dim * compute_bytes
 
 
@@ -509,9 +513,8 @@ def attention_groups(shape: "ModelShape", tokens: int, grouped: bool, b: int = 2
     else 1."""
     from ..ops.grouped_attention import grouped_shape
 
-    kv_heads = shape.kv_dim // shape.head_dim
-    takes = grouped and b == 2 and grouped_shape(tokens, shape.query_heads, kv_heads, shape.head_dim, True)
-    return kv_heads if takes else 1
+    takes = grouped and b == 2 and grouped_shape(tokens, shape.query_heads, shape.kv_heads, shape.head_dim, True)
+    return shape.kv_heads if takes else 1
 
 
 def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, kernel: bool = False,
@@ -688,9 +691,9 @@ def attention_kernel_of(cfg, shape: ModelShape, compute_bytes: int) -> str:
 
     if compute_bytes != 2 or str(cfg.model.device) == "cpu" or cfg.model.attn_implementation not in (None, "sdpa"):
         return "flash"
-    kv_heads = shape.kv_dim // shape.head_dim
     device = str(cfg.model.device) if str(cfg.model.device).startswith("cuda") else "cuda"  # auto: the current GPU
-    return training_attention_kernel(cfg.model.sdpa_backends, shape.query_heads, kv_heads, shape.head_dim, device)
+    return training_attention_kernel(cfg.model.sdpa_backends, shape.query_heads, shape.kv_heads, shape.head_dim,
+                                     device)
 
 
 # the no-recompute layout's prediction is an estimate from the checkpointed terms (predict): the auto layout takes
