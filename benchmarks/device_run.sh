@@ -197,8 +197,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
-        profile8b_kv) for kv in bf16 fp8; do stage profile8b_$kv 150 python3 benchmarks/rollout_speed.py \
-            --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed \
+        profile8b_kv) for kv in bf16 fp8; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
+            --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --profile 129 --tag _fast ;;
