@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,11 @@ GIB = 2 ** 30
 # LAUNCH's own choices (the default until 2026-12-02: bf16 products, exponents loaded with their block, 4 warps, 2
 # stages)
 FP8_VARIANTS = {"fp8": {}, "fp8_bf16": dict(fp8_f16=False, fp8_prefetch=False, warps=4, stages=2)}
+# e4m3 tensor-core products (decode_kernel fp8_mma), with 2 and 3 pipeline stages; KV_VARIANTS=fp8,fp8_mma,... picks
+FP8_VARIANTS.update(fp8_mma=dict(fp8_mma=True, block=64, warps=4, stages=2),
+                    fp8_mma3=dict(fp8_mma=True, block=64, warps=4, stages=3))
+if os.environ.get("KV_VARIANTS"):
+    FP8_VARIANTS = {v: FP8_VARIANTS[v] for v in os.environ["KV_VARIANTS"].split(",")}
 # the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
 # scale exponents loaded one block ahead or not (fp8_prefetch)
 SWEEP_VARIANTS = {name: {"fp8_f16": f16, "fp8_prefetch": ahead} for name, f16, ahead in
@@ -48,7 +54,8 @@ FP8_SWEEP = [dict(block=b, warps=w, stages=st, programs=pr, prefix_programs=512)
              for w in (2, 4) for st in (2, 3) for pr in (2048, 4096)]
 FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices", "fp8_plain": "fp8, bf16 products",
               "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
-              "fp8_f16_ahead": "fp8, float16 + ahead"}
+              "fp8_f16_ahead": "fp8, float16 + ahead", "fp8_mma": "fp8, e4m3 products",
+              "fp8_mma3": "fp8, e4m3 products, 3 stages"}
 
 
 def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:

@@ -43,7 +43,7 @@ for i, b in enumerate(order_b):
             for bb in order_b[order_b.index(m.group(1)):i+1]: body += blocks[bb]
             if len(body) < 30: continue
             ops = collections.Counter(re.search(r"\s([A-Z][A-Z0-9_.]+)", x.split("*/",1)[1]).group(1).split(".")[0] for x in body if re.search(r"\s([A-Z][A-Z0-9_.]+)", x.split("*/",1)[1]))
-            print("fp8" if fp8 else "bf16", "block", block, "warps", warps, "loop instrs", len(body), dict(ops.most_common(16)))
+            print("fp8" if fp8 else "bf16", "block", block, "warps", warps, "loop instrs", len(body), dict(ops.most_common(40)))
 print("shared", k.metadata.shared)
 ptx = k.asm["ptx"]
 for pat in ["cvt.rn.f16x2.e4m3x2", "cvt.bf16.f16", "cvt.rn.bf16x2.f32", "cvt.f32.bf16"]:

@@ -195,16 +195,16 @@ _ALIGNED = {n for n, t in _fp8_chunk_signature().items() if n.startswith("stride
 # launch specialises them (fresh tensors, strides that are multiples of 16)
 
 
-def _fp8_chunk_build(fp8: int, prefetch: bool):
+def _fp8_chunk_build(fp8: int, prefetch: bool, block: int = dk.BLOCK):
     """(kernel, its two attention loops' SASS: the prefix's chunks and the suffix's) of the chunk kernel on an FP8
     cache read in whole value blocks, 8B heads, 4 warps."""
     np_, cb = dk._merge_blocks(33, 4)
     kernel = compile_for_sm90(dk._chunk_kernel, _fp8_chunk_signature(),
-                              dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
+                              dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32",
                                    DYNAMIC_STOP=True, FUSED=True, RB=4, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
                                    PREFETCH=prefetch, V_WHOLE=True),
                               num_warps=4, aligned=_ALIGNED)
-    attention_loops = [b for b in _sass_loops(kernel) if any("HMMA" in ins for ins in b)]
+    attention_loops = [b for b in _sass_loops(kernel) if any(re.match(r"[HQ]GMMA|HMMA", ins) for ins in b)]
     assert len(attention_loops) == 2, len(attention_loops)
     return kernel, attention_loops
 
@@ -249,6 +249,24 @@ def test_fp8_values_read_in_whole_blocks_need_no_byte_gathers(fp8):
         # a block of 32 positions: 4 KB of key codes and 4 KB of value codes, 16 bytes a thread and copy
         assert sum("LDGSTS.E.BYPASS.128" in ins for ins in body) >= 4
     assert _registers(kernel) < 128
+
+
+def test_fp8_mma_products_run_on_e4m3_tensor_cores():
+    """decode_kernel fp8_mma (FP8 == 3): in both attention loops every product is an e4m3 warpgroup product
+    (QGMMA: the codes as stored, no widening to 16 bits and no 16-bit products), the value codes come by 16-byte
+    copies with no byte gathers, within the shared memory at 2 and 3 stages."""
+    kernel, attention_loops = _fp8_chunk_build(3, prefetch=True, block=64)
+    for body in attention_loops:
+        assert sum(bool(re.match(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", ins)) for ins in body) == 16, "e4m3 products"
+        assert not [ins for ins in body if re.match(r"HMMA|HGMMA|LDS\.U8\b", ins)]
+        assert sum("LDGSTS.E.BYPASS.128" in ins for ins in body) >= 4
+    signature = {**_fp8_chunk_signature(), "MEMBERS": "*i64", "PLEN_P": "*i64", "stride_mem": "i64", "NSUB": "i32"}
+    signature = {k: signature[k] for k in dk._prefix_kernel.arg_names if k in signature}
+    for stages in (2, 3):
+        compile_for_sm90(dk._prefix_kernel, signature,
+                         dict(REP=4, G=8, GS=8, R=32, D=128, DP=128, BLOCK=64, PCHUNK=1024, PREC="tf32",
+                              DYNAMIC_STOP=True, FP8=3, PREFETCH=True, V_WHOLE=True),
+                         num_warps=4, num_stages=stages, aligned=_ALIGNED)
 
 
 @pytest.mark.parametrize("rows, spread", [(16, False), (128, False), (16, True)])

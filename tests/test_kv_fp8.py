@@ -168,6 +168,23 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
                 assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=base), plain)
                 tol = 4e-3 if f16 else 1e-5
                 torch.testing.assert_close(plain, ref, atol=tol, rtol=tol)
+        # e4m3 products (launch fp8_mma): a query of bf16 values splits exactly into two e4m3 terms, p 2^(ev - E) to
+        # bf16's 8 significant bits (2^-9), so within bf16 rounding of p of the twin; whole value blocks bit for bit;
+        # heads below 32 fall back to the float16 products
+        q16 = q.bfloat16().float()
+        args16 = (q16,) + args[1:]
+        ref16 = decode_attention_reference(*args16, kv_exp=exp)
+        mma = dict(fp8_mma=True, block=64, warps=4)
+        for kw in (dict(launch=dict(programs=1)), dict(members=members, prompt_len=entry_len,
+                                                       launch=dict(programs=4096, prefix_programs=4096))):
+            launch = {**kw.pop("launch"), **mma}
+            got = decode_attention_triton(*args16, **kw, kv_exp=exp, launch=launch)
+            torch.testing.assert_close(got, ref16, atol=2e-3, rtol=2e-3)
+            args_w = (q16, kp, vp_w, pidx, entry_len[pidx], ks, vs_w, slen, D ** -0.5)
+            assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=launch), got)
+            if D >= 32:  # and not the float16 products' result
+                f16 = {k: v for k, v in launch.items() if k != "fp8_mma"} | dict(fp8_f16=True)
+                assert not torch.equal(decode_attention_triton(*args16, **kw, kv_exp=exp, launch=f16), got)
     print("fp8 kernels ok")
 ''')
 

@@ -8,6 +8,9 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+MMA = dict(fp8_mma=True, block=64, warps=4, fp8_prefetch=False)  # (the e4m3 products load exponents ahead anyway)
+
+
 def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import decode_attention_triton
@@ -51,7 +54,8 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
         bf16_products = dict(fp8_f16=False, fp8_prefetch=False)
         for kw in (dict(launch=bf16_products), dict(members=members, prompt_len=entry_len, launch=bf16_products),
                    dict(members=members, prompt_len=entry_len, launch=dict(fp8_f16=True, fp8_prefetch=False)),
-                   dict(launch=dict(fp8_f16=True, fp8_prefetch=False, block=64, warps=4))):  # float16 products
+                   dict(launch=dict(fp8_f16=True, fp8_prefetch=False, block=64, warps=4)),  # float16 products
+                   dict(launch=MMA), dict(members=members, prompt_len=entry_len, launch=MMA)):  # e4m3 products
             out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
             err = float((out - ref).norm() / ref.norm())
             assert err < 1e-2, (P, S, T, D, err)  # bf16 operands, float32 accumulation

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import round_e4m3
+
 BLOCK = 32
 # keys per block, warps and pipeline stages of the attention programs, the programs a layer call aims at for the
 # per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
@@ -33,12 +35,16 @@ BLOCK = 32
 # fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds (plain
 # global loads, 1 byte a position, that Triton's pipeliner does not stage); the same results bit for bit. Measured at a
 # 16K suffix on an H200 (kv_fp8_speed_h200_s15.md): 2-4% slower alone, with values key-minor
-LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False)
+LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
+              fp8_mma=False)
 # an FP8 cache's own choices over LAUNCH (``launch`` still overrides both): with the values position-minor, float16
 # products with the exponents loaded ahead, 2 warps and 3 pipeline stages were the fastest launch at a 16K suffix,
 # 193.8 µs against bf16's fastest 274.2 µs (1.41 ×; LAUNCH's choices for the FP8 cache: 0.91 ×), on an H200
 # (kv_fp8_speed_h200_s16_sweep.md)
 FP8_LAUNCH = dict(warps=2, stages=3, fp8_f16=True, fp8_prefetch=True)
+# fp8_mma (FP8 == 3, _fold_block_mma): both products on e4m3 tensor cores (wgmma), the codes as stored, the query
+# and p 2^ev each split into two e4m3 terms (bf16's 8 significant bits; exact for a bf16 query), keys as the
+# products' wide side (blocks of 64 over one warpgroup: block=64, warps=4)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
 COUNT0 = -8388608  # 0xFF800000
@@ -118,6 +124,72 @@ def _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l, a
     return m_new, l, acc
 
 
+@triton.jit
+def _e4m3(x, EXACT: tl.constexpr):
+    """x (float32, |x| ≤ 448) as e4m3, rounded to nearest even: the GPU's saturating conversion, or under the
+    interpreter (EXACT), whose conversion rounds a mantissa carry down an octave, rounded in float32 first."""
+    if EXACT:
+        x = round_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _split_e4m3(x, EXACT: tl.constexpr):
+    """(hi, lo) e4m3 of x (float32, |x| ≤ 448): hi = e4m3(x), lo = e4m3(x − hi), so hi + lo carries 8 significant
+    bits (bf16's) wherever |x| ≥ 2^−2 and an absolute error ≤ 2^−10 below it."""
+    hi = _e4m3(x, EXACT)
+    return hi, _e4m3(x - hi.to(tl.float32), EXACT)
+
+
+@triton.jit
+def _query_split(q, scale, EXACT: tl.constexpr):
+    """(hi, lo, f) of the query rows q [R, DP] for e4m3 products: q_r · 2^−e_r = hi_r + lo_r (_split_e4m3) with
+    e_r the smallest exponent putting max|q_r| within 448 (kv_quant's rule), and f [R] = 2^e_r · scale."""
+    qf = q.to(tl.float32)
+    bits = tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -120), 120)  # (kv_quant.EXP_LIMIT: a zero row gets 2^−120)
+    hi, lo = _split_e4m3(qf * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None], EXACT)
+    return hi, lo, ((e + 127) << 23).to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l, acc_t,
+                    D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, V_WHOLE: tl.constexpr,
+                    DYNAMIC_STOP: tl.constexpr):
+    """_fold_block for an FP8 cache (FP8 == 3) with both products on e4m3 tensor cores, keys as the wide side:
+    sᵀ [BLOCK, R] = k8 · (q_hi + q_lo)ᵀ · 2^ek · q_f (two products into one float32 sum), the softmax along the
+    keys (axis 0), and accᵀ [DP, R] += v8ᵀ · (p_hi + p_lo) · 2^(E − 8), where p_hi + p_lo = 2^8 · p_t 2^(ev_t − E)
+    (≤ 256, _split_e4m3) and E the block's largest ev. The codes are the products' operands as stored (keys
+    [T, D], values position-minor [D, T']), with no widening. m, l [R]; acc_t [DP, R]."""
+    dims = tl.arange(0, DP)
+    t = first + tl.arange(0, BLOCK)
+    in_range = t < end
+    k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=in_range[:, None] & (dims[None, :] < D), other=0)
+    if not V_WHOLE:
+        v_ok = in_range[None, :] & (dims[:, None] < D)
+    elif DYNAMIC_STOP:
+        v_ok = (dims < D)[:, None]
+    else:
+        v_ok = (t < stride_v)[None, :] & (dims < D)[:, None]
+    v = tl.load(v_ptr + t[None, :] + dims[:, None] * stride_v, mask=v_ok, other=0)  # [DP, BLOCK]
+    k = k.to(tl.float8e4nv, bitcast=True)
+    v = v.to(tl.float8e4nv, bitcast=True)
+    s = tl.dot(k, tl.trans(q_lo), tl.dot(k, tl.trans(q_hi)))  # [BLOCK, R] float32
+    s = s * ((ek + 127) << 23).to(tl.float32, bitcast=True)[:, None] * q_f[None, :]
+    s = tl.where(in_range[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+    p = tl.where(in_range[:, None], tl.exp(s - m_new[None, :]), 0.0)
+    l = l * alpha + tl.sum(p, 0)
+    big = tl.maximum(tl.max(tl.where(in_range, ev, -100), 0), -100)
+    rel = tl.maximum(tl.where(in_range, ev - big, -126), -126) + 8  # p 2^(ev − E + 8) ≤ 2^8
+    p_hi, p_lo = _split_e4m3(p * ((rel + 127) << 23).to(tl.float32, bitcast=True)[:, None], not DYNAMIC_STOP)
+    pv = tl.dot(v, p_lo, tl.dot(v, p_hi))  # [DP, R] float32
+    acc_t = acc_t * alpha[None, :] + pv * ((big - 8 + 127) << 23).to(tl.float32, bitcast=True)
+    return m_new, l, acc_t
+
+
 # Under Triton's interpreter a loop bound computed in the kernel cannot be a range() limit (it calls int() on a
 # 1-element numpy array, which numpy 2 refuses): there the loops run to CHUNK, with the same result (see _attend).
 # Whether it interprets is what triton.jit made of a kernel (TRITON_INTERPRET=1, true, on, yes, ... all count).
@@ -133,7 +205,16 @@ def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, stride_v, start, end, m, 
     are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions. PREFETCH (an
     FP8 cache): each block's exponents are loaded one block ahead, carried through the loop (the same values)."""
     stop = tl.minimum(end - start, CHUNK) if DYNAMIC_STOP else CHUNK
-    if PREFETCH:
+    if FP8 == 3:  # e4m3 products (acc is accᵀ [DP, R]); the exponents always one block ahead
+        q_hi, q_lo, q_f = _query_split(q, scale, not DYNAMIC_STOP)
+        t = start + tl.arange(0, BLOCK)
+        ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
+        for off in range(0, stop, BLOCK):
+            ek_next, ev_next = _block_exponents(ke_ptr, ve_ptr, t + BLOCK, end, FP8)
+            m, l, acc = _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off, end,
+                                        m, l, acc, D, DP, BLOCK, V_WHOLE, DYNAMIC_STOP)
+            ek, ev, t = ek_next, ev_next, t + BLOCK
+    elif PREFETCH:
         t = start + tl.arange(0, BLOCK)
         ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
         for off in range(0, stop, BLOCK):
@@ -147,6 +228,19 @@ def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, stride_v, start, end, m, 
             m, l, acc = _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off, end, m, l, acc, scale,
                                     D, DP, BLOCK, PREC, FP8, V_WHOLE, DYNAMIC_STOP)
     return m, l, acc
+
+
+@triton.jit
+def _store_partial(M_OUT, L_OUT, ACC_OUT, part, row_ok, m, l, acc, DP: tl.constexpr, FP8: tl.constexpr):
+    """A program's partials of its rows: m, l [R] at part [R], acc [R, DP] (accᵀ [DP, R] when FP8 == 3) at row
+    part of ACC_OUT [·, DP]."""
+    dims = tl.arange(0, DP)
+    tl.store(M_OUT + part, m, mask=row_ok)
+    tl.store(L_OUT + part, l, mask=row_ok)
+    if FP8 == 3:
+        tl.store(ACC_OUT + part[None, :] * DP + dims[:, None], acc, mask=row_ok[None, :] & (dims[:, None] < DP))
+    else:
+        tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
 
 
 @triton.jit
@@ -180,16 +274,14 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
     q = tl.load(Q + (slot * stride_qb + (h * REP + r) * stride_qh)[:, None] + dims[None, :], mask=io_mask, other=0.0)
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, DP], tl.float32)
+    acc = tl.zeros([DP, R] if FP8 == 3 else [R, DP], tl.float32)
     base = p.to(tl.int64) * stride_pp + h * stride_ph
     vbase = p.to(tl.int64) * stride_vpp + h * stride_vph
     ebase = p.to(tl.int64) * stride_epp + h * stride_eph
     m, l, acc = _attend(q, KP + base, VP + vbase, KPE + ebase, VPE + ebase, stride_pt, stride_vp, start, p_len, m, l,
                         acc, scale, D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
-    tl.store(M_OUT + part, m, mask=row_ok)
-    tl.store(L_OUT + part, l, mask=row_ok)
-    tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
+    _store_partial(M_OUT, L_OUT, ACC_OUT, part, row_ok, m, l, acc, DP, FP8)
 
 
 @triton.jit
@@ -234,7 +326,7 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
     q = tl.load(Q + b * stride_qb + (h * REP + rows)[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, DP], tl.float32)
+    acc = tl.zeros([DP, R] if FP8 == 3 else [R, DP], tl.float32)
     if c < NPRE:
         entry = tl.load(PIDX + b).to(tl.int64)
         base = entry * stride_pp + h * stride_ph
@@ -250,9 +342,7 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
                             l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     hq = stride_qb // stride_qh  # query heads (q is contiguous)
     part = (b.to(tl.int64) * hq + h * REP + rows) * NPART + FIRST + c
-    tl.store(M_OUT + part, m, mask=row_ok)
-    tl.store(L_OUT + part, l, mask=row_ok)
-    tl.store(ACC_OUT + part[:, None] * DP + dims[None, :], acc, mask=row_ok[:, None] & (dims[None, :] < DP))
+    _store_partial(M_OUT, L_OUT, ACC_OUT, part, row_ok, m, l, acc, DP, FP8)
     if FUSED:
         live = tl.minimum(tl.cdiv(p_len, CHUNK), NPRE) + tl.maximum(
             tl.minimum(tl.cdiv(s_len, CHUNK), tl.num_programs(2) - NPRE), 1)
@@ -338,8 +428,12 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
     T = k_suf.shape[2]
     q = q.contiguous()
-    fp8 = (2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
+    fp8 = (3 if launch["fp8_mma"] else 2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
     prefetch = bool(fp8 and launch["fp8_prefetch"])
+    if fp8 == 3 and max(16, triton.next_power_of_2(D)) < 32:
+        fp8 = 2  # an e4m3 product's k-dimension is a multiple of 32: heads below 32 keep the float16 products
+    if fp8 == 3:
+        assert block == 64 and warps == 4, "e4m3 products (fp8_mma) take key blocks of 64 over one warpgroup"
     if fp8:
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp

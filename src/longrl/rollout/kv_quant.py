@@ -108,10 +108,10 @@ if triton_available():
         e = tl.minimum(tl.maximum(e, -EXP_LIMIT), EXP_LIMIT)
         inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^−e
         y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
-        return _round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True), e
+        return round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True), e
 
     @triton.jit
-    def _round_e4m3(y):
+    def round_e4m3(y):
         """y (|y| ≤ 448, float32) rounded to the nearest e4m3 value, ties to even, still in float32, so that the cast
         after it is exact (Triton's interpreter rounds a carry out of the 3-bit mantissa down an octave): normal
         values (≥ 2^−6) keep 3 mantissa bits, subnormal ones become multiples of 2^−9."""
