@@ -39,7 +39,9 @@ GIB = 2 ** 30
 FP8_VARIANTS = {"fp8": {}, "fp8_bf16": dict(fp8_f16=False, fp8_prefetch=False, warps=4, stages=2)}
 # e4m3 tensor-core products (decode_kernel fp8_mma), with 2 and 3 pipeline stages; KV_VARIANTS=fp8,fp8_mma,... picks
 FP8_VARIANTS.update(fp8_mma=dict(fp8_mma=True, block=64, warps=4, stages=2),
-                    fp8_mma3=dict(fp8_mma=True, block=64, warps=4, stages=3))
+                    fp8_mma3=dict(fp8_mma=True, block=64, warps=4, stages=3),
+                    fp8_mma128=dict(fp8_mma=True, block=128, warps=4, stages=2),
+                    fp8_mma128s3=dict(fp8_mma=True, block=128, warps=4, stages=3))
 if os.environ.get("KV_VARIANTS"):
     FP8_VARIANTS = {v: FP8_VARIANTS[v] for v in os.environ["KV_VARIANTS"].split(",")}
 # the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
@@ -55,7 +57,8 @@ FP8_SWEEP = [dict(block=b, warps=w, stages=st, programs=pr, prefix_programs=512)
 FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices", "fp8_plain": "fp8, bf16 products",
               "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
               "fp8_f16_ahead": "fp8, float16 + ahead", "fp8_mma": "fp8, e4m3 products",
-              "fp8_mma3": "fp8, e4m3 products, 3 stages"}
+              "fp8_mma3": "fp8, e4m3 products, 3 stages", "fp8_mma128": "fp8, e4m3 products, blocks of 128",
+              "fp8_mma128s3": "fp8, e4m3 products, blocks of 128, 3 stages"}
 
 
 def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:

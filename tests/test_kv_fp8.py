@@ -174,12 +174,12 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         q16 = q.bfloat16().float()
         args16 = (q16,) + args[1:]
         ref16 = decode_attention_reference(*args16, kv_exp=exp)
-        mma = dict(fp8_mma=True, block=64, warps=4)
-        for kw in (dict(launch=dict(programs=1)), dict(members=members, prompt_len=entry_len,
-                                                       launch=dict(programs=4096, prefix_programs=4096))):
-            launch = {**kw.pop("launch"), **mma}
+        for kw in (dict(launch=dict(programs=1, block=64)), dict(launch=dict(programs=1, block=128)),
+                   dict(members=members, prompt_len=entry_len, launch=dict(programs=4096, prefix_programs=4096,
+                                                                           block=64))):
+            launch = {**kw.pop("launch"), "fp8_mma": True, "warps": 4}
             got = decode_attention_triton(*args16, **kw, kv_exp=exp, launch=launch)
-            torch.testing.assert_close(got, ref16, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(got, ref16, atol=4e-3, rtol=4e-3)
             args_w = (q16, kp, vp_w, pidx, entry_len[pidx], ks, vs_w, slen, D ** -0.5)
             assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=launch), got)
             if D >= 32:  # and not the float16 products' result

@@ -142,26 +142,37 @@ def _split_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _exp2(x, EXACT: tl.constexpr):
+    """2^x; on the GPU ex2.approx.ftz (a result below 2^−126 is 0: no subnormal fix-up a value)."""
+    if EXACT:
+        return tl.math.exp2(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _query_split(q, scale, EXACT: tl.constexpr):
     """(hi, lo, f) of the query rows q [R, DP] for e4m3 products: q_r · 2^−e_r = hi_r + lo_r (_split_e4m3) with
-    e_r the smallest exponent putting max|q_r| within 448 (kv_quant's rule), and f [R] = 2^e_r · scale."""
+    e_r the smallest exponent putting max|q_r| within 448 (kv_quant's rule), and f [R] = 2^e_r · scale · log2 e
+    (scores in base 2)."""
     qf = q.to(tl.float32)
     bits = tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -120), 120)  # (kv_quant.EXP_LIMIT: a zero row gets 2^−120)
     hi, lo = _split_e4m3(qf * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None], EXACT)
-    return hi, lo, ((e + 127) << 23).to(tl.float32, bitcast=True) * scale
+    return hi, lo, ((e + 127) << 23).to(tl.float32, bitcast=True) * (scale * 1.4426950408889634)
 
 
 @triton.jit
-def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l, acc_t,
+def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l_t, acc_t,
                     D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, V_WHOLE: tl.constexpr,
                     DYNAMIC_STOP: tl.constexpr):
     """_fold_block for an FP8 cache (FP8 == 3) with both products on e4m3 tensor cores, keys as the wide side:
     sᵀ [BLOCK, R] = k8 · (q_hi + q_lo)ᵀ · 2^ek · q_f (two products into one float32 sum), the softmax along the
     keys (axis 0), and accᵀ [DP, R] += v8ᵀ · (p_hi + p_lo) · 2^(E − 8), where p_hi + p_lo = 2^8 · p_t 2^(ev_t − E)
     (≤ 256, _split_e4m3) and E the block's largest ev. The codes are the products' operands as stored (keys
-    [T, D], values position-minor [D, T']), with no widening. m, l [R]; acc_t [DP, R]."""
+    [T, D], values position-minor [D, T']), with no widening. m [R]; l_t [BLOCK, R]: l by key lanes, l_t · α + p
+    (summed over the keys once, after the loop: no reduction across warps a block); acc_t [DP, R]."""
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
@@ -177,17 +188,17 @@ def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, f
     v = v.to(tl.float8e4nv, bitcast=True)
     s = tl.dot(k, tl.trans(q_lo), tl.dot(k, tl.trans(q_hi)))  # [BLOCK, R] float32
     s = s * ((ek + 127) << 23).to(tl.float32, bitcast=True)[:, None] * q_f[None, :]
-    s = tl.where(in_range[:, None], s, float("-inf"))
+    s = tl.where(in_range[:, None], s, float("-inf"))  # base-2 scores (q_f holds log2 e)
     m_new = tl.maximum(m, tl.max(s, 0))
-    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-    p = tl.where(in_range[:, None], tl.exp(s - m_new[None, :]), 0.0)
-    l = l * alpha + tl.sum(p, 0)
+    alpha = tl.where(m_new == float("-inf"), 1.0, _exp2(m - m_new, not DYNAMIC_STOP))
+    p = tl.where(in_range[:, None], _exp2(s - m_new[None, :], not DYNAMIC_STOP), 0.0)
+    l_t = l_t * alpha[None, :] + p
     big = tl.maximum(tl.max(tl.where(in_range, ev, -100), 0), -100)
     rel = tl.maximum(tl.where(in_range, ev - big, -126), -126) + 8  # p 2^(ev − E + 8) ≤ 2^8
     p_hi, p_lo = _split_e4m3(p * ((rel + 127) << 23).to(tl.float32, bitcast=True)[:, None], not DYNAMIC_STOP)
     pv = tl.dot(v, p_lo, tl.dot(v, p_hi))  # [DP, R] float32
     acc_t = acc_t * alpha[None, :] + pv * ((big - 8 + 127) << 23).to(tl.float32, bitcast=True)
-    return m_new, l, acc_t
+    return m_new, l_t, acc_t
 
 
 # Under Triton's interpreter a loop bound computed in the kernel cannot be a range() limit (it calls int() on a
@@ -209,11 +220,14 @@ def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, stride_v, start, end, m, 
         q_hi, q_lo, q_f = _query_split(q, scale, not DYNAMIC_STOP)
         t = start + tl.arange(0, BLOCK)
         ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
+        l_t = tl.where((tl.arange(0, BLOCK) == 0)[:, None], l[None, :], tl.zeros([BLOCK, q.shape[0]], tl.float32))
         for off in range(0, stop, BLOCK):
             ek_next, ev_next = _block_exponents(ke_ptr, ve_ptr, t + BLOCK, end, FP8)
-            m, l, acc = _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off, end,
-                                        m, l, acc, D, DP, BLOCK, V_WHOLE, DYNAMIC_STOP)
+            m, l_t, acc = _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off,
+                                          end, m, l_t, acc, D, DP, BLOCK, V_WHOLE, DYNAMIC_STOP)
             ek, ev, t = ek_next, ev_next, t + BLOCK
+        l = tl.sum(l_t, 0)
+        m = m * 0.6931471805599453  # back to base e, the merge's
     elif PREFETCH:
         t = start + tl.arange(0, BLOCK)
         ek, ev = _block_exponents(ke_ptr, ve_ptr, t, end, FP8)
@@ -433,7 +447,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     if fp8 == 3 and max(16, triton.next_power_of_2(D)) < 32:
         fp8 = 2  # an e4m3 product's k-dimension is a multiple of 32: heads below 32 keep the float16 products
     if fp8 == 3:
-        assert block == 64 and warps == 4, "e4m3 products (fp8_mma) take key blocks of 64 over one warpgroup"
+        assert block in (64, 128) and warps == 4, "e4m3 products (fp8_mma): key blocks of 64 or 128, one warpgroup"
     if fp8:
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
