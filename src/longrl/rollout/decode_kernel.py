@@ -448,6 +448,8 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         fp8 = 2  # an e4m3 product's k-dimension is a multiple of 32: heads below 32 keep the float16 products
     if fp8 == 3:
         assert block in (64, 128) and warps == 4, "e4m3 products (fp8_mma): key blocks of 64 or 128, one warpgroup"
+    if fp8 == 3 and block == 128 and any(v.shape[3] % 128 for v in (v_pre, v_suf)):
+        block = 64  # capacities of whole 64-position blocks only (planner.V_ALIGN): read whole at 64, not masked
     if fp8:
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
