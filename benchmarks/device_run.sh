@@ -83,6 +83,7 @@
 #              reuse GPU tests of tests/test_memory_gpu.py (~1.5 min)
 #   groupedgpu the per-key-head attention backward's GPU tests (ops/grouped_attention.py) (~40 s)
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
+#   fp8kern    the FP8 KV kernels against their twins on the GPU alone (~1 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
 #              kv_fp8_speed.FP8_SWEEP at 16K), whole-model 8B decode at 16K-token sequences with each cache
@@ -317,7 +318,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             for L in ${PLAN_LENGTHS//,/ }; do python3 -m longrl.cli plan /tmp/l8b_sft.yaml sft.max_length=$L \
             sft.examples_per_step=1 lora.r=32 ${PLAN_ARGS:-} --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1; done' ;;
         groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
-        fp8gpu) stage fp8gpu 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
+        fp8gpu) stage fp8gpu 300 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
+        fp8kern) stage fp8kern 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py -k kernels_equal ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
             --G 8 --turns 4 --tool-tokens 200 --new-tokens 512 --prompt-len 512 ;;

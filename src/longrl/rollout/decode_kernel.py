@@ -448,8 +448,6 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         fp8 = 2  # an e4m3 product's k-dimension is a multiple of 32: heads below 32 keep the float16 products
     if fp8 == 3:
         assert block in (64, 128) and warps == 4, "e4m3 products (fp8_mma): key blocks of 64 or 128, one warpgroup"
-    if fp8 == 3 and block == 128 and any(v.shape[3] % 128 for v in (v_pre, v_suf)):
-        block = 64  # capacities of whole 64-position blocks only (planner.V_ALIGN): read whole at 64, not masked
     if fp8:
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
@@ -471,10 +469,14 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     n_sub = -(-G // gs) if grouped else 0
     # grouped: each prompt's keys in chunks, one program each, enough of them to fill the GPU (16 prompts × 8 key
     # heads are 128 programs: one a multiprocessor, too few loads in flight to reach the memory's bandwidth)
-    pchunk = _chunk_size(Lp, P * Hkv * n_sub, block, launch["prefix_programs"]) if grouped else block
+    block_p = block_s = block
+    if fp8 == 3 and block == 128:  # 128 where the value stores a kernel reads hold whole 128-position blocks (else
+        block_p = 128 if v_pre.shape[3] % 128 == 0 else 64  # 64, planner.V_ALIGN's: still read whole, not masked)
+        block_s = 128 if v_suf.shape[3] % 128 == 0 and (grouped or block_p == 128) else 64
+    pchunk = _chunk_size(Lp, P * Hkv * n_sub, block_p, launch["prefix_programs"]) if grouped else block_p
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
     # per sequence: its prefix and suffix in chunks (at least one suffix chunk: the fused merge's taker of last resort)
-    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block, launch["programs"])
+    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block_s, launch["programs"])
     n_suf = max(1, -(-T // chunk))
     n_pre = 0 if grouped else -(-Lp // chunk)
     npart = first + n_pre + n_suf
@@ -493,14 +495,16 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     # whole value blocks: capacities of whole blocks, each store's positions its own (the interpreter's loops read to
     # the dimension stride), chunks starting at whole blocks (chunks are powers of two from block to 1,024)
     assert block & (block - 1) == 0 and block <= 1024, "the key block is a power of two of at most 1,024"
-    v_whole = bool(fp8 and all(v.shape[3] % block == 0 and v.stride(2) == v.shape[3] for v in (v_pre, v_suf)))
+
+    def whole(stores, blk):
+        return bool(fp8 and all(v.shape[3] % blk == 0 and v.stride(2) == v.shape[3] for v in stores))
     if grouped and first:
         prefix_rows = max(16, triton.next_power_of_2(gs * rep))
         _prefix_kernel[(P, Hkv, first * n_sub)](
             q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             *v_strides[:3], *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
-            R=prefix_rows, D=D, DP=DP, BLOCK=block, PCHUNK=pchunk, PREC=prec,
-            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=v_whole,
+            R=prefix_rows, D=D, DP=DP, BLOCK=block_p, PCHUNK=pchunk, PREC=prec,
+            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre,), block_p),
             num_warps=max(warps, prefix_rows // 16), num_stages=stages)  # a warp for each 16 rows at least
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
@@ -508,8 +512,8 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
         kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *v_strides,
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
-        BLOCK=block, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
-        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=v_whole, num_warps=warps, num_stages=stages)
+        BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
+        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), num_warps=warps, num_stages=stages)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
