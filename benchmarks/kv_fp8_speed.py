@@ -36,7 +36,9 @@ GIB = 2 ** 30
 # the FP8 kernel's launches measured beside the bf16 cache: its default (decode_kernel.FP8_LAUNCH over LAUNCH), and
 # LAUNCH's own choices (the default until 2026-12-02: bf16 products, exponents loaded with their block, 4 warps, 2
 # stages)
-FP8_VARIANTS = {"fp8": {}, "fp8_bf16": dict(fp8_f16=False, fp8_prefetch=False, warps=4, stages=2)}
+FP8_VARIANTS = {"fp8": {}, "fp8_bf16": dict(fp8_mma=False, fp8_f16=False, fp8_prefetch=False, block=32, warps=4,
+                                             stages=2),
+                "fp8_f16a": dict(fp8_mma=False, fp8_f16=True, fp8_prefetch=True, block=32, warps=2, stages=3)}
 # e4m3 tensor-core products (decode_kernel fp8_mma), with 2 and 3 pipeline stages; KV_VARIANTS=fp8,fp8_mma,... picks
 FP8_VARIANTS.update(fp8_mma=dict(fp8_mma=True, block=64, warps=4, stages=2),
                     fp8_mma3=dict(fp8_mma=True, block=64, warps=4, stages=3),
@@ -46,7 +48,7 @@ if os.environ.get("KV_VARIANTS"):
     FP8_VARIANTS = {v: FP8_VARIANTS[v] for v in os.environ["KV_VARIANTS"].split(",")}
 # the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
 # scale exponents loaded one block ahead or not (fp8_prefetch)
-SWEEP_VARIANTS = {name: {"fp8_f16": f16, "fp8_prefetch": ahead} for name, f16, ahead in
+SWEEP_VARIANTS = {name: {"fp8_mma": False, "fp8_f16": f16, "fp8_prefetch": ahead} for name, f16, ahead in
                   (("fp8_plain", False, False), ("fp8_f16", True, False), ("fp8_ahead", False, True),
                    ("fp8_f16_ahead", True, True))}
 # the launch choices swept at the longest suffix: the FP8 kernel reads half the bytes a block, so it may want longer
@@ -57,7 +59,8 @@ FP8_SWEEP = [dict(block=b, warps=w, stages=st, programs=pr, prefix_programs=512)
 FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices", "fp8_plain": "fp8, bf16 products",
               "fp8_f16": "fp8, float16 products", "fp8_ahead": "fp8, exponents ahead",
               "fp8_f16_ahead": "fp8, float16 + ahead", "fp8_mma": "fp8, e4m3 products",
-              "fp8_mma3": "fp8, e4m3 products, 3 stages", "fp8_mma128": "fp8, e4m3 products, blocks of 128",
+              "fp8_mma3": "fp8, e4m3 products, 3 stages",
+              "fp8_f16a": "fp8, float16 + ahead, 2 warps, 3 stages", "fp8_mma128": "fp8, e4m3 products, blocks of 128",
               "fp8_mma128s3": "fp8, e4m3 products, blocks of 128, 3 stages"}
 
 

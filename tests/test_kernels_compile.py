@@ -255,11 +255,13 @@ def test_fp8_mma_products_run_on_e4m3_tensor_cores():
     """decode_kernel fp8_mma (FP8 == 3): in both attention loops every product is an e4m3 warpgroup product
     (QGMMA: the codes as stored, no widening to 16 bits and no 16-bit products), the value codes come by 16-byte
     copies with no byte gathers, within the shared memory at 2 and 3 stages."""
-    kernel, attention_loops = _fp8_chunk_build(3, prefetch=True, block=64)
-    for body in attention_loops:
-        assert sum(bool(re.match(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", ins)) for ins in body) == 16, "e4m3 products"
-        assert not [ins for ins in body if re.match(r"HMMA|HGMMA|LDS\.U8\b", ins)]
-        assert sum("LDGSTS.E.BYPASS.128" in ins for ins in body) >= 4
+    for block in (64, 128):  # (128: the FP8 cache's default, FP8_LAUNCH)
+        kernel, attention_loops = _fp8_chunk_build(3, prefetch=True, block=block)
+        for body in attention_loops:  # a product per 64 keys and 32 dimensions, twice (hi and lo), both products
+            products = sum(bool(re.match(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", ins)) for ins in body)
+            assert products == 16 * block // 64, (block, products)
+            assert not [ins for ins in body if re.match(r"HMMA|HGMMA|LDS\.U8\b", ins)]
+            assert sum("LDGSTS.E.BYPASS.128" in ins for ins in body) >= 4
     signature = {**_fp8_chunk_signature(), "MEMBERS": "*i64", "PLEN_P": "*i64", "stride_mem": "i64", "NSUB": "i32"}
     signature = {k: signature[k] for k in dk._prefix_kernel.arg_names if k in signature}
     for stages in (2, 3):

@@ -98,7 +98,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
     import sys
     import torch
     from longrl.rollout.attention import decode_attention_reference
-    from longrl.rollout.decode_kernel import decode_attention_triton
+    from longrl.rollout.decode_kernel import FP8_F16_LAUNCH, decode_attention_triton
     from longrl.rollout.kv_quant import quantize_reference, quantize_values, store_decode, value_capacity
 
     torch.manual_seed(int(sys.argv[1]))
@@ -139,18 +139,20 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         exp = (kpe, vpe, kse, vse)
         args = (q, kp, vp, pidx, entry_len[pidx], ks, vs, slen, D ** -0.5)
         ref = decode_attention_reference(*args, kv_exp=exp)
+        q16 = q.bfloat16().float()  # a query of bf16 values, as the sampler's
         for kw in ({}, dict(members=members, prompt_len=entry_len),  # many chunks of one block: chunk-crossing
                    dict(members=members, prompt_len=entry_len, launch=dict(programs=4096, prefix_programs=4096))):
             launch = kw.pop("launch", {})
             # products in the query's bf16 (fp8_f16 off): within float32 summation order of the twin
-            got = decode_attention_triton(*args, **kw, kv_exp=exp, launch={**launch, "fp8_f16": False})
+            got = decode_attention_triton(*args, **kw, kv_exp=exp,
+                                          launch={**launch, "fp8_f16": False, "fp8_mma": False})
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-            # the FP8 default (FP8_LAUNCH: float16 products, exponents ahead): within float16 rounding, below
-            torch.testing.assert_close(decode_attention_triton(*args, **kw, kv_exp=exp, launch=launch), ref,
-                                       atol=4e-3, rtol=4e-3)
+            # the FP8 default (FP8_LAUNCH: e4m3 products) on a query of bf16 values: within bf16 rounding of p, below
+            torch.testing.assert_close(decode_attention_triton(q16, *args[1:], **kw, kv_exp=exp, launch=launch),
+                                       decode_attention_reference(q16, *args[1:], kv_exp=exp), atol=4e-3, rtol=4e-3)
         # float16 products (launch fp8_f16): q and p 2^(ev - E) rounded to float16 (2^-11), the rest as above
         got = decode_attention_triton(*args, members=members, prompt_len=entry_len, kv_exp=exp,
-                                      launch=dict(fp8_f16=True, programs=4096, prefix_programs=4096))
+                                      launch=dict(FP8_F16_LAUNCH, programs=4096, prefix_programs=4096))
         torch.testing.assert_close(got, ref, atol=4e-3, rtol=4e-3)
         # the exponents loaded one block ahead (launch fp8_prefetch): the same results bit for bit, both products;
         # chunks of one block (4,096 programs) and of several (1 program: a chunk of up to 1,024 positions)
@@ -159,7 +161,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
                                                            launch=dict(programs=1, prefix_programs=1)),
                        dict(members=members, prompt_len=entry_len, launch=dict(programs=4096,
                                                                                prefix_programs=4096))):
-                base = {**kw.pop("launch", {}), "fp8_f16": f16, "fp8_prefetch": False}
+                base = {**FP8_F16_LAUNCH, **kw.pop("launch", {}), "fp8_f16": f16, "fp8_prefetch": False}
                 plain = decode_attention_triton(*args, **kw, kv_exp=exp, launch=base)
                 ahead = decode_attention_triton(*args, **kw, kv_exp=exp, launch={**base, "fp8_prefetch": True})
                 assert torch.equal(plain, ahead), (f16, kw.keys())
@@ -171,7 +173,6 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         # e4m3 products (launch fp8_mma): a query of bf16 values splits exactly into two e4m3 terms, p 2^(ev - E) to
         # bf16's 8 significant bits (2^-9), so within bf16 rounding of p of the twin; whole value blocks bit for bit;
         # heads below 32 fall back to the float16 products
-        q16 = q.bfloat16().float()
         args16 = (q16,) + args[1:]
         ref16 = decode_attention_reference(*args16, kv_exp=exp)
         # blocks of 128 keys need value capacities of whole 128-position blocks (else they run at 64)
@@ -187,7 +188,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
             if launch["block"] == 64:
                 assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=launch), got)
             if D >= 32:  # and not the float16 products' result
-                f16 = {k: v for k, v in launch.items() if k != "fp8_mma"} | dict(fp8_f16=True)
+                f16 = launch | dict(fp8_mma=False, fp8_f16=True)
                 assert not torch.equal(decode_attention_triton(*args16, **kw, kv_exp=exp, launch=f16), got)
     print("fp8 kernels ok")
 ''')

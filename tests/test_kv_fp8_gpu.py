@@ -13,7 +13,7 @@ MMA = dict(fp8_mma=True, block=64, warps=4, fp8_prefetch=False)  # (the e4m3 pro
 
 def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
     from longrl.rollout.attention import decode_attention_reference
-    from longrl.rollout.decode_kernel import decode_attention_triton
+    from longrl.rollout.decode_kernel import FP8_F16_LAUNCH, decode_attention_triton
     from longrl.rollout.kv_quant import FP8, quantize_reference, quantize_values, store_decode, value_capacity
 
     dev = torch.device("cuda")
@@ -51,10 +51,11 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
         exp = (kpe, vpe, kse, vse)
         args = (q, kp, vp, pidx, entry_len[pidx], ks, vs, slen, D ** -0.5)
         ref = decode_attention_reference(*args, kv_exp=exp).float()
-        bf16_products = dict(fp8_f16=False, fp8_prefetch=False)
+        bf16_products = dict(FP8_F16_LAUNCH, fp8_f16=False, fp8_prefetch=False)
+        f16_products = dict(FP8_F16_LAUNCH, fp8_prefetch=False)
         for kw in (dict(launch=bf16_products), dict(members=members, prompt_len=entry_len, launch=bf16_products),
-                   dict(members=members, prompt_len=entry_len, launch=dict(fp8_f16=True, fp8_prefetch=False)),
-                   dict(launch=dict(fp8_f16=True, fp8_prefetch=False, block=64, warps=4)),  # float16 products
+                   dict(members=members, prompt_len=entry_len, launch=f16_products),
+                   dict(launch=dict(f16_products, block=64, warps=4)),  # float16 products
                    dict(launch=MMA), dict(members=members, prompt_len=entry_len, launch=MMA)):  # e4m3 products
             out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
             err = float((out - ref).norm() / ref.norm())

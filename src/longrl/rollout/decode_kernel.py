@@ -41,10 +41,14 @@ LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512
 # products with the exponents loaded ahead, 2 warps and 3 pipeline stages were the fastest launch at a 16K suffix,
 # 193.8 µs against bf16's fastest 274.2 µs (1.41 ×; LAUNCH's choices for the FP8 cache: 0.91 ×), on an H200
 # (kv_fp8_speed_h200_s16_sweep.md)
-FP8_LAUNCH = dict(warps=2, stages=3, fp8_f16=True, fp8_prefetch=True)
+FP8_F16_LAUNCH = dict(block=32, warps=2, stages=3, fp8_mma=False, fp8_f16=True, fp8_prefetch=True)
 # fp8_mma (FP8 == 3, _fold_block_mma): both products on e4m3 tensor cores (wgmma), the codes as stored, the query
-# and p 2^ev each split into two e4m3 terms (bf16's 8 significant bits; exact for a bf16 query), keys as the
-# products' wide side (blocks of 64 over one warpgroup: block=64, warps=4)
+# and p 2^ev each split into two e4m3 terms (bf16's 8 significant bits; exact for the elements of a bf16 query
+# within 2^10 of its row's largest), keys as the products' wide side (blocks of 64 or 128 over one warpgroup:
+# warps=4). The FP8 cache's default since 2026-12-03: blocks of 128, 3 stages, 167.8 µs against bf16's 277.4 µs at a
+# 16K suffix (1.65 ×; FP8_F16_LAUNCH, the default before it: 200.8 µs, 1.38 ×), on an H200 (kv_fp8_speed_h200_s19.md).
+# Heads below 32 (an e4m3 product's k-dimension is a multiple of 32) take FP8_F16_LAUNCH.
+FP8_LAUNCH = dict(block=128, warps=4, stages=3, fp8_mma=True, fp8_f16=True, fp8_prefetch=True)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
 COUNT0 = -8388608  # 0xFF800000
@@ -444,8 +448,9 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     q = q.contiguous()
     fp8 = (3 if launch["fp8_mma"] else 2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
     prefetch = bool(fp8 and launch["fp8_prefetch"])
-    if fp8 == 3 and max(16, triton.next_power_of_2(D)) < 32:
-        fp8 = 2  # an e4m3 product's k-dimension is a multiple of 32: heads below 32 keep the float16 products
+    if fp8 == 3 and max(16, triton.next_power_of_2(D)) < 32:  # (FP8_LAUNCH's comment)
+        fp8 = 2
+        block, warps, stages = FP8_F16_LAUNCH["block"], FP8_F16_LAUNCH["warps"], FP8_F16_LAUNCH["stages"]
     if fp8 == 3:
         assert block in (64, 128) and warps == 4, "e4m3 products (fp8_mma): key blocks of 64 or 128, one warpgroup"
     if fp8:
@@ -513,7 +518,8 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *v_strides,
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
-        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), num_warps=warps, num_stages=stages)
+        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), num_warps=warps,
+        num_stages=stages)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
