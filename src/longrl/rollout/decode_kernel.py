@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_quant import round_e4m3
+from .kv_quant import EXP_LIMIT, round_e4m3, scale_exponent
+
+Q_EXP_LIMIT = tl.constexpr(EXP_LIMIT)  # the query split's exponent bound, kv_quant's (a constexpr kernels can read)
 
 BLOCK = 32
 # keys per block, warps and pipeline stages of the attention programs, the programs a layer call aims at for the
@@ -129,6 +131,12 @@ def _fold_block(q, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l, a
 
 
 @triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e in [−126, 127] (built from its bits: exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3(x, EXACT: tl.constexpr):
     """x (float32, |x| ≤ 448) as e4m3, rounded to nearest even: the GPU's saturating conversion, or under the
     interpreter (EXACT), whose conversion rounds a mantissa carry down an octave, rounded in float32 first."""
@@ -160,11 +168,9 @@ def _query_split(q, scale, EXACT: tl.constexpr):
     e_r the smallest exponent putting max|q_r| within 448 (kv_quant's rule), and f [R] = 2^e_r · scale · log2 e
     (scores in base 2)."""
     qf = q.to(tl.float32)
-    bits = tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, -120), 120)  # (kv_quant.EXP_LIMIT: a zero row gets 2^−120)
-    hi, lo = _split_e4m3(qf * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None], EXACT)
-    return hi, lo, ((e + 127) << 23).to(tl.float32, bitcast=True) * (scale * 1.4426950408889634)
+    e = scale_exponent(tl.max(tl.abs(qf), 1), Q_EXP_LIMIT)  # (a zero row gets 2^−EXP_LIMIT)
+    hi, lo = _split_e4m3(qf * _pow2(-e)[:, None], EXACT)
+    return hi, lo, _pow2(e) * (scale * 1.4426950408889634)
 
 
 @triton.jit
@@ -191,7 +197,7 @@ def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, f
     k = k.to(tl.float8e4nv, bitcast=True)
     v = v.to(tl.float8e4nv, bitcast=True)
     s = tl.dot(k, tl.trans(q_lo), tl.dot(k, tl.trans(q_hi)))  # [BLOCK, R] float32
-    s = s * ((ek + 127) << 23).to(tl.float32, bitcast=True)[:, None] * q_f[None, :]
+    s = s * _pow2(ek)[:, None] * q_f[None, :]
     s = tl.where(in_range[:, None], s, float("-inf"))  # base-2 scores (q_f holds log2 e)
     m_new = tl.maximum(m, tl.max(s, 0))
     alpha = tl.where(m_new == float("-inf"), 1.0, _exp2(m - m_new, not DYNAMIC_STOP))
@@ -199,9 +205,9 @@ def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, f
     l_t = l_t * alpha[None, :] + p
     big = tl.maximum(tl.max(tl.where(in_range, ev, -100), 0), -100)
     rel = tl.maximum(tl.where(in_range, ev - big, -126), -126) + 8  # p 2^(ev − E + 8) ≤ 2^8
-    p_hi, p_lo = _split_e4m3(p * ((rel + 127) << 23).to(tl.float32, bitcast=True)[:, None], not DYNAMIC_STOP)
+    p_hi, p_lo = _split_e4m3(p * _pow2(rel)[:, None], not DYNAMIC_STOP)
     pv = tl.dot(v, p_lo, tl.dot(v, p_hi))  # [DP, R] float32
-    acc_t = acc_t * alpha[None, :] + pv * ((big - 8 + 127) << 23).to(tl.float32, bitcast=True)
+    acc_t = acc_t * alpha[None, :] + pv * _pow2(big - 8)
     return m_new, l_t, acc_t
 
 

@@ -99,13 +99,18 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def scale_exponent(amax, EXP_LIMIT: tl.constexpr):
+        """e (int32) with amax ≤ 448 · 2^e, the smallest such, clamped to ±EXP_LIMIT (exponent_reference's rule,
+        from amax's float32 bits; amax a scalar or a tensor)."""
+        bits = amax.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        return tl.minimum(tl.maximum(e, -EXP_LIMIT), EXP_LIMIT)
+
+    @triton.jit
     def _quantize_row(x, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
         """(q bits [DP] uint8, e int32) of one row x [DP] float32 (masked lanes 0): the twin's arithmetic."""
         x = tl.where(x != x, 0.0, x)  # NaN → 0: every stored code is finite
-        amax = tl.max(tl.abs(x), 0)
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        e = tl.minimum(tl.maximum(e, -EXP_LIMIT), EXP_LIMIT)
+        e = scale_exponent(tl.max(tl.abs(x), 0), EXP_LIMIT)
         inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^−e
         y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
         return round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True), e
