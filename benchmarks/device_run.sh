@@ -28,7 +28,8 @@
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
 #   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
-#              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min)
+#              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min;
+#              PROFILE_KV=fp8: the FP8 cache alone)
 #   profile15  the same for the Qwen2.5-1.5B shape, 64 prompts x 8 (its rollout runs at 20% of its roofline) (~2 min)
 #   rollout8b  rollout_speed, Llama-3.1-8B shape, longrl: defaults, transformers' forward, PEFT's LoRA, no LoRA (~2 min); with
 #              LAUNCH_FROM=<decode_attention json> the decode attention runs that sweep's fastest launch choice;
@@ -83,7 +84,9 @@
 #              reuse GPU tests of tests/test_memory_gpu.py (~1.5 min)
 #   groupedgpu the per-key-head attention backward's GPU tests (ops/grouped_attention.py) (~40 s)
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
-#   fp8kern    the FP8 KV kernels against their twins on the GPU alone (~1 min)
+#   fp8kern    the FP8 KV kernels against their twins on the GPU alone (~3 min, compiles every launch)
+#   fp8k128    the default FP8 launch (blocks of 128) against its twin on the GPU alone (~1 min)
+#   vlayout    benchmarks/value_layout_bandwidth.py: the FP8 kernel's loads alone, by value layout (~1 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
 #              kv_fp8_speed.FP8_SWEEP at 16K), whole-model 8B decode at 16K-token sequences with each cache
@@ -198,7 +201,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
-        profile8b_kv) for kv in bf16 fp8; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
+        profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;
         profile15) stage profile15 200 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
@@ -319,7 +322,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             sft.examples_per_step=1 lora.r=32 ${PLAN_ARGS:-} --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1; done' ;;
         groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
         fp8gpu) stage fp8gpu 300 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;
-        fp8kern) stage fp8kern 150 python3 -m pytest -q tests/test_kv_fp8_gpu.py -k kernels_equal ;;
+        fp8kern) stage fp8kern 300 python3 -m pytest -q tests/test_kv_fp8_gpu.py -k "kernels_equal or blocks_of_128" ;;
+        fp8k128) stage fp8k128 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py -k blocks_of_128 ;;
+        vlayout) stage vlayout 120 python3 benchmarks/value_layout_bandwidth.py --tag "${KTAG:-}" ;;
         kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
             --G 8 --turns 4 --tool-tokens 200 --new-tokens 512 --prompt-len 512 ;;

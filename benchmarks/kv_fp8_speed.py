@@ -43,7 +43,9 @@ FP8_VARIANTS = {"fp8": {}, "fp8_bf16": dict(fp8_mma=False, fp8_f16=False, fp8_pr
 FP8_VARIANTS.update(fp8_mma=dict(fp8_mma=True, block=64, warps=4, stages=2),
                     fp8_mma3=dict(fp8_mma=True, block=64, warps=4, stages=3),
                     fp8_mma128=dict(fp8_mma=True, block=128, warps=4, stages=2),
-                    fp8_mma128s3=dict(fp8_mma=True, block=128, warps=4, stages=3))
+                    fp8_mma128s3=dict(fp8_mma=True, block=128, warps=4, stages=3),
+                    fp8_s4=dict(stages=4), fp8_p4096=dict(programs=4096, prefix_programs=1024),
+                    fp8_p1024=dict(programs=1024, prefix_programs=256))
 if os.environ.get("KV_VARIANTS"):
     FP8_VARIANTS = {v: FP8_VARIANTS[v] for v in os.environ["KV_VARIANTS"].split(",")}
 # the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
@@ -61,7 +63,8 @@ FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices"
               "fp8_f16_ahead": "fp8, float16 + ahead", "fp8_mma": "fp8, e4m3 products",
               "fp8_mma3": "fp8, e4m3 products, 3 stages",
               "fp8_f16a": "fp8, float16 + ahead, 2 warps, 3 stages", "fp8_mma128": "fp8, e4m3 products, blocks of 128",
-              "fp8_mma128s3": "fp8, e4m3 products, blocks of 128, 3 stages"}
+              "fp8_mma128s3": "fp8, e4m3 products, blocks of 128, 3 stages", "fp8_s4": "fp8, 4 stages",
+              "fp8_p4096": "fp8, 4,096 programs", "fp8_p1024": "fp8, 1,024 programs"}
 
 
 def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:

@@ -68,13 +68,38 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
             exact = decode_attention_triton(q, kp, vp_exact, pidx, entry_len[pidx], ks, vs_exact, slen, D ** -0.5,
                                             **kw, kv_exp=exp).float()
             assert torch.equal(exact, out), (P, S, T, D, kw.keys())
-        # e4m3 products in blocks of 128 keys, on value stores of whole 128-position blocks
-        cap = lambda n: -(-n // 128) * 128  # noqa: E731
-        vp_c, vs_c = quantize_values(raw[1].bfloat16(), cap(Lp))[0], quantize_values(raw[3].bfloat16(), cap(T))[0]
-        for kw in (dict(), dict(members=members, prompt_len=entry_len)):
-            out = decode_attention_triton(q, kp, vp_c, pidx, entry_len[pidx], ks, vs_c, slen, D ** -0.5, **kw,
-                                          kv_exp=exp, launch={**MMA, "block": 128}).float()
-            assert float((out - ref).norm() / ref.norm()) < 1e-2, (P, S, T, D, kw.keys())
+
+
+def test_fp8_decode_in_blocks_of_128_equals_its_twin_on_cuda():
+    """The default launch (FP8_LAUNCH: e4m3 products in blocks of 128 keys), on value stores of whole 128-position
+    blocks and on stores of 64-position blocks (where a kernel falls back to blocks of 64), against the twin."""
+    from longrl.rollout.attention import decode_attention_reference
+    from longrl.rollout.decode_kernel import decode_attention_triton
+    from longrl.rollout.kv_quant import quantize_reference, quantize_values
+
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 8, 2, 77, 1031, 64), (2, 16, 32, 8, 512, 4100, 128),
+                                      (2, 5, 6, 2, 1100, 65, 80)]:
+        raw = [torch.randn(P, Hkv, Lp, D, device=dev), torch.randn(P, Hkv, Lp, D, device=dev),
+               torch.randn(S, Hkv, T, D, device=dev) * 4, torch.randn(S, Hkv, T, D, device=dev)]
+        (kp, kpe), (ks, kse) = quantize_reference(raw[0].bfloat16()), quantize_reference(raw[2].bfloat16())
+        q = torch.randn(S, Hq, D, device=dev).bfloat16()
+        pidx = torch.randint(0, P, (S,), device=dev)
+        slen = torch.randint(1, T + 1, (S,), device=dev)
+        members = torch.full((P, S), -1, dtype=torch.long, device=dev)
+        members[pidx, torch.arange(S, device=dev)] = torch.arange(S, device=dev)
+        entry_len = torch.full((P,), Lp, device=dev)
+        for align in (128, 64):
+            cap = lambda n: -(-n // align) * align  # noqa: E731
+            (vp, vpe), (vs, vse) = (quantize_values(raw[1].bfloat16(), cap(Lp)),
+                                    quantize_values(raw[3].bfloat16(), cap(T)))
+            args = (q, kp, vp, pidx, entry_len[pidx], ks, vs, slen, D ** -0.5)
+            exp = (kpe, vpe, kse, vse)
+            ref = decode_attention_reference(*args, kv_exp=exp).float()
+            for kw in (dict(), dict(members=members, prompt_len=entry_len)):
+                out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
+                assert float((out - ref).norm() / ref.norm()) < 1e-2, (P, S, T, D, align, kw.keys())
 
 
 def test_budget_caps_the_allocator():
