@@ -45,7 +45,10 @@ FP8_VARIANTS.update(fp8_mma=dict(fp8_mma=True, block=64, warps=4, stages=2),
                     fp8_mma128=dict(fp8_mma=True, block=128, warps=4, stages=2),
                     fp8_mma128s3=dict(fp8_mma=True, block=128, warps=4, stages=3),
                     fp8_s4=dict(stages=4), fp8_p4096=dict(programs=4096, prefix_programs=1024),
-                    fp8_p1024=dict(programs=1024, prefix_programs=256))
+                    fp8_p1024=dict(programs=1024, prefix_programs=256), fp8_w8=dict(warps=8),
+                    fp8_ss=dict(fp8_ss=True), fp8_ss2=dict(fp8_ss=True, stages=2),
+                    fp8_ssw8=dict(fp8_ss=True, warps=8), fp8_ssw8s2=dict(fp8_ss=True, warps=8, stages=2),
+                    fp8_r168=dict(maxnreg=168))
 if os.environ.get("KV_VARIANTS"):
     FP8_VARIANTS = {v: FP8_VARIANTS[v] for v in os.environ["KV_VARIANTS"].split(",")}
 # the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
@@ -64,7 +67,11 @@ FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices"
               "fp8_mma3": "fp8, e4m3 products, 3 stages",
               "fp8_f16a": "fp8, float16 + ahead, 2 warps, 3 stages", "fp8_mma128": "fp8, e4m3 products, blocks of 128",
               "fp8_mma128s3": "fp8, e4m3 products, blocks of 128, 3 stages", "fp8_s4": "fp8, 4 stages",
-              "fp8_p4096": "fp8, 4,096 programs", "fp8_p1024": "fp8, 1,024 programs"}
+              "fp8_p4096": "fp8, 4,096 programs", "fp8_p1024": "fp8, 1,024 programs", "fp8_w8": "fp8, 8 warps",
+              "fp8_ss": "fp8, shared-memory operands", "fp8_ss2": "fp8, shared-memory operands, 2 stages",
+              "fp8_ssw8": "fp8, shared-memory operands, 8 warps",
+              "fp8_ssw8s2": "fp8, shared-memory operands, 8 warps, 2 stages",
+              "fp8_r168": "fp8, at most 168 registers (3 programs an SM)"}
 
 
 def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:

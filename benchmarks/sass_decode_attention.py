@@ -4,7 +4,8 @@ FP8 cache widened to bf16 (1) and to float16 (2, decode_kernel.LAUNCH fp8_f16); 
 exponents loaded one block ahead (LAUNCH fp8_prefetch). The FP8 values are position-minor and read in whole blocks
 (V_WHOLE: what a cache of kv_quant.value_capacity positions gets).
 
-    python benchmarks/sass_decode_attention.py FP8 BLOCK WARPS STAGES [PREFETCH]     # e.g. 1 32 4 2 1
+    python benchmarks/sass_decode_attention.py FP8 BLOCK WARPS STAGES [PREFETCH [SS]]     # e.g. 1 32 4 2 1
+    (FP8 3: e4m3 products, fp8_mma; SS 1: the codes through e4m3 pointers, fp8_ss)
 """
 import sys, re, subprocess, collections
 import triton
@@ -13,7 +14,8 @@ from triton.compiler import ASTSource
 from longrl.rollout import decode_kernel as dk
 fp8 = int(sys.argv[1]); block = int(sys.argv[2]); warps = int(sys.argv[3]); stages = int(sys.argv[4])
 prefetch = len(sys.argv) > 5 and sys.argv[5] == "1"
-cache = "*u8" if fp8 else "*bf16"
+ss = len(sys.argv) > 6 and sys.argv[6] == "1"  # e4m3 pointers (launch fp8_ss): the products' tiles from shared memory
+cache = ("*fp8e4nv" if ss else "*u8") if fp8 else "*bf16"
 strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp", "stride_eph")}
 v_strides = ("stride_vpp", "stride_vph", "stride_vp", "stride_vsb", "stride_vsh", "stride_vs")
 sig = dict(Q="*bf16", KP=cache, VP=cache, KS=cache, VS=cache, PIDX="*i64", PLEN="*i64", SLEN="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8", KSE="*i8", VSE="*i8", scale="fp32",
@@ -25,7 +27,7 @@ consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", 
 sig.update({k: "constexpr" for k in consts})
 aligned = [k for k in order if sig[k].startswith("*") or k.startswith("stride")]  # as a launch specialises them
 attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}
-k = triton.compile(ASTSource(dk._chunk_kernel, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+k = triton.compile(ASTSource(dk._chunk_kernel, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, **({"maxnreg": int(__import__("os").environ["MAXNREG"])} if __import__("os").environ.get("MAXNREG") else {})})
 open("/tmp/a.cubin","wb").write(k.asm["cubin"])
 sass = subprocess.run(["/work/venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/nvdisasm", "-c", "/tmp/a.cubin"], capture_output=True, text=True).stdout
 blocks, cur, name = {}, [], "start"

@@ -72,7 +72,8 @@ def test_fp8_store_and_decode_kernels_equal_their_twins_on_cuda():
 
 def test_fp8_decode_in_blocks_of_128_equals_its_twin_on_cuda():
     """The default launch (FP8_LAUNCH: e4m3 products in blocks of 128 keys), on value stores of whole 128-position
-    blocks and on stores of 64-position blocks (where a kernel falls back to blocks of 64), against the twin."""
+    blocks and on stores of 64-position blocks (where a kernel falls back to blocks of 64), against the twin; the
+    shared-memory operand and 8-warp launches against it."""
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import decode_attention_triton
     from longrl.rollout.kv_quant import quantize_reference, quantize_values
@@ -100,6 +101,11 @@ def test_fp8_decode_in_blocks_of_128_equals_its_twin_on_cuda():
             for kw in (dict(), dict(members=members, prompt_len=entry_len)):
                 out = decode_attention_triton(*args, **kw, kv_exp=exp).float()
                 assert float((out - ref).norm() / ref.norm()) < 1e-2, (P, S, T, D, align, kw.keys())
+                # the same products from shared-memory tiles (fp8_ss) or over 8 warps: float32 summation order apart
+                for other in (dict(fp8_ss=True), dict(warps=8), dict(fp8_ss=True, warps=8, stages=2),
+                              dict(maxnreg=168)):
+                    alt = decode_attention_triton(*args, **kw, kv_exp=exp, launch=other).float()
+                    torch.testing.assert_close(alt, out, atol=2e-3, rtol=2e-3, msg=lambda m: f"{other}: {m}")
 
 
 def test_budget_caps_the_allocator():

@@ -37,8 +37,11 @@ BLOCK = 32
 # fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds (plain
 # global loads, 1 byte a position, that Triton's pipeliner does not stage); the same results bit for bit. Measured at a
 # 16K suffix on an H200 (kv_fp8_speed_h200_s15.md): 2-4% slower alone, with values key-minor
+# fp8_ss (e4m3 products): the codes through e4m3 pointers, so that the products read the pipeline's shared-memory
+# tiles instead of bitcasting them in registers (151 registers a thread against 189, one more pipeline buffer);
+# maxnreg: registers a thread at most (ptxas's .maxnreg; 168 lets 3 programs of 4 warps share an SM)
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
-              fp8_mma=False)
+              fp8_mma=False, fp8_ss=False, maxnreg=None)
 # an FP8 cache's own choices over LAUNCH (``launch`` still overrides both): with the values position-minor, float16
 # products with the exponents loaded ahead, 2 warps and 3 pipeline stages were the fastest launch at a 16K suffix,
 # 193.8 µs against bf16's fastest 274.2 µs (1.41 ×; LAUNCH's choices for the FP8 cache: 0.91 ×), on an H200
@@ -186,16 +189,18 @@ def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, f
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
-    k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=in_range[:, None] & (dims[None, :] < D), other=0)
+    k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=in_range[:, None] & (dims[None, :] < D),
+                other=0.0)
     if not V_WHOLE:
         v_ok = in_range[None, :] & (dims[:, None] < D)
     elif DYNAMIC_STOP:
         v_ok = (dims < D)[:, None]
     else:
         v_ok = (t < stride_v)[None, :] & (dims < D)[:, None]
-    v = tl.load(v_ptr + t[None, :] + dims[:, None] * stride_v, mask=v_ok, other=0)  # [DP, BLOCK]
-    k = k.to(tl.float8e4nv, bitcast=True)
-    v = v.to(tl.float8e4nv, bitcast=True)
+    v = tl.load(v_ptr + t[None, :] + dims[:, None] * stride_v, mask=v_ok, other=0.0)  # [DP, BLOCK]
+    if k_ptr.dtype.element_ty != tl.float8e4nv:  # codes as bytes: e4m3 in registers (the products' left operands
+        k = k.to(tl.float8e4nv, bitcast=True)  # from registers; e4m3 pointers: from the pipeline's shared tiles)
+        v = v.to(tl.float8e4nv, bitcast=True)
     s = tl.dot(k, tl.trans(q_lo), tl.dot(k, tl.trans(q_hi)))  # [BLOCK, R] float32
     s = s * _pow2(ek)[:, None] * q_f[None, :]
     s = tl.where(in_range[:, None], s, float("-inf"))  # base-2 scores (q_f holds log2 e)
@@ -458,8 +463,11 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         fp8 = 2
         block, warps, stages = FP8_F16_LAUNCH["block"], FP8_F16_LAUNCH["warps"], FP8_F16_LAUNCH["stages"]
     if fp8 == 3:
-        assert block in (64, 128) and warps == 4, "e4m3 products (fp8_mma): key blocks of 64 or 128, one warpgroup"
-    if fp8:
+        assert block in (64, 128) and warps in (4, 8), "e4m3 products (fp8_mma): key blocks of 64 or 128, 4 or 8 warps"
+    # fp8_ss: e4m3 products on the codes through e4m3 pointers, so that they read the pipeline's shared-memory tiles
+    # (on bytes, the bitcast to e4m3 happens in registers first); not under the interpreter, whose products of
+    # tiles loaded through e4m3 pointers come out wrong (its tests compare the byte path)
+    if fp8 and not (fp8 == 3 and launch.get("fp8_ss") and DYNAMIC_STOP):
         k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
         assert kpe.stride(2) == 1 and kse.stride(2) == 1, "the scale exponents run contiguously along positions"
@@ -509,6 +517,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
 
     def whole(stores, blk):
         return bool(fp8 and all(v.shape[3] % blk == 0 and v.stride(2) == v.shape[3] for v in stores))
+    regs = {"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {}  # registers a thread, at most
     if grouped and first:
         prefix_rows = max(16, triton.next_power_of_2(gs * rep))
         _prefix_kernel[(P, Hkv, first * n_sub)](
@@ -516,7 +525,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
             *v_strides[:3], *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
             R=prefix_rows, D=D, DP=DP, BLOCK=block_p, PCHUNK=pchunk, PREC=prec,
             DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre,), block_p),
-            num_warps=max(warps, prefix_rows // 16), num_stages=stages)  # a warp for each 16 rows at least
+            num_warps=max(warps, prefix_rows // 16), num_stages=stages, **regs)  # a warp for each 16 rows at least
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
@@ -525,7 +534,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
         COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **regs)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
