@@ -467,8 +467,9 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     # fp8_ss: e4m3 products on the codes through e4m3 pointers, so that they read the pipeline's shared-memory tiles
     # (on bytes, the bitcast to e4m3 happens in registers first); not under the interpreter, whose products of
     # tiles loaded through e4m3 pointers come out wrong (its tests compare the byte path)
-    if fp8 and not (fp8 == 3 and launch.get("fp8_ss") and DYNAMIC_STOP):
-        k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
+    if fp8:
+        if not (fp8 == 3 and launch.get("fp8_ss") and DYNAMIC_STOP):
+            k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
         assert kpe.stride(2) == 1 and kse.stride(2) == 1, "the scale exponents run contiguously along positions"
         assert v_pre.shape[2] == D and v_suf.shape[2] == D and v_pre.shape[3] >= Lp and v_suf.shape[3] >= T, \
