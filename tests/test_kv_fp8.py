@@ -99,7 +99,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
     import torch
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import FP8_F16_LAUNCH, decode_attention_triton
-    from longrl.rollout.kv_quant import quantize_reference, quantize_values, store_decode, value_capacity
+    from longrl.rollout.kv_quant import quantize_reference, quantize_values, store_decode, tile_values, value_capacity
 
     torch.manual_seed(int(sys.argv[1]))
     # the store kernel: bit for bit the twin's fp8 codes and exponents, at odd head sizes and magnitudes
@@ -187,6 +187,14 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
             args_w = (q16, kp, vp_w, pidx, entry_len[pidx], ks, vs_w, slen, D ** -0.5)
             if launch["block"] == 64:
                 assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=launch), got)
+            # the values in tiles of a block's positions (kv_quant.tile_values; e4m3 products, heads of 32 or more):
+            # the twin and the kernel bit for bit
+            vt = launch["block"]
+            v_whole = (a[2], a[6]) if vt == 128 else (vp_w, vs_w)
+            args_t = a[:2] + (tile_values(v_whole[0], vt),) + a[3:6] + (tile_values(v_whole[1], vt),) + a[7:]
+            assert torch.equal(decode_attention_reference(*args_t, kv_exp=exp), ref16)
+            if D >= 32:
+                assert torch.equal(decode_attention_triton(*args_t, **kw, kv_exp=exp, launch=launch), got), vt
             if D >= 32:  # and not the float16 products' result
                 f16 = launch | dict(fp8_mma=False, fp8_f16=True)
                 assert not torch.equal(decode_attention_triton(*args16, **kw, kv_exp=exp, launch=f16), got)

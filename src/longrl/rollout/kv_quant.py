@@ -74,8 +74,27 @@ def quantize_cache(k_pre, v_pre, k_suf, v_suf) -> list[tuple[torch.Tensor, torch
     return [quantize_reference(k_pre), quantize_values(v_pre), quantize_reference(k_suf), quantize_values(v_suf)]
 
 
+def tile_values(q: torch.Tensor, tile: int) -> torch.Tensor:
+    """A position-minor value store q [..., D, T'] (T' a multiple of ``tile``) in tiles [..., T' / tile, D, tile]:
+    each block of ``tile`` positions one contiguous D × tile (the decode attention reads a block of values as one
+    stretch of memory instead of D stretches T' apart)."""
+    *lead, D, T = q.shape
+    if T % tile:
+        raise ValueError(f"a value store of {T} positions is not whole tiles of {tile}")
+    return q.view(*lead, D, T // tile, tile).transpose(-2, -3).contiguous()
+
+
+def untile_values(q: torch.Tensor) -> torch.Tensor:
+    """tile_values' inverse: [..., n, D, tile] → [..., D, n · tile]."""
+    *lead, n, D, tile = q.shape
+    return q.transpose(-2, -3).reshape(*lead, D, n * tile)
+
+
 def dequantize_values(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """float32 [..., T, D] of a position-minor value store q [..., D, T'] and its exponents e [..., T] (T ≤ T')."""
+    """float32 [..., T, D] of a position-minor value store q [..., D, T'] (or its tiles [..., T' / tile, D, tile],
+    tile_values) and its exponents e [..., T] (T ≤ T')."""
+    if q.dim() == e.dim() + 2:
+        q = untile_values(q)
     return dequantize(q[..., : e.shape[-1]].transpose(-1, -2), e)
 
 
