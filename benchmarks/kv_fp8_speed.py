@@ -165,21 +165,23 @@ def model_decode(model, args, n_prompts: int, G: int) -> dict:
     """Decode seconds a step at --long-prompt + new tokens with each cache (decode_model's ``model``),
     n_prompts distinct prompts × G sequences each."""
     from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
-    from longrl.rollout import decode_kernel
+    from longrl.rollout import decode_kernel, kv_quant
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
                for _ in range(n_prompts)]
     out = dict(prompts=n_prompts, G=G)
-    default_launch = dict(decode_kernel.FP8_LAUNCH)
-    assert not any("value_tile" in v for v in FP8_VARIANTS.values()), "the sampler's cache keeps untiled values"
+    default_launch, default_tile = dict(decode_kernel.FP8_LAUNCH), kv_quant.VALUE_TILE
     try:
         for name, cache, launch in (("bf16", "bf16", {}), *((v, "fp8", launch) for v, launch in FP8_VARIANTS.items())):
+            launch = dict(launch)
+            kv_quant.VALUE_TILE = launch.pop("value_tile", default_tile)  # the sampler's cache layout
             decode_kernel.FP8_LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads it
             out[name] = _decode_run(model, prompts, G, args, cache)
     finally:
         decode_kernel.FP8_LAUNCH.clear()
         decode_kernel.FP8_LAUNCH.update(default_launch)
+        kv_quant.VALUE_TILE = default_tile
     for v in FP8_VARIANTS:
         out[f"speedup_{v}"] = out["bf16"]["step_ms"] / out[v]["step_ms"]
     shape = ModelShape.from_config(model.config)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from interpreter import run_interpreted
 
-from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
+from longrl.memory.planner import V_ALIGN, ModelShape, kv_bytes_per_token, max_rollout_slots
 from longrl.ops.rollout_correction import rollout_correction_weights
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.attention import KVCache, decode_attention_reference
 from longrl.rollout.kv_quant import (FP8, FP8_MAX, dequantize, dequantize_values, pow2, quantize_cache, quantize_reference,
-                                     quantize_values)
+                                     quantize_values, untile_values)
 
 # Stated tolerances. e4m3 keeps 3 mantissa bits: each normal element within 2^-4 of itself (relative). Attention
 # over unit-variance random keys/values: output within ATTN_REL of full precision (‖Δ‖ / ‖o‖; measured 0.04 at
@@ -61,11 +61,13 @@ def test_values_are_stored_position_minor_and_read_back_as_the_keys_are():
 def test_the_kv_budget_counts_the_value_stores_padding():
     from longrl.memory.planner import rollout_kv_bytes
 
-    # 1 prompt entry of 9 positions and 1 slot of 12: the value stores hold 64 each, 55 + 52 positions of padding
+    # 1 prompt entry of 9 positions and 1 slot of 12: the value stores hold 128 each, 119 + 116 positions of padding
     kv = dict(prompts=1, G=1, prompt_len=9, completion_len=12, kv_token=10)
     assert rollout_kv_bytes(1, **kv) == 210
-    assert rollout_kv_bytes(1, **kv, value_pad_token=3) == 210 + 3 * (55 + 52)
-    assert rollout_kv_bytes(1, **{**kv, "prompt_len": 64, "completion_len": 128}, value_pad_token=3) == 1920
+    assert rollout_kv_bytes(1, **kv, value_pad_token=3) == 210 + 3 * (119 + 116)
+    assert rollout_kv_bytes(1, **{**kv, "prompt_len": 128, "completion_len": 256}, value_pad_token=3) == 3840
+    assert rollout_kv_bytes(1, **{**kv, "prompt_len": 64, "completion_len": 129}, value_pad_token=3) == \
+        1930 + 3 * (64 + 127)
 
 
 def test_a_nan_element_is_stored_as_zero_so_every_code_is_finite():
@@ -99,7 +101,8 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
     import torch
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import FP8_F16_LAUNCH, decode_attention_triton
-    from longrl.rollout.kv_quant import quantize_reference, quantize_values, store_decode, tile_values, value_capacity
+    from longrl.rollout.kv_quant import (quantize_reference, quantize_values, store_decode, tile_values, untile_values,
+                                         value_capacity)
 
     torch.manual_seed(int(sys.argv[1]))
     # the store kernel: bit for bit the twin's fp8 codes and exponents, at odd head sizes and magnitudes
@@ -117,6 +120,12 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         for a, b in zip(*caches):
             assert torch.equal(a.view(torch.uint8) if a.dtype != torch.int8 else a,
                                b.view(torch.uint8) if b.dtype != torch.int8 else b)
+        # the value store in tiles of 128 positions (kv_quant.VALUE_TILE): the same codes, tiled, both ways
+        cap = value_capacity(T)
+        tiled = [torch.zeros(S, H, cap // 128, D, 128, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        for c, vt, tri in zip(caches, tiled, (False, True)):
+            store_decode(k, v, c[0].clone(), vt, c[2].clone(), c[3].clone(), idx, tri)
+            assert torch.equal(untile_values(vt).view(torch.uint8), caches[0][1].view(torch.uint8)), tri
     # the decode kernel on FP8 caches: the twin on the same codes
     for (P, S, Hq, Hkv, Lp, T, D) in [(3, 5, 8, 2, 77, 131, 32), (2, 3, 6, 2, 33, 65, 24), (1, 3, 4, 4, 1, 1, 16)]:
         raw = [torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D), torch.randn(S, Hkv, T, D) * 5,
@@ -226,8 +235,8 @@ def test_fp8_rollouts_log_probs_within_tolerance_and_slot_moves_keep_the_scales(
     params = SamplingParams(max_new_tokens=n, seed=3, stop_token_ids=(13,))
     per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=FP8)
     wide = Sampler(model, tok, kv_cache_dtype="fp8", sync_every=3).generate(prompts, 2, params)
-    # 3 slots of n positions and 3 prompt entries of 9, the value stores padded to 64 positions each
-    budget = per * (3 * n + 3 * 9) + 2 * 2 * 16 * (3 * (64 - n) + 3 * (64 - 9))
+    # 3 slots of n positions and 3 prompt entries of 9, the value stores padded to V_ALIGN positions each
+    budget = per * (3 * n + 3 * 9) + 2 * 2 * 16 * (3 * (V_ALIGN - n) + 3 * (V_ALIGN - 9))
     narrow_sampler = Sampler(model, tok, kv_cache_dtype="fp8", kv_cache_bytes=budget, sync_every=3)
     narrow = narrow_sampler.generate(prompts, 2, params)
     assert narrow_sampler.last_stats["slots"] == 3 and narrow_sampler.last_stats["compactions"] > 0
@@ -251,6 +260,39 @@ def test_fp8_rollouts_log_probs_within_tolerance_and_slot_moves_keep_the_scales(
     w, stats = rollout_correction_weights(trainer_lp, sampler_lp, mask, "token_truncate", cap=2.0)
     assert float(w.max()) <= 2.0 and stats["sampler/is_weight_changed"] == 0.0
     assert stats["sampler/logp_abs_diff"] == pytest.approx(float(d.mean()), rel=1e-4)
+
+
+def test_fp8_value_tiles_roll_out_exactly_as_position_minor_values(monkeypatch):
+    """kv_quant.VALUE_TILE = 128 (value stores in tiles of 128 positions): the prefill's and the decode steps' writes,
+    slot moves (3 slots: refills and compaction) and attention read the same codes, so the same completions and
+    log-probs bit for bit as position-minor stores."""
+    from longrl.rollout import kv_quant
+
+    model, tok, prompts = _tiny()
+    params = SamplingParams(max_new_tokens=12, seed=3, stop_token_ids=(13,))
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=FP8)
+    budget = per * (3 * 12 + 3 * 9) + 2 * 2 * 16 * (3 * (V_ALIGN - 12) + 3 * (V_ALIGN - 9))
+    runs = {}
+    for tile in (0, 128):
+        monkeypatch.setattr(kv_quant, "VALUE_TILE", tile)
+        sampler = Sampler(model, tok, kv_cache_dtype="fp8", kv_cache_bytes=budget, sync_every=3)
+        runs[tile] = sampler.generate(prompts, 2, params)
+        assert sampler.last_stats["slots"] == 3 and sampler.last_stats["compactions"] > 0
+    assert runs[128].completion_ids == runs[0].completion_ids
+    assert torch.equal(torch.tensor(sum(runs[128].logprobs, [])), torch.tensor(sum(runs[0].logprobs, [])))
+
+
+def test_kv_cache_allocates_value_tiles(monkeypatch):
+    from longrl.rollout import kv_quant
+
+    monkeypatch.setattr(kv_quant, "VALUE_TILE", 128)
+    cache = KVCache.allocate(layers=2, kv_heads=3, head_dim=16, prefix_slots=2, prefix_len=130, slots=4,
+                             suffix_len=5, dtype=FP8, device="cpu")
+    assert cache.v_pre.shape == (2, 2, 3, 2, 16, 128) and cache.v_suf.shape == (2, 4, 3, 1, 16, 128)
+    key, value = torch.randn(2, 3, 130, 16), torch.randn(2, 3, 130, 16)
+    cache.write_prefix(1, torch.tensor([1, 0]), key, value)
+    want, _ = quantize_values(value)  # position-minor codes of the same values
+    assert torch.equal(untile_values(cache.v_pre[1][[1, 0]]).view(torch.uint8), want.view(torch.uint8))
 
 
 def _signed(rollout, model):

@@ -231,7 +231,8 @@ class RolloutPlan:
     parts_gpu_bytes: dict
 
 
-V_ALIGN = 64  # positions an FP8 value store's capacity is a multiple of (rollout/kv_quant.py: read in whole blocks)
+V_ALIGN = 128  # positions an FP8 value store's capacity is a multiple of (rollout/kv_quant.py: read in whole blocks of
+# 128, the e4m3 decode attention's; a multiple of kv_quant.VALUE_TILE)
 
 
 def value_capacity(positions: int) -> int:
