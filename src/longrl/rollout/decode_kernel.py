@@ -510,7 +510,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     # heads are 128 programs: one a multiprocessor, too few loads in flight to reach the memory's bandwidth)
     block_p = block_s = block
     if fp8 == 3 and block == 128:  # 128 where the value stores a kernel reads hold whole 128-position blocks (else
-        block_p = 128 if (vtile or caps[0]) % 128 == 0 else 64  # 64, planner.V_ALIGN's: still read whole, not
+        block_p = 128 if (vtile or caps[0]) % 128 == 0 else 64  # 64 (the old planner.V_ALIGN): still read whole, not
         block_s = 128 if (vtile or caps[1]) % 128 == 0 and (grouped or block_p == 128) else 64  # masked; a tile's)
     pchunk = _chunk_size(Lp, P * Hkv * n_sub, block_p, launch["prefix_programs"]) if grouped else block_p
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials

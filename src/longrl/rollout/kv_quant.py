@@ -9,13 +9,15 @@ and read back as x̂ = float(q) · 2^e. Scaling by a power of two is exact in fl
 (3 mantissa bits: |x̂ − x| ≤ 2^−4 |x| for normal values, 2^−9 · 2^e absolute below them), and the kernel and its
 twin compute e and q bit for bit alike (integer arithmetic on the float32 bits; the cast rounds to nearest even).
 Per position: D bytes + 1 exponent byte, against 2 D for bf16 ((D + 1) / 2D of the bytes: 0.504 at D = 128; the
-value stores' capacity padding, below 64 positions a store, adds to that).
+value stores' capacity padding, below 128 positions a store, adds to that).
 A NaN element is stored as 0, so that every code in a store is finite (the attention kernel reads whole blocks of
 values past a sequence's end, where they are weighed by p = 0).
 
 The value codes are stored position-minor, [..., D, T'] with T' = T rounded up to planner.V_ALIGN (value_capacity):
 the decode attention's second product reads them as its k-major operand, four positions a 32-bit word, with no
 byte gathers and no position mask (:func:`quantize_values`, :func:`dequantize_values`). Keys stay [..., T, D].
+With VALUE_TILE the sampler's value stores are kept in tiles [..., T' / tile, D, tile] (:func:`tile_values`): a block
+of positions is then one contiguous stretch of memory instead of D stretches T' apart.
 
 :func:`store_decode` is the decode step's write (a Triton kernel on CUDA, one program per row and key head);
 :func:`quantize_reference` its PyTorch twin (and the prefill's write).
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.planner import value_capacity  # T' (planner.V_ALIGN: the largest key block of the launch sweep)
+from ..memory.planner import value_capacity  # T' (planner.V_ALIGN: the e4m3 decode attention's key block)
 from .sampling import triton_available
 
 FP8 = torch.float8_e4m3fn
