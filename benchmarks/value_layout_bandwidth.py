@@ -89,7 +89,7 @@ def main() -> None:
         row = dict(block=block, warps=warps, stages=stages, sums_agree=agree)
         for name, store in stores.items():
             us = graph_seconds(lambda: stream(k, store, name, block, args.chunk, warps, stages)) * 1e6
-            row[f"{name}_us"], row[f"{name}_tb_s"] = us, mb / us / 1e6
+            row[f"{name}_us"], row[f"{name}_tb_s"] = us, mb / us  # MB / µs = TB/s
         rows.append(row)
     meta = run_meta(heads=BH, positions=T, dim=D, chunk=args.chunk)
     lines = [f"# FP8 decode attention's loads alone, by value layout, {meta['gpu']}", "",
