@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
-from longrl.rollout.kv_quant import quantize_cache, tile_values  # noqa: E402
+from longrl.rollout.kv_quant import quantize_cache  # noqa: E402
 
 GIB = 2 ** 30
 # the FP8 kernel's launches measured beside the bf16 cache: its default (decode_kernel.FP8_LAUNCH over LAUNCH), and
@@ -48,9 +48,7 @@ FP8_VARIANTS.update(fp8_mma=dict(fp8_mma=True, block=64, warps=4, stages=2),
                     fp8_p1024=dict(programs=1024, prefix_programs=256), fp8_w8=dict(warps=8),
                     fp8_ss=dict(fp8_ss=True), fp8_ss2=dict(fp8_ss=True, stages=2),
                     fp8_ssw8=dict(fp8_ss=True, warps=8), fp8_ssw8s2=dict(fp8_ss=True, warps=8, stages=2),
-                    fp8_r168=dict(maxnreg=168), fp8_tiled=dict(value_tile=128),
-                    fp8_tiled_ss=dict(value_tile=128, fp8_ss=True), fp8_tiled_w8=dict(value_tile=128, warps=8),
-                    fp8_tiled_r168=dict(value_tile=128, maxnreg=168))
+                    fp8_r168=dict(maxnreg=168))
 if os.environ.get("KV_VARIANTS"):
     FP8_VARIANTS = {v: FP8_VARIANTS[v] for v in os.environ["KV_VARIANTS"].split(",")}
 # the variants under each launch choice of the sweep: products in the query's bf16 or in float16 (fp8_f16), the
@@ -73,9 +71,7 @@ FP8_TITLES = {"fp8": "fp8 (default launch)", "fp8_bf16": "fp8, LAUNCH's choices"
               "fp8_ss": "fp8, shared-memory operands", "fp8_ss2": "fp8, shared-memory operands, 2 stages",
               "fp8_ssw8": "fp8, shared-memory operands, 8 warps",
               "fp8_ssw8s2": "fp8, shared-memory operands, 8 warps, 2 stages",
-              "fp8_r168": "fp8, at most 168 registers (3 programs an SM)",
-              "fp8_tiled": "fp8, values in tiles of 128 positions", "fp8_tiled_ss": "fp8, tiles, shared-memory operands",
-              "fp8_tiled_w8": "fp8, tiles, 8 warps", "fp8_tiled_r168": "fp8, tiles, at most 168 registers"}
+              "fp8_r168": "fp8, at most 168 registers (3 programs an SM)"}
 
 
 def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
@@ -94,11 +90,7 @@ def attention_case(P, G, Hq, Hkv, D, Lp, T, s, dev, timed: bool = True) -> dict:
     fp8_args = (q, codes[0], codes[1], pidx, lens[0], codes[2], codes[3], lens[1], D ** -0.5)
     calls = {"bf16": lambda: decode_attention_triton(*bf16_args, **kw)}
     for name, launch in FP8_VARIANTS.items():
-        launch, tile = dict(launch), launch.get("value_tile")
-        launch.pop("value_tile", None)
-        args = fp8_args if not tile else (fp8_args[:2] + (tile_values(codes[1], tile),) + fp8_args[3:6]
-                                          + (tile_values(codes[3], tile),) + fp8_args[7:])
-        calls[name] = lambda launch=launch, args=args: decode_attention_triton(*args, **kw, kv_exp=exps, launch=launch)
+        calls[name] = lambda launch=launch: decode_attention_triton(*fp8_args, **kw, kv_exp=exps, launch=launch)
     row = dict(P=P, G=G, Lp=Lp, suffix=s)
     if B * (Lp + s) <= 2 ** 20:  # the float32 reference materializes [B, Hkv, Lp + s, D]
         ref = decode_attention_reference(q.float(), *[t.float() for t in raw[:2]], pidx, lens[0],
@@ -165,23 +157,20 @@ def model_decode(model, args, n_prompts: int, G: int) -> dict:
     """Decode seconds a step at --long-prompt + new tokens with each cache (decode_model's ``model``),
     n_prompts distinct prompts × G sequences each."""
     from longrl.memory.planner import ModelShape, kv_bytes_per_token, max_rollout_slots
-    from longrl.rollout import decode_kernel, kv_quant
+    from longrl.rollout import decode_kernel
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size - 1, (args.long_prompt,), generator=g).tolist()
                for _ in range(n_prompts)]
     out = dict(prompts=n_prompts, G=G)
-    default_launch, default_tile = dict(decode_kernel.FP8_LAUNCH), kv_quant.VALUE_TILE
+    default_launch = dict(decode_kernel.FP8_LAUNCH)
     try:
         for name, cache, launch in (("bf16", "bf16", {}), *((v, "fp8", launch) for v, launch in FP8_VARIANTS.items())):
-            launch = dict(launch)
-            kv_quant.VALUE_TILE = launch.pop("value_tile", default_tile)  # the sampler's cache layout
             decode_kernel.FP8_LAUNCH.update(default_launch, **launch)  # the sampler's decode attention reads it
             out[name] = _decode_run(model, prompts, G, args, cache)
     finally:
         decode_kernel.FP8_LAUNCH.clear()
         decode_kernel.FP8_LAUNCH.update(default_launch)
-        kv_quant.VALUE_TILE = default_tile
     for v in FP8_VARIANTS:
         out[f"speedup_{v}"] = out["bf16"]["step_ms"] / out[v]["step_ms"]
     shape = ModelShape.from_config(model.config)

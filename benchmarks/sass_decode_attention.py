@@ -23,8 +23,7 @@ sig = dict(Q="*bf16", KP=cache, VP=cache, KS=cache, VS=cache, PIDX="*i64", PLEN=
 order = ["Q","KP","VP","KS","VS","PIDX","PLEN","SLEN","M_OUT","L_OUT","ACC_OUT","COUNT","OUT","KPE","VPE","KSE","VSE","scale","stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st",*v_strides,"stride_epp","stride_eph","stride_esb","stride_esh","NPART","FIRST","NPRE"]
 sig = {k: sig[k] for k in order}
 rb = 4; np_, cb = dk._merge_blocks(2, rb)
-consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=bool(fp8),
-              VTILE=int(__import__("os").environ.get("VTILE", "0")))  # VTILE=128: values in tiles (fp8 3)
+consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=bool(fp8))
 sig.update({k: "constexpr" for k in consts})
 aligned = [k for k in order if sig[k].startswith("*") or k.startswith("stride")]  # as a launch specialises them
 attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}

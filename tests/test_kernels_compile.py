@@ -55,7 +55,7 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
              **{n: "i64" for n in ("stride_vsb", "stride_vsh", "stride_vs")}},
             dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
                  PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False,
-                 PREFETCH=False, V_WHOLE=False, VTILE=0),
+                 PREFETCH=False, V_WHOLE=False),
             num_warps=4)
         if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
             lines = kernel.asm["ptx"].splitlines()
@@ -69,7 +69,7 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
                      {**common, "MEMBERS": "*i64", "PLEN_P": "*i64", **strides, "stride_mem": "i64", "NSUB": "i32"},
                      dict(REP=rep, G=members, GS=gs, R=max(16, triton.next_power_of_2(gs * rep)), D=head_dim,
                           DP=head_dim, BLOCK=dk.BLOCK, PCHUNK=1024, PREC=prec, DYNAMIC_STOP=True, FP8=False,
-                          PREFETCH=False, V_WHOLE=False, VTILE=0),
+                          PREFETCH=False, V_WHOLE=False),
                      num_warps=4)
     for npart in (2, 33, 1025):
         np_ = max(16, triton.next_power_of_2(npart))
@@ -135,7 +135,7 @@ def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
         kernel = compile_for_sm90(dk._chunk_kernel, sig,
                                   dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
                                        DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
-                                       PREFETCH=False, V_WHOLE=True, VTILE=0),
+                                       PREFETCH=False, V_WHOLE=True),
                                   num_warps=4)
         counts[fp8] = kernel.asm["ptx"].count("cvt.bf16.f16")
     assert counts[1] > 0 and counts[2] == 0, counts
@@ -195,14 +195,14 @@ _ALIGNED = {n for n, t in _fp8_chunk_signature().items() if n.startswith("stride
 # launch specialises them (fresh tensors, strides that are multiples of 16)
 
 
-def _fp8_chunk_build(fp8: int, prefetch: bool, block: int = dk.BLOCK, vtile: int = 0):
+def _fp8_chunk_build(fp8: int, prefetch: bool, block: int = dk.BLOCK):
     """(kernel, its two attention loops' SASS: the prefix's chunks and the suffix's) of the chunk kernel on an FP8
-    cache read in whole value blocks (vtile: in tiles of that many positions), 8B heads, 4 warps."""
+    cache read in whole value blocks, 8B heads, 4 warps."""
     np_, cb = dk._merge_blocks(33, 4)
     kernel = compile_for_sm90(dk._chunk_kernel, _fp8_chunk_signature(),
                               dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32",
                                    DYNAMIC_STOP=True, FUSED=True, RB=4, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
-                                   PREFETCH=prefetch, V_WHOLE=True, VTILE=vtile),
+                                   PREFETCH=prefetch, V_WHOLE=True),
                               num_warps=4, aligned=_ALIGNED)
     attention_loops = [b for b in _sass_loops(kernel) if any(re.match(r"[HQ]GMMA|HMMA", ins) for ins in b)]
     assert len(attention_loops) == 2, len(attention_loops)
@@ -228,7 +228,7 @@ def test_fp8_prefetch_takes_the_exponent_loads_off_each_block(fp8):
                                             "stride_mem")}, NPART="i32", NSUB="i32")
     compile_for_sm90(dk._prefix_kernel, prefix_sig,
                      dict(REP=4, G=8, GS=8, R=32, D=128, DP=128, BLOCK=dk.BLOCK, PCHUNK=1024, PREC="tf32",
-                          DYNAMIC_STOP=True, FP8=fp8, PREFETCH=True, V_WHOLE=True, VTILE=0), num_warps=4, aligned=aligned)
+                          DYNAMIC_STOP=True, FP8=fp8, PREFETCH=True, V_WHOLE=True), num_warps=4, aligned=aligned)
 
 
 def _registers(kernel) -> int:
@@ -254,9 +254,9 @@ def test_fp8_values_read_in_whole_blocks_need_no_byte_gathers(fp8):
 def test_fp8_mma_products_run_on_e4m3_tensor_cores():
     """decode_kernel fp8_mma (FP8 == 3): in both attention loops every product is an e4m3 warpgroup product
     (QGMMA: the codes as stored, no widening to 16 bits and no 16-bit products), the value codes come by 16-byte
-    copies with no byte gathers (values position-minor or in tiles), within the shared memory at 2 and 3 stages."""
-    for block, vtile in ((64, 0), (128, 0), (128, 128)):  # (128: the FP8 cache's default, FP8_LAUNCH; values tiled)
-        kernel, attention_loops = _fp8_chunk_build(3, prefetch=True, block=block, vtile=vtile)
+    copies with no byte gathers, within the shared memory at 2 and 3 stages."""
+    for block in (64, 128):  # (128: the FP8 cache's default, FP8_LAUNCH)
+        kernel, attention_loops = _fp8_chunk_build(3, prefetch=True, block=block)
         for body in attention_loops:  # a product per 64 keys and 32 dimensions, twice (hi and lo), both products
             products = sum(bool(re.match(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", ins)) for ins in body)
             assert products == 16 * block // 64, (block, products)
@@ -267,7 +267,7 @@ def test_fp8_mma_products_run_on_e4m3_tensor_cores():
     for stages in (2, 3):
         compile_for_sm90(dk._prefix_kernel, signature,
                          dict(REP=4, G=8, GS=8, R=32, D=128, DP=128, BLOCK=64, PCHUNK=1024, PREC="tf32",
-                              DYNAMIC_STOP=True, FP8=3, PREFETCH=True, V_WHOLE=True, VTILE=0),
+                              DYNAMIC_STOP=True, FP8=3, PREFETCH=True, V_WHOLE=True),
                          num_warps=4, num_stages=stages, aligned=_ALIGNED)
 
 

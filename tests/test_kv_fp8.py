@@ -14,7 +14,7 @@ from longrl.ops.rollout_correction import rollout_correction_weights
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.attention import KVCache, decode_attention_reference
 from longrl.rollout.kv_quant import (FP8, FP8_MAX, dequantize, dequantize_values, pow2, quantize_cache, quantize_reference,
-                                     quantize_values, untile_values)
+                                     quantize_values)
 
 # Stated tolerances. e4m3 keeps 3 mantissa bits: each normal element within 2^-4 of itself (relative). Attention
 # over unit-variance random keys/values: output within ATTN_REL of full precision (‖Δ‖ / ‖o‖; measured 0.04 at
@@ -101,8 +101,7 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
     import torch
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import FP8_F16_LAUNCH, decode_attention_triton
-    from longrl.rollout.kv_quant import (quantize_reference, quantize_values, store_decode, tile_values, untile_values,
-                                         value_capacity)
+    from longrl.rollout.kv_quant import quantize_reference, quantize_values, store_decode, value_capacity
 
     torch.manual_seed(int(sys.argv[1]))
     # the store kernel: bit for bit the twin's fp8 codes and exponents, at odd head sizes and magnitudes
@@ -120,12 +119,6 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
         for a, b in zip(*caches):
             assert torch.equal(a.view(torch.uint8) if a.dtype != torch.int8 else a,
                                b.view(torch.uint8) if b.dtype != torch.int8 else b)
-        # the value store in tiles of 128 positions (kv_quant.VALUE_TILE): the same codes, tiled, both ways
-        cap = value_capacity(T)
-        tiled = [torch.zeros(S, H, cap // 128, D, 128, dtype=torch.float8_e4m3fn) for _ in range(2)]
-        for c, vt, tri in zip(caches, tiled, (False, True)):
-            store_decode(k, v, c[0].clone(), vt, c[2].clone(), c[3].clone(), idx, tri)
-            assert torch.equal(untile_values(vt).view(torch.uint8), caches[0][1].view(torch.uint8)), tri
     # the decode kernel on FP8 caches: the twin on the same codes
     for (P, S, Hq, Hkv, Lp, T, D) in [(3, 5, 8, 2, 77, 131, 32), (2, 3, 6, 2, 33, 65, 24), (1, 3, 4, 4, 1, 1, 16)]:
         raw = [torch.randn(P, Hkv, Lp, D), torch.randn(P, Hkv, Lp, D), torch.randn(S, Hkv, T, D) * 5,
@@ -196,14 +189,6 @@ FP8_KERNEL_CHECK = textwrap.dedent('''
             args_w = (q16, kp, vp_w, pidx, entry_len[pidx], ks, vs_w, slen, D ** -0.5)
             if launch["block"] == 64:
                 assert torch.equal(decode_attention_triton(*args_w, **kw, kv_exp=exp, launch=launch), got)
-            # the values in tiles of a block's positions (kv_quant.tile_values; e4m3 products, heads of 32 or more):
-            # the twin and the kernel bit for bit
-            vt = launch["block"]
-            v_whole = (a[2], a[6]) if vt == 128 else (vp_w, vs_w)
-            args_t = a[:2] + (tile_values(v_whole[0], vt),) + a[3:6] + (tile_values(v_whole[1], vt),) + a[7:]
-            assert torch.equal(decode_attention_reference(*args_t, kv_exp=exp), ref16)
-            if D >= 32:
-                assert torch.equal(decode_attention_triton(*args_t, **kw, kv_exp=exp, launch=launch), got), vt
             if D >= 32:  # and not the float16 products' result
                 f16 = launch | dict(fp8_mma=False, fp8_f16=True)
                 assert not torch.equal(decode_attention_triton(*args16, **kw, kv_exp=exp, launch=f16), got)
@@ -260,39 +245,6 @@ def test_fp8_rollouts_log_probs_within_tolerance_and_slot_moves_keep_the_scales(
     w, stats = rollout_correction_weights(trainer_lp, sampler_lp, mask, "token_truncate", cap=2.0)
     assert float(w.max()) <= 2.0 and stats["sampler/is_weight_changed"] == 0.0
     assert stats["sampler/logp_abs_diff"] == pytest.approx(float(d.mean()), rel=1e-4)
-
-
-def test_fp8_value_tiles_roll_out_exactly_as_position_minor_values(monkeypatch):
-    """kv_quant.VALUE_TILE = 128 (value stores in tiles of 128 positions): the prefill's and the decode steps' writes,
-    slot moves (3 slots: refills and compaction) and attention read the same codes, so the same completions and
-    log-probs bit for bit as position-minor stores."""
-    from longrl.rollout import kv_quant
-
-    model, tok, prompts = _tiny()
-    params = SamplingParams(max_new_tokens=12, seed=3, stop_token_ids=(13,))
-    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=FP8)
-    budget = per * (3 * 12 + 3 * 9) + 2 * 2 * 16 * (3 * (V_ALIGN - 12) + 3 * (V_ALIGN - 9))
-    runs = {}
-    for tile in (0, 128):
-        monkeypatch.setattr(kv_quant, "VALUE_TILE", tile)
-        sampler = Sampler(model, tok, kv_cache_dtype="fp8", kv_cache_bytes=budget, sync_every=3)
-        runs[tile] = sampler.generate(prompts, 2, params)
-        assert sampler.last_stats["slots"] == 3 and sampler.last_stats["compactions"] > 0
-    assert runs[128].completion_ids == runs[0].completion_ids
-    assert torch.equal(torch.tensor(sum(runs[128].logprobs, [])), torch.tensor(sum(runs[0].logprobs, [])))
-
-
-def test_kv_cache_allocates_value_tiles(monkeypatch):
-    from longrl.rollout import kv_quant
-
-    monkeypatch.setattr(kv_quant, "VALUE_TILE", 128)
-    cache = KVCache.allocate(layers=2, kv_heads=3, head_dim=16, prefix_slots=2, prefix_len=130, slots=4,
-                             suffix_len=5, dtype=FP8, device="cpu")
-    assert cache.v_pre.shape == (2, 2, 3, 2, 16, 128) and cache.v_suf.shape == (2, 4, 3, 1, 16, 128)
-    key, value = torch.randn(2, 3, 130, 16), torch.randn(2, 3, 130, 16)
-    cache.write_prefix(1, torch.tensor([1, 0]), key, value)
-    want, _ = quantize_values(value)  # position-minor codes of the same values
-    assert torch.equal(untile_values(cache.v_pre[1][[1, 0]]).view(torch.uint8), want.view(torch.uint8))
 
 
 def _signed(rollout, model):

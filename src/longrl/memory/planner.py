@@ -232,7 +232,7 @@ class RolloutPlan:
 
 
 V_ALIGN = 128  # positions an FP8 value store's capacity is a multiple of (rollout/kv_quant.py: read in whole blocks of
-# 128, the e4m3 decode attention's; a multiple of kv_quant.VALUE_TILE)
+# 128, the e4m3 decode attention's faster key block)
 
 
 def value_capacity(positions: int) -> int:

@@ -25,21 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import kv_quant
-from .kv_quant import (FP8, dequantize, dequantize_values, quantize_reference, store_decode, store_rows, tile_values,
-                       value_capacity)
+from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, store_rows, value_capacity
 
 SAMPLER_ATTENTION = "longrl_sampler"
-
-
-def value_store_shape(lead: tuple, head_dim: int, positions: int) -> tuple:
-    """An FP8 value store's shape: lead + [D, T'] position-minor, or with kv_quant.VALUE_TILE its tiles
-    lead + [T' / tile, D, tile] (T' = value_capacity(positions), a multiple of the tile)."""
-    cap, tile = value_capacity(positions), kv_quant.VALUE_TILE
-    if not tile:
-        return (*lead, head_dim, cap)
-    assert cap % tile == 0, "planner.V_ALIGN is a multiple of kv_quant.VALUE_TILE"
-    return (*lead, cap // tile, head_dim, tile)
 
 
 @dataclass
@@ -67,8 +55,8 @@ class KVCache:
         suf = (layers, slots, kv_heads, suffix_len, head_dim)
         v_pre, v_suf = pre, suf
         if dtype == FP8:
-            v_pre = value_store_shape(pre[:3], head_dim, prefix_len)
-            v_suf = value_store_shape(suf[:3], head_dim, suffix_len)
+            v_pre = (*pre[:3], head_dim, value_capacity(prefix_len))
+            v_suf = (*suf[:3], head_dim, value_capacity(suffix_len))
         cache = cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(v_pre, dtype=dtype, device=device),
                     torch.zeros(suf, dtype=dtype, device=device), torch.zeros(v_suf, dtype=dtype, device=device))
         if dtype == FP8:
@@ -109,13 +97,7 @@ class KVCache:
             return
         (kq, ke), (vq, ve) = quantize_reference(key), quantize_reference(value)
         self.k_pre[layer, entries, :, :width] = kq
-        if self.v_pre.dim() == 6:  # tiles: whole tiles from position 0 (past width: zeros, finite, never weighed)
-            tile = self.v_pre.shape[-1]
-            minor = torch.zeros(*vq.shape[:2], vq.shape[3], -(-width // tile) * tile, dtype=FP8, device=vq.device)
-            minor[..., :width] = vq.transpose(-1, -2)
-            self.v_pre[layer, entries, :, : minor.shape[-1] // tile] = tile_values(minor, tile)
-        else:
-            self.v_pre[layer, entries, :, :, :width] = vq.transpose(-1, -2)  # position-minor
+        self.v_pre[layer, entries, :, :, :width] = vq.transpose(-1, -2)  # position-minor
         self.k_pre_e[layer, entries, :, :width] = ke
         self.v_pre_e[layer, entries, :, :width] = ve
 

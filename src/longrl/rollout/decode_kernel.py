@@ -179,33 +179,25 @@ def _query_split(q, scale, EXACT: tl.constexpr):
 @triton.jit
 def _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, first, end, m, l_t, acc_t,
                     D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, V_WHOLE: tl.constexpr,
-                    DYNAMIC_STOP: tl.constexpr, VTILE: tl.constexpr):
+                    DYNAMIC_STOP: tl.constexpr):
     """_fold_block for an FP8 cache (FP8 == 3) with both products on e4m3 tensor cores, keys as the wide side:
     sᵀ [BLOCK, R] = k8 · (q_hi + q_lo)ᵀ · 2^ek · q_f (two products into one float32 sum), the softmax along the
     keys (axis 0), and accᵀ [DP, R] += v8ᵀ · (p_hi + p_lo) · 2^(E − 8), where p_hi + p_lo = 2^8 · p_t 2^(ev_t − E)
     (≤ 256, _split_e4m3) and E the block's largest ev. The codes are the products' operands as stored (keys
     [T, D], values position-minor [D, T']), with no widening. m [R]; l_t [BLOCK, R]: l by key lanes, l_t · α + p
-    (summed over the keys once, after the loop: no reduction across warps a block); acc_t [DP, R].
-    VTILE: the values in tiles of VTILE positions, [T' / VTILE, D, VTILE] (kv_quant.tile_values), stride_v the
-    tiles' stride: a block (within one tile) is D × BLOCK bytes of one contiguous D × VTILE; read whole on the GPU,
-    masked at end under the interpreter."""
+    (summed over the keys once, after the loop: no reduction across warps a block); acc_t [DP, R]."""
     dims = tl.arange(0, DP)
     t = first + tl.arange(0, BLOCK)
     in_range = t < end
     k = tl.load(k_ptr + t[:, None] * stride_t + dims[None, :], mask=in_range[:, None] & (dims[None, :] < D),
                 other=0.0)
-    if VTILE:
-        v_at = (first // VTILE) * stride_v + (first % VTILE) + tl.arange(0, BLOCK)[None, :] + dims[:, None] * VTILE
-        v_ok = (dims < D)[:, None] if DYNAMIC_STOP else in_range[None, :] & (dims < D)[:, None]
+    if not V_WHOLE:
+        v_ok = in_range[None, :] & (dims[:, None] < D)
+    elif DYNAMIC_STOP:
+        v_ok = (dims < D)[:, None]
     else:
-        v_at = t[None, :] + dims[:, None] * stride_v
-        if not V_WHOLE:
-            v_ok = in_range[None, :] & (dims[:, None] < D)
-        elif DYNAMIC_STOP:
-            v_ok = (dims < D)[:, None]
-        else:
-            v_ok = (t < stride_v)[None, :] & (dims < D)[:, None]
-    v = tl.load(v_ptr + v_at, mask=v_ok, other=0.0)  # [DP, BLOCK]
+        v_ok = (t < stride_v)[None, :] & (dims < D)[:, None]
+    v = tl.load(v_ptr + t[None, :] + dims[:, None] * stride_v, mask=v_ok, other=0.0)  # [DP, BLOCK]
     if k_ptr.dtype.element_ty != tl.float8e4nv:  # codes as bytes: e4m3 in registers (the products' left operands
         k = k.to(tl.float8e4nv, bitcast=True)  # from registers; e4m3 pointers: from the pipeline's shared tiles)
         v = v.to(tl.float8e4nv, bitcast=True)
@@ -233,7 +225,7 @@ DYNAMIC_STOP = type(_fold_block).__name__ != "InterpretedFunction"
 @triton.jit
 def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, stride_v, start, end, m, l, acc, scale, D: tl.constexpr,
             DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, DYNAMIC_STOP: tl.constexpr,
-            FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr, VTILE: tl.constexpr):
+            FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr):
     """Fold keys [start, min(end, start + CHUNK)) into the online softmax of the query rows q [R, DP]. With
     DYNAMIC_STOP the loop ends at the last block with keys: a block past them leaves m, l and acc exactly as they
     are (s = −inf everywhere: m' = m, α = 1, p = 0), so a chunk costs its keys, not CHUNK positions. PREFETCH (an
@@ -247,7 +239,7 @@ def _attend(q, k_ptr, v_ptr, ke_ptr, ve_ptr, stride_t, stride_v, start, end, m, 
         for off in range(0, stop, BLOCK):
             ek_next, ev_next = _block_exponents(ke_ptr, ve_ptr, t + BLOCK, end, FP8)
             m, l_t, acc = _fold_block_mma(q_hi, q_lo, q_f, k_ptr, v_ptr, ek, ev, stride_t, stride_v, start + off,
-                                          end, m, l_t, acc, D, DP, BLOCK, V_WHOLE, DYNAMIC_STOP, VTILE)
+                                          end, m, l_t, acc, D, DP, BLOCK, V_WHOLE, DYNAMIC_STOP)
             ek, ev, t = ek_next, ev_next, t + BLOCK
         l = tl.sum(l_t, 0)
         m = m * 0.6931471805599453  # back to base e, the merge's
@@ -286,8 +278,7 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
                    stride_epp, stride_eph, stride_mem, NPART,
                    NSUB, REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr,
-                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr,
-                   VTILE: tl.constexpr):
+                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr):
     """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
     sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
     [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
@@ -317,7 +308,7 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
     vbase = p.to(tl.int64) * stride_vpp + h * stride_vph
     ebase = p.to(tl.int64) * stride_epp + h * stride_eph
     m, l, acc = _attend(q, KP + base, VP + vbase, KPE + ebase, VPE + ebase, stride_pt, stride_vp, start, p_len, m, l,
-                        acc, scale, D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE, VTILE)
+                        acc, scale, D, DP, BLOCK, PCHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     part = (slot * (stride_qb // stride_qh) + h * REP + r) * NPART + c  # column c of row (slot, head)
     _store_partial(M_OUT, L_OUT, ACC_OUT, part, row_ok, m, l, acc, DP, FP8)
 
@@ -331,7 +322,7 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
                   CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  V_WHOLE: tl.constexpr, VTILE: tl.constexpr):
+                  V_WHOLE: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -371,13 +362,13 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
         vbase = entry * stride_vpp + h * stride_vph
         ebase = entry * stride_epp + h * stride_eph
         m, l, acc = _attend(q, KP + base, VP + vbase, KPE + ebase, VPE + ebase, stride_pt, stride_vp, start, end, m,
-                            l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE, VTILE)
+                            l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     else:
         base = b.to(tl.int64) * stride_sb + h * stride_sh
         vbase = b.to(tl.int64) * stride_vsb + h * stride_vsh
         ebase = b.to(tl.int64) * stride_esb + h * stride_esh
         m, l, acc = _attend(q, KS + base, VS + vbase, KSE + ebase, VSE + ebase, stride_st, stride_vs, start, end, m,
-                            l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE, VTILE)
+                            l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     hq = stride_qb // stride_qh  # query heads (q is contiguous)
     part = (b.to(tl.int64) * hq + h * REP + rows) * NPART + FIRST + c
     _store_partial(M_OUT, L_OUT, ACC_OUT, part, row_ok, m, l, acc, DP, FP8)
@@ -481,24 +472,14 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
             k_pre, v_pre, k_suf, v_suf = (t.view(torch.uint8) for t in (k_pre, v_pre, k_suf, v_suf))
         kpe, vpe, kse, vse = kv_exp
         assert kpe.stride(2) == 1 and kse.stride(2) == 1, "the scale exponents run contiguously along positions"
-        vtile = v_pre.shape[4] if v_pre.dim() == 5 else 0  # values in tiles [n, D, VTILE] (kv_quant.tile_values)
-        if vtile:
-            assert fp8 == 3 and v_suf.dim() == 5 and v_suf.shape[4] == vtile and vtile % 64 == 0, \
-                "tiled values: both stores in tiles of one size, a multiple of 64, read by the e4m3 products"
-            assert all(v.shape[3] == D and v.stride(4) == 1 and v.stride(3) == vtile for v in (v_pre, v_suf)), \
-                "value tiles [n, D, VTILE], each contiguous"
-            caps = (v_pre.shape[2] * vtile, v_suf.shape[2] * vtile)
-            v_pre, v_suf = (v.flatten(3) for v in (v_pre, v_suf))  # [·, ·, n, D · VTILE]: stride(2) the tiles'
-        else:
-            assert v_pre.shape[2] == D and v_suf.shape[2] == D, "values are position-minor"
-            assert v_pre.stride(3) == 1 and v_suf.stride(3) == 1, "value positions run contiguously"
-            caps = (v_pre.shape[3], v_suf.shape[3])
-        assert caps[0] >= Lp and caps[1] >= T, "value stores hold every position"
+        assert v_pre.shape[2] == D and v_suf.shape[2] == D and v_pre.shape[3] >= Lp and v_suf.shape[3] >= T, \
+            "values are position-minor"
         assert kpe.shape == k_pre.shape[:3] and kse.shape == k_suf.shape[:3], "one exponent a key position and head"
+        assert v_pre.stride(3) == 1 and v_suf.stride(3) == 1, "value positions run contiguously"
         e_strides = (kpe.stride(0), kpe.stride(1), kse.stride(0), kse.stride(1))
     else:
         kpe = vpe = kse = vse = q  # not read
-        e_strides, vtile, caps = (0, 0, 0, 0), 0, (Lp, T)
+        e_strides = (0, 0, 0, 0)
     rep = Hq // Hkv
     DP = max(16, triton.next_power_of_2(D))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 caches (float32 models) keep float32 products
@@ -510,8 +491,8 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     # heads are 128 programs: one a multiprocessor, too few loads in flight to reach the memory's bandwidth)
     block_p = block_s = block
     if fp8 == 3 and block == 128:  # 128 where the value stores a kernel reads hold whole 128-position blocks (else
-        block_p = 128 if (vtile or caps[0]) % 128 == 0 else 64  # 64 (the old planner.V_ALIGN): still read whole, not
-        block_s = 128 if (vtile or caps[1]) % 128 == 0 and (grouped or block_p == 128) else 64  # masked; a tile's)
+        block_p = 128 if v_pre.shape[3] % 128 == 0 else 64  # 64, the old planner.V_ALIGN: still read whole)
+        block_s = 128 if v_suf.shape[3] % 128 == 0 and (grouped or block_p == 128) else 64
     pchunk = _chunk_size(Lp, P * Hkv * n_sub, block_p, launch["prefix_programs"]) if grouped else block_p
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
     # per sequence: its prefix and suffix in chunks (at least one suffix chunk: the fused merge's taker of last resort)
@@ -536,7 +517,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     assert block & (block - 1) == 0 and block <= 1024, "the key block is a power of two of at most 1,024"
 
     def whole(stores, blk):
-        return bool(fp8 and (vtile or all(v.shape[3] % blk == 0 and v.stride(2) == v.shape[3] for v in stores)))
+        return bool(fp8 and all(v.shape[3] % blk == 0 and v.stride(2) == v.shape[3] for v in stores))
     regs = {"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {}  # registers a thread, at most
     if grouped and first:
         prefix_rows = max(16, triton.next_power_of_2(gs * rep))
@@ -544,7 +525,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
             q, k_pre, v_pre, kpe, vpe, members, prompt_len, m_part, l_part, acc_part, float(scale), *strides,
             *v_strides[:3], *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
             R=prefix_rows, D=D, DP=DP, BLOCK=block_p, PCHUNK=pchunk, PREC=prec,
-            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre,), block_p), VTILE=vtile,
+            DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre,), block_p),
             num_warps=max(warps, prefix_rows // 16), num_stages=stages, **regs)  # a warp for each 16 rows at least
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
@@ -553,8 +534,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *v_strides,
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
-        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), VTILE=vtile,
-        num_warps=warps,
+        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), num_warps=warps,
         num_stages=stages, **regs)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)

@@ -16,8 +16,6 @@ values past a sequence's end, where they are weighed by p = 0).
 The value codes are stored position-minor, [..., D, T'] with T' = T rounded up to planner.V_ALIGN (value_capacity):
 the decode attention's second product reads them as its k-major operand, four positions a 32-bit word, with no
 byte gathers and no position mask (:func:`quantize_values`, :func:`dequantize_values`). Keys stay [..., T, D].
-With VALUE_TILE the sampler's value stores are kept in tiles [..., T' / tile, D, tile] (:func:`tile_values`): a block
-of positions is then one contiguous stretch of memory instead of D stretches T' apart.
 
 :func:`store_decode` is the decode step's write (a Triton kernel on CUDA, one program per row and key head);
 :func:`quantize_reference` its PyTorch twin (and the prefill's write).
@@ -32,9 +30,6 @@ from .sampling import triton_available
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# positions a tile of the sampler's FP8 value stores holds ([..., T' / VALUE_TILE, D, VALUE_TILE], tile_values;
-# planner.V_ALIGN a multiple of it); 0: position-minor [..., D, T']
-VALUE_TILE = 0
 EXP_LIMIT = 120  # |e| bound: 2^±e stays a normal float32 (and far past any key or value magnitude)
 
 
@@ -79,41 +74,17 @@ def quantize_cache(k_pre, v_pre, k_suf, v_suf) -> list[tuple[torch.Tensor, torch
     return [quantize_reference(k_pre), quantize_values(v_pre), quantize_reference(k_suf), quantize_values(v_suf)]
 
 
-def tile_values(q: torch.Tensor, tile: int) -> torch.Tensor:
-    """A position-minor value store q [..., D, T'] (T' a multiple of ``tile``) in tiles [..., T' / tile, D, tile]:
-    each block of ``tile`` positions one contiguous D × tile (the decode attention reads a block of values as one
-    stretch of memory instead of D stretches T' apart)."""
-    *lead, D, T = q.shape
-    if T % tile:
-        raise ValueError(f"a value store of {T} positions is not whole tiles of {tile}")
-    return q.view(*lead, D, T // tile, tile).transpose(-2, -3).contiguous()
-
-
-def untile_values(q: torch.Tensor) -> torch.Tensor:
-    """tile_values' inverse: [..., n, D, tile] → [..., D, n · tile]."""
-    *lead, n, D, tile = q.shape
-    return q.transpose(-2, -3).reshape(*lead, D, n * tile)
-
-
 def dequantize_values(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """float32 [..., T, D] of a position-minor value store q [..., D, T'] (or its tiles [..., T' / tile, D, tile],
-    tile_values) and its exponents e [..., T] (T ≤ T')."""
-    if q.dim() == e.dim() + 2:
-        q = untile_values(q)
+    """float32 [..., T, D] of a position-minor value store q [..., D, T'] and its exponents e [..., T] (T ≤ T')."""
     return dequantize(q[..., : e.shape[-1]].transpose(-1, -2), e)
 
 
 def store_rows(k, v, k_cache, v_cache, k_exp, v_exp, slots, positions) -> None:
     """k, v [M, Hkv, D] quantized into position positions[m] of slot slots[m]: k_cache [S, Hkv, T, D] and v_cache
-    [S, Hkv, D, T'] (position-minor; or its tiles [S, Hkv, T' / tile, D, tile]) fp8, k_exp, v_exp [S, Hkv, T]
-    int8."""
+    [S, Hkv, D, T'] (position-minor) fp8, k_exp, v_exp [S, Hkv, T] int8."""
     (kq, ke), (vq, ve) = quantize_reference(k), quantize_reference(v)
     k_cache[slots, :, positions] = kq
-    if v_cache.dim() == 5:
-        tile = v_cache.shape[-1]
-        v_cache[slots, :, positions // tile, :, positions % tile] = vq  # [M, Hkv, D]: indexed dimensions first
-    else:
-        v_cache[slots, :, :, positions] = vq
+    v_cache[slots, :, :, positions] = vq  # [M, Hkv, D]: the indexed dimensions go first
     k_exp[slots, :, positions] = ke
     v_exp[slots, :, positions] = ve
 
@@ -157,11 +128,9 @@ if triton_available():
     @triton.jit
     def _store_kernel(K, V, KC, VC, KE, VE, WIDX, stride_kb, stride_kh, stride_vb, stride_vh,
                       stride_cs, stride_ch, stride_ct, stride_vcs, stride_vch, stride_vcd, stride_es, stride_eh,
-                      D: tl.constexpr, DP: tl.constexpr, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr,
-                      TILE: tl.constexpr):
+                      D: tl.constexpr, DP: tl.constexpr, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
         """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b (the
-        key store [S, Hkv, T, D], the value store position-minor [S, Hkv, D, T'], or with TILE its tiles
-        [S, Hkv, T' / TILE, D, TILE], stride_vcd then the tiles' stride)."""
+        key store [S, Hkv, T, D], the value store position-minor [S, Hkv, D, T'])."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dims = tl.arange(0, DP)
@@ -172,11 +141,7 @@ if triton_available():
         kq, ke = _quantize_row(k, FP8_MAX, EXP_LIMIT)
         vq, ve = _quantize_row(v, FP8_MAX, EXP_LIMIT)
         tl.store(KC + b * stride_cs + h * stride_ch + t * stride_ct + dims, kq, mask=ok)
-        if TILE:
-            v_at = (t // TILE) * stride_vcd + dims * TILE + t % TILE
-        else:
-            v_at = dims * stride_vcd + t
-        tl.store(VC + b * stride_vcs + h * stride_vch + v_at, vq, mask=ok)
+        tl.store(VC + b * stride_vcs + h * stride_vch + dims * stride_vcd + t, vq, mask=ok)
         tl.store(KE + b * stride_es + h * stride_eh + t, ke.to(tl.int8))
         tl.store(VE + b * stride_es + h * stride_eh + t, ve.to(tl.int8))
 
@@ -188,11 +153,8 @@ def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: 
         return
     B, H, D = k.shape
     kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    tile = vc.shape[4] if vc.dim() == 5 else 0
-    assert kc.stride(3) == 1 and vc.stride(-1) == 1, "key rows and value positions run contiguously"
-    assert not tile or vc.stride(3) == tile, "value tiles [D, tile] are contiguous"
+    assert kc.stride(3) == 1 and vc.stride(3) == 1, "key rows and value positions run contiguously"
     _store_kernel[(B, H)](k, v, kc, vc, k_exp, v_exp, write_index, k.stride(0), k.stride(1), v.stride(0),
                           v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
                           vc.stride(2), k_exp.stride(0), k_exp.stride(1),
-                          D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT, TILE=tile,
-                          num_warps=1)
+                          D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT, num_warps=1)
