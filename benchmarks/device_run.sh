@@ -91,7 +91,7 @@
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
 #              kv_fp8_speed.FP8_SWEEP at 16K), whole-model 8B decode at 16K-token sequences with each cache
 #              (FP8 twice: the default launch, and LAUNCH's choices), 2 prompts x 8 and 16 x 1, warmed (~4 min; KTAG
-#              names the files; KVFP8_ARGS replaces --sweep, e.g. KVFP8_ARGS= for no sweep)
+#              names the files; KVFP8_ARGS replaces --sweep, e.g. KVFP8_ARGS= for no sweep; KVFP8_LIMIT seconds)
 #   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
@@ -325,7 +325,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         fp8kern) stage fp8kern 300 python3 -m pytest -q tests/test_kv_fp8_gpu.py -k "kernels_equal or blocks_of_128" ;;
         fp8k128) stage fp8k128 200 python3 -m pytest -q tests/test_kv_fp8_gpu.py -k blocks_of_128 ;;
         vlayout) stage vlayout 120 python3 benchmarks/value_layout_bandwidth.py --tag "${KTAG:-}" ;;
-        kvfp8) stage kvfp8 330 python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
+        kvfp8) stage kvfp8 "${KVFP8_LIMIT:-330}" python3 benchmarks/kv_fp8_speed.py ${KVFP8_ARGS---sweep} --tag "${KTAG:-}" ;;
         multiturn8b) stage multiturn8b 240 python3 benchmarks/multiturn_speed.py --shape llama-3.1-8b --prompts 16 \
             --G 8 --turns 4 --tool-tokens 200 --new-tokens 512 --prompt-len 512 ;;
         budget_small) stage budget_small 120 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \

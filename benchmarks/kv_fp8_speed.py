@@ -6,9 +6,9 @@
    float32 reference on the unquantized keys/values (‖Δ‖ / ‖o‖), and the cache bytes;
 2. whole-model decode at long sequences: the 8B shape (random weights, LoRA r=32), P prompts × G of a
    --long-prompt-token prompt, longrl's sampler with each cache; decode seconds a step from two rollouts of
-   --short and --long new tokens (the difference: prefill and graph capture cancel), the KV cache each allocates,
-   and how many sequences each cache holds in the same bytes (memory/planner.py's rollout arithmetic); the FP8
-   cache twice: its default launch, and float16 products with the exponents loaded ahead.
+   --short and --long new tokens (the difference: prefill and graph capture cancel; --reps pairs, the medians), the
+   KV cache each allocates, and how many sequences each cache holds in the same bytes (memory/planner.py's rollout
+   arithmetic); the FP8 cache under each of FP8_VARIANTS' launches (KV_VARIANTS picks them).
 
     python benchmarks/kv_fp8_speed.py                        # 2 × 8, suffixes 1,024 / 8,192 / 16,384; 16K decode
     python benchmarks/kv_fp8_speed.py --no-model             # the attention part alone
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -188,16 +189,19 @@ def _decode_run(model, prompts, G: int, args, cache: str) -> dict:
     sampler = Sampler(model, None, kv_cache_dtype=cache)
     try:
         sampler.generate(prompts, G, SamplingParams(max_new_tokens=args.short, seed=0))  # warm-up: compiles
-        times = {}  # the kernels (and their launch choices at these lengths) outside the timed rollouts
-        for n in (args.short, args.long):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            r = sampler.generate(prompts, G, SamplingParams(max_new_tokens=n, seed=1))
-            torch.cuda.synchronize()
-            times[n] = time.perf_counter() - start
-            assert all(len(c) == n for c in r.completion_ids)  # random weights: no EOS in the vocabulary's noise
-        step = (times[args.long] - times[args.short]) / (args.long - args.short)
+        times = {args.short: [], args.long: []}  # the kernels (and their launch choices) outside the timed rollouts
+        for _ in range(args.reps):  # short and long in turn: a drift of the GPU's clocks reaches both
+            for n in (args.short, args.long):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                r = sampler.generate(prompts, G, SamplingParams(max_new_tokens=n, seed=1))
+                torch.cuda.synchronize()
+                times[n].append(time.perf_counter() - start)
+                assert all(len(c) == n for c in r.completion_ids)  # random weights: no EOS in the vocabulary's noise
+        steps = [(b - a) / (args.long - args.short) for a, b in zip(times[args.short], times[args.long])]
+        step = (statistics.median(times[args.long]) - statistics.median(times[args.short])) / (args.long - args.short)
         return dict(step_ms=step * 1e3, tokens_per_s=len(prompts) * G / step, seconds=times,
+                    rep_step_ms=[t * 1e3 for t in steps],
                     kv_cache_gib=sampler.last_stats["kv_cache_bytes"] / GIB, slots=sampler.last_stats["slots"],
                     mismatch=mismatch(model, r, rows=4))
     finally:
@@ -240,6 +244,8 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=16128, help="prompt tokens of the whole-model decode")
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=320)
+    ap.add_argument("--reps", type=int, default=1, help="short and long rollouts a cache, in turn; the step from "
+                    "their medians (the prefill's noise over long − short steps)")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--model-cases", default="2x8,16x1", help="whole-model decodes, PROMPTSxG each: 2x8 shares each "
                     "long prompt among 8 sequences (its keys read once for them), 16x1 reads 16 sequences' own keys")
@@ -280,8 +286,10 @@ def main() -> None:
         names = ["bf16", *FP8_VARIANTS]
         lines += ["", f"## Whole-model decode, {args.shape} (random weights, LoRA r=32), {decode['prompts']} prompts "
                   f"× {decode['G']}, prompt {args.long_prompt:,} + {args.short}–{args.long} new tokens", "",
-                  "| KV cache | ms a decode step | tokens/s | KV cache GiB (allocated) |", "|---|---|---|---|"]
-        lines += [f"| {FP8_TITLES.get(d, d)} | {decode[d]['step_ms']:.2f} | {decode[d]['tokens_per_s']:,.0f} | "
+                  f"| KV cache | ms a decode step (median of {args.reps}) | each pair's ms | tokens/s "
+                  "| KV cache GiB (allocated) |", "|---|---|---|---|---|"]
+        lines += [f"| {FP8_TITLES.get(d, d)} | {decode[d]['step_ms']:.2f} | "
+                  f"{', '.join(f'{t:.2f}' for t in decode[d]['rep_step_ms'])} | {decode[d]['tokens_per_s']:,.0f} | "
                   f"{decode[d]['kv_cache_gib']:.2f} |" for d in names]
         lines += ["", "Sampler/trainer mismatch (the trainer's metrics, token_truncate at cap 2, first 4 completions of "
                   f"the {args.long}-token rollout, each cache's own rollout of the same prompts and seed):", "",
