@@ -27,6 +27,7 @@
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
+#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min)
 #   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
 #              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min;
 #              PROFILE_KV=fp8: the FP8 cache alone)
@@ -41,6 +42,7 @@
 #   hfcb8b     transformers continuous batching alone, 8B shape, capped at 240 s
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
 #   e2e8b_a1   e2e8b_a with 1 step (+ CLI smoke), files tagged ETAG (default _fused) (~2.5 min)
+#   e2e8b_a1kv e2e8b_a1 without the CLI smoke, generation.kv_cache_dtype from E2E_KV (bf16 | fp8), tag ETAG
 #   e2e8b_a4   the same with an NF4 4-bit base, 1 step (decode products on longrl's NF4 kernel, the default since
 #              2026-12-01; e2e8b_a4b: through bitsandbytes' call, as before)
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
@@ -201,6 +203,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
+        profile8b4) stage profile8b4 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
+            --profile-variants packed --profile-4bit --tag "${PTAG:-_fast}_4bit" ;;
         profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;
@@ -219,8 +223,10 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         e2e8b_a) stage e2e8b_a 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 --steps 2 ;;
         e2e8b_a1) stage e2e8b_a1 300 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --tag "${ETAG:-_fused}" ;;
+        e2e8b_a1kv) stage e2e8b_a1kv_${E2E_KV:-bf16} 300 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 \
+            --completion 4096 --steps 1 --no-cli-smoke --kv-cache-dtype "${E2E_KV:-bf16}" --tag "${ETAG:-}" ;;
         e2e8b_a4) stage e2e8b_a4 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
-            --steps 1 --no-cli-smoke --load-in-4bit ;;
+            --steps 1 --no-cli-smoke --load-in-4bit --tag "${ETAG:-}" ;;
         e2e8b_a4b) stage e2e8b_a4b 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --load-in-4bit --bnb-decode ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
@@ -240,13 +246,13 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         e2e15_b) stage e2e15_b 300 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke ;;
         e2e15_a4) stage e2e15_a4 200 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 4 --completion 4096 \
-            --steps 1 --no-cli-smoke --load-in-4bit ;;
+            --steps 1 --no-cli-smoke --load-in-4bit --tag "${ETAG:-}" ;;
         e2e15_b4) stage e2e15_b4 300 python3 benchmarks/grpo_e2e.py --shape qwen2.5-1.5b --prompts 2 --completion 16384 \
-            --steps 1 --no-cli-smoke --load-in-4bit ;;
+            --steps 1 --no-cli-smoke --load-in-4bit --tag "${ETAG:-}" ;;
         e2e8b_a4k) stage e2e8b_a4k 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --load-in-4bit --nf4-kernel ;;
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
-            --steps 1 --no-cli-smoke --load-in-4bit ;;
+            --steps 1 --no-cli-smoke --load-in-4bit --tag "${ETAG:-}" ;;
         attn8b) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph ;;
         attn) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph \
             && stage attn15 150 python3 benchmarks/decode_attention_speed.py --prompts 64 --heads 12,2,128 --sweep \

@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
+    ap.add_argument("--profile-4bit", action="store_true",
+                    help="with --profile: profile the 4-bit (NF4) model of longrl-4bit instead of the bf16 one")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8"),
                     help="with --profile: the sampler's KV cache (generation.kv_cache_dtype)")
     ap.add_argument("--profile-variants", default="packed,hf", metavar="LIST",
@@ -267,6 +269,10 @@ def main() -> None:
         print("NF4 launch:", nf4_matmul.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
+    if args.profile and args.profile_4bit:  # the NF4 model with its adapters, decode products on the NF4 kernel
+        model = four_bit_model(args.shape, dev)
+        profile_decode(args, model, random_prompts(args.prompts, args.prompt_len, model.config.vocab_size))
+        return
     model = random_model(args.shape, dev)
     model.config.use_cache = True
     vocab = model.config.vocab_size
@@ -374,7 +380,8 @@ def profile_decode(args, model, prompts) -> None:
                     for k, (us, c) in runs[N][1].items()}
         per_step = {k: v for k, v in per_step.items() if v[0] > 0.05}
         wall = (runs[N][0] - runs[1][0]) / steps * 1e6
-        lines += [f"## {titles[variant]}, {args.kv_cache_dtype} KV cache: {args.prompts} x "
+        base = "NF4 4-bit base, " if args.profile_4bit else ""
+        lines += [f"## {titles[variant]}, {base}{args.kv_cache_dtype} KV cache: {args.prompts} x "
                   f"{args.G}, {steps} decode steps: {wall:,.0f} µs a step wall-clock (rollout of {N} minus rollout "
                   f"of 1); GPU time of ops and kernels a step below (an op's time includes its kernels)", "",
                   "| µs a step | calls a step | name |", "|---|---|---|"]
