@@ -27,7 +27,7 @@ def sync() -> None:
 
 def bench_lora():
     """The benchmarks' LoRA: r=32, alpha 64, no dropout (a fresh config: callers may change it)."""
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
 
     return LoraConfig(r=32, alpha=64.0, dropout=0.0)
 

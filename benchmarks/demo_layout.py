@@ -22,9 +22,9 @@ import torch
 
 
 def run(padding_free: bool, steps: int) -> dict:
-    from longrl.config import load_config
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"train.max_steps={steps}", f"train.padding_free={str(padding_free).lower()}",
@@ -45,9 +45,9 @@ def run(padding_free: bool, steps: int) -> dict:
 def update_only(repeats: int) -> None:
     """The policy update (forward + backward of every micro-batch, no optimizer step) of one demo rollout batch,
     timed alternately with each layout: the part of the step the layout changes."""
-    from longrl.config import load_config
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"output.output_dir={out}", "output.report_to=[none]"], base=demo_config())

@@ -323,8 +323,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftplan) stage sftplan 60 bash -c 'python3 -c "from transformers import LlamaConfig; LlamaConfig(
             hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=262144).save_pretrained(\"/tmp/l8b\")" &&
-            python3 -m longrl.cli init --sft --model /tmp/l8b >/tmp/l8b_sft.yaml &&
-            for L in ${PLAN_LENGTHS//,/ }; do python3 -m longrl.cli plan /tmp/l8b_sft.yaml sft.max_length=$L \
+            python3 -m longrl.cli.main init --sft --model /tmp/l8b >/tmp/l8b_sft.yaml &&
+            for L in ${PLAN_LENGTHS//,/ }; do python3 -m longrl.cli.main plan /tmp/l8b_sft.yaml sft.max_length=$L \
             sft.examples_per_step=1 lora.r=32 ${PLAN_ARGS:-} --sft --gpu-memory-gib ${PLAN_GIB:-40} 2>&1; done' ;;
         groupedgpu) stage groupedgpu 120 python3 -m pytest -q tests/test_grouped_attention_gpu.py ;;
         fp8gpu) stage fp8gpu 300 python3 -m pytest -q tests/test_kv_fp8_gpu.py tests/test_sampler_gpu.py ;;

@@ -33,10 +33,10 @@ import trl_baseline as tb  # noqa: E402
 from bench_setup import REWARD_FILE, bench_lora, random_model, whitespace_tokenizer, write_grpo_inputs  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
-from longrl.config import Config, RewardSpec, validate  # noqa: E402
+from longrl.config.schema import Config, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
 from longrl.models.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSwiGLU  # noqa: E402
-from longrl.trainer import GRPOTrainer  # noqa: E402
+from longrl.recipes.grpo import GRPOTrainer  # noqa: E402
 
 GIB = 2 ** 30
 def run_loop(args, root: Path) -> dict:
@@ -256,7 +256,7 @@ output:
   save_steps: 1
   progress_bar: false
 """)
-    cmd = [sys.executable, "-m", "longrl.cli", "train", str(config)]
+    cmd = [sys.executable, "-m", "longrl.cli.main", "train", str(config)]
     first = subprocess.run(cmd, capture_output=True, text=True)
     second = subprocess.run(cmd + ["train.max_steps=3", "output.resume=true"], capture_output=True, text=True)
     metrics = [json.loads(line) for line in open(root / "tiny-run" / "metrics.jsonl")]
@@ -306,7 +306,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    for phases in ("longrl.trainer", "longrl.rollout.sampler"):  # each phase as it ends: a timeout still shows them
+    for phases in ("longrl.recipes.grpo", "longrl.rollout.sampler"):  # each phase as it ends: a timeout still shows them
         logging.getLogger(phases).setLevel(logging.DEBUG)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

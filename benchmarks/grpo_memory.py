@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
 
-from longrl.config import LoraConfig  # noqa: E402
+from longrl.config.schema import LoraConfig  # noqa: E402
 from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing, token_budget_groups  # noqa: E402,E501
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan, predict  # noqa: E402
 from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
@@ -41,7 +41,7 @@ from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers
 from longrl.rollout.sampling import triton_available  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss  # noqa: E402
-from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
+from longrl.models.policy import reference_mode, sequence_logprobs  # noqa: E402
 
 
 def _host_rss_gib() -> float:

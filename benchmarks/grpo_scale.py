@@ -56,7 +56,7 @@ COLLECTIVE_NAMES = ("nccl", "gloo", "all_reduce", "allreduce", "reduce_scatter",
 
 # ----------------------------------------------------------------------------------------------- one rank
 def _config(args, root: Path, data: Path | None, reward: Path | None, device: str):
-    from longrl.config import Config, LoraConfig, RewardSpec, validate
+    from longrl.config.schema import Config, LoraConfig, RewardSpec, validate
 
     cfg = Config()
     cfg.model.device = device
@@ -112,9 +112,9 @@ def _fixed_batch(trainer, prompts: int, G: int, prompt_len: int, completion: int
     """This rank's share of a fabricated global batch of ``prompts`` prompts × G completions (random tokens and
     advantages, seeded: every path and world size cuts the same batch), as the trainer's RolloutBatch without its
     reference log-probs (the measured reference pass computes them)."""
-    from longrl.distributed import rank_prompts
+    from longrl.training.distributed import rank_prompts
     from longrl.ops.losses import loss_token_weights
-    from longrl.trainer import RolloutBatch
+    from longrl.recipes.grpo import RolloutBatch
 
     vocab = trainer.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -170,7 +170,7 @@ def measure_phases(trainer, args) -> dict:
 def worker(args) -> None:
     """One rank (or the single process): train --steps steps (or measure --phases), rank 0 writes the result
     JSON."""
-    from longrl.trainer import GRPOTrainer
+    from longrl.recipes.grpo import GRPOTrainer
 
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu" if args.device == "cpu" else f"cuda:{local}"

@@ -147,7 +147,7 @@ def decode_model(args, dev):
     """The whole-model decodes' model: --shape with random weights, LoRA r=32."""
     import trl_baseline as tb
 
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.models import apply_lora
 
     model = tb.build_random_model(args.shape, dev, torch.bfloat16, attn_implementation="sdpa")
@@ -212,9 +212,9 @@ def _decode_run(model, prompts, G: int, args, cache: str) -> dict:
 def mismatch(model, rollout, rows: int) -> dict:
     """The trainer's sampler/trainer mismatch metrics (ops/rollout_correction.py: sampler/k3_kl,
     sampler/logp_abs_diff, ...) of the first ``rows`` completions of ``rollout``: the model's own log-probs of the
-    sampled tokens (one training-style forward, longrl.policy.sequence_logprobs) against the sampler's."""
+    sampled tokens (one training-style forward, longrl.models.policy.sequence_logprobs) against the sampler's."""
     from longrl.ops.rollout_correction import rollout_correction_weights
-    from longrl.policy import sequence_logprobs
+    from longrl.models.policy import sequence_logprobs
 
     prompts, comps = rollout.prompt_ids[:rows], rollout.completion_ids[:rows]
     width = max(len(c) for c in comps)

@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import trl_baseline as tb  # noqa: E402
 from grpo_memory import grads_of, set_checkpointing, zero_grads  # noqa: E402
 
-from longrl.config import LoraConfig  # noqa: E402
+from longrl.config.schema import LoraConfig  # noqa: E402
 from longrl.memory import attention_reuse, offload  # noqa: E402
 from longrl.models import apply_lora  # noqa: E402
 from longrl.ops.attention_backend import sdpa_priority  # noqa: E402
-from longrl.policy import sequence_logprobs  # noqa: E402
+from longrl.models.policy import sequence_logprobs  # noqa: E402
 
 RUNS = (("plain_a", "plain"), ("plain_b", "plain"), ("offload", "offload"), ("reuse", "reuse"),
         ("reuse_contiguous", "reuse"))

@@ -43,17 +43,17 @@ import torch  # noqa: E402
 
 import trl_baseline as tb  # noqa: E402
 
-from longrl.config import LoraConfig  # noqa: E402
+from longrl.config.schema import LoraConfig  # noqa: E402
 from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing  # noqa: E402
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
-from longrl.model_setup import SFT_LENGTH_KEY  # noqa: E402
+from longrl.training.model_setup import SFT_LENGTH_KEY  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
 from longrl.ops.attention_backend import sdpa_priority, training_attention_kernel  # noqa: E402
 from longrl.rollout.sampling import triton_available  # noqa: E402
-from longrl.sft import step_loss  # noqa: E402
-from longrl.sft_data import SFTExample  # noqa: E402
+from longrl.recipes.sft import step_loss  # noqa: E402
+from longrl.data.sft_rows import SFTExample  # noqa: E402
 
 
 def _sync():

@@ -10,7 +10,7 @@ import torch
 
 from longrl.ops.losses import PolicyLossSettings, loss_token_weights, per_token_policy_loss, weighted_loss
 from longrl.ops.rollout_correction import rollout_correction_weights
-from longrl.policy import completion_mask, pad_right, sequence_logprobs
+from longrl.models.policy import completion_mask, pad_right, sequence_logprobs
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.sampler import MultiTurn
 from test_sampler import tiny_model

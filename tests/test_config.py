@@ -6,8 +6,8 @@ import sys
 import pytest
 import yaml
 
-from longrl.config import Config, ConfigError, load_config
-from longrl.demo import demo_config
+from longrl.config.schema import Config, ConfigError, load_config
+from longrl.config.demo import demo_config
 
 
 def test_defaults_roundtrip_through_yaml(tmp_path):
@@ -84,7 +84,7 @@ def test_not_key_value():
 
 
 def test_cli_print_config_is_accepted_by_train(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "longrl.cli", "demo", "--print-config"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "longrl.cli.main", "demo", "--print-config"], capture_output=True,
                          text=True, check=True).stdout
     path = tmp_path / "demo.yaml"
     path.write_text(out)
@@ -92,7 +92,7 @@ def test_cli_print_config_is_accepted_by_train(tmp_path):
 
 
 def test_cli_config_error_exits_2_without_loading(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "longrl.cli", "demo", "grpo.loss_type=nope"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "longrl.cli.main", "demo", "grpo.loss_type=nope"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "grpo.loss_type" in r.stderr and "Traceback" not in r.stderr
 

@@ -4,8 +4,8 @@ import dataclasses
 import textwrap
 from pathlib import Path
 
-from longrl import config_docs
-from longrl.config import Config
+from longrl.config import docs as config_docs
+from longrl.config.schema import Config
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from longrl.config import DataConfig, RewardSpec
-from longrl.data import DataError, PromptSampler, load_prompts
+from longrl.config.schema import DataConfig, RewardSpec
+from longrl.data.prompts import DataError, PromptSampler, load_prompts
 from longrl.models import build_char_tokenizer
 from longrl.rewards import RewardLoadError, RewardScorer, load_reward_function
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from longrl.config import load_config
-from longrl.demo import demo_config
-from longrl.distributed import World, rank_prompts, shard
-from longrl.reporting import read_metrics
-from longrl.trainer import GRPOTrainer
+from longrl.config.schema import load_config
+from longrl.config.demo import demo_config
+from longrl.training.distributed import World, rank_prompts, shard
+from longrl.training.reporting import read_metrics
+from longrl.recipes.grpo import GRPOTrainer
 
 # 3 prompts on 2 or 3 ranks (an uneven split), micro-batches of 5 that cross the groups of 4
 QUICK = ["train.prompts_per_step=3", "grpo.num_generations=4", "train.micro_batch_size=5", "train.max_steps=2",
@@ -64,14 +64,14 @@ def _trainable(model) -> dict:
 
 def _no_plots():
     """Training-curve plots off (matplotlib costs seconds a save; this file checks no plot)."""
-    from longrl.reporting import RunReporter
+    from longrl.training.reporting import RunReporter
 
     RunReporter.plot = lambda self: None
 
 
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
-    from longrl.reporting import RunReporter
+    from longrl.training.reporting import RunReporter
 
     monkeypatch.setattr(RunReporter, "plot", lambda self: None)
 
@@ -84,7 +84,7 @@ def _train(jobs, results: Path, rank: int, suffix: str = "") -> None:
     to results/NAME{suffix}.pt."""
     for name, *config, overrides in jobs:
         if name == "sft":  # `longrl sft` (test_sft_two_processes_equal_one)
-            from longrl.sft import SFTTrainer
+            from longrl.recipes.sft import SFTTrainer
 
             trainer = SFTTrainer(load_config(config[0] if config else None, overrides, recipe="sft"))
         else:
@@ -255,7 +255,7 @@ def test_sft_two_processes_equal_one_and_resume_on_one(spawned_runs, tmp_path):
     """`longrl sft` on 2 processes: each rank's share of the step's examples, the mean over the trained tokens of the
     whole step (the count all-reduced), gradients summed: the 1-process run's per-step metrics (loss, held-out loss)
     and final adapters; rank 0 alone wrote; its step-1 checkpoint resumes in one process on the same trajectory."""
-    from longrl.sft import SFTTrainer
+    from longrl.recipes.sft import SFTTrainer
 
     root, _, got = spawned_runs
     untimed = lambda ms: [{k: v for k, v in m.items() if not k.endswith("_per_s")} for m in ms]  # noqa: E731

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from longrl.checkpoint import save_checkpoint
-from longrl.config import Config, load_config
-from longrl.demo import demo_config
+from longrl.training.checkpoint import save_checkpoint
+from longrl.config.schema import Config, load_config
+from longrl.config.demo import demo_config
 from longrl.export import ExportError, export_checkpoint, read_checkpoint
 from longrl.export.gguf_writer import unpermute_qk
 from longrl.models import build_char_tokenizer
-from longrl.trainer import GRPOTrainer
+from longrl.recipes.grpo import GRPOTrainer
 
 gguf = pytest.importorskip("gguf")
 
@@ -60,7 +60,7 @@ def _save_base(path, family):
 
 def _checkpoint_with_random_lora(tmp_path, family):
     """A checkpoint written by save_checkpoint for a LoRA model on a local base, with random nonzero adapters."""
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.models import load_model
 
     base = _save_base(tmp_path / f"base-{family}", family)
@@ -354,7 +354,7 @@ def test_full_weight_checkpoint_merges_and_refuses_adapter(tmp_path):
 
 
 def test_cli_export(llama_ckpt, tmp_path, capsys):
-    from longrl.cli import main
+    from longrl.cli.main import main
 
     assert main(["export", str(tmp_path / "out"), "--from", str(llama_ckpt[0]), "--format", "gguf",
                  "--quant", "q8_0"]) == 0

@@ -108,8 +108,8 @@ def test_other_tokenizer_models_are_refused():
 def test_export_refuses_an_inexact_tokenizer_before_writing_anything(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from longrl.checkpoint import save_checkpoint
-    from longrl.config import Config
+    from longrl.training.checkpoint import save_checkpoint
+    from longrl.config.schema import Config
     from longrl.export import ExportError, export_checkpoint
 
     tok = _edited(TOKENIZERS["llama3"](), lambda s: _split_regex(s, r"\w+|\s+|."))

@@ -10,7 +10,7 @@ import torch
 import transformers
 from interpreter import run_interpreted
 
-from longrl.config import LoraConfig
+from longrl.config.schema import LoraConfig
 from longrl.models import apply_lora
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.fast_decode import FastDecoder, unsupported_reason
@@ -312,9 +312,9 @@ def test_siblings_with_biases_of_different_dtypes_stay_unpacked():
 
 def test_trainer_switch(tmp_path):
     """generation.fast_decode and fuse_lora reach the trainer's sampler (the demo model is a Llama: on by default)."""
-    from longrl.config import load_config
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer
 
     for flag, on in (("true", True), ("false", False)):
         cfg = load_config(None, [f"output.output_dir={tmp_path / flag}", f"generation.fast_decode={flag}",

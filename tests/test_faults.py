@@ -1,5 +1,5 @@
 """The fault catalogue (tests/fault_cases.yaml): bad inputs and faults across config, data, rewards, model, export,
-resume, signals, locks, corruption and disk full. Each case runs in this process (``longrl.cli.main``) and asserts
+resume, signals, locks, corruption and disk full. Each case runs in this process (``longrl.cli.main.main``) and asserts
 the exit code, that the message names the key / row / file, that it failed before the model loaded wherever the
 input allows, and that files already written are unchanged (bytes lost: zero). A few faults need a real process:
 signals sent to a running ``longrl train``, and kill -9 at random moments of checkpoint writes (resume then
@@ -29,13 +29,13 @@ import torch
 import yaml
 
 import longrl.export.source as export_source
-import longrl.model_setup as model_setup
-import longrl.trainer as trainer_module
-from longrl.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint, write_manifest
-from longrl.cli import main
-from longrl.config import RewardSpec
-from longrl.demo import demo_config
-from longrl.reporting import read_metrics
+import longrl.training.model_setup as model_setup
+import longrl.recipes.grpo as trainer_module
+from longrl.training.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint, write_manifest
+from longrl.cli.main import main
+from longrl.config.schema import RewardSpec
+from longrl.config.demo import demo_config
+from longrl.training.reporting import read_metrics
 from longrl.rewards import RewardScorer
 from longrl.rewards.isolation import ProcessReward
 
@@ -201,7 +201,7 @@ def _inject(name: str, monkeypatch) -> None:
     elif name == "enospc_metrics":
         import builtins
 
-        import longrl.reporting as reporting
+        import longrl.training.reporting as reporting
 
         def fake_open(path, mode="r", *a, **k):
             if str(path).endswith("metrics.jsonl") and "a" in mode:
@@ -373,7 +373,7 @@ def test_fault(case, tmp_path, monkeypatch, capsys, caplog, cache):
             os.close(held)
     text = capsys.readouterr().err + "\n" + caplog.text
     if extra is not None:  # the scorer's failures as the trainer reports them, one line per function
-        from longrl.reporting import reward_failure_lines
+        from longrl.training.reporting import reward_failure_lines
 
         text += "\n".join(reward_failure_lines(1, extra.get("failures", []), 4))
     if scorer is not None:
@@ -413,7 +413,7 @@ def _popen_train(tmp: Path, out: Path, *extra: str) -> subprocess.Popen:
     if not cfg.exists():
         _write_config(tmp)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "longrl.cli", "train", str(cfg), *BASE,
+    return subprocess.Popen([sys.executable, "-m", "longrl.cli.main", "train", str(cfg), *BASE,
                              f"output.output_dir={out}", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=tmp)
 

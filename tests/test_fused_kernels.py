@@ -129,7 +129,7 @@ def test_fused_kernels_match_their_twins_under_the_interpreter(seed):
 
 
 def _tiny_llama():
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.models import apply_lora, build_tiny_model
 
     return apply_lora(build_tiny_model(seed=0)[0], LoraConfig(r=4, alpha=8, dropout=0.0))

@@ -84,7 +84,7 @@ def test_a_grouped_query_model_trains_to_the_same_gradients(monkeypatch, reuse):
     kernel call in the recompute), equal SDPA's bit for bit."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.memory import enable_offloaded_checkpointing
     from longrl.models import apply_lora
 

@@ -1,4 +1,4 @@
-"""Sampling from and scoring checkpoints (``longrl generate``, ``longrl eval``, :func:`longrl.evaluation.evaluate`),
+"""Sampling from and scoring checkpoints (``longrl generate``, ``longrl eval``, :func:`longrl.training.evaluation.evaluate`),
 the unbiased pass@k, the example dataset and rewards, and the micro-batch layouts giving the same loss."""
 
 import itertools
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from longrl.cli import main
-from longrl.config import load_config
-from longrl.demo import demo_config
-from longrl.evaluation import evaluate, k_values, pass_at_k
-from longrl.trainer import GRPOTrainer
+from longrl.cli.main import main
+from longrl.config.schema import load_config
+from longrl.config.demo import demo_config
+from longrl.training.evaluation import evaluate, k_values, pass_at_k
+from longrl.recipes.grpo import GRPOTrainer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=8",
@@ -46,8 +46,8 @@ def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_pass():
 
 def test_evaluate_aggregates_what_it_sampled(demo_run):
     """evaluate()'s means and pass@k recomputed from the scored samples it returns (grouped n per prompt)."""
-    from longrl.evaluation import load_eval_prompts, read_eval_rows
-    from longrl.inference import load_checkpoint_model
+    from longrl.training.evaluation import load_eval_prompts, read_eval_rows
+    from longrl.cli.inference import load_checkpoint_model
     from longrl.rewards import RewardScorer
 
     out, config = demo_run
@@ -114,7 +114,7 @@ def test_eval_cli_reports_mean_reward_and_pass_at_k(demo_run, capsys, tmp_path):
 
 
 def test_chat_prompts_follow_the_run_and_the_template():
-    from longrl.inference import as_prompt
+    from longrl.cli.inference import as_prompt
     from longrl.models import build_char_tokenizer
 
     tok = build_char_tokenizer()  # has a chat template
@@ -127,8 +127,8 @@ def test_chat_prompts_follow_the_run_and_the_template():
 
 
 def test_example_dataset_and_rewards_load_and_score():
-    from longrl.config import DataConfig, RewardSpec
-    from longrl.data import read_prompt_rows
+    from longrl.config.schema import DataConfig, RewardSpec
+    from longrl.data.prompts import read_prompt_rows
     from longrl.rewards import RewardScorer
 
     rows = read_prompt_rows(DataConfig(source=str(EXAMPLES / "prompts.jsonl")))
@@ -149,7 +149,7 @@ def test_padded_and_packed_micro_batches_give_the_same_loss_and_gradients(tmp_pa
 
     model, tok = build_tiny_model(seed=0, dtype=torch.float64)
     from longrl.models import apply_lora
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
 
     model = apply_lora(model, LoraConfig(r=4))
     with torch.no_grad():

@@ -109,7 +109,7 @@ def test_fp8_decode_in_blocks_of_128_equals_its_twin_on_cuda():
 
 
 def test_budget_caps_the_allocator():
-    from longrl.config import load_config
+    from longrl.config.schema import load_config
     from longrl.memory.layout import cap_allocator
 
     dev = torch.device("cuda")
@@ -127,9 +127,9 @@ def test_budget_caps_the_allocator():
 
 
 def test_tiny_run_with_auto_layout_budget_and_fp8_cache(tmp_path):
-    from longrl.config import load_config
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer
 
     cfg = load_config(None, ["model.device=cuda", "model.dtype=bfloat16", "lora.enabled=true", "grpo.beta=0.04",
                              "train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4",

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from longrl.config import LoraConfig
+from longrl.config.schema import LoraConfig
 from longrl.models import apply_lora
 from longrl.rollout import Sampler, SamplingParams, lora_fusion
 from longrl.rollout.lora_fusion import fusable_reason, fused_lora

@@ -7,7 +7,7 @@ import torch
 from test_lora_fusion import llama, randomise_adapters
 from test_memory import _base, _batch, _grads, bf16_gradient_errors
 
-from longrl.config import LoraConfig
+from longrl.config.schema import LoraConfig
 from longrl.models import apply_lora
 from longrl.models.lora_training import FusedLoraLinear, fused_lora_training
 
@@ -189,7 +189,7 @@ def test_fused_training_on_a_4bit_base_equals_peft():
     PEFT's up to float32 summation order (the sum inside the product)."""
     bnb = pytest.importorskip("bitsandbytes")
     from longrl.models import base_model, load_model
-    from longrl.policy import sequence_logprobs
+    from longrl.models.policy import sequence_logprobs
 
     model, tok = load_model("builtin:tiny-arith", lora=LoraConfig(r=8, alpha=16), device="cpu", load_in_4bit=True)
     assert isinstance(base_model(model).model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear4bit)

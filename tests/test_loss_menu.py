@@ -387,8 +387,8 @@ QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=
 
 
 def _cfg(tmp_path, *overrides):
-    from longrl.config import load_config
-    from longrl.demo import demo_config
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
 
     return load_config(None, QUICK + [f"output.output_dir={tmp_path}", *overrides], base=demo_config())
 
@@ -397,7 +397,7 @@ def test_menu_trains_and_the_split_changes_nothing(tmp_path):
     """sapo with the entropy bonus, the high-entropy token mask, the off-policy mask and two steps per rollout:
     the run trains, and micro-batches of 5 give the metrics of one micro-batch (the token mask and the bonus
     weights are statistics of the whole step)."""
-    from longrl.trainer import GRPOTrainer
+    from longrl.recipes.grpo import GRPOTrainer
 
     menu = ["grpo.loss_type=sapo", "grpo.entropy_coef=0.01", "grpo.top_entropy_quantile=0.5",
             "grpo.off_policy_mask_threshold=0.002", "grpo.steps_per_generation=2", "grpo.beta=0.05",
@@ -421,7 +421,7 @@ def test_menu_trains_and_the_split_changes_nothing(tmp_path):
      "grpo.use_bias_correction_kl=false", "grpo.beta=0.02", "lora.enabled=true"],
 ])
 def test_menu_variants_train(tmp_path, overrides):
-    from longrl.trainer import GRPOTrainer
+    from longrl.recipes.grpo import GRPOTrainer
 
     history = GRPOTrainer(_cfg(tmp_path, *overrides)).train()
     assert len(history) == 2
@@ -443,7 +443,7 @@ def test_menu_variants_train(tmp_path, overrides):
     (["grpo.loss_type=ppo"], "grpo.loss_type"),
 ])
 def test_menu_config_errors(tmp_path, overrides, key):
-    from longrl.config import ConfigError
+    from longrl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _cfg(tmp_path, *overrides)
@@ -453,9 +453,9 @@ def test_trainer_update_is_split_invariant_in_float64(tmp_path):
     """One update of the trainer on one rollout batch in float64, with every whole-step option on (the entropy
     token mask, the entropy bonus, the off-policy mask, two steps per rollout): micro-batches of 16 and of 3
     give the same loss and gradients to float64 rounding."""
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.models import apply_lora, build_tiny_model
-    from longrl.trainer import GRPOTrainer
+    from longrl.recipes.grpo import GRPOTrainer
 
     model, tok = build_tiny_model(seed=1, dtype=torch.float64)
     model = apply_lora(model, LoraConfig(r=4))

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from longrl.config import LoraConfig
+from longrl.config.schema import LoraConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from longrl.memory import (ActivationOffloader, enable_offloaded_checkpointing, keep_last_layers_whole,
@@ -15,7 +15,7 @@ from longrl.memory import (ActivationOffloader, enable_offloaded_checkpointing, 
 from longrl.memory.attention_reuse import ATTENTION_OPS
 from longrl.models import apply_lora
 from longrl.models.lora_training import fused_lora_training
-from longrl.policy import sequence_logprobs
+from longrl.models.policy import sequence_logprobs
 
 
 def _base(seed=0, layers=3):
@@ -197,9 +197,9 @@ def test_layers_kept_whole_leave_the_resident_inputs_to_the_checkpointed_layers(
 
 def test_a_model_given_again_gets_the_new_layout_of_layers_kept_whole(tmp_path):
     """Plain checkpointing on a model passed in twice: the second layout (none kept whole) replaces the first's flags."""
-    from longrl.config import load_config
-    from longrl.demo import demo_config
-    from longrl.model_setup import build_policy_model
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
+    from longrl.training.model_setup import build_policy_model
 
     def layout(whole):
         return load_config(None, ["model.gradient_checkpointing=true", "model.offload_activations=false",
@@ -289,9 +289,9 @@ def test_token_budget_groups(seed):
 def test_trainer_token_budget_and_offload_match_default(tmp_path):
     """A run split by token budget, offloaded, matches the plain run's metrics (float tolerance); with attention
     reuse, and with its last layer not recomputed, the offloaded run's exactly."""
-    from longrl.config import load_config
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer
+    from longrl.config.schema import load_config
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer
 
     common = ["train.max_steps=3", "train.prompts_per_step=4", "grpo.num_generations=4", "lora.enabled=true",
               "output.progress_bar=false", "output.tensorboard=false", "grpo.beta=0.04", "grpo.num_iterations=1"]
@@ -315,8 +315,8 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
 
 
 def test_reuse_attention_needs_offloading():
-    from longrl.config import ConfigError, load_config
-    from longrl.demo import demo_config
+    from longrl.config.schema import ConfigError, load_config
+    from longrl.config.demo import demo_config
 
     with pytest.raises(ConfigError, match="model.reuse_attention"):
         load_config(None, ["model.reuse_attention=true"], base=demo_config())
@@ -345,8 +345,8 @@ def test_sdpa_backend_order_and_config():
     """model.sdpa_backends: the listed backends first, the rest after (so nothing is disabled); bad names refused."""
     from torch.nn.attention import SDPBackend
 
-    from longrl.config import ConfigError, load_config
-    from longrl.demo import demo_config
+    from longrl.config.schema import ConfigError, load_config
+    from longrl.config.demo import demo_config
     from longrl.ops.attention_backend import backend_order, sdpa_priority
 
     assert backend_order(["cudnn"]) == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,

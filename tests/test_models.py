@@ -4,9 +4,9 @@ the model's own logits agree with the chunked log-prob path (softcapping, scalin
 import pytest
 import torch
 
-from longrl.config import LoraConfig
+from longrl.config.schema import LoraConfig
 from longrl.models import ModelLoadError, build_char_tokenizer, load_model, model_parts
-from longrl.policy import sequence_logprobs
+from longrl.models.policy import sequence_logprobs
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64)
@@ -82,7 +82,7 @@ def test_unknown_lora_target(tmp_path):
 
 
 def test_reference_mode_disables_adapters(tmp_path):
-    from longrl.policy import reference_mode
+    from longrl.models.policy import reference_mode
 
     path = _save_tiny(tmp_path, "llama", _configs()["llama"])
     model, tok = load_model(str(path), lora=LoraConfig(r=4), dtype="float32", device="cpu")

@@ -209,7 +209,7 @@ def test_group_kernel_on_the_gpu_equals_the_twin(M):
 SAMPLER_CHECK = textwrap.dedent('''
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.models import apply_lora
     from longrl.models.quantize import quantize_model
     from longrl.rollout import Sampler, SamplingParams

@@ -10,13 +10,13 @@ import torch
 pytest.importorskip("bitsandbytes")
 import bitsandbytes as bnb  # noqa: E402
 
-from longrl.config import ConfigError, LoraConfig, load_config  # noqa: E402
-from longrl.demo import demo_config  # noqa: E402
+from longrl.config.schema import ConfigError, LoraConfig, load_config  # noqa: E402
+from longrl.config.demo import demo_config  # noqa: E402
 from longrl.models import ModelLoadError, base_model, build_tiny_model, calibration_ids, load_model  # noqa: E402
 from longrl.models.quantize import NF4_BYTES_PER_PARAM, nf4_bytes, quantize_model  # noqa: E402
-from longrl.policy import reference_mode, sequence_logprobs  # noqa: E402
-from longrl.reporting import read_metrics  # noqa: E402
-from longrl.trainer import GRPOTrainer  # noqa: E402
+from longrl.models.policy import reference_mode, sequence_logprobs  # noqa: E402
+from longrl.training.reporting import read_metrics  # noqa: E402
+from longrl.recipes.grpo import GRPOTrainer  # noqa: E402
 
 DAMAGED = "model.layers.1.self_attn.v_proj"
 
@@ -127,7 +127,7 @@ def test_qlora_learns_and_gradients_match_dequantized_base():
     equal those of the same model with each NF4 weight replaced by its dequantized 32-bit copy, also after an
     eval-mode no-grad pass (generation) that would make bitsandbytes repack the CPU weights."""
     from longrl.rollout.hf_generate import generate_completions
-    from longrl.config import GenerationConfig
+    from longrl.config.schema import GenerationConfig
 
     model, tok = load_model("builtin:tiny-arith", lora=LoraConfig(r=8, alpha=16), device="cpu", load_in_4bit=True)
     assert isinstance(base_model(model).model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear4bit)

@@ -11,12 +11,12 @@ import types
 
 import pytest
 
-from longrl.config import ConfigError, OutputConfig, load_config
-from longrl.demo import demo_config
-from longrl.reporting import (RunReporter, _fit_axis, check_report_to, plot_training_curves, report_targets,
+from longrl.config.schema import ConfigError, OutputConfig, load_config
+from longrl.config.demo import demo_config
+from longrl.training.reporting import (RunReporter, _fit_axis, check_report_to, plot_training_curves, report_targets,
                               reward_failure_lines, step_line)
 from longrl.rewards import RewardFailure
-from longrl.trainer import GRPOTrainer
+from longrl.recipes.grpo import GRPOTrainer
 
 QUICK = ["train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=8", "output.save_steps=0"]
 
@@ -27,7 +27,7 @@ def test_non_terminal_run_prints_one_line_per_logging_step_a_summary_and_writes_
     config = tmp_path / "run.yaml"
     config.write_text(demo_config().to_yaml())
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "longrl.cli", "train", str(config), *QUICK, "train.max_steps=5",
+    r = subprocess.run([sys.executable, "-m", "longrl.cli.main", "train", str(config), *QUICK, "train.max_steps=5",
                         "output.logging_steps=2", f"output.output_dir={out}", "output.report_to=[none]"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -185,7 +185,7 @@ def test_eval_during_training_logs_eval_metrics_and_rotation_keeps_the_last_thre
 
 
 def test_eval_steps_without_eval_data_fail_before_the_model_loads(tmp_path, monkeypatch):
-    import longrl.model_setup as model_setup
+    import longrl.training.model_setup as model_setup
 
     monkeypatch.setattr(model_setup, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     cfg = load_config(None, [f"output.output_dir={tmp_path}", "output.eval_steps=2"], base=demo_config())

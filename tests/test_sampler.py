@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from longrl.config import LoraConfig
+from longrl.config.schema import LoraConfig
 from longrl.models import apply_lora
 from longrl.models.tiny import build_char_tokenizer
 from longrl.ops.rollout_correction import rollout_correction_weights
@@ -276,7 +276,7 @@ def test_sequence_modes_report_changed_weights_only_when_capped():
 
 
 def test_hf_backend_honours_stop_rules():
-    from longrl.config import GenerationConfig
+    from longrl.config.schema import GenerationConfig
     from longrl.rollout import generate_completions
 
     model, tok = tiny_model(seed=0)
@@ -298,7 +298,7 @@ def test_hf_backend_draws_as_the_sampler_by_global_sequence_id():
     generated one sequence at a time with its ids, is that share of the whole batch."""
     from dataclasses import replace
 
-    from longrl.config import GenerationConfig
+    from longrl.config.schema import GenerationConfig
     from longrl.rollout import generate_completions
     from longrl.rollout.completions import sampling_params
 

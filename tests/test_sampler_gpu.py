@@ -182,7 +182,7 @@ def test_packing_and_release_hold_one_group_of_extra_memory_at_most():
     the adapters' A rows are new; after release the allocation is what it was before packing."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from longrl.config import LoraConfig
+    from longrl.config.schema import LoraConfig
     from longrl.models.loading import apply_lora, base_model
     from longrl.rollout.fast_decode import FastDecoder
     from longrl.rollout.lora_fusion import fused_lora

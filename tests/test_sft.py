@@ -4,10 +4,10 @@ template family, packed = unpacked, split invariance, and a short run that lower
 import pytest
 import torch
 
-from longrl.config import Config, SFTSettings, load_config
-from longrl.data import DataError
+from longrl.config.schema import Config, SFTSettings, load_config
+from longrl.data.prompts import DataError
 from longrl.ops.cross_entropy import chunked_cross_entropy, reference_cross_entropy
-from longrl.sft_data import build_examples, row_example
+from longrl.data.sft_rows import build_examples, row_example
 
 CE_CASES = [  # (N, H, V, chunk, smoothing, multiplier, bias, softcap)
     (1, 3, 5, 1, 0.0, 1.0, False, None),
@@ -147,7 +147,7 @@ def _tiny_llama(seed=0):
 
 
 def _random_examples(n, seed):
-    from longrl.sft_data import SFTExample
+    from longrl.data.sft_rows import SFTExample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -161,7 +161,7 @@ def _random_examples(n, seed):
 
 
 def _loss_and_grads(model, examples, groups, packed):
-    from longrl.sft import step_loss
+    from longrl.recipes.sft import step_loss
 
     model.zero_grad(set_to_none=True)
     loss, _ = step_loss(model, examples, groups, pad_id=0, label_smoothing=0.1, chunk_size=7, packed=packed,
@@ -203,7 +203,7 @@ def _sft_config(tmp_path, **over):
 
 
 def test_sft_run_lowers_held_out_loss_and_resume_reproduces(tmp_path):
-    from longrl.sft import SFTTrainer
+    from longrl.recipes.sft import SFTTrainer
 
     trainer = SFTTrainer(_sft_config(tmp_path))
     before = trainer.evaluate()["eval/loss"]
@@ -220,7 +220,7 @@ def test_sft_run_lowers_held_out_loss_and_resume_reproduces(tmp_path):
 
 def test_sft_config_needs_no_rewards_and_validates():
     assert load_config(None, ["sft.max_length=64"], recipe="sft").sft.max_length == 64
-    from longrl.config import ConfigError
+    from longrl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="sft.label_smoothing"):
         load_config(None, ["sft.label_smoothing=1.5"], recipe="sft")
@@ -234,10 +234,10 @@ def test_sft_stops_with_a_checkpoint_on_a_signal_and_on_non_finite_steps(tmp_pat
     import os
     import signal
 
-    from longrl.checkpoint import latest_checkpoint, verify_checkpoint
-    from longrl.run_guards import EXIT_GUARD
-    from longrl.sft import SFTTrainer
-    from longrl.stop_signals import TrainingStopped
+    from longrl.training.checkpoint import latest_checkpoint, verify_checkpoint
+    from longrl.training.guards import EXIT_GUARD
+    from longrl.recipes.sft import SFTTrainer
+    from longrl.training.signals import TrainingStopped
 
     trainer = SFTTrainer(_sft_config(tmp_path, **{"train.max_steps": 50}))
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import yaml
 
-from longrl.config import ConfigError, load_config, trl_key
-from longrl.reporting import read_metrics
+from longrl.config.schema import ConfigError, load_config, trl_key
+from longrl.training.reporting import read_metrics
 from longrl.tasks.arithmetic import make_arithmetic_sft_rows
-from longrl.trl_names import GRPO_ONLY, SFT_NAMES, TRL_SFT_NAMES
+from longrl.config.trl_names import GRPO_ONLY, SFT_NAMES, TRL_SFT_NAMES
 
 # one run in two dialects: TRL's SFTConfig names (Python) and longrl's keys (YAML)
 TRL_ARGS = dict(max_length=16, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-3,
@@ -49,7 +49,7 @@ def test_trl_sft_script_matches_the_yaml_cli_and_resumes(tmp_path, capsys):
     import datasets
 
     from longrl import SFTConfig, SFTTrainer
-    from longrl.cli import main
+    from longrl.cli.main import main
 
     rows = make_arithmetic_sft_rows(60, seed=5)  # 54 trained, the last 6 held out (a tenth)
     args = SFTConfig(output_dir=str(tmp_path / "py"), num_train_epochs=0.4, **TRL_ARGS)
@@ -138,8 +138,8 @@ def test_sft_config_names_map_refuse_and_suggest():
 
 def test_sft_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
     from longrl import SFTConfig, SFTTrainer
-    from longrl.config import Config
-    from longrl.trl_api import sft_trainer_inputs
+    from longrl.config.schema import Config
+    from longrl.compat.trl import sft_trainer_inputs
 
     args = SFTConfig(output_dir=str(tmp_path / "x"))
     with pytest.raises(TypeError, match="data_collator"):
@@ -162,17 +162,17 @@ def test_sft_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
 def test_docs_api_holds_the_sft_name_table():
     from pathlib import Path
 
-    from longrl.trl_api import SFT_TABLE_BEGIN, SFT_TABLE_END, flat_name_table
+    from longrl.compat.trl import SFT_TABLE_BEGIN, SFT_TABLE_END, flat_name_table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     block = doc.partition(SFT_TABLE_BEGIN)[2].partition(SFT_TABLE_END)[0]
-    assert block == flat_name_table(SFT_NAMES), "docs/api.md's SFT table is out of date: run python -m longrl.trl_api"
+    assert block == flat_name_table(SFT_NAMES), "docs/api.md's SFT table is out of date: run python -m longrl.compat.trl"
 
 
 def test_init_sft_output_is_accepted_by_sft_and_plan(tmp_path, capsys):
     """`longrl init --sft --model DIR` for a tiny model directory written here: `plan --sft` and `sft` take it as
     written (sft with overrides that only make it short)."""
-    from longrl.cli import main
+    from longrl.cli.main import main
     from longrl.models import build_tiny_model
 
     model, tok = build_tiny_model(seed=0)
@@ -205,7 +205,7 @@ def test_sft_checkpoint_exports_as_adapter_merged_and_gguf(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from longrl import SFTConfig, SFTTrainer
-    from longrl.cli import main
+    from longrl.cli.main import main
     from longrl.export.gguf_writer import unpermute_qk
     from test_export import _logits, _read_gguf, gguf
 

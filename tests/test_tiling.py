@@ -9,11 +9,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from longrl.config import ConfigError, LoraConfig, load_config
+from longrl.config.schema import ConfigError, LoraConfig, load_config
 from longrl.memory import TiledMLP, disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing
 from longrl.memory.tiling import mlp_tile_tokens
 from longrl.models import apply_lora
-from longrl.policy import reference_mode, sequence_logprobs
+from longrl.models.policy import reference_mode, sequence_logprobs
 
 
 def _base(seed=0, layers=2, hidden=32, intermediate=48, act="silu"):
@@ -303,8 +303,8 @@ def test_tiling_bounds_the_mlp_transient():
 
 # ---------------------------------------------------------------------------------------------- config, trainer
 def test_config_key_and_trainer_applies_it(tmp_path):
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer
 
     assert load_config(None, [], base=demo_config()).train.mlp_tile_tokens is None
     with pytest.raises(ConfigError, match="train.mlp_tile_tokens"):

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from longrl.config import ConfigError, load_config
-from longrl.demo import demo_config
-from longrl.reporting import read_metrics
-from longrl.trainer import GRPOTrainer
+from longrl.config.schema import ConfigError, load_config
+from longrl.config.demo import demo_config
+from longrl.training.reporting import read_metrics
+from longrl.recipes.grpo import GRPOTrainer
 
 QUICK = ["train.max_steps=4", "train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=5",
          "output.progress_bar=false", "output.tensorboard=false", "output.save_steps=0"]
@@ -107,7 +107,7 @@ def test_reward_that_raises_is_reported_and_run_goes_on(tmp_path, caplog):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "longrl.cli", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "longrl.cli.main", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_cli_missing_reward_file_fails_before_model_load(tmp_path):
@@ -136,8 +136,8 @@ def test_cli_train_runs_from_printed_config(tmp_path):
                                            ([{"question": "1+1="}], "no prompt column 'prompt'"),
                                            ([{"prompt": "1+1="}, {"text": "2+2="}], "row 2: prompt must be")])
 def test_dataset_rows_checked_before_the_model_loads(tmp_path, monkeypatch, rows, message):
-    import longrl.model_setup as trainer_module
-    from longrl.data import DataError
+    import longrl.training.model_setup as trainer_module
+    from longrl.data.prompts import DataError
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -147,7 +147,7 @@ def test_dataset_rows_checked_before_the_model_loads(tmp_path, monkeypatch, rows
 
 
 def test_output_dir_and_resume_settings_checked_before_the_model_loads(tmp_path, monkeypatch):
-    import longrl.model_setup as trainer_module
+    import longrl.training.model_setup as trainer_module
 
     GRPOTrainer(_cfg(tmp_path, "train.max_steps=2")).train()  # leaves checkpoint-2
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -177,7 +177,7 @@ def test_saves_cut_by_a_kill_are_finished_or_cleaned_at_the_next_start(tmp_path)
     import os
     import shutil
 
-    from longrl.checkpoint import STATE_FILE, recover_interrupted_saves
+    from longrl.training.checkpoint import STATE_FILE, recover_interrupted_saves
 
     GRPOTrainer(_cfg(tmp_path, "train.max_steps=2")).train()  # checkpoint-2
     dead = _dead_pid()
@@ -206,7 +206,7 @@ def test_staging_of_other_hosts_is_left_alone(tmp_path):
     here may be another machine's save in flight. This host's dead saves are recovered; the others' are not."""
     import os
 
-    from longrl.checkpoint import STATE_FILE, _saver_tag, recover_interrupted_saves
+    from longrl.training.checkpoint import STATE_FILE, _saver_tag, recover_interrupted_saves
 
     dead = _dead_pid()
     host = _saver_tag().rsplit("-", 1)[0]
@@ -226,7 +226,7 @@ def test_recovery_never_trades_a_good_copy_for_a_cut_one(tmp_path):
     restarted container's trainer gets the killed one's) is not a save in flight."""
     import os
 
-    from longrl.checkpoint import STATE_FILE, list_checkpoints, recover_interrupted_saves
+    from longrl.training.checkpoint import STATE_FILE, list_checkpoints, recover_interrupted_saves
 
     def staged(name, state):
         (tmp_path / name).mkdir()
@@ -246,7 +246,7 @@ def test_recovery_never_trades_a_good_copy_for_a_cut_one(tmp_path):
     assert not list(tmp_path.glob(".*checkpoint*"))
 
 def test_demo_again_starts_over_but_leaves_other_runs(tmp_path):
-    from longrl.cli import _start_demo_over
+    from longrl.cli.main import _start_demo_over
 
     cfg = _cfg(tmp_path, "train.max_steps=2")
     _start_demo_over(cfg).release()  # the directory becomes a demo's (as `longrl demo` makes it)

@@ -8,10 +8,10 @@ import sys
 import pytest
 import yaml
 
-from longrl.config import ConfigError, config_keys, load_config, trl_key
-from longrl.reporting import read_metrics
+from longrl.config.schema import ConfigError, config_keys, load_config, trl_key
+from longrl.training.reporting import read_metrics
 from longrl.tasks.arithmetic import make_arithmetic_rows
-from longrl.trl_names import TRL_NAMES
+from longrl.config.trl_names import TRL_NAMES
 
 REWARD_FILE = '''
 def correct(prompts, completions, answer, **kwargs):
@@ -74,7 +74,7 @@ def test_trl_script_trains_saves_resumes_and_matches_the_yaml_cli(tmp_path):
     import datasets
 
     from longrl import GRPOConfig, GRPOTrainer
-    from longrl.cli import main
+    from longrl.cli.main import main
 
     rewards = _reward_module(tmp_path)
     rows = make_arithmetic_rows(40, seed=5)
@@ -152,9 +152,9 @@ def test_given_model_gets_adapters_and_peft_config_and_unsloth_names(tmp_path):
     assert trainer.evaluate(make_arithmetic_rows(2, seed=4)).metrics["eval/num_prompts"] == 2
 
     # the Config API too: a plain model given while lora.enabled=true gets adapters, never full-weight training
-    from longrl.config import load_config as load
-    from longrl.demo import demo_config
-    from longrl.trainer import GRPOTrainer as Trainer
+    from longrl.config.schema import load_config as load
+    from longrl.config.demo import demo_config
+    from longrl.recipes.grpo import GRPOTrainer as Trainer
 
     plain, tok = build_tiny_model(seed=0)
     cfg = load(None, ["lora.enabled=true", "lora.r=2", f"output.output_dir={tmp_path / 'e'}"], base=demo_config())
@@ -311,7 +311,7 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match=f"as {folder / 'train.jsonl'}, which does not exist; ./train.jsonl"):
         load_config("runs/a/run.yaml")
     # nowhere: the data layer names the path it looked at
-    from longrl.data import DataError, read_prompt_rows
+    from longrl.data.prompts import DataError, read_prompt_rows
 
     (tmp_path / "train.jsonl").unlink()
     with pytest.raises(DataError, match=str(folder / "train.jsonl")):
@@ -319,15 +319,15 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
 
 
 def test_num_examples_null_means_all_rows(tmp_path):
-    from longrl.config import DataConfig
-    from longrl.data import read_prompt_rows
+    from longrl.config.schema import DataConfig
+    from longrl.data.prompts import read_prompt_rows
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(30)))
     assert len(read_prompt_rows(DataConfig(source=str(data), num_examples=None))) == 30
     assert len(read_prompt_rows(DataConfig(source=str(data), num_examples=7))) == 7
     assert len(read_prompt_rows(DataConfig(source="task:arithmetic", num_examples=None))) == 2000
-    from longrl.demo import demo_config
+    from longrl.config.demo import demo_config
 
     assert load_config(None, ["data.num_examples=null"], base=demo_config()).data.num_examples is None
     with pytest.raises(ConfigError, match="null \\(all rows\\)"):
@@ -335,13 +335,13 @@ def test_num_examples_null_means_all_rows(tmp_path):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "longrl.cli", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "longrl.cli.main", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_init_output_is_accepted_by_train_and_plan(tmp_path, capsys):
     """`longrl init --model DIR` for a tiny model directory written here: `plan` and `train` take it as written
     (train with overrides that only make it short)."""
-    from longrl.cli import main
+    from longrl.cli.main import main
     from longrl.models import build_tiny_model
 
     model, tok = build_tiny_model(seed=0)
@@ -371,10 +371,10 @@ def test_init_output_is_accepted_by_train_and_plan(tmp_path, capsys):
 
 
 def test_version_and_help_do_not_import_torch():
-    """`longrl --version` prints the version; `import longrl.cli` (what --help needs) leaves torch unloaded."""
+    """`longrl --version` prints the version; `import longrl.cli.main` (what --help needs) leaves torch unloaded."""
     r = _cli("--version")
     assert r.returncode == 0 and r.stdout.strip().startswith("longrl 0.")
-    probe = subprocess.run([sys.executable, "-c", "import sys, longrl, longrl.cli; longrl.cli._parser(); "
+    probe = subprocess.run([sys.executable, "-c", "import sys, longrl, longrl.cli.main; longrl.cli.main._parser(); "
                             "print('torch' in sys.modules, 'transformers' in sys.modules)"],
                            capture_output=True, text=True)
     assert probe.stdout.split() == ["False", "False"], probe.stderr
@@ -392,8 +392,8 @@ def test_math_answer_reward():
 def test_docs_api_holds_the_flat_name_table():
     from pathlib import Path
 
-    from longrl.trl_api import TABLE_BEGIN, TABLE_END, flat_name_table
+    from longrl.compat.trl import TABLE_BEGIN, TABLE_END, flat_name_table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     block = doc.partition(TABLE_BEGIN)[2].partition(TABLE_END)[0]
-    assert block == flat_name_table(), "docs/api.md's table is out of date: run python -m longrl.trl_api"
+    assert block == flat_name_table(), "docs/api.md's table is out of date: run python -m longrl.compat.trl"

@@ -16,9 +16,9 @@ default_allocator_settings()  # expandable segments unless the user configured t
 # public name → the module that defines it
 _LAZY = {
     "Config": "config", "ConfigError": "config", "load_config": "config",
-    "GRPOConfig": "trl_api", "GRPOTrainer": "trainer", "SFTConfig": "trl_api", "SFTTrainer": "sft",
-    "Callback": "callbacks",
-    "FastLanguageModel": "unsloth_api", "load_model": "models", "chunked_logprobs": "ops.logprobs",
+    "GRPOConfig": "compat.trl", "GRPOTrainer": "recipes.grpo", "SFTConfig": "compat.trl", "SFTTrainer": "recipes.sft",
+    "Callback": "training.callbacks",
+    "FastLanguageModel": "compat.unsloth", "load_model": "models", "chunked_logprobs": "ops.logprobs",
 }
 __all__ = [*_LAZY, "__version__"]
 

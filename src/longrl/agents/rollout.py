@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..config import trajectory_tokens
+from ..config.schema import trajectory_tokens
 from ..rollout.sampler import MultiTurn, Rollout
 from .environment import TRLEnvironment, build_environment, load_environment_factory
 from .tool_calls import detect_format

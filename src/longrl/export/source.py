@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import BASE_WEIGHTS_FILE, STATE_FILE, CheckpointError, check_finite, latest_checkpoint, \
+from ..training.checkpoint import BASE_WEIGHTS_FILE, STATE_FILE, CheckpointError, check_finite, latest_checkpoint, \
     verify_checkpoint
 from ..models import TINY_NAME, ModelLoadError, build_char_tokenizer, load_model
 

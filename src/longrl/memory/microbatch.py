@@ -1,7 +1,7 @@
 """Token-budget micro-batches: split a step's sequences into groups whose total length fits a budget.
 
 A sequence longer than the budget forms a group alone; short ones are packed together (no padding, see
-``longrl.policy``). First-fit decreasing: sequences sorted by length, longest first, each placed in the
+``longrl.models.policy``). First-fit decreasing: sequences sorted by length, longest first, each placed in the
 first group with room. Loss weights come from the whole step, so any grouping gives the same loss.
 """
 

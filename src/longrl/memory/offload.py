@@ -336,7 +336,7 @@ def keep_last_layers_whole(model, n: int) -> int:
     from forward to backward and are not recomputed. Through transformers' own per-layer switch (the
     ``gradient_checkpointing`` flag its checkpointing sets on each layer); ``n`` = 0 checkpoints them all again.
     Returns how many layers stay checkpointed."""
-    from ..distributed import decoder_layers
+    from ..training.distributed import decoder_layers
 
     layers = decoder_layers(model)
     n = min(max(n, 0), len(layers))

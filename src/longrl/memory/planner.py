@@ -726,7 +726,7 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
 
     if cfg.train.gpu_memory_gib > 0:
         gpu_free_bytes = min(gpu_free_bytes, int(cfg.train.gpu_memory_gib * GIB))
-    from ..config import trajectory_tokens
+    from ..config.schema import trajectory_tokens
 
     completion = trajectory_tokens(cfg)  # multi-turn: the longest trajectory (sampled + environment tokens)
     length = cfg.data.max_prompt_length + completion

@@ -120,7 +120,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
                attn_implementation: str | None = None, gradient_checkpointing: bool = False, seed: int = 0,
                load_in_4bit: bool = False, quant_keep_modules: list[str] = (), quant_exception_budget: float = 0.10,
                quant_calibration_text: str | None = None):
-    """Return (model, tokenizer). ``lora``: a :class:`longrl.config.LoraConfig` (or None for no adapters).
+    """Return (model, tokenizer). ``lora``: a :class:`longrl.config.schema.LoraConfig` (or None for no adapters).
 
     The model is a ``peft.PeftModel`` when LoRA is enabled, else the plain transformers model; its base
     weights are frozen under LoRA. ``builtin:tiny-arith`` builds the demo model from ``seed``.
@@ -243,7 +243,7 @@ def apply_lora(model, lora):
 
 
 def ensure_adapters(model, lora):
-    """A model given ready-made, checked against ``lora`` (a :class:`longrl.config.LoraConfig`): adapters added when
+    """A model given ready-made, checked against ``lora`` (a :class:`longrl.config.schema.LoraConfig`): adapters added when
     LoRA is enabled and it has none (never silent full-weight training), refused when it has adapters but LoRA is
     disabled."""
     has_adapters = hasattr(model, "peft_config")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from ..policy import compute_context
+from ..models.policy import compute_context
 from .sampler import Rollout
 from .sampling import SamplingParams, next_tokens, stop_index, stop_token_ids
 

@@ -28,7 +28,7 @@ from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tok
                               rollout_kv_bytes, sampler_workspace_bytes)
 from ..models.loading import base_model, model_parts
 from ..ops.logprobs import head_logits
-from ..policy import pad_right
+from ..models.policy import pad_right
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .fast_decode import FastDecoder

@@ -2,7 +2,7 @@
 
 The meaning of a field is its ``metadata["help"]`` when it has one, else the ``# ...`` comment after it in
 ``config.py`` (with the comment lines below it that continue it: ``#`` followed by two or more spaces), else the
-comment block just above it. Run ``python -m longrl.config_docs > docs/config.md`` after adding or changing a
+comment block just above it. Run ``python -m longrl.config.docs > docs/config.md`` after adding or changing a
 field; ``tests/test_config_docs.py`` fails while docs/config.md is out of date.
 """
 
@@ -17,9 +17,9 @@ import sys
 import tokenize
 import typing
 
-from . import config as config_module
+from . import schema as config_module
 
-REGENERATE = "python -m longrl.config_docs > docs/config.md"
+REGENERATE = "python -m longrl.config.docs > docs/config.md"
 
 
 def _comments_by_line(source: str) -> dict[int, tuple[str, bool]]:

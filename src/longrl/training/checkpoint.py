@@ -299,7 +299,7 @@ def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict |
     what ``longrl export`` needs to rebuild exactly the trained model: the base's real dtype (model.dtype=auto
     depends on the device), the modules a 4-bit base kept in 16-bit, and the builtin model's frozen base, which only
     a seed and this torch version's initializers could otherwise rebuild. ``extra``: the recipe's own entries."""
-    from .models import TINY_NAME, base_model
+    from ..models import TINY_NAME, base_model
 
     base = base_model(model)
     dtype = base.get_input_embeddings().weight.dtype
@@ -318,7 +318,7 @@ def resume_request(output_dir: Path, checkpoint: bool | str | Path) -> None:
     (longrl resumes from the newest checkpoint that verifies); another path is refused."""
     if checkpoint is True:
         return
-    from .config import ConfigError
+    from ..config.schema import ConfigError
 
     latest = latest_checkpoint(output_dir)
     given = Path(checkpoint).resolve()

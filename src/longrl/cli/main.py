@@ -10,11 +10,11 @@ import logging
 import sys
 import time
 
-from .config import ConfigError, load_config
+from ..config.schema import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     p = argparse.ArgumentParser(prog="longrl", description="GRPO-family RL fine-tuning for long reasoning traces")
     p.add_argument("--version", action="version", version=f"longrl {__version__}")
@@ -101,8 +101,8 @@ def _add_generate_and_eval(sub) -> None:
 
 
 def _run(cfg) -> list[dict]:
-    from .distributed import shutdown
-    from .trainer import GRPOTrainer
+    from ..training.distributed import shutdown
+    from ..recipes.grpo import GRPOTrainer
 
     try:
         return GRPOTrainer(cfg).train()
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     if args.command == "init":
-        from .starter import render, render_sft
+        from ..config.starter import render, render_sft
 
         if args.sft and args.task:
             parser.error("--task chooses GRPO's rewards; `longrl init --sft` takes only --model")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("generate", "eval"):
             return _inference(args)
         if args.command == "demo":
-            from .demo import demo_config
+            from ..config.demo import demo_config
 
             cfg = load_config(None, args.overrides, base=demo_config(args.task))
             if args.print_config:
@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return _demo(cfg, warm_start=args.sft)
         if args.command == "sft":
-            from .distributed import shutdown
-            from .sft import SFTTrainer
+            from ..training.distributed import shutdown
+            from ..recipes.sft import SFTTrainer
 
             try:
                 history = SFTTrainer(load_config(args.config, args.overrides, recipe="sft")).train()
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print("longrl: interrupted before training started; no checkpoint was written", file=sys.stderr)
         return 130
     except Exception as e:
-        from .memory.planner import PlanError
+        from ..memory.planner import PlanError
 
         if isinstance(e, PlanError):
             print(f"longrl: this job cannot fit: {e}", file=sys.stderr)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"longrl: {e}" if _is_stop(e) else f"longrl: error: {e}", file=sys.stderr)
         return code
     except BaseException as e:
-        from .stop_signals import ImmediateStop
+        from ..training.signals import ImmediateStop
 
         if not isinstance(e, ImmediateStop):
             raise
@@ -214,20 +214,20 @@ EXIT_BAD_INPUT = 2  # the input was refused (config, data, rewards, model, check
 
 
 def _is_stop(e: Exception) -> bool:
-    from .stop_signals import TrainingStopped
+    from ..training.signals import TrainingStopped
 
     return isinstance(e, TrainingStopped)
 
 
 def _exit_code(e: Exception) -> int | None:
     """The exit code for an error longrl explains itself (None: a bug, shown with its traceback)."""
-    from .checkpoint import CheckpointError, CheckpointWriteError
-    from .data import DataError
-    from .models import ModelLoadError
-    from .rewards import RewardLoadError
-    from .run_guards import EXIT_SAVE_FAILED
-    from .runlock import OutputDirError, RunLockError
-    from .stop_signals import TrainingStopped
+    from ..training.checkpoint import CheckpointError, CheckpointWriteError
+    from ..data.prompts import DataError
+    from ..models import ModelLoadError
+    from ..rewards import RewardLoadError
+    from ..training.guards import EXIT_SAVE_FAILED
+    from ..training.run_lock import OutputDirError, RunLockError
+    from ..training.signals import TrainingStopped
 
     if isinstance(e, TrainingStopped):
         return e.exit_code
@@ -239,7 +239,7 @@ def _exit_code(e: Exception) -> int | None:
 
 
 def _inference(args) -> int:
-    from .export import ExportError
+    from ..export import ExportError
     from .inference import InferenceError, eval_main, generate_main
 
     try:
@@ -250,7 +250,7 @@ def _inference(args) -> int:
 
 
 def _export(args) -> int:
-    from .export import ExportError, export_checkpoint
+    from ..export import ExportError, export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.output_dir, fmt=args.format, quant=args.quant, dtype=args.dtype,
@@ -267,8 +267,8 @@ def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = Fa
 
     import torch
 
-    from .memory.planner import GIB, PlanError, model_config_of, plan_for_config
-    from .model_setup import SFT_LENGTH_KEY, sft_planning_view
+    from ..memory.planner import GIB, PlanError, model_config_of, plan_for_config
+    from ..training.model_setup import SFT_LENGTH_KEY, sft_planning_view
 
     if sft:  # a supervised step, as the planner sees it: sft.examples_per_step sequences of sft.max_length tokens
         if world_size < 1 or world_size > cfg.sft.examples_per_step:
@@ -323,8 +323,8 @@ def _start_demo_over(cfg):
     is left to the trainer's check. Returns the directory's run lock, held while this runs (and for the demo)."""
     import shutil
 
-    from .checkpoint import checkpoint_config, list_checkpoints
-    from .runlock import acquire_run_lock, check_output_dir_contents, run_marker
+    from ..training.checkpoint import checkpoint_config, list_checkpoints
+    from ..training.run_lock import acquire_run_lock, check_output_dir_contents, run_marker
 
     lock = acquire_run_lock(cfg.output.output_dir)
     try:
@@ -343,14 +343,14 @@ def _start_demo_over(cfg):
 
 
 def _demo(cfg, warm_start: bool = False) -> int:
-    from .reporting import plot_reward_curve, read_metrics
+    from ..training.reporting import plot_reward_curve, read_metrics
 
     start = time.perf_counter()
     with _start_demo_over(cfg):
         if warm_start:
-            from .demo import sft_warm_start_config
-            from .sft import SFTTrainer
-            from .trainer import GRPOTrainer
+            from ..config.demo import sft_warm_start_config
+            from ..recipes.sft import SFTTrainer
+            from ..recipes.grpo import GRPOTrainer
 
             sft_cfg = sft_warm_start_config(cfg)
             with _start_demo_over(sft_cfg):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .tasks import TASKS
+from ..tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def data_fingerprint(source: str) -> str | None:
     path = Path(source).expanduser()
     if not path.is_file():
         return None
-    from .checkpoint import file_sha256
+    from ..training.checkpoint import file_sha256
 
     return file_sha256(path)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .data import PromptDataset
-from .rollout.completions import reward_inputs, sample, sampling_params
+from ..data.prompts import PromptDataset
+from ..rollout.completions import reward_inputs, sample, sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +142,11 @@ def eval_data_config(cfg, source: str | None = None):
 
 
 def read_eval_rows(cfg, source: str | None = None) -> list[dict] | None:
-    """The eval rows (checked as far as no tokenizer is needed; see :func:`longrl.data.read_prompt_rows`); task:
+    """The eval rows (checked as far as no tokenizer is needed; see :func:`longrl.data.prompts.read_prompt_rows`); task:
     sources draw them with another seed than training's. None when there is no eval source."""
     from pathlib import Path
 
-    from .data import DataError, read_prompt_rows
+    from ..data.prompts import DataError, read_prompt_rows
 
     dc = eval_data_config(cfg, source)
     if dc is None:
@@ -159,6 +159,6 @@ def read_eval_rows(cfg, source: str | None = None) -> list[dict] | None:
 
 def load_eval_prompts(cfg, tokenizer, rows: list[dict], source: str | None = None) -> PromptDataset:
     """Tokenize the eval rows from :func:`read_eval_rows` (chat template for chat prompts)."""
-    from .data import load_prompts
+    from ..data.prompts import load_prompts
 
     return load_prompts(eval_data_config(cfg, source), tokenizer, rows=rows)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 import logging
 
-from .memory import enable_mlp_tiling, enable_offloaded_checkpointing, keep_last_layers_whole
-from .memory.layout import cap_allocator, resolve_layout
-from .memory.planner import model_config_of
-from .models import base_model, load_model, resolve_device
-from .models.fused_layers import enable_fused_layers
-from .rollout.sampling import triton_available
+from ..memory import enable_mlp_tiling, enable_offloaded_checkpointing, keep_last_layers_whole
+from ..memory.layout import cap_allocator, resolve_layout
+from ..memory.planner import model_config_of
+from ..models import base_model, load_model, resolve_device
+from ..models.fused_layers import enable_fused_layers
+from ..rollout.sampling import triton_available
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def make_optimizer(model, train_cfg):
     """(trainable parameters, AdamW, its LambdaLR schedule) of ``model`` from the ``train:`` section."""
     import torch
 
-    from .trainer import lr_lambda
+    from ..recipes.grpo import lr_lambda
 
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -122,8 +122,8 @@ def given_model(cfg, model, tokenizer, device, describe: bool, needed_tokens: tu
     has a pad token. ``describe`` (TRL-style): cfg.model and cfg.lora are made to describe the model (checkpoints and
     export read them). ``needed_tokens``: (tokens a sequence may have, the keys that say so), checked against an
     Unsloth model's max_seq_length."""
-    from .config import ConfigError
-    from .models import ensure_adapters
+    from ..config.schema import ConfigError
+    from ..models import ensure_adapters
 
     base = base_model(model)
     if not getattr(base, "is_loaded_in_4bit", False) and not hasattr(base, "hf_device_map"):
@@ -140,7 +140,7 @@ def given_model(cfg, model, tokenizer, device, describe: bool, needed_tokens: tu
     had_adapters = hasattr(model, "peft_config")
     model = ensure_adapters(model, cfg.lora)
     if describe:
-        from .trl_api import describe_model, tokenizer_for
+        from ..compat.trl import describe_model, tokenizer_for
 
         describe_model(cfg, model, had_adapters)
         tokenizer = tokenizer_for(model) if tokenizer is None else tokenizer

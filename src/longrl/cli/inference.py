@@ -25,8 +25,8 @@ class InferenceError(ValueError):
 def load_checkpoint_model(checkpoint: str, device: str = "auto"):
     """(model in eval mode, tokenizer, :class:`longrl.export.Checkpoint`) of a checkpoint directory (or a run's
     output directory: its latest checkpoint)."""
-    from .export.source import load_tokenizer, load_trained, read_checkpoint
-    from .models import resolve_device
+    from ..export.source import load_tokenizer, load_trained, read_checkpoint
+    from ..models import resolve_device
 
     ckpt = read_checkpoint(checkpoint)
     dev = resolve_device(device)
@@ -45,8 +45,8 @@ def checkpoint_section(ckpt, cls, name: str):
 
 def trained_on_chat(ckpt) -> bool | None:
     """Whether the run's training prompts were chat messages (its first row), None if its data cannot be read."""
-    from .config import DataConfig
-    from .data import read_rows
+    from ..config.schema import DataConfig
+    from ..data.prompts import read_rows
 
     data = checkpoint_section(ckpt, DataConfig, "data")
     try:
@@ -65,8 +65,8 @@ def as_prompt(text_or_messages, tokenizer, chat: bool):
 
 
 def _prompts_from(args, ckpt) -> list:
-    from .config import DataConfig
-    from .data import DataError, read_prompt_rows
+    from ..config.schema import DataConfig
+    from ..data.prompts import DataError, read_prompt_rows
 
     if args.prompt is not None:
         return [args.prompt]
@@ -80,9 +80,9 @@ def _prompts_from(args, ckpt) -> list:
 
 def generate_main(args) -> int:
     """``longrl generate``: K completions per prompt, printed as each prompt's completions finish."""
-    from .config import GenerationConfig
-    from .data import tokenize_prompt
-    from .rollout.completions import inference_sampler, sample, sampling_params
+    from ..config.schema import GenerationConfig
+    from ..data.prompts import tokenize_prompt
+    from ..rollout.completions import inference_sampler, sample, sampling_params
 
     if (args.prompt is None) == (args.data is None):
         raise InferenceError("give one of --prompt TEXT or --data FILE")
@@ -125,10 +125,10 @@ def generate_main(args) -> int:
 
 def eval_main(args) -> int:
     """``longrl eval CONFIG --from CKPT``: mean reward and pass@k per reward function on held-out prompts."""
-    from .config import load_config
-    from .evaluation import evaluate, load_eval_prompts, read_eval_rows
-    from .rewards import RewardScorer
-    from .rollout.completions import inference_sampler
+    from ..config.schema import load_config
+    from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
+    from ..rewards import RewardScorer
+    from ..rollout.completions import inference_sampler
 
     cfg = load_config(args.config, args.overrides)
     if args.n is not None:
@@ -157,7 +157,7 @@ def eval_main(args) -> int:
     if args.output:
         from pathlib import Path
 
-        from .checkpoint import atomic_write_text
+        from ..training.checkpoint import atomic_write_text
 
         atomic_write_text(Path(args.output), json.dumps({"checkpoint": str(ckpt.path), **result.metrics}, indent=2))
     return 0

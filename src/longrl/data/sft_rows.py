@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .data import DataError, _is_chat, read_rows
+from .prompts import DataError, _is_chat, read_rows
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Supervised fine-tuning: the cross-entropy of the trained tokens, on GRPO's memory machinery.
 
-One optimizer step reads ``sft.examples_per_step`` examples (``longrl.sft_data``), splits them into micro-batches
+One optimizer step reads ``sft.examples_per_step`` examples (``longrl.data.sft_rows``), splits them into micro-batches
 (``train.micro_batch_tokens`` packed without padding, else ``train.micro_batch_size`` examples) and accumulates
 
     loss = Σ_{trained tokens t of the step} CE_t / N_step
@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write_text, save_checkpoint
-from .config import Config, ConfigError
-from .data import PromptSampler, data_fingerprint
-from .distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
-from .memory import count_groups, token_budget_groups
-from .ops.attention_backend import sdpa_priority
-from .reporting import RunReporter
-from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
-from .stop_signals import StopSignals
-from .sft_data import SFTExample, build_examples, load_examples
+from ..training.checkpoint import atomic_write_text, save_checkpoint
+from ..config.schema import Config, ConfigError
+from ..data.prompts import PromptSampler, data_fingerprint
+from ..training.distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
+from ..memory import count_groups, token_budget_groups
+from ..ops.attention_backend import sdpa_priority
+from ..training.reporting import RunReporter
+from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
+from ..training.signals import StopSignals
+from ..data.sft_rows import SFTExample, build_examples, load_examples
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class SFTTrainer:
 
     Also takes TRL's signature, ``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=..., eval_dataset=...,
     processing_class=..., peft_config=..., formatting_func=..., callbacks=...)`` (positionally too: model, args,
-    data_collator, train_dataset, eval_dataset); see :mod:`longrl.trl_api`.
+    data_collator, train_dataset, eval_dataset); see :mod:`longrl.compat.trl`.
     """
 
     def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, train_rows: list[dict] | None = None,
@@ -76,11 +76,11 @@ class SFTTrainer:
                  eval_dataset=None, processing_class=None, peft_config=None, formatting_func=None, callbacks=None):
         import weakref
 
-        from .callbacks import check_callbacks
-        from .model_setup import build_policy_model, given_model, make_optimizer
-        from .models import check_model_files, resolve_device
-        from .runlock import acquire_run_lock, check_output_dir_contents
-        from .trainer import check_data_unchanged, checked_output_dir
+        from ..training.callbacks import check_callbacks
+        from ..training.model_setup import build_policy_model, given_model, make_optimizer
+        from ..models import check_model_files, resolve_device
+        from ..training.run_lock import acquire_run_lock, check_output_dir_contents
+        from .grpo import check_data_unchanged, checked_output_dir
 
         trl = dict(args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
                    processing_class=processing_class, peft_config=peft_config, formatting_func=formatting_func)
@@ -90,7 +90,7 @@ class SFTTrainer:
             raise TypeError(f"SFTTrainer(cfg, ...) is the Config API (model=, tokenizer=, train_rows=, eval_rows=); "
                             f"for {given} use TRL's form, SFTTrainer(model=..., args=cfg, ...)")
         if self.trl_style:
-            from .trl_api import sft_trainer_inputs
+            from ..compat.trl import sft_trainer_inputs
 
             inputs = sft_trainer_inputs((cfg, model, tokenizer, train_rows, eval_rows), callbacks=callbacks, **trl)
             cfg, model, tokenizer = inputs.cfg, inputs.model, inputs.tokenizer
@@ -163,10 +163,10 @@ class SFTTrainer:
     def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict]:
         """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
         the output directory or its latest checkpoint, resumes from it (as output.resume=true)."""
-        from .callbacks import notify
-        from .checkpoint import load_newest, resume_request
-        from .runlock import acquire_run_lock
-        from .trainer import check_data_unchanged, checked_output_dir
+        from ..training.callbacks import notify
+        from ..training.checkpoint import load_newest, resume_request
+        from ..training.run_lock import acquire_run_lock
+        from .grpo import check_data_unchanged, checked_output_dir
 
         cfg = self.cfg
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
@@ -277,7 +277,7 @@ class SFTTrainer:
     def _eval_examples(self, dataset) -> list[SFTExample]:
         if isinstance(dataset, list) and all(isinstance(e, SFTExample) for e in dataset):
             return dataset
-        from .trl_api import dataset_rows
+        from ..compat.trl import dataset_rows
 
         rows = dataset_rows(dataset, "eval_dataset")
         if rows is None:
@@ -287,15 +287,15 @@ class SFTTrainer:
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """TRL's save_model: the model as it is now through ``longrl export`` (a PEFT adapter for LoRA runs, else a
         merged model; ``format="merged"`` or ``"gguf"``); see :func:`longrl.export.save_trained_model`."""
-        from .export import save_trained_model
+        from ..export import save_trained_model
 
         return save_trained_model(self, output_dir, format)
 
     def save(self) -> Path | None:
         """Write checkpoint-STEP (rank 0) and return its path (None on other ranks); every rank returns once it is
         complete."""
-        from .callbacks import notify
-        from .checkpoint import trainer_state
+        from ..training.callbacks import notify
+        from ..training.checkpoint import trainer_state
 
         path = None
         if self.world.is_main:  # the state is replicated: rank 0 writes it

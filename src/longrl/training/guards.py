@@ -90,7 +90,7 @@ def agreed(world, received: int | None, save_due: bool, signal: bool = True) -> 
 def first_stop(stop: tuple[str, int] | None, received: int | None, reason: str | None) -> tuple[str, int] | None:
     """The run's stop, (message, exit code): the first one asked for, by a signal (128 + its number) or a guard
     (:data:`EXIT_GUARD`); None while nothing asked."""
-    from .stop_signals import signal_name
+    from .signals import signal_name
 
     if stop is not None:
         return stop
@@ -103,7 +103,7 @@ def save_or_stop(save, cfg, output_dir: Path, guards: RunGuards) -> Path | None:
     """``save()``; a write that fails (disk full) stops the run (exit code :data:`EXIT_SAVE_FAILED`), or with
     ``output.on_save_error=continue`` is reported and the run goes on without that checkpoint."""
     from .checkpoint import CheckpointWriteError, latest_checkpoint
-    from .stop_signals import TrainingStopped
+    from .signals import TrainingStopped
 
     try:
         path = save()
@@ -123,7 +123,7 @@ def checkpoint_after_step(save, cfg, output_dir: Path, guards: RunGuards, step: 
     for ``stop`` = (reason, exit code), raise the TrainingStopped naming the newest checkpoint and how to resume
     (``command``: train or sft)."""
     from .checkpoint import latest_checkpoint
-    from .stop_signals import TrainingStopped
+    from .signals import TrainingStopped
 
     if (stop or save_due) and save_or_stop(save, cfg, output_dir, guards) is not None and on_saved is not None:
         on_saved()

@@ -20,34 +20,34 @@ from pathlib import Path
 
 import torch
 
-from .callbacks import check_callbacks, notify
-from .checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, atomic_write_text, \
+from ..training.callbacks import check_callbacks, notify
+from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, atomic_write_text, \
     checkpoint_config, list_checkpoints, load_newest, read_state, recover_interrupted_saves, \
     resume_candidates, resume_request, save_checkpoint, staging_dir, trainer_state
-from .config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
-from .data import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
-from .distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
+from ..config.schema import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
+from ..data.prompts import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
+from ..training.distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
                           is_sharded, lockstep, rank_prompts, save_sharded_optimizer, unsupported_with_ranks)
-from .evaluation import evaluate, load_eval_prompts, read_eval_rows
-from .memory import count_groups, token_budget_groups
-from .memory.layout import budget_bytes
-from .model_setup import build_policy_model, given_model, make_optimizer
-from .models import base_model, check_model_files, resolve_device
-from .models.lora_training import fused_lora_training
-from .ops.advantages import decoupled_group_advantages, group_advantages
-from .ops.attention_backend import sdpa_priority
-from .ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
+from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
+from ..memory import count_groups, token_budget_groups
+from ..memory.layout import budget_bytes
+from ..training.model_setup import build_policy_model, given_model, make_optimizer
+from ..models import base_model, check_model_files, resolve_device
+from ..models.lora_training import fused_lora_training
+from ..ops.advantages import decoupled_group_advantages, group_advantages
+from ..ops.attention_backend import sdpa_priority
+from ..ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
     per_token_policy_loss, weighted_loss
-from .ops.rollout_correction import rollout_correction_weights
-from .policy import completion_mask, pad_right, reference_mode
-from .reporting import RunReporter, check_report_to, reward_failure_lines
-from .rewards import RewardScorer
-from .rollout import Sampler, SamplingParams
-from .rollout.completions import reward_inputs, sample, sampling_params
-from .rollout.attention import unsupported_reason
-from .run_guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal, step_if_finite
-from .runlock import acquire_run_lock, check_output_dir_contents
-from .stop_signals import StopSignals
+from ..ops.rollout_correction import rollout_correction_weights
+from ..models.policy import completion_mask, pad_right, reference_mode
+from ..training.reporting import RunReporter, check_report_to, reward_failure_lines
+from ..rewards import RewardScorer
+from ..rollout import Sampler, SamplingParams
+from ..rollout.completions import reward_inputs, sample, sampling_params
+from ..rollout.attention import unsupported_reason
+from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal, step_if_finite
+from ..training.run_lock import acquire_run_lock, check_output_dir_contents
+from ..training.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class GRPOTrainer:
 
     Also takes TRL's signature, ``GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
     train_dataset=..., eval_dataset=..., processing_class=..., peft_config=..., reward_weights=..., callbacks=...)``
-    (positionally too: model, reward_funcs, args, train_dataset); see :mod:`longrl.trl_api`.
+    (positionally too: model, reward_funcs, args, train_dataset); see :mod:`longrl.compat.trl`.
     """
 
     def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, scorer: RewardScorer | None = None, *,
@@ -174,7 +174,7 @@ class GRPOTrainer:
                    processing_class=processing_class, peft_config=peft_config, reward_weights=reward_weights)
         rows, self.eval_rows = None, None  # TRL-style: rows given in memory
         if self.trl_style or any(v is not None for v in trl.values()):
-            from .trl_api import trainer_inputs
+            from ..compat.trl import trainer_inputs
 
             inputs = trainer_inputs((cfg, model, tokenizer, scorer), callbacks=callbacks,
                                     environment=environment_factory is not None or bool(tools), **trl)
@@ -312,11 +312,11 @@ class GRPOTrainer:
 
     def evaluate(self, eval_dataset=None):
         """Mean reward and pass@k on ``eval_dataset`` with the current weights: a
-        :class:`longrl.evaluation.EvalResult`. ``eval_dataset``: a :class:`longrl.data.PromptDataset`, or as TRL's, a
+        :class:`longrl.training.evaluation.EvalResult`. ``eval_dataset``: a :class:`longrl.data.prompts.PromptDataset`, or as TRL's, a
         ``datasets.Dataset``, a list of dicts or a path; default: the trainer's eval_dataset, or data.eval_source's."""
         data = eval_dataset if eval_dataset is not None else self.eval_data
         if data is not None and not isinstance(data, PromptDataset):
-            from .trl_api import held_out_rows
+            from ..compat.trl import held_out_rows
 
             rows, source = held_out_rows(self.cfg, data)
             data = load_eval_prompts(self.cfg, self.tokenizer, rows, source)
@@ -331,7 +331,7 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
         weights, or ``format="merged"``), or ``format="gguf"`` (:func:`longrl.export.save_trained_model`)."""
-        from .export import save_trained_model
+        from ..export import save_trained_model
 
         return save_trained_model(self, output_dir, format)
 
@@ -473,7 +473,7 @@ class GRPOTrainer:
     def _make_agents(self, environment_factory, tools, own_scorer: bool):
         """Multi-turn episodes when the config or the API names an environment or tools (else None); an
         environment that scores its episodes (its step rewards, TRL's get_reward) becomes a reward source."""
-        from .agents.rollout import AgentRollouts, environment_reward
+        from ..agents.rollout import AgentRollouts, environment_reward
 
         agents = AgentRollouts.from_config(self.cfg, self.tokenizer, environment_factory, tools)
         if agents is None:

@@ -7,7 +7,7 @@ older name, kept because scripts still use it. A name whose longrl key is not in
 another version) is refused naming that; an entry without a key but with a ``convert`` is accepted and sets nothing
 (a value that changes no result, e.g. ``dataset_num_proc``), its ``convert`` refusing the values longrl cannot honour.
 ``TRL_SFT_NAMES`` (``longrl.SFTConfig``) is TRL_NAMES without GRPO's own names, with ``SFT_NAMES`` over it.
-Imports nothing heavy: ``longrl.config`` reads it for its messages.
+Imports nothing heavy: ``longrl.config.schema`` reads it for its messages.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ TRL_NAMES: dict[str, FlatName] = {
     "warmup_ratio": FlatName("train.warmup_steps", "warmup_steps = round(warmup_ratio × max_steps)"),
     "max_steps": FlatName("train.max_steps", "optimizer steps (longrl has no epochs)", _max_steps),
     "seed": FlatName("train.seed"),
-    # the batch (see longrl.trl_api.batch_arithmetic)
+    # the batch (see longrl.compat.trl.batch_arithmetic)
     "per_device_train_batch_size": FlatName("train.micro_batch_size", _BATCH_NOTE),
     "gradient_accumulation_steps": FlatName("train.prompts_per_step", _BATCH_NOTE),
     "generation_batch_size": FlatName("grpo.steps_per_generation", "optimizer steps a rollout serves = "
@@ -237,7 +237,7 @@ SFT_NAMES: dict[str, FlatName] = {
     "per_device_eval_batch_size": FlatName(None, "evaluation is split as training is (the loss does not depend on "
                                            "it)", _any),
     "dataset_num_proc": FlatName(None, "longrl tokenizes in the trainer's process", _any),
-    "dataset_kwargs": FlatName(None, "longrl always prepares the rows itself (longrl.sft_data)"),
+    "dataset_kwargs": FlatName(None, "longrl always prepares the rows itself (longrl.data.sft_rows)"),
     "chat_template_path": FlatName(None, "set tokenizer.chat_template and pass the tokenizer as processing_class"),
     "eos_token": FlatName(None, "set it on the tokenizer passed as processing_class"),
     "pad_token": FlatName(None, "set it on the tokenizer passed as processing_class"),

@@ -1,8 +1,8 @@
 """TRL's Python API over longrl's one config tree: ``GRPOConfig`` with TRL's flat field names, and the
 normalisation of ``GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., peft_config=...)``'s
-arguments into what the loop takes (a :class:`~longrl.config.Config`, a model and tokenizer, a reward scorer, rows).
+arguments into what the loop takes (a :class:`~longrl.config.schema.Config`, a model and tokenizer, a reward scorer, rows).
 
-Flat names map through ``longrl.trl_names.TRL_NAMES`` onto dotted keys; there is no second store of settings. The
+Flat names map through ``longrl.config.trl_names.TRL_NAMES`` onto dotted keys; there is no second store of settings. The
 batch is counted as TRL counts it: per_device_train_batch_size × gradient_accumulation_steps completions an
 optimizer step (one process), i.e. train.prompts_per_step × grpo.num_generations, with per_device_train_batch_size
 completions a forward/backward (train.micro_batch_size).
@@ -19,9 +19,9 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .config import Config, ConfigError, RewardSpec, _build, _convert, _set_dotted, config_keys, suggest_key, \
+from ..config.schema import Config, ConfigError, RewardSpec, _build, _convert, _set_dotted, config_keys, suggest_key, \
     trl_key, validate
-from .trl_names import GRPO_ONLY, SFT_BATCH_NOTE, SFT_NAMES, TRL_NAMES, TRL_SFT_NAMES, FlatNameError
+from ..config.trl_names import GRPO_ONLY, SFT_BATCH_NOTE, SFT_NAMES, TRL_NAMES, TRL_SFT_NAMES, FlatNameError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _leaf_key(name: str) -> str | None:
 
 
 class _FlatConfig(Config):
-    """A :class:`~longrl.config.Config` built from one recipe's TRL flat names (``_names``), longrl's own names
+    """A :class:`~longrl.config.schema.Config` built from one recipe's TRL flat names (``_names``), longrl's own names
     (``prompts_per_step=4``, ``**{"model.offload_activations": True}``, ``lora={"r": 8}``), or both. ``_joint``:
     names read together with other settings (constructor only), handed to :meth:`_apply_joint` once the tree is
     built; ``_refused``: {TRL name of another recipe: why}."""
@@ -116,7 +116,7 @@ def _pinned(flat: dict, sections: dict, section: str, keys: tuple) -> list[str]:
 
 
 class GRPOConfig(_FlatConfig):
-    """A :class:`~longrl.config.Config` built from TRL ``GRPOConfig``'s flat names (``learning_rate=1e-5``), longrl's
+    """A :class:`~longrl.config.schema.Config` built from TRL ``GRPOConfig``'s flat names (``learning_rate=1e-5``), longrl's
     own names (``prompts_per_step=4``, ``**{"model.offload_activations": True}``, ``lora={"r": 8}``), or both.
 
     Unset values are longrl's defaults. Every value is checked here, as a YAML file's would be; TRL names without a
@@ -152,7 +152,7 @@ _TRL_EPOCHS = 3.0  # TrainingArguments' num_train_epochs, used when max_steps=-1
 
 
 class SFTConfig(_FlatConfig):
-    """A :class:`~longrl.config.Config` for ``longrl sft`` built from TRL ``SFTConfig``'s flat names
+    """A :class:`~longrl.config.schema.Config` for ``longrl sft`` built from TRL ``SFTConfig``'s flat names
     (``max_length=2048, packing=True, assistant_only_loss=True``), longrl's own names, or both; GRPO's own names
     (``beta``, ``num_generations``, ...) are refused.
 
@@ -322,7 +322,7 @@ def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=
     not a Config means TRL's positional order, (model, reward_funcs, args, train_dataset); else they are keywords
     (model=, and tokenizer= as processing_class). ``environment``: an environment_factory or tools were given, whose
     episodes may be the only reward source (no reward_funcs)."""
-    from .callbacks import check_callbacks
+    from ..training.callbacks import check_callbacks
 
     first, second, third, fourth = slots
     if isinstance(first, Config):
@@ -386,8 +386,8 @@ def sft_trainer_inputs(slots: tuple, *, args=None, data_collator=None, train_dat
     is not a Config means TRL's positional order, (model, args, data_collator, train_dataset, eval_dataset); else
     keywords (model=, and tokenizer= as processing_class). ``formatting_func(row) -> str``: each row becomes a text
     row of that string (every token trained), as in TRL."""
-    from .callbacks import check_callbacks
-    from .data import read_rows
+    from ..training.callbacks import check_callbacks
+    from ..data.prompts import read_rows
 
     first, second, third, fourth, fifth = slots
     if first is not None:
@@ -483,8 +483,8 @@ def dataset_rows(dataset, name: str) -> list[dict] | None:
 def held_out_rows(cfg: Config, dataset) -> tuple[list[dict], str]:
     """(rows, source) of an eval dataset given as TRL's eval_dataset, read and checked as data.eval_source's are;
     rows in memory get the source ``memory:<digest>``."""
-    from .data import read_prompt_rows
-    from .evaluation import eval_data_config, read_eval_rows
+    from ..data.prompts import read_prompt_rows
+    from ..training.evaluation import eval_data_config, read_eval_rows
 
     rows = dataset_rows(dataset, "eval_dataset")
     if rows is None:
@@ -501,7 +501,7 @@ def _fingerprint(rows: list[dict]) -> str:
 
 def reward_scorer(cfg: Config, reward_funcs, reward_weights):
     """A RewardScorer from callables and/or 'file.py:function' strings; cfg.rewards records them."""
-    from .rewards import RewardScorer, load_reward_function
+    from ..rewards import RewardScorer, load_reward_function
 
     if reward_funcs is None:
         if not cfg.rewards or any(":" not in r.function for r in cfg.rewards):
@@ -536,7 +536,7 @@ def tokenizer_for(model):
     """TRL's default processing_class: the tokenizer saved with the model."""
     from transformers import AutoTokenizer
 
-    from .models import ModelLoadError, base_model
+    from ..models import ModelLoadError, base_model
 
     name = getattr(base_model(model).config, "_name_or_path", "")
     try:
@@ -549,7 +549,7 @@ def tokenizer_for(model):
 def describe_model(cfg: Config, model, had_adapters: bool) -> None:
     """cfg.model (and cfg.lora for a model that came with adapters) as the given model really is: checkpoints record
     it, ``longrl export`` reads it."""
-    from .models import base_model
+    from ..models import base_model
 
     base = base_model(model)
     name = getattr(base, "name_or_path", None) or getattr(base.config, "_name_or_path", "") or "in-memory-model"
@@ -576,8 +576,8 @@ def flat_name_table(names: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLE_BEGIN, TABLE_END = "<!-- flat-names:begin (python -m longrl.trl_api) -->\n", "<!-- flat-names:end -->\n"
-SFT_TABLE_BEGIN, SFT_TABLE_END = "<!-- sft-names:begin (python -m longrl.trl_api) -->\n", "<!-- sft-names:end -->\n"
+TABLE_BEGIN, TABLE_END = "<!-- flat-names:begin (python -m longrl.compat.trl) -->\n", "<!-- flat-names:end -->\n"
+SFT_TABLE_BEGIN, SFT_TABLE_END = "<!-- sft-names:begin (python -m longrl.compat.trl) -->\n", "<!-- sft-names:end -->\n"
 
 
 def write_table(doc: Path) -> None:
@@ -591,4 +591,4 @@ def write_table(doc: Path) -> None:
 
 
 if __name__ == "__main__":
-    write_table(Path(__file__).resolve().parents[2] / "docs" / "api.md")
+    write_table(Path(__file__).resolve().parents[3] / "docs" / "api.md")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from .config import Config, DataConfig, EnvironmentConfig, GenerationConfig, GRPOLossConfig, LoraConfig, \
+from .schema import Config, DataConfig, EnvironmentConfig, GenerationConfig, GRPOLossConfig, LoraConfig, \
     ModelConfig, OutputConfig, RewardSpec, SFTSettings, TrainConfig
 
 

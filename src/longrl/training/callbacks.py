@@ -35,7 +35,7 @@ def check_callbacks(callbacks) -> list:
         cls = cb if isinstance(cb, type) else type(cb)
         if any(c.__module__.startswith("transformers") and c.__name__ == "TrainerCallback" for c in cls.__mro__):
             raise TypeError(f"callbacks[{i}]: {cls.__name__} is a transformers.TrainerCallback, which longrl does not "
-                            f"run; give an object with any of {', '.join(EVENTS)} (see longrl.callbacks)")
+                            f"run; give an object with any of {', '.join(EVENTS)} (see longrl.training.callbacks)")
         if isinstance(cb, type):
             raise TypeError(f"callbacks[{i}]: {cls.__name__} is a class; pass an instance")
         if not any(callable(getattr(cb, e, None)) for e in EVENTS):

@@ -32,7 +32,7 @@ class FastLanguageModel:
         ``load_in_4bit`` (Unsloth's default True) is longrl's NF4 base with its 16-bit exceptions.
         ``max_seq_length`` is kept as ``model.max_seq_length``: longrl's lengths are
         ``max_prompt_length + max_completion_length`` of the GRPO config, and the trainer checks them against it."""
-        from .models import load_model
+        from ..models import load_model
 
         _refuse(unsupported, "from_pretrained", {"load_in_8bit": False, "full_finetuning": False, "token": None,
                                                  "fast_inference": False})
@@ -51,8 +51,8 @@ class FastLanguageModel:
         checkpointing is ``model.offload_activations`` of the GRPO config."""
         import torch
 
-        from .config import LoraConfig
-        from .models import apply_lora
+        from ..config.schema import LoraConfig
+        from ..models import apply_lora
 
         _refuse(dict(unsupported, bias=bias, use_rslora=use_rslora, loftq_config=loftq_config), "get_peft_model",
                 {"bias": "none", "use_rslora": False, "loftq_config": None, "max_seq_length": None})

@@ -347,7 +347,7 @@ def config_keys(cls=None, prefix: str = "") -> tuple[str, ...]:
 
 
 def trl_key(name: str, names: dict | None = None) -> str | None:
-    """The dotted key TRL's flat field ``name`` sets in this tree (``names``: ``longrl.trl_names.TRL_NAMES``, or
+    """The dotted key TRL's flat field ``name`` sets in this tree (``names``: ``longrl.config.trl_names.TRL_NAMES``, or
     ``TRL_SFT_NAMES``), or None: the name is not TRL's, or its longrl key is not in this version (then found by its
     leaf name if that is unique)."""
     from .trl_names import TRL_NAMES

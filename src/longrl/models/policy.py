@@ -11,8 +11,8 @@ import contextlib
 
 import torch
 
-from .models import model_parts
-from .ops.logprobs import chunked_logprobs
+from . import model_parts
+from ..ops.logprobs import chunked_logprobs
 
 
 def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -127,7 +127,7 @@ def token_cross_entropy(model, seqs: list[list[int]], loss_masks: list[list[bool
                         label_smoothing: float = 0.0, chunk_size: int = 1024, packed: bool = True) -> torch.Tensor:
     """Cross-entropy [N] of each trained token (``loss_masks[i][t]``: token t of sequence i is predicted from the
     tokens before it and counted), in sequence order; only those rows go through the chunked LM head."""
-    from .ops.cross_entropy import chunked_cross_entropy
+    from ..ops.cross_entropy import chunked_cross_entropy
 
     _, head, spec = model_parts(model)
     device = head.weight.device

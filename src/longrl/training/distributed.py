@@ -164,7 +164,7 @@ def init_world(device: str = "auto", timeout_s: float = 600.0) -> tuple[World, s
 
 def unsupported_with_ranks(cfg, world: World) -> None:
     """ConfigError, before anything loads, for fewer prompts per step than ranks (each rank samples whole groups)."""
-    from .config import ConfigError
+    from ..config.schema import ConfigError
 
     n = world.world_size
     if n > 1 and cfg.train.prompts_per_step < n:
@@ -189,7 +189,7 @@ class LogprobModule(torch.nn.Module):
         self.model = model
 
     def forward(self, prompt_ids, completion_ids, width, **kwargs):
-        from .policy import sequence_logprobs
+        from ..models.policy import sequence_logprobs
 
         return sequence_logprobs(self.model, prompt_ids, completion_ids, width, **kwargs)
 
@@ -203,7 +203,7 @@ class CrossEntropyModule(torch.nn.Module):
         self.model = model
 
     def forward(self, seqs, loss_masks, **kwargs):
-        from .policy import token_cross_entropy
+        from ..models.policy import token_cross_entropy
 
         return token_cross_entropy(self.model, seqs, loss_masks, **kwargs)
 
@@ -218,7 +218,7 @@ def _sum_allreduce_hook(process_group, bucket):
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layers of a causal LM (the units FSDP2 shards one at a time)."""
-    from .models import base_model
+    from ..models import base_model
 
     inner = getattr(base_model(model), "model", None)
     layers = getattr(inner, "layers", None)

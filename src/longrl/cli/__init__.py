@@ -1,0 +1,1 @@
+"""The command line: ``longrl COMMAND`` (main.py parses and dispatches; one module per group of commands)."""
