@@ -24,7 +24,7 @@ import torch
 def run(padding_free: bool, steps: int) -> dict:
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"train.max_steps={steps}", f"train.padding_free={str(padding_free).lower()}",
@@ -47,7 +47,7 @@ def update_only(repeats: int) -> None:
     timed alternately with each layout: the part of the step the layout changes."""
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"output.output_dir={out}", "output.report_to=[none]"], base=demo_config())

@@ -36,7 +36,7 @@ from results_io import run_meta, write_result  # noqa: E402
 from longrl.config.schema import Config, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
 from longrl.models.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSwiGLU  # noqa: E402
-from longrl.recipes.grpo import GRPOTrainer  # noqa: E402
+from longrl.compat.trl import GRPOTrainer  # noqa: E402
 
 GIB = 2 ** 30
 def run_loop(args, root: Path) -> dict:
@@ -88,7 +88,7 @@ def run_loop(args, root: Path) -> dict:
     step_s = last["step_time_s"]
     # the trainer resets the peak counter at each phase's start, so the step's peak is the largest phase peak
     step_peak = max(p["peak_gib"] for p in phases.values() if p["peak_gib"] is not None)
-    kv_gib = trainer.rollout_sampler.last_stats.get("kv_cache_bytes", 0) / GIB
+    kv_gib = trainer.sampler.last_stats.get("kv_cache_bytes", 0) / GIB
     resident_gib = sum(t.numel() * t.element_size() for t in model.parameters()) / GIB  # base + LoRA weights
     train_peak = max(phases["reference"]["peak_gib"], phases["update"]["peak_gib"])
     cap = None
@@ -101,16 +101,15 @@ def run_loop(args, root: Path) -> dict:
             cap = "enforced: an allocation past the budget raised out-of-memory"
     sampler_metrics = {k: v for k, v in last.items() if k.startswith("sampler/")}
     return dict(phases=phases, step_seconds=step_s, step_peak_gib=step_peak, weights_gib=resident_gib, cap=cap,
-                sampler_metrics=sampler_metrics, layout=dict(offload=cfg.model.offload_activations,
-                                                             checkpointing=getattr(trainer.plan, "checkpointing",
-                                                                                   cfg.model.gradient_checkpointing)),
+                sampler_metrics=sampler_metrics, layout=dict(offload=trainer.layout.offload_activations,
+                                                             checkpointing=trainer.layout.gradient_checkpointing),
                 kv_cache_gib=kv_gib, training_peak_gib=train_peak,
                 rollout_over_weights_kv=phases["generation"]["peak_gib"] / (resident_gib + kv_gib),
                 step_over_max_phase=step_peak / max(phases["generation"]["peak_gib"], train_peak),
                 rollout_share=phases["generation"]["seconds"] / step_s,
-                predicted_training_gib=trainer.plan.predicted_gpu_bytes / GIB if trainer.plan is not None else None,
-                plan=trainer.plan.table() if trainer.plan is not None else None, quantization=quant,
-                sampler_stats=dict(trainer.rollout_sampler.last_stats),
+                predicted_training_gib=trainer.layout.plan.predicted_gpu_bytes / GIB if trainer.layout.plan is not None else None,
+                plan=trainer.layout.plan.table() if trainer.layout.plan is not None else None, quantization=quant,
+                sampler_stats=dict(trainer.sampler.last_stats),
                 fused_layers=sum(isinstance(m, (FusedRMSNorm, FusedSwiGLU, FusedRotaryAttention))
                                  for m in model.modules()),
                 fused_lora_training=cfg.lora.fused_training,

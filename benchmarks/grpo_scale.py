@@ -170,7 +170,7 @@ def measure_phases(trainer, args) -> dict:
 def worker(args) -> None:
     """One rank (or the single process): train --steps steps (or measure --phases), rank 0 writes the result
     JSON."""
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu" if args.device == "cpu" else f"cuda:{local}"
@@ -191,7 +191,7 @@ def worker(args) -> None:
     if args.phases:
         phases = measure_phases(trainer, args)
         if rank == 0:
-            m, plan = trainer.cfg.model, trainer.plan
+            m, plan = trainer.layout, trainer.layout.plan
             layout = dict(no_recompute_layers=m.no_recompute_layers, gpu_resident_layers=m.gpu_resident_layers,
                           predicted_train_gib=plan.predicted_gpu_bytes / GIB if plan else None)
             Path(args.result).write_text(json.dumps(dict(phases=phases, world_size=trainer.world.world_size,

@@ -47,7 +47,6 @@ from longrl.config.schema import LoraConfig  # noqa: E402
 from longrl.memory import disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing  # noqa: E402
 from longrl.memory.planner import GIB, ModelShape, Plan, PlanError, make_plan  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model, set_lora_input_casting  # noqa: E402
-from longrl.training.model_setup import SFT_LENGTH_KEY  # noqa: E402
 from longrl.models.fused_layers import disable_fused_layers, enable_fused_layers  # noqa: E402
 from longrl.models.lora_training import fused_lora_training  # noqa: E402
 from longrl.ops.attention_backend import sdpa_priority, training_attention_kernel  # noqa: E402
@@ -327,7 +326,7 @@ def main():
                              grouped_attention=cuda and args.grouped_attention,
                              attention_kernel=training_attention_kernel(
                                  [], shape.query_heads, shape.kv_heads, shape.head_dim,
-                                 "cuda" if cuda else "cpu"), length_key=SFT_LENGTH_KEY, **pins)
+                                 "cuda" if cuda else "cpu"), length_key="sft.max_length", **pins)
         except PlanError as e:  # measured anyway in the leanest layout: the run says whether the planner was right
             print(f"--- {length}: the planner refuses ({e}); measuring anyway with no resident layer inputs and "
                   f"MLP tiles of {args.mlp_tile}", flush=True)

@@ -11,7 +11,7 @@ from longrl.config.schema import ConfigError, load_config
 from longrl.config.demo import demo_config
 from longrl.training.reporting import read_metrics
 from longrl.tasks.tools import LookupEnvironment, NoLookupEnvironment
-from longrl.recipes.grpo import GRPOTrainer
+from longrl.compat.trl import GRPOTrainer
 
 QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4", "output.progress_bar=false",
          "output.tensorboard=false", "output.save_steps=0"]

@@ -23,7 +23,7 @@ from longrl.config.schema import load_config
 from longrl.config.demo import demo_config
 from longrl.training.distributed import World, rank_prompts, shard
 from longrl.training.reporting import read_metrics
-from longrl.recipes.grpo import GRPOTrainer
+from longrl.compat.trl import GRPOTrainer
 
 # 3 prompts on 2 or 3 ranks (an uneven split), micro-batches of 5 that cross the groups of 4
 QUICK = ["train.prompts_per_step=3", "grpo.num_generations=4", "train.micro_batch_size=5", "train.max_steps=2",
@@ -84,7 +84,7 @@ def _train(jobs, results: Path, rank: int, suffix: str = "") -> None:
     to results/NAME{suffix}.pt."""
     for name, *config, overrides in jobs:
         if name == "sft":  # `longrl sft` (test_sft_two_processes_equal_one)
-            from longrl.recipes.sft import SFTTrainer
+            from longrl.compat.trl import SFTTrainer
 
             trainer = SFTTrainer(load_config(config[0] if config else None, overrides, recipe="sft"))
         else:
@@ -255,7 +255,7 @@ def test_sft_two_processes_equal_one_and_resume_on_one(spawned_runs, tmp_path):
     """`longrl sft` on 2 processes: each rank's share of the step's examples, the mean over the trained tokens of the
     whole step (the count all-reduced), gradients summed: the 1-process run's per-step metrics (loss, held-out loss)
     and final adapters; rank 0 alone wrote; its step-1 checkpoint resumes in one process on the same trajectory."""
-    from longrl.recipes.sft import SFTTrainer
+    from longrl.compat.trl import SFTTrainer
 
     root, _, got = spawned_runs
     untimed = lambda ms: [{k: v for k, v in m.items() if not k.endswith("_per_s")} for m in ms]  # noqa: E731

@@ -16,7 +16,7 @@ from longrl.config.demo import demo_config
 from longrl.export import ExportError, export_checkpoint, read_checkpoint
 from longrl.export.gguf_writer import unpermute_qk
 from longrl.models import build_char_tokenizer
-from longrl.recipes.grpo import GRPOTrainer
+from longrl.compat.trl import GRPOTrainer
 
 gguf = pytest.importorskip("gguf")
 

@@ -314,12 +314,12 @@ def test_trainer_switch(tmp_path):
     """generation.fast_decode and fuse_lora reach the trainer's sampler (the demo model is a Llama: on by default)."""
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     for flag, on in (("true", True), ("false", False)):
         cfg = load_config(None, [f"output.output_dir={tmp_path / flag}", f"generation.fast_decode={flag}",
                                  f"generation.fuse_lora={flag}"], base=demo_config())
-        sampler = GRPOTrainer(cfg).rollout_sampler
+        sampler = GRPOTrainer(cfg).sampler
         assert (sampler.fast is not None) is on and sampler.fuse_lora is on
 
 

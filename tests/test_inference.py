@@ -13,7 +13,7 @@ from longrl.cli.main import main
 from longrl.config.schema import load_config
 from longrl.config.demo import demo_config
 from longrl.training.evaluation import evaluate, k_values, pass_at_k
-from longrl.recipes.grpo import GRPOTrainer
+from longrl.compat.trl import GRPOTrainer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=8",

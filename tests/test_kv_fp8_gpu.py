@@ -129,7 +129,7 @@ def test_budget_caps_the_allocator():
 def test_tiny_run_with_auto_layout_budget_and_fp8_cache(tmp_path):
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     cfg = load_config(None, ["model.device=cuda", "model.dtype=bfloat16", "lora.enabled=true", "grpo.beta=0.04",
                              "train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4",
@@ -137,10 +137,9 @@ def test_tiny_run_with_auto_layout_budget_and_fp8_cache(tmp_path):
                              "output.tensorboard=false", f"output.output_dir={tmp_path}"], base=demo_config())
     try:
         trainer = GRPOTrainer(cfg)
-        assert trainer.plan is not None and trainer.plan.budget_bytes == 4 * 2 ** 30
-        assert cfg.model.offload_activations is not None and cfg.model.gradient_checkpointing is not None
+        assert trainer.layout.plan is not None and trainer.layout.plan.budget_bytes == 4 * 2 ** 30
         history = trainer.train()
-        assert trainer.rollout_sampler.cache_dtype == torch.float8_e4m3fn
+        assert trainer.sampler.cache_dtype == torch.float8_e4m3fn
         for m in history:
             assert m["sampler/is_weight_mean"] <= cfg.grpo.rollout_correction_cap
             assert max(m[k] for k in m if k.endswith("_peak_gib")) <= 4

@@ -397,7 +397,7 @@ def test_menu_trains_and_the_split_changes_nothing(tmp_path):
     """sapo with the entropy bonus, the high-entropy token mask, the off-policy mask and two steps per rollout:
     the run trains, and micro-batches of 5 give the metrics of one micro-batch (the token mask and the bonus
     weights are statistics of the whole step)."""
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     menu = ["grpo.loss_type=sapo", "grpo.entropy_coef=0.01", "grpo.top_entropy_quantile=0.5",
             "grpo.off_policy_mask_threshold=0.002", "grpo.steps_per_generation=2", "grpo.beta=0.05",
@@ -421,7 +421,7 @@ def test_menu_trains_and_the_split_changes_nothing(tmp_path):
      "grpo.use_bias_correction_kl=false", "grpo.beta=0.02", "lora.enabled=true"],
 ])
 def test_menu_variants_train(tmp_path, overrides):
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     history = GRPOTrainer(_cfg(tmp_path, *overrides)).train()
     assert len(history) == 2
@@ -455,7 +455,7 @@ def test_trainer_update_is_split_invariant_in_float64(tmp_path):
     give the same loss and gradients to float64 rounding."""
     from longrl.config.schema import LoraConfig
     from longrl.models import apply_lora, build_tiny_model
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     model, tok = build_tiny_model(seed=1, dtype=torch.float64)
     model = apply_lora(model, LoraConfig(r=4))

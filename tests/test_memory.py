@@ -199,6 +199,7 @@ def test_a_model_given_again_gets_the_new_layout_of_layers_kept_whole(tmp_path):
     """Plain checkpointing on a model passed in twice: the second layout (none kept whole) replaces the first's flags."""
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
+    from longrl.memory.planner import StepShape
     from longrl.training.model_setup import build_policy_model
 
     def layout(whole):
@@ -208,10 +209,10 @@ def test_a_model_given_again_gets_the_new_layout_of_layers_kept_whole(tmp_path):
 
     from longrl.models import base_model
 
-    model, tokenizer, *_ = build_policy_model(layout(1))
+    model, tokenizer, *_ = build_policy_model(layout(1), StepShape.grpo(layout(1), 4))
     flags = [layer.gradient_checkpointing for layer in base_model(model).model.layers]
     assert len(flags) > 1 and flags == [True] * (len(flags) - 1) + [False]
-    model, *_ = build_policy_model(layout(0), model=model, tokenizer=tokenizer)
+    model, *_ = build_policy_model(layout(0), StepShape.grpo(layout(0), 4), model=model, tokenizer=tokenizer)
     assert all(layer.gradient_checkpointing for layer in base_model(model).model.layers)
 
 
@@ -291,7 +292,7 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
     reuse, and with its last layer not recomputed, the offloaded run's exactly."""
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     common = ["train.max_steps=3", "train.prompts_per_step=4", "grpo.num_generations=4", "lora.enabled=true",
               "output.progress_bar=false", "output.tensorboard=false", "grpo.beta=0.04", "grpo.num_iterations=1"]

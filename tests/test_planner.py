@@ -345,9 +345,7 @@ def test_attention_reuse_left_null_is_on_with_offloading_where_it_costs_no_token
                             139 * GIB, 500 * GIB)
     assert not plain.reuse_attention
     for over, want in (((offload,), True), ((), False), ((offload, "model.reuse_attention=false"), False)):
-        c = cfg(*over)
-        resolve_layout(c, None, torch.device("cpu"))
-        assert c.model.reuse_attention is want, over
+        assert resolve_layout(cfg(*over), None, torch.device("cpu")).reuse_attention is want, over
 
 
 def test_full_fine_tuning_counts_the_base_weights_training_state():
@@ -510,14 +508,17 @@ def test_budget_that_cannot_fit_names_the_way_out():
                         139 * GIB, 500 * GIB)
 
 
-def test_trainer_fails_before_the_model_loads_and_fills_the_layout_from_the_plan(monkeypatch, tmp_path):
+def test_trainer_fails_before_the_model_loads_and_loads_with_the_plan_s_layout(monkeypatch, tmp_path):
     """On CUDA (faked: the plan needs only the model's config) the trainer plans from the config before loading
-    weights: a job that cannot fit raises PlanError without loading; one that fits gets the plan's layout."""
+    weights: a job that cannot fit raises PlanError without loading; one that fits loads with the plan's layout, a
+    value: the config is left as the user wrote it."""
     import torch
 
+    from longrl.memory import layout
+    from longrl.memory.layout import resolve_layout
+    from longrl.memory.planner import StepShape
     from longrl.recipes import grpo as tr
     from longrl.training import model_setup
-    from longrl.memory import layout
 
     path = _llama_dir(tmp_path)
     loads = []
@@ -539,21 +540,20 @@ def test_trainer_fails_before_the_model_loads_and_fills_the_layout_from_the_plan
         tr.GRPOTrainer(_run_cfg(*base, "train.gpu_memory_gib=12"))
     assert not loads
     cfg = _run_cfg(*base, "train.gpu_memory_gib=40")
+    layouts = []  # what model set-up receives: the layout, checked as the weights load
+    monkeypatch.setattr(model_setup, "load_model", lambda *a, **k: (layouts.append(k), load_model())[1])
+    asked = cfg.to_dict()
     with pytest.raises(Loaded):
         tr.GRPOTrainer(cfg)
-    assert loads and cfg.model.offload_activations is True and cfg.model.gradient_checkpointing is True
-    assert cfg.train.micro_batch_tokens == 20480 and 0 < cfg.model.gpu_resident_layers <= 32
-    assert cfg.model.no_recompute_layers == 0  # a 40 GiB budget: the frugal layout
+    assert loads and cfg.to_dict() == asked  # the plan is a value: nothing is written into the config
+    frugal = resolve_layout(cfg, _llama_config(), torch.device("cuda"), StepShape.grpo(cfg, 19968))
+    assert frugal.offload_activations is True and frugal.gradient_checkpointing is True
+    assert frugal.micro_batch_tokens == 20480 and 0 < frugal.gpu_resident_layers <= 32
+    assert frugal.no_recompute_layers == 0  # a 40 GiB budget: the frugal layout
+    assert layouts[-1]["gradient_checkpointing"] is frugal.transformers_checkpointing
     roomy = _run_cfg(*base)
-    with pytest.raises(Loaded):
-        tr.GRPOTrainer(roomy)
-    assert roomy.model.no_recompute_layers > 0 and roomy.model.gradient_checkpointing is True
-    from longrl.config.schema import load_config
-
-    for filled in (cfg, roomy):  # the filled-in layout (what config.yaml records) loads again, as a resume reads it
-        (tmp_path / "saved.yaml").write_text(filled.to_yaml())
-        again = load_config(tmp_path / "saved.yaml", ["output.resume=true"])
-        assert again.model == filled.model
+    roomy_layout = resolve_layout(roomy, _llama_config(), torch.device("cuda"), StepShape.grpo(roomy, 19968))
+    assert roomy_layout.no_recompute_layers > 0 and roomy_layout.gradient_checkpointing is True
 
 
 def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path):
@@ -562,7 +562,7 @@ def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path
     from longrl.config.schema import load_config
     from longrl.config.demo import demo_config
     from longrl.training.reporting import read_metrics
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     quick = ["train.max_steps=2", "train.prompts_per_step=2", "grpo.num_generations=4", "data.num_examples=64",
              "output.progress_bar=false",
@@ -572,8 +572,8 @@ def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path
                                                  "model.offload_activations=false", "train.mlp_tile_tokens=0"])):
         cfg = load_config(None, quick + keys + [f"output.output_dir={tmp_path / name}"], base=demo_config())
         trainer = GRPOTrainer(cfg)
-        assert trainer.plan is None and cfg.model.offload_activations is False
-        assert cfg.model.gradient_checkpointing is False
+        assert trainer.layout.plan is None and trainer.layout.offload_activations is False
+        assert trainer.layout.gradient_checkpointing is False
         trainer.train()
         runs[name] = [{k: v for k, v in m.items() if not k.endswith("time_s")} for m in read_metrics(tmp_path / name)]
     assert len(runs["auto"]) == 2 and runs["auto"] == runs["pinned"]
@@ -734,3 +734,36 @@ def test_safety_fraction_follows_the_allocator_settings():
     assert safety_fraction({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}) == 0.95
     assert safety_fraction({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}) == 0.92
     assert safety_fraction({}) == 0.92
+
+
+def test_saved_config_is_the_users_and_the_layout_is_saved_beside_it(tmp_path):
+    """config.yaml holds the config as asked (defaults filled in, layout keys left null as written: nothing the
+    planner or the layout resolution chose); layout.yaml beside it holds the layout the run used. An SFT run's
+    epochs stay epochs: the step count they give is not written into train.max_steps."""
+    import yaml
+
+    from longrl import GRPOTrainer, SFTTrainer
+    from longrl.config import load_config
+    from longrl.config.demo import demo_config, sft_warm_start_config
+
+    quick = ["train.max_steps=1", "train.prompts_per_step=2", "grpo.num_generations=2", "data.num_examples=16",
+             "output.progress_bar=false", "output.tensorboard=false", "model.offload_activations=null",
+             "model.reuse_attention=null", "train.mlp_tile_tokens=null", f"output.output_dir={tmp_path / 'grpo'}"]
+    asked = load_config(None, quick, base=demo_config())
+    trainer = GRPOTrainer(load_config(None, quick, base=demo_config()))
+    trainer.train()
+    saved = load_config(tmp_path / "grpo" / "config.yaml")
+    assert saved.to_dict() == asked.to_dict()
+    assert saved.model.offload_activations is None and saved.train.mlp_tile_tokens is None
+    layout = yaml.safe_load((tmp_path / "grpo" / "layout.yaml").read_text())
+    assert layout == trainer.layout.to_dict() and layout["model.offload_activations"] is False
+    assert layout["planned"] is False  # the CPU: nothing planned, null keys off
+
+    sft = [f"output.output_dir={tmp_path / 'sft'}", "sft.num_train_epochs=0.1", "output.progress_bar=false",
+           "output.tensorboard=false"]
+    asked = load_config(None, sft, base=sft_warm_start_config(demo_config()))
+    trainer = SFTTrainer(load_config(None, sft, base=sft_warm_start_config(demo_config())))
+    assert trainer.max_steps != asked.train.max_steps
+    trainer.train()
+    saved = load_config(tmp_path / "sft" / "config.yaml")
+    assert saved.to_dict() == asked.to_dict() and saved.train.max_steps == asked.train.max_steps

@@ -16,7 +16,7 @@ from longrl.models import ModelLoadError, base_model, build_tiny_model, calibrat
 from longrl.models.quantize import NF4_BYTES_PER_PARAM, nf4_bytes, quantize_model  # noqa: E402
 from longrl.models.policy import reference_mode, sequence_logprobs  # noqa: E402
 from longrl.training.reporting import read_metrics  # noqa: E402
-from longrl.recipes.grpo import GRPOTrainer  # noqa: E402
+from longrl.compat.trl import GRPOTrainer  # noqa: E402
 
 DAMAGED = "model.layers.1.self_attn.v_proj"
 

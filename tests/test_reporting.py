@@ -16,7 +16,7 @@ from longrl.config.demo import demo_config
 from longrl.training.reporting import (RunReporter, _fit_axis, check_report_to, plot_training_curves, report_targets,
                               reward_failure_lines, step_line)
 from longrl.rewards import RewardFailure
-from longrl.recipes.grpo import GRPOTrainer
+from longrl.compat.trl import GRPOTrainer
 
 QUICK = ["train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=8", "output.save_steps=0"]
 

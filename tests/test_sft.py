@@ -203,7 +203,7 @@ def _sft_config(tmp_path, **over):
 
 
 def test_sft_run_lowers_held_out_loss_and_resume_reproduces(tmp_path):
-    from longrl.recipes.sft import SFTTrainer
+    from longrl.compat.trl import SFTTrainer
 
     trainer = SFTTrainer(_sft_config(tmp_path))
     before = trainer.evaluate()["eval/loss"]
@@ -236,7 +236,7 @@ def test_sft_stops_with_a_checkpoint_on_a_signal_and_on_non_finite_steps(tmp_pat
 
     from longrl.training.checkpoint import latest_checkpoint, verify_checkpoint
     from longrl.training.guards import EXIT_GUARD
-    from longrl.recipes.sft import SFTTrainer
+    from longrl.compat.trl import SFTTrainer
     from longrl.training.signals import TrainingStopped
 
     trainer = SFTTrainer(_sft_config(tmp_path, **{"train.max_steps": 50}))

@@ -57,7 +57,7 @@ def test_trl_sft_script_matches_the_yaml_cli_and_resumes(tmp_path, capsys):
     recorder = Recorder()
     trainer = SFTTrainer(model="builtin:tiny-arith", args=args, train_dataset=datasets.Dataset.from_list(rows),
                          callbacks=[recorder])
-    assert trainer.cfg.train.max_steps == 3  # ceil(0.4 × 54 / 8)
+    assert trainer.max_steps == 3 and trainer.cfg.train.max_steps == 100  # ceil(0.4 × 54 / 8); the config as given
     history = trainer.train()
     assert [e for e in recorder.events if e[0] == "step"] == [("step", i + 1) for i in range(len(history))]
     assert ("save", f"checkpoint-{len(history)}") in recorder.events
@@ -162,11 +162,11 @@ def test_sft_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
 def test_docs_api_holds_the_sft_name_table():
     from pathlib import Path
 
-    from longrl.compat.trl import SFT_TABLE_BEGIN, SFT_TABLE_END, flat_name_table
+    from longrl.compat.trl_config import SFT_TABLE_BEGIN, SFT_TABLE_END, flat_name_table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     block = doc.partition(SFT_TABLE_BEGIN)[2].partition(SFT_TABLE_END)[0]
-    assert block == flat_name_table(SFT_NAMES), "docs/api.md's SFT table is out of date: run python -m longrl.compat.trl"
+    assert block == flat_name_table(SFT_NAMES), "docs/api.md's SFT table is out of date: run python -m longrl.compat.trl_config"
 
 
 def test_init_sft_output_is_accepted_by_sft_and_plan(tmp_path, capsys):

@@ -304,7 +304,7 @@ def test_tiling_bounds_the_mlp_transient():
 # ---------------------------------------------------------------------------------------------- config, trainer
 def test_config_key_and_trainer_applies_it(tmp_path):
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.compat.trl import GRPOTrainer
 
     assert load_config(None, [], base=demo_config()).train.mlp_tile_tokens is None
     with pytest.raises(ConfigError, match="train.mlp_tile_tokens"):

@@ -10,7 +10,7 @@ import pytest
 from longrl.config.schema import ConfigError, load_config
 from longrl.config.demo import demo_config
 from longrl.training.reporting import read_metrics
-from longrl.recipes.grpo import GRPOTrainer
+from longrl.compat.trl import GRPOTrainer
 
 QUICK = ["train.max_steps=4", "train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=5",
          "output.progress_bar=false", "output.tensorboard=false", "output.save_steps=0"]

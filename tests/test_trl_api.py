@@ -154,7 +154,7 @@ def test_given_model_gets_adapters_and_peft_config_and_unsloth_names(tmp_path):
     # the Config API too: a plain model given while lora.enabled=true gets adapters, never full-weight training
     from longrl.config.schema import load_config as load
     from longrl.config.demo import demo_config
-    from longrl.recipes.grpo import GRPOTrainer as Trainer
+    from longrl.compat.trl import GRPOTrainer as Trainer
 
     plain, tok = build_tiny_model(seed=0)
     cfg = load(None, ["lora.enabled=true", "lora.r=2", f"output.output_dir={tmp_path / 'e'}"], base=demo_config())
@@ -392,8 +392,8 @@ def test_math_answer_reward():
 def test_docs_api_holds_the_flat_name_table():
     from pathlib import Path
 
-    from longrl.compat.trl import TABLE_BEGIN, TABLE_END, flat_name_table
+    from longrl.compat.trl_config import TABLE_BEGIN, TABLE_END, flat_name_table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     block = doc.partition(TABLE_BEGIN)[2].partition(TABLE_END)[0]
-    assert block == flat_name_table(), "docs/api.md's table is out of date: run python -m longrl.compat.trl"
+    assert block == flat_name_table(), "docs/api.md's table is out of date: run python -m longrl.compat.trl_config"

@@ -16,7 +16,7 @@ default_allocator_settings()  # expandable segments unless the user configured t
 # public name → the module that defines it
 _LAZY = {
     "Config": "config", "ConfigError": "config", "load_config": "config",
-    "GRPOConfig": "compat.trl", "GRPOTrainer": "recipes.grpo", "SFTConfig": "compat.trl", "SFTTrainer": "recipes.sft",
+    "GRPOConfig": "compat.trl_config", "GRPOTrainer": "compat.trl", "SFTConfig": "compat.trl_config", "SFTTrainer": "compat.trl",
     "Callback": "training.callbacks",
     "FastLanguageModel": "compat.unsloth", "load_model": "models", "chunked_logprobs": "ops.logprobs",
 }

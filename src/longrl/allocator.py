@@ -1,9 +1,8 @@
 """The CUDA caching allocator's settings longrl runs with, set before PyTorch first touches the GPU.
 
 A long sequence's step allocates and frees [T, H]-sized tensors of many sizes; in the allocator's fixed segments
-the freed blocks fragment, and a step whose peak allocation is well under the budget fails: Llama-3.1-8B shape,
-4-bit base, one 131,072-token SFT sequence under a 24 GiB cap ran out of memory with ~21.7 GiB allocated at the
-peak (benchmarks/results/sft_memory_llama-3.1-8b_4bit_cap24.md). PyTorch's expandable segments grow one mapping
+the freed blocks fragment, and a step whose peak allocation is well under the budget fails (docs/performance.md has the
+case that showed it). PyTorch's expandable segments grow one mapping
 instead (the setting Unsloth also defaults to). :func:`default_allocator_settings` sets it when the user has set
 no allocator configuration; a user's setting always wins. It only takes effect if PyTorch's CUDA allocator has not
 started yet, which holds for the ``longrl`` command and for ``import longrl`` before any CUDA work.

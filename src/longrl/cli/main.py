@@ -1,5 +1,7 @@
-"""Command line: ``longrl init [--model M] [--task T]``, ``longrl train CONFIG.yaml [KEY=VALUE ...]``, ``longrl demo
-[KEY=VALUE ...]``, ``longrl plan`` and ``longrl export OUTPUT_DIR --from CHECKPOINT --format adapter|merged|gguf``.
+"""Command line: ``longrl init [--model M] [--task T]``, ``longrl train CONFIG.yaml [KEY=VALUE ...]``, ``longrl sft``,
+``longrl demo [KEY=VALUE ...]``, ``longrl plan``, ``longrl generate``, ``longrl eval`` and ``longrl export OUTPUT_DIR
+--from CHECKPOINT --format adapter|merged|gguf``: the parser and the dispatch to one module per command (train.py,
+plan.py, demo.py, inference.py, export.py), and the exit code of each error longrl explains itself.
 
 Heavy modules (torch, transformers) load inside the commands, so ``longrl --help`` and ``--version`` stay fast."""
 
@@ -8,9 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 
-from ..config.schema import ConfigError, load_config
+from ..config import ConfigError, load_config
+from .exit_codes import EXIT_BAD_INPUT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,29 +102,6 @@ def _add_generate_and_eval(sub) -> None:
     ev.add_argument("--device", default="auto")
 
 
-def _run(cfg) -> list[dict]:
-    from ..training.distributed import shutdown
-    from ..recipes.grpo import GRPOTrainer
-
-    try:
-        return GRPOTrainer(cfg).train()
-    finally:
-        shutdown()  # a torchrun job's process group (nothing in one process)
-
-
-def _torchrun(args) -> int:
-    """``longrl train|sft --nproc-per-node N ...`` → ``torchrun --standalone --nproc-per-node N -m longrl train|sft
-    ...``."""
-    import subprocess
-
-    if args.nproc_per_node < 1:
-        print(f"longrl: error: --nproc-per-node must be >= 1; got {args.nproc_per_node}", file=sys.stderr)
-        return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-           "-m", "longrl", args.command, args.config, *args.overrides]
-    return subprocess.call(cmd)
-
-
 def _log_setup() -> None:
     """INFO on rank 0 (and in one process); WARNING and above, prefixed with the rank, on the others."""
     import os
@@ -141,12 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("train", "sft") and args.nproc_per_node is not None:
-        return _torchrun(args)
+        from .train import torchrun
+
+        return torchrun(args)
     _log_setup()
     for noisy in ("httpx", "urllib3", "huggingface_hub", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command == "export":
-        return _export(args)
+        from .export import export_command
+
+        return export_command(args)
     if args.command == "init":
         from ..config.starter import render, render_sft
 
@@ -164,15 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 sys.stdout.write(cfg.to_yaml())
                 return 0
-            return _demo(cfg, warm_start=args.sft)
-        if args.command == "sft":
-            from ..training.distributed import shutdown
-            from ..recipes.sft import SFTTrainer
+            from .demo import demo_command
 
-            try:
-                history = SFTTrainer(load_config(args.config, args.overrides, recipe="sft")).train()
-            finally:
-                shutdown()  # a torchrun job's process group (nothing in one process)
+            return demo_command(cfg, warm_start=args.sft)
+        if args.command == "sft":
+            from .train import run_sft
+
+            history = run_sft(load_config(args.config, args.overrides, recipe="sft"))
             last = history[-1] if history else {}
             print(f"sft: {len(history)} steps, last loss {last.get('loss', float('nan')):.4f}"
                   + (f", held-out loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))
@@ -180,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         sft_plan = args.command == "plan" and args.sft
         cfg = load_config(args.config, args.overrides, recipe="sft" if sft_plan else "grpo")
         if args.command == "plan":
-            return _plan(cfg, args.gpu_memory_gib, args.nproc_per_node, sft=sft_plan)
-        _run(cfg)
+            from .plan import plan_command
+
+            return plan_command(cfg, args.gpu_memory_gib, args.nproc_per_node, sft=sft_plan)
+        from .train import run_grpo
+
+        run_grpo(cfg)
         return 0
     except ConfigError as e:
         print(f"longrl: configuration error: {e}", file=sys.stderr)
@@ -209,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
               "intact (resume with output.resume=true)", file=sys.stderr)
         return e.exit_code
 
-
-EXIT_BAD_INPUT = 2  # the input was refused (config, data, rewards, model, checkpoint, output directory in use)
 
 
 def _is_stop(e: Exception) -> bool:
@@ -247,133 +230,6 @@ def _inference(args) -> int:
     except (InferenceError, ExportError) as e:
         print(f"longrl: error: {e}", file=sys.stderr)
         return 2
-
-
-def _export(args) -> int:
-    from ..export import ExportError, export_checkpoint
-
-    try:
-        out = export_checkpoint(args.checkpoint, args.output_dir, fmt=args.format, quant=args.quant, dtype=args.dtype,
-                                overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
-    except ExportError as e:
-        print(f"longrl: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"exported {args.format} to {out}")
-    return 0
-
-
-def _plan(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = False) -> int:
-    import copy
-
-    import torch
-
-    from ..memory.planner import GIB, PlanError, model_config_of, plan_for_config
-    from ..training.model_setup import SFT_LENGTH_KEY, sft_planning_view
-
-    if sft:  # a supervised step, as the planner sees it: sft.examples_per_step sequences of sft.max_length tokens
-        if world_size < 1 or world_size > cfg.sft.examples_per_step:
-            print(f"longrl: error: --nproc-per-node must be between 1 and sft.examples_per_step "
-                  f"({cfg.sft.examples_per_step}: each process trains whole examples); got {world_size}",
-                  file=sys.stderr)
-            return 2
-        label = f"{cfg.sft.examples_per_step} examples × {cfg.sft.max_length:,} tokens"
-        if world_size > 1:  # one process of the job: its share of the step's examples, the weights replicated
-            cfg = copy.deepcopy(cfg)
-            cfg.sft.examples_per_step = -(-cfg.sft.examples_per_step // world_size)
-            label += f"; per GPU of {world_size} (replicated weights): up to {cfg.sft.examples_per_step} examples"
-        cfg, world_size = sft_planning_view(cfg), 1
-
-    if gpu_memory_gib is None:
-        if not torch.cuda.is_available():
-            print("longrl: error: no CUDA device here; pass --gpu-memory-gib to plan for one", file=sys.stderr)
-            return 2
-        gpu_memory_gib = torch.cuda.mem_get_info()[0] / GIB
-    if world_size < 1 or world_size > cfg.train.prompts_per_step:
-        print(f"longrl: error: --nproc-per-node must be between 1 and train.prompts_per_step "
-              f"({cfg.train.prompts_per_step}: each process samples whole groups); got {world_size}", file=sys.stderr)
-        return 2
-    try:
-        plan = plan_for_config(cfg, model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code),
-                               int(gpu_memory_gib * GIB), world_size=world_size,
-                               **({"length_key": SFT_LENGTH_KEY} if sft else {}))
-    except PlanError as e:
-        print(f"longrl: this job cannot fit{f' on {world_size} GPUs' if world_size > 1 else ''}: {e}", file=sys.stderr)
-        return 1
-    n = cfg.train.prompts_per_step * cfg.grpo.num_generations
-    if sft:
-        print(f"plan for {cfg.model.name_or_path} (sft): {label}, {gpu_memory_gib:.1f} GiB GPU")
-        print(plan.table())
-        return 0
-    layout = ""
-    if world_size > 1:
-        per_rank = -(-cfg.train.prompts_per_step // world_size) * cfg.grpo.num_generations
-        kind = ("FSDP2 full weights" if not cfg.lora.enabled else
-                "data-parallel, 4-bit base replicated" if cfg.model.load_in_4bit else "data-parallel, LoRA replicated")
-        layout = f"; per GPU of {world_size} ({kind}): up to {per_rank} completions"
-    print(f"plan for {cfg.model.name_or_path}: {n} completions × "
-          f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length:,} tokens, {gpu_memory_gib:.1f} GiB GPU"
-          f"{layout}")
-    print(plan.table())
-    return 0
-
-
-def _start_demo_over(cfg):
-    """``longrl demo`` again into the same directory starts over: an earlier demo's checkpoints there are removed
-    (only in a directory a demo made, and only those whose saved config names this builtin model); anything else
-    is left to the trainer's check. Returns the directory's run lock, held while this runs (and for the demo)."""
-    import shutil
-
-    from ..training.checkpoint import checkpoint_config, list_checkpoints
-    from ..training.run_lock import acquire_run_lock, check_output_dir_contents, run_marker
-
-    lock = acquire_run_lock(cfg.output.output_dir)
-    try:
-        check_output_dir_contents(cfg.output.output_dir, command="demo", overwrite=cfg.output.overwrite_output_dir)
-    except BaseException:
-        lock.release()
-        raise
-    if cfg.output.resume or not cfg.model.name_or_path.startswith("builtin:") or \
-            (run_marker(cfg.output.output_dir) or {}).get("command") != "demo":
-        return lock
-    for path in list_checkpoints(cfg.output.output_dir):
-        saved = checkpoint_config(path) or {}
-        if saved.get("model", {}).get("name_or_path") == cfg.model.name_or_path:
-            shutil.rmtree(path)
-    return lock
-
-
-def _demo(cfg, warm_start: bool = False) -> int:
-    from ..training.reporting import plot_reward_curve, read_metrics
-
-    start = time.perf_counter()
-    with _start_demo_over(cfg):
-        if warm_start:
-            from ..config.demo import sft_warm_start_config
-            from ..recipes.sft import SFTTrainer
-            from ..recipes.grpo import GRPOTrainer
-
-            sft_cfg = sft_warm_start_config(cfg)
-            with _start_demo_over(sft_cfg):
-                sft = SFTTrainer(sft_cfg)
-                history = sft.train()
-            print(f"warm start: {len(history)} supervised steps, held-out loss "
-                  f"{history[-1].get('eval/loss', float('nan')):.3f}", flush=True)
-            GRPOTrainer(cfg, model=sft.model, tokenizer=sft.tokenizer).train()
-        else:
-            _run(cfg)
-    metrics = read_metrics(cfg.output.output_dir)
-    window = max(1, min(10, len(metrics) // 5))
-    first = sum(m["reward"] for m in metrics[:window]) / window
-    last = sum(m["reward"] for m in metrics[-window:]) / window
-    png = plot_reward_curve(cfg.output.output_dir, metrics)
-    rewards = [m["reward"] for m in metrics]
-    reached = next((i + window for i in range(len(rewards) - window + 1)
-                    if sum(rewards[i:i + window]) / window >= 0.9), None)
-    print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f} "
-          f"({len(metrics)} steps, {time.perf_counter() - start:.0f} s); reward curve: {png}", flush=True)
-    print(f"{window}-step mean reward first >= 0.9 at step {reached}" if reached else
-          f"the {window}-step mean reward never reached 0.9", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

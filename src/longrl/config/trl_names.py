@@ -90,7 +90,7 @@ TRL_NAMES: dict[str, FlatName] = {
     "warmup_ratio": FlatName("train.warmup_steps", "warmup_steps = round(warmup_ratio × max_steps)"),
     "max_steps": FlatName("train.max_steps", "optimizer steps (longrl has no epochs)", _max_steps),
     "seed": FlatName("train.seed"),
-    # the batch (see longrl.compat.trl.batch_arithmetic)
+    # the batch (see longrl.compat.trl_config.batch_arithmetic)
     "per_device_train_batch_size": FlatName("train.micro_batch_size", _BATCH_NOTE),
     "gradient_accumulation_steps": FlatName("train.prompts_per_step", _BATCH_NOTE),
     "generation_batch_size": FlatName("grpo.steps_per_generation", "optimizer steps a rollout serves = "

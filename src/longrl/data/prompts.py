@@ -10,6 +10,7 @@ Prompts longer than ``max_prompt_length`` tokens follow ``overlong_prompt``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -115,9 +116,16 @@ def data_fingerprint(source: str) -> str | None:
     path = Path(source).expanduser()
     if not path.is_file():
         return None
-    from ..training.checkpoint import file_sha256
-
     return file_sha256(path)
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes (read a MiB at a time)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @dataclass

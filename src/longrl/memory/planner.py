@@ -49,8 +49,7 @@ the next one starts. So the peak is inside one of those steps, and a term counts
 
 Nothing else of the forward is live in backward: the final hidden states are freed once the log-prob backward has
 run, an offload copy once it has reached the host. The forward passes hold less than a layer's backward (no
-gradients). Measured on an H200 (benchmarks/planner_accuracy.md) and traced tensor by tensor on the CPU, the
-largest term is the MLP at long untiled micro-batches (6 T I b), else the RMSNorm backward (20 T H bytes).
+gradients). Measured on a GPU and traced tensor by tensor on the CPU, the largest term is the MLP at long untiled micro-batches (6 T I b), else the RMSNorm backward (20 T H bytes).
 
 The rollout phase (longrl's sampler) holds the weights, the LoRA weights and Adam moments (grads are freed),
 the KV cache and a workspace; its memory goes back to the allocator before the training phase, so a step's
@@ -85,8 +84,7 @@ MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention 
 MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
 # fraction of free GPU memory the plan may use (the planner's error, allocator fragmentation, CUDA workspaces):
 # with the allocator's fixed segments, which fragment, and with its expandable segments (longrl's default:
-# allocator.py), where the SFT peaks reserved 0.3-1.3% above what they allocated and the planner predicted the
-# attention-bound ones within -0.2% to +0.8% (benchmarks/results/planner_accuracy.md)
+# allocator.py), which reserve little above what is allocated
 _SAFETY = 0.92
 _SAFETY_EXPANDABLE = 0.95
 
@@ -471,9 +469,7 @@ def mlp_backward_bytes(tokens: int, tile: int, h: int, i: int, b: int, fused: bo
     post-norm output [T, H] (the tiles' input); the tile's gate, act(gate) and up [t, I] that autograd saves, and the
     product's gradient [t, I] from the base and the LoRA path and their sum, formed before the product is freed;
     the input gradients [t, H] of the tiles already done, which wait for the split's backward. ``fused``: the fused
-    SiLU·up keeps gate and up only (act(gate) recomputed in its backward): 5 t I (on the H200 this brought the
-    predicted SFT peaks with untiled MLPs from 3.2–6.6% above the measured ones to 1.6–1.7%,
-    benchmarks/results/planner_accuracy.md)."""
+    SiLU·up keeps gate and up only (act(gate) recomputed in its backward): 5 t I."""
     return (tokens * h + (5 if fused else 6) * tile * i + (tokens - tile) * h) * b
 
 
@@ -494,9 +490,7 @@ def attention_backward_bytes(tokens: int, h: int, q: int, kv: int, b: int, norm_
     accumulator and the expanded dk, dv of one group, [T, Q / groups] each, the kernel's contiguous copies of the
     group's output gradient and output [T, Q / groups] each (head slices are not contiguous), and that group's dq,
     dk, dv before they are copied into the whole ones. ``kernel`` 'cudnn' (one call, groups = 1): cuDNN's backward
-    holds float32 dq [T, Q], dk and dv [T, K] (when K < Q) and a float32 statistic per query head (``heads``):
-    24,704 bytes a token for the Llama-3.1-8B heads, measured to the byte on an H200 (torch 2.11); counted so, the
-    bf16 SFT peaks at 65,536 to 212,992 tokens are predicted within 0.2% (benchmarks/results/planner_accuracy.md)."""
+    holds float32 dq [T, Q], dk and dv [T, K] (when K < Q) and a float32 statistic per query head (``heads``)."""
     grads = tokens * (q * b + 2 * kv * b)
     qg, kg = q // groups, kv // groups
     if kernel == "cudnn" and groups == 1:
@@ -613,8 +607,8 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 resident += 1
     whole = pinned_whole
     if no_recompute is None and (checkpointing or offload) and not tile:
-        # the no-recompute layout's share: the term is built from the checkpointed ones (predict; on the H200 it
-        # was 3.5-4.7% above the measured peak)
+        # the no-recompute layout's share: the term is an estimate built from the checkpointed ones (predict), which
+        # errs high
         share = int(gpu_free_bytes * NO_RECOMPUTE_SHARE * safety_fraction())
         while whole < shape.layers and cost(budget, resident, tile, whole + 1)[0] <= share:
             whole += 1
@@ -633,8 +627,9 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
                 no_recompute_layers=whole)
 
 
-def host_memory_bytes() -> int:
-    """Physical host memory (pinned buffers are page-locked: the plan keeps 30% of it for everything else)."""
+def pinnable_host_bytes() -> int:
+    """The host memory the plan may pin: 70% of the physical memory (pinned buffers are page-locked; the rest is
+    kept for everything else)."""
     import os
 
     return int(0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -713,54 +708,82 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
     return ([] if checkpointing else [(False, False)]) + [(True, True)]
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """One optimizer step as the planner sees it: ``prompts`` prompts (over every rank) of at most ``prompt_tokens``
+    tokens, each followed by ``generations`` sequences of at most ``completion_tokens`` tokens; the prompts of
+    ``steps_per_rollout`` steps sampled at once when ``rollouts`` (longrl's sampler: its KV cache is planned too). ``length_key``: the
+    key a refused plan tells the user to shorten."""
+    prompt_tokens: int
+    completion_tokens: int
+    prompts: int
+    generations: int = 1
+    steps_per_rollout: int = 1
+    rollouts: bool = False
+    length_key: str = "generation.max_completion_length"
+
+    @classmethod
+    def grpo(cls, cfg, completion_tokens: int) -> "StepShape":
+        """A GRPO step of ``cfg``: prompts_per_step × num_generations completions of ``completion_tokens`` (the
+        trajectory budget: config.trajectory_tokens) after a max_prompt_length prompt; the rollout samples
+        steps_per_generation steps' prompts at once."""
+        return cls(cfg.data.max_prompt_length, completion_tokens, cfg.train.prompts_per_step,
+                   cfg.grpo.num_generations, cfg.grpo.steps_per_generation, rollouts=cfg.generation.backend == "longrl")
+
+    @classmethod
+    def sft(cls, cfg, examples: int | None = None) -> "StepShape":
+        """A supervised step: ``examples`` (default sft.examples_per_step) sequences of sft.max_length tokens, no
+        rollout."""
+        return cls(1, max(1, cfg.sft.max_length - 1), cfg.sft.examples_per_step if examples is None else examples,
+                   length_key="sft.max_length")
+
+
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None,
-                    world_size: int = 1, length_key: str = "generation.max_completion_length") -> Plan:
-    """The plan for a run: every completion at max_completion_length (multi-turn: the trajectory budget) after a
-    max_prompt_length prompt, in
-    ``gpu_free_bytes`` of GPU memory (train.gpu_memory_gib when set and smaller). The layout keys left null
+                    world_size: int = 1, step: StepShape | None = None) -> Plan:
+    """The plan for a run's ``step`` (default: cfg's GRPO step) in ``gpu_free_bytes`` of GPU memory
+    (train.gpu_memory_gib when set and smaller): every sequence at its longest. The layout keys left null
     (model.offload_activations, model.gradient_checkpointing) are chosen here: no recomputation when it fits in
     NO_RECOMPUTE_SHARE of the memory, else offloaded checkpointing (layout_candidates). ``world_size`` > 1: one
     GPU of a data-parallel job, with the most prompts a rank gets (⌈P / N⌉); full weights (lora.enabled=false)
-    sharded by FSDP2, LoRA and a 4-bit base replicated."""
+    sharded by FSDP2, LoRA and a 4-bit base replicated. Reads ``cfg``; writes nothing into it."""
     from ..ops.attention_backend import repeats_kv
 
+    if step is None:
+        from ..config import trajectory_tokens
+
+        step = StepShape.grpo(cfg, trajectory_tokens(cfg))
     if cfg.train.gpu_memory_gib > 0:
         gpu_free_bytes = min(gpu_free_bytes, int(cfg.train.gpu_memory_gib * GIB))
-    from ..config.schema import trajectory_tokens
-
-    completion = trajectory_tokens(cfg)  # multi-turn: the longest trajectory (sampled + environment tokens)
-    length = cfg.data.max_prompt_length + completion
-    prompts = -(-cfg.train.prompts_per_step // max(1, world_size))  # the most prompts a rank gets
+    length = step.prompt_tokens + step.completion_tokens
+    prompts = -(-step.prompts // max(1, world_size))  # the most prompts a rank gets
     shards = world_size if world_size > 1 and not cfg.lora.enabled else 1
-    n = prompts * cfg.grpo.num_generations
+    n = prompts * step.generations
     weight_bytes = compute = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.model.dtype, 2)
     shape = ModelShape.from_config(model_config)
     if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
         weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
-    step = dict(sequence_lengths=[length] * n, lora_r=cfg.lora.r if cfg.lora.enabled else 0,
-                weight_bytes=weight_bytes, host_free_bytes=host_free_bytes or host_memory_bytes(),
-                chunk=cfg.train.logprob_chunk_size, token_budget=cfg.train.micro_batch_tokens,
-                mlp_tile_tokens=cfg.train.mlp_tile_tokens, reuse_attention=cfg.model.reuse_attention,
-                repeat_kv=repeats_kv(cfg.model.sdpa_backends), compute_bytes=compute,
-                trainable_base=not cfg.lora.enabled, logprob_kernel=logprob_kernel_applies(cfg, model_config),
-                weight_shards=shards, fused_norms=fused_norms_apply(cfg, model_config),
-                no_recompute=cfg.model.no_recompute_layers, grouped_attention=grouped_attention_applies(cfg),
-                attention_kernel=attention_kernel_of(cfg, shape, compute), length_key=length_key)
+    pinned = dict(token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
+                  reuse_attention=cfg.model.reuse_attention, no_recompute=cfg.model.no_recompute_layers)
+    kernels = dict(repeat_kv=repeats_kv(cfg.model.sdpa_backends), logprob_kernel=logprob_kernel_applies(cfg, model_config),
+                   fused_norms=fused_norms_apply(cfg, model_config), grouped_attention=grouped_attention_applies(cfg),
+                   attention_kernel=attention_kernel_of(cfg, shape, compute))
+    step_args = dict(sequence_lengths=[length] * n, lora_r=cfg.lora.r if cfg.lora.enabled else 0,
+                     weight_bytes=weight_bytes, host_free_bytes=host_free_bytes or pinnable_host_bytes(),
+                     chunk=cfg.train.logprob_chunk_size, compute_bytes=compute, trainable_base=not cfg.lora.enabled,
+                     weight_shards=shards, length_key=step.length_key, **pinned, **kernels)
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
     try:
-        plan = _first_fitting(shape, candidates, gpu_free_bytes, step)
-        if cfg.generation.backend == "longrl":
-            plan.rollout = plan_rollout(shape, prompts=prompts * cfg.grpo.steps_per_generation,
-                                        G=cfg.grpo.num_generations,
-                                        prompt_len=cfg.data.max_prompt_length,
-                                        completion_len=completion,
+        plan = _first_fitting(shape, candidates, gpu_free_bytes, step_args)
+        if step.rollouts:
+            gen = cfg.generation
+            plan.rollout = plan_rollout(shape, prompts=prompts * step.steps_per_rollout,
+                                        G=step.generations, prompt_len=step.prompt_tokens,
+                                        completion_len=step.completion_tokens,
                                         lora_r=cfg.lora.r if cfg.lora.enabled else 0, weight_bytes=weight_bytes,
                                         compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
-                                        nf4_scales=cfg.model.load_in_4bit and cfg.generation.nf4_kernel,
-                                        trainable_base=not cfg.lora.enabled,
-                                        kv_fp8=cfg.generation.kv_cache_dtype == "fp8",
-                                        kv_cache_bytes=int(cfg.generation.kv_cache_gib * GIB),
-                                        weight_shards=shards)
+                                        nf4_scales=cfg.model.load_in_4bit and gen.nf4_kernel,
+                                        trainable_base=not cfg.lora.enabled, kv_fp8=gen.kv_cache_dtype == "fp8",
+                                        kv_cache_bytes=int(gen.kv_cache_gib * GIB), weight_shards=shards)
     except PlanError as e:
         if cfg.train.gpu_memory_gib > 0:
             raise PlanError(f"{e}, or raise train.gpu_memory_gib (now {cfg.train.gpu_memory_gib:g})") from None

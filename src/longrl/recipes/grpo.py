@@ -20,32 +20,36 @@ from pathlib import Path
 
 import torch
 
-from ..training.callbacks import check_callbacks, notify
-from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, atomic_write_text, \
-    checkpoint_config, list_checkpoints, load_newest, read_state, recover_interrupted_saves, \
-    resume_candidates, resume_request, save_checkpoint, staging_dir, trainer_state
-from ..config.schema import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
+from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
-from ..training.distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
-                          is_sharded, lockstep, rank_prompts, save_sharded_optimizer, unsupported_with_ranks)
-from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
-from ..training.model_setup import build_policy_model, given_model, make_optimizer
+from ..memory.planner import StepShape
 from ..models import base_model, check_model_files, resolve_device
 from ..models.lora_training import fused_lora_training
+from ..models.policy import completion_mask, pad_right, reference_mode
 from ..ops.advantages import decoupled_group_advantages, group_advantages
 from ..ops.attention_backend import sdpa_priority
 from ..ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
     per_token_policy_loss, weighted_loss
 from ..ops.rollout_correction import rollout_correction_weights
-from ..models.policy import completion_mask, pad_right, reference_mode
-from ..training.reporting import RunReporter, check_report_to, reward_failure_lines
 from ..rewards import RewardScorer
 from ..rollout import Sampler, SamplingParams
-from ..rollout.completions import reward_inputs, sample, sampling_params
 from ..rollout.attention import unsupported_reason
-from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal, step_if_finite
+from ..rollout.completions import reward_inputs, sample, sampling_params
+from ..training.callbacks import check_callbacks, notify
+from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, load_newest, resume_request, save_checkpoint, staging_dir, \
+    trainer_state
+from ..training.distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync,
+                                    init_world, is_sharded, lockstep, rank_prompts, save_sharded_optimizer,
+                                    unsupported_with_ranks)
+from ..training.evaluation import evaluate, held_out_rows, load_eval_prompts, read_eval_rows
+from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, has_learning_signal, \
+    step_if_finite
+from ..training.model_setup import build_policy_model, given_model
+from ..training.optimizer import make_optimizer
+from ..training.reporting import RunReporter, check_report_to, reward_failure_lines
+from ..training.run_dir import check_data_unchanged, checked_output_dir, write_run_settings
 from ..training.run_lock import acquire_run_lock, check_output_dir_contents
 from ..training.signals import StopSignals
 
@@ -73,74 +77,6 @@ class RolloutBatch:
     episodes: list | None = None  # [P·G] agents.trajectory.Episode of multi-turn rollouts
 
 
-def check_output_dir(cfg: Config, allow_existing: bool = False, recover: bool = True) -> list[Path]:
-    """Refuse, before anything loads, a new run into a directory that holds another run's checkpoints (its
-    checkpoint rotation and resume would mix the two), and a resume whose settings differ from the ones its
-    checkpoint was trained with, beyond RESUMABLE_CHANGES. ``allow_existing``: leave both to a later call (TRL's
-    ``train(resume_from_checkpoint=...)`` decides). Returns the checkpoints a resume may start from: those whose
-    manifest verifies, newest first (the ones skipped are logged with the reason). ``recover``: first finish or
-    undo the saves a killed run left (one process of a job does it)."""
-    out = Path(cfg.output.output_dir)
-    for line in recover_interrupted_saves(out) if out.is_dir() and recover else []:
-        log.warning("%s: %s (a save of a killed run)", out, line)
-    found = list_checkpoints(out)
-    if not found or allow_existing:
-        return []
-    if not cfg.output.resume:
-        raise ConfigError(f"output.output_dir '{out}' already holds checkpoints of an earlier run "
-                          f"({', '.join(p.name for p in found[-3:])}): set output.resume=true to continue it, or "
-                          "choose another output.output_dir")
-    good, skipped = resume_candidates(out)
-    for line in skipped:
-        log.warning("resume: %s", line)
-    if not good:
-        raise CheckpointError(f"output.resume: no checkpoint in {out} verifies ({'; '.join(skipped)})")
-    saved = checkpoint_config(good[0])
-    conflicts = resume_conflicts(saved, cfg) if saved else []
-    if conflicts:
-        raise ConfigError(f"output.resume: {good[0]} was trained with other settings — {'; '.join(conflicts)}. "
-                          "A resumed run may change only how long it runs, its outputs and speed/memory settings "
-                          f"({', '.join(RESUMABLE_CHANGES)}); start a new output.output_dir for the others")
-    return good
-
-
-def checked_output_dir(cfg: Config, world, allow_existing: bool = False) -> list[Path]:
-    """check_output_dir on every rank of ``world``, rank 0 first (it alone finishes or undoes a killed run's
-    saves)."""
-    found = check_output_dir(cfg, allow_existing=allow_existing) if world.is_main else []
-    world.barrier()
-    if not world.is_main:
-        found = check_output_dir(cfg, allow_existing=allow_existing, recover=False)
-    return found
-
-
-def check_data_unchanged(cfg: Config, checkpoint: Path, fingerprint: str | None) -> None:
-    """Refuse to resume on a data file that differs from the one ``checkpoint`` trained on (its position in the
-    data would point elsewhere), unless ``output.resume_changed_data``."""
-    saved = read_state(checkpoint).get("data_fingerprint")
-    if saved and fingerprint and saved != fingerprint:
-        if not cfg.output.resume_changed_data:
-            raise ConfigError(f"data.source: {cfg.data.source} changed since {checkpoint} was written (SHA-256 "
-                              f"{fingerprint[:12]}…, was {saved[:12]}…); restore it, or set "
-                              "output.resume_changed_data=true to resume on the new file")
-        log.warning("resuming %s on a changed data file %s (output.resume_changed_data=true)", checkpoint,
-                    cfg.data.source)
-
-
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
-    """Multiplier of the base learning rate at step s: linear warm-up, then constant / linear / cosine decay."""
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        if schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-    return f
-
-
 def _warn_loss_choices(g) -> None:
     """TRL's warnings for loss settings that run but probably are not what was meant."""
     if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":
@@ -160,33 +96,32 @@ def _nanmean(x: torch.Tensor) -> float:
 class GRPOTrainer:
     """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train.
 
-    Also takes TRL's signature, ``GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
-    train_dataset=..., eval_dataset=..., processing_class=..., peft_config=..., reward_weights=..., callbacks=...)``
-    (positionally too: model, reward_funcs, args, train_dataset); see :mod:`longrl.compat.trl`.
+    ``rows`` / ``eval_rows``: training and held-out prompt rows given in memory (else data.source and
+    data.eval_source are read). ``environment_factory`` / ``tools``: multi-turn episodes (agents/). TRL's signature,
+    ``GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)``, is longrl.GRPOTrainer's
+    (:mod:`longrl.compat.trl`), a thin layer over this class.
     """
 
-    def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, scorer: RewardScorer | None = None, *,
-                 reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, reward_weights=None, callbacks=None, environment_factory=None, tools=None):
-        self.trl_style = not isinstance(cfg, Config)
-        own_scorer = self.trl_style or scorer is None  # ours to add an environment's reward source to
-        trl = dict(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                   processing_class=processing_class, peft_config=peft_config, reward_weights=reward_weights)
-        rows, self.eval_rows = None, None  # TRL-style: rows given in memory
-        if self.trl_style or any(v is not None for v in trl.values()):
-            from ..compat.trl import trainer_inputs
+    # A run directory that already holds checkpoints is refused at construction unless output.resume; a subclass
+    # whose train(resume_from_checkpoint=...) decides (TRL's API) sets this to defer the check to train().
+    resume_decided_at_train = False
+    # Whether a scorer passed in may gain an environment's reward source (a scorer built by the caller from reward
+    # functions, as TRL's API does); a user's own scorer is left as given.
+    owns_given_scorer = False
 
-            inputs = trainer_inputs((cfg, model, tokenizer, scorer), callbacks=callbacks,
-                                    environment=environment_factory is not None or bool(tools), **trl)
-            cfg, model, tokenizer, scorer, rows = inputs.cfg, inputs.model, inputs.tokenizer, inputs.scorer, inputs.rows
-            self.eval_rows, callbacks = inputs.eval_rows, inputs.callbacks
+    def __init__(self, cfg: Config, model=None, tokenizer=None, scorer: RewardScorer | None = None, *,
+                 rows: list[dict] | None = None, eval_rows: list[dict] | None = None, callbacks=None,
+                 environment_factory=None, tools=None):
+        if not isinstance(cfg, Config):
+            raise TypeError(f"{type(self).__name__}(cfg, ...) takes a longrl Config; got {type(cfg).__name__} (for "
+                            "TRL's arguments use longrl.GRPOTrainer)")
         self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
+        self.resume = cfg.output.resume  # train(resume_from_checkpoint=...) may ask for it too
         torch.manual_seed(cfg.train.seed)
         # Cheap checks first: the output directory, reward functions and data fail before the model loads when
-        # they can. TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...).
-        # One process, or a rank of a torchrun job (the step's prompts split across the ranks). Rank 0 holds the
-        # run lock for the job and finishes what a killed save left before the others look.
+        # they can. One process, or a rank of a torchrun job (the step's prompts split across the ranks). Rank 0
+        # holds the run lock for the job and finishes what a killed save left before the others look.
         self.world, device = init_world(cfg.model.device, cfg.distributed.timeout_s)
         unsupported_with_ranks(cfg, self.world)
         self.run_lock = None
@@ -194,36 +129,40 @@ class GRPOTrainer:
             self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
             weakref.finalize(self, self.run_lock.release)
             check_output_dir_contents(cfg.output.output_dir, overwrite=cfg.output.overwrite_output_dir)
-        self.resume_from = self._check_output_dir(allow_existing=self.trl_style)
+        self.resume_from = checked_output_dir(cfg, self.world, self.resume,
+                                              allow_existing=self.resume_decided_at_train)
         check_report_to(cfg.output)
         if model is None:
             check_model_files(cfg.model.name_or_path)
             resolve_device(cfg.model.device)
+        own_scorer = scorer is None or self.owns_given_scorer  # ours to add an environment's reward source to
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards or [ENVIRONMENT_REWARD])  # none: an environment's
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
         self.data_fingerprint = data_fingerprint(cfg.data.source)
         if self.resume_from:
             check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
-        eval_rows = read_eval_rows(cfg) if self.eval_rows is None else self.eval_rows
+        eval_rows = read_eval_rows(cfg) if eval_rows is None else eval_rows
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
                               "data.eval_source (or set output.eval_steps=0)")
         if model is not None:
-            self.device = resolve_device(device)
-            model, tokenizer = self._given_model(model, tokenizer)
-        model, tokenizer, self.device, self.plan, self.offloader = build_policy_model(
-            cfg, model, tokenizer, device=device, world_size=self.world.world_size)
+            model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(device),
+                                           needed_tokens=(cfg.data.max_prompt_length + cfg.generation.max_completion_length,
+                                                          "data.max_prompt_length + generation.max_completion_length"))
+        model, tokenizer, self.device, self.layout, self.offloader = build_policy_model(
+            cfg, StepShape.grpo(cfg, trajectory_tokens(cfg)), model, tokenizer, device=device,
+            world_size=self.world.world_size)
         self.model, self.tokenizer = model, tokenizer
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
         self.eval_data = load_eval_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
         # sequences costs the square of the packed length, so padded rows are faster there
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
-        self.sampler = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
+        self.prompt_order = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         # the policy update's forward: the model, or DDP over it (replicated weights: only the adapters are
         # reduced), or FSDP2 shards of it (full weights across several processes)
         self.policy = data_parallel(model, self.world, shard_weights=self.world.distributed and not cfg.lora.enabled)
-        self.rollout_sampler = self._make_rollout_sampler()
+        self.sampler = self._make_rollout_sampler()  # None: transformers' generate
         self.agents = self._make_agents(environment_factory, tools, own_scorer)
         self.params, self.optimizer, self.scheduler = make_optimizer(model, cfg.train)
         g = cfg.grpo
@@ -234,12 +173,6 @@ class GRPOTrainer:
         self.phase_stats: dict[str, float] = {}
         self.output_dir = Path(cfg.output.output_dir)
 
-    def _given_model(self, model, tokenizer):
-        cfg = self.cfg
-        return given_model(cfg, model, tokenizer, self.device, describe=self.trl_style,
-                           needed_tokens=(cfg.data.max_prompt_length + cfg.generation.max_completion_length,
-                                          "data.max_prompt_length + generation.max_completion_length"))
-
     # ------------------------------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict]:
         """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
@@ -248,18 +181,19 @@ class GRPOTrainer:
         if self.world.is_main and not self.run_lock.held:  # a second train() of this trainer
             self.run_lock = acquire_run_lock(self.output_dir)
         if resume_from_checkpoint:
-            self._ask_resume(resume_from_checkpoint)
-        if self.trl_style or resume_from_checkpoint:
-            self.resume_from = self._check_output_dir()
+            resume_request(self.output_dir, resume_from_checkpoint)
+            self.resume = True
+        if self.resume_decided_at_train or resume_from_checkpoint:
+            self.resume_from = checked_output_dir(cfg, self.world, self.resume)
             if self.resume_from:
                 check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
-        if cfg.output.resume:
+        if self.resume:
             self._resume()
         self.model.train()
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
         reporter = RunReporter.for_config(cfg, resume_step=self.step_idx) if main else None
         if main:
-            atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
+            write_run_settings(self.output_dir, cfg, self.layout)
         notify(self.callbacks, "on_train_begin", self)
         history = []
         finished = False
@@ -302,22 +236,12 @@ class GRPOTrainer:
         notify(self.callbacks, "on_train_end", history)
         return history
 
-    def _check_output_dir(self, allow_existing: bool = False) -> list[Path]:
-        return checked_output_dir(self.cfg, self.world, allow_existing)
-
-    def _ask_resume(self, checkpoint: bool | str) -> None:
-        """TRL's resume_from_checkpoint: True, the output directory, or its latest checkpoint."""
-        resume_request(self.output_dir, checkpoint)
-        self.cfg.output.resume = True
-
     def evaluate(self, eval_dataset=None):
         """Mean reward and pass@k on ``eval_dataset`` with the current weights: a
         :class:`longrl.training.evaluation.EvalResult`. ``eval_dataset``: a :class:`longrl.data.prompts.PromptDataset`, or as TRL's, a
         ``datasets.Dataset``, a list of dicts or a path; default: the trainer's eval_dataset, or data.eval_source's."""
         data = eval_dataset if eval_dataset is not None else self.eval_data
         if data is not None and not isinstance(data, PromptDataset):
-            from ..compat.trl import held_out_rows
-
             rows, source = held_out_rows(self.cfg, data)
             data = load_eval_prompts(self.cfg, self.tokenizer, rows, source)
         if data is None:
@@ -326,7 +250,7 @@ class GRPOTrainer:
         with full_weights(self.policy):
             return evaluate(self.model, self.tokenizer, self.scorer, data, self.cfg.generation,
                             num_generations=o.eval_num_generations, pass_threshold=o.eval_pass_threshold,
-                            sampler=self.rollout_sampler, device=self.device)
+                            sampler=self.sampler, device=self.device)
 
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
@@ -400,7 +324,7 @@ class GRPOTrainer:
 
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
-        drawn = self.sampler.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)  # global
+        drawn = self.prompt_order.next(cfg.train.prompts_per_step * cfg.grpo.steps_per_generation)  # global
         # this rank's prompts (whole groups) of every optimizer step of the batch, and their global sequence ids
         mine = rank_prompts(cfg.train.prompts_per_step, cfg.grpo.steps_per_generation, self.world.rank,
                             self.world.world_size)
@@ -411,11 +335,11 @@ class GRPOTrainer:
         agent = None
         with self._phase("generation"), full_weights(self.policy):
             if self.agents is not None:  # multi-turn episodes (agents/rollout.py)
-                agent = self.agents.generate(self.rollout_sampler, rows, G, params)
+                agent = self.agents.generate(self.sampler, rows, G, params)
                 rollout = agent.rollout
             else:
                 rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, params,
-                                 self.rollout_sampler, self.device)
+                                 self.sampler, self.device)
         prompts, completions, columns = reward_inputs(rows, self.data.prompt_column, G, self.tokenizer, rollout)
         if agent is not None:  # the prompts the episodes opened with, their trajectories as messages with roles
             prompts, completions = agent.prompts, agent.completions
@@ -449,9 +373,11 @@ class GRPOTrainer:
             ref_logps = self._reference_logps(rollout.prompt_ids, rollout.completion_ids, width)
         sampler_logps = (pad_right(rollout.logprobs, 0.0, width, dtype=torch.float32)
                          if rollout.logprobs is not None else None)
-        return RolloutBatch(prompts, completions, rollout.prompt_ids, rollout.completion_ids, rewards, per_function,
-                            advantages, mask, weights, old_logps, ref_logps, sampler_logps, truncated, len(failures),
-                            agent.episodes if agent is not None else None)
+        return RolloutBatch(prompts=prompts, completions=completions, prompt_ids=rollout.prompt_ids,
+                            completion_ids=rollout.completion_ids, rewards=rewards, rewards_per_function=per_function,
+                            advantages=advantages, mask=mask, weights=weights, old_logps=old_logps,
+                            ref_logps=ref_logps, sampler_logps=sampler_logps, truncated=truncated,
+                            num_reward_failures=len(failures), episodes=agent.episodes if agent is not None else None)
 
     def _make_rollout_sampler(self) -> Sampler | None:
         """longrl's sampler unless the config asks for transformers' generate or the model needs it."""
@@ -481,7 +407,7 @@ class GRPOTrainer:
                 raise ConfigError("config key 'rewards': at least one reward function (or an environment that "
                                   "scores its episodes)")
             return None
-        if self.rollout_sampler is None:
+        if self.sampler is None:
             raise ConfigError("multi-turn episodes (environment.factory, tools) run inside longrl's sampler, which "
                               "cannot run this model (see the warning above)")
         if own_scorer and agents.owns_reward and "environment_reward" not in self.scorer.names:
@@ -495,9 +421,9 @@ class GRPOTrainer:
 
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train
-        if t.micro_batch_tokens > 0:
+        if self.layout.micro_batch_tokens > 0:
             return token_budget_groups([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
-                                       t.micro_batch_tokens)
+                                       self.layout.micro_batch_tokens)
         return count_groups(len(prompt_ids), t.micro_batch_size)
 
     @torch.no_grad()
@@ -653,7 +579,7 @@ class GRPOTrainer:
     def save(self) -> Path | None:
         """Write checkpoint-STEP (rank 0: the state is replicated; under FSDP2 every rank its optimizer shards) and
         return its path (None on other ranks); every rank returns once it is complete."""
-        state, frozen = trainer_state(self.model, self.cfg, self.sampler.position,
+        state, frozen = trainer_state(self.model, self.cfg, self.prompt_order.position,
                                       data_fingerprint=self.data_fingerprint, world_size=self.world.world_size)
         model_state, staged = None, None
         if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
@@ -674,4 +600,4 @@ class GRPOTrainer:
     def _resume(self) -> None:
         loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
         if loaded is not None:
-            self.step_idx, self.sampler.position = loaded[1]["step"], loaded[1]["data_position"]
+            self.step_idx, self.prompt_order.position = loaded[1]["step"], loaded[1]["data_position"]

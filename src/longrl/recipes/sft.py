@@ -20,16 +20,24 @@ from pathlib import Path
 
 import torch
 
-from ..training.checkpoint import atomic_write_text, save_checkpoint
-from ..config.schema import Config, ConfigError
+from ..config import Config, ConfigError
+from ..data.in_memory import dataset_rows
 from ..data.prompts import PromptSampler, data_fingerprint
-from ..training.distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
-from ..memory import count_groups, token_budget_groups
-from ..ops.attention_backend import sdpa_priority
-from ..training.reporting import RunReporter
-from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
-from ..training.signals import StopSignals
 from ..data.sft_rows import SFTExample, build_examples, load_examples
+from ..memory import count_groups, token_budget_groups
+from ..memory.planner import StepShape
+from ..models import check_model_files, resolve_device
+from ..ops.attention_backend import sdpa_priority
+from ..training.callbacks import check_callbacks, notify
+from ..training.checkpoint import load_newest, resume_request, save_checkpoint, trainer_state
+from ..training.distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
+from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
+from ..training.model_setup import build_policy_model, given_model
+from ..training.optimizer import make_optimizer
+from ..training.reporting import RunReporter
+from ..training.run_dir import check_data_unchanged, checked_output_dir, write_run_settings
+from ..training.run_lock import acquire_run_lock, check_output_dir_contents
+from ..training.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -64,39 +72,24 @@ def step_loss(model, examples: list[SFTExample], groups: list[list[int]], *, pad
 
 
 class SFTTrainer:
-    """Build the model (as GRPO does), the examples and the optimizer from a :class:`Config`; :meth:`train`.
-
-    Also takes TRL's signature, ``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=..., eval_dataset=...,
-    processing_class=..., peft_config=..., formatting_func=..., callbacks=...)`` (positionally too: model, args,
-    data_collator, train_dataset, eval_dataset); see :mod:`longrl.compat.trl`.
+    """Supervised fine-tuning from a :class:`Config` (its ``sft:`` section and ``data.source``), or from a ready
+    model/tokenizer and rows in memory (``train_rows`` / ``eval_rows``). TRL's signature,
+    ``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=..., ...)``, is longrl.SFTTrainer's
+    (:mod:`longrl.compat.trl`), a thin layer over this class.
     """
 
-    def __init__(self, cfg: Config | None = None, model=None, tokenizer=None, train_rows: list[dict] | None = None,
-                 eval_rows: list[dict] | None = None, *, args=None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, peft_config=None, formatting_func=None, callbacks=None):
+    resume_decided_at_train = False  # as GRPOTrainer's: TRL's API defers the resume check to train()
+
+    def __init__(self, cfg: Config, model=None, tokenizer=None, train_rows: list[dict] | None = None,
+                 eval_rows: list[dict] | None = None, *, callbacks=None):
         import weakref
 
-        from ..training.callbacks import check_callbacks
-        from ..training.model_setup import build_policy_model, given_model, make_optimizer
-        from ..models import check_model_files, resolve_device
-        from ..training.run_lock import acquire_run_lock, check_output_dir_contents
-        from .grpo import check_data_unchanged, checked_output_dir
-
-        trl = dict(args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                   processing_class=processing_class, peft_config=peft_config, formatting_func=formatting_func)
-        self.trl_style = not isinstance(cfg, Config)
-        if not self.trl_style and any(v is not None for v in trl.values()):
-            given = ", ".join(k for k, v in trl.items() if v is not None)
-            raise TypeError(f"SFTTrainer(cfg, ...) is the Config API (model=, tokenizer=, train_rows=, eval_rows=); "
-                            f"for {given} use TRL's form, SFTTrainer(model=..., args=cfg, ...)")
-        if self.trl_style:
-            from ..compat.trl import sft_trainer_inputs
-
-            inputs = sft_trainer_inputs((cfg, model, tokenizer, train_rows, eval_rows), callbacks=callbacks, **trl)
-            cfg, model, tokenizer = inputs.cfg, inputs.model, inputs.tokenizer
-            train_rows, eval_rows, callbacks = inputs.rows, inputs.eval_rows, inputs.callbacks
+        if not isinstance(cfg, Config):
+            raise TypeError(f"{type(self).__name__}(cfg, ...) takes a longrl Config; got {type(cfg).__name__} (for "
+                            "TRL's arguments use longrl.SFTTrainer)")
         self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
+        self.resume = cfg.output.resume  # train(resume_from_checkpoint=...) may ask for it too
         torch.manual_seed(cfg.train.seed)
         # one process, or a rank of a torchrun job (the step's examples split across the ranks); rank 0 holds the
         # run lock and writes every output
@@ -111,7 +104,8 @@ class SFTTrainer:
             check_output_dir_contents(cfg.output.output_dir, kind="sft", command="sft",
                                       overwrite=cfg.output.overwrite_output_dir)
         # TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...)
-        self.resume_from = checked_output_dir(cfg, self.world, allow_existing=self.trl_style)
+        self.resume_from = checked_output_dir(cfg, self.world, self.resume,
+                                              allow_existing=self.resume_decided_at_train)
         self.data_fingerprint = data_fingerprint(cfg.data.source)  # a data file's SHA-256: a resume on another refused
         if self.resume_from:
             check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
@@ -119,10 +113,9 @@ class SFTTrainer:
             check_model_files(cfg.model.name_or_path)
         else:
             model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(device),
-                                           describe=self.trl_style, needed_tokens=(cfg.sft.max_length,
-                                                                                   "sft.max_length"))
-        self.model, self.tokenizer, self.device, self.plan, self.offloader = build_policy_model(
-            cfg, model, tokenizer, recipe="sft", device=device)
+                                           needed_tokens=(cfg.sft.max_length, "sft.max_length"))
+        self.model, self.tokenizer, self.device, self.layout, self.offloader = build_policy_model(
+            cfg, StepShape.sft(cfg), model, tokenizer, device=device)
         s = cfg.sft
         if train_rows is not None:
             examples = build_examples(self.tokenizer, train_rows, s, "train_dataset")
@@ -140,12 +133,13 @@ class SFTTrainer:
         else:
             self.eval_examples = []
         self.examples = examples
+        self.max_steps = cfg.train.max_steps
         if s.num_train_epochs is not None:  # epochs → optimizer steps, before the schedule is built
-            cfg.train.max_steps = max(1, math.ceil(s.num_train_epochs * len(examples) / s.examples_per_step))
+            self.max_steps = max(1, math.ceil(s.num_train_epochs * len(examples) / s.examples_per_step))
             log.info("sft.num_train_epochs=%g over %d examples: %d optimizer steps", s.num_train_epochs,
-                     len(examples), cfg.train.max_steps)
-        self.sampler = PromptSampler(len(examples), cfg.train.seed, cfg.data.shuffle)
-        self.params, self.optimizer, self.scheduler = make_optimizer(self.model, cfg.train)
+                     len(examples), self.max_steps)
+        self.example_order = PromptSampler(len(examples), cfg.train.seed, cfg.data.shuffle)
+        self.params, self.optimizer, self.scheduler = make_optimizer(self.model, cfg.train, self.max_steps)
         # the step's forward: on several ranks under DDP (every rank starts from rank 0's trainable weights; the
         # gradients are summed over ranks at each step's last micro-batch: each rank's loss is its share of the mean)
         self.forward = data_parallel(self.model, self.world, shard_weights=False,
@@ -158,48 +152,45 @@ class SFTTrainer:
 
     def _groups(self, examples: list[SFTExample]) -> list[list[int]]:
         t = self.cfg.train
-        return _micro_batches(examples, t.micro_batch_tokens, t.micro_batch_size)
+        return _micro_batches(examples, self.layout.micro_batch_tokens, t.micro_batch_size)
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict]:
-        """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
-        the output directory or its latest checkpoint, resumes from it (as output.resume=true)."""
-        from ..training.callbacks import notify
-        from ..training.checkpoint import load_newest, resume_request
-        from ..training.run_lock import acquire_run_lock
-        from .grpo import check_data_unchanged, checked_output_dir
-
+        """Train to train.max_steps (or sft.num_train_epochs' steps); return each step's metrics.
+        ``resume_from_checkpoint`` (TRL's name): True, or the output directory or its latest checkpoint, resumes from
+        it (as output.resume=true)."""
         cfg = self.cfg
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
         if main and not self.run_lock.held:  # a second train() of this trainer
             self.run_lock = acquire_run_lock(self.output_dir)
         if resume_from_checkpoint:
             resume_request(self.output_dir, resume_from_checkpoint)
-            cfg.output.resume = True
-        if self.trl_style or resume_from_checkpoint:
-            self.resume_from = checked_output_dir(cfg, self.world)
+            self.resume = True
+        if self.resume_decided_at_train or resume_from_checkpoint:
+            self.resume_from = checked_output_dir(cfg, self.world, self.resume)
             if self.resume_from:
                 check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
-        if cfg.output.resume:
+        if self.resume:
             loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
             if loaded is not None:
-                self.step_idx, self.sampler.position = loaded[1]["step"], loaded[1]["data_position"]
+                self.step_idx, self.example_order.position = loaded[1]["step"], loaded[1]["data_position"]
         self.model.train()
-        reporter = RunReporter.for_config(cfg, resume_step=self.step_idx, recipe="sft") if main else None
+        reporter = (RunReporter.for_config(cfg, resume_step=self.step_idx, recipe="sft", total_steps=self.max_steps)
+                    if main else None)
         if main:
-            atomic_write_text(self.output_dir / "config.yaml", cfg.to_yaml())
+            write_run_settings(self.output_dir, cfg, self.layout)
         notify(self.callbacks, "on_train_begin", self)
         history = []
         eval_every = getattr(cfg.output, "eval_steps", 0) or 0
         finished = False
-        guards = RunGuards(cfg)
+        guards = RunGuards(cfg, total_steps=self.max_steps)
         stop = None  # (message, exit code) once a signal or a guard asks the run to stop
         try:
             with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model,
                                cfg.model.grouped_attention_backward), StopSignals() as signals:
-                while self.step_idx < cfg.train.max_steps:
+                while self.step_idx < self.max_steps:
                     metrics = self._step()
                     nonfinite = metrics.pop("nonfinite")  # the terms that were not finite: for the guard
-                    last = self.step_idx == cfg.train.max_steps
+                    last = self.step_idx == self.max_steps
                     if self.eval_examples and ((eval_every and self.step_idx % eval_every == 0) or last):
                         metrics.update(self.evaluate())
                     history.append(metrics)
@@ -221,7 +212,7 @@ class SFTTrainer:
     def _step(self) -> dict:
         start = time.perf_counter()
         cfg = self.cfg
-        batch = [self.examples[i] for i in self.sampler.next(cfg.sft.examples_per_step)]  # the global step's
+        batch = [self.examples[i] for i in self.example_order.next(cfg.sft.examples_per_step)]  # the global step's
         self.optimizer.zero_grad(set_to_none=True)
         loss, n_tokens = self._loss(batch, label_smoothing=cfg.sft.label_smoothing, backward=True)
         clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
@@ -277,8 +268,6 @@ class SFTTrainer:
     def _eval_examples(self, dataset) -> list[SFTExample]:
         if isinstance(dataset, list) and all(isinstance(e, SFTExample) for e in dataset):
             return dataset
-        from ..compat.trl import dataset_rows
-
         rows = dataset_rows(dataset, "eval_dataset")
         if rows is None:
             return load_examples(self.cfg.data, self.cfg.sft, self.tokenizer, source=str(dataset))
@@ -294,12 +283,9 @@ class SFTTrainer:
     def save(self) -> Path | None:
         """Write checkpoint-STEP (rank 0) and return its path (None on other ranks); every rank returns once it is
         complete."""
-        from ..training.callbacks import notify
-        from ..training.checkpoint import trainer_state
-
         path = None
         if self.world.is_main:  # the state is replicated: rank 0 writes it
-            state, frozen = trainer_state(self.model, self.cfg, self.sampler.position, recipe="sft",
+            state, frozen = trainer_state(self.model, self.cfg, self.example_order.position, recipe="sft",
                                           data_fingerprint=self.data_fingerprint, world_size=self.world.world_size)
             path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
                                    self.cfg.output.save_total_limit, base_weights=frozen)

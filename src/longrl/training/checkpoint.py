@@ -12,7 +12,6 @@ resume takes the newest checkpoint that verifies (:func:`resume_candidates`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..data.prompts import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,6 @@ def safe_torch_load(path: Path, map_location=None):
     except Exception as e:  # UnpicklingError (code refused), EOFError / RuntimeError (cut short or garbled)
         raise CheckpointError(f"{path}: not a plain tensor file, refused without running it "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes (read a MiB at a time)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_manifest(root: Path) -> None:

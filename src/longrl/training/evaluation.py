@@ -162,3 +162,16 @@ def load_eval_prompts(cfg, tokenizer, rows: list[dict], source: str | None = Non
     from ..data.prompts import load_prompts
 
     return load_prompts(eval_data_config(cfg, source), tokenizer, rows=rows)
+
+
+def held_out_rows(cfg, dataset) -> tuple[list[dict], str]:
+    """(rows, source) of an eval dataset given as TRL's eval_dataset, read and checked as data.eval_source's are;
+    rows in memory get the source ``memory:<digest>``."""
+    from ..data.in_memory import dataset_rows, rows_fingerprint
+    from ..data.prompts import read_prompt_rows
+
+    rows = dataset_rows(dataset, "eval_dataset")
+    if rows is None:
+        return read_eval_rows(cfg, str(dataset)), str(dataset)
+    source = f"memory:{rows_fingerprint(rows)}"
+    return read_prompt_rows(eval_data_config(cfg, source), rows=rows), source

@@ -34,8 +34,9 @@ def has_learning_signal(advantages: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 class RunGuards:
-    def __init__(self, cfg):
+    def __init__(self, cfg, total_steps: int | None = None):
         self.cfg = cfg
+        self.total_steps = cfg.train.max_steps if total_steps is None else total_steps  # the run's last step
         self.nonfinite_in_a_row = 0
         self.no_signal_in_a_row = 0
         self.last_save_s = time.monotonic()
@@ -60,7 +61,7 @@ class RunGuards:
     def save_due(self, step: int) -> bool:
         o = self.cfg.output
         by_minutes = o.save_minutes > 0 and time.monotonic() - self.last_save_s >= o.save_minutes * 60
-        return bool((o.save_steps and step % o.save_steps == 0) or step == self.cfg.train.max_steps or by_minutes)
+        return bool((o.save_steps and step % o.save_steps == 0) or step == self.total_steps or by_minutes)
 
     def saved(self) -> None:
         self.last_save_s = time.monotonic()

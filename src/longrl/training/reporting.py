@@ -157,9 +157,12 @@ class RunReporter:
             self._start_bar(total_steps, resume_step)
 
     @classmethod
-    def for_config(cls, cfg, resume_step: int = 0, stream=None, recipe: str = "grpo") -> "RunReporter":
+    def for_config(cls, cfg, resume_step: int = 0, stream=None, recipe: str = "grpo",
+                   total_steps: int | None = None) -> "RunReporter":
+        """The reporter of a run of ``cfg`` to ``total_steps`` (default train.max_steps)."""
         o = cfg.output
-        return cls(Path(o.output_dir), cfg.train.max_steps, report_targets(o), o.progress_bar, resume_step,
+        total = cfg.train.max_steps if total_steps is None else total_steps
+        return cls(Path(o.output_dir), total, report_targets(o), o.progress_bar, resume_step,
                    o.logging_steps, cfg.to_dict(), stream, recipe)
 
     # ------------------------------------------------------------------------------------------ console

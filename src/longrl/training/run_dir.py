@@ -1,0 +1,83 @@
+"""A run's output directory before training starts: a new run may not land among another run's checkpoints, and a
+resume must continue the same run (settings, beyond RESUMABLE_CHANGES, and data file unchanged). The lock that keeps
+a second process out is training/run_lock.py's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..config import RESUMABLE_CHANGES, ConfigError, resume_conflicts
+from .checkpoint import CheckpointError, checkpoint_config, list_checkpoints, read_state, recover_interrupted_saves, \
+    resume_candidates
+
+log = logging.getLogger(__name__)
+
+
+def check_output_dir(cfg, resume: bool, allow_existing: bool = False, recover: bool = True) -> list[Path]:
+    """Refuse, before anything loads, a new run into a directory that holds another run's checkpoints (its
+    checkpoint rotation and resume would mix the two), and a resume (``resume``) whose settings differ from the ones
+    its checkpoint was trained with, beyond RESUMABLE_CHANGES. ``allow_existing``: leave both to a later call (TRL's
+    ``train(resume_from_checkpoint=...)`` decides). Returns the checkpoints a resume may start from: those whose
+    manifest verifies, newest first (the ones skipped are logged with the reason). ``recover``: first finish or
+    undo the saves a killed run left (one process of a job does it)."""
+    out = Path(cfg.output.output_dir)
+    for line in recover_interrupted_saves(out) if out.is_dir() and recover else []:
+        log.warning("%s: %s (a save of a killed run)", out, line)
+    found = list_checkpoints(out)
+    if not found or allow_existing:
+        return []
+    if not resume:
+        raise ConfigError(f"output.output_dir '{out}' already holds checkpoints of an earlier run "
+                          f"({', '.join(p.name for p in found[-3:])}): set output.resume=true to continue it, or "
+                          "choose another output.output_dir")
+    good, skipped = resume_candidates(out)
+    for line in skipped:
+        log.warning("resume: %s", line)
+    if not good:
+        raise CheckpointError(f"output.resume: no checkpoint in {out} verifies ({'; '.join(skipped)})")
+    saved = checkpoint_config(good[0])
+    conflicts = resume_conflicts(saved, cfg) if saved else []
+    if conflicts:
+        raise ConfigError(f"output.resume: {good[0]} was trained with other settings — {'; '.join(conflicts)}. "
+                          "A resumed run may change only how long it runs, its outputs and speed/memory settings "
+                          f"({', '.join(RESUMABLE_CHANGES)}); start a new output.output_dir for the others")
+    return good
+
+
+def checked_output_dir(cfg, world, resume: bool, allow_existing: bool = False) -> list[Path]:
+    """check_output_dir on every rank of ``world``, rank 0 first (it alone finishes or undoes a killed run's
+    saves)."""
+    found = check_output_dir(cfg, resume, allow_existing=allow_existing) if world.is_main else []
+    world.barrier()
+    if not world.is_main:
+        found = check_output_dir(cfg, resume, allow_existing=allow_existing, recover=False)
+    return found
+
+
+def check_data_unchanged(cfg, checkpoint: Path, fingerprint: str | None) -> None:
+    """Refuse to resume on a data file that differs from the one ``checkpoint`` trained on (its position in the
+    data would point elsewhere), unless ``output.resume_changed_data``."""
+    saved = read_state(checkpoint).get("data_fingerprint")
+    if saved and fingerprint and saved != fingerprint:
+        if not cfg.output.resume_changed_data:
+            raise ConfigError(f"data.source: {cfg.data.source} changed since {checkpoint} was written (SHA-256 "
+                              f"{fingerprint[:12]}…, was {saved[:12]}…); restore it, or set "
+                              "output.resume_changed_data=true to resume on the new file")
+        log.warning("resuming %s on a changed data file %s (output.resume_changed_data=true)", checkpoint,
+                    cfg.data.source)
+
+
+CONFIG_FILE, LAYOUT_FILE = "config.yaml", "layout.yaml"
+
+
+def write_run_settings(output_dir: Path, cfg, layout) -> None:
+    """The run's settings as the user asked for them (``config.yaml``: the validated config, defaults filled in,
+    which ``longrl train config.yaml output.resume=true`` resumes from) and the memory layout it runs with
+    (``layout.yaml``: memory/layout.py's Layout, planned or pinned); each written atomically."""
+    import yaml
+
+    from .checkpoint import atomic_write_text
+
+    atomic_write_text(Path(output_dir) / CONFIG_FILE, cfg.to_yaml())
+    atomic_write_text(Path(output_dir) / LAYOUT_FILE, yaml.safe_dump(layout.to_dict(), sort_keys=False))
