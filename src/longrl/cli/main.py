@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from ..config.schema import ConfigError, load_config
+from ..config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from ..training.callbacks import check_callbacks, notify
 from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, CheckpointError, atomic_write_text, \
     checkpoint_config, list_checkpoints, load_newest, read_state, recover_interrupted_saves, \
     resume_candidates, resume_request, save_checkpoint, staging_dir, trainer_state
-from ..config.schema import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
+from ..config import RESUMABLE_CHANGES, Config, ConfigError, RewardSpec, resume_conflicts, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
 from ..training.distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync, init_world,
                           is_sharded, lockstep, rank_prompts, save_sharded_optimizer, unsupported_with_ranks)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..training.checkpoint import atomic_write_text, save_checkpoint
-from ..config.schema import Config, ConfigError
+from ..config import Config, ConfigError
 from ..data.prompts import PromptSampler, data_fingerprint
 from ..training.distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
 from ..memory import count_groups, token_budget_groups

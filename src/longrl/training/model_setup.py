@@ -122,7 +122,7 @@ def given_model(cfg, model, tokenizer, device, describe: bool, needed_tokens: tu
     has a pad token. ``describe`` (TRL-style): cfg.model and cfg.lora are made to describe the model (checkpoints and
     export read them). ``needed_tokens``: (tokens a sequence may have, the keys that say so), checked against an
     Unsloth model's max_seq_length."""
-    from ..config.schema import ConfigError
+    from ..config.errors import ConfigError
     from ..models import ensure_adapters
 
     base = base_model(model)
