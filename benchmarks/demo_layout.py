@@ -22,7 +22,7 @@ import torch
 
 
 def run(padding_free: bool, steps: int) -> dict:
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.compat.trl import GRPOTrainer
 
@@ -45,7 +45,7 @@ def run(padding_free: bool, steps: int) -> dict:
 def update_only(repeats: int) -> None:
     """The policy update (forward + backward of every micro-batch, no optimizer step) of one demo rollout batch,
     timed alternately with each layout: the part of the step the layout changes."""
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.compat.trl import GRPOTrainer
 

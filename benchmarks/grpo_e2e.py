@@ -33,7 +33,7 @@ import trl_baseline as tb  # noqa: E402
 from bench_setup import REWARD_FILE, bench_lora, random_model, whitespace_tokenizer, write_grpo_inputs  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
-from longrl.config.schema import Config, RewardSpec, validate  # noqa: E402
+from longrl.config import Config, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
 from longrl.models.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSwiGLU  # noqa: E402
 from longrl.compat.trl import GRPOTrainer  # noqa: E402

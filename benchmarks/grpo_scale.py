@@ -56,7 +56,7 @@ COLLECTIVE_NAMES = ("nccl", "gloo", "all_reduce", "allreduce", "reduce_scatter",
 
 # ----------------------------------------------------------------------------------------------- one rank
 def _config(args, root: Path, data: Path | None, reward: Path | None, device: str):
-    from longrl.config.schema import Config, LoraConfig, RewardSpec, validate
+    from longrl.config import Config, LoraConfig, RewardSpec, validate
 
     cfg = Config()
     cfg.model.device = device

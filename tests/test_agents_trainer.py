@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from longrl.config.schema import ConfigError, load_config
+from longrl.config import ConfigError, load_config
 from longrl.config.demo import demo_config
 from longrl.training.reporting import read_metrics
 from longrl.tasks.tools import LookupEnvironment, NoLookupEnvironment

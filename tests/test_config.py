@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from longrl.config.schema import Config, ConfigError, load_config
+from longrl.config import Config, ConfigError, load_config
 from longrl.config.demo import demo_config
 
 
@@ -100,3 +100,21 @@ def test_cli_config_error_exits_2_without_loading(tmp_path):
 def test_config_default_needs_rewards():
     with pytest.raises(ConfigError, match="rewards"):
         load_config(None, [], base=Config())
+
+
+def test_grpo_checks_run_before_the_checks_that_divide_by_them():
+    """train.max_steps and output.save_steps must be multiples of num_iterations × steps_per_generation: a zero
+    there is refused by name, not met as a ZeroDivisionError."""
+    for override in ("grpo.num_iterations=0", "grpo.steps_per_generation=0"):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=f"config key '{key}': got 0; allowed: an integer >= 1"):
+            load_config(None, [override], base=demo_config())
+
+
+def test_host_memory_floor_raises_the_config_error():
+    """limits.py raises the same ConfigError the package exports (it imports it from errors.py, not from the package)."""
+    from longrl.config.limits import check_sizes
+
+    with pytest.raises(ConfigError, match="config key 'data.num_examples': got 2000; generating 2,000 task rows needs"):
+        check_sizes(demo_config(), host_bytes=1)
+    check_sizes(demo_config(), host_bytes=2**40)

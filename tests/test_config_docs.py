@@ -13,13 +13,13 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 def test_docs_config_md_is_up_to_date():
     assert DOCS.is_file(), f"docs/config.md is missing: run `{config_docs.REGENERATE}`"
     assert DOCS.read_text() == config_docs.render(), \
-        f"docs/config.md is out of date with src/longrl/config.py: run `{config_docs.REGENERATE}`"
+        f"docs/config.md is out of date with src/longrl/config/schema.py: run `{config_docs.REGENERATE}`"
 
 
 def test_every_config_key_is_documented():
     missing = config_docs.undocumented()
     assert not missing, (f"config keys without a meaning: {', '.join(missing)}; add a `# ...` comment after each field "
-                         f"in src/longrl/config.py (or metadata={{'help': ...}}), then run `{config_docs.REGENERATE}`")
+                         f"in src/longrl/config/schema.py (or metadata={{'help': ...}}), then run `{config_docs.REGENERATE}`")
     text = config_docs.render()
     for section in ("model", "lora", "data", "generation", "train", "output"):
         for f in dataclasses.fields(type(getattr(Config(), section))):

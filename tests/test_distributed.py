@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longrl.config.schema import load_config
+from longrl.config import load_config
 from longrl.config.demo import demo_config
 from longrl.training.distributed import World, rank_prompts, shard
 from longrl.training.reporting import read_metrics

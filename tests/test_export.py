@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from longrl.training.checkpoint import save_checkpoint
-from longrl.config.schema import Config, load_config
+from longrl.config import Config, load_config
 from longrl.config.demo import demo_config
 from longrl.export import ExportError, export_checkpoint, read_checkpoint
 from longrl.export.gguf_writer import unpermute_qk

@@ -312,7 +312,7 @@ def test_siblings_with_biases_of_different_dtypes_stay_unpacked():
 
 def test_trainer_switch(tmp_path):
     """generation.fast_decode and fuse_lora reach the trainer's sampler (the demo model is a Llama: on by default)."""
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.compat.trl import GRPOTrainer
 

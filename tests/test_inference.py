@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longrl.cli.main import main
-from longrl.config.schema import load_config
+from longrl.config import load_config
 from longrl.config.demo import demo_config
 from longrl.training.evaluation import evaluate, k_values, pass_at_k
 from longrl.compat.trl import GRPOTrainer

@@ -109,7 +109,7 @@ def test_fp8_decode_in_blocks_of_128_equals_its_twin_on_cuda():
 
 
 def test_budget_caps_the_allocator():
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.layout import cap_allocator
 
     dev = torch.device("cuda")
@@ -127,7 +127,7 @@ def test_budget_caps_the_allocator():
 
 
 def test_tiny_run_with_auto_layout_budget_and_fp8_cache(tmp_path):
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.compat.trl import GRPOTrainer
 

@@ -387,7 +387,7 @@ QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=
 
 
 def _cfg(tmp_path, *overrides):
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
 
     return load_config(None, QUICK + [f"output.output_dir={tmp_path}", *overrides], base=demo_config())
@@ -443,7 +443,7 @@ def test_menu_variants_train(tmp_path, overrides):
     (["grpo.loss_type=ppo"], "grpo.loss_type"),
 ])
 def test_menu_config_errors(tmp_path, overrides, key):
-    from longrl.config.schema import ConfigError
+    from longrl.config import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _cfg(tmp_path, *overrides)

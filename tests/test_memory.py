@@ -197,7 +197,7 @@ def test_layers_kept_whole_leave_the_resident_inputs_to_the_checkpointed_layers(
 
 def test_a_model_given_again_gets_the_new_layout_of_layers_kept_whole(tmp_path):
     """Plain checkpointing on a model passed in twice: the second layout (none kept whole) replaces the first's flags."""
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.memory.planner import StepShape
     from longrl.training.model_setup import build_policy_model
@@ -290,7 +290,7 @@ def test_token_budget_groups(seed):
 def test_trainer_token_budget_and_offload_match_default(tmp_path):
     """A run split by token budget, offloaded, matches the plain run's metrics (float tolerance); with attention
     reuse, and with its last layer not recomputed, the offloaded run's exactly."""
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.compat.trl import GRPOTrainer
 
@@ -316,7 +316,7 @@ def test_trainer_token_budget_and_offload_match_default(tmp_path):
 
 
 def test_reuse_attention_needs_offloading():
-    from longrl.config.schema import ConfigError, load_config
+    from longrl.config import ConfigError, load_config
     from longrl.config.demo import demo_config
 
     with pytest.raises(ConfigError, match="model.reuse_attention"):
@@ -346,7 +346,7 @@ def test_sdpa_backend_order_and_config():
     """model.sdpa_backends: the listed backends first, the rest after (so nothing is disabled); bad names refused."""
     from torch.nn.attention import SDPBackend
 
-    from longrl.config.schema import ConfigError, load_config
+    from longrl.config import ConfigError, load_config
     from longrl.config.demo import demo_config
     from longrl.ops.attention_backend import backend_order, sdpa_priority
 

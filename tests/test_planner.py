@@ -232,7 +232,7 @@ def test_grouped_attention_backward_is_counted_per_key_head_group():
     gradients before their copy) instead of all heads': for the 8B heads at 131,072 tokens, (32 − 4) KB − 3.5 KB a
     token less; below MIN_TOKENS, in float32, and without GQA, nothing changes; the flag reaches the planner only on
     a GPU run on SDPA with flash first or nothing listed."""
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.planner import attention_groups, grouped_attention_applies
     from longrl.ops.grouped_attention import MIN_TOKENS
 
@@ -270,7 +270,7 @@ def test_4bit_base_computing_in_float32_counts_float32_activations():
     dtype's: a float32 QLoRA step's layer terms are the float32 step's (they were counted as 16-bit)."""
     from transformers import LlamaConfig
 
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.planner import plan_for_config
 
     model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -295,7 +295,7 @@ def test_attention_reuse_left_null_is_on_with_offloading_where_it_costs_no_token
     import torch
     from transformers import LlamaConfig
 
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.layout import resolve_layout
     from longrl.memory.planner import plan_for_config
 
@@ -353,7 +353,7 @@ def test_full_fine_tuning_counts_the_base_weights_training_state():
     in the training phase, the moments through the rollout; they were not counted at all (lora_r = 0)."""
     from transformers import LlamaConfig
 
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.planner import plan_for_config
 
     model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -414,7 +414,7 @@ def test_the_log_prob_row_kernels_are_planned_where_they_run():
     dtype (ops/logprob_kernel.py) instead of four float32 ones; CPU runs and softcapped models keep the latter."""
     from transformers import Gemma2Config, LlamaConfig
 
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.planner import logprob_backward_bytes, logprob_kernel_applies
 
     def cfg(device):
@@ -436,7 +436,7 @@ def test_the_log_prob_row_kernels_are_planned_where_they_run():
 # ----------------------------------------------------------------------------- the auto layout and the GPU budget
 
 def _run_cfg(*overrides):
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
 
     return load_config(overrides=["model.dtype=bfloat16", "lora.r=32", "data.max_prompt_length=512",
                                   "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]", *overrides])
@@ -559,7 +559,7 @@ def test_trainer_fails_before_the_model_loads_and_loads_with_the_plan_s_layout(m
 def test_cpu_demo_trajectory_is_bit_identical_with_the_auto_layout_keys(tmp_path):
     """On the CPU nothing is planned: the demo with its layout keys null (the defaults) trains exactly as with
     them pinned off, and the keys resolve to off."""
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.config.demo import demo_config
     from longrl.training.reporting import read_metrics
     from longrl.compat.trl import GRPOTrainer
@@ -585,7 +585,7 @@ def test_plan_for_one_gpu_of_a_data_parallel_job():
     40 GiB GPU fits each of 8. Replicated LoRA keeps the whole base per GPU and plans a rank's share of prompts."""
     from transformers import LlamaConfig
 
-    from longrl.config.schema import load_config
+    from longrl.config import load_config
     from longrl.memory.planner import plan_for_config
 
     llama = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

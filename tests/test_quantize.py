@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("bitsandbytes")
 import bitsandbytes as bnb  # noqa: E402
 
-from longrl.config.schema import ConfigError, LoraConfig, load_config  # noqa: E402
+from longrl.config import ConfigError, LoraConfig, load_config  # noqa: E402
 from longrl.config.demo import demo_config  # noqa: E402
 from longrl.models import ModelLoadError, base_model, build_tiny_model, calibration_ids, load_model  # noqa: E402
 from longrl.models.quantize import NF4_BYTES_PER_PARAM, nf4_bytes, quantize_model  # noqa: E402

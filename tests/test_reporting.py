@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from longrl.config.schema import ConfigError, OutputConfig, load_config
+from longrl.config import ConfigError, OutputConfig, load_config
 from longrl.config.demo import demo_config
 from longrl.training.reporting import (RunReporter, _fit_axis, check_report_to, plot_training_curves, report_targets,
                               reward_failure_lines, step_line)

@@ -4,7 +4,7 @@ template family, packed = unpacked, split invariance, and a short run that lower
 import pytest
 import torch
 
-from longrl.config.schema import Config, SFTSettings, load_config
+from longrl.config import Config, SFTSettings, load_config
 from longrl.data.prompts import DataError
 from longrl.ops.cross_entropy import chunked_cross_entropy, reference_cross_entropy
 from longrl.data.sft_rows import build_examples, row_example
@@ -220,7 +220,7 @@ def test_sft_run_lowers_held_out_loss_and_resume_reproduces(tmp_path):
 
 def test_sft_config_needs_no_rewards_and_validates():
     assert load_config(None, ["sft.max_length=64"], recipe="sft").sft.max_length == 64
-    from longrl.config.schema import ConfigError
+    from longrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="sft.label_smoothing"):
         load_config(None, ["sft.label_smoothing=1.5"], recipe="sft")

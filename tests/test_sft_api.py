@@ -7,7 +7,8 @@ import json
 import pytest
 import yaml
 
-from longrl.config.schema import ConfigError, load_config, trl_key
+from longrl.config import ConfigError, load_config
+from longrl.config.keys import trl_key
 from longrl.training.reporting import read_metrics
 from longrl.tasks.arithmetic import make_arithmetic_sft_rows
 from longrl.config.trl_names import GRPO_ONLY, SFT_NAMES, TRL_SFT_NAMES

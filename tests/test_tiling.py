@@ -9,7 +9,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from longrl.config.schema import ConfigError, LoraConfig, load_config
+from longrl.config import ConfigError, LoraConfig, load_config
 from longrl.memory import TiledMLP, disable_mlp_tiling, enable_mlp_tiling, enable_offloaded_checkpointing
 from longrl.memory.tiling import mlp_tile_tokens
 from longrl.models import apply_lora

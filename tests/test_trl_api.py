@@ -8,7 +8,8 @@ import sys
 import pytest
 import yaml
 
-from longrl.config.schema import ConfigError, config_keys, load_config, trl_key
+from longrl.config import ConfigError, config_keys, load_config
+from longrl.config.keys import trl_key
 from longrl.training.reporting import read_metrics
 from longrl.tasks.arithmetic import make_arithmetic_rows
 from longrl.config.trl_names import TRL_NAMES
@@ -152,7 +153,7 @@ def test_given_model_gets_adapters_and_peft_config_and_unsloth_names(tmp_path):
     assert trainer.evaluate(make_arithmetic_rows(2, seed=4)).metrics["eval/num_prompts"] == 2
 
     # the Config API too: a plain model given while lora.enabled=true gets adapters, never full-weight training
-    from longrl.config.schema import load_config as load
+    from longrl.config import load_config as load
     from longrl.config.demo import demo_config
     from longrl.compat.trl import GRPOTrainer as Trainer
 

@@ -125,7 +125,7 @@ def generate_main(args) -> int:
 
 def eval_main(args) -> int:
     """``longrl eval CONFIG --from CKPT``: mean reward and pass@k per reward function on held-out prompts."""
-    from ..config.schema import load_config
+    from ..config.loading import load_config
     from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
     from ..rewards import RewardScorer
     from ..rollout.completions import inference_sampler

@@ -15,8 +15,11 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
-from ..config.schema import Config, ConfigError, RewardSpec, _build, _convert, _set_dotted, config_keys, suggest_key, \
-    trl_key, validate
+from ..config.errors import ConfigError
+from ..config.keys import config_keys, suggest_key, trl_key
+from ..config.loading import _build, _convert, _set_dotted
+from ..config.schema import Config, RewardSpec
+from ..config.validation import validate
 from ..config.trl_names import GRPO_ONLY, SFT_BATCH_NOTE, SFT_NAMES, TRL_NAMES, TRL_SFT_NAMES, FlatNameError
 
 log = logging.getLogger(__name__)

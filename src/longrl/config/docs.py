@@ -1,7 +1,7 @@
 """``docs/config.md`` from the config dataclass tree: every key, its type, its default and its meaning.
 
 The meaning of a field is its ``metadata["help"]`` when it has one, else the ``# ...`` comment after it in
-``config.py`` (with the comment lines below it that continue it: ``#`` followed by two or more spaces), else the
+``config/schema.py`` (with the comment lines below it that continue it: ``#`` followed by two or more spaces), else the
 comment block just above it. Run ``python -m longrl.config.docs > docs/config.md`` after adding or changing a
 field; ``tests/test_config_docs.py`` fails while docs/config.md is out of date.
 """

@@ -7,7 +7,7 @@ Lower bounds of the host memory a run needs, from the config alone (no model):
                  (P = train.prompts_per_step, G = grpo.num_generations; per token: the id lists, the mask, the loss
                  weights and up to four float32 log-prob rows of the step)
 
-A config whose bound exceeds the host's physical memory raises :class:`~longrl.config.schema.ConfigError` naming the key
+A config whose bound exceeds the host's physical memory raises :class:`~longrl.config.errors.ConfigError` naming the key
 and the GiB it would need. These are floors, not predictions: a config that passes may still not fit (``longrl
 plan`` predicts GPU peaks).
 """
@@ -15,6 +15,8 @@ plan`` predicts GPU peaks).
 from __future__ import annotations
 
 import os
+
+from .errors import ConfigError
 
 GIB = 2**30
 ROW_BYTES = 400  # a generated task row: a dict of two or three short strings
@@ -31,8 +33,6 @@ def host_memory_bytes() -> int | None:
 
 def check_sizes(cfg, host_bytes: int | None = None) -> None:
     """Raise ConfigError when a size in ``cfg`` needs more host memory than ``host_bytes`` (default: this host's)."""
-    from .schema import ConfigError
-
     host = host_memory_bytes() if host_bytes is None else host_bytes
     if not host:
         return

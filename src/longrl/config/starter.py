@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from .schema import config_keys
+from .keys import config_keys
 
 TASKS = ("math", "code", "custom")
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"

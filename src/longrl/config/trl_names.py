@@ -7,7 +7,7 @@ older name, kept because scripts still use it. A name whose longrl key is not in
 another version) is refused naming that; an entry without a key but with a ``convert`` is accepted and sets nothing
 (a value that changes no result, e.g. ``dataset_num_proc``), its ``convert`` refusing the values longrl cannot honour.
 ``TRL_SFT_NAMES`` (``longrl.SFTConfig``) is TRL_NAMES without GRPO's own names, with ``SFT_NAMES`` over it.
-Imports nothing heavy: ``longrl.config.schema`` reads it for its messages.
+Imports nothing heavy: ``longrl.config.keys`` reads it for its messages.
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@ def resume_request(output_dir: Path, checkpoint: bool | str | Path) -> None:
     (longrl resumes from the newest checkpoint that verifies); another path is refused."""
     if checkpoint is True:
         return
-    from ..config.schema import ConfigError
+    from ..config.errors import ConfigError
 
     latest = latest_checkpoint(output_dir)
     given = Path(checkpoint).resolve()

@@ -164,7 +164,7 @@ def init_world(device: str = "auto", timeout_s: float = 600.0) -> tuple[World, s
 
 def unsupported_with_ranks(cfg, world: World) -> None:
     """ConfigError, before anything loads, for fewer prompts per step than ranks (each rank samples whole groups)."""
-    from ..config.schema import ConfigError
+    from ..config.errors import ConfigError
 
     n = world.world_size
     if n > 1 and cfg.train.prompts_per_step < n:

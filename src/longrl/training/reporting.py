@@ -51,7 +51,7 @@ def report_targets(output_cfg) -> list[str]:
 
 def check_report_to(output_cfg) -> None:
     """Fail before training when a requested integration is not installed (the message names the key)."""
-    from ..config.schema import ConfigError
+    from ..config.errors import ConfigError
 
     for target in report_targets(output_cfg):
         module = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}[target]
