@@ -29,6 +29,9 @@ import contextlib
 
 import torch
 
+from .sdpa_variant import sdpa_variant
+from .unwrap import base_model
+
 GROUPED_SDPA = "longrl_sdpa_grouped"
 # query tokens of a call (batch × length) from which the backward runs per key head: there the flash transients
 # are large (32 KB a token for the 8B heads: 2 GiB at 65,536 tokens), and one head group's call still has ≥ 2,048
@@ -147,11 +150,8 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: f
 
 def grouped_backward(model):
     """Context in which ``model`` (transformers or PEFT), if on SDPA attention with grouped-query heads, attends
-    through :data:`GROUPED_SDPA` (attention_backend.sdpa_variant); back to SDPA after. Any other model is left as it
+    through :data:`GROUPED_SDPA` (sdpa_variant.sdpa_variant); back to SDPA after. Any other model is left as it
     is."""
-    from ..models import base_model
-    from .attention_backend import sdpa_variant
-
     config = base_model(model).config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
