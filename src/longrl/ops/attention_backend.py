@@ -1,8 +1,8 @@
 """Which of PyTorch's fused attention kernels (SDPA backends) training tries first, on CUDA.
 
-PyTorch picks an SDPA backend by a fixed priority among those that support the call. On Hopper GPUs cuDNN's
-kernels can beat the flash kernels PyTorch prefers; ``model.sdpa_backends`` puts the listed backends first, in
-that order, with the others after them (so a call none of the listed ones supports still runs).
+PyTorch picks an SDPA backend by a fixed priority among those that support the call. On some GPUs cuDNN's
+kernels beat the flash kernels PyTorch prefers; ``model.sdpa_backends`` puts the listed backends first, in that
+order, with the others after them (so a call none of the listed ones supports still runs).
 
 Grouped-query models need one more step: transformers calls SDPA with ``enable_gqa=True`` (fewer key/value heads
 than query heads), which only the flash backend accepts, so a cuDNN or memory-efficient priority would silently
@@ -14,8 +14,8 @@ transformers' own SDPA function on keys/values repeated to the query heads,
 which every backend accepts (transient cost: 2 · T · Hq · D elements per layer call). With
 ``model.grouped_attention_backward`` (and flash first, or nothing listed), training attends through
 ``longrl_sdpa_grouped`` instead (ops/grouped_attention.py): PyTorch's flash kernels, the backward of long calls run
-one key head group at a time. (On torch 2.11 with an H200, transformers' enable_gqa call runs cuDNN's kernels
-when nothing is listed: ``aten._scaled_dot_product_cudnn_attention``.)
+one key head group at a time. With nothing listed, PyTorch's own choice for transformers' enable_gqa call can be
+cuDNN's kernels on some GPUs and versions (:func:`training_attention_kernel` reads which).
 
 The switch of a model's attention function itself: ops/sdpa_variant.py.
 """

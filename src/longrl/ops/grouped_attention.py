@@ -19,8 +19,8 @@ key/value than query heads, no mask, no dropout, no other argument that changes 
 softcap, ...: NEUTRAL_KWARGS) and at least :data:`MIN_TOKENS` query tokens take this path on a flash-capable
 device; everything else (decode steps, masks, short calls) is transformers' SDPA function unchanged.
 :func:`grouped_backward` switches a model on SDPA to it for a block of code (``model.grouped_attention_backward``;
-off by default: where SDPA's own GQA call runs cuDNN's kernels, as on torch 2.11 with an H200, those are faster
-than the flash kernels this path calls, benchmarks/results/grouped_attention_h200.md).
+off by default: where SDPA's own GQA call runs cuDNN's kernels, those can be faster than the flash kernels this
+path calls).
 """
 
 from __future__ import annotations

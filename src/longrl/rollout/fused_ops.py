@@ -1,9 +1,9 @@
 """The elementwise work of a Llama-family decode step, fused: three Triton kernels (GPU) and their PyTorch twins.
 
 transformers runs a decoder layer's glue as ~25 small kernels (norm statistics, casts, the rotary embedding's
-slices and concatenations, cache writes, the activation, residual adds); at decode batch sizes each costs a
-few microseconds regardless of size, ~3 ms a step for an 8B model. These do the same arithmetic, rounding to
-the activations' dtype wherever transformers does (``cast`` below), in three kernels:
+slices and concatenations, cache writes, the activation, residual adds); at decode batch sizes each costs its
+launch regardless of size, which over a model's layers is a large share of a decode step. These do the same
+arithmetic, rounding to the activations' dtype wherever transformers does (``cast`` below), in three kernels:
 
     add_rmsnorm:   h ← cast(h + δ);  x = cast(w ⊙ cast(h · rsqrt(mean(h²) + ε)))           (statistics in float32)
     rotary_kv:     t ← cast(t + xa_t · (s B_t)ᵀ)   q, k, v's LoRA deltas, when the packed decode folds them in
@@ -245,7 +245,7 @@ ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum 
 INTERPRETED = triton is not None and type(_silu_mul_kernel).__name__ == "InterpretedFunction"
 # launch choices of the LoRA-folding SiLU·up kernel (tile rows at most, tile columns, warps; for tuning: results do
 # not depend on them beyond float32 summation order): the fastest of benchmarks/decode_glue_speed.py's sweep at both
-# rollout shapes on an H200 (6.3 µs a layer at 8B, 128 rows × 14,336; decode_glue_h200_s9.md)
+# rollout shapes
 LAUNCH = dict(silu_lora_bm=32, silu_lora_bn=64, silu_lora_warps=8)
 
 
