@@ -67,11 +67,11 @@ def main() -> None:
              "| shape | kernel | µs | max err |", "|---|---|---|---|"]
     for name, rows, inter, hq, hkv, D in SHAPES:
         gate, up, fold = silu_inputs(rows, inter, dev)
-        want = fused_ops.silu_mul_reference(gate, up, fold).float()
+        want = fused_ops.decode_silu_mul_reference(gate, up, fold).float()
         rotary_args, rfold = rotary_inputs(rows, hq, hkv, D, dev)
         cases = {
-            "silu_mul": (lambda: fused_ops.silu_mul(gate, up, True), None),
-            "silu_mul + LoRA fold": (lambda: fused_ops.silu_mul(gate, up, True, lora=fold), want),
+            "silu_mul": (lambda: fused_ops.decode_silu_mul(gate, up, True), None),
+            "silu_mul + LoRA fold": (lambda: fused_ops.decode_silu_mul(gate, up, True, lora=fold), want),
             "rotary_kv": (lambda: fused_ops.rotary_kv(*rotary_args, True), None),
             "rotary_kv + LoRA fold": (lambda: fused_ops.rotary_kv(*rotary_args, True, lora=rfold),
                                       fused_ops.rotary_kv_reference(*rotary_args, lora=rfold).float()),
@@ -86,8 +86,8 @@ def main() -> None:
         for launch in SWEEP:
             fused_ops.LAUNCH.update(launch)
             try:
-                err = float((fused_ops.silu_mul(gate, up, True, lora=fold).float() - want).abs().max()) / 2 ** -7
-                us = graph_seconds(lambda: fused_ops.silu_mul(gate, up, True, lora=fold)) * 1e6
+                err = float((fused_ops.decode_silu_mul(gate, up, True, lora=fold).float() - want).abs().max()) / 2 ** -7
+                us = graph_seconds(lambda: fused_ops.decode_silu_mul(gate, up, True, lora=fold)) * 1e6
                 sweep.append({**launch, "us": us, "err_units": err})
             except Exception as e:  # noqa: BLE001 - a launch choice that does not build is skipped, and said
                 sweep.append({**launch, "error": f"{type(e).__name__}: {str(e)[:80]}"})

@@ -129,12 +129,14 @@ KERNEL_CHECK = textwrap.dedent('''
                 got_h, got_x = f.add_rmsnorm(h.clone(), dl, w, 1e-5, True)
                 assert close(got_h, want_h, dtype) and close(got_x, want_x, dtype), ("add_rmsnorm", dtype, B, d)
             g, u = (torch.randn(B, 3 * d + 5) * 3).to(dtype), torch.randn(B, 3 * d + 5).to(dtype)
-            assert close(f.silu_mul(g, u, True), f.silu_mul_reference(g, u), dtype), ("silu_mul", dtype, B, d)
+            assert close(f.decode_silu_mul(g, u, True), f.decode_silu_mul_reference(g, u), dtype), \
+                ("silu_mul", dtype, B, d)
             packed = torch.randn(B, 2 * (3 * d + 5) + 7)  # gate and up: column blocks of one product
             packed[:, :3 * d + 5] *= 3
             packed = packed.to(dtype)
             g, u = packed[:, :3 * d + 5], packed[:, 3 * d + 5:2 * (3 * d + 5)]
-            assert close(f.silu_mul(g, u, True), f.silu_mul_reference(g, u), dtype), ("silu_mul strided", dtype, B)
+            assert close(f.decode_silu_mul(g, u, True), f.decode_silu_mul_reference(g, u), dtype), \
+                ("silu_mul strided", dtype, B)
             for rows, r in ((B, 3), (40, 32)):  # gate/up's LoRA deltas folded in (row tiles of 16 and 64)
                 packed = torch.randn(rows, 2 * (3 * d + 5) + 2 * r + 7)
                 packed[:, :3 * d + 5] *= 3
@@ -143,7 +145,7 @@ KERNEL_CHECK = textwrap.dedent('''
                 g, u, xa = packed[:, :w], packed[:, w:2 * w], packed[:, 2 * w + 1:]
                 b_t = tuple((0.3 * torch.randn(r, w)).to(dtype) for _ in range(2))
                 lora = f.LoraFold(xa, (0, r), b_t, r)
-                want, got = f.silu_mul_reference(g, u, lora), f.silu_mul(g, u, True, lora)
+                want, got = f.decode_silu_mul_reference(g, u, lora), f.decode_silu_mul(g, u, True, lora)
                 # (float32: the r-term sums in another order, relative to the values' size)
                 ok = close(got, want, dtype) if dtype == torch.bfloat16 else torch.allclose(got, want, 2e-5, 2e-5)
                 assert ok, ("silu_mul lora", dtype, rows, d, r, (got - want).abs().max())

@@ -9,8 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from longrl.config.schema import LoraConfig
 from longrl.models import apply_lora
+from longrl.models.lora_layers import fusable_reason
 from longrl.rollout import Sampler, SamplingParams, lora_fusion
-from longrl.rollout.lora_fusion import fusable_reason, fused_lora
+from longrl.rollout.lora_fusion import fused_lora
 
 
 def llama(seed: int, layers: int = 3):

@@ -66,7 +66,7 @@ def test_fused_decode_kernels_round_like_transformers_in_bf16():
         got_h, got_x = f.add_rmsnorm(h.clone(), delta, w, 1e-5, True)
         assert torch.equal(got_h, want_h) and one_unit(got_x, want_x)
         g, u = (torch.randn(B, 3 * d, device=dev) * 3).to(bf), torch.randn(B, 3 * d, device=dev).to(bf)
-        assert torch.equal(f.silu_mul(g, u, True), f.silu_mul_reference(g, u))
+        assert torch.equal(f.decode_silu_mul(g, u, True), f.decode_silu_mul_reference(g, u))
     for B, Hq, Hkv, D, norm in ((3, 6, 2, 16, False), (32, 32, 8, 128, False), (4, 16, 8, 128, True)):
         q, k, v = (torch.randn(B, H * D, device=dev).to(bf) for H in (Hq, Hkv, Hkv))
         ang = torch.rand(B, D // 2, device=dev) * 6
@@ -113,7 +113,7 @@ def test_packed_decode_lora_folds_round_like_their_twins_on_cuda():
         lora = f.LoraFold(y[:, 2 * width:], (0, r), tuple((0.05 * torch.randn(r, width, device=dev)).to(bf)
                                                          for _ in range(2)), r)
         g, u = y[:, :width], y[:, width:2 * width]
-        assert units(f.silu_mul(g, u, True, lora), f.silu_mul_reference(g, u, lora))
+        assert units(f.decode_silu_mul(g, u, True, lora), f.decode_silu_mul_reference(g, u, lora))
 
 
 @pytest.mark.parametrize("V, T", [(128_256, 1.0), (151_936, 0.7), (3001, 1.3)])

@@ -26,8 +26,9 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_map
 
+from ..models.structure import base_model, decoder_layers
+from ..models.tiled_mlp import layer_recompute
 from .attention_reuse import Record, RecordAttention, ReplayAttention
-from .tiling import layer_recompute
 
 
 class PinnedPool:
@@ -336,8 +337,6 @@ def keep_last_layers_whole(model, n: int) -> int:
     from forward to backward and are not recomputed. Through transformers' own per-layer switch (the
     ``gradient_checkpointing`` flag its checkpointing sets on each layer); ``n`` = 0 checkpoints them all again.
     Returns how many layers stay checkpointed."""
-    from ..training.distributed import decoder_layers
-
     layers = decoder_layers(model)
     n = min(max(n, 0), len(layers))
     for i, layer in enumerate(layers):
@@ -350,8 +349,6 @@ def enable_offloaded_checkpointing(model, gpu_resident: int = 0, reuse_attention
     """Checkpoint every decoder layer of ``model`` (a transformers or PEFT model), its inputs offloaded;
     ``reuse_attention``: its attention outputs kept with them instead of recomputed; ``no_recompute``: the last
     that many layers not checkpointed at all (keep_last_layers_whole)."""
-    from ..models import base_model
-
     base = base_model(model)
     device = next(base.parameters()).device
     num_layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)

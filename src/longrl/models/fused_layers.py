@@ -4,7 +4,7 @@ take them out.
 ``enable_fused_layers(model)`` replaces, in their parents' slots, every Llama-family RMSNorm by a
 :class:`FusedRMSNorm`, every SiLU MLP by a :class:`FusedSwiGLU` and every Llama-family attention by a
 :class:`FusedRotaryAttention`: wrappers sharing the wrapped module's children and parameters like the tiled MLP
-(memory/tiling.py), so parameter and state-dict names are unchanged and PEFT adapters on the projections keep
+(models/shared_wrapper.py), so parameter and state-dict names are unchanged and PEFT adapters on the projections keep
 working (the wrappers call the projections). No library class is modified. On the CPU (or without Triton) the
 norm and MLP wrappers run the wrapped module's own forward and the attention wrapper the rotary twin, so results
 there are transformers' exactly.
@@ -16,10 +16,11 @@ import sys
 
 from torch import nn
 
-from ..memory.tiling import SharedWrapper, TiledMLP
 from ..ops.rmsnorm import rmsnorm
 from ..ops.rotary import rotary
 from ..ops.swiglu import silu_mul
+from .shared_wrapper import SharedWrapper
+from .tiled_mlp import TiledMLP
 
 # forward y = w · round(x · rsqrt(mean x² + eps)), weight initialised to ones (Gemma's 1 + w is another formula)
 RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -113,7 +114,7 @@ def _is_silu_mlp(module: nn.Module) -> bool:
 
 def enable_fused_layers(model: nn.Module) -> dict[str, int]:
     """Wrap ``model``'s RMSNorms, SiLU MLPs and rotary attentions (idempotent; other norms, activations and
-    attentions are left alone). A tiled MLP (memory/tiling.py) is wrapped inside: its tiles run the fused product.
+    attentions are left alone). A tiled MLP (models/tiled_mlp.py) is wrapped inside: its tiles run the fused product.
     Returns how many of each."""
     counts = {"rmsnorm": 0, "swiglu": 0, "attention": 0}
     for parent, name, child in _slots(model):

@@ -12,6 +12,7 @@ import torch
 
 from .quantize import (QuantizationError, calibration_ids, choose_exceptions, disable_cpu_repacking, quantize_model,
                        require_bitsandbytes)
+from .structure import base_model
 from .tiny import TINY_NAME, build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -271,11 +272,6 @@ class LogitSpec:
 
     multiplier: float = 1.0
     softcap: float | None = None
-
-
-def base_model(model):
-    """The transformers model under a PEFT wrapper (the model itself if not wrapped)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def model_parts(model):

@@ -20,7 +20,7 @@ saving, merging) never sees a wrapper; inside it, PEFT calls that walk the adapt
 outside), and a nested :func:`fused_lora_training` or rollout ``fused_lora`` steps aside (the wrappers already add
 the adapters). The context must hold the forward and the backward of what it computes
 (checkpointed layers recompute their forward during backward). Models whose adapters the rollout fusion cannot
-express exactly (rollout/lora_fusion.fusable_reason) keep PEFT's forward.
+express exactly (models/lora_layers.fusable_reason) keep PEFT's forward.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..memory.tiling import SharedWrapper
-from ..rollout.lora_fusion import fusable_reason, lora_layers, sibling_groups
+from .lora_layers import fusable_reason, lora_layers, sibling_groups
+from .shared_wrapper import SharedWrapper
 
 
 def _a_product(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

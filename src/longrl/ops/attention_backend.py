@@ -1,8 +1,8 @@
 """Which of PyTorch's fused attention kernels (SDPA backends) training tries first, on CUDA.
 
-PyTorch picks an SDPA backend by a fixed priority among those that support the call. On Hopper GPUs cuDNN's
-kernels can beat the flash kernels PyTorch prefers; ``model.sdpa_backends`` puts the listed backends first, in
-that order, with the others after them (so a call none of the listed ones supports still runs).
+PyTorch picks an SDPA backend by a fixed priority among those that support the call. On some GPUs cuDNN's
+kernels beat the flash kernels PyTorch prefers; ``model.sdpa_backends`` puts the listed backends first, in that
+order, with the others after them (so a call none of the listed ones supports still runs).
 
 Grouped-query models need one more step: transformers calls SDPA with ``enable_gqa=True`` (fewer key/value heads
 than query heads), which only the flash backend accepts, so a cuDNN or memory-efficient priority would silently
@@ -14,8 +14,10 @@ transformers' own SDPA function on keys/values repeated to the query heads,
 which every backend accepts (transient cost: 2 · T · Hq · D elements per layer call). With
 ``model.grouped_attention_backward`` (and flash first, or nothing listed), training attends through
 ``longrl_sdpa_grouped`` instead (ops/grouped_attention.py): PyTorch's flash kernels, the backward of long calls run
-one key head group at a time. (On torch 2.11 with an H200, transformers' enable_gqa call runs cuDNN's kernels
-when nothing is listed: ``aten._scaled_dot_product_cudnn_attention``.)
+one key head group at a time. With nothing listed, PyTorch's own choice for transformers' enable_gqa call can be
+cuDNN's kernels on some GPUs and versions (:func:`training_attention_kernel` reads which).
+
+The switch of a model's attention function itself: ops/sdpa_variant.py.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from types import SimpleNamespace
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .grouped_attention import grouped_backward
+from .sdpa_variant import register_sdpa_variant, sdpa_variant
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -104,37 +109,8 @@ def sdpa_mha_attention(module, query, key, value, attention_mask, **kwargs):
                                   attention_mask, **kwargs)
 
 
-def register_sdpa_variant(name: str, function) -> None:
-    """Register ``function`` as transformers attention ``name`` and, for it, SDPA's mask builder (transformers
-    builds no padding or packing mask for an attention implementation without one)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
 def register_mha_sdpa() -> None:
     register_sdpa_variant(MHA_SDPA, sdpa_mha_attention)
-
-
-@contextlib.contextmanager
-def sdpa_variant(model, name: str, function):
-    """Context in which ``model`` (transformers or PEFT), if it is on SDPA attention, attends through ``function``
-    registered as ``name`` (register_sdpa_variant); back to SDPA after. A model on other attention is left as it
-    is."""
-    from ..models import base_model
-
-    base = base_model(model)
-    if base.config._attn_implementation != "sdpa":
-        yield
-        return
-    register_sdpa_variant(name, function)
-    base.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        base.set_attn_implementation("sdpa")
 
 
 @contextlib.contextmanager
@@ -151,8 +127,6 @@ def sdpa_priority(names: list[str], device_type: str, model=None, grouped: bool 
         if names:
             stack.enter_context(sdpa_kernel(backend_order(names), set_priority=True))
         if model is not None and grouped and grouped_backward_applies(names):
-            from .grouped_attention import grouped_backward
-
             stack.enter_context(grouped_backward(model))
         elif model is not None and repeats_kv(names):
             stack.enter_context(sdpa_variant(model, MHA_SDPA, sdpa_mha_attention))

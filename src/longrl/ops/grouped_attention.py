@@ -19,8 +19,8 @@ key/value than query heads, no mask, no dropout, no other argument that changes 
 softcap, ...: NEUTRAL_KWARGS) and at least :data:`MIN_TOKENS` query tokens take this path on a flash-capable
 device; everything else (decode steps, masks, short calls) is transformers' SDPA function unchanged.
 :func:`grouped_backward` switches a model on SDPA to it for a block of code (``model.grouped_attention_backward``;
-off by default: where SDPA's own GQA call runs cuDNN's kernels, as on torch 2.11 with an H200, those are faster
-than the flash kernels this path calls, benchmarks/results/grouped_attention_h200.md).
+off by default: where SDPA's own GQA call runs cuDNN's kernels, those can be faster than the flash kernels this
+path calls).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from .sdpa_variant import sdpa_variant
+from .unwrap import base_model
 
 GROUPED_SDPA = "longrl_sdpa_grouped"
 # query tokens of a call (batch × length) from which the backward runs per key head: there the flash transients
@@ -147,11 +150,8 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: f
 
 def grouped_backward(model):
     """Context in which ``model`` (transformers or PEFT), if on SDPA attention with grouped-query heads, attends
-    through :data:`GROUPED_SDPA` (attention_backend.sdpa_variant); back to SDPA after. Any other model is left as it
+    through :data:`GROUPED_SDPA` (sdpa_variant.sdpa_variant); back to SDPA after. Any other model is left as it
     is."""
-    from ..models import base_model
-    from .attention_backend import sdpa_variant
-
     config = base_model(model).config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

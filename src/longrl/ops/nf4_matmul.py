@@ -51,10 +51,10 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # into k order in registers so that x is read contiguously (join; else two products on even and odd k; lut 3
 # always joins), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 1 a register
 # gather from them, tl.gather; 2 a tree of selects; 0 a load from the 16-entry table in memory, which Triton's
-# pipeliner stages through shared memory one element at a time: 15-30x slower), warps, pipeline stages, and the
+# pipeliner stages through shared memory one element at a time: far slower), warps, pipeline stages, and the
 # programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
 # --sweep times the alternatives; the table below is its fastest at 16 and 128 rows, 32 and 64 rows taking the
-# 128-row choice (benchmarks/results/nf4_matmul_h200.md, 2026-12-01). permutes_packed guards lut 3's assumption.
+# 128-row choice. permutes_packed guards lut 3's assumption.
 LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=3, warps=4, stages=3, programs=528),
           32: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132),
           64: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132),

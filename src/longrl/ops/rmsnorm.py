@@ -4,8 +4,9 @@ transformers' Llama-family RMSNorm, for x [..., D] in a 16-bit dtype and weight 
 
     r = (mean_j x_j² + eps)^(−1/2)   (float32),   n = round_x(x · r),   y = w · n
 
-runs as about eight elementwise kernels forward (float32 copies of x) and as many backward; at 20K-token
-micro-batches of an 8B model that is ~2 s of a GRPO step. Here one kernel a direction, one program a row:
+runs as about eight elementwise kernels forward (float32 copies of x) and as many backward, each a pass over the
+[N, D] activations: at long micro-batches a sizeable share of a training step. Here one kernel a direction, one
+program a row:
 
     forward:   y, r                 (r [N] float32 kept for backward: 4 bytes a row)
     backward:  g = dy · w,  dx = r · (g − n̂ · Σ_j g_j n̂_j / D)  with n̂ = x · r (float32)

@@ -7,10 +7,10 @@ transformers' ``apply_rotary_pos_emb`` for a head x = (x₁, x₂) (halves of th
     backward:   d₁ = round(g₁ c₁) + round(g₂ s₂),      d₂ = round(g₂ c₂) − round(g₁ s₁)   (g = ∂L/∂o)
 
 (round: to the result's dtype, where torch's elementwise products round). transformers runs it as ~10 kernels
-forward over q and k (slices, a negation, a concatenation, two products, a sum, each) and as many backward; at a
-20K-token micro-batch of an 8B model that is ~1.5 s of a GRPO step. Here one program a token reads its q and k
-heads once and writes them once, in either direction; nothing is kept for backward but cos and sin (the model's
-own tensors). The products are rounded before the sum, as torch does, and the kernel is launched without
+forward over q and k (slices, a negation, a concatenation, two products, a sum, each) and as many backward, each
+a pass over q or k: at long micro-batches a sizeable share of a training step. Here one program a token reads its
+q and k heads once and writes them once, in either direction; nothing is kept for backward but cos and sin (the
+model's own tensors). The products are rounded before the sum, as torch does, and the kernel is launched without
 floating-point contraction, so the results equal transformers' bit for bit (tests/test_fused_kernels.py under the
 interpreter, tests/test_memory_gpu.py on a GPU).
 """

@@ -30,7 +30,7 @@ on by default) the base weights of each layer's q/k/v and of its gate/up project
 live in one buffer a group, as views (the parameters keep their objects and names), followed by the rows of their
 stacked LoRA A matrices (rollout/lora_fusion.py); o_proj and down_proj get their own A rows appended likewise. A
 decode step then reads each group with one product, e.g. [W_q; W_k; W_v; A_qkv] x, instead of three base products
-and an A product; q/k/v's and gate/up's B products are added inside rotary_kv and silu_mul (fused_ops.LoraFold),
+and an A product; q/k/v's and gate/up's B products are added inside rotary_kv and decode_silu_mul (fused_ops.LoraFold),
 o/down's by their adapters from the A x of their product: 4 base and 2 LoRA products a layer instead of 7 and 11.
 Moving the weights costs one copy of them at each end of a rollout (never more than one group's worth of extra
 memory); release gives every weight its own storage again.
@@ -44,7 +44,7 @@ import torch
 
 from ..ops.nf4_matmul import groupable, nf4_group, nf4_group_linear
 from .attention import DecodeMeta, decode_attend
-from .fused_ops import LoraFold, add_rmsnorm, rotary_kv, silu_mul
+from .fused_ops import LoraFold, add_rmsnorm, decode_silu_mul, rotary_kv
 from .lora_fusion import fused_adder
 
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -181,8 +181,8 @@ class FastDecoder:
 
     def _project_folded(self, i: int, first: str, modules: list, x: torch.Tensor):
         """(the projections' outputs, the LoRA deltas the next glue kernel adds or None): with a packed group whose
-        adapters fold (q/k/v → rotary_kv, gate/up → silu_mul), the base outputs and A x from one product, the B
-        products left to the kernel; otherwise the outputs with their deltas added."""
+        adapters fold (q/k/v → rotary_kv, gate/up → decode_silu_mul), the base outputs and A x from one product, the
+        B products left to the kernel; otherwise the outputs with their deltas added."""
         pack = self.packs.get((i, first)) or self.nf4_packs.get((i, first))
         if pack is None or pack.fold is None:
             return self._project_group(i, first, modules, x), None
@@ -241,7 +241,7 @@ class FastDecoder:
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
             gate_up, lora = self._project_folded(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x)
-            h_mlp = silu_mul(*gate_up, tri, lora=lora)
+            h_mlp = decode_silu_mul(*gate_up, tri, lora=lora)
             delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]

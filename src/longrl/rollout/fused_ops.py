@@ -1,18 +1,21 @@
 """The elementwise work of a Llama-family decode step, fused: three Triton kernels (GPU) and their PyTorch twins.
 
 transformers runs a decoder layer's glue as ~25 small kernels (norm statistics, casts, the rotary embedding's
-slices and concatenations, cache writes, the activation, residual adds); at decode batch sizes each costs a
-few microseconds regardless of size, ~3 ms a step for an 8B model. These do the same arithmetic, rounding to
-the activations' dtype wherever transformers does (``cast`` below), in three kernels:
+slices and concatenations, cache writes, the activation, residual adds); at decode batch sizes each costs its
+launch regardless of size, which over a model's layers is a large share of a decode step. These do the same
+arithmetic, rounding to the activations' dtype wherever transformers does (``cast`` below), in three kernels:
 
     add_rmsnorm:   h ← cast(h + δ);  x = cast(w ⊙ cast(h · rsqrt(mean(h²) + ε)))           (statistics in float32)
     rotary_kv:     t ← cast(t + xa_t · (s B_t)ᵀ)   q, k, v's LoRA deltas, when the packed decode folds them in
                    t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
                    t ← cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))   for q and k;  k, v → the slot store
-    silu_mul:      y = cast(cast(silu(g)) ⊙ u)   (g, u ← cast(t + xa_t · (s B_t)ᵀ) first, when the packed decode
-                   folds gate/up's LoRA deltas in: a tiled kernel with a small matrix product per tile)
+    decode_silu_mul:  y = cast(cast(silu(g)) ⊙ u)   (g, u ← cast(t + xa_t · (s B_t)ᵀ) first, when the packed
+                   decode folds gate/up's LoRA deltas in: a tiled kernel with a small matrix product per tile)
 
-The twins are the reference (tests/test_fast_decode.py runs both, the kernels through Triton's interpreter).
+The twins are the reference (tests/test_fast_decode.py runs both, the kernels through Triton's interpreter). The
+SiLU·up product here is the decode step's, not training's (ops/swiglu.silu_mul, with autograd): rows at their own
+strides, the LoRA fold, no backward, and torch's float32 arithmetic exactly (the accurate exp and IEEE division),
+so its twin is ops/swiglu.silu_mul_reference after the LoRA deltas.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from ..ops.rmsnorm import rmsnorm_reference
 from ..ops.rotary import rotate_half
-from ..ops.swiglu import silu_mul_reference as _silu_mul
+from ..ops.swiglu import silu_mul_reference
 
 try:
     import triton
@@ -79,9 +82,9 @@ def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm
     return q
 
 
-def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, lora: "LoraFold | None" = None) -> torch.Tensor:
+def decode_silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, lora: "LoraFold | None" = None) -> torch.Tensor:
     """silu(g) · u, after adding the LoRA deltas of ``lora`` (lo and b_t: (gate, up)) to g and u."""
-    return _silu_mul(_with_lora(gate, lora, 0), _with_lora(up, lora, 1))
+    return silu_mul_reference(_with_lora(gate, lora, 0), _with_lora(up, lora, 1))
 
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
@@ -242,7 +245,7 @@ ROTARY_FP_FUSION = False  # the rotary kernel's launch option: no product + sum 
 INTERPRETED = triton is not None and type(_silu_mul_kernel).__name__ == "InterpretedFunction"
 # launch choices of the LoRA-folding SiLU·up kernel (tile rows at most, tile columns, warps; for tuning: results do
 # not depend on them beyond float32 summation order): the fastest of benchmarks/decode_glue_speed.py's sweep at both
-# rollout shapes on an H200 (6.3 µs a layer at 8B, 128 rows × 14,336; decode_glue_h200_s9.md)
+# rollout shapes
 LAUNCH = dict(silu_lora_bm=32, silu_lora_bn=64, silu_lora_warps=8)
 
 
@@ -296,12 +299,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool, lora: "LoraFold | None" = None) -> torch.Tensor:
-    """silu(g) · u (after gate/up's LoRA deltas from ``lora``, if given)."""
+def decode_silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool,
+                    lora: "LoraFold | None" = None) -> torch.Tensor:
+    """silu(g) · u (after gate/up's LoRA deltas from ``lora``, if given) for decode rows; no autograd."""
     odd_lora = lora is not None and (gate.dim() != 2 or any(b.dtype != gate.dtype or not b.is_contiguous()
                                                             for b in lora.b_t) or up.dtype != gate.dtype)
     if not use_triton or odd_lora:
-        return silu_mul_reference(gate, up, lora)
+        return decode_silu_mul_reference(gate, up, lora)
     shape = gate.shape
     gate, up = _rows(gate), _rows(up)
     y = torch.empty(gate.shape, dtype=torch.result_type(gate, up), device=gate.device)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..models.structure import decoder_layers
+
 log = logging.getLogger(__name__)
 
 
@@ -214,18 +216,6 @@ def _sum_allreduce_hook(process_group, bucket):
     group = process_group if process_group is not None else dist.group.WORLD
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers of a causal LM (the units FSDP2 shards one at a time)."""
-    from ..models import base_model
-
-    inner = getattr(base_model(model), "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(base_model(model)).__name__} has no model.layers: FSDP2 sharding needs a "
-                         "Llama-style decoder stack")
-    return list(layers)
 
 
 def data_parallel(model, world: World, shard_weights: bool, wrapper: torch.nn.Module | None = None) -> torch.nn.Module:

@@ -1,0 +1,18 @@
+"""Where a causal LM keeps its parts: the transformers model under a PEFT wrapper and its decoder layers."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.unwrap import base_model
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM (transformers or PEFT): ``model.layers`` of its backbone, the units FSDP2
+    shards and checkpointing recomputes one at a time."""
+    inner = getattr(base_model(model), "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(base_model(model)).__name__} has no model.layers: FSDP2 sharding needs a "
+                         "Llama-style decoder stack")
+    return list(layers)
