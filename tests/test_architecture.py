@@ -331,3 +331,24 @@ def test_the_checks_find_each_kind_of_violation(tmp_path):
     assert "no longer imports it" in unexplained_allowances(edges, {("longrl.ops.losses", "longrl.cli.main"): ""})[0]
     many = {**allowed, **no_comment, ("a", "b"): "", ("c", "d"): ""}
     assert unexplained_allowances(edges, many)[0] == "ALLOWED_UPWARD has 4 entries; at most 3"
+
+
+def test_public_names_resolve_after_the_moves():
+    """Everything ``longrl`` exports loads, and names that moved down a floor stay reachable where they were public."""
+    import longrl
+    from longrl import memory, models
+    from longrl.memory import tiling
+    from longrl.models.structure import decoder_layers
+    from longrl.models.tiled_mlp import TiledMLP
+    from longrl.ops.unwrap import base_model
+    from longrl.training import distributed
+
+    for name in longrl.__all__:
+        assert getattr(longrl, name) is not None, name
+    assert longrl.GRPOTrainer.__module__ == "longrl.compat.trl" and longrl.GRPOConfig.__module__.startswith("longrl.compat")
+    assert memory.TiledMLP is tiling.TiledMLP is TiledMLP
+    assert models.base_model is base_model
+    assert distributed.decoder_layers is decoder_layers
+    for package in (memory, models):
+        for name in package.__all__:
+            assert hasattr(package, name), name
