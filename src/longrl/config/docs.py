@@ -35,7 +35,7 @@ def _comments_by_line(source: str) -> dict[int, tuple[str, bool]]:
 
 
 def field_comments(source: str | None = None) -> dict[str, dict[str, str]]:
-    """class name → field name → the comment that documents it in ``source`` (default: config.py's)."""
+    """class name → field name → the comment that documents it in ``source`` (default: schema.py's)."""
     source = inspect.getsource(config_module) if source is None else source
     comments = _comments_by_line(source)
     out: dict[str, dict[str, str]] = {}
@@ -120,7 +120,7 @@ def undocumented() -> list[str]:
 def render() -> str:
     """The whole of docs/config.md."""
     lines = ["# Configuration reference", "",
-             f"<!-- generated from src/longrl/config.py by `{REGENERATE}`; do not edit by hand -->", "",
+             f"<!-- generated from src/longrl/config/schema.py by `{REGENERATE}`; do not edit by hand -->", "",
              "A run is one YAML file of these sections (any key left out keeps its default); `KEY=VALUE` arguments "
              "after the file override single keys, e.g. `longrl train run.yaml train.max_steps=10`. "
              "`longrl demo --print-config` prints a complete config.", ""]
