@@ -386,7 +386,7 @@ def test_without_checkpointing_every_layers_activations_are_counted():
     checkpointed peak."""
     from transformers import LlamaConfig
 
-    from longrl.config.schema import LoraConfig, load_config
+    from longrl.config import LoraConfig, load_config
     from longrl.memory.planner import layer_kept_bytes, plan_for_config
 
     model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -665,7 +665,7 @@ def test_layers_not_recomputed_fill_the_planners_share_of_plentiful_memory():
 
 
 def test_no_recompute_layers_config_errors_name_the_key():
-    from longrl.config.schema import ConfigError
+    from longrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="model.no_recompute_layers"):
         _run_cfg("model.no_recompute_layers=-1")

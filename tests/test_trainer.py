@@ -246,15 +246,15 @@ def test_recovery_never_trades_a_good_copy_for_a_cut_one(tmp_path):
     assert not list(tmp_path.glob(".*checkpoint*"))
 
 def test_demo_again_starts_over_but_leaves_other_runs(tmp_path):
-    from longrl.cli.main import _start_demo_over
+    from longrl.cli.demo import start_demo_over
 
     cfg = _cfg(tmp_path, "train.max_steps=2")
-    _start_demo_over(cfg).release()  # the directory becomes a demo's (as `longrl demo` makes it)
+    start_demo_over(cfg).release()  # the directory becomes a demo's (as `longrl demo` makes it)
     GRPOTrainer(cfg).train()
     other = tmp_path / "checkpoint-9"
     other.mkdir()
     (other / "trainer_state.json").write_text(json.dumps({"config": {"model": {"name_or_path": "my/model"}}}))
-    _start_demo_over(cfg).release()
+    start_demo_over(cfg).release()
     assert not (tmp_path / "checkpoint-2").exists() and other.is_dir()
     other.rename(tmp_path / ".kept-9")
     GRPOTrainer(cfg).train()  # the directory holds no checkpoint now: a new run is allowed

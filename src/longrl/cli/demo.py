@@ -8,7 +8,7 @@ import time
 from .train import run_grpo
 
 
-def _start_demo_over(cfg):
+def start_demo_over(cfg):
     """``longrl demo`` again into the same directory starts over: an earlier demo's checkpoints there are removed
     (only in a directory a demo made, and only those whose saved config names this builtin model); anything else
     is left to the trainer's check. Returns the directory's run lock, held while this runs (and for the demo)."""
@@ -37,14 +37,14 @@ def demo_command(cfg, warm_start: bool = False) -> int:
     from ..training.reporting import plot_reward_curve, read_metrics
 
     start = time.perf_counter()
-    with _start_demo_over(cfg):
+    with start_demo_over(cfg):
         if warm_start:
             from ..config.demo import sft_warm_start_config
             from ..recipes.sft import SFTTrainer
             from ..recipes.grpo import GRPOTrainer
 
             sft_cfg = sft_warm_start_config(cfg)
-            with _start_demo_over(sft_cfg):
+            with start_demo_over(sft_cfg):
                 sft = SFTTrainer(sft_cfg)
                 history = sft.train()
             print(f"warm start: {len(history)} supervised steps, held-out loss "

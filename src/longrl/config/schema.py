@@ -26,7 +26,7 @@ class ModelConfig:
     grouped_attention_backward: bool = False  # CUDA: the attention backward of calls of ≥ 65,536 tokens one key head
     #   group at a time on PyTorch's flash kernels (ops/grouped_attention.py; gradients as flash's): its transients
     #   1/heads_kv as large (8B: ~25 KB a token less), for the longest sequences; slower where SDPA's own choice is
-    #   cuDNN (torch 2.11 on an H200: a 131,072-token SFT step 79 s against 54 s)
+    #   cuDNN, as on Hopper GPUs (docs/memory.md has the timings)
     gradient_checkpointing: Optional[bool] = None  # recompute layer activations in backward (transformers'
     #                                               checkpointing); null: the planner decides on CUDA, off on CPU
     offload_activations: Optional[bool] = None  # checkpoint every layer and keep its input in host memory; null: the

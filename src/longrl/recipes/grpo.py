@@ -14,14 +14,13 @@ import dataclasses
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
-from ..data.prompts import PromptDataset, PromptSampler, data_fingerprint, load_prompts, read_prompt_rows
+from ..data.prompts import PromptDataset, PromptSampler, load_prompts, read_prompt_rows
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
 from ..memory.planner import StepShape
@@ -38,7 +37,7 @@ from ..rollout import Sampler, SamplingParams
 from ..rollout.attention import unsupported_reason
 from ..rollout.completions import reward_inputs, sample, sampling_params
 from ..training.callbacks import check_callbacks, notify
-from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, load_newest, resume_request, save_checkpoint, staging_dir, \
+from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, load_newest, save_checkpoint, staging_dir, \
     trainer_state
 from ..training.distributed import (data_parallel, full_model_state, full_weights, grad_norm_value, gradient_sync,
                                     init_world, is_sharded, lockstep, rank_prompts, save_sharded_optimizer,
@@ -49,8 +48,7 @@ from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_st
 from ..training.model_setup import build_policy_model, given_model
 from ..training.optimizer import make_optimizer
 from ..training.reporting import RunReporter, check_report_to, reward_failure_lines
-from ..training.run_dir import check_data_unchanged, checked_output_dir, write_run_settings
-from ..training.run_lock import acquire_run_lock, check_output_dir_contents
+from ..training.run_dir import RunDirectory, write_run_settings
 from ..training.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -117,20 +115,13 @@ class GRPOTrainer:
                             "TRL's arguments use longrl.GRPOTrainer)")
         self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
-        self.resume = cfg.output.resume  # train(resume_from_checkpoint=...) may ask for it too
         torch.manual_seed(cfg.train.seed)
         # Cheap checks first: the output directory, reward functions and data fail before the model loads when
         # they can. One process, or a rank of a torchrun job (the step's prompts split across the ranks). Rank 0
         # holds the run lock for the job and finishes what a killed save left before the others look.
         self.world, device = init_world(cfg.model.device, cfg.distributed.timeout_s)
         unsupported_with_ranks(cfg, self.world)
-        self.run_lock = None
-        if self.world.is_main:
-            self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before anything is written
-            weakref.finalize(self, self.run_lock.release)
-            check_output_dir_contents(cfg.output.output_dir, overwrite=cfg.output.overwrite_output_dir)
-        self.resume_from = checked_output_dir(cfg, self.world, self.resume,
-                                              allow_existing=self.resume_decided_at_train)
+        self.run_dir = RunDirectory(cfg, self.world, resume_decided_at_train=self.resume_decided_at_train)
         check_report_to(cfg.output)
         if model is None:
             check_model_files(cfg.model.name_or_path)
@@ -138,9 +129,7 @@ class GRPOTrainer:
         own_scorer = scorer is None or self.owns_given_scorer  # ours to add an environment's reward source to
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards or [ENVIRONMENT_REWARD])  # none: an environment's
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
-        self.data_fingerprint = data_fingerprint(cfg.data.source)
-        if self.resume_from:
-            check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
+        self.run_dir.check_data()
         eval_rows = read_eval_rows(cfg) if eval_rows is None else eval_rows
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
@@ -178,17 +167,9 @@ class GRPOTrainer:
         """Train to train.max_steps; return each step's metrics. ``resume_from_checkpoint`` (TRL's name): True, or
         the path of output_dir's latest checkpoint, resumes from it (as output.resume=true)."""
         cfg = self.cfg
-        if self.world.is_main and not self.run_lock.held:  # a second train() of this trainer
-            self.run_lock = acquire_run_lock(self.output_dir)
-        if resume_from_checkpoint:
-            resume_request(self.output_dir, resume_from_checkpoint)
-            self.resume = True
-        if self.resume_decided_at_train or resume_from_checkpoint:
-            self.resume_from = checked_output_dir(cfg, self.world, self.resume)
-            if self.resume_from:
-                check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
-        if self.resume:
-            self._resume()
+        resume_from = self.run_dir.start_training(resume_from_checkpoint)
+        if resume_from is not None:
+            self._resume(resume_from)
         self.model.train()
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
         reporter = RunReporter.for_config(cfg, resume_step=self.step_idx) if main else None
@@ -232,7 +213,7 @@ class GRPOTrainer:
         finally:
             if main:
                 reporter.close(finished)
-                self.run_lock.release()
+                self.run_dir.release()
         notify(self.callbacks, "on_train_end", history)
         return history
 
@@ -580,7 +561,7 @@ class GRPOTrainer:
         """Write checkpoint-STEP (rank 0: the state is replicated; under FSDP2 every rank its optimizer shards) and
         return its path (None on other ranks); every rank returns once it is complete."""
         state, frozen = trainer_state(self.model, self.cfg, self.prompt_order.position,
-                                      data_fingerprint=self.data_fingerprint, world_size=self.world.world_size)
+                                      data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size)
         model_state, staged = None, None
         if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
             model_state = full_model_state(self.model)
@@ -597,7 +578,7 @@ class GRPOTrainer:
         self.world.barrier()
         return path
 
-    def _resume(self) -> None:
-        loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
+    def _resume(self, candidates: list[Path]) -> None:
+        loaded = load_newest(candidates, self.output_dir, self.model, self.optimizer, self.scheduler)
         if loaded is not None:
             self.step_idx, self.prompt_order.position = loaded[1]["step"], loaded[1]["data_position"]

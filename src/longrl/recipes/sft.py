@@ -22,21 +22,20 @@ import torch
 
 from ..config import Config, ConfigError
 from ..data.in_memory import dataset_rows
-from ..data.prompts import PromptSampler, data_fingerprint
+from ..data.prompts import PromptSampler
 from ..data.sft_rows import SFTExample, build_examples, load_examples
 from ..memory import count_groups, token_budget_groups
 from ..memory.planner import StepShape
 from ..models import check_model_files, resolve_device
 from ..ops.attention_backend import sdpa_priority
 from ..training.callbacks import check_callbacks, notify
-from ..training.checkpoint import load_newest, resume_request, save_checkpoint, trainer_state
+from ..training.checkpoint import load_newest, save_checkpoint, trainer_state
 from ..training.distributed import CrossEntropyModule, data_parallel, gradient_sync, init_world, shard
 from ..training.guards import RunGuards, agreed, checkpoint_after_step, first_stop, step_if_finite
 from ..training.model_setup import build_policy_model, given_model
 from ..training.optimizer import make_optimizer
 from ..training.reporting import RunReporter
-from ..training.run_dir import check_data_unchanged, checked_output_dir, write_run_settings
-from ..training.run_lock import acquire_run_lock, check_output_dir_contents
+from ..training.run_dir import RunDirectory, write_run_settings
 from ..training.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -82,14 +81,11 @@ class SFTTrainer:
 
     def __init__(self, cfg: Config, model=None, tokenizer=None, train_rows: list[dict] | None = None,
                  eval_rows: list[dict] | None = None, *, callbacks=None):
-        import weakref
-
         if not isinstance(cfg, Config):
             raise TypeError(f"{type(self).__name__}(cfg, ...) takes a longrl Config; got {type(cfg).__name__} (for "
                             "TRL's arguments use longrl.SFTTrainer)")
         self.callbacks = check_callbacks(callbacks or [])
         self.cfg = cfg
-        self.resume = cfg.output.resume  # train(resume_from_checkpoint=...) may ask for it too
         torch.manual_seed(cfg.train.seed)
         # one process, or a rank of a torchrun job (the step's examples split across the ranks); rank 0 holds the
         # run lock and writes every output
@@ -97,18 +93,9 @@ class SFTTrainer:
         if self.world.world_size > cfg.sft.examples_per_step:
             raise ConfigError(f"config key 'sft.examples_per_step': got {cfg.sft.examples_per_step}; allowed: at "
                               f"least the number of processes ({self.world.world_size}): each trains whole examples")
-        self.run_lock = None
-        if self.world.is_main:
-            self.run_lock = acquire_run_lock(cfg.output.output_dir)  # one run per directory, before any write
-            weakref.finalize(self, self.run_lock.release)
-            check_output_dir_contents(cfg.output.output_dir, kind="sft", command="sft",
-                                      overwrite=cfg.output.overwrite_output_dir)
-        # TRL-style: a resume may still be asked for by train(resume_from_checkpoint=...)
-        self.resume_from = checked_output_dir(cfg, self.world, self.resume,
-                                              allow_existing=self.resume_decided_at_train)
-        self.data_fingerprint = data_fingerprint(cfg.data.source)  # a data file's SHA-256: a resume on another refused
-        if self.resume_from:
-            check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
+        self.run_dir = RunDirectory(cfg, self.world, kind="sft", command="sft",
+                                    resume_decided_at_train=self.resume_decided_at_train)
+        self.run_dir.check_data()
         if model is None:
             check_model_files(cfg.model.name_or_path)
         else:
@@ -160,17 +147,9 @@ class SFTTrainer:
         it (as output.resume=true)."""
         cfg = self.cfg
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
-        if main and not self.run_lock.held:  # a second train() of this trainer
-            self.run_lock = acquire_run_lock(self.output_dir)
-        if resume_from_checkpoint:
-            resume_request(self.output_dir, resume_from_checkpoint)
-            self.resume = True
-        if self.resume_decided_at_train or resume_from_checkpoint:
-            self.resume_from = checked_output_dir(cfg, self.world, self.resume)
-            if self.resume_from:
-                check_data_unchanged(cfg, self.resume_from[0], self.data_fingerprint)
-        if self.resume:
-            loaded = load_newest(self.resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
+        resume_from = self.run_dir.start_training(resume_from_checkpoint)
+        if resume_from is not None:
+            loaded = load_newest(resume_from, self.output_dir, self.model, self.optimizer, self.scheduler)
             if loaded is not None:
                 self.step_idx, self.example_order.position = loaded[1]["step"], loaded[1]["data_position"]
         self.model.train()
@@ -205,7 +184,7 @@ class SFTTrainer:
         finally:
             if main:
                 reporter.close(finished)
-                self.run_lock.release()
+                self.run_dir.release()
         notify(self.callbacks, "on_train_end", history)
         return history
 
@@ -286,7 +265,7 @@ class SFTTrainer:
         path = None
         if self.world.is_main:  # the state is replicated: rank 0 writes it
             state, frozen = trainer_state(self.model, self.cfg, self.example_order.position, recipe="sft",
-                                          data_fingerprint=self.data_fingerprint, world_size=self.world.world_size)
+                                          data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size)
             path = save_checkpoint(self.output_dir, self.step_idx, self.model, self.optimizer, self.scheduler, state,
                                    self.cfg.output.save_total_limit, base_weights=frozen)
             log.info("saved %s", path)

@@ -81,3 +81,59 @@ def write_run_settings(output_dir: Path, cfg, layout) -> None:
 
     atomic_write_text(Path(output_dir) / CONFIG_FILE, cfg.to_yaml())
     atomic_write_text(Path(output_dir) / LAYOUT_FILE, yaml.safe_dump(layout.to_dict(), sort_keys=False))
+
+
+class RunDirectory:
+    """A recipe's hold on its output directory, from construction to the end of ``train()``: the run lock (rank 0:
+    one run per directory, taken before anything is written there), the check that the directory holds nothing but
+    this kind of run, the checkpoints a resume may start from, and the data file it trains on (a resume on another
+    file is refused). ``resume_decided_at_train``: TRL's API, where ``train(resume_from_checkpoint=...)`` decides
+    whether existing checkpoints are resumed, so they are checked there instead of here."""
+
+    def __init__(self, cfg, world, kind: str = "grpo", command: str = "train", resume_decided_at_train: bool = False):
+        import weakref
+
+        from .run_lock import acquire_run_lock, check_output_dir_contents
+
+        self.cfg, self.world, self.path = cfg, world, Path(cfg.output.output_dir)
+        self.resume = cfg.output.resume
+        self.resume_decided_at_train = resume_decided_at_train
+        self.lock = None
+        if world.is_main:
+            self.lock = acquire_run_lock(self.path)
+            weakref.finalize(self, self.lock.release)
+            check_output_dir_contents(self.path, kind=kind, command=command, overwrite=cfg.output.overwrite_output_dir)
+        self.resume_from = checked_output_dir(cfg, world, self.resume, allow_existing=resume_decided_at_train)
+        self.data_fingerprint: str | None = None
+
+    def check_data(self) -> None:
+        """Fingerprint data.source (a file's SHA-256) and refuse it when it differs from the one the checkpoint to
+        resume from trained on (output.resume_changed_data allows it)."""
+        from ..data.prompts import data_fingerprint
+
+        self.data_fingerprint = data_fingerprint(self.cfg.data.source)
+        if self.resume_from:
+            check_data_unchanged(self.cfg, self.resume_from[0], self.data_fingerprint)
+
+    def start_training(self, resume_from_checkpoint: bool | str | None = None) -> list[Path] | None:
+        """At the start of ``train()``: the lock again (a second ``train()`` of a trainer), TRL's
+        ``resume_from_checkpoint`` (True, the output directory or its latest checkpoint: as output.resume=true), and
+        the checks it calls for. Returns the checkpoints a resume may start from, newest first (empty: a resume asked for
+        where there is none), or None when no resume is asked for."""
+        from .checkpoint import resume_request
+        from .run_lock import acquire_run_lock
+
+        if self.world.is_main and not self.lock.held:
+            self.lock = acquire_run_lock(self.path)
+        if resume_from_checkpoint:
+            resume_request(self.path, resume_from_checkpoint)
+            self.resume = True
+        if self.resume_decided_at_train or resume_from_checkpoint:
+            self.resume_from = checked_output_dir(self.cfg, self.world, self.resume)
+            self.check_data()
+        return self.resume_from if self.resume else None
+
+    def release(self) -> None:
+        """Give the lock back (rank 0; at the end of ``train()``)."""
+        if self.lock is not None:
+            self.lock.release()
