@@ -79,6 +79,12 @@ class KVCache:
         return [t.view(torch.uint8) if t.dtype == FP8 else t
                 for t in (self.k_suf, self.v_suf, self.k_suf_e, self.v_suf_e) if t is not None]
 
+    def compact_slots(self, src: torch.Tensor) -> None:
+        """Move the slot stores of slots ``src`` [n] (ascending) to slots 0 … n−1 (the sampler's compaction)."""
+        dst = torch.arange(len(src), device=src.device)
+        for buf in self.slot_tensors():
+            buf[:, dst] = buf[:, src]
+
     def layer_exp(self, layer: int):
         """(k_pre_e, v_pre_e, k_suf_e, v_suf_e) of ``layer``; None for a 16-bit or float32 cache."""
         if not self.fp8:

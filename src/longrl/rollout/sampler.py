@@ -11,6 +11,11 @@ A decode step is one forward of the active bucket (replayed as a CUDA graph on C
 updates on the device; the host reads the state only every ``sync_every`` steps (to retire finished sequences,
 check stop strings and admit waiting ones). The KV cache is allocated per call from a memory budget and freed
 when the call returns, so the training phase gets the memory back.
+
+Terms: G, the completions of each prompt (``num_generations``); a slot, the decode-batch row of one sequence and
+its own key/value store (its state: rollout/slot_state.py); a prefix entry, one prompt's keys/values in the
+prefix store; a bucket, a decode batch size (slots 0 … bucket−1 run together); a turn, the tokens sampled between
+two environment steps of a multi-turn episode (single-turn: the whole completion).
 """
 
 from __future__ import annotations
@@ -27,14 +32,15 @@ import torch
 from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tokens, prefix_entries,
                               rollout_kv_bytes, sampler_workspace_bytes)
 from ..models.loading import base_model, model_parts
-from ..ops.logprobs import head_logits
 from ..models.policy import pad_right
+from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .fast_decode import FastDecoder
 from .kv_quant import FP8
 from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index, triton_available
+from .slot_state import SlotBook, SlotTensors
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +118,49 @@ class Sampler:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
-        self.fast_proven = False  # set once a fast decode step ran (see _Run._fast_forward)
+        self.fast_proven = False  # set once a fast decode step ran (_Run._fast_forward)
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  multi_turn: MultiTurn | None = None) -> Rollout:
+        """``num_generations`` completions of each prompt (contiguous per prompt); with ``multi_turn``, episodes
+        whose turns alternate with an environment's tokens."""
+        self._check_request(prompt_ids, num_generations, params, multi_turn)
+        register_sampler_attention()
+        base = base_model(self.model)
+        start = time.perf_counter()
+        with contextlib.ExitStack() as restore:  # undone in reverse order, whatever happens
+            restore.callback(self.model.train, self.model.training)
+            restore.callback(base.set_attn_implementation, base.config._attn_implementation)
+            self.model.eval()
+            base.set_attn_implementation(SAMPLER_ATTENTION)
+            fused = restore.enter_context(fused_lora(self.model, self.compute_dtype) if self.fuse_lora
+                                          else contextlib.nullcontext(False))
+            use_nf4 = self.nf4_kernel and self.fast is not None and self.use_triton
+            nf4 = self.fast.prepare_nf4(self.pack_projections) if use_nf4 else 0
+            restore.callback(self._release_nf4)
+            # the packer is kept: a failing first fast step drops self.fast, and the weights must leave the packed
+            # buffers whatever happens
+            packer = self.fast if self.pack_projections else None
+            if packer is not None:
+                restore.callback(packer.release_packing)
+            packed = packer.prepare_packing() if packer is not None else 0
+            run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after the preparations: the KV
+            rollout = run.execute()  # cache is sized from what they leave free
+        self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
+                           "fast_decode": self.fast is not None,
+                           "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
+                           "packed_groups": packed if self.fast is not None else 0,
+                           "tokens": sum(len(c) for c in rollout.completion_ids)}
+        log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
+                  "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
+        return rollout
+
+    def _check_request(self, prompt_ids, num_generations: int, params: SamplingParams,
+                       multi_turn: MultiTurn | None) -> None:
+        """Raise on an empty prompt, a token outside the vocabulary, or lengths the sampler cannot run."""
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1; got {num_generations}")
         vocab = self.head.weight.shape[0]
@@ -133,39 +175,10 @@ class Sampler:
         reason = unsupported_reason(base_model(self.model).config, max_prompt + after_prompt)
         if reason:
             raise SamplerUnsupported(f"longrl's sampler does not support {reason}; use generation.backend=hf")
-        register_sampler_attention()
-        base = base_model(self.model)
-        saved_impl, was_training = base.config._attn_implementation, self.model.training
-        self.model.eval()
-        base.set_attn_implementation(SAMPLER_ATTENTION)
-        fusion = fused_lora(self.model, self.compute_dtype) if self.fuse_lora else contextlib.nullcontext(False)
-        try:
-            start = time.perf_counter()
-            with fusion as fused:
-                nf4 = self.fast.prepare_nf4(self.pack_projections) if self.nf4_kernel and self.fast is not None and self.use_triton else 0
-                packer = self.fast if self.pack_projections else None  # (kept: a failing first fast step drops
-                try:  # self.fast, and the weights must leave the packed buffers whatever happens)
-                    packed = packer.prepare_packing() if packer is not None else 0
-                    run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after prepare_nf4: KV
-                    rollout = run.execute()  # cache sized from what is free then
-                finally:
-                    try:
-                        if packer is not None:
-                            packer.release_packing()
-                    finally:
-                        if self.fast is not None:
-                            self.fast.release_nf4()
-            self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
-                               "fast_decode": self.fast is not None,
-                               "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
-                               "packed_groups": packed if self.fast is not None else 0,
-                               "tokens": sum(len(c) for c in rollout.completion_ids)}
-            log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
-                      "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
-            return rollout
-        finally:
-            base.set_attn_implementation(saved_impl)
-            self.model.train(was_training)
+
+    def _release_nf4(self) -> None:
+        if self.fast is not None:  # (None after a fallback: the dropped decoder's routing went with it)
+            self.fast.release_nf4()
 
     # ------------------------------------------------------------------------------------------ model calls
     @property
@@ -203,54 +216,46 @@ def _graph_safe(model, use_triton: bool) -> bool:
 
 
 class _Run:
-    """The state of one ``generate`` call (cache, slots, queue); dropped when the call returns."""
+    """The state of one ``generate`` call (KV cache, slots, queue); dropped when the call returns."""
 
-    def __init__(self, sampler: Sampler, prompt_ids, G: int, params: SamplingParams, multi: MultiTurn | None = None):
-        self.s, self.params, self.G, self.multi = sampler, params, G, multi
+    def __init__(self, sampler: Sampler, prompt_ids, num_generations: int, params: SamplingParams,
+                 multi: MultiTurn | None = None):
+        self.sampler, self.params, self.G, self.multi = sampler, params, num_generations, multi
         self.prompts = [list(p) for p in prompt_ids]
-        self.N, self.T = len(prompt_ids) * G, multi.max_tokens if multi is not None else params.max_new_tokens
-        self.Lp = max(len(p) for p in prompt_ids)
-        dev = sampler.device
-        self.S, self.P = self._capacity()
-        dims = dict(layers=sampler.layers, kv_heads=sampler.kv_heads, head_dim=sampler.head_dim)
-        self.cache = KVCache.allocate(**dims, prefix_slots=self.P, prefix_len=self.Lp, slots=self.S, suffix_len=self.T,
-                                      dtype=sampler.cache_dtype, device=dev, compute_dtype=sampler.compute_dtype)
-        S, long = self.S, dict(dtype=torch.long, device=dev)
-        self.cur_tok, self.position = torch.zeros(S, **long), torch.zeros(S, **long)
-        self.prefix_index, self.prefix_len = torch.zeros(S, **long), torch.zeros(S, **long)
-        self.write_index, self.gen_count = torch.zeros(S, **long), torch.zeros(S, **long)
-        self.turn_limit = torch.full((S,), self.T, **long)  # a turn ends when gen_count reaches it
-        self.active = torch.zeros(S, dtype=torch.bool, device=dev)
-        self.tokens = torch.zeros(S, self.T, **long)
-        self.logps = torch.zeros(S, self.T, dtype=torch.float32, device=dev)
+        self.num_sequences = len(prompt_ids) * num_generations
+        self.max_tokens = multi.max_tokens if multi is not None else params.max_new_tokens  # tokens after a prompt
+        self.max_prompt_len = max(len(p) for p in prompt_ids)
+        device = sampler.device
+        self.num_slots, self.num_entries = self._capacity()
+        self.cache = KVCache.allocate(layers=sampler.layers, kv_heads=sampler.kv_heads, head_dim=sampler.head_dim,
+                                      prefix_slots=self.num_entries, prefix_len=self.max_prompt_len,
+                                      slots=self.num_slots, suffix_len=self.max_tokens, dtype=sampler.cache_dtype,
+                                      device=device, compute_dtype=sampler.compute_dtype)
         vocab = sampler.head.weight.shape[0]
-        self.seen = torch.zeros(S, vocab, dtype=torch.bool, device=dev) if params.repetition_penalty != 1.0 else None
-        self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], **long)
-        self.prompt_logits = torch.zeros(self.P, vocab, dtype=torch.float32, device=dev)
-        self.members = torch.full((self.P, G), -1, **long)  # slots reading each prefix entry (grouped kernel)
-        self.entry_len = torch.zeros(self.P, **long)
-        self.logits_buf = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
-        self.seq_id = torch.zeros(S, **long)  # the sequence in each slot (its global id): keys its random numbers
+        self.state = SlotTensors.allocate(self.num_slots, self.max_tokens, vocab,
+                                          track_seen=params.repetition_penalty != 1.0, device=device)
+        self.host = SlotBook.free(self.num_slots)
+        self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], dtype=torch.long, device=device)
+        self.step_logits = torch.zeros(self.num_slots, vocab, dtype=torch.float32, device=device)  # [slots, V]
+        # prefix-store entries: each prompt's last logits, and the slots reading each entry (the grouped kernel's table)
+        self.prompt_logits = torch.zeros(self.num_entries, vocab, dtype=torch.float32, device=device)
+        self.members = torch.full((self.num_entries, self.G), -1, dtype=torch.long, device=device)
+        self.entry_len = torch.zeros(self.num_entries, dtype=torch.long, device=device)
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
-        self.buckets = batch_buckets(S)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.buckets = batch_buckets(self.num_slots)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch bucket → its captured decode forward
         self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None
-        # host bookkeeping
-        self.waiting = deque(range(self.N))
-        self.slot_seq = [-1] * S  # sequence in each slot (-1: free)
-        self.slot_gen = [0] * S  # host's count of tokens generated in each slot (exact at syncs)
-        self.slot_checked = [0] * S  # stop strings checked up to this token
-        self.slot_turn = [0] * S  # index of the current turn's first token (multi-turn; else 0)
-        self.slot_limit = [self.T] * S  # host copy of turn_limit
+        # host bookkeeping beyond the slots
+        self.waiting = deque(range(self.num_sequences))
         self.pending: dict = {}  # multi-turn: sequence → (future of its environment step, tokens so far, stopped)
         self.env_spans: dict[int, list[tuple[int, int]]] = {}  # sequence → [start, end) of its environment tokens
         self.pool = ThreadPoolExecutor(multi.workers, thread_name_prefix="longrl-env") if multi is not None else None
-        self.prompt_slot: dict[int, int] = {}  # prompt → prefix-store entry
-        self.prompt_pending = [G] * len(self.prompts)  # completions of each prompt not yet finished
-        self.free_prefix = list(range(self.P))
-        self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.N
-        self.stats = {"slots": S, "prefix_slots": self.P, "decode_steps": 0, "prefills": 0, "compactions": 0,
-                      "kv_cache_bytes": self.cache.nbytes_held()}
+        self.entry_of: dict[int, int] = {}  # prompt → its prefix-store entry
+        self.unfinished = [self.G] * len(self.prompts)  # completions of each prompt not yet finished
+        self.free_entries = list(range(self.num_entries))
+        self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.num_sequences
+        self.stats = {"slots": self.num_slots, "prefix_slots": self.num_entries, "decode_steps": 0, "prefills": 0,
+                      "compactions": 0, "kv_cache_bytes": self.cache.nbytes_held()}
         if multi is not None:
             self.stats.update(turns=0, resumes=0, resume_tokens=0, resume_forwards=0, resume_s=0.0, env_wait_s=0.0)
 
@@ -258,64 +263,72 @@ class _Run:
     def _capacity(self) -> tuple[int, int]:
         """(decode slots, prefix-store entries): every sequence at once when the KV budget allows, else the most
         that fit (memory/planner.py's rollout arithmetic, shared with ``longrl plan``)."""
-        s = self.s
-        kv_token = KVCache.nbytes(layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim, tokens=1,
-                                  dtype=s.cache_dtype)
-        budget = s.kv_cache_bytes
-        if budget is None and s.device.type == "cuda":
-            free = torch.cuda.mem_get_info(s.device)[0]
-            free += torch.cuda.memory_reserved(s.device) - torch.cuda.memory_allocated(s.device)
-            if s.memory_cap_bytes is not None:  # the allocator is capped there: what the budget leaves
-                free = min(free, s.memory_cap_bytes - torch.cuda.memory_allocated(s.device))
+        sampler = self.sampler
+        kv_token = KVCache.nbytes(layers=sampler.layers, kv_heads=sampler.kv_heads, head_dim=sampler.head_dim,
+                                  tokens=1, dtype=sampler.cache_dtype)
+        budget = sampler.kv_cache_bytes
+        if budget is None and sampler.device.type == "cuda":
+            free = torch.cuda.mem_get_info(sampler.device)[0]
+            free += torch.cuda.memory_reserved(sampler.device) - torch.cuda.memory_allocated(sampler.device)
+            if sampler.memory_cap_bytes is not None:  # the allocator is capped there: what the budget leaves
+                free = min(free, sampler.memory_cap_bytes - torch.cuda.memory_allocated(sampler.device))
             budget = int(0.9 * free) - self._workspace_bytes()
         prompts = len(self.prompts)
-        value_pad = s.layers * s.kv_heads * s.head_dim if s.cache_dtype == FP8 else 0  # a value code a position
-        shape = dict(prompts=prompts, G=self.G, prompt_len=self.Lp, completion_len=self.T, kv_token=kv_token,
-                     value_pad_token=value_pad)
-        slots = self.N if budget is None else max_rollout_slots(budget, sequences=self.N, **shape)
+        value_pad = (sampler.layers * sampler.kv_heads * sampler.head_dim if sampler.cache_dtype == FP8
+                     else 0)  # a value code a position
+        shape = dict(prompts=prompts, G=self.G, prompt_len=self.max_prompt_len, completion_len=self.max_tokens,
+                     kv_token=kv_token, value_pad_token=value_pad)
+        slots = self.num_sequences if budget is None else max_rollout_slots(budget, sequences=self.num_sequences,
+                                                                            **shape)
         if slots < 1:
             need = rollout_kv_bytes(1, **shape)
             raise MemoryError(f"KV cache budget {(budget or 0) / 2**30:.2f} GiB cannot hold one sequence of "
-                              f"{self.Lp} + {self.T} tokens (needs {need / 2**30:.2f} GiB)")
+                              f"{self.max_prompt_len} + {self.max_tokens} tokens (needs {need / 2**30:.2f} GiB)")
         return slots, prefix_entries(slots, prompts, self.G)
 
     def _workspace_bytes(self) -> int:
-        s = self.s
-        shape = ModelShape.from_config(base_model(s.model).config)
-        itemsize = torch.empty((), dtype=s.compute_dtype).element_size()
-        prefill = prefill_forward_tokens(s.prefill_tokens, len(self.prompts), self.Lp)
-        return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.N, prefill, itemsize)
+        sampler = self.sampler
+        shape = ModelShape.from_config(base_model(sampler.model).config)
+        itemsize = torch.empty((), dtype=sampler.compute_dtype).element_size()
+        prefill = prefill_forward_tokens(sampler.prefill_tokens, len(self.prompts), self.max_prompt_len)
+        return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.num_sequences, prefill,
+                                       itemsize)
+
+    def _bucket(self, slots: int) -> int:
+        """The smallest decode batch size that covers slots 0 … ``slots``−1."""
+        return next(b for b in self.buckets if b >= slots)
+
+    def _decoding(self) -> list[int]:
+        """The occupied slots whose sequence is not parked waiting for its environment."""
+        return [i for i in self.host.occupied() if self.host.sequence[i] not in self.pending]
 
     # ------------------------------------------------------------------------------------------ main loop
     def execute(self) -> Rollout:
         try:
             self._admit()
-            while any(q >= 0 for q in self.slot_seq):
+            while self.host.occupied():
                 if self.pending:  # multi-turn: take back what the environments answered (wait if nothing decodes)
-                    self._collect(block=all(q < 0 or q in self.pending for q in self.slot_seq))
-                    continue_ = [i for i, q in enumerate(self.slot_seq) if q >= 0 and q not in self.pending]
-                    if not continue_:
+                    self._collect(block=not self._decoding())
+                    if not self._decoding():
                         continue
                 if self.slots_changed:
                     self._refresh_members()
-                top = max(i for i, q in enumerate(self.slot_seq) if q >= 0) + 1
-                B = next(b for b in self.buckets if b >= top)
-                remaining = max(self.slot_limit[i] - self.slot_gen[i] for i, q in enumerate(self.slot_seq)
-                                if q >= 0 and q not in self.pending)
-                steps = max(1, min(self.s.sync_every, remaining))
+                batch = self._bucket(self.host.occupied()[-1] + 1)
+                remaining = max(self.host.turn_limit[i] - self.host.generated[i] for i in self._decoding())
+                steps = max(1, min(self.sampler.sync_every, remaining))
                 for _ in range(steps):
-                    self._decode_step(B)
+                    self._decode_step(batch)
                 self.stats["decode_steps"] += steps
-                self._sync(B, steps)
+                self._sync(batch)
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=False, cancel_futures=True)
         return self._rollout()
 
     def _rollout(self) -> Rollout:
-        prompt_ids = [self.prompts[i // self.G] for i in range(self.N)]
+        prompt_ids = [self.prompts[seq // self.G] for seq in range(self.num_sequences)]
         done = [r for r in self.results if r is not None]
-        assert len(done) == self.N, "every sequence finishes"
+        assert len(done) == self.num_sequences, "every sequence finishes"
         env_mask = None
         if self.multi is not None:
             env_mask = [[1] * len(r[0]) for r in done]
@@ -326,20 +339,20 @@ class _Run:
 
     # ------------------------------------------------------------------------------------------ admission
     def _admit(self) -> None:
-        free = [i for i, q in enumerate(self.slot_seq) if q < 0]
+        """Waiting sequences into free slots, in order, while their prompts have (or get) a prefix-store entry."""
+        free = self.host.free_slots()
         to_prefill, admitted = [], []
         while free and self.waiting:
             seq = self.waiting[0]
-            p = seq // self.G
-            if p not in self.prompt_slot:
-                if not self.free_prefix:
+            prompt = seq // self.G
+            if prompt not in self.entry_of:
+                if not self.free_entries:
                     break
-                self.prompt_slot[p] = self.free_prefix.pop(0)
-                to_prefill.append(p)
+                self.entry_of[prompt] = self.free_entries.pop(0)
+                to_prefill.append(prompt)
             self.waiting.popleft()
             slot = free.pop(0)
-            self.slot_seq[slot], self.slot_gen[slot], self.slot_checked[slot] = seq, 1, 0
-            self.slot_turn[slot], self.slot_limit[slot] = 0, min(self.T, self.params.max_new_tokens)
+            self.host.sequence[slot] = seq
             admitted.append((slot, seq))
         if to_prefill:
             self._prefill(to_prefill)
@@ -349,212 +362,214 @@ class _Run:
     def _refresh_members(self) -> None:
         """Rebuild the prefix entry → slots table the decode attention reads (after slots changed)."""
         members = torch.full(tuple(self.members.shape), -1, dtype=torch.long)
-        lengths = torch.zeros(self.P, dtype=torch.long)
-        for slot, seq in enumerate(self.slot_seq):
-            if seq >= 0:
-                entry = self.prompt_slot[seq // self.G]
-                members[entry, seq % self.G] = slot
-                lengths[entry] = len(self.prompts[seq // self.G])
+        lengths = torch.zeros(self.num_entries, dtype=torch.long)
+        for slot in self.host.occupied():
+            seq = self.host.sequence[slot]
+            entry = self.entry_of[seq // self.G]
+            members[entry, seq % self.G] = slot
+            lengths[entry] = len(self.prompts[seq // self.G])
         self.members.copy_(members)
         self.entry_len.copy_(lengths)
         self.slots_changed = False
 
     def _prefill(self, prompts: list[int]) -> None:
         """Run the prompts (right-padded, in chunks of ≤ prefill_tokens) and keep each one's last logits."""
-        s = self.s
-        per_forward = max(1, s.prefill_tokens // self.Lp)
+        sampler, device = self.sampler, self.sampler.device
+        per_forward = max(1, sampler.prefill_tokens // self.max_prompt_len)
         for first in range(0, len(prompts), per_forward):
             chunk = prompts[first:first + per_forward]
             width = max(len(self.prompts[q]) for q in chunk)
-            ids = pad_right([self.prompts[q] for q in chunk], 0, width).to(s.device)
-            slots = torch.tensor([self.prompt_slot[q] for q in chunk], device=s.device)
-            last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=s.device)
-            positions = torch.arange(width, device=s.device)[None].expand(len(chunk), -1)
-            with s.compute_context():
-                hidden = s.backbone(input_ids=ids, position_ids=positions, use_cache=False,
-                                    longrl_kv=PrefillMeta(self.cache, slots)).last_hidden_state
-                self.prompt_logits[slots] = s.logits(hidden[torch.arange(len(chunk), device=s.device), last])
+            ids = pad_right([self.prompts[q] for q in chunk], 0, width).to(device)  # [n, width]
+            entries = torch.tensor([self.entry_of[q] for q in chunk], device=device)
+            last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=device)
+            positions = torch.arange(width, device=device)[None].expand(len(chunk), -1)
+            with sampler.compute_context():
+                hidden = sampler.backbone(input_ids=ids, position_ids=positions, use_cache=False,
+                                          longrl_kv=PrefillMeta(self.cache, entries)).last_hidden_state
+                self.prompt_logits[entries] = sampler.logits(hidden[torch.arange(len(chunk), device=device), last])
             self.stats["prefills"] += 1
 
     def _start(self, admitted: list[tuple[int, int]]) -> None:
-        """Sample each admitted sequence's first token from its prompt's last logits."""
-        dev = self.s.device
-        slots = torch.tensor([a[0] for a in admitted], device=dev)
-        prompts = [a[1] // self.G for a in admitted]
-        entry = torch.tensor([self.prompt_slot[p] for p in prompts], device=dev)
-        lengths = torch.tensor([len(self.prompts[p]) for p in prompts], device=dev)
-        seen = None
-        if self.seen is not None:
-            self.seen[slots] = False
+        """Point each admitted (slot, sequence) at its prompt's prefix entry and sample its first token from the
+        prompt's last logits."""
+        state, device = self.state, self.sampler.device
+        slots = torch.tensor([slot for slot, _ in admitted], device=device)
+        prompts = [seq // self.G for _, seq in admitted]
+        entries = torch.tensor([self.entry_of[p] for p in prompts], device=device)
+        if state.seen is not None:
+            state.seen[slots] = False
             for slot, p in zip(slots.tolist(), prompts):
-                self.seen[slot, torch.tensor(self.prompts[p], device=dev)] = True
-            seen = self.seen[slots]
-        sequences = torch.tensor([self.params.sequence_id(a[1]) for a in admitted], device=dev)  # global ids
-        self.seq_id[slots] = sequences
-        tok, lp = next_tokens(self.prompt_logits[entry], self.params, sequences, torch.zeros_like(sequences), seen)
-        self.tokens[slots, 0], self.logps[slots, 0] = tok, lp
-        if self.seen is not None:
-            self.seen[slots, tok] = True
-        self.cur_tok[slots], self.position[slots] = tok, lengths
-        self.prefix_index[slots], self.prefix_len[slots] = entry, lengths
-        self.write_index[slots], self.gen_count[slots] = 0, 1
-        self.turn_limit[slots] = min(self.T, self.params.max_new_tokens)  # = T for single-turn rollouts
-        self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.turn_limit[slots] <= 1))
+                state.seen[slot, torch.tensor(self.prompts[p], device=device)] = True
+        state.sequence_id[slots] = torch.tensor([self.params.sequence_id(seq) for _, seq in admitted], device=device)
+        state.prefix_entry[slots] = entries
+        state.prompt_len[slots] = torch.tensor([len(self.prompts[p]) for p in prompts], device=device)
+        self._begin_turn([slot for slot, _ in admitted], [0] * len(admitted), self.prompt_logits[entries])
         self.slots_changed = True
 
-    # ------------------------------------------------------------------------------------------ decoding
-    def _forward(self, B: int) -> None:
-        s = self.s
-        meta = DecodeMeta(self.cache, self.prefix_index[:B], self.prefix_len[:B], self.write_index[:B], s.use_triton,
-                          self.members, self.entry_len)
-        with s.compute_context():
-            hidden = self._fast_forward(B, meta) if s.fast is not None else None
-            if hidden is None:
-                hidden = s.backbone(input_ids=self.cur_tok[:B, None], position_ids=self.position[:B, None],
-                                    use_cache=False, longrl_kv=meta).last_hidden_state[:, 0]  # [B, d]
-            self.logits_buf[:B] = s.logits(hidden)
+    def _begin_turn(self, slots: list[int], first: list[int], logits: torch.Tensor) -> None:
+        """Start a turn in each of ``slots`` (a sequence's first, or the next after its environment's tokens):
+        sample its token at index ``first`` after the prompt from ``logits`` [n, V] (the logits of the position
+        before it) and set the slot's state to decode on from there."""
+        state, params, device = self.state, self.params, self.sampler.device
+        rows = torch.tensor(slots, device=device)
+        index = torch.tensor(first, device=device)
+        seen = state.seen[rows] if state.seen is not None else None
+        tok, lp = next_tokens(logits, params, state.sequence_id[rows], index, seen)
+        state.tokens[rows, index], state.logprobs[rows, index] = tok, lp
+        if state.seen is not None:
+            state.seen[rows, tok] = True
+        state.last_token[rows] = tok
+        state.position[rows] = state.prompt_len[rows] + index
+        state.write_index[rows], state.generated[rows] = index, index + 1
+        state.turn_limit[rows] = torch.clamp(index + params.max_new_tokens, max=self.max_tokens)
+        state.active[rows] = ~(torch.isin(tok, self.stop_ids) | (state.generated[rows] >= state.turn_limit[rows]))
+        for slot, at in zip(slots, first):
+            self.host.turn_start[slot] = at
+            self.host.generated[slot] = self.host.checked[slot] = at + 1
+            self.host.turn_limit[slot] = min(self.max_tokens, at + params.max_new_tokens)
 
-    def _fast_forward(self, B: int, meta: DecodeMeta) -> torch.Tensor | None:
-        """The fast decode path's hidden states [B, d]. Its first call (eager: before any graph capture) may
+    # ------------------------------------------------------------------------------------------ decoding
+    def _forward(self, batch: int) -> None:
+        sampler, state = self.sampler, self.state
+        meta = DecodeMeta(self.cache, state.prefix_entry[:batch], state.prompt_len[:batch],
+                          state.write_index[:batch], sampler.use_triton, self.members, self.entry_len)
+        with sampler.compute_context():
+            hidden = self._fast_forward(batch, meta) if sampler.fast is not None else None
+            if hidden is None:
+                hidden = sampler.backbone(input_ids=state.last_token[:batch, None],
+                                          position_ids=state.position[:batch, None], use_cache=False,
+                                          longrl_kv=meta).last_hidden_state[:, 0]  # [batch, d]
+            self.step_logits[:batch] = sampler.logits(hidden)
+
+    def _fast_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor | None:
+        """The fast decode path's hidden states [batch, d]. Its first call (eager: before any graph capture) may
         fail where its kernels cannot build; then the sampler warns and keeps transformers' forward (this step's
         keys/values are rewritten by it). Later failures raise."""
-        s = self.s
-        if s.fast_proven:
-            return s.fast(self.cur_tok[:B], self.position[:B], meta)
+        sampler, state = self.sampler, self.state
+        if sampler.fast_proven:
+            return sampler.fast(state.last_token[:batch], state.position[:batch], meta)
         try:
-            hidden = s.fast(self.cur_tok[:B], self.position[:B], meta)
+            hidden = sampler.fast(state.last_token[:batch], state.position[:batch], meta)
         except Exception as e:  # noqa: BLE001 - any build failure of the fused kernels
             log.warning("the fast decode path failed (%s: %s); decoding with transformers' forward",
                         type(e).__name__, str(e)[:300])
-            s.fast = None
+            sampler.fast = None
             return None
-        s.fast_proven = True
+        sampler.fast_proven = True
         return hidden
 
-    def _run_forward(self, B: int) -> None:
-        if not self.s.cuda_graphs:
-            self._forward(B)
+    def _run_forward(self, batch: int) -> None:
+        if not self.sampler.cuda_graphs:
+            self._forward(batch)
             return
-        graph = self.graphs.get(B)
+        graph = self.graphs.get(batch)
         if graph is None:
-            side = torch.cuda.Stream(self.s.device)
+            side = torch.cuda.Stream(self.sampler.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside capture (rewrites this step's own K/V, harmless)
-                self._forward(B)
+                self._forward(batch)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._forward(B)
-            self.graphs[B] = graph
+                self._forward(batch)
+            self.graphs[batch] = graph
         graph.replay()
 
-    def _decode_step(self, B: int) -> None:
-        self._run_forward(B)
-        rows = torch.arange(B, device=self.s.device)
-        act = self.active[:B]
-        seen = self.seen[:B] if self.seen is not None else None
-        tok, lp = next_tokens(self.logits_buf[:B], self.params, self.seq_id[:B], self.gen_count[:B], seen)
-        idx = self.gen_count[:B].clamp(max=self.T - 1)
-        self.tokens[rows, idx] = torch.where(act, tok, self.tokens[rows, idx])
-        self.logps[rows, idx] = torch.where(act, lp, self.logps[rows, idx])
+    def _decode_step(self, batch: int) -> None:
+        """One token for each active slot of slots 0 … batch−1, on the device (inactive rows keep their state)."""
+        self._run_forward(batch)
+        state = self.state
+        rows = torch.arange(batch, device=self.sampler.device)
+        act = state.active[:batch]
+        seen = state.seen[:batch] if state.seen is not None else None
+        tok, lp = next_tokens(self.step_logits[:batch], self.params, state.sequence_id[:batch],
+                              state.generated[:batch], seen)
+        idx = state.generated[:batch].clamp(max=self.max_tokens - 1)
+        state.tokens[rows, idx] = torch.where(act, tok, state.tokens[rows, idx])
+        state.logprobs[rows, idx] = torch.where(act, lp, state.logprobs[rows, idx])
         if seen is not None:
-            self.seen[rows, tok] = seen[rows, tok] | act
+            state.seen[rows, tok] = seen[rows, tok] | act
         step = act.long()
-        self.gen_count[:B] += step
-        self.write_index[:B] += step
-        self.position[:B] += step
-        self.cur_tok[:B] = torch.where(act, tok, self.cur_tok[:B])
-        done = act & (torch.isin(tok, self.stop_ids) | (self.gen_count[:B] >= self.turn_limit[:B]))
-        self.active[:B] = act & ~done
+        state.generated[:batch] += step
+        state.write_index[:batch] += step
+        state.position[:batch] += step
+        state.last_token[:batch] = torch.where(act, tok, state.last_token[:batch])
+        done = act & (torch.isin(tok, self.stop_ids) | (state.generated[:batch] >= state.turn_limit[:batch]))
+        state.active[:batch] = act & ~done
 
     # ------------------------------------------------------------------------------------------ host checks
-    def _sync(self, B: int, steps: int) -> None:
-        active = self.active[:B].tolist()
-        gen = self.gen_count[:B].tolist()
-        occupied = [i for i in range(B) if self.slot_seq[i] >= 0 and self.slot_seq[i] not in self.pending]
+    def _sync(self, batch: int) -> None:
+        """Read the slots' state: end the sequences (or turns) that stopped, by a stop token, the length limit or
+        a stop string; then admit waiting sequences, or compact the slots when nothing waits."""
+        state, host, tokenizer = self.state, self.host, self.sampler.tokenizer
+        active = state.active[:batch].tolist()
+        generated = state.generated[:batch].tolist()
+        decoding = [i for i in self._decoding() if i < batch]
         by_string = set()
-        if self.params.stop_strings and self.s.tokenizer is not None and occupied:
-            rows = self.tokens[:B, :max(gen[i] for i in occupied)].tolist()
-            for i in occupied:
-                first = self.slot_turn[i]  # only this turn's tokens (0: the whole single-turn completion)
-                j = stop_index(rows[i][first:gen[i]], self.params.stop_strings, self.s.tokenizer.decode,
-                               start=max(0, self.slot_checked[i] - first - 1))
-                self.slot_checked[i] = gen[i]
+        if self.params.stop_strings and tokenizer is not None and decoding:
+            rows = state.tokens[:batch, :max(generated[i] for i in decoding)].tolist()
+            for i in decoding:
+                first = host.turn_start[i]  # only this turn's tokens (0: the whole single-turn completion)
+                j = stop_index(rows[i][first:generated[i]], self.params.stop_strings, tokenizer.decode,
+                               start=max(0, host.checked[i] - first - 1))
+                host.checked[i] = generated[i]
                 if j is not None:
-                    gen[i], active[i] = first + j + 1, False
+                    generated[i], active[i] = first + j + 1, False
                     by_string.add(i)
-        finished = [i for i in occupied if not active[i]]
+        finished = [i for i in decoding if not active[i]]
         if finished:
-            idx = torch.tensor(finished, device=self.s.device)
-            self.active[idx] = False
-            toks = self.tokens[idx].tolist()
-            lps = self.logps[idx].tolist()
+            idx = torch.tensor(finished, device=self.sampler.device)
+            state.active[idx] = False
+            toks = state.tokens[idx].tolist()
+            lps = state.logprobs[idx].tolist()
             for k, i in enumerate(finished):
-                seq, n = self.slot_seq[i], gen[i]
+                seq, n = host.sequence[i], generated[i]
                 stopped = i in by_string or (n > 0 and toks[k][n - 1] in self.params.stop_token_ids)
                 if self.multi is not None:
                     self._end_turn(i, toks[k][:n], stopped)
                     continue
                 self.results[seq] = (toks[k][:n], lps[k][:n], not stopped)
                 self._release(i)
-        for i in occupied:
-            if self.slot_seq[i] >= 0:
-                self.slot_gen[i] = gen[i]
+        for i in decoding:
+            if host.sequence[i] >= 0:
+                host.generated[i] = generated[i]
         if self.waiting:
             self._admit()
         else:
             self._compact()
 
     def _release(self, slot: int) -> None:
-        p = self.slot_seq[slot] // self.G
-        self.slot_seq[slot] = -1
+        prompt = self.host.sequence[slot] // self.G
+        self.host.reset(slot)
         self.slots_changed = True
-        self.prompt_pending[p] -= 1
-        if self.prompt_pending[p] == 0:
-            self.free_prefix.append(self.prompt_slot.pop(p))
+        self.unfinished[prompt] -= 1
+        if self.unfinished[prompt] == 0:
+            self.free_entries.append(self.entry_of.pop(prompt))
 
     def _compact(self) -> None:
         """Move the occupied slots to the front when they fit a smaller bucket (one copy of their state)."""
-        occupied = [i for i, q in enumerate(self.slot_seq) if q >= 0]
-        if not occupied:
+        occupied = self.host.occupied()
+        if not occupied or self._bucket(len(occupied)) >= self._bucket(occupied[-1] + 1):
             return
-        top = occupied[-1] + 1
-        current = next(b for b in self.buckets if b >= top)
-        target = next(b for b in self.buckets if b >= len(occupied))
-        if target >= current:
-            return
-        dev = self.s.device
-        src = torch.tensor(occupied, device=dev)
-        dst = torch.arange(len(occupied), device=dev)
-        for buf in self.cache.slot_tensors():
-            buf[:, dst] = buf[:, src]
-        tensors = [self.cur_tok, self.position, self.prefix_index, self.prefix_len, self.write_index, self.gen_count,
-                   self.active, self.tokens, self.logps, self.seq_id, self.turn_limit] + \
-            ([self.seen] if self.seen is not None else [])
-        for t in tensors:
-            t[dst] = t[src]
-        moved = [(self.slot_seq[i], self.slot_gen[i], self.slot_checked[i], self.slot_turn[i], self.slot_limit[i])
-                 for i in occupied]
-        self.slot_seq = [-1] * self.S
-        for k, (seq, gen, checked, turn, limit) in enumerate(moved):
-            self.slot_seq[k], self.slot_gen[k], self.slot_checked[k] = seq, gen, checked
-            self.slot_turn[k], self.slot_limit[k] = turn, limit
-        self.active[len(occupied):] = False
+        src = torch.tensor(occupied, device=self.sampler.device)
+        self.cache.compact_slots(src)
+        self.state.compact(src)
+        self.host.compact(occupied)
         self.stats["compactions"] += 1
         self.slots_changed = True
 
     # ------------------------------------------------------------------------------------------ multi-turn
     def _end_turn(self, slot: int, tokens: list[int], stopped: bool) -> None:
         """A turn ended in ``slot`` (``tokens``: its whole trajectory so far): step its environment in the pool."""
-        seq, n = self.slot_seq[slot], len(tokens)
+        seq, n = self.host.sequence[slot], len(tokens)
         self.stats["turns"] += 1  # room 0 (the budget spent): the environment still sees the turn, nothing follows
-        self.pending[seq] = (self.pool.submit(self.multi.handler.step, seq, tokens[self.slot_turn[slot]:], self.T - n),
-                             n, stopped)
+        self.pending[seq] = (self.pool.submit(self.multi.handler.step, seq, tokens[self.host.turn_start[slot]:],
+                                              self.max_tokens - n), n, stopped)
 
     def _finish_episode(self, slot: int, n: int, truncated: bool) -> None:
-        toks = self.tokens[slot, :n].tolist()
-        lps = self.logps[slot, :n].tolist()
-        self.results[self.slot_seq[slot]] = (toks, lps, truncated)
+        toks = self.state.tokens[slot, :n].tolist()
+        lps = self.state.logprobs[slot, :n].tolist()
+        self.results[self.host.sequence[slot]] = (toks, lps, truncated)
         self._release(slot)
 
     def _collect(self, block: bool) -> None:
@@ -567,15 +582,15 @@ class _Run:
         returns = []
         for seq in [q for q, (f, _, _) in self.pending.items() if f.done()]:
             future, n, stopped = self.pending.pop(seq)
-            slot = self.slot_seq.index(seq)
+            slot = self.host.sequence.index(seq)
             try:
                 ids = future.result()
             except Exception as e:  # noqa: BLE001 - a failing handler ends its episode, not the rollout
                 log.warning("multi-turn handler failed for sequence %d: %s: %s", seq, type(e).__name__, e)
                 ids = None
-            if ids is not None and n + len(ids) + 1 > self.T:  # no room for them and one more sampled token
+            if ids is not None and n + len(ids) + 1 > self.max_tokens:  # no room for them and one more token
                 log.warning("sequence %d: %d environment tokens do not fit its trajectory budget (%d of %d used); "
-                            "episode ended", seq, len(ids), n, self.T)
+                            "episode ended", seq, len(ids), n, self.max_tokens)
                 ids, stopped = None, False
             if ids is None:
                 self._finish_episode(slot, n, truncated=not stopped)
@@ -589,60 +604,46 @@ class _Run:
             self._admit()
 
     def _resume(self, returns: list[tuple[int, list[int], int]]) -> None:
-        """Prefill each returning slot's last sampled token + environment tokens onto its own cache (ExtendMeta:
-        slot-store indices n − 1 … n − 1 + len(ids)), and sample its next turn's first token from the last logits."""
-        s, dev = self.s, self.s.device
-        vocab = s.head.weight.shape[0]
+        """For each (slot, environment tokens, n: tokens so far) returning: prefill the slot's last sampled token +
+        the environment tokens onto its own cache (ExtendMeta: slot-store indices n − 1 … n − 1 + len(ids)), then
+        begin its next turn from the last logits."""
+        sampler, state, device = self.sampler, self.state, self.sampler.device
+        vocab = sampler.head.weight.shape[0]
         for slot, ids, n in returns:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ValueError(f"environment tokens of sequence {self.slot_seq[slot]} hold id {bad}, outside the "
-                                 f"model's vocabulary [0, {vocab})")
-        width = 1 + max(len(r[1]) for r in returns)
-        keys = self.cache.k_pre.shape[3] + self.T  # prefix + slot-store positions each new query reads
-        heads = base_model(s.model).config.get_text_config().num_attention_heads
-        row_bytes = 2 * s.kv_heads * keys * s.head_dim * 4 + heads * width * keys * 4  # gathered K/V, scores
-        per_forward = max(1, min(s.prefill_tokens // width, EXTEND_WORKSPACE_BYTES // row_bytes))
+                raise ValueError(f"environment tokens of sequence {self.host.sequence[slot]} hold id {bad}, outside "
+                                 f"the model's vocabulary [0, {vocab})")
+        width = 1 + max(len(ids) for _, ids, _ in returns)
+        keys = self.cache.k_pre.shape[3] + self.max_tokens  # prefix + slot-store positions each new query reads
+        heads = base_model(sampler.model).config.get_text_config().num_attention_heads
+        row_bytes = 2 * sampler.kv_heads * keys * sampler.head_dim * 4 + heads * width * keys * 4  # K/V, scores
+        per_forward = max(1, min(sampler.prefill_tokens // width, EXTEND_WORKSPACE_BYTES // row_bytes))
         for first in range(0, len(returns), per_forward):
             chunk = returns[first:first + per_forward]
-            slots = torch.tensor([r[0] for r in chunk], device=dev)
-            last_tok = self.tokens[slots, torch.tensor([r[2] - 1 for r in chunk], device=dev)]  # [b]
-            width = 1 + max(len(r[1]) for r in chunk)
-            ids = pad_right([r[1] for r in chunk], 0, width - 1).to(dev) if width > 1 else \
-                torch.zeros(len(chunk), 0, dtype=torch.long, device=dev)
-            inputs = torch.cat([last_tok[:, None], ids], dim=1)  # [b, width]
-            lengths = torch.tensor([1 + len(r[1]) for r in chunk], device=dev)
-            start = torch.tensor([r[2] - 1 for r in chunk], device=dev)
-            plen = self.prefix_len[slots]
-            positions = plen[:, None] + start[:, None] + torch.arange(width, device=dev)[None]
-            meta = ExtendMeta(self.cache, slots, self.prefix_index[slots], plen, start, lengths)
-            with s.compute_context():
-                hidden = s.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
-                                    longrl_kv=meta).last_hidden_state  # [b, width, d]
-                logits = s.logits(hidden[torch.arange(len(chunk), device=dev), lengths - 1])
-            nxt = torch.tensor([r[2] + len(r[1]) for r in chunk], device=dev)  # index of each next token
-            seen = None
-            if self.seen is not None:
-                for k, (slot, new, _) in enumerate(chunk):
-                    if new:
-                        self.seen[slot, torch.tensor(new, device=dev)] = True
-                seen = self.seen[slots]
-            tok, lp = next_tokens(logits, self.params, self.seq_id[slots], nxt, seen)
-            for k, (slot, new, n) in enumerate(chunk):
-                if new:
-                    self.tokens[slot, n:n + len(new)] = torch.tensor(new, device=dev)
-                    self.logps[slot, n:n + len(new)] = 0.0
-                self.env_spans.setdefault(self.slot_seq[slot], []).append((n, n + len(new)))
-                self.slot_turn[slot] = n + len(new)
-                self.slot_gen[slot] = self.slot_checked[slot] = n + len(new) + 1
-                self.slot_limit[slot] = min(self.T, n + len(new) + self.params.max_new_tokens)
-            self.tokens[slots, nxt], self.logps[slots, nxt] = tok, lp
-            if self.seen is not None:
-                self.seen[slots, tok] = True
-            self.cur_tok[slots], self.position[slots] = tok, plen + nxt
-            self.write_index[slots], self.gen_count[slots] = nxt, nxt + 1
-            self.turn_limit[slots] = torch.clamp(nxt + self.params.max_new_tokens, max=self.T)
-            self.active[slots] = ~(torch.isin(tok, self.stop_ids) | (self.gen_count[slots] >= self.turn_limit[slots]))
+            slots = torch.tensor([slot for slot, _, _ in chunk], device=device)
+            start = torch.tensor([n - 1 for _, _, n in chunk], device=device)  # slot-store index of the last token
+            last_tok = state.tokens[slots, start]  # [b]
+            width = 1 + max(len(ids) for _, ids, _ in chunk)
+            new = pad_right([ids for _, ids, _ in chunk], 0, width - 1).to(device) if width > 1 else \
+                torch.zeros(len(chunk), 0, dtype=torch.long, device=device)
+            inputs = torch.cat([last_tok[:, None], new], dim=1)  # [b, width]
+            lengths = torch.tensor([1 + len(ids) for _, ids, _ in chunk], device=device)
+            prompt_len = state.prompt_len[slots]
+            positions = prompt_len[:, None] + start[:, None] + torch.arange(width, device=device)[None]
+            meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
+            with sampler.compute_context():
+                hidden = sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
+                                          longrl_kv=meta).last_hidden_state  # [b, width, d]
+                logits = sampler.logits(hidden[torch.arange(len(chunk), device=device), lengths - 1])
+            for slot, ids, n in chunk:
+                if ids:
+                    if state.seen is not None:
+                        state.seen[slot, torch.tensor(ids, device=device)] = True
+                    state.tokens[slot, n:n + len(ids)] = torch.tensor(ids, device=device)
+                    state.logprobs[slot, n:n + len(ids)] = 0.0
+                self.env_spans.setdefault(self.host.sequence[slot], []).append((n, n + len(ids)))
+            self._begin_turn([slot for slot, _, _ in chunk], [n + len(ids) for _, ids, n in chunk], logits)
             self.stats["resumes"] += len(chunk)
             self.stats["resume_forwards"] += 1
             self.stats["resume_tokens"] += int(lengths.sum())
