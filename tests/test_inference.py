@@ -177,3 +177,36 @@ def test_padded_and_packed_micro_batches_give_the_same_loss_and_gradients(tmp_pa
     for n in g1:
         assert torch.allclose(g1[n], g0[n], rtol=1e-12, atol=1e-15), n
     assert GRPOTrainer(cfg, model=model, tokenizer=tok).padding_free is False  # the CPU default: padded rows
+
+
+def test_train_generate_and_eval_build_the_same_sampler(tmp_path, monkeypatch, capsys):
+    """Every generation.* key the trainer's sampler takes reaches the samplers of ``longrl generate`` and ``longrl
+    eval`` (all three go through rollout.completions.build_sampler): the Sampler arguments recorded on the three
+    paths, with non-default keys and a GPU budget, are equal and are the config's."""
+    import longrl.rollout.completions as completions
+
+    built = []
+
+    class RecordingSampler(completions.Sampler):
+        def __init__(self, model, tokenizer=None, **kwargs):
+            built.append(kwargs)
+            super().__init__(model, tokenizer, **kwargs)
+
+    monkeypatch.setattr(completions, "Sampler", RecordingSampler)
+    keys = ["generation.kv_cache_dtype=fp8", "generation.kv_cache_gib=0.25", "generation.sync_every=3",
+            "generation.cuda_graphs=false", "generation.fast_decode=false", "generation.fuse_lora=false",
+            "generation.nf4_kernel=false", "generation.pack_projections=false", "train.gpu_memory_gib=7"]
+    out = tmp_path / "out"
+    cfg = load_config(None, QUICK + ["train.max_steps=1", f"output.output_dir={out}", "lora.enabled=true"] + keys,
+                      base=demo_config())
+    GRPOTrainer(cfg).train()
+    config = tmp_path / "run.yaml"
+    config.write_text(cfg.to_yaml())
+    assert main(["generate", "--from", str(out), "--prompt", "1+1=", "--n", "2", "--max-new-tokens", "3"]) == 0
+    data = tmp_path / "held_out.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": 3}\n')
+    assert main(["eval", str(config), "--from", str(out), "--data", str(data), "--n", "2"]) == 0
+    capsys.readouterr()
+    expected = dict(kv_cache_bytes=2**28, memory_cap_bytes=7 * 2**30, kv_cache_dtype="fp8", cuda_graphs=False,
+                    sync_every=3, fast_decode=False, fuse_lora=False, nf4_kernel=False, pack_projections=False)
+    assert built == [expected] * 3  # the trainer's, generate's and eval's

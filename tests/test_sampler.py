@@ -432,3 +432,19 @@ def test_token_logprobs_equal_log_softmax():
     tokens = torch.randint(0, 1001, (37,), generator=g)
     want = torch.log_softmax(z.double(), -1).gather(-1, tokens[:, None])[:, 0]
     torch.testing.assert_close(token_logprobs(z, tokens).double(), want, atol=2e-6, rtol=1e-6)
+
+
+def test_the_sampler_builder_steps_aside_for_transformers_generate(caplog):
+    """build_sampler: None for generation.backend=hf, and None with the reason logged for a model the sampler
+    cannot run exactly (a sliding window shorter than the sequences); else a Sampler with the config's settings."""
+    from longrl.config.schema import GenerationConfig
+    from longrl.rollout.completions import build_sampler
+
+    model, tok = tiny_model()
+    assert build_sampler(model, tok, GenerationConfig(backend="hf"), max_length=64) is None
+    sampler = build_sampler(model, tok, GenerationConfig(kv_cache_dtype="fp8", sync_every=5), max_length=64)
+    assert isinstance(sampler, Sampler) and sampler.kv_fp8 and sampler.sync_every == 5
+    model.config.sliding_window = 32
+    with caplog.at_level("WARNING"):
+        assert build_sampler(model, tok, GenerationConfig(), max_length=64) is None
+    assert "sliding-window attention (window 32 < 64 tokens)" in caplog.text

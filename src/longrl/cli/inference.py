@@ -2,9 +2,10 @@
 
 The trained model is rebuilt from a checkpoint exactly as ``longrl export`` rebuilds it
 (:mod:`longrl.export.source`: the base as training loaded it, with the checkpoint's adapter or full weights) and
-sampled through longrl's sampler (transformers' generate where the sampler does not support the model). The
-sampler decodes a batch of sequences together, so ``generate`` does not stream tokens: it prints each prompt's
-completions as soon as that prompt's batch finishes.
+sampled through longrl's sampler (transformers' generate where the sampler does not support the model), built as
+training builds it (:func:`longrl.rollout.completions.build_sampler`: every ``generation.*`` key, and the run's
+``train.gpu_memory_gib`` bounding the KV cache). The sampler decodes a batch of sequences together, so ``generate``
+does not stream tokens: it prints each prompt's completions as soon as that prompt's batch finishes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def checkpoint_section(ckpt, cls, name: str):
     saved = ckpt.config.get(name) or {}
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+def checkpoint_memory_cap(ckpt) -> int | None:
+    """The run's GPU budget (train.gpu_memory_gib) in bytes, None without one: the sampler's KV cache stays within
+    it, as it did in training."""
+    from ..config.schema import Config, TrainConfig
+    from ..memory.layout import budget_bytes
+
+    return budget_bytes(Config(train=checkpoint_section(ckpt, TrainConfig, "train")))
 
 
 def trained_on_chat(ckpt) -> bool | None:
@@ -82,7 +92,7 @@ def generate_main(args) -> int:
     """``longrl generate``: K completions per prompt, printed as each prompt's completions finish."""
     from ..config.schema import GenerationConfig
     from ..data.prompts import tokenize_prompt
-    from ..rollout.completions import inference_sampler, sample, sampling_params
+    from ..rollout.completions import build_sampler, sample, sampling_params
 
     if (args.prompt is None) == (args.data is None):
         raise InferenceError("give one of --prompt TEXT or --data FILE")
@@ -98,8 +108,9 @@ def generate_main(args) -> int:
     params = sampling_params(gen, tokenizer, seed=args.seed, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature)
     prompts = [as_prompt(p, tokenizer, chat) for p in prompts]
-    sampler = inference_sampler(model, tokenizer, gen, max(len(tokenize_prompt(tokenizer, p)) for p in prompts)
-                                + params.max_new_tokens)
+    longest = max(len(tokenize_prompt(tokenizer, p)) for p in prompts)
+    sampler = build_sampler(model, tokenizer, gen, max_length=longest + params.max_new_tokens,
+                            memory_cap_bytes=checkpoint_memory_cap(ckpt))
     out = sys.stdout
     for number, prompt in enumerate(prompts, 1):
         ids = tokenize_prompt(tokenizer, prompt)
@@ -128,7 +139,8 @@ def eval_main(args) -> int:
     from ..config.loading import load_config
     from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
     from ..rewards import RewardScorer
-    from ..rollout.completions import inference_sampler
+    from ..memory.layout import budget_bytes
+    from ..rollout.completions import build_sampler
 
     cfg = load_config(args.config, args.overrides)
     if args.n is not None:
@@ -144,7 +156,8 @@ def eval_main(args) -> int:
     model, tokenizer, ckpt = load_checkpoint_model(args.checkpoint, args.device)
     data = load_eval_prompts(cfg, tokenizer, rows, args.data)
     gen = cfg.generation
-    sampler = inference_sampler(model, tokenizer, gen, cfg.data.max_prompt_length + gen.max_completion_length)
+    sampler = build_sampler(model, tokenizer, gen, max_length=cfg.data.max_prompt_length + gen.max_completion_length,
+                            memory_cap_bytes=budget_bytes(cfg))
     start = time.perf_counter()
     result = evaluate(model, tokenizer, scorer, data, gen, num_generations=cfg.output.eval_num_generations,
                       pass_threshold=cfg.output.eval_pass_threshold, sampler=sampler,

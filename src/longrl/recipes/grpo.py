@@ -362,20 +362,12 @@ class GRPOTrainer:
 
     def _make_rollout_sampler(self) -> Sampler | None:
         """longrl's sampler unless the config asks for transformers' generate or the model needs it."""
-        gen = self.cfg.generation
-        if gen.backend != "longrl":
-            return None
-        reason = unsupported_reason(base_model(self.model).config,
-                                    self.cfg.data.max_prompt_length + trajectory_tokens(self.cfg))
-        if reason:
-            log.warning("longrl's sampler does not support %s: rollouts use transformers' generate", reason)
-            return None
-        budget = int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None
-        return Sampler(self.model, self.tokenizer, kv_cache_bytes=budget, memory_cap_bytes=budget_bytes(self.cfg),
-                       kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
-                       sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
-                       nf4_kernel=gen.nf4_kernel,  # FSDP2's unsharded weights stay where FSDP2 put them:
-                       pack_projections=gen.pack_projections and not is_sharded(self.policy))
+        from ..rollout.completions import build_sampler  # the builder generate and eval use too
+
+        return build_sampler(self.model, self.tokenizer, self.cfg.generation,
+                             max_length=self.cfg.data.max_prompt_length + trajectory_tokens(self.cfg),
+                             memory_cap_bytes=budget_bytes(self.cfg),
+                             pack_projections=not is_sharded(self.policy))  # FSDP2's unsharded weights stay put
 
     def _make_agents(self, environment_factory, tools, own_scorer: bool):
         """Multi-turn episodes when the config or the API names an environment or tools (else None); an

@@ -1,35 +1,30 @@
 """Completions for a list of prompts and what reward functions read of them, shared by training, ``longrl eval``
-and ``longrl generate``: the sampling parameters of a ``generation:`` config, the sampler of a model, one call
-that samples through either backend, and the (prompts, completions, columns) a reward function is called with."""
+and ``longrl generate``: the sampling parameters of a ``generation:`` config, the one builder of the sampler that
+all three use (so every ``generation.*`` key acts on each), one call that samples through either backend, and the
+(prompts, completions, columns) a reward function is called with."""
 
 from __future__ import annotations
 
 import logging
 
+from ..models.loading import base_model
+from .attention import unsupported_reason
 from .hf_generate import generate_completions
 from .sampler import Rollout, Sampler
-from .sampling import SamplingParams, stop_token_ids
+from .sampling import SamplingParams, sampling_params
+
+__all__ = ["build_sampler", "inference_sampler", "reward_inputs", "sample", "sampling_params"]
 
 log = logging.getLogger(__name__)
 
 
-def sampling_params(gen, tokenizer, seed: int, max_new_tokens: int | None = None,
-                    temperature: float | None = None) -> SamplingParams:
-    """The sampler's parameters for generation config ``gen`` (stop tokens: EOS unless ignored, and
-    ``gen.stop_token_ids``); ``max_new_tokens`` / ``temperature`` override the config's."""
-    return SamplingParams(max_new_tokens=max_new_tokens or gen.max_completion_length,
-                          temperature=gen.temperature if temperature is None else temperature, top_p=gen.top_p,
-                          top_k=gen.top_k, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty,
-                          stop_token_ids=tuple(stop_token_ids(gen, tokenizer)), stop_strings=tuple(gen.stop_strings),
-                          seed=seed)
-
-
-def inference_sampler(model, tokenizer, gen, max_length: int) -> Sampler | None:
-    """longrl's sampler for inference with ``gen``'s settings (its own KV budget), or None (with the reason
-    logged) when ``gen.backend`` is hf or the model needs transformers' generate."""
-    from .attention import unsupported_reason
-    from ..models import base_model
-
+def build_sampler(model, tokenizer, gen, *, max_length: int, memory_cap_bytes: int | None = None,
+                  pack_projections: bool = True) -> Sampler | None:
+    """longrl's sampler with every sampler setting of generation config ``gen`` (kv_cache_gib, kv_cache_dtype,
+    cuda_graphs, sync_every, fast_decode, fuse_lora, nf4_kernel, pack_projections), or None when ``gen.backend``
+    is hf or the model needs transformers' generate for sequences of ``max_length`` tokens (the reason logged).
+    ``memory_cap_bytes``: the run's GPU budget (train.gpu_memory_gib), which the KV cache stays within;
+    ``pack_projections`` False keeps the weights where they are whatever ``gen`` says (FSDP2's unsharded weights)."""
     if gen.backend != "longrl":
         return None
     reason = unsupported_reason(base_model(model).config, max_length)
@@ -37,8 +32,14 @@ def inference_sampler(model, tokenizer, gen, max_length: int) -> Sampler | None:
         log.warning("longrl's sampler does not support %s: sampling with transformers' generate", reason)
         return None
     return Sampler(model, tokenizer, kv_cache_bytes=int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None,
-                   cuda_graphs=gen.cuda_graphs, sync_every=gen.sync_every, fast_decode=gen.fast_decode,
-                   fuse_lora=gen.fuse_lora, nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections)
+                   memory_cap_bytes=memory_cap_bytes, kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
+                   sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
+                   nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections and pack_projections)
+
+
+def inference_sampler(model, tokenizer, gen, max_length: int) -> Sampler | None:
+    """:func:`build_sampler` without a memory cap (the earlier name)."""
+    return build_sampler(model, tokenizer, gen, max_length=max_length)
 
 
 def sample(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen, params: SamplingParams,

@@ -14,7 +14,7 @@ from transformers import LogitsProcessor
 
 from ..models.policy import compute_context
 from .sampler import Rollout
-from .sampling import SamplingParams, next_tokens, stop_index, stop_token_ids
+from .sampling import SamplingParams, next_tokens, sampling_params, stop_index, stop_token_ids
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +56,6 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
     ``params``: the seed and the sequences' global ids (``sequence_ids``) that key the draws (None: ``gen_cfg``'s
     settings with a seed drawn from torch's generator); the sampling settings are always ``gen_cfg``'s."""
     from transformers import GenerationConfig, LogitsProcessorList
-
-    from .completions import sampling_params
 
     seed = params.seed if params is not None else int(torch.randint(2 ** 62, ()))
     keyed = sampling_params(gen_cfg, tokenizer, seed=seed)

@@ -254,6 +254,18 @@ def stop_token_ids(gen_cfg, tokenizer) -> list[int]:
     return list(dict.fromkeys(eos + list(gen_cfg.stop_token_ids)))
 
 
+def sampling_params(gen_cfg, tokenizer, seed: int, max_new_tokens: int | None = None,
+                    temperature: float | None = None) -> SamplingParams:
+    """The sampling parameters of generation config ``gen_cfg`` (stop tokens: :func:`stop_token_ids`; its stop
+    strings); ``max_new_tokens`` / ``temperature`` override the config's."""
+    return SamplingParams(max_new_tokens=max_new_tokens or gen_cfg.max_completion_length,
+                          temperature=gen_cfg.temperature if temperature is None else temperature,
+                          top_p=gen_cfg.top_p, top_k=gen_cfg.top_k, min_p=gen_cfg.min_p,
+                          repetition_penalty=gen_cfg.repetition_penalty,
+                          stop_token_ids=tuple(stop_token_ids(gen_cfg, tokenizer)),
+                          stop_strings=tuple(gen_cfg.stop_strings), seed=seed)
+
+
 def stop_index(tokens: list[int], stop_strings: tuple[str, ...], decode, start: int = 0) -> int | None:
     """Smallest j ≥ start such that decode(tokens[:j+1]) contains a stop string, else None."""
     if not stop_strings or not any(s in decode(tokens) for s in stop_strings):
