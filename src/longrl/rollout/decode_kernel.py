@@ -29,29 +29,25 @@ Q_EXP_LIMIT = tl.constexpr(EXP_LIMIT)  # the query split's exponent bound, kv_qu
 
 BLOCK = 32
 # keys per block, warps and pipeline stages of the attention programs, the programs a layer call aims at for the
-# per-sequence keys and for the shared prompts (benchmarks/decode_attention_speed.py --sweep times other choices)
-# (the 8B heads' fastest at 1,024 positions, CUDA-graph timed on an H200; within 1% of it at the 1.5B heads' shape)
+# per-sequence keys and for the shared prompts: the fastest choices of benchmarks/decode_attention_speed.py --sweep
+# (CUDA-graph timed; docs/performance.md has the figures)
 # fp8_f16: an FP8 cache widened to float16 for float16 products (FP8 == 2 in the kernels) instead of to the query's
-# bf16, whose widening goes through float32 (one F2F a value, 16 a clock per SM; 0.98 × bf16's speed at a 16K suffix
-# against the default's 0.93 ×, kv_fp8_speed_h200_f16.md: the conversions were not the bound)
+# bf16, whose widening goes through float32 (one F2F conversion a value)
 # fp8_prefetch: an FP8 cache's scale exponents for the next block of keys loaded while the current one folds (plain
-# global loads, 1 byte a position, that Triton's pipeliner does not stage); the same results bit for bit. Measured at a
-# 16K suffix on an H200 (kv_fp8_speed_h200_s15.md): 2-4% slower alone, with values key-minor
+# global loads, 1 byte a position, that Triton's pipeliner does not stage); the same results bit for bit
 # fp8_ss (e4m3 products): the codes through e4m3 pointers, so that the products read the pipeline's shared-memory
-# tiles instead of bitcasting them in registers (151 registers a thread against 189, one more pipeline buffer);
+# tiles instead of bitcasting them in registers (fewer registers a thread, room for one more pipeline buffer);
 # maxnreg: registers a thread at most (ptxas's .maxnreg; 168 lets 3 programs of 4 warps share an SM)
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
               fp8_mma=False, fp8_ss=False, maxnreg=None)
-# an FP8 cache's own choices over LAUNCH (``launch`` still overrides both): with the values position-minor, float16
-# products with the exponents loaded ahead, 2 warps and 3 pipeline stages were the fastest launch at a 16K suffix,
-# 193.8 µs against bf16's fastest 274.2 µs (1.41 ×; LAUNCH's choices for the FP8 cache: 0.91 ×), on an H200
-# (kv_fp8_speed_h200_s16_sweep.md)
+# an FP8 cache's own choices over LAUNCH (``launch`` still overrides both) where it cannot take FP8_LAUNCH: with the
+# values position-minor, float16 products with the exponents loaded ahead, 2 warps and 3 pipeline stages (the
+# fastest of the FP8 sweep with these products; docs/performance.md)
 FP8_F16_LAUNCH = dict(block=32, warps=2, stages=3, fp8_mma=False, fp8_f16=True, fp8_prefetch=True)
 # fp8_mma (FP8 == 3, _fold_block_mma): both products on e4m3 tensor cores (wgmma), the codes as stored, the query
 # and p 2^ev each split into two e4m3 terms (bf16's 8 significant bits; exact for the elements of a bf16 query
 # within 2^10 of its row's largest), keys as the products' wide side (blocks of 64 or 128 over one warpgroup:
-# warps=4). The FP8 cache's default since 2026-12-03: blocks of 128, 3 stages, 167.8 µs against bf16's 277.4 µs at a
-# 16K suffix (1.65 ×; FP8_F16_LAUNCH, the default before it: 200.8 µs, 1.38 ×), on an H200 (kv_fp8_speed_h200_s19.md).
+# warps=4). The FP8 cache's default, blocks of 128 and 3 stages: its fastest launch (docs/performance.md).
 # Heads below 32 (an e4m3 product's k-dimension is a multiple of 32) take FP8_F16_LAUNCH.
 FP8_LAUNCH = dict(block=128, warps=4, stages=3, fp8_mma=True, fp8_f16=True, fp8_prefetch=True)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)

@@ -4,9 +4,9 @@ The processing order is transformers' ``generate``: repetition penalty, then tem
 The token is drawn by inverting the distribution's CDF at one uniform number per sequence and position,
 u = hash(seed, sequence, position) (splitmix64, counter-based): token = min{v : Σ_{w ≤ v} p_w > u}, an exact
 draw from p. Because u depends on nothing but those three integers, a completion is the same whatever slot,
-batch or order it is decoded in, so runs (and resumed runs) are reproducible for a seed. The log-prob returned per token is log softmax(z / T) at the
-sampled token — the same quantity the trainer computes (no penalty, no filtering), so that
-exp(trainer − sampler) measures the numerical mismatch between the two and nothing else.
+batch or order it is decoded in, so runs (and resumed runs) are reproducible for a seed. The log-prob returned
+per token is log softmax(z / T) at the sampled token — the same quantity the trainer computes (no penalty, no
+filtering), so that exp(trainer − sampler) measures the numerical mismatch between the two and nothing else.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Tokens [B] long drawn from probs [B, V] (float32, unnormalised, ≥ 0) at uniforms u [B] float64, in two
     levels: the CDF of the blocks' sums (float64, [B, V / CDF_BLOCK]) picks the block holding u · total, and the
     CDF inside that block alone picks the token. The same draw as the whole CDF's (up to float64 rounding at a
-    boundary) without writing or scanning B × V float64 values (a quarter of a millisecond a step at 128 × 128K)."""
+    boundary) without writing or scanning B × V float64 values."""
     B, V = probs.shape
     C = CDF_BLOCK
     full = V // C * C

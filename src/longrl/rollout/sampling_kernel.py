@@ -13,7 +13,7 @@ top-p, min-p or repetition penalty). One program per row x = z / T [V], in vocab
 
 Each search asks for mass explicitly (:func:`~longrl.rollout.sampling.first_with_mass`): a GPU's parallel scan is
 not monotonic across entries without mass, and counting entries below the target drew zero-probability tokens
-(and tokens past the vocabulary) on an H200. The draw is the reference's, min{v : CDF_v > u · total}, up to
+(and tokens past the vocabulary) on the GPU. The draw is the reference's, min{v : CDF_v > u · total}, up to
 rounding where u · total falls within ~1e-7 of a boundary; it reads the logits about once (the PyTorch path:
 about eight passes over [B, V] and ~25 launches).
 """
@@ -46,7 +46,7 @@ if triton is not None:
                        BLOCK: tl.constexpr):
         """One program per row: the token drawn at u and its log-prob (see the module docstring). The blocks'
         (m_b, s_b) stay in registers ([NBP] vectors): a store to memory read back by the program's other threads
-        would need a barrier (without one, the GPU test saw stale values at a one-block vocabulary)."""
+        would need a barrier (without one, a one-block vocabulary reads stale values)."""
         row = tl.program_id(0).to(tl.int64)
         z_row = Z + row * stride_z
         cols = tl.arange(0, BLOCK)
