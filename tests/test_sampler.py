@@ -448,3 +448,37 @@ def test_the_sampler_builder_steps_aside_for_transformers_generate(caplog):
     with caplog.at_level("WARNING"):
         assert build_sampler(model, tok, GenerationConfig(), max_length=64) is None
     assert "sliding-window attention (window 32 < 64 tokens)" in caplog.text
+
+
+def test_compaction_moves_every_per_slot_field_and_frees_the_rest():
+    """SlotTensors.compact and SlotBook.compact move every field of the occupied slots to the front (a field added
+    to either dataclass moves without further edits); the slots after them are inactive / free."""
+    from dataclasses import fields
+
+    from longrl.rollout.slot_state import FREE_SLOT, SlotBook, SlotTensors
+
+    state = SlotTensors.allocate(5, max_tokens=4, vocab=6, track_seen=True, device="cpu")
+    before = {}
+    for f in fields(state):
+        t = getattr(state, f.name)
+        values = torch.arange(t.numel()).reshape(t.shape) % 7 + 1  # distinct rows, nonzero
+        t.copy_(values.to(t.dtype))
+        before[f.name] = t.clone()
+    src = [1, 3, 4]
+    state.compact(torch.tensor(src))
+    for f in fields(state):
+        t = getattr(state, f.name)
+        if f.name == "active":
+            assert t.tolist() == [True, True, True, False, False]
+        else:
+            assert torch.equal(t[:3], before[f.name][src]), f.name
+    book = SlotBook.free(5)
+    assert {f.name for f in fields(book)} == set(FREE_SLOT)
+    for f in fields(book):
+        getattr(book, f.name)[:] = [10 * i + len(f.name) for i in range(5)]
+    book.compact(src)
+    for f in fields(book):
+        column = getattr(book, f.name)
+        assert column[:3] == [10 * i + len(f.name) for i in src] and column[3:] == [FREE_SLOT[f.name]] * 2, f.name
+    book.reset(0)
+    assert book.sequence[0] == -1 and book.occupied() == [1, 2] and book.free_slots() == [0, 3, 4]
