@@ -398,7 +398,7 @@ class _Run:
         entries = torch.tensor([self.entry_of[p] for p in prompts], device=device)
         if state.seen is not None:
             state.seen[slots] = False
-            for slot, p in zip(slots.tolist(), prompts):
+            for (slot, _), p in zip(admitted, prompts):
                 state.seen[slot, torch.tensor(self.prompts[p], device=device)] = True
         state.sequence_id[slots] = torch.tensor([self.params.sequence_id(seq) for _, seq in admitted], device=device)
         state.prefix_entry[slots] = entries
