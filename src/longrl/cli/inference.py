@@ -142,13 +142,11 @@ def eval_main(args) -> int:
     from ..memory.layout import budget_bytes
     from ..rollout.completions import build_sampler
 
-    cfg = load_config(args.config, args.overrides)
-    if args.n is not None:
-        if args.n < 1:
-            raise InferenceError("--n must be >= 1")
-        cfg.output.eval_num_generations = args.n
-    if args.pass_threshold is not None:
-        cfg.output.eval_pass_threshold = args.pass_threshold
+    if args.n is not None and args.n < 1:
+        raise InferenceError("--n must be >= 1")
+    flags = {"output.eval_num_generations": args.n, "output.eval_pass_threshold": args.pass_threshold}
+    # the flags are overrides like any KEY=VALUE, validated with the config (nothing is written into it after)
+    cfg = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)])
     if args.data is None and not cfg.data.eval_source:
         raise InferenceError(f"{args.config}: no held-out prompts: pass --data FILE or set data.eval_source")
     scorer = RewardScorer.from_specs(cfg.rewards)  # reward functions and data fail before the model loads

@@ -24,7 +24,7 @@ from ..data.prompts import PromptDataset, PromptSampler, load_prompts, read_prom
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
 from ..memory.planner import StepShape
-from ..models import base_model, check_model_files, resolve_device
+from ..models import check_model_files, resolve_device
 from ..models.lora_training import fused_lora_training
 from ..models.policy import completion_mask, pad_right, reference_mode
 from ..ops.advantages import decoupled_group_advantages, group_advantages
@@ -34,8 +34,7 @@ from ..ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy
 from ..ops.rollout_correction import rollout_correction_weights
 from ..rewards import RewardScorer
 from ..rollout import Sampler, SamplingParams
-from ..rollout.attention import unsupported_reason
-from ..rollout.completions import reward_inputs, sample, sampling_params
+from ..rollout.completions import build_sampler, reward_inputs, sample, sampling_params
 from ..training.callbacks import check_callbacks, notify
 from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, load_newest, save_checkpoint, staging_dir, \
     trainer_state
@@ -361,9 +360,8 @@ class GRPOTrainer:
                             num_reward_failures=len(failures), episodes=agent.episodes if agent is not None else None)
 
     def _make_rollout_sampler(self) -> Sampler | None:
-        """longrl's sampler unless the config asks for transformers' generate or the model needs it."""
-        from ..rollout.completions import build_sampler  # the builder generate and eval use too
-
+        """longrl's sampler unless the config asks for transformers' generate or the model needs it: the builder
+        `longrl generate` and `longrl eval` use too, so every generation.* key acts the same everywhere."""
         return build_sampler(self.model, self.tokenizer, self.cfg.generation,
                              max_length=self.cfg.data.max_prompt_length + trajectory_tokens(self.cfg),
                              memory_cap_bytes=budget_bytes(self.cfg),
