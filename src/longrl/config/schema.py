@@ -172,13 +172,22 @@ class TrainConfig:
 
 @dataclass
 class RewardSpec:
-    function: str = ""  # path/to/file.py:function or package.module:function
+    function: str = ""  # path/to/file.py:function or package.module:function (or url instead)
     weight: float = 1.0  # weight in the sum of rewards
-    timeout_s: float = 300.0  # per call; a call that takes longer fails for that batch (0: no limit)
+    timeout_s: float = 300.0  # per call; a call that takes longer fails for that batch (0: no limit); with url: per
+    #                           HTTP request
     isolation: Literal["none", "process"] = "none"  # process: in a worker process, killed and restarted on timeout
     #                                                  (for untrusted or model-written code)
     memory_limit_gib: float = 0.0  # isolation=process: address-space limit of the worker (0: none)
     cpu_limit_s: float = 0.0  # isolation=process: CPU seconds the worker may use in all (0: none)
+    url: str = ""  # http(s)://host/path of a reward server instead of a function: a JSON POST of {prompts,
+    #                completions, columns} answered by {"rewards": [number or null, ...]} (docs/robustness.md)
+    auth_env: str = ""  # url: the environment variable whose value is sent as the Authorization header (e.g.
+    #                     "Bearer ..."); the value itself never goes in the config
+    batch_size: int = 0  # url: completions per request (0: the step's whole batch in one request)
+    max_concurrency: int = 4  # url: requests in flight at once
+    max_retries: int = 3  # url: retries of a request that failed by a connection error, a timeout, HTTP 429 or 5xx
+    retry_backoff_s: float = 1.0  # url: wait before the first retry, doubled for each next one (or Retry-After)
 
 
 @dataclass
@@ -204,6 +213,8 @@ class OutputConfig:
     on_save_error: Literal["stop", "continue"] = "stop"  # a checkpoint write that fails (disk full): stop, or go on
     overwrite_output_dir: bool = False  # write into a directory that holds files other than a longrl run's
     resume_changed_data: bool = False  # resume although the data file differs from the one the checkpoint saw
+    resume_changed_rewards: bool = False  # resume although a reward file (rewards[i].function as a path) differs from
+    #                                       the one the checkpoint trained with
     save_total_limit: int = 3  # checkpoints kept (the newest); 0: keep all
     resume: bool = False  # continue from the latest checkpoint in output_dir
     log_completions: int = 4  # completions written to completions.jsonl per logging step

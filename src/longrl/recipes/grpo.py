@@ -551,7 +551,8 @@ class GRPOTrainer:
         """Write checkpoint-STEP (rank 0: the state is replicated; under FSDP2 every rank its optimizer shards) and
         return its path (None on other ranks); every rank returns once it is complete."""
         state, frozen = trainer_state(self.model, self.cfg, self.prompt_order.position,
-                                      data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size)
+                                      data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size,
+                                      reward_files=self.run_dir.reward_files)
         model_state, staged = None, None
         if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
             model_state = full_model_state(self.model)
