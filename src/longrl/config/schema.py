@@ -16,7 +16,8 @@ import yaml
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, or builtin:tiny-arith
+    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, builtin:tiny-arith, or a longrl run or
+    #                                           checkpoint-STEP directory: its trained model, merged at load (docs/sft.md)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' trust_remote_code)
     revision: Optional[str] = None  # hub branch, tag or commit of the model; null: the default branch
