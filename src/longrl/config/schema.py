@@ -169,6 +169,8 @@ class TrainConfig:
     #                               before the run stops with a checkpoint
     max_no_signal_steps: int = 50  # rollout batches in a row without any learning signal (every reward failed or
     #                                None, or every group's rewards equal) before the run stops; 0: never
+    cpu_threads: int = 0  # threads of torch's CPU operations; 0: OMP_NUM_THREADS when set, else the CPUs this process
+    #                       may use (affinity, cgroup quota) less those busy with other processes (load average), >= 1
 
 
 @dataclass

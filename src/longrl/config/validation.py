@@ -87,6 +87,7 @@ def _check_train(cfg: Config) -> None:
     _check(t.mlp_tile_tokens is None or t.mlp_tile_tokens >= 0, "train.mlp_tile_tokens", t.mlp_tile_tokens,
            "null (the planner decides), 0 (off) or a tile size >= 1")
     _check(t.gpu_memory_gib >= 0, "train.gpu_memory_gib", t.gpu_memory_gib, ">= 0 (0: all free GPU memory)")
+    _check(t.cpu_threads >= 0, "train.cpu_threads", t.cpu_threads, "an integer >= 0 (0: automatic)")
 
 
 def _check_generation(cfg: Config) -> None:

@@ -172,6 +172,7 @@ class GRPOTrainer:
         self.model.train()
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
         reporter = RunReporter.for_config(cfg, resume_step=self.step_idx) if main else None
+        self._reporter = reporter  # the first step's phases say when they start (_phase)
         if main:
             write_run_settings(self.output_dir, cfg, self.layout)
         notify(self.callbacks, "on_train_begin", self)
@@ -242,6 +243,8 @@ class GRPOTrainer:
     @contextlib.contextmanager
     def _phase(self, name: str):
         """Time a phase of the step (and its peak GPU memory on CUDA) into ``self.phase_stats``."""
+        if getattr(self, "_reporter", None) is not None:
+            self._reporter.phase_started(self.step_idx + 1, name, self.cfg)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
