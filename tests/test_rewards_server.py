@@ -313,3 +313,16 @@ def test_a_reward_file_edited_since_the_checkpoint_is_refused_on_resume(tmp_path
     assert main(["train", str(cfg_file), *base, "output.resume=true", "train.max_steps=4",
                  "output.resume_changed_rewards=true"]) == 0
     assert (tmp_path / "out" / "checkpoint-4").is_dir()
+
+
+def test_trl_api_takes_a_server_entry_of_the_config():
+    from longrl import GRPOConfig
+    from longrl.compat.trl import reward_scorer
+
+    with RewardServer(length_rewards) as server:
+        args = GRPOConfig(rewards=[{"url": server.url, "timeout_s": 5}], reward_weights=[0.5])
+        assert (args.rewards[0].url, args.rewards[0].timeout_s, args.rewards[0].weight) == (server.url, 5.0, 0.5)
+        scorer = reward_scorer(args, None, None)
+        _, total, failures = scorer.score(PROMPTS, COMPLETIONS, COLUMNS)
+        scorer.close()
+    assert failures == [] and total.tolist()[0] == 0.5

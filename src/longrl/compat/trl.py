@@ -197,7 +197,7 @@ def reward_scorer(cfg: Config, reward_funcs, reward_weights):
     from ..rewards import RewardScorer, load_reward_function
 
     if reward_funcs is None:
-        if not cfg.rewards or any(":" not in r.function for r in cfg.rewards):
+        if not cfg.rewards or any(":" not in r.function and not r.url for r in cfg.rewards):
             raise ConfigError("GRPOTrainer needs reward_funcs: a callable f(prompts, completions, **columns), a "
                               "'path/to/file.py:function' string, or a list of them")
         return RewardScorer.from_specs(cfg.rewards)

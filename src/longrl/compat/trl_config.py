@@ -185,7 +185,7 @@ class GRPOConfig(_FlatConfig):
         if weights is not None:
             if self.rewards and len(self.rewards) != len(weights):
                 raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.rewards)} rewards")
-            self.rewards = [RewardSpec(spec.function, float(w))
+            self.rewards = [dataclasses.replace(spec, weight=float(w))
                             for spec, w in zip(self.rewards or [RewardSpec()] * len(weights), weights)]
 
 
