@@ -126,7 +126,7 @@ class _FlatConfig(Config):
         if name in _SECTIONS:
             object.__setattr__(self, name, value)
             return
-        if name in self._joint:
+        if name in self._joint or name == "eval_strategy":
             raise ConfigError(f"{name} is read with the other batch and schedule settings: pass it to "
                               f"{type(self).__name__}(...)")
         for key, v in _flat_to_dotted(name, value, type(self)).items():
