@@ -88,6 +88,14 @@ def generator(prompts, completions, **kw):
         yield 0.5
 
 
+def returns_dict(prompts, completions, **kw):
+    return {i: 1.0 for i in range(len(completions))}  # its keys are not rewards
+
+
+def returns_string(prompts, completions, **kw):
+    return "1" * len(completions)
+
+
 def mutates_inputs(prompts, completions, **kw):
     """Rewrites every input it was given, in place."""
     completions[:] = ["MUTATED"] * len(completions)

@@ -34,9 +34,11 @@ def test_non_terminal_run_prints_one_line_per_logging_step_a_summary_and_writes_
     lines = r.stdout.splitlines()
     steps = [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/5 ", line))]
     assert steps == [1, 2, 4, 5], r.stdout
-    for line in (x for x in lines if x.startswith("step ")):
+    for line in (x for x in lines if re.match(r"step \d+/5 ", x)):
         for key in ("reward=", "loss=", "kl=", "completion_length=", "step_time_s=", "eta="):
             assert key in line, line
+    assert [x.split(":")[1] for x in lines if x.startswith("step 1: ")] == [" generation started", " rewards started",
+                                                                           " policy update started"]
     assert "\x1b[" not in r.stdout and "GRPO" not in r.stdout  # no progress bar outside a terminal
     assert "trained 5 steps" in r.stdout and "reward:" in r.stdout and f"outputs in {out}" in r.stdout
     assert "checkpoint-5" in r.stdout

@@ -11,7 +11,7 @@ from longrl.config import ConfigError, load_config
 from longrl.config.keys import trl_key
 from longrl.training.reporting import read_metrics
 from longrl.tasks.arithmetic import make_arithmetic_sft_rows
-from longrl.config.trl_names import GRPO_ONLY, SFT_NAMES, TRL_SFT_NAMES
+from longrl.config.trl_names import GRPO_ONLY, SFT_NAMES, TRL_SFT_NAMES, Accepts
 
 # one run in two dialects: TRL's SFTConfig names (Python) and longrl's keys (YAML)
 TRL_ARGS = dict(max_length=16, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-3,
@@ -97,15 +97,19 @@ def test_sft_config_names_map_refuse_and_suggest():
              "padding_free": (True, True), "completion_only_loss": (False, False),
              "assistant_only_loss": (False, False), "dataset_text_field": ("body", "body"),
              "label_smoothing_factor": (0.1, 0.1), "activation_offloading": (True, True),
-             "learning_rate": (2e-5, 2e-5), "shuffle_dataset": (False, False), "bf16": (True, "bfloat16")}
+             "learning_rate": (2e-5, 2e-5), "train_sampling_strategy": ("sequential", False),
+             "bf16": (True, "bfloat16")}
     for name, (given, expected) in keyed.items():
         node = SFTConfig(**{name: given})
         for part in trl_key(name, TRL_SFT_NAMES).split("."):
             node = getattr(node, part)
         assert node == expected, name
-    for name, entry in SFT_NAMES.items():  # no key: accepted (a no-op) or refused naming what to use
-        if entry.key is None and entry.convert is None:
-            with pytest.raises(ConfigError, match=f"TRL's {name} has no longrl key"):
+    # TRL's SFT shuffle_dataset shuffles once before its sampler shuffles each epoch anyway: no longrl setting
+    assert SFTConfig(shuffle_dataset=False) == SFTConfig() and SFTConfig().data.shuffle
+    for name, entry in SFT_NAMES.items():  # no key: its accepted values set nothing, others are refused
+        if isinstance(entry.convert, Accepts):
+            assert SFTConfig(**{name: entry.convert.values[0]}) == SFTConfig()
+            with pytest.raises(ConfigError, match=rf"SFTConfig\({name}='x'\): "):
                 SFTConfig(**{name: "x"})
     assert SFTConfig(packing_strategy="bfd", eval_packing=True, per_device_eval_batch_size=4).sft == \
         SFTConfig().sft

@@ -12,7 +12,7 @@ from longrl.config import ConfigError, config_keys, load_config
 from longrl.config.keys import trl_key
 from longrl.training.reporting import read_metrics
 from longrl.tasks.arithmetic import make_arithmetic_rows
-from longrl.config.trl_names import TRL_NAMES
+from longrl.config.trl_names import TRL_NAMES, Accepts
 
 REWARD_FILE = '''
 def correct(prompts, completions, answer, **kwargs):
@@ -197,9 +197,12 @@ SAMPLES = {"lr_scheduler_type": ("constant_with_warmup", "constant"), "scale_rew
            "epsilon_high": (0.28, 0.28), "delta": (2.0, 2.0), "report_to": ("none", ["none"]),
            "warmup_ratio": (0.1, 10), "max_steps": (100, 100), "num_completions_to_print": (2, 2),
            "shuffle_dataset": (False, False), "gradient_checkpointing": (True, True),
-           "mask_truncated_completions": (True, True), "trust_remote_code": (True, True)}
+           "mask_truncated_completions": (True, True), "trust_remote_code": (True, True),
+           "train_sampling_strategy": ("sequential", False), "use_cpu": (True, "cpu"),
+           "max_tool_calling_iterations": (2, 3), "ddp_timeout": (60, 60.0), "activation_checkpointing": (True, True),
+           "warmup_steps": (0.1, 10), "eval_strategy": ("no", 0)}
 BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
-         "steps_per_generation", "reward_weights")
+         "steps_per_generation", "reward_weights", "num_train_epochs")
 
 
 def _other_value(default):
@@ -233,9 +236,20 @@ def test_each_trl_name_is_mapped_in_python_and_named_in_yaml(tmp_path, name):
         else:
             assert "has no longrl key" in text and TRL_NAMES[name].note.split(" ")[0] in text, text
     if key is None or name in BATCH:  # the batch names: test_trl_batch_arithmetic_and_refusals
-        if key is None and name not in BATCH:
-            with pytest.raises(ConfigError, match=f"TRL's {name}|{name}=.*longrl loads models itself"):
-                GRPOConfig(**{name: 1} if name != "model_init_kwargs" else {name: {"device_map": "auto"}})
+        entry = TRL_NAMES[name]
+        if name == "model_init_kwargs":
+            with pytest.raises(ConfigError, match="longrl loads models itself"):
+                GRPOConfig(model_init_kwargs={"device_map": "auto"})
+        elif key is None and isinstance(entry.convert, Accepts):  # its values accepted, setting nothing; others not
+            assert GRPOConfig(**{name: entry.convert.values[0]}) == GRPOConfig()
+            other = next(v for v in (True, False, 1, 0.5, "x", None) if v not in entry.convert.values)
+            with pytest.raises(ConfigError, match=rf"GRPOConfig\({name}={other!r}\): "):
+                GRPOConfig(**{name: other})
+        elif key is None and entry.convert is not None:  # any value: it changes no result
+            assert GRPOConfig(**{name: 7}) == GRPOConfig()
+        elif key is None:
+            with pytest.raises(ConfigError, match=f"TRL's {name} has no longrl key"):
+                GRPOConfig(**{name: 1})
         return
     if name in SAMPLES:
         given, expected = SAMPLES[name]
@@ -279,7 +293,8 @@ def test_trl_batch_arithmetic_and_refusals():
                        (dict(gradient_accumulation_steps=4, steps_per_generation=6), "whole optimizer steps"),
                        (dict(generation_batch_size=16, steps_per_generation=2), "cannot both"),
                        (dict(per_device_train_batch_size=8, prompts_per_step=2), "not both"),
-                       (dict(num_train_epochs=3), "train.max_steps"), (dict(max_steps=-1), "not epochs"),
+                       (dict(max_steps=0), "or -1 to let num_train_epochs decide"),
+                       (dict(num_train_epochs=2, warmup_ratio=0.1), "give warmup_steps"),
                        (dict(logging_steps=0.1), "fraction"), (dict(use_vllm=True), "generation.backend"),
                        (dict(learnig_rate=1e-5), "did you mean train.learning_rate"),
                        (dict(temperature=0.0), "generation.temperature")]:

@@ -16,7 +16,7 @@ from ..config import Config, ConfigError, RewardSpec, validate
 from ..data.in_memory import dataset_rows, rows_fingerprint
 from ..recipes import grpo, sft
 from ..training.evaluation import held_out_rows
-from .trl_config import GRPOConfig, SFTConfig
+from .trl_config import GRPOConfig, SFTConfig, apply_epochs, trl_epochs
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=
 
     cfg = _args_config(args, GRPOConfig, "GRPOTrainer")
     model, rows = _model_and_rows(cfg, model, peft_config, train_dataset, "GRPOTrainer")
+    epochs_to_steps(cfg, rows)
     processing_class = _described(cfg, model, processing_class)
     eval_rows = None
     if eval_dataset is not None:
@@ -97,6 +98,15 @@ def _model_and_rows(cfg: Config, model, peft_config, train_dataset, trainer: str
         rows = dataset_rows(train_dataset, "train_dataset")
         cfg.data.source = str(train_dataset) if rows is None else f"memory:{rows_fingerprint(rows)}"
     return model, rows
+
+
+def epochs_to_steps(cfg: Config, rows: list[dict] | None) -> None:
+    """A GRPOConfig's num_train_epochs as train.max_steps, counted over the training prompts (``rows``, or
+    data.source's), as TRL counts them (compat.trl_config.steps_for_epochs)."""
+    if trl_epochs(cfg) is not None:
+        from ..data.prompts import read_prompt_rows
+
+        apply_epochs(cfg, len(read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)))
 
 
 def sft_trainer_inputs(slots: tuple, *, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
@@ -187,7 +197,7 @@ def reward_scorer(cfg: Config, reward_funcs, reward_weights):
     from ..rewards import RewardScorer, load_reward_function
 
     if reward_funcs is None:
-        if not cfg.rewards or any(":" not in r.function for r in cfg.rewards):
+        if not cfg.rewards or any(":" not in r.function and not r.url for r in cfg.rewards):
             raise ConfigError("GRPOTrainer needs reward_funcs: a callable f(prompts, completions, **columns), a "
                               "'path/to/file.py:function' string, or a list of them")
         return RewardScorer.from_specs(cfg.rewards)
@@ -271,6 +281,7 @@ class GRPOTrainer(grpo.GRPOTrainer):
                    processing_class=processing_class, peft_config=peft_config, reward_weights=reward_weights)
         agents = dict(environment_factory=environment_factory, tools=tools)
         if isinstance(cfg, Config) and all(v is None for v in trl.values()):  # longrl's own form
+            epochs_to_steps(cfg, None)
             super().__init__(cfg, model, tokenizer, scorer, callbacks=callbacks, **agents)
             return
         inputs = trainer_inputs((cfg, model, tokenizer, scorer), callbacks=callbacks,

@@ -20,6 +20,7 @@ import yaml
 from .errors import ConfigError
 from .keys import suggest_key
 from .schema import Config
+from .step_count import settle_step_count
 from .validation import validate
 
 
@@ -150,6 +151,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Config from ``base`` (or defaults), then the YAML file at ``path``, then KEY=VALUE overrides, validated for
     ``recipe`` (``grpo`` or ``sft``: supervised runs need no reward functions)."""
     tree = (base or Config()).to_dict()
+    loaded, given = {}, {}  # the file's tree and the overrides' tree, as given (settle_step_count reads them)
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -164,7 +166,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _merge(tree, loaded)
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
+        _set_dotted(given, key, value)
     cfg = _build(Config, tree)
+    if recipe == "sft":
+        settle_step_count(cfg, loaded, given, path)
     validate(cfg, require_rewards=recipe != "sft")
     return cfg
 

@@ -16,7 +16,8 @@ import yaml
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, or builtin:tiny-arith
+    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, builtin:tiny-arith, or a longrl run or
+    #                                           checkpoint-STEP directory: its trained model, merged at load (docs/sft.md)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' trust_remote_code)
     revision: Optional[str] = None  # hub branch, tag or commit of the model; null: the default branch
@@ -168,17 +169,28 @@ class TrainConfig:
     #                               before the run stops with a checkpoint
     max_no_signal_steps: int = 50  # rollout batches in a row without any learning signal (every reward failed or
     #                                None, or every group's rewards equal) before the run stops; 0: never
+    cpu_threads: int = 0  # threads of torch's CPU operations; 0: OMP_NUM_THREADS when set, else the CPUs this process
+    #                       may use (affinity, cgroup quota) less those busy with other processes (load average), >= 1
 
 
 @dataclass
 class RewardSpec:
-    function: str = ""  # path/to/file.py:function or package.module:function
+    function: str = ""  # path/to/file.py:function or package.module:function (or url instead)
     weight: float = 1.0  # weight in the sum of rewards
-    timeout_s: float = 300.0  # per call; a call that takes longer fails for that batch (0: no limit)
+    timeout_s: float = 300.0  # per call; a call that takes longer fails for that batch (0: no limit); with url: per
+    #                           HTTP request
     isolation: Literal["none", "process"] = "none"  # process: in a worker process, killed and restarted on timeout
     #                                                  (for untrusted or model-written code)
     memory_limit_gib: float = 0.0  # isolation=process: address-space limit of the worker (0: none)
     cpu_limit_s: float = 0.0  # isolation=process: CPU seconds the worker may use in all (0: none)
+    url: str = ""  # http(s)://host/path of a reward server instead of a function: a JSON POST of {prompts,
+    #                completions, columns} answered by {"rewards": [number or null, ...]} (docs/robustness.md)
+    auth_env: str = ""  # url: the environment variable whose value is sent as the Authorization header (e.g.
+    #                     "Bearer ..."); the value itself never goes in the config
+    batch_size: int = 0  # url: completions per request (0: the step's whole batch in one request)
+    max_concurrency: int = 4  # url: requests in flight at once
+    max_retries: int = 3  # url: retries of a request that failed by a connection error, a timeout, HTTP 429 or 5xx
+    retry_backoff_s: float = 1.0  # url: wait before the first retry, doubled for each next one (or Retry-After)
 
 
 @dataclass
@@ -204,6 +216,8 @@ class OutputConfig:
     on_save_error: Literal["stop", "continue"] = "stop"  # a checkpoint write that fails (disk full): stop, or go on
     overwrite_output_dir: bool = False  # write into a directory that holds files other than a longrl run's
     resume_changed_data: bool = False  # resume although the data file differs from the one the checkpoint saw
+    resume_changed_rewards: bool = False  # resume although a reward file (rewards[i].function as a path) differs from
+    #                                       the one the checkpoint trained with
     save_total_limit: int = 3  # checkpoints kept (the newest); 0: keep all
     resume: bool = False  # continue from the latest checkpoint in output_dir
     log_completions: int = 4  # completions written to completions.jsonl per logging step

@@ -167,14 +167,18 @@ def render_sft(model: str | None = None) -> str:
     keys = set(config_keys())
     run_name = Path(name).name or "model"
     epochs = ("  num_train_epochs: 1             # passes over the data; the run's steps follow from the number of "
-              "examples\n                                  # (null: train.max_steps decides)\n"
+              "examples\n                                  # (train.max_steps=N on the command line wins over it)\n"
               if "sft.num_train_epochs" in keys else "")
+    steps = ("  # max_steps: 1000               # optimizer steps instead of sft.num_train_epochs (set that to null)"
+             if epochs else "  max_steps: 1000                 # optimizer steps")
     budget = _budget_line(keys)
     return f"""\
 # longrl supervised fine-tuning config: `longrl init --sft --model {model or DEFAULT_MODEL}`
 #   longrl plan run.yaml --sft  the memory layout and predicted peaks (--gpu-memory-gib N for another GPU)
 #   longrl sft run.yaml         train; KEY=VALUE after the file overrides, e.g. train.max_steps=10
 #   longrl export out --from runs/{run_name}-sft --format gguf   then serve it (adapter and merged too)
+# Then GRPO from the result, with a GRPO config (`longrl init --task math > grpo.yaml`):
+#   longrl train grpo.yaml model.name_or_path=runs/{run_name}-sft   (its newest checkpoint, merged at load)
 # Relative paths are read from this file's folder. Every key: docs/config.md; the formats: docs/sft.md.
 
 {_model_and_lora(name, _SFT_LAYOUT, " (false: every weight, lr ~1e-5)")}
@@ -197,7 +201,7 @@ sft:
   eval_examples: 64
 {epochs}
 train:
-  max_steps: 1000                 # optimizer steps when sft.num_train_epochs is null
+{steps}
   learning_rate: 1.0e-4           # LoRA (full weights: ~1e-5)
   lr_scheduler_type: cosine
   warmup_steps: 10

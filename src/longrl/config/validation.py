@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 
 from .errors import ConfigError
 from .limits import check_sizes
@@ -86,6 +87,7 @@ def _check_train(cfg: Config) -> None:
     _check(t.mlp_tile_tokens is None or t.mlp_tile_tokens >= 0, "train.mlp_tile_tokens", t.mlp_tile_tokens,
            "null (the planner decides), 0 (off) or a tile size >= 1")
     _check(t.gpu_memory_gib >= 0, "train.gpu_memory_gib", t.gpu_memory_gib, ">= 0 (0: all free GPU memory)")
+    _check(t.cpu_threads >= 0, "train.cpu_threads", t.cpu_threads, "an integer >= 0 (0: automatic)")
 
 
 def _check_generation(cfg: Config) -> None:
@@ -195,12 +197,41 @@ def _check_sft(cfg: Config) -> None:
            "null (train.max_steps decides) or > 0")
 
 
+def reward_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a reward server's address (None: it can): http or https with a host, no credentials."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "an http:// or https:// URL with a host"
+    if parts.username or parts.password:
+        return ("a URL without credentials: put the Authorization header's value in an environment variable and "
+                "name it in auth_env (the config is saved with every checkpoint)")
+    return None
+
+
+def _check_reward_server(r, i: int) -> None:
+    """A reward entry with ``url``: no function beside it, a usable URL, positive request settings."""
+    key = f"rewards[{i}]"
+    _check(not r.function, f"{key}.function", r.function, "empty with url (an entry is a function or a server)")
+    problem = reward_url_problem(r.url)
+    _check(problem is None, f"{key}.url", r.url, problem or "")
+    _check(r.isolation == "none", f"{key}.isolation", r.isolation, "none with url (the server is its own process)")
+    _check(r.batch_size >= 0, f"{key}.batch_size", r.batch_size, "an integer >= 0 (0: one request a batch)")
+    _check(r.max_concurrency >= 1, f"{key}.max_concurrency", r.max_concurrency, "an integer >= 1")
+    _check(r.max_retries >= 0, f"{key}.max_retries", r.max_retries, "an integer >= 0")
+    _check(r.retry_backoff_s >= 0, f"{key}.retry_backoff_s", r.retry_backoff_s, ">= 0")
+    _check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.auth_env) is not None or not r.auth_env, f"{key}.auth_env",
+           r.auth_env, "the name of an environment variable (its value is the header; never the token itself)")
+
+
 def _check_rewards(cfg: Config, require_rewards: bool) -> None:
     _check(bool(cfg.rewards) or bool(cfg.environment.factory) or not require_rewards, "rewards", cfg.rewards,
            "at least one reward function (with environment.factory: none means the environment's own rewards)")
     for i, r in enumerate(cfg.rewards):
-        _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
-               "'path/to/file.py:function' or 'package.module:function'")
+        if r.url:
+            _check_reward_server(r, i)
+        else:
+            _check(":" in r.function or not require_rewards, f"rewards[{i}].function", r.function,
+                   "'path/to/file.py:function' or 'package.module:function' (or url: a reward server)")
         _check(math.isfinite(r.weight), f"rewards[{i}].weight", r.weight, "a finite number")
         _check(r.timeout_s >= 0, f"rewards[{i}].timeout_s", r.timeout_s, ">= 0 (0: no limit)")
         _check(r.memory_limit_gib >= 0, f"rewards[{i}].memory_limit_gib", r.memory_limit_gib, ">= 0 (0: none)")

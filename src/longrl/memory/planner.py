@@ -637,8 +637,10 @@ def pinnable_host_bytes() -> int:
 
 def model_config_of(name_or_path: str, trust_remote_code: bool = False):
     """The transformers config of a model reference, without loading weights."""
+    from ..models.from_checkpoint import config_source
     from ..models.tiny import TINY_NAME, tiny_config_dict
 
+    name_or_path = config_source(name_or_path)  # a longrl checkpoint: its own config.json, or its base's
     if name_or_path == TINY_NAME:
         from transformers import LlamaConfig
 

@@ -1,5 +1,5 @@
-"""Load a Hugging Face causal LM (local directory, hub id or the builtin demo model) with its tokenizer,
-and wrap it with LoRA adapters through PEFT."""
+"""Load a Hugging Face causal LM (local directory, hub id, the builtin demo model, or a longrl checkpoint merged:
+models/from_checkpoint.py) with its tokenizer, and wrap it with LoRA adapters through PEFT."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import ModelLoadError
+from .from_checkpoint import checkpoint_path, load_checkpoint_model, read_warm_start
 from .quantize import (QuantizationError, calibration_ids, choose_exceptions, disable_cpu_repacking, quantize_model,
                        require_bitsandbytes)
 from .structure import base_model
@@ -18,10 +20,6 @@ from .tiny import TINY_NAME, build_tiny_model
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model or tokenizer could not be loaded; the message names the path or id."""
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -83,6 +81,8 @@ def check_model_files(name_or_path: str) -> None:
             raise ModelLoadError(f"config key 'model.name_or_path': unknown builtin model {name_or_path!r}; "
                                  f"builtin models: {TINY_NAME}")
         return
+    if (warm := read_warm_start(name_or_path)) is not None:  # a longrl checkpoint or run, merged at load
+        return check_model_files(warm.base)
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise ModelLoadError(f"config key 'model.name_or_path': {name_or_path} is a file; give the model's directory "
@@ -139,10 +139,12 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
                  calibration_text=quant_calibration_text)
     if load_in_4bit:
         _quantize_or_fail(require_bitsandbytes)
-    if name_or_path == TINY_NAME:
-        model, tokenizer = build_tiny_model(seed=seed, dtype=torch_dtype)
+    if name_or_path == TINY_NAME or checkpoint_path(name_or_path):  # built in code, or a checkpoint merged in memory
+        model, tokenizer = (build_tiny_model(seed=seed, dtype=torch_dtype) if name_or_path == TINY_NAME else
+                            load_checkpoint_model(name_or_path, load_model, torch_dtype, dev, trust_remote_code,
+                                                  attn_implementation))
         model.to(dev)
-        if load_in_4bit:  # built in code: quantized in place through bitsandbytes' Linear4bit
+        if load_in_4bit:  # in memory: quantized in place through bitsandbytes' Linear4bit
             model.longrl_quant_report = _quantize_or_fail(_quantize_built, model, tokenizer, dev, torch_dtype, **quant)
     elif load_in_4bit:
         model, tokenizer = _load_pretrained_4bit(name_or_path, torch_dtype, dev, trust_remote_code, revision,

@@ -172,6 +172,7 @@ class GRPOTrainer:
         self.model.train()
         main = self.world.is_main  # rank 0 writes every output; the others compute and reduce
         reporter = RunReporter.for_config(cfg, resume_step=self.step_idx) if main else None
+        self._reporter = reporter  # the first step's phases say when they start (_phase)
         if main:
             write_run_settings(self.output_dir, cfg, self.layout)
         notify(self.callbacks, "on_train_begin", self)
@@ -242,6 +243,8 @@ class GRPOTrainer:
     @contextlib.contextmanager
     def _phase(self, name: str):
         """Time a phase of the step (and its peak GPU memory on CUDA) into ``self.phase_stats``."""
+        if getattr(self, "_reporter", None) is not None:
+            self._reporter.phase_started(self.step_idx + 1, name, self.cfg)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -551,7 +554,8 @@ class GRPOTrainer:
         """Write checkpoint-STEP (rank 0: the state is replicated; under FSDP2 every rank its optimizer shards) and
         return its path (None on other ranks); every rank returns once it is complete."""
         state, frozen = trainer_state(self.model, self.cfg, self.prompt_order.position,
-                                      data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size)
+                                      data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size,
+                                      reward_files=self.run_dir.reward_files)
         model_state, staged = None, None
         if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
             model_state = full_model_state(self.model)

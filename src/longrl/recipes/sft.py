@@ -167,6 +167,8 @@ class SFTTrainer:
             with sdpa_priority(cfg.model.sdpa_backends, self.device.type, self.model,
                                cfg.model.grouped_attention_backward), StopSignals() as signals:
                 while self.step_idx < self.max_steps:
+                    if main:
+                        reporter.phase_started(self.step_idx + 1, "sft", cfg)
                     metrics = self._step()
                     nonfinite = metrics.pop("nonfinite")  # the terms that were not finite: for the guard
                     last = self.step_idx == self.max_steps

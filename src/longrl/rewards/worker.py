@@ -35,7 +35,12 @@ def _load(ref: str):
         spec.loader.exec_module(module)
     else:
         module = importlib.import_module(target)
-    fn = getattr(module, name)
+    fn = getattr(module, name, None)
+    if fn is None:
+        import difflib
+
+        close = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1, cutoff=0.6)
+        raise AttributeError(f"{target} has no attribute {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
     if not callable(fn):
         raise TypeError(f"{name!r} is not callable")
     return fn
@@ -71,6 +76,9 @@ def main() -> None:
         try:
             request = json.loads(line)
             values = fn(prompts=request["prompts"], completions=request["completions"], **request["columns"])
+            if isinstance(values, (dict, str, bytes, set, frozenset)) or not hasattr(values, "__iter__"):
+                raise TypeError(f"returned {type(values).__name__} {repr(values)[:60]}; expected a list of numbers "
+                                "or None, one per completion")
             answer = {"values": [_plain(v) for v in values]}
         except BaseException as e:  # SystemExit and KeyboardInterrupt of the function are its failures
             answer = {"error": f"{type(e).__name__}: {e}"[:2000]}

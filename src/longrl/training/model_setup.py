@@ -12,6 +12,7 @@ from ..memory.planner import StepShape, model_config_of
 from ..models import base_model, load_model, resolve_device
 from ..models.fused_layers import enable_fused_layers
 from ..rollout.sampling import triton_available
+from .cpu_threads import set_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def build_policy_model(cfg, step: StepShape, model=None, tokenizer=None, device:
     """(model, tokenizer, device, layout, offloader) for ``cfg``, its memory layout planned for ``step`` (on CUDA:
     before the weights load when the model's config can be read, so a job that cannot fit fails first); a given
     ``model`` is used as it is (the layout is still installed), a given ``tokenizer`` replaces the loaded one."""
+    set_cpu_threads(cfg.train.cpu_threads)  # once, before the first CPU-heavy work (training/cpu_threads.py)
     device_name = device or cfg.model.device  # a data-parallel rank: its own cuda:LOCAL_RANK
     device = resolve_device(device_name)
     cap_allocator(cfg, device)  # train.gpu_memory_gib: an allocation past the budget fails

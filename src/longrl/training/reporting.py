@@ -6,7 +6,8 @@
   when asked; ``WANDB_MODE=offline`` works as wandb documents it).
 - The console: in a terminal, a progress bar with log records printed above it (a logging handler that writes
   through the bar's console, so warnings never land on the bar's line); elsewhere (nohup, Slurm, CI: stdout is
-  not a TTY) one plain line per logging step. A summary when the run ends.
+  not a TTY) one plain line per logging step, and a line when each phase of the run's first step starts (the first
+  step can take minutes: the log shows it is under way). A summary when the run ends.
 - ``training_curves.png`` at each save: reward (total and per function), loss, KL, completion length and eval
   rewards, axes fitted to the data, legends outside the plots.
 """
@@ -100,6 +101,31 @@ def reward_failure_lines(step: int, failures, num_samples: int) -> list[str]:
         count = f"{len(samples)} of {num_samples} samples" if samples else "the batch call (each sample alone worked)"
         lines.append(f"step {step}: reward function {name!r} failed on {count}; first error ({where}): {first.reason}")
     return lines
+
+
+def phase_line(cfg, step: int, phase: str) -> str | None:
+    """What the first step's ``phase`` does, for a log without a progress bar (None: a phase with nothing to do)."""
+    g, gen, t = cfg.grpo, cfg.generation, cfg.train
+    if phase == "generation":
+        prompts = t.prompts_per_step * g.steps_per_generation
+        return (f"step {step}: generation started: {prompts} prompts × {g.num_generations} completions, up to "
+                f"{gen.max_completion_length} tokens each")
+    if phase == "rewards":
+        names = [r.url or r.function.rsplit(":", 1)[-1] for r in cfg.rewards] or ["the environment's rewards"]
+        limits = sorted({r.timeout_s for r in cfg.rewards if r.timeout_s > 0})
+        limit = ("; a call that hangs fails after " + " or ".join(f"{x:g} s" for x in limits) +
+                 " (rewards[i].timeout_s)") if limits else ""
+        return f"step {step}: rewards started: {', '.join(names)}{limit}"
+    if phase == "reference":
+        if g.beta == 0 and g.num_iterations == 1 and g.steps_per_generation == 1:
+            return None
+        return f"step {step}: reference log-probs started" + (" (old policy and KL reference)" if g.beta else "")
+    if phase == "update":
+        return f"step {step}: policy update started"
+    if phase == "sft":
+        return (f"step {step}: started: {cfg.sft.examples_per_step} examples of up to {cfg.sft.max_length} tokens, "
+                "forward and backward")
+    return f"step {step}: {phase} started"
 
 
 class _ConsoleHandler(logging.Handler):
@@ -201,6 +227,14 @@ class RunReporter:
             self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
         else:
             print(text, file=self.stream, flush=True)
+
+    def phase_started(self, step: int, phase: str, cfg) -> None:
+        """Say that ``phase`` of the run's first step (``step``) started, when no progress bar shows the run is alive
+        (:func:`phase_line`); later steps say nothing until their log line."""
+        if self.progress is None and step == self.resume_step + 1:
+            line = phase_line(cfg, step, phase)
+            if line:
+                self.print(line)
 
     def eta_s(self, step: int) -> float | None:
         done = step - self.resume_step

@@ -1,6 +1,6 @@
 """A run's output directory before training starts: a new run may not land among another run's checkpoints, and a
-resume must continue the same run (settings, beyond RESUMABLE_CHANGES, and data file unchanged). The lock that keeps
-a second process out is training/run_lock.py's."""
+resume must continue the same run (settings, beyond RESUMABLE_CHANGES, data file and reward files unchanged). The
+lock that keeps a second process out is training/run_lock.py's."""
 
 from __future__ import annotations
 
@@ -68,6 +68,21 @@ def check_data_unchanged(cfg, checkpoint: Path, fingerprint: str | None) -> None
                     cfg.data.source)
 
 
+def check_rewards_unchanged(cfg, checkpoint: Path, fingerprints: dict[str, str]) -> None:
+    """Refuse to resume with a reward file (``rewards[i].function`` given as a path) edited since ``checkpoint`` was
+    written (the rewards of the steps after it would mean something else), unless ``output.resume_changed_rewards``."""
+    saved = read_state(checkpoint).get("reward_files") or {}
+    changed = [path for path, digest in fingerprints.items() if path in saved and saved[path] != digest]
+    if not changed:
+        return
+    if not cfg.output.resume_changed_rewards:
+        raise ConfigError(f"rewards: {', '.join(changed)} changed since {checkpoint} was written (SHA-256 "
+                          f"{fingerprints[changed[0]][:12]}…, was {saved[changed[0]][:12]}…); restore it, or set "
+                          "output.resume_changed_rewards=true to resume with the edited reward")
+    log.warning("resuming %s with edited reward files %s (output.resume_changed_rewards=true)", checkpoint,
+                ", ".join(changed))
+
+
 CONFIG_FILE, LAYOUT_FILE = "config.yaml", "layout.yaml"
 
 
@@ -105,15 +120,20 @@ class RunDirectory:
             check_output_dir_contents(self.path, kind=kind, command=command, overwrite=cfg.output.overwrite_output_dir)
         self.resume_from = checked_output_dir(cfg, world, self.resume, allow_existing=resume_decided_at_train)
         self.data_fingerprint: str | None = None
+        self.reward_files: dict[str, str] = {}  # reward file path → SHA-256, saved in each checkpoint
 
     def check_data(self) -> None:
-        """Fingerprint data.source (a file's SHA-256) and refuse it when it differs from the one the checkpoint to
-        resume from trained on (output.resume_changed_data allows it)."""
+        """Fingerprint data.source (a file's SHA-256) and the reward files, and refuse them when they differ from
+        the ones the checkpoint to resume from trained with (output.resume_changed_data / resume_changed_rewards
+        allow it)."""
         from ..data.prompts import data_fingerprint
+        from ..rewards import reward_file_fingerprints
 
         self.data_fingerprint = data_fingerprint(self.cfg.data.source)
+        self.reward_files = reward_file_fingerprints(self.cfg.rewards)
         if self.resume_from:
             check_data_unchanged(self.cfg, self.resume_from[0], self.data_fingerprint)
+            check_rewards_unchanged(self.cfg, self.resume_from[0], self.reward_files)
 
     def start_training(self, resume_from_checkpoint: bool | str | None = None) -> list[Path] | None:
         """At the start of ``train()``: the lock again (a second ``train()`` of a trainer), TRL's
