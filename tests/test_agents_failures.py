@@ -246,6 +246,26 @@ def test_a_raising_reset_skips_its_row_and_is_counted(tmp_path, caplog):
     assert any(r["stop_reason"] == "reset_error" and r["reward"] is None for r in logged)
 
 
+def test_a_factory_failing_during_the_run_skips_its_row(tmp_path, caplog):
+    """Checked before the model loads, a factory may still fail later (a pool exhausted): that row is skipped."""
+    from longrl.recipes.grpo import GRPOTrainer
+
+    calls = []
+
+    def factory():
+        calls.append(1)
+        if len(calls) == 2:  # the first build of the first batch (the first call is the check)
+            raise RuntimeError("pool exhausted")
+        return LookupEnvironment()
+
+    rows = [{"prompt": f"{k}=", "key": k, "secret": k} for k in range(4)]
+    trainer = GRPOTrainer(_tools_cfg(tmp_path, "environment.factory=null"), environment_factory=factory, rows=rows)
+    trainer.train()
+    assert [m["agent/reset_errors"] for m in read_metrics(tmp_path / "out")] == [1, 0]
+    assert "got no environment: environment factory test_a_factory_failing_during_the_run_skips_its_row.<locals>" \
+           ".factory: constructing it failed: RuntimeError: pool exhausted" in caplog.text
+
+
 def test_more_than_the_share_of_failed_resets_ends_the_run_with_a_clear_error(tmp_path, capsys, monkeypatch):
     from longrl.cli.main import main
 
@@ -380,3 +400,40 @@ def test_10_mb_tool_results_and_environment_messages_keep_the_run_small(tmp_path
     assert all(m["agent/tool_errors"] == 1 and m["agent/tool_calls"] == 2 for m in metrics)
     assert all(m["agent/messages_truncated"] == 2 for m in metrics)  # the tool's result and the user message
     assert all(m["completion_length"] <= 1024 for m in metrics)
+
+
+RANK_ZERO_RESETS_FAIL = '''
+import os
+from longrl.tasks.tools import LookupEnvironment
+
+
+class Env(LookupEnvironment):
+    def reset(self, row):
+        if os.environ.get("RANK") == "0":
+            raise RuntimeError("rank 0 has no sandbox")
+        return super().reset(row)
+'''
+
+
+@pytest.mark.parametrize("share, survives", [(0.5, True), (0.25, False)])
+def test_two_ranks_skip_rows_and_stop_alike(tmp_path, share, survives):
+    """`longrl train --nproc-per-node 2` (gloo, full weights sharded by FSDP2): every reset of rank 0 fails, none
+    of rank 1. Counted over both ranks (2 of 4 rows), the batch goes on at share 0.5 on both (placeholders keep the
+    ranks' collectives in step although rank 0 has nothing to sample), and at 0.25 both stop with the error, rank 1
+    included although its own rows were fine."""
+    (tmp_path / "env.py").write_text(RANK_ZERO_RESETS_FAIL)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(demo_config("tools").to_yaml())
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "longrl", "train", str(cfg), "--nproc-per-node", "2", *QUICK,
+                           f"output.output_dir={out}", f"environment.factory={tmp_path / 'env.py'}:Env",
+                           f"environment.max_reset_failure_share={share}", "distributed.timeout_s=120"],
+                          capture_output=True, text=True, timeout=500, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = proc.stdout + proc.stderr
+    if survives:
+        assert proc.returncode == 0, log[-3000:]
+        assert [m["agent/reset_errors"] for m in read_metrics(out)] == [2, 2]
+    else:
+        assert proc.returncode != 0, log[-3000:]
+        assert "failed on 2 of 4 rows of this rollout batch; first: dataset row" in log, log[-3000:]
+        assert "failed on 2 of 4 rows of this rollout batch; see the warnings of the other ranks" in log, log[-3000:]

@@ -7,7 +7,7 @@ is its own prompt). Reward functions get, besides TRL's columns: ``completions``
 the prompt (assistant, tool, user ...), ``turn_rewards`` (each environment step's reward, None where it gave none),
 ``environments`` (the instances; TRL's reward functions call ``get_reward()`` on them) and ``stop_reason``.
 
-A row whose environment reset raises (or times out) is skipped: it is not sampled, no reward function sees it, and
+A row whose environment reset raises (or times out), or whose environment cannot be built, is skipped: it is not sampled, no reward function sees it, and
 its G places in the batch hold placeholders out of the loss (stop_reason ``reset_error``, reward NaN), so that
 the batch keeps its shape; ``agent/reset_errors`` counts such rows. More than
 ``environment.max_reset_failure_share`` of a rollout batch's rows (over every rank) failing ends the run.
@@ -151,20 +151,10 @@ class AgentRollouts:
 
     # ------------------------------------------------------------------------------------------ one batch
     def generate(self, sampler, rows: list[dict], G: int, params) -> AgentBatch:
-        envs = [self.new_environment() for _ in range(len(rows) * G)]
-        schemas = envs[0].tool_schemas() or None
-        prompts: list = [None] * len(envs)
-        failed: dict[int, str] = {}  # row → why its reset failed
-        for i, env in enumerate(envs):
-            if i // G not in failed:
-                prompts[i], why = self._reset(env, rows[i // G])
-                if why is not None:
-                    failed[i // G] = why
+        envs, prompts, failed = self._start_episodes(rows, G)
+        schemas = next((env.tool_schemas() for env in envs if env is not None), None) or None
         skipped = self._reset_failures(rows, failed)
         ran = [i for i in range(len(envs)) if i // G not in failed]
-        for i in range(len(envs)):
-            if i // G in failed or prompts[i] is None:
-                prompts[i] = rows[i // G][self.prompt_column]
         prompt_ids = [self._prompt_ids(p, schemas) for p in prompts]  # a skipped row's: its placeholders'
         episodes = [Episode(env, p if isinstance(p, list) else [{"role": "user", "content": p}])
                     for env, p in zip(envs, prompts)]
@@ -172,7 +162,8 @@ class AgentRollouts:
             for ep in episodes[p * G:(p + 1) * G]:
                 ep.truncated, ep.error = RESET_ERROR, why
         running = [episodes[i] for i in ran]
-        rollout, stats = self._sample(sampler, running, [prompt_ids[i] for i in ran], ran, G, params, schemas)
+        rollout, stats = self._sample(sampler, running, [prompt_ids[i] for i in ran], ran, G, params, schemas,
+                                      prompt_ids[0])
         # truncated: an episode a budget ended (its last turn may well end without a stop token: the environment
         # said done, or max_turns came)
         rollout.truncated = [ep.truncated in BUDGET_STOPS for ep in running]
@@ -188,6 +179,29 @@ class AgentRollouts:
                         self.max_chars)
         return AgentBatch(self._with_placeholders(rollout, ran, prompt_ids), prompts,
                           [ep.messages for ep in episodes], episodes, self._columns(episodes), metrics)
+
+    def _start_episodes(self, rows: list[dict], G: int) -> tuple[list, list, dict[int, str]]:
+        """An environment for each of the rows' G sequences, built and reset: (environments [N] (None where none
+        was built), the prompt each episode opens with [N] (the row's own where its reset gave none, or the row
+        failed), {row: why its environment could not be built or reset})."""
+        envs: list = [None] * (len(rows) * G)
+        prompts: list = [None] * len(envs)
+        failed: dict[int, str] = {}
+        for i in range(len(envs)):
+            if i // G in failed:
+                continue
+            try:
+                envs[i] = self.new_environment()
+            except EnvironmentSetupError as e:  # a factory that failed only now (it was probed before the model)
+                failed[i // G] = f"got no environment: {e}"
+                continue
+            prompts[i], why = self._reset(envs[i], rows[i // G])
+            if why is not None:
+                failed[i // G] = why
+        for i in range(len(envs)):
+            if i // G in failed or prompts[i] is None:
+                prompts[i] = rows[i // G][self.prompt_column]
+        return envs, prompts, failed
 
     def _reset(self, env, row: dict):
         """(the prompt the episode opens with (None: the row's), None) or (None, why the reset failed)."""
@@ -223,11 +237,15 @@ class AgentRollouts:
         return int(total["failed"])
 
     def _sample(self, sampler, episodes: list[Episode], prompt_ids: list[list[int]], ran: list[int], G: int, params,
-                schemas) -> tuple[Rollout, dict]:
-        """The sampler's multi-turn rollout of ``episodes`` (whole groups of G: the rows not skipped) and its
-        statistics."""
+                schemas, idle_prompt: list[int]) -> tuple[Rollout, dict]:
+        """The sampler's multi-turn rollout of ``episodes`` (whole groups of G: the rows not skipped, at positions
+        ``ran`` of the batch) and its statistics."""
         if not episodes:
-            return Rollout([], [], [], None, []), {}
+            # every row skipped on this rank: one token of a placeholder is still sampled, since under FSDP2 the
+            # sampler's forwards leave the sharded layers in the state the policy update's collectives expect on
+            # every rank; log-probs come back a list, as the sampler's, so that every rank reports alike
+            sampler.generate([idle_prompt], 1, dataclasses.replace(params, max_new_tokens=1, sequence_ids=()))
+            return Rollout([], [], [], [], []), {}
         runner = EpisodeRunner(episodes, self.tokenizer, self.settings, schemas, params.stop_token_ids)
         multi = MultiTurn(runner, self.settings.max_tokens, self.settings.workers)
         if params.sequence_ids and len(ran) < len(params.sequence_ids):  # each sequence keeps its own draws
