@@ -126,7 +126,8 @@ class AgentRollouts:
                  prompt_column: str = "prompt", max_prompt_length: int | None = None,
                  tool_timeout_s: float | None = 30.0, max_chars: int = DEFAULT_MAX_CHARS,
                  max_reset_failure_share: float = 0.5, sum_floats: Callable[[dict], dict] | None = None):
-        self.tokenizer, self.settings, self.spec = tokenizer, settings, spec
+        self.tokenizer, self.settings = tokenizer, settings
+        self.factory, self.tools = spec.factory, list(spec.tools)
         self.prompt_column, self.max_prompt_length = prompt_column, max_prompt_length
         self.fmt = detect_format(tokenizer) if fmt == "auto" else fmt
         self.tool_timeout_s, self.max_chars = tool_timeout_s, max_chars
@@ -146,8 +147,8 @@ class AgentRollouts:
                    env.tool_timeout_s or None, env.max_message_chars, env.max_reset_failure_share, sum_floats)
 
     def new_environment(self):
-        return build_environment(self.spec.factory, list(self.spec.tools), self.fmt, self.prompt_column,
-                                 self.tool_timeout_s, self.max_chars)
+        return build_environment(self.factory, self.tools, self.fmt, self.prompt_column, self.tool_timeout_s,
+                                 self.max_chars)
 
     # ------------------------------------------------------------------------------------------ one batch
     def generate(self, sampler, rows: list[dict], G: int, params) -> AgentBatch:
