@@ -18,7 +18,7 @@ import pytest
 from longrl.cli.main import main
 from longrl.config.demo import demo_config
 from longrl.export import EXPORT_MARKER, ExportError, export_checkpoint
-from longrl.export.destination import lock_holder
+from longrl.export.destination import is_export, lock_holder
 from longrl.training.run_lock import LOCK_FILE
 
 BASE = ["train.max_steps=2", "train.prompts_per_step=2", "grpo.num_generations=2", "train.micro_batch_size=8",
@@ -181,3 +181,32 @@ def test_lock_holder_probe(tmp_path, lock_held_by_a_process):
     proc.stdin.close()
     proc.wait(timeout=30)
     assert lock_holder(d) is None  # a lock left by a process that is gone is nobody's
+
+
+class _Trainer:
+    """What save_trained_model reads of a trainer (a LoRA run at step 2, whose checkpoint exists)."""
+
+    def __init__(self, run: Path):
+        self.output_dir, self.step_idx, self.model = run, 2, type("Peft", (), {"peft_config": {}})()
+
+    def save(self):
+        raise AssertionError("checkpoint-2 exists: nothing to save")
+
+
+def test_save_model_writes_under_its_own_run_and_nowhere_into_another(runs):
+    """TRL's trainer.save_model(): output_dir/final (again: replaced), or beside its own checkpoints; another run's
+    directory or a directory inside it is refused."""
+    from longrl.export import save_trained_model
+
+    own, other = runs
+    trainer = _Trainer(own)
+    assert save_trained_model(trainer) == own / "final" and is_export(own / "final")
+    (own / "final" / "stray.txt").write_text("x")
+    save_trained_model(trainer)  # an earlier save: replaced
+    assert not (own / "final" / "stray.txt").exists()
+    assert save_trained_model(trainer, own) == own and (own / "adapter_model.safetensors").is_file()
+    before = _snapshot(other)
+    for target in (other, other / "final"):
+        with pytest.raises(ExportError, match=f"longrl run {other}"):
+            save_trained_model(trainer, target)
+    assert _snapshot(other) == before
