@@ -73,6 +73,10 @@ def snooze(seconds: float) -> str:
     return "awake"
 
 
+def _interrupt():
+    raise KeyboardInterrupt
+
+
 async def async_echo(text: str) -> str:
     """Echo text asynchronously.
 
@@ -155,11 +159,10 @@ def test_tool_calls_never_raise():
     assert err and "bad arguments for add" in text
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit case
 def test_timed_calls_reuse_their_threads_and_abandon_the_ones_past_the_timeout():
     """call_with_timeout runs calls on reused daemon threads (one started per call cost more than an instant
     environment step); a thread whose call ran past its timeout takes no other call and ends once it returns; an
-    error is returned and keeps the thread; SystemExit in a call ends its thread only."""
+    error is returned and keeps the thread, SystemExit and KeyboardInterrupt included."""
     import sys
     import threading
 
@@ -178,8 +181,11 @@ def test_timed_calls_reuse_their_threads_and_abandon_the_ones_past_the_timeout()
     release.set()
     first.join(5.0)
     assert not first.is_alive()  # it returned, saw it was abandoned, and ended
-    assert call_with_timeout(sys.exit, 5.0) == (True, None, None)  # SystemExit: the thread ends, the run does not
-    assert call_with_timeout(ident, 5.0)[0] and call_with_timeout(lambda x: x + 1, 5.0, 1) == (True, 2, None)
+    for stop in (sys.exit, _interrupt):  # returned as errors: the thread goes on, the run too
+        finished, value, error = call_with_timeout(stop, 5.0)
+        assert finished and value is None and isinstance(error, (SystemExit, KeyboardInterrupt))
+        assert call_with_timeout(ident, 5.0)[1] is other
+    assert call_with_timeout(lambda x: x + 1, 5.0, 1) == (True, 2, None)
 
 
 def test_tool_environment_answers_each_call_and_ends_without_one():

@@ -298,15 +298,20 @@ def test_failure_mid_write_leaves_no_output(llama_ckpt, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # neither the output nor the staging directory
 
 
-def test_non_empty_output_needs_overwrite(llama_ckpt, tmp_path):
+def test_non_empty_output_needs_overwrite_and_a_previous_export(llama_ckpt, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not empty; pass --overwrite"):
-        export_checkpoint(llama_ckpt[0], out, fmt="adapter")
+    for overwrite in (False, True):  # a user's files are never replaced (tests/test_export_destination.py: runs)
+        with pytest.raises(ExportError, match="not empty and is not a longrl export"):
+            export_checkpoint(llama_ckpt[0], out, fmt="adapter", overwrite=overwrite)
     assert (out / "keep.txt").read_text() == "mine"
-    export_checkpoint(llama_ckpt[0], out, fmt="adapter", overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "adapter_model.safetensors").is_file()
+    (out / "keep.txt").unlink()
+    export_checkpoint(llama_ckpt[0], out, fmt="adapter")
+    with pytest.raises(ExportError, match="not empty \\(a previous export\\); pass --overwrite"):
+        export_checkpoint(llama_ckpt[0], out, fmt="adapter")
+    export_checkpoint(llama_ckpt[0], out, fmt="merged", overwrite=True)
+    assert not (out / "adapter_model.safetensors").exists() and (out / "model.safetensors").is_file()
     ckpt = Path(llama_ckpt[0])
     for inside in (ckpt, ckpt.parent):  # the checkpoint itself or its run directory: refused, nothing removed
         with pytest.raises(ExportError, match="holds the checkpoint"):

@@ -22,6 +22,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+from ..config.errors import ConfigError
+from .bounded_text import DEFAULT_MAX_CHARS, cap_text
 from .tool_calls import parse_tool_calls
 from .tools import ToolSet, run_maybe_async
 
@@ -71,7 +73,8 @@ def as_step_result(value, where: str) -> StepResult:
                                 "done) or a StepResult")
     for m in result.messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise EnvironmentSetupError(f"{where}.step returned message {m!r}; a message is a dict with role and content")
+            raise EnvironmentSetupError(f"{where}.step returned message {cap_text(repr(m), 200)}; a message is a dict "
+                                        "with role and content")
     if result.reward is not None:
         result.reward = float(result.reward)
     return result
@@ -109,16 +112,17 @@ class TRLEnvironment(ToolEnvironment):
     """A TRL ``environment_factory`` instance: ``reset(**row)``, public methods as tools, optional ``get_reward``."""
 
     def __init__(self, instance, extra_tools: list[Callable], fmt: str, prompt_column: str = "prompt",
-                 timeout_s: float | None = 30.0):
+                 timeout_s: float | None = 30.0, max_chars: int = DEFAULT_MAX_CHARS):
         methods = [m for n, m in inspect.getmembers(instance, predicate=inspect.ismethod)
                    if n not in TRL_RESERVED and not n.startswith("_")]
-        super().__init__(ToolSet(list(extra_tools) + methods, timeout_s), fmt)
+        super().__init__(ToolSet(list(extra_tools) + methods, timeout_s, max_chars), fmt)
         self.instance, self.prompt_column = instance, prompt_column
 
     def reset(self, row: dict) -> list[dict] | None:
         observation = run_maybe_async(self.instance.reset, **row)
         if observation is None:
             return None
+        observation = cap_text(str(observation), self.toolset.max_chars)
         prompt = row.get(self.prompt_column)
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt + str(observation)}]
@@ -137,31 +141,45 @@ def is_trl_environment(obj) -> bool:
 
 
 def build_environment(factory: Callable | None, tools: list[Callable], fmt: str, prompt_column: str = "prompt",
-                      tool_timeout_s: float | None = 30.0) -> Environment:
+                      tool_timeout_s: float | None = 30.0, max_chars: int = DEFAULT_MAX_CHARS) -> Environment:
     """One episode's environment: ``factory()`` (longrl's or TRL's kind, with ``tools`` added to a TRL one), or a
-    :class:`ToolEnvironment` over ``tools`` when there is no factory."""
+    :class:`ToolEnvironment` over ``tools`` when there is no factory. ``max_chars``: the cap on a tool result
+    (and on a TRL reset's observation)."""
     if factory is None:
-        return ToolEnvironment(ToolSet(list(tools), tool_timeout_s), fmt)
+        return ToolEnvironment(ToolSet(list(tools), tool_timeout_s, max_chars), fmt)
     name = getattr(factory, "__qualname__", repr(factory))
     try:
         obj = factory()
-    except Exception as e:  # the user's constructor
-        raise EnvironmentSetupError(f"environment factory {name}: constructing it failed: {type(e).__name__}: {e}") from e
+    except (Exception, SystemExit) as e:  # the user's constructor
+        raise EnvironmentSetupError(f"environment factory {name}: constructing it failed: {type(e).__name__}: "
+                                    f"{cap_text(str(e), 500)}") from e
     if isinstance(obj, Environment):
         if not hasattr(obj, "stats"):
             obj.stats = {"tool_calls": 0, "tool_errors": 0}
         return obj
     if is_trl_environment(obj):
-        return TRLEnvironment(obj, tools, fmt, prompt_column, tool_timeout_s)
+        return TRLEnvironment(obj, tools, fmt, prompt_column, tool_timeout_s, max_chars)
     raise EnvironmentSetupError(f"environment factory {name} returned {type(obj).__name__}, which is neither a "
                             "longrl.agents.Environment nor a TRL environment (a class with a reset method)")
 
 
 def load_environment_factory(ref: str) -> Callable:
-    """Resolve ``path/to/file.py:Class`` or ``package.module:Class`` (the config's environment.factory)."""
+    """Resolve ``path/to/file.py:Class`` or ``package.module:Class`` (the config's environment.factory) to a
+    callable, or raise ConfigError naming the key (a missing file or name, an import that fails, not callable)."""
     from ..rewards import RewardLoadError, load_reward_function
 
     try:
         return load_reward_function(ref)
     except RewardLoadError as e:
-        raise EnvironmentSetupError(str(e).replace("reward function", "environment.factory", 1)) from None
+        raise ConfigError("config key " + str(e).replace("reward function", "'environment.factory':", 1)) from None
+
+
+def check_callable(value, key: str = "environment_factory") -> Callable:
+    """``value`` if it is callable, else ConfigError naming ``key`` (environment_factory: a class, or a function
+    returning a new environment; tools[i]: a function)."""
+    if not callable(value):
+        wanted = ("the environment class (or a function returning a new environment), not an instance"
+                  if key == "environment_factory" else "a function")
+        raise ConfigError(f"{key}: {cap_text(repr(value), 200)} ({type(value).__name__}) is not callable; pass "
+                          f"{wanted}")
+    return value

@@ -3,8 +3,9 @@
 ``ToolSet([fn, ...])`` reads each function's schema with transformers' ``get_json_schema`` (the form
 ``apply_chat_template(tools=...)`` renders for the model's template). ``ToolSet.call`` runs a parsed call and always
 returns the text of a tool message: the function's result (``str``, or JSON for other values), or an error line
-(unknown tool, bad arguments, the exception it raised, a timeout). Coroutine functions are awaited. A call past its
-timeout is abandoned (its thread cannot be killed: code that must be stopped belongs in :mod:`.sandbox`).
+(unknown tool, bad arguments, the exception it raised, ``SystemExit`` and ``KeyboardInterrupt`` included, a
+timeout), capped at ``max_chars`` characters (:mod:`.bounded_text`). Coroutine functions are awaited. A call past
+its timeout is abandoned (its thread cannot be killed: code that must be stopped belongs in :mod:`.sandbox`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import queue
 import threading
 from typing import Callable
 
+from .bounded_text import DEFAULT_MAX_CHARS, cap_text
 from .tool_calls import ToolCall
 
 
@@ -48,7 +50,7 @@ class _Job:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.value = self.error = None
         self.done, self.lock = threading.Event(), threading.Lock()
-        self.abandoned = self.worker_ended = False
+        self.abandoned = False
 
 
 class _CallThreads:
@@ -73,9 +75,8 @@ class _CallThreads:
             if not job.done.is_set():
                 job.abandoned = True
                 return False, None, None
-        if not job.worker_ended:
-            with self._lock:
-                self._idle.append(inbox)
+        with self._lock:
+            self._idle.append(inbox)
         return True, job.value, job.error
 
     @staticmethod
@@ -83,18 +84,14 @@ class _CallThreads:
         while True:
             job = inbox.get()
             threading.current_thread().name = f"longrl-tool-{getattr(job.fn, '__name__', 'fn')}"
-            returned = False
             try:
                 job.value = run_maybe_async(job.fn, *job.args, **job.kwargs)
-                returned = True
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                job.error, returned = e, True
-            finally:  # a BaseException (SystemExit in a tool) ends the thread, as it would end a thread of its own
-                with job.lock:
-                    job.worker_ended = job.abandoned or not returned
-                    job.done.set()
-            if job.worker_ended:
-                return
+            except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: reported, not raised
+                job.error = e  # (signals reach only the main thread: none of these is the user's Ctrl-C)
+            with job.lock:
+                job.done.set()
+                if job.abandoned:  # the caller stopped waiting: this thread takes no other call
+                    return
 
 
 _CALL_THREADS = _CallThreads()
@@ -102,11 +99,16 @@ _CALL_THREADS = _CallThreads()
 
 def call_with_timeout(fn: Callable, timeout_s: float | None, *args, **kwargs):
     """(finished, value, exception): fn run in a daemon thread, abandoned after ``timeout_s`` (None: no limit, in
-    the calling thread)."""
+    the calling thread). Whatever fn raises is returned, SystemExit and KeyboardInterrupt included, except a
+    KeyboardInterrupt in the main thread (where it may be the user's Ctrl-C)."""
     if timeout_s is None:
         try:
             return True, run_maybe_async(fn, *args, **kwargs), None
-        except Exception as e:  # noqa: BLE001 - reported, not raised
+        except KeyboardInterrupt as e:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            return True, None, e
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - reported, not raised
             return True, None, e
     return _CALL_THREADS.call(fn, timeout_s, args, kwargs)
 
@@ -121,9 +123,10 @@ def result_text(value) -> str:
 
 
 class ToolSet:
-    """Named tools with their schemas; ``call`` returns (text, is_error)."""
+    """Named tools with their schemas; ``call`` returns (text, is_error), the text at most ``max_chars``
+    characters."""
 
-    def __init__(self, functions: list[Callable], timeout_s: float | None = 30.0):
+    def __init__(self, functions: list[Callable], timeout_s: float | None = 30.0, max_chars: int = DEFAULT_MAX_CHARS):
         self.functions: dict[str, Callable] = {}
         self.schemas: list[dict] = []
         for fn in functions:
@@ -135,12 +138,16 @@ class ToolSet:
                 raise ToolError(f"two tools are named {name!r}")
             self.functions[name] = fn
             self.schemas.append(schema)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_chars = timeout_s, max_chars
 
     def __bool__(self) -> bool:
         return bool(self.functions)
 
     def call(self, call: ToolCall) -> tuple[str, bool]:
+        text, failed = self._call(call)
+        return cap_text(text, self.max_chars), failed
+
+    def _call(self, call: ToolCall) -> tuple[str, bool]:
         fn = self.functions.get(call.name)
         if fn is None:
             known = ", ".join(self.functions) or "none"
@@ -153,5 +160,5 @@ class ToolSet:
         if not finished:
             return f"Error: tool {call.name} timed out after {self.timeout_s:g} s", True
         if error is not None:
-            return f"Error: {call.name} raised {type(error).__name__}: {error}", True
+            return f"Error: {call.name} raised {type(error).__name__}{f': {error}' if str(error) else ''}", True
         return result_text(value), False

@@ -12,8 +12,9 @@ history is never re-rendered nor re-tokenized (re-applying the template to the h
 trained would not be what was sampled). The mask keeps env tokens out of the loss; they are attended.
 
 :class:`EpisodeRunner` is what the sampler calls at the end of each turn (in a worker thread): it decodes the
-turn, steps the sequence's environment under the per-turn and per-episode timeouts and returns the tokens to
-append, or None when the episode is over (done, max_turns, a timeout, the trajectory's token budget).
+turn, steps the sequence's environment under the per-turn and per-episode timeouts, caps the content of each message
+it returns at ``max_message_chars`` characters (:mod:`.bounded_text`) and returns the tokens to append, or None when
+the episode is over (done, max_turns, a timeout, the trajectory's token budget).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .bounded_text import DEFAULT_MAX_CHARS, cap_messages, cap_text, is_capped
 from .environment import Environment, as_step_result
 from .tools import call_with_timeout
 
@@ -66,6 +68,7 @@ class EpisodeSettings:
     turn_timeout_s: float | None = 60.0  # one environment step
     episode_timeout_s: float | None = 600.0  # all steps of an episode, from its first turn
     workers: int = 8  # threads stepping environments (slow tools never stall the decode batch)
+    max_message_chars: int = DEFAULT_MAX_CHARS  # an environment message's content, capped before tokenization
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Episode:
     truncated: str | None = None  # why the episode stopped before the environment said done (None: it did)
     error: str | None = None
     started_s: float | None = None
+    messages_truncated: int = 0  # environment messages cut to max_message_chars
 
 
 class EpisodeRunner:
@@ -119,7 +123,7 @@ class EpisodeRunner:
             ep.truncated = "turn_timeout" if limit == st.turn_timeout_s else "episode_timeout"
             return None
         if error is not None:
-            ep.error = f"{type(error).__name__}: {error}"
+            ep.error = f"{type(error).__name__}: {cap_text(str(error), 500)}"
             ep.truncated = "env_error"
             log.warning("environment step failed (sequence %d, turn %d): %s", seq, ep.turns, ep.error)
             return None
@@ -129,6 +133,8 @@ class EpisodeRunner:
             ep.error, ep.truncated = str(e), "env_error"
             log.warning("%s", e)
             return None
+        result.messages = cap_messages(result.messages, st.max_message_chars)  # before any tokenization
+        ep.messages_truncated += sum(is_capped(m.get("content")) for m in result.messages)
         ep.turn_rewards.append(result.reward)
         if result.done:
             return None

@@ -44,14 +44,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan one GPU of a data-parallel job on N GPUs (full weights sharded by FSDP2, LoRA and "
                            "4-bit bases replicated)")
     export = sub.add_parser("export", help="export a checkpoint: PEFT adapter, merged 16-bit model, or GGUF + Modelfile")
-    export.add_argument("output_dir", help="directory to create (refused if non-empty, unless --overwrite)")
+    export.add_argument("output_dir", help="directory to create (refused if non-empty, unless a previous export "
+                        "and --overwrite; never a training run's directory or one inside it)")
     export.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT",
                         help="a checkpoint-STEP directory, or a run's output directory (its latest checkpoint)")
     export.add_argument("--format", choices=("adapter", "merged", "gguf"), required=True)
     export.add_argument("--quant", choices=("f16", "q8_0"), default="f16", help="GGUF tensor type (gguf only)")
     export.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                         help="merged weights (merged only; auto: float16 if the base was, else bfloat16)")
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace a previous export in OUTPUT_DIR (never a run, a checkpoint or other files)")
     export.add_argument("--trust-remote-code", action="store_true",
                         help="allow a base model that needs its own Python code (never taken from the checkpoint)")
     _add_generate_and_eval(sub)

@@ -205,6 +205,12 @@ class EnvironmentConfig:
     tool_timeout_s: float = 30.0  # one tool call (an error message to the model past it); 0: no limit
     tool_call_format: Literal["auto", "qwen", "llama3"] = "auto"  # auto: from the tokenizer's chat template
     workers: int = 8  # threads stepping environments while the other sequences decode
+    max_message_chars: int = 16384  # characters of a tool result or environment message (reset or step) the model
+    #                                 sees; longer ones keep their head and end with "... [truncated N characters]"
+    #                                 (capped before tokenization, so a huge result costs no memory); >= 64
+    max_reset_failure_share: float = 0.5  # a row whose Environment.reset raises (or times out) is skipped (no
+    #                                       learning signal; agent/reset_errors counts them); when more than this
+    #                                       share of a rollout batch's rows fail, the run stops (exit 2); 1: never
 
 
 @dataclass

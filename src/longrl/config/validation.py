@@ -179,6 +179,10 @@ def _check_environment(cfg: Config) -> None:
     for key in ("turn_timeout_s", "episode_timeout_s", "tool_timeout_s"):
         _check(getattr(env, key) >= 0, f"environment.{key}", getattr(env, key), ">= 0 (0: no limit)")
     _check(env.workers >= 1, "environment.workers", env.workers, "an integer >= 1")
+    _check(env.max_message_chars >= 64, "environment.max_message_chars", env.max_message_chars,
+           "an integer >= 64 (room for the truncation marker)")
+    _check(0 <= env.max_reset_failure_share <= 1, "environment.max_reset_failure_share",
+           env.max_reset_failure_share, "a share in [0, 1] (1: never stop for failed resets)")
     _check(env.factory is None or ":" in env.factory, "environment.factory", env.factory,
            "'path/to/file.py:Class' or 'package.module:Class'")
     for i, ref in enumerate(cfg.tools):

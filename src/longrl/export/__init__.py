@@ -3,7 +3,8 @@ file (f16 / q8_0) with an Ollama Modelfile.
 
 Everything is checked (checkpoint, format, architecture, output directory) before any model loads, and the
 output is written into a hidden directory beside ``output_dir`` and renamed into place, so a failure never
-leaves a half-written export.
+leaves a half-written export. An export never goes into, over or inside a training run, and ``overwrite``
+replaces only a previous export (:mod:`.destination`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import os
 import shutil
 from pathlib import Path
 
+from .destination import EXPORT_MARKER, check_destination
 from .source import Checkpoint, ExportError, check_remote_code, dequantize_4bit_linears, load_tokenizer, merged_model, read_checkpoint
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("adapter", "merged", "gguf")
 
-__all__ = ["FORMATS", "Checkpoint", "ExportError", "dequantize_4bit_linears", "export_checkpoint", "read_checkpoint",
-           "save_trained_model"]
+__all__ = ["EXPORT_MARKER", "FORMATS", "Checkpoint", "ExportError", "dequantize_4bit_linears", "export_checkpoint",
+           "read_checkpoint", "save_trained_model"]
 
 
 def _base_config(ckpt: Checkpoint):
@@ -79,35 +81,21 @@ def _check_gguf(ckpt: Checkpoint, quant: str):
     return plan
 
 
-def _prepare_output(output_dir: Path, overwrite: bool, checkpoint: Path) -> None:
-    out, ckpt = output_dir.resolve(), checkpoint.resolve()
-    if out == ckpt or out in ckpt.parents:
-        raise ExportError(f"output {output_dir} holds the checkpoint {checkpoint}: exporting there would replace it; "
-                          "choose another output directory")
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
-        raise ExportError(f"output {output_dir} is (or holds) the current directory: the export moves the finished "
-                          "output into place by renaming, which cannot replace the directory you are in; name "
-                          "another output directory, or run the command from outside it")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ExportError(f"output {output_dir} exists and is not a directory")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise ExportError(f"output directory {output_dir} is not empty; pass --overwrite to replace it")
-
-
 def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str = "merged", quant: str = "f16",
                       dtype: str = "auto", overwrite: bool = False, device: str = "cpu",
-                      trust_remote_code: bool = False) -> Path:
+                      trust_remote_code: bool = False, _own_run: Path | None = None) -> Path:
     """Export ``checkpoint`` (a ``checkpoint-STEP`` directory or a run directory: its latest checkpoint) to
     ``output_dir`` as ``fmt`` (adapter, merged, gguf). ``quant``: gguf tensor type (f16, q8_0); ``dtype``: merged
-    weights (auto = the base's 16-bit type, bfloat16, float16, float32). Returns the output directory."""
+    weights (auto = the base's 16-bit type, bfloat16, float16, float32); ``overwrite``: replace a previous export
+    (never anything else). Returns the output directory. ``_own_run``: :func:`save_trained_model`'s run, which
+    its own trainer may export under."""
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     ckpt = dataclasses.replace(read_checkpoint(checkpoint), trust_remote_code=trust_remote_code)
     check_remote_code(ckpt, trust_remote_code)
     # "out/.", "..", "out/sub/..": a name and a parent to stage beside (".." read lexically, as cd reads it)
     output_dir = Path(os.path.normpath(Path(output_dir).expanduser().absolute()))
-    _prepare_output(output_dir, overwrite, Path(ckpt.path))
+    check_destination(output_dir, overwrite, Path(ckpt.path), own_run=_own_run)
     from .hf import merged_dtype, write_adapter, write_card, write_merged
 
     torch_dtype = merged_dtype(ckpt, dtype) if fmt == "merged" else None
@@ -159,8 +147,8 @@ def save_trained_model(trainer, output_dir: str | Path | None = None, fmt: str |
         return target
     try:
         if target.resolve() != run_dir.resolve():
-            return export_checkpoint(ckpt, target, fmt=fmt)
-        staged = export_checkpoint(ckpt, run_dir / f".save_model-{os.getpid()}", fmt=fmt)
+            return export_checkpoint(ckpt, target, fmt=fmt, overwrite=True, _own_run=run_dir)
+        staged = export_checkpoint(ckpt, run_dir / f".save_model-{os.getpid()}", fmt=fmt, _own_run=run_dir)
         for entry in sorted(staged.iterdir()):  # none is named like a checkpoint, metrics or logs of the run
             if (run_dir / entry.name).is_dir():
                 shutil.rmtree(run_dir / entry.name)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..models import TINY_NAME
+from .destination import EXPORT_MARKER
 from .source import Checkpoint, ExportError, load_base, load_tokenizer
 
 MERGED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -42,11 +43,12 @@ def write_merged(out: Path, model, tokenizer, dtype: torch.dtype) -> None:
 
 
 def write_card(out: Path, ckpt: Checkpoint, fmt: str, details: dict) -> None:
-    """``longrl_export.json`` (machine-readable provenance) and a short README.md on how to load the output."""
+    """``longrl_export.json`` (machine-readable provenance; it also marks the directory as an export, which
+    ``--overwrite`` may replace) and a short README.md on how to load the output."""
     meta = {"format": fmt, "checkpoint": str(ckpt.path.resolve()), "step": ckpt.state.get("step"),
             "base_model": ckpt.base_name, "revision": ckpt.model.get("revision"), "base_dtype": ckpt.dtype,
             "load_in_4bit": bool(ckpt.model.get("load_in_4bit", False)), **details}
-    (out / "longrl_export.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out / EXPORT_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
     base_ref = f"./{BUILTIN_BASE_DIR}" if ckpt.base_name == TINY_NAME else ckpt.base_name
     usage = {
         "adapter": ("```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"

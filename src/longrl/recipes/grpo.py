@@ -133,6 +133,9 @@ class GRPOTrainer:
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
                               "data.eval_source (or set output.eval_steps=0)")
+        from ..agents.rollout import AgentSpec
+
+        agent_spec = AgentSpec.resolve(cfg, environment_factory, tools)  # environment and tools: before the model
         if model is not None:
             model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(device),
                                            needed_tokens=(cfg.data.max_prompt_length + cfg.generation.max_completion_length,
@@ -151,7 +154,7 @@ class GRPOTrainer:
         # reduced), or FSDP2 shards of it (full weights across several processes)
         self.policy = data_parallel(model, self.world, shard_weights=self.world.distributed and not cfg.lora.enabled)
         self.sampler = self._make_rollout_sampler()  # None: transformers' generate
-        self.agents = self._make_agents(environment_factory, tools, own_scorer)
+        self.agents = self._make_agents(agent_spec, own_scorer)
         self.params, self.optimizer, self.scheduler = make_optimizer(model, cfg.train)
         g = cfg.grpo
         self.loss_settings = PolicyLossSettings(**{f: getattr(g, f) for f in PolicyLossSettings.__dataclass_fields__})
@@ -328,8 +331,9 @@ class GRPOTrainer:
             prompts, completions = agent.prompts, agent.completions
             columns.update(agent.columns)  # turn_rewards, environments, stop_reason
             self.phase_stats.update(agent.metrics)
-        with self._phase("rewards"):
-            per_function, rewards, failures = self.scorer.score(prompts, completions, columns)
+        with self._phase("rewards"):  # (an agent batch's skipped rows are shown to no reward function)
+            per_function, rewards, failures = (self.scorer.score(prompts, completions, columns) if agent is None
+                                               else agent.score(self.scorer, prompts, completions, columns))
         for line in reward_failure_lines(self.step_idx + 1, failures, len(completions)):
             log.warning(line)
         if cfg.grpo.multi_objective_aggregation == "normalize_then_sum":
@@ -370,12 +374,13 @@ class GRPOTrainer:
                              memory_cap_bytes=budget_bytes(self.cfg),
                              pack_projections=not is_sharded(self.policy))  # FSDP2's unsharded weights stay put
 
-    def _make_agents(self, environment_factory, tools, own_scorer: bool):
-        """Multi-turn episodes when the config or the API names an environment or tools (else None); an
+    def _make_agents(self, spec, own_scorer: bool):
+        """Multi-turn episodes when the config or the API names an environment or tools (``spec``, else None); an
         environment that scores its episodes (its step rewards, TRL's get_reward) becomes a reward source."""
         from ..agents.rollout import AgentRollouts, environment_reward
 
-        agents = AgentRollouts.from_config(self.cfg, self.tokenizer, environment_factory, tools)
+        agents = None if spec is None else AgentRollouts.from_config(self.cfg, self.tokenizer, spec,
+                                                                     self.world.sum_floats)
         if agents is None:
             if own_scorer and self.scorer.names == ["environment_reward"]:
                 raise ConfigError("config key 'rewards': at least one reward function (or an environment that "
