@@ -288,6 +288,21 @@ def test_offloaded_checkpointing_and_attention_reuse(reuse):
     _assert_same(_run(model, prompt_ids, completion_ids, shared_prompt=True), want)
 
 
+def test_fused_layers_and_mlp_tiles():
+    """With the fused training layers (the rotary attention wrapper calls the configured attention function) and
+    the MLP in tiles: grouped rows still give the repeated layout's log-probs and gradients."""
+    from longrl.memory.tiling import enable_mlp_tiling
+    from longrl.models.fused_layers import enable_fused_layers
+
+    plain = _model("qwen2")
+    prompt_ids, completion_ids = _batch(3, seed=9)
+    want = _run(plain, prompt_ids, completion_ids)
+    model = _model("qwen2")
+    enable_mlp_tiling(model, 5)
+    assert enable_fused_layers(model)["attention"] == 2
+    _assert_same(_run(model, prompt_ids, completion_ids, shared_prompt=True), want)
+
+
 def test_unsupported_models_and_windows():
     from transformers import LlamaConfig, MistralConfig, PretrainedConfig
 

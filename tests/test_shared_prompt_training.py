@@ -2,9 +2,6 @@
 the GRPO loss and gradient of every loss type equal to the repeated layout's (β > 0 and β = 0, micro-batch splits),
 the trainer's passes and a whole tiny run giving the same metrics, and the planner's arithmetic."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -200,7 +197,8 @@ def test_step_shape_chooses_grouped_rows_for_long_prompts():
     pinned = _plan_cfg("data.max_prompt_length=512", "generation.max_completion_length=20480",
                        "train.shared_prompt=true")
     assert StepShape.grpo(pinned, 20480).shared_prompt
-    assert not StepShape.grpo(_plan_cfg("data.max_prompt_length=16384", "train.shared_prompt=false"), 1024).shared_prompt
+    unpinned = _plan_cfg("data.max_prompt_length=16384", "train.shared_prompt=false")
+    assert not StepShape.grpo(unpinned, 1024).shared_prompt
 
 
 def test_plan_counts_a_group_as_its_prompt_once():
@@ -217,6 +215,17 @@ def test_plan_counts_a_group_as_its_prompt_once():
     assert grouped.micro_batch_tokens >= 16384 + 8 * 1024
     assert "on: a prompt and up to 8 completions a row, 49,152 tokens a step instead of 278,528" in grouped.table()
     assert "off: 278,528 tokens a step" in separate.table()
+
+
+def test_planner_leaves_grouped_rows_off_for_float32_compute():
+    """The flash kernels behind grouped rows take 16-bit heads: with float32 compute the planner's choice is off
+    (a pin still holds)."""
+    from longrl.memory.planner import GIB, plan_for_config
+
+    long_prompts = ["data.max_prompt_length=16384", "generation.max_completion_length=1024", "model.dtype=float32"]
+    assert not plan_for_config(_plan_cfg(*long_prompts), _llama8b(), 139 * GIB, 500 * GIB).shared_prompt
+    assert plan_for_config(_plan_cfg(*long_prompts, "train.shared_prompt=true"), _llama8b(), 139 * GIB,
+                           500 * GIB).shared_prompt
 
 
 def test_plan_cuts_groups_where_a_whole_one_does_not_fit():
@@ -251,16 +260,21 @@ def test_plan_refuses_a_pinned_shared_prompt_for_a_model_it_is_not_exact_for():
                                   "train.shared_prompt=true"), mistral, 139 * GIB, 500 * GIB)
 
 
-def test_cli_plan_shows_the_saving(tmp_path):
-    path = tmp_path / "llama8b"
-    _llama8b().save_pretrained(path)
-    (path / "tokenizer_config.json").write_text("{}")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"model: {{name_or_path: {path}, dtype: bfloat16}}\nlora: {{r: 32}}\n"
-                   "data: {max_prompt_length: 16384}\ngeneration: {max_completion_length: 1024}\n"
-                   "train: {prompts_per_step: 2}\ngrpo: {num_generations: 8}\n"
-                   "rewards: [{function: 'longrl.tasks.arithmetic:format_reward'}]\n")
-    out = subprocess.run([sys.executable, "-m", "longrl.cli.main", "plan", str(cfg), "--gpu-memory-gib", "139"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "49,152 tokens a step instead of 278,528" in out.stdout
+def test_cli_plan_shows_the_saving(tmp_path, capsys):
+    """`longrl plan` on docs/memory.md's example (its config read from the doc): the grouped tokens of the step
+    against the separate ones, and the saving gone with the key pinned off."""
+    import re
+    from pathlib import Path
+
+    from longrl.cli.main import main
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    yaml = re.search(r"```yaml\n(model: \{name_or_path: \./llama-3\.1-8b.*?)```", doc, re.S).group(1)
+    _llama8b().save_pretrained(tmp_path / "llama-3.1-8b")
+    (tmp_path / "long_prompts.yaml").write_text(yaml.replace("./llama-3.1-8b", str(tmp_path / "llama-3.1-8b")))
+    assert main(["plan", str(tmp_path / "long_prompts.yaml"), "--gpu-memory-gib", "139"]) == 0
+    assert "on: a prompt and up to 8 completions a row, 49,152 tokens a step instead of 278,528" in \
+        capsys.readouterr().out
+    assert main(["plan", str(tmp_path / "long_prompts.yaml"), "train.shared_prompt=false", "--gpu-memory-gib",
+                 "139"]) == 0
+    assert "off: 278,528 tokens a step" in capsys.readouterr().out

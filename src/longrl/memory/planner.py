@@ -728,11 +728,12 @@ def shared_prompt_saves(prompt_tokens: int, completion_tokens: int, generations:
 def shared_prompt_applies(cfg, step: "StepShape", model_config) -> bool:
     """Whether ``step`` runs grouped rows for this model: as the step says, unless grouped rows would not be exact
     for the model (models/shared_prompt.unsupported_reason), where a pinned train.shared_prompt=true is a
-    ConfigError and the planner's choice falls back to separate sequences."""
+    ConfigError and the planner's choice falls back to separate sequences. The planner's choice is off for float32
+    compute too: the flash kernels behind grouped rows take 16-bit heads (else their [L, L]-mask twin runs)."""
     from ..config import ConfigError
     from ..models.shared_prompt import unsupported_reason
 
-    if not step.shared_prompt:
+    if not step.shared_prompt or (cfg.train.shared_prompt is None and cfg.model.dtype == "float32"):
         return False
     reason = unsupported_reason(model_config, step.prompt_tokens + step.completion_tokens)
     if reason is not None and cfg.train.shared_prompt:

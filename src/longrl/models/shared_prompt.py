@@ -136,7 +136,8 @@ def _attention(delegate: str):
         if LAYOUT_KWARG in kwargs:
             return shared_prompt_sdpa(module, query, key, value, attention_mask, **kwargs)
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        return ALL_ATTENTION_FUNCTIONS.get_interface(delegate, eager)(module, query, key, value, attention_mask, **kwargs)
+        function = ALL_ATTENTION_FUNCTIONS.get_interface(delegate, eager)
+        return function(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 

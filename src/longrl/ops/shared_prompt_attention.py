@@ -31,11 +31,14 @@ reaches it as the keyword argument ``longrl_shared_prompt`` that the model's for
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .grouped_attention import NEUTRAL_KWARGS
+
+log = logging.getLogger(__name__)
 
 LAYOUT_KWARG = "longrl_shared_prompt"  # the keyword argument carrying the layout to the attention function
 
@@ -137,6 +140,7 @@ def _flash_forward(q, k, v, causal: bool, scale: float):
 def _flash_backward(do, q, k, v, out, lse, saved, causal: bool, scale: float):
     """(dq, dk, dv) of the flash call that returned ``saved``, given the output and log-sum-exp to use."""
     aten = torch.ops.aten
+    lse = lse.contiguous()  # the CUDA kernels read it as a dense [B, H, T], with no strides: a slice is not
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal,
                                                                          scale=scale)
@@ -230,10 +234,18 @@ class SharedPromptAttention(torch.autograd.Function):
 
 def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, scale: float) -> torch.Tensor:
     """q [B, Hq, L, D], k, v [B, Hkv, L, D] → [B, L, Hq, D] under the layout's mask: the flash parts where
-    :func:`fast_path_applies`, else the plain twin."""
+    :func:`fast_path_applies`, else the plain twin (with a warning on CUDA, where its [L, L] mask is large)."""
     if fast_path_applies(q, k):
         return SharedPromptAttention.apply(q, k, v, layout, float(scale))
+    if q.device.type == "cuda" and not _warned:
+        _warned.append(True)
+        log.warning("grouped rows attend through the masked SDPA twin ([rows, L, L] mask): the flash kernels take "
+                    "16-bit heads of a dimension that is a multiple of 8 up to 256 on compute capability >= 8.0, "
+                    "got %s heads of %d", q.dtype, q.shape[-1])
     return reference_attention(q, k, v, layout, scale)
+
+
+_warned: list = []  # the twin's warning, once a process
 
 
 def shared_prompt_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
