@@ -86,6 +86,8 @@ def _check_train(cfg: Config) -> None:
     _check(t.logprob_chunk_size >= 1, "train.logprob_chunk_size", t.logprob_chunk_size, "an integer >= 1")
     _check(t.mlp_tile_tokens is None or t.mlp_tile_tokens >= 0, "train.mlp_tile_tokens", t.mlp_tile_tokens,
            "null (the planner decides), 0 (off) or a tile size >= 1")
+    _check(t.shared_prompt is None or isinstance(t.shared_prompt, bool), "train.shared_prompt", t.shared_prompt,
+           "null (the planner decides), true or false")
     _check(t.gpu_memory_gib >= 0, "train.gpu_memory_gib", t.gpu_memory_gib, ">= 0 (0: all free GPU memory)")
     _check(t.cpu_threads >= 0, "train.cpu_threads", t.cpu_threads, "an integer >= 0 (0: automatic)")
 

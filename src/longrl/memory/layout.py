@@ -57,6 +57,7 @@ class Layout:
     reuse_attention: bool  # offloaded layers keep their attention outputs (memory/attention_reuse.py)
     micro_batch_tokens: int  # token budget of a micro-batch; 0: train.micro_batch_size sequences
     mlp_tile_tokens: int  # MLP sequence tile (memory/tiling.py); 0: untiled
+    shared_prompt: bool = False  # the log-prob passes run grouped rows, each prompt once (models/shared_prompt.py)
     plan: Plan | None = dataclasses.field(default=None, compare=False)  # the planner's, on CUDA
 
     @property
@@ -74,6 +75,7 @@ class Layout:
                 "model.reuse_attention": self.reuse_attention,
                 "train.micro_batch_tokens": self.micro_batch_tokens,
                 "train.mlp_tile_tokens": self.mlp_tile_tokens,
+                "train.shared_prompt": self.shared_prompt,
                 "planned": self.plan is not None}
 
 
@@ -95,7 +97,8 @@ def resolve_layout(cfg, model_config, device: torch.device, step: StepShape | No
                       gradient_checkpointing=bool(m.gradient_checkpointing) or offload,  # offloading recomputes
                       gpu_resident_layers=m.gpu_resident_layers or 0, no_recompute_layers=m.no_recompute_layers or 0,
                       reuse_attention=offload if m.reuse_attention is None else bool(m.reuse_attention),
-                      micro_batch_tokens=t.micro_batch_tokens, mlp_tile_tokens=t.mlp_tile_tokens or 0)
+                      micro_batch_tokens=t.micro_batch_tokens, mlp_tile_tokens=t.mlp_tile_tokens or 0,
+                      shared_prompt=bool(t.shared_prompt) and (step is None or step.shared_prompt))
     plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size, step=step)
     log.info("memory plan:\n%s", plan.table())
     return Layout(offload_activations=plan.offload, gradient_checkpointing=plan.checkpointing,
@@ -104,4 +107,5 @@ def resolve_layout(cfg, model_config, device: torch.device, step: StepShape | No
                   reuse_attention=plan.reuse_attention if m.reuse_attention is None else bool(m.reuse_attention),
                   micro_batch_tokens=t.micro_batch_tokens or plan.micro_batch_tokens,
                   mlp_tile_tokens=(plan.mlp_tile_tokens or 0) if t.mlp_tile_tokens is None else t.mlp_tile_tokens,
+                  shared_prompt=plan.shared_prompt,
                   plan=plan)

@@ -82,6 +82,9 @@ GIB = 2 ** 30
 F32 = 4  # bytes of a float32 element
 MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
 MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
+# grouped rows (train.shared_prompt null) are chosen when a group's P + G·R tokens are at most this share of the
+# G·(P + R) of G separate sequences: below that the saving outweighs the extra, smaller attention calls
+SHARED_PROMPT_MAX_SHARE = 0.75
 # fraction of free GPU memory the plan may use (the planner's error, allocator fragmentation, CUDA workspaces):
 # with the allocator's fixed segments, which fragment, and with its expandable segments (longrl's default:
 # allocator.py), which reserve little above what is allocated
@@ -195,6 +198,9 @@ class Plan:
     budget_bytes: int = 0  # the GPU memory planned for (train.gpu_memory_gib, or what was free)
     reuse_attention: bool = False  # offloaded layers keep their attention outputs (memory/attention_reuse.py)
     no_recompute_layers: int = 0  # the last layers not checkpointed: all activations kept, no recompute
+    shared_prompt: bool = False  # the passes run grouped rows: each prompt once, then its completions
+    # a GRPO step's tokens on one GPU: (as planned, as G separate sequences, completions a row with grouped rows)
+    step_tokens: tuple[int, int, int] | None = None
 
     def table(self) -> str:
         rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
@@ -206,6 +212,11 @@ class Plan:
                 ("layers not recomputed", str(self.no_recompute_layers)),
                 ("log-prob chunk (rows)", f"{self.logprob_chunk_size:,}"),
                 ("MLP tile (tokens)", f"{self.mlp_tile_tokens:,}" if self.mlp_tile_tokens else "off")]
+        if self.step_tokens is not None:
+            planned, separate, per_row = self.step_tokens
+            rows += [("shared prompt (grouped rows)",
+                      f"on: a prompt and up to {per_row} completions a row, {planned:,} tokens a step instead of "
+                      f"{separate:,}" if self.shared_prompt else f"off: {separate:,} tokens a step")]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB  (of layer recompute and log-prob "
                                         "backward, only the larger: they are not live together)"),
@@ -710,6 +721,28 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
     return ([] if checkpointing else [(False, False)]) + [(True, True)]
 
 
+def shared_prompt_saves(prompt_tokens: int, completion_tokens: int, generations: int) -> bool:
+    """Whether grouped rows pay for a step: G > 1 and P + G·R ≤ SHARED_PROMPT_MAX_SHARE × G·(P + R)."""
+    grouped = prompt_tokens + generations * completion_tokens
+    return generations > 1 and grouped <= SHARED_PROMPT_MAX_SHARE * generations * (prompt_tokens + completion_tokens)
+
+
+def shared_prompt_applies(cfg, step: "StepShape", model_config) -> bool:
+    """Whether ``step`` runs grouped rows for this model: as the step says, unless grouped rows would not be exact
+    for the model (models/shared_prompt.unsupported_reason), where a pinned train.shared_prompt=true is a
+    ConfigError and the planner's choice falls back to separate sequences. The planner's choice is off for float32
+    compute too: the flash kernels behind grouped rows take 16-bit heads (else their [L, L]-mask twin runs)."""
+    from ..config import ConfigError
+    from ..models.shared_prompt import unsupported_reason
+
+    if not step.shared_prompt or (cfg.train.shared_prompt is None and cfg.model.dtype == "float32"):
+        return False
+    reason = unsupported_reason(model_config, step.prompt_tokens + step.completion_tokens)
+    if reason is not None and cfg.train.shared_prompt:
+        raise ConfigError(f"config key 'train.shared_prompt': true, but {reason}")
+    return reason is None
+
+
 @dataclass(frozen=True)
 class StepShape:
     """One optimizer step as the planner sees it: ``prompts`` prompts (over every rank) of at most ``prompt_tokens``
@@ -723,14 +756,17 @@ class StepShape:
     steps_per_rollout: int = 1
     rollouts: bool = False
     length_key: str = "generation.max_completion_length"
+    shared_prompt: bool = False  # grouped rows: a prompt once, then its completions (P + ΣR tokens, not G·(P + R))
 
     @classmethod
     def grpo(cls, cfg, completion_tokens: int) -> "StepShape":
         """A GRPO step of ``cfg``: prompts_per_step × num_generations completions of ``completion_tokens`` (the
         trajectory budget: config.trajectory_tokens) after a max_prompt_length prompt; the rollout samples
         steps_per_generation steps' prompts at once."""
-        return cls(cfg.data.max_prompt_length, completion_tokens, cfg.train.prompts_per_step,
-                   cfg.grpo.num_generations, cfg.grpo.steps_per_generation, rollouts=cfg.generation.backend == "longrl")
+        P, G, pin = cfg.data.max_prompt_length, cfg.grpo.num_generations, cfg.train.shared_prompt
+        return cls(P, completion_tokens, cfg.train.prompts_per_step, G, cfg.grpo.steps_per_generation,
+                   rollouts=cfg.generation.backend == "longrl",
+                   shared_prompt=shared_prompt_saves(P, completion_tokens, G) if pin is None else pin)
 
     @classmethod
     def sft(cls, cfg, examples: int | None = None) -> "StepShape":
@@ -774,8 +810,17 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                      chunk=cfg.train.logprob_chunk_size, compute_bytes=compute, trainable_base=not cfg.lora.enabled,
                      weight_shards=shards, length_key=step.length_key, **pinned, **kernels)
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
+    shared = shared_prompt_applies(cfg, step, model_config)
     try:
-        plan = _first_fitting(shape, candidates, gpu_free_bytes, step_args)
+        if shared:
+            plan, per_row = _grouped_plan(shape, candidates, gpu_free_bytes, step_args, step, prompts)
+        else:
+            plan, per_row = _first_fitting(shape, candidates, gpu_free_bytes, step_args), 1
+        if step.generations > 1:  # a GRPO step: its tokens either way
+            rows = -(-step.generations // per_row)
+            plan.step_tokens = (prompts * (rows * step.prompt_tokens + step.generations * step.completion_tokens)
+                                if shared else n * length, n * length, per_row)
+            plan.shared_prompt = shared
         if step.rollouts:
             gen = cfg.generation
             plan.rollout = plan_rollout(shape, prompts=prompts * step.steps_per_rollout,
@@ -794,6 +839,34 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
     return plan
+
+
+def _grouped_plan(shape: ModelShape, candidates: list, gpu_free_bytes: int, step_args: dict, step: StepShape,
+                  prompts: int) -> tuple[Plan, int]:
+    """(plan, k) for grouped rows: the most completions k ≤ G a row (with their prompt, P + k·R tokens) at which
+    the step fits, so rows of ⌈G / k⌉ × prompts; a group longer than the micro-batch budget is cut into such rows
+    (memory/microbatch.prompt_group_batches). Fitting only gets easier as k falls: bisection; the PlanError of
+    k = 1 (one prompt and one completion, a separate sequence's length) when none fits."""
+    G, P, R = step.generations, step.prompt_tokens, step.completion_tokens
+
+    def plan_for(k: int) -> Plan:
+        lengths = [P + k * R] * (prompts * -(-G // k))
+        return _first_fitting(shape, candidates, gpu_free_bytes, {**step_args, "sequence_lengths": lengths})
+
+    try:
+        return plan_for(G), G  # the usual case: whole groups fit
+    except PlanError:
+        if G == 1:
+            raise
+    best = (plan_for(1), 1)  # raises when not even one completion a row fits
+    lo, hi = 2, G - 1
+    while lo <= hi:
+        k = (lo + hi) // 2
+        try:
+            best, lo = (plan_for(k), k), k + 1
+        except PlanError:
+            hi = k - 1
+    return best
 
 
 def _first_fitting(shape: ModelShape, candidates: list, gpu_free_bytes: int, step: dict) -> Plan:

@@ -1,8 +1,8 @@
 """Per-token log-probs of completions under the policy (or the reference: the same weights, adapters off).
 
-Sequences are prompt + completion, right-padded. The backbone gives final hidden states [b, L, H]; only
-the rows that predict completion tokens go through the chunked LM-head log-prob op, so no [b, L, V]
-logits tensor ever exists.
+Sequences are prompt + completion, packed or right-padded, or grouped rows (each prompt once, then its
+completions: models/shared_prompt.py). The backbone gives final hidden states [b, L, H]; only the rows that
+predict completion tokens go through the chunked LM-head log-prob op, so no [b, L, V] logits tensor ever exists.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from . import model_parts
 from ..ops.logprobs import chunked_logprobs
+from .shared_prompt import enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs
 
 
 def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -93,29 +94,59 @@ def backbone_hidden(model, seqs: list[list[int]], pad_id: int, packed: bool = Tr
     return hidden.reshape(-1, hidden.shape[-1]), starts
 
 
+def grouped_backbone_hidden(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                            packed: bool = True, attention: str = "kernel"):
+    """(hidden [rows, H], predictors): the backbone's final hidden states of the sequences laid out as grouped rows
+    (models/shared_prompt.py: each prompt once, then its completions), flattened, and for each sequence the rows
+    whose hidden states predict its completion tokens (row predictors[i][j] predicts completion_ids[i][j]).
+
+    ``attention``: "kernel", the flash parts merged by log-sum-exp (ops/shared_prompt_attention.py), or "mask", the
+    plain twin: the layout's [rows, L, L] mask through the model's own attention."""
+    backbone, head, _ = model_parts(model)
+    device = head.weight.device
+    rows = grouped_rows(prompt_ids, completion_ids, pad_id, packed)
+    if attention == "kernel":
+        enable_shared_prompt(model)  # (once) grouped rows, and the layer recomputes of their backward, attend by it
+        inputs = kernel_inputs(rows, device)
+    elif attention == "mask":
+        inputs = mask_inputs(model, rows, device)
+    else:
+        raise ValueError(f"grouped-row attention is 'kernel' or 'mask', not {attention!r}")
+    with compute_context(model):
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [rows, L, H]
+    return hidden.reshape(-1, hidden.shape[-1]), rows.predictors
+
+
 def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int, *,
                       pad_id: int, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                      packed: bool = True):
+                      packed: bool = True, shared_prompt: bool | str = False):
     """(logps [b, width], entropy [b, width] or None), zero beyond each completion's length.
 
-    ``packed``: the layout of :func:`backbone_hidden`. Differentiable with respect to the model's trainable parameters when grad is enabled.
+    ``packed``: the layout of :func:`backbone_hidden`. ``shared_prompt``: sequences with equal prompts run as
+    grouped rows, each prompt computed once (:func:`grouped_backbone_hidden`; True is its "kernel" attention,
+    "mask" its plain twin); the same numbers as the repeated layout up to rounding. Differentiable with respect to
+    the model's trainable parameters when grad is enabled.
     """
     _, head, spec = model_parts(model)
     device = head.weight.device
-    hidden, starts = backbone_hidden(model, [p + c for p, c in zip(prompt_ids, completion_ids)], pad_id, packed)
-    rows, slots = [], []
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        start = starts[i] + len(p) - 1
-        rows += range(start, start + len(c))  # the state before each completion token predicts it
-        slots += [(i, j) for j in range(len(c))]
-    rows_t = torch.tensor(rows, device=device)
+    if shared_prompt:
+        attention = "kernel" if shared_prompt is True else shared_prompt
+        hidden, predictors = grouped_backbone_hidden(model, prompt_ids, completion_ids, pad_id, packed, attention)
+    else:
+        hidden, starts = backbone_hidden(model, [p + c for p, c in zip(prompt_ids, completion_ids)], pad_id, packed)
+        # the state before each completion token predicts it
+        predictors = [range(starts[i] + len(p) - 1, starts[i] + len(p) - 1 + len(c))
+                      for i, (p, c) in enumerate(zip(prompt_ids, completion_ids))]
+    rows = [r for rs in predictors for r in rs]
+    slots = [(i, j) for i, c in enumerate(completion_ids) for j in range(len(c))]
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
     h = hidden[rows_t]  # [N, H]
     targets = torch.tensor([t for c in completion_ids for t in c], dtype=torch.long, device=device)  # [N]
     logps_flat, ent_flat = chunked_logprobs(h, head.weight, targets, bias=head.bias, temperature=temperature,
                                             softcap=spec.softcap, multiplier=spec.multiplier, chunk_size=chunk_size,
                                             with_entropy=with_entropy)
-    seq_idx = torch.tensor([i for i, _ in slots], device=device)
-    tok_idx = torch.tensor([j for _, j in slots], device=device)
+    seq_idx = torch.tensor([i for i, _ in slots], dtype=torch.long, device=device)
+    tok_idx = torch.tensor([j for _, j in slots], dtype=torch.long, device=device)
     logps = torch.zeros(len(prompt_ids), width, dtype=logps_flat.dtype, device=device).index_put((seq_idx, tok_idx), logps_flat)
     entropy = None
     if with_entropy:

@@ -23,10 +23,12 @@ from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, load_prompts, read_prompt_rows
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
+from ..memory.microbatch import prompt_group_batches
 from ..memory.planner import StepShape
-from ..models import check_model_files, resolve_device
+from ..models import base_model, check_model_files, resolve_device
 from ..models.lora_training import fused_lora_training
 from ..models.policy import completion_mask, pad_right, reference_mode
+from ..models.shared_prompt import unsupported_reason
 from ..ops.advantages import decoupled_group_advantages, group_advantages
 from ..ops.attention_backend import sdpa_priority
 from ..ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
@@ -149,6 +151,7 @@ class GRPOTrainer:
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
         # sequences costs the square of the packed length, so padded rows are faster there
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
+        self.shared_prompt = self._shared_prompt(model)  # grouped rows: each prompt once in the log-prob passes
         self.prompt_order = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         # the policy update's forward: the model, or DDP over it (replicated weights: only the adapters are
         # reduced), or FSDP2 shards of it (full weights across several processes)
@@ -398,8 +401,22 @@ class GRPOTrainer:
         params = sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
         return dataclasses.replace(params, sequence_ids=sequence_ids)  # a rank's sequences' global ids
 
+    def _shared_prompt(self, model) -> bool:
+        """Whether the log-prob passes run grouped rows (the layout's choice), checked against the model: a pinned
+        train.shared_prompt=true for a model where they would not be exact is a ConfigError."""
+        if not self.layout.shared_prompt:
+            return False
+        longest = self.cfg.data.max_prompt_length + trajectory_tokens(self.cfg)
+        reason = unsupported_reason(base_model(model).config, longest)
+        if reason is not None:
+            raise ConfigError(f"config key 'train.shared_prompt': true, but {reason}")
+        return True
+
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train
+        if self.shared_prompt:  # a prompt's completions together (cut only where they exceed the token budget)
+            return prompt_group_batches(prompt_ids, [len(c) for c in completion_ids], self.layout.micro_batch_tokens,
+                                        t.micro_batch_size)
         if self.layout.micro_batch_tokens > 0:
             return token_budget_groups([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
                                        self.layout.micro_batch_tokens)
@@ -414,7 +431,7 @@ class GRPOTrainer:
             lp, e = self.policy([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
                                 pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
                                 chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
-                                with_entropy=with_entropy)
+                                with_entropy=with_entropy, shared_prompt=self.shared_prompt)
             if not counts:  # (FSDP2: a forward every rank runs, see lockstep)
                 continue
             out[idx] = lp.cpu().to(out.dtype)  # kept in float32 whatever the model computes in
@@ -494,7 +511,7 @@ class GRPOTrainer:
         logps, entropy = self.policy([b.prompt_ids[i] for i in idx], [b.completion_ids[i] for i in idx],
                                      b.mask.shape[1], pad_id=self.tokenizer.pad_token_id,
                                      temperature=cfg.generation.temperature, chunk_size=cfg.train.logprob_chunk_size,
-                                     with_entropy=True, packed=self.padding_free)
+                                     with_entropy=True, packed=self.padding_free, shared_prompt=self.shared_prompt)
         mask = b.mask[idx].to(dev)
         old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
         ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None
