@@ -162,9 +162,10 @@ def test_null_is_off_on_the_cpu_and_bad_values_are_refused(tmp_path):
 
     cfg = _cfg(tmp_path, "data.max_prompt_length=64")
     step = StepShape.grpo(cfg, 4)
-    assert step.shared_prompt and not resolve_layout(cfg, None, torch.device("cpu"), step).shared_prompt
-    assert resolve_layout(_cfg(tmp_path, "train.shared_prompt=true"), None, torch.device("cpu"),
-                          step).to_dict()["train.shared_prompt"] is True
+    assert not step.shared_prompt and not resolve_layout(cfg, None, torch.device("cpu"), step).shared_prompt
+    pinned = _cfg(tmp_path, "train.shared_prompt=true")
+    assert resolve_layout(pinned, None, torch.device("cpu"),
+                          StepShape.grpo(pinned, 4)).to_dict()["train.shared_prompt"] is True
     with pytest.raises(ConfigError, match="train.shared_prompt"):
         load_config(None, ["train.shared_prompt=sometimes"])
 
@@ -185,14 +186,15 @@ def _plan_cfg(*overrides):
                               "grpo.num_generations=8", "rewards=[{function: 'tasks:reward'}]", *overrides])
 
 
-def test_step_shape_chooses_grouped_rows_for_long_prompts():
+def test_step_shape_takes_grouped_rows_when_pinned_and_knows_where_they_pay():
+    """Null is off until the CUDA path is measured; shared_prompt_saves is the rule it is to follow then."""
     from longrl.memory.planner import StepShape, shared_prompt_saves
 
     assert shared_prompt_saves(16384, 1024, 8) and shared_prompt_saves(1024, 1024, 8)
     assert not shared_prompt_saves(512, 20480, 8) and not shared_prompt_saves(16384, 1024, 1)
     long_prompts = _plan_cfg("data.max_prompt_length=16384", "generation.max_completion_length=1024")
     short_prompts = _plan_cfg("data.max_prompt_length=512", "generation.max_completion_length=20480")
-    assert StepShape.grpo(long_prompts, 1024).shared_prompt
+    assert not StepShape.grpo(long_prompts, 1024).shared_prompt
     assert not StepShape.grpo(short_prompts, 20480).shared_prompt
     pinned = _plan_cfg("data.max_prompt_length=512", "generation.max_completion_length=20480",
                        "train.shared_prompt=true")
@@ -206,15 +208,19 @@ def test_plan_counts_a_group_as_its_prompt_once():
     against 2 × 8 × 17,408 = 278,528; the micro-batch holds a whole group (24,576 tokens) on an H200."""
     from longrl.memory.planner import GIB, plan_for_config
 
-    grouped = plan_for_config(_plan_cfg("data.max_prompt_length=16384", "generation.max_completion_length=1024"),
-                              _llama8b(), 139 * GIB, 500 * GIB)
+    grouped = plan_for_config(_plan_cfg("data.max_prompt_length=16384", "generation.max_completion_length=1024",
+                                        "train.shared_prompt=true"), _llama8b(), 139 * GIB, 500 * GIB)
     separate = plan_for_config(_plan_cfg("data.max_prompt_length=16384", "generation.max_completion_length=1024",
                                          "train.shared_prompt=false"), _llama8b(), 139 * GIB, 500 * GIB)
+    unpinned = plan_for_config(_plan_cfg("data.max_prompt_length=16384", "generation.max_completion_length=1024"),
+                               _llama8b(), 139 * GIB, 500 * GIB)
     assert grouped.shared_prompt and grouped.step_tokens == (49152, 278528, 8)
     assert not separate.shared_prompt and separate.step_tokens == (278528, 278528, 1)
     assert grouped.micro_batch_tokens >= 16384 + 8 * 1024
     assert "on: a prompt and up to 8 completions a row, 49,152 tokens a step instead of 278,528" in grouped.table()
     assert "off: 278,528 tokens a step" in separate.table()
+    assert not unpinned.shared_prompt and "train.shared_prompt=true computes each prompt once" in unpinned.table()
+    assert "train.shared_prompt=true" not in separate.table().replace("off: 278,528 tokens a step", "")  # pinned off
 
 
 def test_planner_leaves_grouped_rows_off_for_float32_compute():
@@ -272,7 +278,8 @@ def test_cli_plan_shows_the_saving(tmp_path, capsys):
     yaml = re.search(r"```yaml\n(model: \{name_or_path: \./llama-3\.1-8b.*?)```", doc, re.S).group(1)
     _llama8b().save_pretrained(tmp_path / "llama-3.1-8b")
     (tmp_path / "long_prompts.yaml").write_text(yaml.replace("./llama-3.1-8b", str(tmp_path / "llama-3.1-8b")))
-    assert main(["plan", str(tmp_path / "long_prompts.yaml"), "--gpu-memory-gib", "139"]) == 0
+    assert main(["plan", str(tmp_path / "long_prompts.yaml"), "train.shared_prompt=true", "--gpu-memory-gib",
+                 "139"]) == 0
     assert "on: a prompt and up to 8 completions a row, 49,152 tokens a step instead of 278,528" in \
         capsys.readouterr().out
     assert main(["plan", str(tmp_path / "long_prompts.yaml"), "train.shared_prompt=false", "--gpu-memory-gib",

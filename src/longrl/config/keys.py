@@ -28,9 +28,10 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends",
                      "model.grouped_attention_backward", "model.reuse_attention", "model.attn_implementation",
                      "model.gradient_checkpointing",
-                     "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
+                     "model.fused_layers", "lora.fused_training", "train.padding_free", "train.shared_prompt", "data.eval_source",
                      "data.eval_split", "data.eval_num_examples",
-                     "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",
+                     "train.max_nonfinite_steps", "train.max_no_signal_steps", "environment.max_reset_failure_share",
+                     "rewards[].timeout_s",
                      "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s",
                      "distributed.")
 

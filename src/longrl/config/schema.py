@@ -165,8 +165,8 @@ class TrainConfig:
     logprob_chunk_size: int = 1024  # tokens per chunk of the LM-head log-prob op (no full logits tensor)
     mlp_tile_tokens: Optional[int] = None  # MLP in sequence tiles of this many tokens; 0: off, null: planner decides
     shared_prompt: Optional[bool] = None  # reference and policy passes on grouped rows: each prompt computed once for
-    #                                      its completions (exact; docs/memory.md); null: the planner decides on CUDA
-    #                                      (on when G > 1 and prompts are long against completions), off on the CPU
+    #                                      its completions (exact; docs/memory.md); null: off for now (the CUDA
+    #                                      path is not yet measured; `longrl plan` names the saving), true opts in
     gpu_memory_gib: float = 0.0  # CUDA: GPU memory the run may use (planner, KV cache, allocator cap); 0: all free
     max_nonfinite_steps: int = 3  # steps in a row whose loss or gradient norm is NaN/inf (each makes no update)
     #                               before the run stops with a checkpoint

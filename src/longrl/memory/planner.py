@@ -201,6 +201,7 @@ class Plan:
     shared_prompt: bool = False  # the passes run grouped rows: each prompt once, then its completions
     # a GRPO step's tokens on one GPU: (as planned, as G separate sequences, completions a row with grouped rows)
     step_tokens: tuple[int, int, int] | None = None
+    shared_prompt_would_save: bool = False  # off, where grouped rows would pay (shared_prompt_saves)
 
     def table(self) -> str:
         rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
@@ -216,7 +217,9 @@ class Plan:
             planned, separate, per_row = self.step_tokens
             rows += [("shared prompt (grouped rows)",
                       f"on: a prompt and up to {per_row} completions a row, {planned:,} tokens a step instead of "
-                      f"{separate:,}" if self.shared_prompt else f"off: {separate:,} tokens a step")]
+                      f"{separate:,}" if self.shared_prompt else
+                      f"off: {separate:,} tokens a step" + (" (train.shared_prompt=true computes each prompt once)"
+                                                            if self.shared_prompt_would_save else ""))]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB  (of layer recompute and log-prob "
                                         "backward, only the larger: they are not live together)"),
@@ -722,7 +725,9 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
 
 
 def shared_prompt_saves(prompt_tokens: int, completion_tokens: int, generations: int) -> bool:
-    """Whether grouped rows pay for a step: G > 1 and P + G·R ≤ SHARED_PROMPT_MAX_SHARE × G·(P + R)."""
+    """Whether grouped rows pay for a step: G > 1 and P + G·R ≤ SHARED_PROMPT_MAX_SHARE × G·(P + R). The rule the
+    planner's null choice is to take once the grouped rows' CUDA path has been measured; until then null is off and
+    `longrl plan` names the saving where this holds."""
     grouped = prompt_tokens + generations * completion_tokens
     return generations > 1 and grouped <= SHARED_PROMPT_MAX_SHARE * generations * (prompt_tokens + completion_tokens)
 
@@ -766,7 +771,7 @@ class StepShape:
         P, G, pin = cfg.data.max_prompt_length, cfg.grpo.num_generations, cfg.train.shared_prompt
         return cls(P, completion_tokens, cfg.train.prompts_per_step, G, cfg.grpo.steps_per_generation,
                    rollouts=cfg.generation.backend == "longrl",
-                   shared_prompt=shared_prompt_saves(P, completion_tokens, G) if pin is None else pin)
+                   shared_prompt=bool(pin))  # null: off until the CUDA path is measured (see shared_prompt_saves)
 
     @classmethod
     def sft(cls, cfg, examples: int | None = None) -> "StepShape":
@@ -818,8 +823,10 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
             plan, per_row = _first_fitting(shape, candidates, gpu_free_bytes, step_args), 1
         if step.generations > 1:  # a GRPO step: its tokens either way
             rows = -(-step.generations // per_row)
-            plan.step_tokens = (prompts * (rows * step.prompt_tokens + step.generations * step.completion_tokens)
-                                if shared else n * length, n * length, per_row)
+            grouped = prompts * (rows * step.prompt_tokens + step.generations * step.completion_tokens)
+            plan.step_tokens = (grouped if shared else n * length, n * length, per_row)
+            plan.shared_prompt_would_save = (cfg.train.shared_prompt is None and shared_prompt_saves(step.prompt_tokens,
+                                                                                step.completion_tokens, step.generations))
             plan.shared_prompt = shared
         if step.rollouts:
             gen = cfg.generation
