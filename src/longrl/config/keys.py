@@ -19,21 +19,19 @@ from .trl_names import SFT_NAMES, TRL_NAMES
 # keys a resumed run may change: how long it runs, where and how it reports, and how fast or in how much memory it
 # computes the same steps; every other key decides the run's trajectory (data, model, adapters, optimizer, loss,
 # sampling) and must stay what the checkpoint was trained with
-RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "generation.backend", "generation.cuda_graphs",
-                     "generation.kv_cache_gib", "generation.kv_cache_dtype", "generation.sync_every",
-                     "train.gpu_memory_gib", "train.cpu_threads", "generation.fast_decode",
+RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "generation.backend",
+                     "generation.cuda_graphs", "generation.kv_cache_gib", "generation.kv_cache_dtype",
+                     "generation.sync_every", "train.gpu_memory_gib", "train.cpu_threads", "generation.fast_decode",
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
                      "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends",
                      "model.grouped_attention_backward", "model.reuse_attention", "model.attn_implementation",
-                     "model.gradient_checkpointing",
-                     "model.fused_layers", "lora.fused_training", "train.padding_free", "train.shared_prompt", "data.eval_source",
-                     "data.eval_split", "data.eval_num_examples",
-                     "train.max_nonfinite_steps", "train.max_no_signal_steps", "environment.max_reset_failure_share",
-                     "rewards[].timeout_s",
-                     "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s",
-                     "distributed.")
+                     "model.gradient_checkpointing", "model.fused_layers", "lora.fused_training",
+                     "train.padding_free", "train.shared_prompt", "data.eval_source", "data.eval_split",
+                     "data.eval_num_examples", "train.max_nonfinite_steps", "train.max_no_signal_steps",
+                     "environment.max_reset_failure_share", "rewards[].timeout_s", "rewards[].isolation",
+                     "rewards[].memory_limit_gib", "rewards[].cpu_limit_s", "distributed.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
