@@ -44,6 +44,11 @@ def _code_processes() -> list[int]:
     return pids
 
 
+def _code_running(marker: str) -> list[int]:
+    """Host pids of the sandboxed code processes whose main.py holds ``marker`` (not other callers' sandboxes)."""
+    return [pid for pid in _code_processes() if marker.encode() in _main_py_of(pid)]
+
+
 def _alive_with(marker: str) -> list[str]:
     """Command lines of processes running anywhere on the host that contain ``marker``."""
     out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True, check=False).stdout
@@ -137,11 +142,10 @@ def test_the_sandbox_stops_when_its_caller_dies(sandbox, tmp_path):
         run_python("import time\\nprint('x', flush=True)\\ntime.sleep(60) # {marker}", SandboxLimits(wall_s=60))
     """)])
     try:
-        assert _wait_until(lambda: any(marker.encode() in _main_py_of(p) for p in _code_processes())), \
-            "the sandboxed code never started"
+        assert _wait_until(lambda: _code_running(marker) != []), "the sandboxed code never started"
         caller.kill()
         caller.wait()
-        assert _wait_until(lambda: not any(marker.encode() in _main_py_of(p) for p in _code_processes()))
+        assert _wait_until(lambda: _code_running(marker) == [])
     finally:
         caller.kill()
 
@@ -191,11 +195,12 @@ def test_code_cannot_signal_another_sandbox(sandbox):
     A's processes by their host pids, every pid it may signal, and PID 1; A runs on to its end."""
     results = {}
     victim = threading.Thread(target=lambda: results.update(a=run_python(
-        "import time\nprint('A started', flush=True)\ntime.sleep(3)\nprint('A done')", SandboxLimits(wall_s=30))))
+        "import time\nprint('A started', flush=True)\ntime.sleep(3)\nprint('A done')  # victim-3a1f",
+        SandboxLimits(wall_s=30))))
     victim.start()
     try:
-        assert _wait_until(lambda: _code_processes() != [])
-        targets = _code_processes()
+        assert _wait_until(lambda: _code_running("victim-3a1f") != [])
+        targets = _code_running("victim-3a1f")
         r = run_python(textwrap.dedent(f"""
             import os
             for pid in {targets} + [-1, 1]:
@@ -371,15 +376,21 @@ def test_infinite_loop_hits_the_cpu_limit(sandbox):
 
 
 def test_fork_bomb_is_contained(sandbox):
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass  # bomb-77c2"
     r = run_python(code, SandboxLimits(wall_s=1.5, max_processes=16))
     assert r.timed_out or r.exit_code != 0
-    assert _code_processes() == []
+    assert _code_running("bomb-77c2") == []
 
 
 def test_memory_hog_fails(sandbox):
     r = run_python("x = bytearray(1 << 31)\nprint('allocated')", SandboxLimits(memory_mib=256))
     assert not r.ok and "MemoryError" in r.stderr and "allocated" not in r.stdout
+
+
+def test_unread_stdin_does_not_hold_the_call(sandbox):
+    r = run_python("print('ignored stdin')", stdin="x" * (4 << 20))
+    assert r.ok and r.stdout == "ignored stdin\n"
+    assert run_python("import sys\nprint(len(sys.stdin.read()))", stdin="abc").stdout == "3\n"
 
 
 def test_huge_output_is_truncated(sandbox):

@@ -189,11 +189,8 @@ def _run(code: str, limits: SandboxLimits, stdin: str, interpreter: str, host_di
         os.close(report_w)
         report_w = None
         out, err = _Capture(proc.stdout, limits.max_output_bytes), _Capture(proc.stderr, limits.max_output_bytes)
-        try:
-            proc.stdin.write(stdin.encode())
-            proc.stdin.close()
-        except OSError:
-            pass
+        # fed from a thread: code that never reads a large stdin must not hold the call past its wall limit
+        threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True).start()
         timed_out = False
         try:
             proc.wait(timeout=limits.wall_s)
@@ -221,6 +218,14 @@ def _run(code: str, limits: SandboxLimits, stdin: str, interpreter: str, host_di
     sizes = {"stdout": out.total, "stderr": err.total}
     return SandboxResult(out.text(), err.text(), None if timed_out else report["exit"], timed_out,
                          any(n > limits.max_output_bytes for n in sizes.values()), duration, sizes)
+
+
+def _feed(stream, data: bytes) -> None:
+    try:
+        stream.write(data)
+        stream.close()
+    except OSError:  # the code exited without reading it all
+        pass
 
 
 def _read_report(fd: int) -> dict:
