@@ -140,7 +140,7 @@ def test_the_sandbox_stops_when_its_caller_dies(sandbox, tmp_path):
     caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from longrl.agents.sandbox import SandboxLimits, run_python
         run_python("import time\\nprint('x', flush=True)\\ntime.sleep(60) # {marker}", SandboxLimits(wall_s=60))
-    """)])
+    """)], env={**os.environ, "TMPDIR": str(tmp_path)})  # (a killed caller cannot remove its temporary directory)
     try:
         assert _wait_until(lambda: _code_running(marker) != []), "the sandboxed code never started"
         caller.kill()

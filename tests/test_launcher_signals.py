@@ -169,7 +169,8 @@ def test_killing_the_launcher_sends_sigterm_to_torchrun(tmp_path):
         time.sleep(60)
     """)
     run_launcher = "import sys\nfrom longrl.cli.launcher import launch\nsys.exit(launch(sys.argv[1:]))"
-    launcher = subprocess.Popen([sys.executable, "-c", run_launcher, sys.executable, "-c", agent])
+    launcher = subprocess.Popen([sys.executable, "-c", run_launcher, sys.executable, "-c", agent],
+                                env={**os.environ, "TMPDIR": str(tmp_path)})  # (its report directory stays behind)
     try:
         _wait_for(lambda: (tmp_path / "agent-ready").exists(), 60, "the stand-in for torchrun")
         launcher.kill()
