@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import sys
+
+from .exit_codes import EXIT_BAD_INPUT
 
 
 def plan_command(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bool = False) -> int:
+    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        print(f"longrl: error: --gpu-memory-gib must be a positive number of GiB; got {gpu_memory_gib}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     import torch
 
     from ..config import trajectory_tokens
@@ -35,8 +42,14 @@ def plan_command(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bo
               f"({cfg.train.prompts_per_step}: each process samples whole groups); got {world_size}", file=sys.stderr)
         return 2
     try:
-        plan = plan_for_config(cfg, model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code),
-                               int(gpu_memory_gib * GIB), world_size=world_size, step=step)
+        model_config = model_config_of(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:  # no such directory or hub id, offline, no config.json, an unknown model type
+        print(f"longrl: error: config key 'model.name_or_path': cannot read the model config of "
+              f"{cfg.model.name_or_path!r}: {e}\n(offline? `longrl plan` needs only the model's config.json: download "
+              "the model once, or point model.name_or_path at a local directory)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        plan = plan_for_config(cfg, model_config, int(gpu_memory_gib * GIB), world_size=world_size, step=step)
     except PlanError as e:
         print(f"longrl: this job cannot fit{f' on {world_size} GPUs' if world_size > 1 else ''}: {e}", file=sys.stderr)
         return 1

@@ -164,7 +164,10 @@ def _formatted(rows: list[dict], formatting_func, column: str, name: str) -> lis
     """TRL's formatting_func: each row → {column: formatting_func(row)}, a text row."""
     out = []
     for i, row in enumerate(rows):
-        text = formatting_func(row)
+        try:
+            text = formatting_func(row)
+        except Exception as e:
+            raise ConfigError(f"formatting_func on {name} row {i + 1} raised {type(e).__name__}: {e}") from e
         if not isinstance(text, str) or not text:
             raise ConfigError(f"formatting_func on {name} row {i + 1}: returned {text!r:.60}; expected a non-empty "
                               "string (the text to train on)")
@@ -280,6 +283,11 @@ class GRPOTrainer(grpo.GRPOTrainer):
         trl = dict(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                    processing_class=processing_class, peft_config=peft_config, reward_weights=reward_weights)
         agents = dict(environment_factory=environment_factory, tools=tools)
+        if isinstance(cfg, Config) and isinstance(model, (str, Path)):
+            raise TypeError(f"GRPOTrainer({type(cfg).__name__}(...), {str(model)!r}): TRL's positional order is the "
+                            f"model first, GRPOTrainer({str(model)!r}, reward_funcs, args, train_dataset); or name "
+                            "them: GRPOTrainer(model=..., reward_funcs=..., args=...). (longrl's GRPOTrainer(cfg, "
+                            "model=...) takes a loaded model; a model name goes in cfg.model.name_or_path)")
         if isinstance(cfg, Config) and all(v is None for v in trl.values()):  # longrl's own form
             epochs_to_steps(cfg, None)
             super().__init__(cfg, model, tokenizer, scorer, callbacks=callbacks, **agents)

@@ -7,6 +7,12 @@ Row formats (detected per row, the first that applies):
   prompt / completion  strings, or messages. With ``completion_only_loss`` only the completion is trained.
   text                 plain text (the ``text_column``), every token trained; EOS appended.
 
+A message's content is a string, or a list of parts (the multimodal chat format) whose text parts
+``{"type": "text", "text": ...}`` are joined with nothing between them, as chat templates render them; other part
+types (images, audio) are refused, naming the row. Every check that needs no tokenizer (the format, the roles,
+empty turns, the parts, an assistant turn to train on) is :func:`checked_row`, run on all rows by
+:func:`check_rows` before the model loads.
+
 Where the assistant's tokens are, is read off the template itself: for assistant message i the conversation up
 to i rendered with the generation prompt is a prefix P of the conversation up to and including i, Q; the
 characters Q[len(P):] are the turn, and a token is trained when it starts inside a turn (character offsets of
@@ -23,7 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .prompts import DataError, _is_chat, read_rows
+from .prompts import DataError, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,86 @@ log = logging.getLogger(__name__)
 class SFTExample:
     input_ids: list[int]  # [L]
     loss_mask: list[bool]  # [L]: token t is trained (predicted from tokens < t); position 0 never is
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # the roles chat templates render
+
+
+def message_text(content, where: str) -> str | None:
+    """A message's content as text: a string as it is (None stays None: an assistant turn of tool calls only), or
+    the text parts of a list of parts joined with nothing between them; DataError for any other part or type."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DataError(f"{where}: content must be a string or a list of parts; got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise DataError(f"{where}: content part {j + 1} is {part!r:.80}; only text parts "
+                            "{'type': 'text', 'text': ...} can be trained on (this model reads text)")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_messages(messages, where: str, column: str = "messages") -> list[dict]:
+    """``messages`` checked, each content as text (:func:`message_text`); DataError naming the row and the message
+    for one that is not ``{"role", "content"}``, a role chat templates do not know, or an empty turn (no text and
+    no tool calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: '{column}' must be a non-empty list of {{'role', 'content'}} messages")
+    out = []
+    for i, m in enumerate(messages):
+        at = f"{where}: '{column}' message {i + 1}"
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{at} is not a {{'role', 'content'}} message: {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise DataError(f"{at} has role {m['role']!r}; expected one of {', '.join(ROLES)}")
+        text = message_text(m["content"], at)
+        if not (text or "").strip() and not m.get("tool_calls"):
+            raise DataError(f"{at} ({m['role']}) is empty: a turn needs text (or, from the assistant, tool calls)")
+        out.append({**m, "content": text})
+    return out
+
+
+def checked_row(row, settings, where: str) -> dict:
+    """The row in one of the formats, checked without a tokenizer: ``{"messages", "tools"}`` (messages through
+    :func:`chat_messages`; with ``assistant_only_loss`` at least one assistant turn), ``{"prompt", "completion",
+    "tools"}`` (both strings or both messages, the completion not empty) or ``{"text"}``."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a row of named columns; got {type(row).__name__}")
+    tools = row.get("tools")
+    if row.get("messages") is not None:
+        messages = chat_messages(row["messages"], where)
+        if settings.assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message to train on (sft.assistant_only_loss=true)")
+        return {"messages": messages, "tools": tools}
+    if "prompt" in row and "completion" in row:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return {"prompt": chat_messages(prompt, where, "prompt"),
+                    "completion": chat_messages(completion, where, "completion"), "tools": tools}
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion:
+                raise DataError(f"{where}: the completion is empty: nothing to train on")
+            return {"prompt": prompt, "completion": completion, "tools": tools}
+        if isinstance(prompt, (str, list)) and isinstance(completion, (str, list)):
+            raise DataError(f"{where}: prompt and completion must both be strings or both chat messages")
+        raise DataError(f"{where}: prompt and completion must be strings or chat messages")
+    text = row.get(settings.text_column)
+    if isinstance(text, str) and text:
+        return {"text": text}
+    raise DataError(f"{where}: expected a 'messages' column, 'prompt' and 'completion' columns, or a non-empty "
+                    f"'{settings.text_column}' column (sft.text_column); columns: {', '.join(row) or 'none'}")
+
+
+def check_rows(rows: list, settings, source: str) -> list:
+    """``rows`` after :func:`checked_row` on each (rows counted from 1, as :func:`build_examples` names them)."""
+    if not rows:
+        raise DataError(f"dataset {source!r} is empty")
+    for i, row in enumerate(rows):
+        checked_row(row, settings, f"dataset {source!r} row {i + 1}")
+    return rows
 
 
 def _render(tokenizer, messages, generation: bool, tools=None) -> str:
@@ -66,8 +152,6 @@ def _chat_example(tokenizer, messages: list[dict], train_roles: str, where: str,
                             f"(message {i + 1} is not a prefix of the whole conversation), so the assistant's tokens "
                             "cannot be located exactly; set sft.assistant_only_loss=false to train every token")
         spans.append((len(before), len(upto)))
-    if not spans:
-        raise DataError(f"{where}: no assistant message to train on (sft.assistant_only_loss=true)")
     return _encode_with_spans(tokenizer, full, spans, where)
 
 
@@ -80,10 +164,8 @@ def _text_ids(tokenizer, text: str, eos: bool) -> list[int]:
 
 def _prompt_completion_example(tokenizer, prompt, completion, completion_only: bool, where: str,
                                tools=None) -> SFTExample:
-    if _is_chat(prompt) or _is_chat(completion):
-        if not (_is_chat(prompt) and _is_chat(completion)):
-            raise DataError(f"{where}: prompt and completion must both be strings or both chat messages")
-        messages = list(prompt) + list(completion)
+    if isinstance(prompt, list):  # both chat messages (checked_row)
+        messages = prompt + completion
         if not completion_only:
             return _chat_example(tokenizer, messages, "all", where, tools)
         if not getattr(tokenizer, "chat_template", None):
@@ -105,24 +187,15 @@ def _prompt_completion_example(tokenizer, prompt, completion, completion_only: b
 
 def row_example(tokenizer, row: dict, settings, where: str) -> SFTExample:
     """The example of one dataset row under ``settings`` (the ``sft:`` config section)."""
-    tools = row.get("tools")
-    if "messages" in row and row["messages"] is not None:
-        messages = row["messages"]
-        if not (_is_chat(messages) and messages):
-            raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} messages")
-        return _chat_example(tokenizer, messages, "assistant" if settings.assistant_only_loss else "all", where,
-                             tools)
-    if "prompt" in row and "completion" in row:
-        prompt, completion = row["prompt"], row["completion"]
-        if not (isinstance(prompt, str) or _is_chat(prompt)) or not (isinstance(completion, str) or _is_chat(completion)):
-            raise DataError(f"{where}: prompt and completion must be strings or chat messages")
-        return _prompt_completion_example(tokenizer, prompt, completion, settings.completion_only_loss, where, tools)
-    text = row.get(settings.text_column)
-    if isinstance(text, str) and text:
-        ids = _text_ids(tokenizer, text, eos=True)
-        return SFTExample(ids, [True] * len(ids))
-    raise DataError(f"{where}: expected a 'messages' column, 'prompt' and 'completion' columns, or a non-empty "
-                    f"'{settings.text_column}' column (sft.text_column); columns: {', '.join(row) or 'none'}")
+    row = checked_row(row, settings, where)
+    if "messages" in row:
+        return _chat_example(tokenizer, row["messages"], "assistant" if settings.assistant_only_loss else "all", where,
+                             row["tools"])
+    if "prompt" in row:
+        return _prompt_completion_example(tokenizer, row["prompt"], row["completion"], settings.completion_only_loss,
+                                          where, row["tools"])
+    ids = _text_ids(tokenizer, row["text"], eos=True)
+    return SFTExample(ids, [True] * len(ids))
 
 
 def build_examples(tokenizer, rows: list[dict], settings, source: str) -> list[SFTExample]:
@@ -152,10 +225,13 @@ def build_examples(tokenizer, rows: list[dict], settings, source: str) -> list[S
     return out
 
 
+def read_sft_rows(data_cfg, settings, seed: int = 0, source: str | None = None) -> list[dict]:
+    """Read ``source`` (default ``data_cfg.source``) and check its rows (:func:`check_rows`: no tokenizer needed)."""
+    source = source or data_cfg.source
+    return check_rows(read_rows(source, data_cfg.split, data_cfg.num_examples, seed), settings, source)
+
+
 def load_examples(data_cfg, settings, tokenizer, seed: int = 0, source: str | None = None) -> list[SFTExample]:
     """Read ``source`` (default ``data_cfg.source``) and build its examples."""
     source = source or data_cfg.source
-    rows = read_rows(source, data_cfg.split, data_cfg.num_examples, seed)
-    if not rows:
-        raise DataError(f"dataset {source!r} is empty")
-    return build_examples(tokenizer, rows, settings, source)
+    return build_examples(tokenizer, read_sft_rows(data_cfg, settings, seed, source), settings, source)

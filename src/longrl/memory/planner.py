@@ -534,16 +534,30 @@ def logprob_backward_bytes(tokens: int, h: int, vocab: int, chunk: int, b: int, 
     return tokens * h * norm_bytes + 2 * tokens * h * b + (chunk * vocab * b if kernel else 4 * chunk * vocab * F32)
 
 
+def mlp_tile_of(tokens: int, n: int) -> int:
+    """⌈tokens / n⌉ rounded up to a multiple of MLP_TILE_ALIGN: the tile that cuts ``tokens`` in n."""
+    per_tile = -(-tokens // n)
+    return -(-per_tile // MLP_TILE_ALIGN) * MLP_TILE_ALIGN
+
+
 def choose_mlp_tile(tokens: int, fits) -> int | None:
-    """The largest tile ⌈tokens / n⌉ (n = 2, 3, ...; rounded up to MLP_TILE_ALIGN) with ``fits(tile)``, else None."""
-    n, tile = 2, tokens
-    while tile > MLP_TILE_ALIGN:
-        tile = -(-tokens // n)
-        tile = -(-tile // MLP_TILE_ALIGN) * MLP_TILE_ALIGN
-        if tile < tokens and fits(tile):
-            return tile
-        n += 1
-    return None
+    """The largest tile :func:`mlp_tile_of` (tokens, n), n = 2, 3, ... down to MLP_TILE_ALIGN, smaller than
+    ``tokens`` with ``fits(tile)``; else None. Tiles shrink as n grows and a smaller tile needs less memory, so the
+    smallest such n is found by bisection: O(log(tokens / MLP_TILE_ALIGN)) calls of ``fits``."""
+    if tokens <= MLP_TILE_ALIGN:
+        return None
+
+    def ok(n: int) -> bool:
+        tile = mlp_tile_of(tokens, n)
+        return tile < tokens and fits(tile)
+
+    lo, hi = 2, max(2, -(-tokens // MLP_TILE_ALIGN))  # at hi the tile is MLP_TILE_ALIGN itself
+    if not ok(hi):
+        return None
+    while lo < hi:  # smallest n in [lo, hi] that fits (ok(hi) holds)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return mlp_tile_of(tokens, lo)
 
 
 def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, weight_bytes: float,
@@ -563,6 +577,16 @@ def make_plan(shape: ModelShape, *, sequence_lengths: list[int], lora_r: int, we
     a refusal tells the user to shorten."""
     longest, total = max(sequence_lengths), sum(sequence_lengths)
     usable = int(gpu_free_bytes * safety_fraction())
+    # every layout keeps each layer's input (T × H × b) for the backward, on the GPU or (offloaded) in host memory:
+    # a sequence whose inputs alone exceed both is refused before any search
+    b = compute_bytes or (4 if weight_bytes >= 4 else 2)
+    inputs = longest * shape.layers * shape.hidden * b
+    if inputs > usable + (host_free_bytes if offload else 0):
+        raise PlanError(f"a single sequence of {longest:,} tokens needs {inputs / GIB:,.1f} GiB for its layer inputs "
+                        f"alone ({shape.layers} layers × {shape.hidden} × {b} bytes a token), more than the "
+                        f"{usable / GIB:.1f} GiB usable on the GPU" + (f" and {host_free_bytes / GIB:.1f} GiB of host "
+                                                                        "memory" if offload else "")
+                        + f" hold; shorten {length_key}")
     # what predict() takes that no choice below changes
     step = dict(lora_r=lora_r, weight_bytes=weight_bytes, offload=offload, chunk=chunk, reuse_attention=reuse_attention,
                 repeat_kv=repeat_kv, compute_bytes=compute_bytes, trainable_base=trainable_base,

@@ -23,7 +23,7 @@ import torch
 from ..config import Config, ConfigError
 from ..data.in_memory import dataset_rows
 from ..data.prompts import PromptSampler
-from ..data.sft_rows import SFTExample, build_examples, load_examples
+from ..data.sft_rows import SFTExample, build_examples, check_rows, load_examples, read_sft_rows
 from ..memory import count_groups, token_budget_groups
 from ..memory.planner import StepShape
 from ..models import check_model_files, resolve_device
@@ -96,6 +96,17 @@ class SFTTrainer:
         self.run_dir = RunDirectory(cfg, self.world, kind="sft", command="sft",
                                     resume_decided_at_train=self.resume_decided_at_train)
         self.run_dir.check_data()
+        s = cfg.sft
+        # the rows are read and checked (all that needs no tokenizer) before the model loads
+        train_name = "train_dataset" if train_rows is not None else cfg.data.source
+        train_rows = (check_rows(train_rows, s, train_name) if train_rows is not None
+                      else read_sft_rows(cfg.data, s, seed=cfg.train.seed))
+        eval_source = getattr(cfg.data, "eval_source", None)
+        eval_name = "eval_dataset" if eval_rows is not None else eval_source
+        if eval_rows is not None:
+            check_rows(eval_rows, s, eval_name)
+        elif eval_source:
+            eval_rows = read_sft_rows(cfg.data, s, seed=cfg.train.seed, source=eval_source)
         if model is None:
             check_model_files(cfg.model.name_or_path)
         else:
@@ -103,16 +114,9 @@ class SFTTrainer:
                                            needed_tokens=(cfg.sft.max_length, "sft.max_length"))
         self.model, self.tokenizer, self.device, self.layout, self.offloader = build_policy_model(
             cfg, StepShape.sft(cfg), model, tokenizer, device=device)
-        s = cfg.sft
-        if train_rows is not None:
-            examples = build_examples(self.tokenizer, train_rows, s, "train_dataset")
-        else:
-            examples = load_examples(cfg.data, s, self.tokenizer, seed=cfg.train.seed)
-        eval_source = getattr(cfg.data, "eval_source", None)
+        examples = build_examples(self.tokenizer, train_rows, s, train_name)
         if eval_rows is not None:
-            self.eval_examples = build_examples(self.tokenizer, eval_rows, s, "eval_dataset")
-        elif eval_source:
-            self.eval_examples = load_examples(cfg.data, s, self.tokenizer, seed=cfg.train.seed, source=eval_source)
+            self.eval_examples = build_examples(self.tokenizer, eval_rows, s, eval_name)
         elif s.eval_examples and len(examples) >= 10:
             held = min(s.eval_examples, len(examples) // 10)
             examples, self.eval_examples = examples[:-held], examples[-held:]
