@@ -88,7 +88,7 @@ def test_generate_prints_each_prompts_samples(demo_run, capsys, tmp_path):
 def test_generate_and_eval_refuse_bad_requests_clearly(demo_run, capsys, tmp_path):
     out, config = demo_run
     assert main(["generate", "--from", str(tmp_path / "nothing"), "--prompt", "1+1="]) == 2
-    assert "checkpoint not found" in capsys.readouterr().err
+    assert "nothing: not found (a run, a checkpoint-STEP directory, a model directory" in capsys.readouterr().err
     assert main(["generate", "--from", str(out)]) == 2
     assert "one of --prompt TEXT or --data FILE" in capsys.readouterr().err
     assert main(["eval", str(config), "--from", str(out)]) == 2

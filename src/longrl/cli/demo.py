@@ -8,10 +8,12 @@ import time
 from .train import run_grpo
 
 
-def start_demo_over(cfg):
+def start_demo_over(cfg, kind: str = "grpo"):
     """``longrl demo`` again into the same directory starts over: an earlier demo's checkpoints there are removed
     (only in a directory a demo made, and only those whose saved config names this builtin model); anything else
-    is left to the trainer's check. Returns the directory's run lock, held while this runs (and for the demo)."""
+    is left to the trainer's check. ``kind``: the recipe that will train there (``grpo``, or ``sft`` for the warm
+    start's directory), as which the directory is claimed. Returns the directory's run lock, held while this runs
+    (and for the demo)."""
     import shutil
 
     from ..training.checkpoint import checkpoint_config, list_checkpoints
@@ -19,7 +21,7 @@ def start_demo_over(cfg):
 
     lock = acquire_run_lock(cfg.output.output_dir)
     try:
-        check_output_dir_contents(cfg.output.output_dir, command="demo", overwrite=cfg.output.overwrite_output_dir)
+        check_output_dir_contents(cfg.output.output_dir, kind=kind, command="demo", overwrite=cfg.output.overwrite_output_dir)
     except BaseException:
         lock.release()
         raise
@@ -44,7 +46,7 @@ def demo_command(cfg, warm_start: bool = False) -> int:
             from ..recipes.grpo import GRPOTrainer
 
             sft_cfg = sft_warm_start_config(cfg)
-            with start_demo_over(sft_cfg):
+            with start_demo_over(sft_cfg, kind="sft"):
                 sft = SFTTrainer(sft_cfg)
                 history = sft.train()
             print(f"warm start: {len(history)} supervised steps, held-out loss "

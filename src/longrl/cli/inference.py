@@ -1,11 +1,15 @@
-"""Look at and score checkpoints: ``longrl generate`` and ``longrl eval``.
+"""Look at and score runs and models: ``longrl generate`` and ``longrl eval``.
 
-The trained model is rebuilt from a checkpoint exactly as ``longrl export`` rebuilds it
-(:mod:`longrl.export.source`: the base as training loaded it, with the checkpoint's adapter or full weights) and
-sampled through longrl's sampler (transformers' generate where the sampler does not support the model), built as
-training builds it (:func:`longrl.rollout.completions.build_sampler`: every ``generation.*`` key, and the run's
-``train.gpu_memory_gib`` bounding the KV cache). The sampler decodes a batch of sequences together, so ``generate``
-does not stream tokens: it prints each prompt's completions as soon as that prompt's batch finishes.
+``--from`` names a run (its output directory: the latest checkpoint; or a ``checkpoint-STEP`` directory) or any
+model: a model directory, a hub id or a ``.gguf`` file, loaded as ``model.name_or_path`` would be
+(:func:`longrl.models.load_model`, with the config's other ``model.*`` keys), so a base model is scored before
+training with the same prompts, rewards and sampler. A run's model is rebuilt from its checkpoint exactly as
+``longrl export`` rebuilds it (:mod:`longrl.export.source`: the base as training loaded it, with the checkpoint's
+adapter or full weights). Either is sampled through longrl's sampler (transformers' generate where the sampler does
+not support the model), built as training builds it (:func:`longrl.rollout.completions.build_sampler`: every
+``generation.*`` key, and ``train.gpu_memory_gib`` bounding the KV cache). The sampler decodes a batch of sequences
+together, so ``generate`` does not stream tokens: it prints each prompt's completions as soon as that prompt's batch
+finishes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import json
 import logging
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +28,83 @@ class InferenceError(ValueError):
     """A generate / eval request cannot be served; the message names the flag, file or key."""
 
 
+@dataclass
+class Source:
+    """What ``--from`` named, loaded: the model in eval mode, its tokenizer, and the checkpoint (None: a model)."""
+
+    model: object
+    tokenizer: object
+    ckpt: object | None
+    name: str  # as printed: the checkpoint's path or the model reference
+
+
+def is_run(reference: str) -> bool:
+    """Whether ``--from`` names a longrl run or checkpoint (a directory with trainer_state.json or a
+    checkpoint-STEP), rather than a model."""
+    from ..training.checkpoint import STATE_FILE, latest_checkpoint
+
+    path = Path(reference).expanduser()
+    return path.is_dir() and ((path / STATE_FILE).is_file() or latest_checkpoint(path) is not None)
+
+
+def check_source(reference: str) -> None:
+    """Cheap checks of ``--from`` before anything loads: a missing path, or a directory that is neither a run nor a
+    model, is refused naming both readings."""
+    from ..models import ModelLoadError, check_model_files
+    from ..models.gguf import is_gguf
+
+    path = Path(reference).expanduser()
+    if is_run(reference):
+        return
+    if not path.exists() and (reference.startswith((".", "/", "~")) or is_gguf(reference)
+                              or reference.count("/") != 1):
+        raise InferenceError(f"--from {reference}: not found (a run, a checkpoint-STEP directory, a model "
+                             "directory, a hub id or a .gguf file)")
+    try:
+        check_model_files(reference)
+    except ModelLoadError as e:
+        hint = " and not a longrl run (no trainer_state.json, no checkpoint-STEP)" if path.is_dir() else ""
+        reason = str(e).removeprefix("config key 'model.name_or_path': ")
+        raise InferenceError(f"--from {reference}: {reason}{hint}") from None
+
+
+def load_source(reference: str, model_cfg, device: str, ckpt=None) -> Source:
+    """:class:`Source` of ``--from``: a run's trained model (``ckpt``: its checkpoint, already read), or the model
+    ``reference`` names loaded with the ``model.*`` settings ``model_cfg`` (dtype, revision, 4-bit, ...; no
+    adapters)."""
+    from ..models import load_model
+
+    if ckpt is not None:
+        model, tokenizer = checkpoint_model(ckpt, device)
+        return Source(model, tokenizer, ckpt, str(ckpt.path))
+    m = model_cfg
+    model, tokenizer = load_model(reference, lora=None, dtype=m.dtype, device=device,
+                                  trust_remote_code=m.trust_remote_code, revision=m.revision,
+                                  attn_implementation=m.attn_implementation, load_in_4bit=m.load_in_4bit,
+                                  quant_keep_modules=m.quant_keep_modules,
+                                  quant_exception_budget=m.quant_exception_budget,
+                                  quant_calibration_text=m.quant_calibration_text)
+    model.eval()
+    return Source(model, tokenizer, None, reference)
+
+
+def checkpoint_model(ckpt, device: str = "auto"):
+    """(model in eval mode, tokenizer) of a :class:`longrl.export.Checkpoint`."""
+    from ..export.source import load_tokenizer, load_trained
+    from ..models import resolve_device
+
+    model = load_trained(ckpt, str(resolve_device(device)))
+    model.eval()
+    return model, load_tokenizer(ckpt)
+
+
 def load_checkpoint_model(checkpoint: str, device: str = "auto"):
     """(model in eval mode, tokenizer, :class:`longrl.export.Checkpoint`) of a checkpoint directory (or a run's
     output directory: its latest checkpoint)."""
-    from ..export.source import load_tokenizer, load_trained, read_checkpoint
-    from ..models import resolve_device
+    from ..export.source import read_checkpoint
 
     ckpt = read_checkpoint(checkpoint)
-    dev = resolve_device(device)
-    model = load_trained(ckpt, str(dev))
-    model.eval()
-    return model, load_tokenizer(ckpt), ckpt
+    return (*checkpoint_model(ckpt, device), ckpt)
 
 
 def checkpoint_section(ckpt, cls, name: str):
@@ -74,13 +145,12 @@ def as_prompt(text_or_messages, tokenizer, chat: bool):
     return text_or_messages
 
 
-def _prompts_from(args, ckpt) -> list:
+def _prompts_from(args, column: str) -> list:
     from ..config.schema import DataConfig
     from ..data.prompts import DataError, read_prompt_rows
 
     if args.prompt is not None:
         return [args.prompt]
-    column = args.prompt_column or checkpoint_section(ckpt, DataConfig, "data").prompt_column
     try:
         rows = read_prompt_rows(DataConfig(source=args.data, prompt_column=column, shuffle=False))
     except DataError as e:
@@ -88,29 +158,48 @@ def _prompts_from(args, ckpt) -> list:
     return [row[column] for row in rows[:args.limit or None]]
 
 
+def generate_settings(args, ckpt):
+    """The ``Config`` generate runs with: a run's own generation and data sections (defaults for a model), then
+    the ``KEY=VALUE`` overrides, which may set ``generation.*`` (and ``model.*`` for a model, which has no run to
+    rebuild it as), validated as any config."""
+    from ..config import ConfigError, load_config
+    from ..config.schema import Config, DataConfig, GenerationConfig
+
+    allowed = ("generation.",) if ckpt is not None else ("generation.", "model.")
+    for item in args.overrides:
+        if not item.startswith(allowed):
+            raise ConfigError(f"override {item!r}: generate takes {' and '.join(a + '*' for a in allowed)} overrides"
+                              + (" (a run's model is rebuilt as it trained)" if ckpt is not None else ""))
+    base = Config() if ckpt is None else Config(generation=checkpoint_section(ckpt, GenerationConfig, "generation"),
+                                               data=checkpoint_section(ckpt, DataConfig, "data"))
+    return load_config(None, args.overrides, base=base, recipe="sft")  # (no reward functions needed)
+
+
 def generate_main(args) -> int:
     """``longrl generate``: K completions per prompt, printed as each prompt's completions finish."""
-    from ..config.schema import GenerationConfig
     from ..data.prompts import tokenize_prompt
+    from ..export.source import read_checkpoint
+    from ..memory.layout import budget_bytes
     from ..rollout.completions import build_sampler, sample, sampling_params
 
     if (args.prompt is None) == (args.data is None):
         raise InferenceError("give one of --prompt TEXT or --data FILE")
-    if args.n < 1 or args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise InferenceError("--n and --max-new-tokens must be >= 1")
-    model, tokenizer, ckpt = load_checkpoint_model(args.checkpoint, args.device)
-    prompts = _prompts_from(args, ckpt)
-    gen = checkpoint_section(ckpt, GenerationConfig, "generation")
+    check_source(args.checkpoint)
+    ckpt = read_checkpoint(args.checkpoint) if is_run(args.checkpoint) else None  # verified before loading
+    cfg = generate_settings(args, ckpt)
+    prompts = _prompts_from(args, args.prompt_column or cfg.data.prompt_column)
+    source = load_source(args.checkpoint, cfg.model, args.device or cfg.model.device, ckpt)
+    model, tokenizer, gen = source.model, source.tokenizer, cfg.generation
     chat = {"yes": True, "no": False}.get(args.chat)
     if chat is None:
-        trained = trained_on_chat(ckpt)
+        trained = trained_on_chat(ckpt) if ckpt is not None else None
         chat = trained if trained is not None else bool(getattr(tokenizer, "chat_template", None))
     params = sampling_params(gen, tokenizer, seed=args.seed, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature)
     prompts = [as_prompt(p, tokenizer, chat) for p in prompts]
     longest = max(len(tokenize_prompt(tokenizer, p)) for p in prompts)
-    sampler = build_sampler(model, tokenizer, gen, max_length=longest + params.max_new_tokens,
-                            memory_cap_bytes=checkpoint_memory_cap(ckpt))
+    cap = checkpoint_memory_cap(ckpt) if ckpt is not None else budget_bytes(cfg)
+    sampler = build_sampler(model, tokenizer, gen, max_length=longest + params.max_new_tokens, memory_cap_bytes=cap)
     out = sys.stdout
     for number, prompt in enumerate(prompts, 1):
         ids = tokenize_prompt(tokenizer, prompt)
@@ -135,23 +224,26 @@ def generate_main(args) -> int:
 
 
 def eval_main(args) -> int:
-    """``longrl eval CONFIG --from CKPT``: mean reward and pass@k per reward function on held-out prompts."""
+    """``longrl eval CONFIG --from RUN_OR_MODEL``: mean reward and pass@k per reward function on held-out
+    prompts."""
     from ..config.loading import load_config
+    from ..export.source import read_checkpoint
     from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
     from ..rewards import RewardScorer
     from ..memory.layout import budget_bytes
     from ..rollout.completions import build_sampler
 
-    if args.n is not None and args.n < 1:
-        raise InferenceError("--n must be >= 1")
     flags = {"output.eval_num_generations": args.n, "output.eval_pass_threshold": args.pass_threshold}
     # the flags are overrides like any KEY=VALUE, validated with the config (nothing is written into it after)
     cfg = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)])
     if args.data is None and not cfg.data.eval_source:
         raise InferenceError(f"{args.config}: no held-out prompts: pass --data FILE or set data.eval_source")
+    check_source(args.checkpoint)
+    ckpt = read_checkpoint(args.checkpoint) if is_run(args.checkpoint) else None  # verified before the rest loads
     scorer = RewardScorer.from_specs(cfg.rewards)  # reward functions and data fail before the model loads
     rows = read_eval_rows(cfg, args.data)
-    model, tokenizer, ckpt = load_checkpoint_model(args.checkpoint, args.device)
+    source = load_source(args.checkpoint, cfg.model, args.device or cfg.model.device, ckpt)
+    model, tokenizer = source.model, source.tokenizer
     data = load_eval_prompts(cfg, tokenizer, rows, args.data)
     gen = cfg.generation
     sampler = build_sampler(model, tokenizer, gen, max_length=cfg.data.max_prompt_length + gen.max_completion_length,
@@ -160,15 +252,15 @@ def eval_main(args) -> int:
     result = evaluate(model, tokenizer, scorer, data, gen, num_generations=cfg.output.eval_num_generations,
                       pass_threshold=cfg.output.eval_pass_threshold, sampler=sampler,
                       device=next(model.parameters()).device, seed=args.seed, keep_samples=args.samples)
-    print(f"eval of {ckpt.path} on {len(data)} prompts × {cfg.output.eval_num_generations} samples "
-          f"({time.perf_counter() - start:.1f} s; pass: reward >= {cfg.output.eval_pass_threshold:g})")
+    print(f"eval of {source.name} on {len(data)} prompts × {cfg.output.eval_num_generations} samples "
+          f"({time.perf_counter() - start:.1f} s; pass: reward >= {cfg.output.eval_pass_threshold:g}"
+          f"{'; greedy' if gen.temperature == 0 else ''})")
     print(result.table())
     for s in result.samples:
         print(json.dumps(s, default=str))
     if args.output:
-        from pathlib import Path
-
         from ..training.checkpoint import atomic_write_text
 
-        atomic_write_text(Path(args.output), json.dumps({"checkpoint": str(ckpt.path), **result.metrics}, indent=2))
+        key = "checkpoint" if source.ckpt is not None else "model"
+        atomic_write_text(Path(args.output), json.dumps({key: source.name, **result.metrics}, indent=2))
     return 0

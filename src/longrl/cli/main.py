@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 import sys
 
 from ..config import ConfigError, load_config
 from .exit_codes import EXIT_BAD_INPUT
+
+
+OVERRIDE = re.compile(r"[A-Za-z_][\w.\[\]-]*=")  # a dotted key, then =
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,35 +78,84 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _number(kind, allowed: str, ok):
+    """An argparse type: ``kind(text)`` that ``ok`` accepts, else an error naming what is allowed (argparse
+    prefixes the argument's name and exits 2)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}; got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {allowed}; got {text!r}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+POSITIVE = _number(int, "an integer >= 1", lambda v: v >= 1)
+TEMPERATURE = _number(float, "a finite number >= 0 (0: greedy)", lambda v: math.isfinite(v) and v >= 0)
+FINITE = _number(float, "a finite number", math.isfinite)
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty prompt")
+    return text
+
+
+def _json_file(text: str) -> str:
+    """A file to write: not a directory, in a directory that exists (checked before anything is evaluated)."""
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the JSON file to write, e.g. {path / 'eval.json'}")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder of {text} does not exist")
+    return text
+
+
+MODEL_HELP = ("a run's output directory (its latest checkpoint), a checkpoint-STEP directory, a model directory, a "
+              "hub id or a .gguf file")
+
+
 def _add_generate_and_eval(sub) -> None:
-    gen = sub.add_parser("generate", help="sample completions from a checkpoint (printed as each prompt's finish)")
-    gen.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT",
-                     help="a checkpoint-STEP directory, or a run's output directory (its latest checkpoint)")
-    gen.add_argument("--prompt", help="one prompt (a user message when the run trained on chat prompts)")
+    gen = sub.add_parser("generate", help="sample completions from a run or any model (printed as each prompt's finish)")
+    gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                     help="generation.* overrides (and model.* for a model that is not a run)")
+    gen.add_argument("--from", dest="checkpoint", required=True, metavar="RUN_OR_MODEL", help=MODEL_HELP)
+    gen.add_argument("--prompt", type=_non_empty, help="one prompt (a user message when the run trained on chat "
+                     "prompts, or a model with a chat template)")
     gen.add_argument("--data", metavar="FILE", help="prompts from a dataset file (.jsonl/.json/.parquet/.csv)")
     gen.add_argument("--prompt-column", default=None, help="column of --data holding the prompt (default: the run's)")
-    gen.add_argument("--limit", type=int, default=0, help="first N prompts of --data (default: all)")
-    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's max_completion_length")
-    gen.add_argument("--temperature", type=float, default=None, help="default: the run's; 0: greedy")
+    gen.add_argument("--limit", type=_number(int, "an integer >= 0 (0: all)", lambda v: v >= 0), default=0,
+                     help="first N prompts of --data (default: all)")
+    gen.add_argument("--n", type=POSITIVE, default=1, help="completions per prompt")
+    gen.add_argument("--max-new-tokens", type=POSITIVE, default=None,
+                     help="default: the run's max_completion_length")
+    gen.add_argument("--temperature", type=TEMPERATURE, default=None, help="default: the run's; 0: greedy")
     gen.add_argument("--chat", choices=("auto", "yes", "no"), default="auto",
                      help="a --prompt string through the chat template (auto: if the run trained on chat prompts)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default="auto")
+    gen.add_argument("--device", default=None, help="default: auto (model.device)")
     gen.add_argument("--jsonl", action="store_true", help="one JSON object per completion instead of text")
-    ev = sub.add_parser("eval", help="mean reward and pass@k per reward function of a checkpoint on held-out prompts")
-    ev.add_argument("config", help="the run's YAML config (reward functions, generation settings, data.eval_source)")
+    ev = sub.add_parser("eval", help="mean reward and pass@k per reward function of a run or any model on held-out "
+                                     "prompts")
+    ev.add_argument("config", help="a YAML config (reward functions, generation settings, data.eval_source)")
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    ev.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT")
+    ev.add_argument("--from", dest="checkpoint", required=True, metavar="RUN_OR_MODEL",
+                    help=MODEL_HELP + " (a model loads with the config's model.* settings)")
     ev.add_argument("--data", metavar="FILE", help="held-out prompts (default: data.eval_source)")
-    ev.add_argument("--n", type=int, default=None, help="samples per prompt, the n of pass@k "
+    ev.add_argument("--n", type=POSITIVE, default=None, help="samples per prompt, the n of pass@k "
                     "(default: output.eval_num_generations)")
-    ev.add_argument("--pass-threshold", type=float, default=None,
+    ev.add_argument("--pass-threshold", type=FINITE, default=None,
                     help="a sample passes a reward function when it scores >= this (default: output.eval_pass_threshold)")
-    ev.add_argument("--samples", type=int, default=0, help="also print this many scored completions")
-    ev.add_argument("--output", metavar="FILE.json", help="also write the metrics to this JSON file")
+    ev.add_argument("--samples", type=_number(int, "an integer >= 0", lambda v: v >= 0), default=0,
+                    help="also print this many scored completions")
+    ev.add_argument("--output", type=_json_file, metavar="FILE.json", help="also write the metrics to this JSON file")
     ev.add_argument("--seed", type=int, default=7_919)
-    ev.add_argument("--device", default="auto")
+    ev.add_argument("--device", default=None, help="default: model.device of the config")
 
 
 def _log_setup() -> None:
@@ -117,10 +171,15 @@ def _log_setup() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command in ("train", "sft") and all("=" in x and not x.startswith("-") for x in extra):
-        args.overrides += extra  # KEY=VALUE overrides after an option (longrl train run.yaml --nproc-per-node 2 K=V)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # KEY=VALUE overrides anywhere: those after an option reach here (longrl eval run.yaml --from RUN --n 1 K=V)
+    overrides = [x for x in extra if OVERRIDE.match(x)]
+    unknown = [x for x in extra if not OVERRIDE.match(x)]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        if not hasattr(args, "overrides"):
+            parser.error(f"`longrl {args.command}` takes no KEY=VALUE overrides: {' '.join(overrides)}")
+        args.overrides += overrides
     if args.command in ("train", "sft") and args.nproc_per_node is not None:
         from .train import torchrun
 

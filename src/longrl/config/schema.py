@@ -16,8 +16,10 @@ import yaml
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, builtin:tiny-arith, or a longrl run or
-    #                                           checkpoint-STEP directory: its trained model, merged at load (docs/sft.md)
+    name_or_path: str = "builtin:tiny-arith"  # local directory, hub id, builtin:tiny-arith, a longrl run or
+    #   checkpoint-STEP directory (its trained model, merged at load: docs/sft.md), or a .gguf file (llama.cpp /
+    #   Ollama: loaded through transformers' GGUF support, every tensor dequantized to model.dtype, tokenizer and chat
+    #   template from its metadata; needs the gguf package, the export extra; docs/models.md)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' trust_remote_code)
     revision: Optional[str] = None  # hub branch, tag or commit of the model; null: the default branch
@@ -85,7 +87,8 @@ class DataConfig:
 @dataclass
 class GenerationConfig:
     max_completion_length: int = 256  # most tokens sampled per completion
-    temperature: float = 1.0  # sampling temperature (the loss's log-probs use the same)
+    temperature: float = 1.0  # sampling temperature (the loss's log-probs use the same); 0: greedy decoding (argmax,
+    #   log-probs at temperature 1), for evaluation and generate: GRPO's completions of a prompt would all be alike
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this probability mass; 1: off
     top_k: int = 0  # sample among the k most likely tokens; 0: off
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0: off

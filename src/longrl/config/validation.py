@@ -95,7 +95,8 @@ def _check_train(cfg: Config) -> None:
 def _check_generation(cfg: Config) -> None:
     gen = cfg.generation
     _check(gen.max_completion_length >= 1, "generation.max_completion_length", gen.max_completion_length, ">= 1")
-    _check(gen.temperature > 0, "generation.temperature", gen.temperature, "> 0")
+    _check(math.isfinite(gen.temperature) and gen.temperature >= 0, "generation.temperature", gen.temperature,
+           "a finite number >= 0 (0: greedy decoding)")
     _check(0 < gen.top_p <= 1, "generation.top_p", gen.top_p, "0 < top_p <= 1")
     _check(gen.top_k >= 0, "generation.top_k", gen.top_k, ">= 0 (0 disables)")
     _check(0 <= gen.min_p < 1, "generation.min_p", gen.min_p, "0 <= min_p < 1")

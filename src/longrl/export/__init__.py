@@ -40,6 +40,13 @@ def _base_config(ckpt: Checkpoint):
         from ..models.tiny import tiny_config_dict
 
         return LlamaConfig(**tiny_config_dict())
+    from ..models.gguf import GgufError, gguf_model_config, is_gguf
+
+    if is_gguf(ckpt.base_name):
+        try:
+            return gguf_model_config(ckpt.base_name)
+        except GgufError as e:
+            raise ExportError(f"could not read the config of base model {ckpt.base_name!r}: {e}") from e
     from transformers import AutoConfig
 
     try:
@@ -55,7 +62,8 @@ def _check_gguf(ckpt: Checkpoint, quant: str):
     try:
         import gguf  # noqa: F401
     except ImportError as e:
-        raise ExportError("GGUF export needs the gguf package: pip install 'longrl[export]'") from e
+        raise ExportError("GGUF export needs the gguf package: pip install -e \".[export]\" in a longrl "
+                          "checkout, or pip install \"longrl[export]\"") from e
     from .gguf_vocab import UnsupportedTokenizer, vocab_plan
     from .gguf_writer import QUANTS, UnsupportedArchitecture, gguf_arch
     from .modelfile import TemplateMismatch, chat_parts, check_template, go_template

@@ -13,7 +13,7 @@ import torch
 
 from ..training.checkpoint import BASE_WEIGHTS_FILE, STATE_FILE, CheckpointError, check_finite, latest_checkpoint, \
     verify_checkpoint
-from ..models import TINY_NAME, ModelLoadError, build_char_tokenizer, load_model
+from ..models import ModelLoadError, load_model
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,13 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict) \
             or not config["model"].get("name_or_path"):
         raise ExportError(f"{path / STATE_FILE}: no run config with model.name_or_path (key 'config')")
+    if state.get("base_gguf"):  # a GGUF base: the file trained on, found again and checked (models/gguf.py)
+        from ..models.gguf import GgufError, recorded_gguf
+
+        try:
+            config["model"]["name_or_path"] = recorded_gguf(config["model"]["name_or_path"], state["base_gguf"])
+        except GgufError as e:
+            raise ExportError(f"checkpoint {path}: {e}") from None
     ckpt = Checkpoint(path, config, state)
     needed = ["adapter_config.json", "adapter_model.safetensors"] if ckpt.is_adapter else ["config.json", "model.safetensors"]
     missing = [name for name in needed if not (path / name).is_file()]
@@ -109,19 +116,13 @@ def check_remote_code(ckpt: Checkpoint, trust_remote_code: bool) -> None:
 
 def load_tokenizer(ckpt: Checkpoint):
     """The base model's tokenizer (pad token set to eos when it has none, as in training)."""
-    if ckpt.base_name == TINY_NAME:
-        tok = build_char_tokenizer()
-    else:
-        from transformers import AutoTokenizer
+    from ..models.loading import load_tokenizer as load_base_tokenizer
 
-        try:
-            tok = AutoTokenizer.from_pretrained(ckpt.base_name, revision=ckpt.model.get("revision"),
-                                                trust_remote_code=ckpt.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise ExportError(f"could not load the tokenizer of base model {ckpt.base_name!r}: {e}") from e
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    try:
+        return load_base_tokenizer(ckpt.base_name, revision=ckpt.model.get("revision"),
+                                   trust_remote_code=ckpt.trust_remote_code)
+    except ModelLoadError as e:
+        raise ExportError(f"could not load the tokenizer of base model {ckpt.base_name!r}: {e}") from e
 
 
 def load_base(ckpt: Checkpoint, device: str = "cpu"):

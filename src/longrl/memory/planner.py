@@ -683,6 +683,10 @@ def model_config_of(name_or_path: str, trust_remote_code: bool = False):
         from transformers import LlamaConfig
 
         return LlamaConfig(**tiny_config_dict(), vocab_size=20)
+    from ..models.gguf import gguf_model_config, is_gguf
+
+    if is_gguf(name_or_path):
+        return gguf_model_config(name_or_path)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

@@ -1,5 +1,5 @@
-"""Load a Hugging Face causal LM (local directory, hub id, the builtin demo model, or a longrl checkpoint merged:
-models/from_checkpoint.py) with its tokenizer, and wrap it with LoRA adapters through PEFT."""
+"""Load a Hugging Face causal LM (local directory, hub id, GGUF file, the builtin demo model, or a longrl checkpoint
+merged: models/from_checkpoint.py) with its tokenizer, and wrap it with LoRA adapters through PEFT."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from .errors import ModelLoadError
 from .from_checkpoint import checkpoint_path, load_checkpoint_model, read_warm_start
+from .gguf import GgufError, check_gguf_file, is_gguf, load_gguf_model, load_gguf_tokenizer
 from .quantize import (QuantizationError, calibration_ids, choose_exceptions, disable_cpu_repacking, quantize_model,
                        require_bitsandbytes)
 from .structure import base_model
@@ -74,8 +75,9 @@ def check_safetensors_file(path: Path) -> None:
 
 
 def check_model_files(name_or_path: str) -> None:
-    """Cheap checks of a model reference before anything loads: unknown ``builtin:`` names; a file where a model
-    directory belongs; a directory without config.json or tokenizer files; cut-short safetensors files."""
+    """Cheap checks of a model reference before anything loads: unknown ``builtin:`` names; a GGUF file that is
+    missing, not GGUF or unreadable without the gguf package; another file where a model directory belongs; a
+    directory without config.json or tokenizer files; cut-short safetensors files."""
     if name_or_path.startswith("builtin:"):
         if name_or_path != TINY_NAME:
             raise ModelLoadError(f"config key 'model.name_or_path': unknown builtin model {name_or_path!r}; "
@@ -83,10 +85,17 @@ def check_model_files(name_or_path: str) -> None:
         return
     if (warm := read_warm_start(name_or_path)) is not None:  # a longrl checkpoint or run, merged at load
         return check_model_files(warm.base)
+    if is_gguf(name_or_path):
+        try:
+            check_gguf_file(name_or_path)
+        except GgufError as e:
+            raise ModelLoadError(f"config key 'model.name_or_path': {e}") from None
+        return
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise ModelLoadError(f"config key 'model.name_or_path': {name_or_path} is a file; give the model's directory "
-                             f"(the one holding config.json{', i.e. ' + str(path.parent) if path.parent != Path('.') else ''})")
+                             f"(the one holding config.json{', i.e. ' + str(path.parent) if path.parent != Path('.') else ''})"
+                             " or a .gguf file")
     if not path.is_dir():
         if _looks_local(name_or_path):
             raise ModelLoadError(f"config key 'model.name_or_path': model directory not found: {name_or_path}")
@@ -124,7 +133,8 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     """Return (model, tokenizer). ``lora``: a :class:`longrl.config.schema.LoraConfig` (or None for no adapters).
 
     The model is a ``peft.PeftModel`` when LoRA is enabled, else the plain transformers model; its base
-    weights are frozen under LoRA. ``builtin:tiny-arith`` builds the demo model from ``seed``.
+    weights are frozen under LoRA. ``builtin:tiny-arith`` builds the demo model from ``seed``; a ``.gguf`` file
+    loads dequantized to ``dtype``, its tokenizer and chat template from its metadata (:mod:`longrl.models.gguf`).
 
     ``load_in_4bit``: linear layers in bitsandbytes NF4 (double quantization) computing in ``dtype`` (auto:
     bf16 on CUDA, fp32 on CPU), except the LM head, MoE routers, ``quant_keep_modules`` and the most
@@ -139,6 +149,9 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
                  calibration_text=quant_calibration_text)
     if load_in_4bit:
         _quantize_or_fail(require_bitsandbytes)
+        if is_gguf(name_or_path):
+            raise ModelLoadError("config key 'model.load_in_4bit': a GGUF file loads dequantized to model.dtype; "
+                                 "4-bit (NF4) loading needs a Hugging Face model directory or hub id")
     if name_or_path == TINY_NAME or checkpoint_path(name_or_path):  # built in code, or a checkpoint merged in memory
         model, tokenizer = (build_tiny_model(seed=seed, dtype=torch_dtype) if name_or_path == TINY_NAME else
                             load_checkpoint_model(name_or_path, load_model, torch_dtype, dev, trust_remote_code,
@@ -149,6 +162,9 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     elif load_in_4bit:
         model, tokenizer = _load_pretrained_4bit(name_or_path, torch_dtype, dev, trust_remote_code, revision,
                                                  attn_implementation, **quant)
+    elif is_gguf(name_or_path):
+        model, tokenizer = _load_gguf(name_or_path, torch_dtype, attn_implementation)
+        model.to(dev)
     else:
         model, tokenizer = _load_pretrained(name_or_path, torch_dtype, trust_remote_code, revision, attn_implementation)
         model.to(dev)
@@ -178,6 +194,41 @@ def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implem
     except Exception as e:  # OSError, ValueError, SafetensorError, a corrupted file's RuntimeError
         raise ModelLoadError(f"could not load model {name!r}: {type(e).__name__}: {str(e)[:500]}") from e
     return model, tokenizer
+
+
+def _load_gguf(path, torch_dtype, attn_implementation):
+    try:
+        tokenizer = load_gguf_tokenizer(path)
+        model = load_gguf_model(path, torch_dtype, attn_implementation)
+    except GgufError as e:
+        raise ModelLoadError(f"config key 'model.name_or_path': {e}") from e
+    log.info("loaded %s: %s dequantized to %s", path, type(model).__name__, str(torch_dtype).removeprefix("torch."))
+    return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer of a model reference (builtin, GGUF file, directory or hub id), pad token set to EOS when it
+    has none, as :func:`load_model` returns it."""
+    from .tiny import build_char_tokenizer
+
+    if name_or_path == TINY_NAME:
+        tokenizer = build_char_tokenizer()
+    elif is_gguf(name_or_path):
+        try:
+            tokenizer = load_gguf_tokenizer(name_or_path)
+        except GgufError as e:
+            raise ModelLoadError(str(e)) from e
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision,
+                                                      trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"could not load the tokenizer of {name_or_path!r}: {e}") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _quantize_or_fail(fn, *args, **kwargs):

@@ -37,6 +37,7 @@ from ..ops.rollout_correction import rollout_correction_weights
 from ..rewards import RewardScorer
 from ..rollout import Sampler, SamplingParams
 from ..rollout.completions import build_sampler, reward_inputs, sample, sampling_params
+from ..rollout.sampling import logprob_temperature
 from ..training.callbacks import check_callbacks, notify
 from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, load_newest, save_checkpoint, staging_dir, \
     trainer_state
@@ -429,7 +430,8 @@ class GRPOTrainer:
         ent = torch.zeros(len(prompt_ids), width) if with_entropy else None
         for idx, counts in lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids)):
             lp, e = self.policy([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
-                                pad_id=self.tokenizer.pad_token_id, temperature=self.cfg.generation.temperature,
+                                pad_id=self.tokenizer.pad_token_id,
+                                temperature=logprob_temperature(self.cfg.generation.temperature),
                                 chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
                                 with_entropy=with_entropy, shared_prompt=self.shared_prompt)
             if not counts:  # (FSDP2: a forward every rank runs, see lockstep)
@@ -510,8 +512,9 @@ class GRPOTrainer:
         idx = [rows[i] for i in local]  # rows of the rollout batch
         logps, entropy = self.policy([b.prompt_ids[i] for i in idx], [b.completion_ids[i] for i in idx],
                                      b.mask.shape[1], pad_id=self.tokenizer.pad_token_id,
-                                     temperature=cfg.generation.temperature, chunk_size=cfg.train.logprob_chunk_size,
-                                     with_entropy=True, packed=self.padding_free, shared_prompt=self.shared_prompt)
+                                     temperature=logprob_temperature(cfg.generation.temperature),
+                                     chunk_size=cfg.train.logprob_chunk_size, with_entropy=True,
+                                     packed=self.padding_free, shared_prompt=self.shared_prompt)
         mask = b.mask[idx].to(dev)
         old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
         ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ class SamplingParams:
     sequence_ids: tuple[int, ...] = ()  # global id of each sequence (a data-parallel rank's share); () : 0, 1, ...
 
     def __post_init__(self):
-        checks = [(self.max_new_tokens >= 1, "max_new_tokens", ">= 1"), (self.temperature >= 0, "temperature", ">= 0"),
+        checks = [(self.max_new_tokens >= 1, "max_new_tokens", ">= 1"),
+                  (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "finite and >= 0"),
                   (0 < self.top_p <= 1, "top_p", "in (0, 1]"), (self.top_k >= 0, "top_k", ">= 0"),
                   (0 <= self.min_p < 1, "min_p", "in [0, 1)"),
                   (self.repetition_penalty > 0, "repetition_penalty", "> 0")]
@@ -51,6 +53,12 @@ class SamplingParams:
     def sequence_id(self, index: int) -> int:
         """The global id (which keys the random numbers) of the batch's sequence ``index``."""
         return self.sequence_ids[index] if self.sequence_ids else index
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature T of the log-probs log softmax(z / T) that score a completion, as the sampler reports them:
+    the sampling temperature, or 1 for greedy decoding (T = 0, tokens argmax z, which no scale changes)."""
+    return temperature if temperature > 0 else 1.0
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -234,7 +242,7 @@ def token_logprobs(z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def _next_tokens(logits, params, sequence, position, seen):
     z = logits.float()
     penalised = apply_repetition_penalty(z, seen, params.repetition_penalty) if seen is not None else z
-    if params.greedy:
+    if params.greedy:  # argmax; the log-prob at temperature 1 (logprob_temperature)
         tokens = penalised.argmax(-1)
         logprobs = token_logprobs(z, tokens)
         return tokens, logprobs
@@ -277,5 +285,5 @@ def stop_index(tokens: list[int], stop_strings: tuple[str, ...], decode, start: 
     return None
 
 
-__all__ = ["SamplingParams", "apply_repetition_penalty", "filter_logits", "sampling_distribution", "next_tokens",
-           "stop_index", "stop_token_ids"]
+__all__ = ["SamplingParams", "apply_repetition_penalty", "filter_logits", "logprob_temperature",
+           "sampling_distribution", "next_tokens", "stop_index", "stop_token_ids"]

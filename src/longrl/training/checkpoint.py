@@ -289,14 +289,17 @@ def frozen_base_weights(model) -> dict | None:
 def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict | None]:
     """(trainer state, frozen base weights) of a checkpoint of either recipe: the data position and the config, and
     what ``longrl export`` needs to rebuild exactly the trained model: the base's real dtype (model.dtype=auto
-    depends on the device), the modules a 4-bit base kept in 16-bit, and the builtin model's frozen base, which only
-    a seed and this torch version's initializers could otherwise rebuild. ``extra``: the recipe's own entries."""
+    depends on the device), the modules a 4-bit base kept in 16-bit, a GGUF base's file (path, size, SHA-256), and
+    the builtin model's frozen base, which only a seed and this torch version's initializers could otherwise
+    rebuild. ``extra``: the recipe's own entries."""
     from ..models import TINY_NAME, base_model
 
     base = base_model(model)
     dtype = base.get_input_embeddings().weight.dtype
     state = {"data_position": data_position, "config": cfg.to_dict(),
              "model_dtype": str(dtype).removeprefix("torch."), **extra}
+    if getattr(base, "longrl_gguf", None):  # a GGUF base: the file, so export reloads (and checks) that one
+        state["base_gguf"] = base.longrl_gguf
     report = getattr(base, "longrl_quant_report", None)
     if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
         state["quant_kept"] = sorted(report.kept)

@@ -1,0 +1,146 @@
+"""GGUF files (llama.cpp's and Ollama's model format) as models: ``model.name_or_path: path/model.gguf``.
+
+The file loads through transformers' GGUF support: ``from_pretrained(folder, gguf_file=name)`` with
+``GgufConfig(dequantize=True)``, so every tensor is unpacked from its blocks (Q4_0, Q4_1, Q8_0, the K-quants, F16:
+w = d·q (+ m) per block, the values llama.cpp computes with) and cast to the run's dtype. The result is a plain
+transformers model that trains, samples, saves and exports like one loaded from safetensors; its config comes from
+the file's ``general.architecture`` and ``<arch>.*`` metadata, its tokenizer and chat template from
+``tokenizer.ggml.*`` and ``tokenizer.chat_template``.
+
+Reading needs the ``gguf`` package (``pip install -e ".[export]"`` in a checkout, ``longrl[export]`` from the
+registry). A checkpoint of a run on a GGUF base records the file (absolute path, size, SHA-256:
+:func:`gguf_record`), so export and ``longrl generate`` reload that same file, or refuse one that changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+INSTALL_HINT = 'pip install -e ".[export]" in a longrl checkout, or pip install "longrl[export]"'
+
+
+class GgufError(ValueError):
+    """A GGUF file that cannot be a model; the message names the file."""
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether a model reference names a GGUF file (by its suffix: a hub id or a directory never ends in .gguf)."""
+    return isinstance(name_or_path, str) and name_or_path.lower().endswith(".gguf")
+
+
+def check_gguf_file(path: str | Path) -> Path:
+    """The file's resolved path, after the checks that need no parsing: it exists, is a file, starts with the GGUF
+    magic bytes, and the ``gguf`` package that reads it is installed. Raises :class:`GgufError` naming the file."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise GgufError(f"GGUF file not found: {path}")
+    if not p.is_file():
+        raise GgufError(f"{path} is not a file (a GGUF model is one .gguf file)")
+    with open(p, "rb") as f:
+        head = f.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise GgufError(f"{path} is not a GGUF file: it starts with {head[:4]!r}, not {GGUF_MAGIC!r}")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise GgufError(f"reading {path} needs the gguf package: {INSTALL_HINT}") from None
+    return p.resolve()
+
+
+def _folder_and_name(path: Path) -> tuple[str, str]:
+    return str(path.parent), path.name
+
+
+def gguf_model_config(path: str | Path):
+    """The transformers config the file describes (its metadata only, no tensors)."""
+    from transformers import AutoConfig
+
+    p = check_gguf_file(path)
+    folder, name = _folder_and_name(p)
+    try:
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # ValueError (an architecture transformers cannot convert), a truncated file's errors
+        raise GgufError(f"{path}: transformers cannot read it as a model: {type(e).__name__}: {str(e)[:300]}") from e
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """The tokenizer (with its chat template) stored in the file's metadata."""
+    from transformers import AutoTokenizer
+
+    p = check_gguf_file(path)
+    folder, name = _folder_and_name(p)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:
+        raise GgufError(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {str(e)[:300]}") from e
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype, attn_implementation: str | None = None):
+    """The file's model, every tensor dequantized and cast to ``dtype`` (a plain transformers model, no GGUF
+    quantizer attached: it saves, merges and exports as any other), with ``longrl_gguf`` = :func:`gguf_record`."""
+    from transformers import AutoModelForCausalLM
+
+    p = check_gguf_file(path)
+    folder, name = _folder_and_name(p)
+    try:
+        from transformers import GgufConfig
+
+        unpack = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # transformers without GgufConfig dequantizes every GGUF file anyway
+        unpack = {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                     attn_implementation=attn_implementation, **unpack)
+    except Exception as e:
+        raise GgufError(f"{path}: transformers cannot load it as a causal LM: {type(e).__name__}: "
+                        f"{str(e)[:300]}") from e
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
+        raise GgufError(f"{path}: transformers kept its weights packed in GGUF blocks; this version of "
+                        "transformers cannot dequantize it (GgufConfig(dequantize=True))")
+    model.longrl_gguf = gguf_record(p)
+    return model
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_record(path: str | Path) -> dict:
+    """What a checkpoint records of a GGUF base so that the same file is found and recognised again: its absolute
+    path, size in bytes and SHA-256."""
+    p = Path(path).resolve()
+    return {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+
+
+def recorded_gguf(name_or_path: str, record: dict | None) -> str:
+    """The GGUF file a checkpoint's base is: the configured path when it exists (else the absolute path the
+    checkpoint recorded, e.g. a relative path read from another working directory), checked against the record's
+    size and SHA-256. Raises :class:`GgufError` when neither exists or the file is not the one trained on."""
+    if not record:
+        return name_or_path
+    candidates = [name_or_path, record.get("path")]
+    found = next((c for c in candidates if c and Path(c).expanduser().is_file()), None)
+    if found is None:
+        raise GgufError(f"the run's GGUF base {name_or_path} is not found (recorded at {record.get('path')}); "
+                        "put the file back there")
+    p = Path(found).expanduser()
+    if os.path.getsize(p) != record.get("bytes") or file_sha256(p) != record.get("sha256"):
+        raise GgufError(f"the run's GGUF base {found} is not the file it trained on (size or SHA-256 differ from "
+                        f"the checkpoint's record: {record.get('bytes')} bytes, sha256 {record.get('sha256')})")
+    return str(p)
+
+
+__all__ = ["GgufError", "INSTALL_HINT", "check_gguf_file", "gguf_model_config", "gguf_record", "is_gguf",
+           "load_gguf_model", "load_gguf_tokenizer", "recorded_gguf"]
