@@ -210,3 +210,62 @@ def test_train_generate_and_eval_build_the_same_sampler(tmp_path, monkeypatch, c
     expected = dict(kv_cache_bytes=2**28, memory_cap_bytes=7 * 2**30, kv_cache_dtype="fp8", cuda_graphs=False,
                     sync_every=3, fast_decode=False, fuse_lora=False, nf4_kernel=False, pack_projections=False)
     assert built == [expected] * 3  # the trainer's, generate's and eval's
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["generate", "--from", "RUN", "--prompt", "1+1=", "--temperature", "-1"], "argument --temperature: expected a finite number >= 0"),
+    (["generate", "--from", "RUN", "--prompt", "1+1=", "--temperature", "nan"], "argument --temperature: expected a finite number >= 0"),
+    (["generate", "--from", "RUN", "--prompt", ""], "argument --prompt: expected a non-empty prompt"),
+    (["generate", "--from", "RUN", "--data", "p.jsonl", "--limit", "-5"], "argument --limit: expected an integer >= 0"),
+    (["generate", "--from", "RUN", "--prompt", "x", "--n", "0"], "argument --n: expected an integer >= 1"),
+    (["eval", "run.yaml", "--from", "RUN", "--pass-threshold", "nan"], "argument --pass-threshold: expected a finite number"),
+    (["eval", "run.yaml", "--from", "RUN", "--output", "."], "argument --output: . is a directory; give the JSON file"),
+    (["eval", "run.yaml", "--from", "RUN", "--output", "no/such/folder/m.json"], "argument --output: the folder of"),
+    (["generate", "--from", "RUN", "--prompt", "x", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_argument_errors_exit_2_naming_the_argument(argv, named, capsys):
+    """Refused as the command line is read: before a config, a checkpoint or a model is touched."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_overrides_go_anywhere_on_the_command_line(demo_run, capsys, tmp_path):
+    out, config = demo_run
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": a + 1}) + "\n" for a in range(5)))
+    assert main(["eval", str(config), "--from", str(out), "--data", str(data), "--n", "1",
+                 "data.eval_num_examples=2", "generation.temperature=0"]) == 0
+    assert "on 2 prompts × 1 samples" in (text := capsys.readouterr().out) and "; greedy)" in text
+    assert main(["generate", "--from", str(out), "--prompt", "2+2=", "--jsonl", "generation.max_completion_length=2",
+                 "--n", "2", "generation.temperature=0"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert all(r["tokens"] <= 2 for r in rows) and rows[0]["completion"] == rows[1]["completion"]
+    assert main(["generate", "--from", str(out), "--prompt", "2+2=", "train.max_steps=3"]) == 2
+    assert "generate takes generation.* overrides (a run's model is rebuilt as it trained)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", "x", "--from", str(out), "--format", "adapter", "train.max_steps=3"])
+    assert "`longrl export` takes no KEY=VALUE overrides" in capsys.readouterr().err
+
+
+def test_generate_and_eval_score_a_plain_model_directory(demo_run, capsys, tmp_path):
+    """``--from`` a model that is not a run: the demo run exported merged, scored on the prompts its run's config
+    names, and a directory that is neither refused naming both readings."""
+    out, config = demo_run
+    merged = tmp_path / "merged"
+    assert main(["export", str(merged), "--from", str(out), "--format", "merged", "--dtype", "float32"]) == 0
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": a + 2}) + "\n" for a in range(4)))
+    report = tmp_path / "m.json"
+    assert main(["eval", str(config), "--from", str(merged), "--data", str(data), "--n", "2",
+                 "--output", str(report)]) == 0
+    assert f"eval of {merged} on 4 prompts × 2 samples" in capsys.readouterr().out
+    assert json.loads(report.read_text())["model"] == str(merged)
+    assert main(["generate", "--from", str(merged), "--prompt", "3+4=", "--n", "2", "--jsonl",
+                 "model.dtype=float32", "generation.max_completion_length=3"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    (tmp_path / "neither").mkdir()
+    (tmp_path / "neither" / "notes.txt").write_text("hi")
+    assert main(["generate", "--from", str(tmp_path / "neither"), "--prompt", "1+1="]) == 2
+    err = capsys.readouterr().err
+    assert "has no config.json: not a Hugging Face model directory and not a longrl run" in err
