@@ -447,6 +447,6 @@ def test_missing_gguf_package_is_named(llama_ckpt, tmp_path, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
-    with pytest.raises(ExportError, match=r"pip install 'longrl\[export\]'"):
+    with pytest.raises(ExportError, match=r'pip install -e "\.\[export\]" in a longrl checkout, or pip install "longrl\[export\]"'):
         export_checkpoint(llama_ckpt[0], tmp_path / "out", fmt="gguf")
     assert not (tmp_path / "out").exists()

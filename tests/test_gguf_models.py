@@ -160,3 +160,21 @@ def test_export_merges_an_adapter_into_the_gguf_base(gguf_run, tmp_path):
     ids = torch.tensor([tok("What is 6 plus 7?")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, trained(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_plan_reads_a_gguf_config_and_refuses_a_missing_file(small_gguf, tmp_path, capsys):
+    path = small_gguf[0]
+    for name, code in ((path, 0), (tmp_path / "missing.gguf", 2)):
+        config = tmp_path / "run.yaml"
+        config.write_text(load_config(None, [f"model.name_or_path={name}"], base=demo_config()).to_yaml())
+        assert main(["plan", str(config), "--gpu-memory-gib", "24"]) == code
+    captured = capsys.readouterr()
+    assert f"plan for {path}" in captured.out and "GGUF file not found" in captured.err
+
+
+def test_a_gguf_without_the_gguf_package_names_the_extra(small_gguf, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(ModelLoadError, match=r'needs the gguf package: pip install -e "\.\[export\]"'):
+        load_model(str(small_gguf[0]), device="cpu")

@@ -268,6 +268,7 @@ def _exit_code(e: Exception) -> int | None:
     from ..training.checkpoint import CheckpointError, CheckpointWriteError
     from ..data.prompts import DataError
     from ..models import ModelLoadError
+    from ..models.gguf import GgufError
     from ..rewards import RewardLoadError
     from ..training.guards import EXIT_SAVE_FAILED
     from ..training.run_lock import OutputDirError, RunLockError
@@ -277,7 +278,8 @@ def _exit_code(e: Exception) -> int | None:
         return e.exit_code
     if isinstance(e, CheckpointWriteError):
         return EXIT_SAVE_FAILED
-    if isinstance(e, (DataError, ModelLoadError, RewardLoadError, CheckpointError, RunLockError, OutputDirError)):
+    if isinstance(e, (DataError, ModelLoadError, GgufError, RewardLoadError, CheckpointError, RunLockError,
+                      OutputDirError)):
         return EXIT_BAD_INPUT
     return None
 
