@@ -5,7 +5,8 @@ Loaded as a user loads it (``model.name_or_path: ….gguf``): the Q4_1 blocks de
 computes for them; its real chat template and tokenizer drive GRPO prompts and SFT assistant masks; a GRPO step
 (LoRA, its checkpoint recording the GGUF) and two SFT steps (full weights) run; and the SFT checkpoint exported
 as GGUF tokenizes in llama.cpp as Hugging Face does and continues a fixed prompt greedily as transformers does.
-The model loads once (dequantizing takes ~15 s on 2 cores); each trainer gets its own copy."""
+The model loads once (reading and dequantizing the file: 15–40 s on 2 shared cores); each trainer gets its own
+copy."""
 
 import copy
 import json

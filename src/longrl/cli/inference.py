@@ -57,7 +57,7 @@ def check_source(reference: str) -> None:
     if is_run(reference):
         return
     if not path.exists() and (reference.startswith((".", "/", "~")) or is_gguf(reference)
-                              or reference.count("/") != 1):
+                              or reference.count("/") > 1):  # a path ("org/name" and "gpt2" are hub ids)
         raise InferenceError(f"--from {reference}: not found (a run, a checkpoint-STEP directory, a model "
                              "directory, a hub id or a .gguf file)")
     try:
