@@ -126,6 +126,13 @@ def test_the_sft_quickstart(fresh):
     out = run(documented("longrl plan sft.yaml --sft --gpu-memory-gib 24", "docs/sft.md"), fresh)
     assert "GiB" in out
     out = run(documented("longrl sft sft.yaml", "docs/sft.md"), fresh,
-              ["sft.num_train_epochs=null", "train.max_steps=2", "sft.examples_per_step=2", "sft.eval_examples=2",
-               "sft.max_length=64", "output.report_to=[none]", "output.progress_bar=false"])
+              ["train.max_steps=2", "sft.examples_per_step=2", "sft.eval_examples=2", "sft.max_length=64",
+               "output.report_to=[none]", "output.progress_bar=false"])
     assert out.splitlines()[-1].startswith("sft: 2 steps, last loss")
+    sft_run = fresh / "runs" / "my-model-dir-sft"
+    assert (sft_run / "checkpoint-2").is_dir()
+    run("longrl init --model ./my-model-dir --task math > grpo.yaml", fresh)  # as the comment below says
+    run(documented("longrl train grpo.yaml model.name_or_path=runs/sft", "docs/sft.md")
+        .replace("runs/sft", "runs/my-model-dir-sft"), fresh,
+        ["data.source=examples/prompts.jsonl", "train.max_steps=1", "output.output_dir=runs/after-sft"] + SMALL_GRPO)
+    assert (fresh / "runs" / "after-sft" / "checkpoint-1").is_dir()
