@@ -41,10 +41,9 @@ class Source:
 def is_run(reference: str) -> bool:
     """Whether ``--from`` names a longrl run or checkpoint (a directory with trainer_state.json or a
     checkpoint-STEP), rather than a model."""
-    from ..training.checkpoint import STATE_FILE, latest_checkpoint
+    from ..models.from_checkpoint import checkpoint_path
 
-    path = Path(reference).expanduser()
-    return path.is_dir() and ((path / STATE_FILE).is_file() or latest_checkpoint(path) is not None)
+    return checkpoint_path(reference) is not None
 
 
 def check_source(reference: str) -> None:
