@@ -91,6 +91,9 @@ def test_sft_then_grpo_in_two_commands(tmp_path, grpo_lora):
     loaded, _ = load_model(str(tmp_path / "grpo"), lora=None, dtype="float32", device="cpu")  # nested: SFT → GRPO
     assert torch.allclose(_logits(loaded), _logits(merged_model(ckpt)), atol=1e-5, rtol=0)
     assert from_checkpoint.tokenizer_source(str(tmp_path / "grpo")) == ("builtin:tiny-arith", None)
+    # and the warm-started run exports (its tokenizer is its base's base's: checkpoints hold no tokenizer files)
+    assert main(["export", str(tmp_path / "merged"), "--from", str(tmp_path / "grpo"), "--format", "merged"]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
 
 
 def test_the_planner_reads_a_checkpoints_config(tmp_path):

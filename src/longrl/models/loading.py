@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelLoadError
-from .from_checkpoint import checkpoint_path, load_checkpoint_model, read_warm_start
+from .from_checkpoint import checkpoint_path, load_checkpoint_model, read_warm_start, tokenizer_source
 from .gguf import GgufError, check_gguf_file, is_gguf, load_gguf_model, load_gguf_tokenizer
 from .quantize import (QuantizationError, calibration_ids, choose_exceptions, disable_cpu_repacking, quantize_model,
                        require_bitsandbytes)
@@ -207,10 +207,12 @@ def _load_gguf(path, torch_dtype, attn_implementation):
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
-    """The tokenizer of a model reference (builtin, GGUF file, directory or hub id), pad token set to EOS when it
-    has none, as :func:`load_model` returns it."""
+    """The tokenizer of a model reference (builtin, GGUF file, directory, hub id, or a longrl checkpoint: its base's
+    tokenizer), pad token set to EOS when it has none, as :func:`load_model` returns it."""
     from .tiny import build_char_tokenizer
 
+    if read_warm_start(name_or_path) is not None:  # a checkpoint holds no tokenizer files: its base's
+        name_or_path, revision = tokenizer_source(name_or_path)
     if name_or_path == TINY_NAME:
         tokenizer = build_char_tokenizer()
     elif is_gguf(name_or_path):
