@@ -31,6 +31,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "model.fused_layers", "lora.fused_training", "train.padding_free", "data.eval_source",
                      "data.eval_split", "data.eval_num_examples",
                      "train.max_nonfinite_steps", "train.max_no_signal_steps", "rewards[].timeout_s",
+                     "grpo.reference_placement",
                      "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s",
                      "distributed.")
 
