@@ -7,8 +7,6 @@ reference (and refusing other initial weights); the planner counting the copy wh
 import copy
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from longrl.models import build_tiny_model
 from longrl.models.policy import sequence_logprobs
 from longrl.models.reference import PREFETCH_LAYERS, ReferenceModel, int8_dequantized, int8_rows
 from longrl.models.structure import decoder_layers
+from test_planner import _llama_config, _llama_dir  # the 8B shape's config, and a model directory of it
 
 QUICK = ["train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4", "train.micro_batch_size=5",
          "output.progress_bar=false", "output.tensorboard=false", "output.save_steps=0", "output.log_completions=0",
@@ -255,13 +254,6 @@ def test_resume_refuses_other_initial_weights(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- the planner
 
-def _llama_8b():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256)
-
-
 def _plan(gib, *overrides, host_gib=500, world_size=1):
     from longrl.memory.planner import GIB, plan_for_config
 
@@ -270,7 +262,7 @@ def _plan(gib, *overrides, host_gib=500, world_size=1):
                                  "model.no_recompute_layers=0", "generation.max_completion_length=1024",
                                  "train.prompts_per_step=2",
                                  "rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]", *overrides])
-    return plan_for_config(cfg, _llama_8b(), int(gib * GIB), int(host_gib * GIB), world_size=world_size)
+    return plan_for_config(cfg, _llama_config(), int(gib * GIB), int(host_gib * GIB), world_size=world_size)
 
 
 def test_planner_counts_the_copy_where_it_is_kept():
@@ -279,7 +271,7 @@ def test_planner_counts_the_copy_where_it_is_kept():
     row, the norms in bf16, and S buffers of a layer's matrices — in both phases."""
     from longrl.memory.planner import ModelShape
 
-    shape = ModelShape.from_config(_llama_8b())
+    shape = ModelShape.from_config(_llama_config())
     layer, h = shape.layer_params(), shape.hidden
     root = shape.base_params() - 32 * layer
     s = PREFETCH_LAYERS + 1
@@ -320,18 +312,18 @@ def test_auto_keeps_the_copy_on_the_gpu_when_the_step_fits_else_on_the_host():
                                                       "'longrl.tasks.arithmetic:format_reward'}]"]), tight) == "int8"
 
 
-def test_cli_plan_shows_the_reference(tmp_path):
-    path = tmp_path / "llama8b"
-    _llama_8b().save_pretrained(path)
-    (path / "tokenizer_config.json").write_text("{}")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"model: {{name_or_path: {path}, dtype: bfloat16}}\nlora: {{enabled: false}}\n"
-                   "grpo: {beta: 0.04, reference_placement: host}\ndata: {max_prompt_length: 512}\n"
-                   "generation: {max_completion_length: 1024}\ntrain: {prompts_per_step: 2}\n"
-                   "rewards: [{function: 'longrl.tasks.arithmetic:format_reward'}]\n")
-    out = subprocess.run([sys.executable, "-m", "longrl.cli.main", "plan", str(cfg), "--gpu-memory-gib", "139"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert re.search(r"KL reference\s+host \(grpo.reference_placement\): 3\.\d\d GiB GPU, 13\.00 GiB pinned host",
-                     out.stdout)
-    assert re.search(r"GPU: KL reference layer buffers\s+1\.22 GiB", out.stdout)
+def test_cli_plan_shows_the_reference(tmp_path, capsys):
+    """`longrl plan` prints where the copy goes and its bytes among the GPU parts (the config as a user writes it)."""
+    import yaml
+
+    from longrl.cli.main import main
+
+    settings = {"model": {"name_or_path": str(_llama_dir(tmp_path)), "dtype": "bfloat16"}, "lora": {"enabled": False},
+                "grpo": {"beta": 0.04, "reference_placement": "host"}, "generation": {"max_completion_length": 1024},
+                "data": {"max_prompt_length": 512}, "train": {"prompts_per_step": 2},
+                "rewards": [{"function": "longrl.tasks.arithmetic:format_reward"}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(settings))
+    assert main(["plan", str(tmp_path / "c.yaml"), "--gpu-memory-gib", "139"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"KL reference\s+host \(grpo.reference_placement\): 3\.\d\d GiB GPU, 13\.00 GiB pinned host", out)
+    assert re.search(r"GPU: KL reference layer buffers\s+1\.22 GiB", out)
