@@ -51,12 +51,15 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(e.value)
 
 
-def test_kl_to_a_reference_needs_adapters():
-    """Without LoRA the reference (the base with adapters disabled) would be the policy itself: refused."""
-    with pytest.raises(ConfigError, match="'grpo.beta': got 0.04; allowed: 0 with lora.enabled=false"):
-        load_config(None, ["lora.enabled=false", "grpo.beta=0.04"], base=demo_config())
+def test_kl_to_a_reference_with_or_without_adapters():
+    """With LoRA the reference is the base with the adapters disabled; without it, a frozen copy of the initial
+    weights (tests/test_kl_reference.py), whose placement only full-weight runs may choose."""
+    load_config(None, ["lora.enabled=false", "grpo.beta=0.04"], base=demo_config())
     load_config(None, ["lora.enabled=false", "grpo.beta=0"], base=demo_config())
     load_config(None, ["lora.enabled=true", "grpo.beta=0.04"], base=demo_config())
+    with pytest.raises(ConfigError,
+                       match="'grpo.reference_placement': got 'int8'; allowed: auto with lora.enabled=true"):
+        load_config(None, ["lora.enabled=true", "grpo.reference_placement=int8"], base=demo_config())
 
 
 def test_save_steps_must_align_with_num_iterations():

@@ -34,9 +34,11 @@ QUICK = ["train.prompts_per_step=3", "grpo.num_generations=4", "train.micro_batc
 LORA = ["lora.enabled=true", "lora.r=4", "grpo.loss_type=grpo", "grpo.scale_rewards=batch", "grpo.beta=0.05",
         "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01", "generation.backend=hf", "output.save_steps=1"]
 # full weights (FSDP2): two optimizer steps per rollout batch (each step's prompts split across the ranks),
-# GDPO's batch normalisation of the two reward functions
+# GDPO's batch normalisation of the two reward functions, a KL reference (each rank's own frozen copy of the initial
+# weights, through the host placement's prefetch path: rebuilt when resumed on 1 and 3 processes)
 FULL = ["lora.enabled=false", "grpo.loss_type=dapo", "grpo.steps_per_generation=2",
-        "grpo.multi_objective_aggregation=normalize_then_sum", "train.max_steps=4", "output.save_steps=2"]
+        "grpo.multi_objective_aggregation=normalize_then_sum", "train.max_steps=4", "output.save_steps=2",
+        "grpo.beta=0.05", "grpo.reference_placement=host"]
 # a 4-bit base (DDP over the adapters): a second iteration on the rollout batch (old log-probs)
 QLORA = ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "model.dtype=bfloat16", "grpo.loss_type=dr_grpo",
          "grpo.num_iterations=2"]
@@ -230,6 +232,7 @@ def test_two_processes_equal_one(spawned_runs):
         _assert_same_run(two["history"], one["history"], two["weights"], one["weights"],
                          tol=2e-2 if name == "qlora" else 1e-5)
     assert "high_entropy_ratio" in got["lora"]["two"]["history"][0]  # the options did run
+    assert got["full"]["two"]["history"][-1]["kl"] > 0  # each rank's own reference: the policy moved from it
     # rank 0 alone wrote the outputs, once
     out = root / "lora"
     assert [m["step"] for m in read_metrics(out)] == [1, 2]

@@ -31,7 +31,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "train.padding_free", "train.shared_prompt", "data.eval_source", "data.eval_split",
                      "data.eval_num_examples", "train.max_nonfinite_steps", "train.max_no_signal_steps",
                      "environment.max_reset_failure_share", "rewards[].timeout_s", "rewards[].isolation",
-                     "rewards[].memory_limit_gib", "rewards[].cpu_limit_s", "distributed.")
+                     "rewards[].memory_limit_gib", "rewards[].cpu_limit_s", "grpo.reference_placement",
+                     "distributed.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -116,7 +116,14 @@ class GRPOLossConfig:
     num_generations: int = 8  # completions per prompt (the group G whose rewards are compared)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"  # policy loss
     #                                                                 and its normalisation (docs/losses.md)
-    beta: float = 0.0  # weight of the k3 KL penalty to the reference (the base, adapters off); 0: no reference pass
+    beta: float = 0.0  # weight of the k3 KL penalty to the reference: with LoRA the base, adapters off; with full
+    #                    weights a frozen copy of the initial weights (grpo.reference_placement); 0: no reference pass
+    reference_placement: Literal["auto", "gpu", "host", "int8"] = "auto"  # full weights with beta > 0: where the
+    #   frozen copy of the initial weights is kept: gpu (the training device); host (pinned host memory, each decoder
+    #   layer copied to the GPU just ahead of its forward); int8 (on the GPU, the layers' matrices as int8 with a
+    #   scale per row: an approximate reference, its layers in half the bytes); auto: gpu when the step fits with it
+    #   there, else host (the planner decides; gpu on the CPU). Counted in `longrl plan` (docs/memory.md); each rank
+    #   of a data-parallel job keeps its own copy
     use_bias_correction_kl: bool = True  # the k3 term times the ratio π/π_old: its gradient is then ∇KL(π ‖ π_ref),
     #                                      the reverse KL that beta penalises (plain k3: the forward KL's); as TRL 1.15
     epsilon: float = 0.2  # clip range of the importance ratio: [1 − epsilon, 1 + epsilon_high]

@@ -190,7 +190,8 @@ TRL_NAMES: dict[str, FlatName] = {
     "average_tokens_across_devices": accepted(True, why="longrl normalises the loss over every rank's tokens"),
     # ------------------------------------------------------------------ the GRPO objective
     "num_generations": FlatName("grpo.num_generations"),
-    "beta": FlatName("grpo.beta", "KL coefficient; the reference is the base with the adapters disabled"),
+    "beta": FlatName("grpo.beta", "KL coefficient; the reference is the base with the adapters disabled "
+                                  "(LoRA) or a frozen copy of the initial weights (full weights)"),
     "epsilon": FlatName("grpo.epsilon"),
     "epsilon_high": FlatName("grpo.epsilon_high"),
     "delta": FlatName("grpo.delta"),
@@ -216,7 +217,8 @@ TRL_NAMES: dict[str, FlatName] = {
     "use_adaptive_entropy": accepted(False, why="the entropy bonus has a fixed coefficient (grpo.entropy_coef)"),
     **{name: ignored("read only with use_adaptive_entropy=True") for name in (
         "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")},
-    "sync_ref_model": accepted(False, why="the reference is the base with the adapters disabled, never synced"),
+    "sync_ref_model": accepted(False, why="the reference is the initial model (the base with the adapters "
+                                          "disabled, or a frozen copy of the initial weights), never synced"),
     "ref_model_mixup_alpha": ignored("read only with sync_ref_model=True"),
     "ref_model_sync_steps": ignored("read only with sync_ref_model=True"),
     "disable_dropout": accepted(False, why="longrl keeps the model's own dropout (0 in most LLM configs); the "

@@ -42,9 +42,9 @@ def _check_grpo(cfg: Config) -> None:
     _check(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "an integer >= 1")
     _check(g.steps_per_generation >= 1, "grpo.steps_per_generation", g.steps_per_generation, "an integer >= 1")
     _check(g.rollout_correction_cap >= 1, "grpo.rollout_correction_cap", g.rollout_correction_cap, ">= 1")
-    _check(g.beta == 0 or cfg.lora.enabled, "grpo.beta", g.beta,
-           "0 with lora.enabled=false (the reference policy is the base with the adapters disabled: without "
-           "adapters it would be the policy itself, a KL of 0; no second copy of the weights is kept)")
+    _check(g.reference_placement == "auto" or not cfg.lora.enabled, "grpo.reference_placement",
+           g.reference_placement, "auto with lora.enabled=true (the reference is then the base with the adapters "
+           "disabled: no copy is kept to place)")
 
 
 def _check_loss_options(cfg: Config) -> None:

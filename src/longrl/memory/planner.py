@@ -202,6 +202,7 @@ class Plan:
     # a GRPO step's tokens on one GPU: (as planned, as G separate sequences, completions a row with grouped rows)
     step_tokens: tuple[int, int, int] | None = None
     shared_prompt_would_save: bool = False  # off, where grouped rows would pay (shared_prompt_saves)
+    reference: "ReferenceMemory | None" = None  # the KL reference copy of a full-weight run (counted in the parts)
 
     def table(self) -> str:
         rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
@@ -220,6 +221,8 @@ class Plan:
                       f"{separate:,}" if self.shared_prompt else
                       f"off: {separate:,} tokens a step" + (" (train.shared_prompt=true computes each prompt once)"
                                                             if self.shared_prompt_would_save else ""))]
+        if self.reference is not None:
+            rows += [("KL reference", self.reference.describe())]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB  (of layer recompute and log-prob "
                                         "backward, only the larger: they are not live together)"),
@@ -776,6 +779,105 @@ def shared_prompt_applies(cfg, step: "StepShape", model_config) -> bool:
     return reason is None
 
 
+_SMALLER_PLACEMENTS = {"gpu": "host or int8", "host": "int8"}  # where a KL reference copy that does not fit may go
+
+
+@dataclass(frozen=True)
+class ReferenceMemory:
+    """The KL reference copy of a full-weight run (models/reference.py), per process (each rank keeps its own), for a
+    decoder of L layers of P_l parameters, root parameters P_r (embeddings, LM head, final norm), b bytes a weight,
+    S = PREFETCH_LAYERS + 1 layer buffers:
+
+        gpu   GPU: (P_r + L P_l) b
+        host  GPU: P_r b + S P_l b                  pinned host: L P_l b
+        int8  GPU: P_r b + L (M + 4 R + 2 H b) + S M b
+              (M: a layer's matrix weights at one byte each, R: their output rows, a float32 scale each; the two
+              norms' vectors in b)
+
+    resident through the rollout and the update alike."""
+    placement: str
+    gpu_parts: dict  # name → bytes on the GPU
+    host_bytes: int  # pinned host memory
+
+    @classmethod
+    def of(cls, shape: ModelShape, placement: str, b: int) -> "ReferenceMemory":
+        from ..models.reference import PREFETCH_LAYERS
+
+        layer = shape.layer_params()
+        root = shape.base_params() - shape.layers * layer
+        buffers = min(PREFETCH_LAYERS + 1, shape.layers)
+        if placement == "gpu":
+            return cls(placement, {"KL reference copy": shape.base_params() * b}, 0)
+        if placement == "host":
+            return cls(placement, {"KL reference embeddings, head": root * b,
+                                   "KL reference layer buffers": buffers * layer * b}, shape.layers * layer * b)
+        if placement != "int8":
+            raise ValueError(f"reference placement must be gpu, host or int8; got {placement!r}")
+        matrices = layer - 2 * shape.hidden
+        rows = shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden + 2 * shape.intermediate  # q k v o gate up down
+        return cls(placement, {"KL reference embeddings, head": root * b,
+                               "KL reference int8 layers": shape.layers * (matrices + 4 * rows + 2 * shape.hidden * b),
+                               "KL reference layer buffers": buffers * matrices * b}, 0)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(self.gpu_parts.values())
+
+    def reserve(self, gpu_free_bytes: int, host_free_bytes: int, world_size: int = 1) -> tuple[int, int]:
+        """(GPU bytes, host bytes) left for the rest of the step: the copy comes off both (the GPU's as usable memory:
+        its share of the safety margin too; the host's once for each of ``world_size`` processes, a host holding
+        them all); PlanError when the copy alone does not fit."""
+        gpu_left = gpu_free_bytes - int(-(-self.gpu_bytes // safety_fraction()))
+        if gpu_left <= 0:
+            smaller = _SMALLER_PLACEMENTS.get(self.placement)
+            raise PlanError(f"the KL reference copy (grpo.reference_placement={self.placement}) takes "
+                            f"{self.gpu_bytes / GIB:.1f} GiB of GPU memory, more than the "
+                            f"{gpu_free_bytes * safety_fraction() / GIB:.1f} GiB usable"
+                            + (f"; set grpo.reference_placement={smaller}" if smaller else ""))
+        host = self.host_bytes * max(1, world_size)
+        if host > host_free_bytes:
+            raise PlanError(f"the KL reference copy in host memory takes {host / GIB:.1f} GiB of pinned memory"
+                            + (f" ({world_size} processes, one copy each)" if world_size > 1 else "")
+                            + f", more than the {host_free_bytes / GIB:.1f} GiB that may be pinned; set "
+                            "grpo.reference_placement=int8 (or gpu)")
+        return gpu_left, host_free_bytes - host
+
+    def way_out(self) -> str:
+        """What a refusal adds: the copy's share, and the smaller placements."""
+        smaller = _SMALLER_PLACEMENTS.get(self.placement)
+        return (f" (besides the KL reference copy's {self.gpu_bytes / GIB:.1f} GiB: grpo.reference_placement="
+                f"{self.placement})" + (f", or set grpo.reference_placement={smaller}" if smaller else ""))
+
+    def add_to(self, plan: "Plan", budget_bytes: int) -> None:
+        """Count the copy in ``plan`` (both phases), planned in ``budget_bytes`` of GPU memory in all."""
+        plan.parts_gpu_bytes.update(self.gpu_parts)
+        plan.predicted_gpu_bytes += self.gpu_bytes
+        plan.predicted_host_bytes += self.host_bytes
+        plan.budget_bytes, plan.reference = budget_bytes, self
+        if plan.rollout is not None:
+            plan.rollout.parts_gpu_bytes.update(self.gpu_parts)
+            plan.rollout.predicted_gpu_bytes += self.gpu_bytes
+
+    def describe(self) -> str:
+        from ..models.reference import PREFETCH_LAYERS
+
+        text = f"{self.placement} (grpo.reference_placement): {self.gpu_bytes / GIB:.2f} GiB GPU"
+        if self.host_bytes:
+            text += f", {self.host_bytes / GIB:.2f} GiB pinned host, layers copied {PREFETCH_LAYERS} ahead"
+        return text
+
+
+def reference_placement(cfg, plan: "Plan | None") -> str | None:
+    """Where a GRPO run keeps its KL reference copy: None without one (grpo.beta = 0, or LoRA: the base with the
+    adapters disabled is the reference); else grpo.reference_placement, auto as the plan chose (CUDA) or gpu (on the
+    CPU: the training device)."""
+    if cfg.grpo.beta == 0 or cfg.lora.enabled:
+        return None
+    if cfg.grpo.reference_placement != "auto":
+        return cfg.grpo.reference_placement
+    return plan.reference.placement if plan is not None and plan.reference is not None else "gpu"
+
+
 @dataclass(frozen=True)
 class StepShape:
     """One optimizer step as the planner sees it: ``prompts`` prompts (over every rank) of at most ``prompt_tokens``
@@ -790,16 +892,18 @@ class StepShape:
     rollouts: bool = False
     length_key: str = "generation.max_completion_length"
     shared_prompt: bool = False  # grouped rows: a prompt once, then its completions (P + ΣR tokens, not G·(P + R))
+    reference: bool = False  # a frozen copy of the initial weights is kept (the KL reference of full weights)
 
     @classmethod
     def grpo(cls, cfg, completion_tokens: int) -> "StepShape":
         """A GRPO step of ``cfg``: prompts_per_step × num_generations completions of ``completion_tokens`` (the
         trajectory budget: config.trajectory_tokens) after a max_prompt_length prompt; the rollout samples
-        steps_per_generation steps' prompts at once."""
+        steps_per_generation steps' prompts at once; the KL reference copy kept when beta > 0 trains full weights."""
         P, G, pin = cfg.data.max_prompt_length, cfg.grpo.num_generations, cfg.train.shared_prompt
         return cls(P, completion_tokens, cfg.train.prompts_per_step, G, cfg.grpo.steps_per_generation,
                    rollouts=cfg.generation.backend == "longrl",
-                   shared_prompt=bool(pin))  # null: off until the CUDA path is measured (see shared_prompt_saves)
+                   shared_prompt=bool(pin),  # null: off until the CUDA path is measured (see shared_prompt_saves)
+                   reference=cfg.grpo.beta > 0 and not cfg.lora.enabled)
 
     @classmethod
     def sft(cls, cfg, examples: int | None = None) -> "StepShape":
@@ -810,19 +914,27 @@ class StepShape:
 
 
 def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int | None = None,
-                    world_size: int = 1, step: StepShape | None = None) -> Plan:
+                    world_size: int = 1, step: StepShape | None = None, reference_placement: str | None = None) -> Plan:
     """The plan for a run's ``step`` (default: cfg's GRPO step) in ``gpu_free_bytes`` of GPU memory
     (train.gpu_memory_gib when set and smaller): every sequence at its longest. The layout keys left null
     (model.offload_activations, model.gradient_checkpointing) are chosen here: no recomputation when it fits in
     NO_RECOMPUTE_SHARE of the memory, else offloaded checkpointing (layout_candidates). ``world_size`` > 1: one
     GPU of a data-parallel job, with the most prompts a rank gets (⌈P / N⌉); full weights (lora.enabled=false)
-    sharded by FSDP2, LoRA and a 4-bit base replicated. Reads ``cfg``; writes nothing into it."""
+    sharded by FSDP2, LoRA and a 4-bit base replicated. A step that keeps the KL reference copy (StepShape.reference)
+    counts it where grpo.reference_placement (``reference_placement``) puts it, auto: on the GPU when the step fits
+    with it there, else in host memory (ReferenceMemory). Reads ``cfg``; writes nothing into it."""
     from ..ops.attention_backend import repeats_kv
 
     if step is None:
         from ..config import trajectory_tokens
 
         step = StepShape.grpo(cfg, trajectory_tokens(cfg))
+    placement = reference_placement or (cfg.grpo.reference_placement if step.reference else None)
+    if placement == "auto":
+        try:
+            return plan_for_config(cfg, model_config, gpu_free_bytes, host_free_bytes, world_size, step, "gpu")
+        except PlanError:
+            return plan_for_config(cfg, model_config, gpu_free_bytes, host_free_bytes, world_size, step, "host")
     if cfg.train.gpu_memory_gib > 0:
         gpu_free_bytes = min(gpu_free_bytes, int(cfg.train.gpu_memory_gib * GIB))
     length = step.prompt_tokens + step.completion_tokens
@@ -833,13 +945,19 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     shape = ModelShape.from_config(model_config)
     if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
         weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
+    reference = ReferenceMemory.of(shape, placement, compute) if placement else None
+    budget = gpu_free_bytes
+    if reference is not None:  # resident through both phases: the rest of the step is planned in what it leaves
+        host_free_bytes = pinnable_host_bytes() if host_free_bytes is None else host_free_bytes
+        gpu_free_bytes, host_free_bytes = reference.reserve(gpu_free_bytes, host_free_bytes, world_size)
     pinned = dict(token_budget=cfg.train.micro_batch_tokens, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
                   reuse_attention=cfg.model.reuse_attention, no_recompute=cfg.model.no_recompute_layers)
     kernels = dict(repeat_kv=repeats_kv(cfg.model.sdpa_backends), logprob_kernel=logprob_kernel_applies(cfg, model_config),
                    fused_norms=fused_norms_apply(cfg, model_config), grouped_attention=grouped_attention_applies(cfg),
                    attention_kernel=attention_kernel_of(cfg, shape, compute))
     step_args = dict(sequence_lengths=[length] * n, lora_r=cfg.lora.r if cfg.lora.enabled else 0,
-                     weight_bytes=weight_bytes, host_free_bytes=host_free_bytes or pinnable_host_bytes(),
+                     weight_bytes=weight_bytes,
+                     host_free_bytes=pinnable_host_bytes() if host_free_bytes is None else host_free_bytes,
                      chunk=cfg.train.logprob_chunk_size, compute_bytes=compute, trainable_base=not cfg.lora.enabled,
                      weight_shards=shards, length_key=step.length_key, **pinned, **kernels)
     candidates = layout_candidates(cfg.model.offload_activations, cfg.model.gradient_checkpointing)
@@ -867,12 +985,15 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                                         trainable_base=not cfg.lora.enabled, kv_fp8=gen.kv_cache_dtype == "fp8",
                                         kv_cache_bytes=int(gen.kv_cache_gib * GIB), weight_shards=shards)
     except PlanError as e:
+        text = f"{e}{reference.way_out() if reference is not None else ''}"
         if cfg.train.gpu_memory_gib > 0:
-            raise PlanError(f"{e}, or raise train.gpu_memory_gib (now {cfg.train.gpu_memory_gib:g})") from None
-        raise
+            raise PlanError(f"{text}, or raise train.gpu_memory_gib (now {cfg.train.gpu_memory_gib:g})") from None
+        raise PlanError(text) from None
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
+    if reference is not None:
+        reference.add_to(plan, budget)
     return plan
 
 

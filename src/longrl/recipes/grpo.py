@@ -24,10 +24,11 @@ from ..data.prompts import PromptDataset, PromptSampler, load_prompts, read_prom
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
 from ..memory.microbatch import prompt_group_batches
-from ..memory.planner import StepShape
+from ..memory.planner import StepShape, reference_placement
 from ..models import base_model, check_model_files, resolve_device
 from ..models.lora_training import fused_lora_training
 from ..models.policy import completion_mask, pad_right, reference_mode
+from ..models.reference import ReferenceModel
 from ..models.shared_prompt import unsupported_reason
 from ..ops.advantages import decoupled_group_advantages, group_advantages
 from ..ops.attention_backend import sdpa_priority
@@ -139,6 +140,8 @@ class GRPOTrainer:
         from ..agents.rollout import AgentSpec
 
         agent_spec = AgentSpec.resolve(cfg, environment_factory, tools)  # environment and tools: before the model
+        self._model_source = ("the model passed in" if model is not None else
+                              f"config key 'model.name_or_path': {cfg.model.name_or_path}")  # the reference's source
         if model is not None:
             model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(device),
                                            needed_tokens=(cfg.data.max_prompt_length + cfg.generation.max_completion_length,
@@ -147,6 +150,7 @@ class GRPOTrainer:
             cfg, StepShape.grpo(cfg, trajectory_tokens(cfg)), model, tokenizer, device=device,
             world_size=self.world.world_size)
         self.model, self.tokenizer = model, tokenizer
+        self.reference = self._make_reference()  # before FSDP2 shards the weights and any step moves them
         self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
         self.eval_data = load_eval_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
@@ -305,10 +309,28 @@ class GRPOTrainer:
         with self._phase("update"):
             return self._policy_update(batch)
 
+    def _make_reference(self) -> ReferenceModel | None:
+        """The frozen copy of the initial weights that full-weight runs with grpo.beta ≠ 0 keep as their KL reference,
+        where the plan (or grpo.reference_placement) puts it; None otherwise (LoRA: the base, adapters disabled). Each
+        rank of a data-parallel job keeps its own, whole (FSDP2 shards only the policy)."""
+        placement = reference_placement(self.cfg, self.layout.plan)
+        if placement is None:
+            return None
+        reference = ReferenceModel(self.model, placement)
+        log.info("KL reference: a frozen copy of the initial weights (%s)", placement)
+        return reference
+
     def _reference_logps(self, prompt_ids, completion_ids, width: int) -> torch.Tensor | None:
-        """[P·G, T] log-probs of the reference policy (the base, adapters disabled) when grpo.beta ≠ 0, else None."""
+        """[P·G, T] log-probs of the reference policy when grpo.beta ≠ 0, else None: the frozen copy of the initial
+        weights (full weights), or the base with the adapters disabled (LoRA)."""
         if self.cfg.grpo.beta == 0.0:
             return None
+        if self.reference is not None:  # a rank's own forwards: no collective inside, no lockstep needed
+            return self.reference.logprobs(prompt_ids, completion_ids, width,
+                                           self._micro_batches(prompt_ids, completion_ids),
+                                           pad_id=self.tokenizer.pad_token_id,
+                                           temperature=self.cfg.generation.temperature,
+                                           chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free)
         with reference_mode(self.model):
             return self._logprobs(prompt_ids, completion_ids, width)
 
@@ -580,7 +602,8 @@ class GRPOTrainer:
         return its path (None on other ranks); every rank returns once it is complete."""
         state, frozen = trainer_state(self.model, self.cfg, self.prompt_order.position,
                                       data_fingerprint=self.run_dir.data_fingerprint, world_size=self.world.world_size,
-                                      reward_files=self.run_dir.reward_files)
+                                      reward_files=self.run_dir.reward_files,
+                                      **({} if self.reference is None else {"kl_reference": self.reference.state()}))
         model_state, staged = None, None
         if is_sharded(self.policy):  # every rank: the full weights gathered on rank 0, its optimizer shards (DCP)
             model_state = full_model_state(self.model)
@@ -599,5 +622,7 @@ class GRPOTrainer:
 
     def _resume(self, candidates: list[Path]) -> None:
         loaded = load_newest(candidates, self.output_dir, self.model, self.optimizer, self.scheduler)
+        if loaded is not None and self.reference is not None:  # rebuilt from the model as loaded at the start
+            self.reference.check_resumed(loaded[1].get("kl_reference"), self._model_source)
         if loaded is not None:
             self.step_idx, self.prompt_order.position = loaded[1]["step"], loaded[1]["data_position"]
