@@ -329,8 +329,9 @@ class GRPOTrainer:
             return self.reference.logprobs(prompt_ids, completion_ids, width,
                                            self._micro_batches(prompt_ids, completion_ids),
                                            pad_id=self.tokenizer.pad_token_id,
-                                           temperature=self.cfg.generation.temperature,
-                                           chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free)
+                                           temperature=logprob_temperature(self.cfg.generation.temperature),
+                                           chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
+                                           shared_prompt=self.shared_prompt)
         with reference_mode(self.model):
             return self._logprobs(prompt_ids, completion_ids, width)
 
