@@ -367,7 +367,10 @@ def test_fault(case, tmp_path, monkeypatch, capsys, caplog, cache):
                 argv = ["demo", *BASE, *args]
             else:
                 argv = [cmd, *args]
-            code = main(argv)
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse refuses a bad argument by exiting (its usage line, exit 2)
+                code = e.code
     finally:
         if held is not None:
             os.close(held)
