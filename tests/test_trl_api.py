@@ -297,7 +297,7 @@ def test_trl_batch_arithmetic_and_refusals():
                        (dict(num_train_epochs=2, warmup_ratio=0.1), "give warmup_steps"),
                        (dict(logging_steps=0.1), "fraction"), (dict(use_vllm=True), "generation.backend"),
                        (dict(learnig_rate=1e-5), "did you mean train.learning_rate"),
-                       (dict(temperature=0.0), "generation.temperature")]:
+                       (dict(temperature=-1.0), "generation.temperature")]:
         with pytest.raises(ConfigError, match=match):
             GRPOConfig(**bad)
     cfg = GRPOConfig(prompts_per_step=3, **{"model.offload_activations": True}, lora={"r": 4})
