@@ -23,7 +23,6 @@ from typing import Callable
 
 from ..config.errors import ConfigError
 from ..config.schema import trajectory_tokens
-from ..data.prompts import DataError
 from ..rollout.sampler import MultiTurn, Rollout
 from .bounded_text import DEFAULT_MAX_CHARS, cap_messages, cap_text
 from .environment import EnvironmentSetupError, TRLEnvironment, build_environment, check_callable, \
@@ -38,7 +37,7 @@ BUDGET_STOPS = ("max_turns", "max_tokens", "turn_timeout", "episode_timeout")
 RESET_ERROR = "reset_error"  # the stop_reason of a skipped row's placeholders
 
 
-class EnvironmentResetError(DataError):
+class EnvironmentResetError(ValueError):
     """More than environment.max_reset_failure_share of a rollout batch's rows failed their environment reset."""
 
 

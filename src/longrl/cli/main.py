@@ -265,11 +265,12 @@ def _is_stop(e: Exception) -> bool:
 
 def _exit_code(e: Exception) -> int | None:
     """The exit code for an error longrl explains itself (None: a bug, shown with its traceback)."""
-    from ..training.checkpoint import CheckpointError, CheckpointWriteError
+    from ..agents.rollout import EnvironmentResetError
     from ..data.prompts import DataError
     from ..models import ModelLoadError
     from ..models.gguf import GgufError
     from ..rewards import RewardLoadError
+    from ..training.checkpoint import CheckpointError, CheckpointWriteError
     from ..training.guards import EXIT_SAVE_FAILED
     from ..training.run_lock import OutputDirError, RunLockError
     from ..training.signals import TrainingStopped
@@ -279,7 +280,7 @@ def _exit_code(e: Exception) -> int | None:
     if isinstance(e, CheckpointWriteError):
         return EXIT_SAVE_FAILED
     if isinstance(e, (DataError, ModelLoadError, GgufError, RewardLoadError, CheckpointError, RunLockError,
-                      OutputDirError)):
+                      OutputDirError, EnvironmentResetError)):
         return EXIT_BAD_INPUT
     return None
 
