@@ -124,3 +124,13 @@ def test_grpo_trainer_with_the_config_first_names_trls_order(tmp_path):
     with pytest.raises(TypeError, match=r"TRL's positional order is the model first, "
                                         r"GRPOTrainer\('builtin:tiny-arith', reward_funcs, args, train_dataset\)"):
         GRPOTrainer(GRPOConfig(output_dir=str(tmp_path / "x")), "builtin:tiny-arith")
+
+
+def test_trl_positional_order_is_named_for_sft_too(tmp_path):
+    """SFTTrainer(SFTConfig(...), "builtin:tiny-arith"): TRL's order is the model first; the refusal says so."""
+    from longrl import SFTConfig, SFTTrainer
+
+    with pytest.raises(TypeError, match=r"TRL's positional order is the model first, "
+                                        r"SFTTrainer\('builtin:tiny-arith', args, data_collator, train_dataset\)"):
+        SFTTrainer(SFTConfig(output_dir=str(tmp_path / "x")), "builtin:tiny-arith")
+    assert not (tmp_path / "x").exists()  # refused before anything is written

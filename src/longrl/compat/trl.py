@@ -312,6 +312,11 @@ class SFTTrainer(sft.SFTTrainer):
                  formatting_func=None, callbacks=None):
         trl = dict(args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
                    processing_class=processing_class, peft_config=peft_config, formatting_func=formatting_func)
+        if isinstance(cfg, Config) and isinstance(model, (str, Path)):
+            raise TypeError(f"SFTTrainer({type(cfg).__name__}(...), {str(model)!r}): TRL's positional order is the "
+                            f"model first, SFTTrainer({str(model)!r}, args, data_collator, train_dataset); or name "
+                            "them: SFTTrainer(model=..., args=..., train_dataset=...). (longrl's SFTTrainer(cfg, "
+                            "model=...) takes a loaded model; a model name goes in cfg.model.name_or_path)")
         if isinstance(cfg, Config):
             if any(v is not None for v in trl.values()):
                 given = ", ".join(k for k, v in trl.items() if v is not None)
