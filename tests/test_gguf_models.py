@@ -95,7 +95,7 @@ def gguf_run(small_gguf, tmp_path_factory):
 
 
 def test_a_checkpoint_records_its_gguf_base(gguf_run, small_gguf):
-    from longrl.models.gguf import file_sha256
+    from longrl.models.files import file_sha256
 
     out, _ = gguf_run
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())

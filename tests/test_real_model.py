@@ -96,7 +96,7 @@ def test_sft_trains_exactly_the_assistant_turns_of_the_real_template(real):
 
 
 def test_a_grpo_step_on_the_real_model_records_its_gguf(real, gguf_path, tmp_path):
-    from longrl.models.gguf import file_sha256
+    from longrl.models.files import file_sha256
     from longrl.recipes.grpo import GRPOTrainer
 
     rewards = tmp_path / "rewards.py"  # a reward that tells the samples apart, so the step has a signal

@@ -10,7 +10,6 @@ Prompts longer than ``max_prompt_length`` tokens follow ``overlong_prompt``:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.files import file_sha256
 from ..tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -118,14 +118,6 @@ def data_fingerprint(source: str) -> str | None:
         return None
     return file_sha256(path)
 
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes (read a MiB at a time)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass

@@ -14,7 +14,6 @@ any weights load: a checkpoint whose files are missing or whose sizes differ fro
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .files import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,7 @@ def _check_checksum(path: Path, name: str) -> None:
     entry = _manifest(path).get(name)
     if entry is None:
         return
-    digest = hashlib.sha256()
-    with open(path / name, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != entry.get("sha256"):
+    if file_sha256(path / name) != entry.get("sha256"):
         raise CheckpointModelError(f"config key 'model.name_or_path': {path / name}: checksum differs from the "
                                    "manifest (corrupted)")
 

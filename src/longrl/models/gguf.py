@@ -14,12 +14,13 @@ registry). A checkpoint of a run on a GGUF base records the file (absolute path,
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
 
 import torch
+
+from .files import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +110,19 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, attn_implementation: s
     return model
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → SHA-256: each file version hashed once
 
 
 def gguf_record(path: str | Path) -> dict:
     """What a checkpoint records of a GGUF base so that the same file is found and recognised again: its absolute
-    path, size in bytes and SHA-256."""
+    path, size in bytes and SHA-256 (hashed once per file version in a process: an export checks the recorded file,
+    then loads it)."""
     p = Path(path).resolve()
-    return {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    stat = p.stat()
+    key = (str(p), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_sha256(p)
+    return {"path": str(p), "bytes": stat.st_size, "sha256": _DIGESTS[key]}
 
 
 def recorded_gguf(name_or_path: str, record: dict | None) -> str:
@@ -136,7 +137,7 @@ def recorded_gguf(name_or_path: str, record: dict | None) -> str:
         raise GgufError(f"the run's GGUF base {name_or_path} is not found (recorded at {record.get('path')}); "
                         "put the file back there")
     p = Path(found).expanduser()
-    if os.path.getsize(p) != record.get("bytes") or file_sha256(p) != record.get("sha256"):
+    if os.path.getsize(p) != record.get("bytes") or gguf_record(p)["sha256"] != record.get("sha256"):
         raise GgufError(f"the run's GGUF base {found} is not the file it trained on (size or SHA-256 differ from "
                         f"the checkpoint's record: {record.get('bytes')} bytes, sha256 {record.get('sha256')})")
     return str(p)

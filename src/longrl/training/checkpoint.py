@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.prompts import file_sha256
+from ..models.files import file_sha256
 
 log = logging.getLogger(__name__)
 
