@@ -24,7 +24,7 @@ from typing import Callable
 from ..config.errors import ConfigError
 from ..config.schema import trajectory_tokens
 from ..rollout.sampler import MultiTurn, Rollout
-from .bounded_text import DEFAULT_MAX_CHARS, cap_messages, cap_text
+from .bounded_text import cap_messages, cap_text
 from .environment import EnvironmentSetupError, TRLEnvironment, build_environment, check_callable, \
     load_environment_factory
 from .tool_calls import detect_format
@@ -123,13 +123,12 @@ class AgentRollouts:
 
     def __init__(self, tokenizer, settings: EpisodeSettings, spec: AgentSpec, fmt: str = "auto",
                  prompt_column: str = "prompt", max_prompt_length: int | None = None,
-                 tool_timeout_s: float | None = 30.0, max_chars: int = DEFAULT_MAX_CHARS,
-                 max_reset_failure_share: float = 0.5, sum_floats: Callable[[dict], dict] | None = None):
+                 tool_timeout_s: float | None = 30.0, max_reset_failure_share: float = 0.5, sum_floats: Callable[[dict], dict] | None = None):
         self.tokenizer, self.settings = tokenizer, settings
         self.factory, self.tools = spec.factory, list(spec.tools)
         self.prompt_column, self.max_prompt_length = prompt_column, max_prompt_length
         self.fmt = detect_format(tokenizer) if fmt == "auto" else fmt
-        self.tool_timeout_s, self.max_chars = tool_timeout_s, max_chars
+        self.tool_timeout_s = tool_timeout_s  # text from tools and environments: capped at settings.max_message_chars
         self.max_reset_failure_share, self.sum_floats = max_reset_failure_share, sum_floats
         self.owns_reward = spec.owns_reward
         self.warned_truncation = False
@@ -143,11 +142,11 @@ class AgentRollouts:
                                    episode_timeout_s=env.episode_timeout_s or None, workers=env.workers,
                                    max_message_chars=env.max_message_chars)
         return cls(tokenizer, settings, spec, env.tool_call_format, cfg.data.prompt_column, cfg.data.max_prompt_length,
-                   env.tool_timeout_s or None, env.max_message_chars, env.max_reset_failure_share, sum_floats)
+                   env.tool_timeout_s or None, env.max_reset_failure_share, sum_floats)
 
     def new_environment(self):
         return build_environment(self.factory, self.tools, self.fmt, self.prompt_column, self.tool_timeout_s,
-                                 self.max_chars)
+                                 self.settings.max_message_chars)
 
     # ------------------------------------------------------------------------------------------ one batch
     def generate(self, sampler, rows: list[dict], G: int, params) -> AgentBatch:
@@ -176,7 +175,7 @@ class AgentRollouts:
             self.warned_truncation = True
             log.warning("environment messages were cut to environment.max_message_chars=%d characters (the model "
                         "sees '... [truncated N characters]'); agent/messages_truncated counts them per episode",
-                        self.max_chars)
+                        self.settings.max_message_chars)
         return AgentBatch(self._with_placeholders(rollout, ran, prompt_ids), prompts,
                           [ep.messages for ep in episodes], episodes, self._columns(episodes), metrics)
 
@@ -212,9 +211,9 @@ class AgentRollouts:
         if error is not None:
             return None, f"raised {type(error).__name__}: {cap_text(str(error), 500)}"
         if isinstance(messages, str):
-            return cap_text(messages, self.max_chars), None
+            return cap_text(messages, self.settings.max_message_chars), None
         if messages and not isinstance(env, TRLEnvironment):  # (a TRL reset's observation is capped there)
-            return cap_messages(list(messages), self.max_chars), None
+            return cap_messages(list(messages), self.settings.max_message_chars), None
         return messages or None, None
 
     def _reset_failures(self, rows: list[dict], failed: dict[int, str]) -> int:

@@ -90,10 +90,6 @@ def _warn_loss_choices(g) -> None:
                     "(each reward function is normalised by its group, the sum by the batch)", g.scale_rewards)
 
 
-def _nanmean(x: torch.Tensor) -> float:
-    return float(torch.nanmean(x)) if (~torch.isnan(x)).any() else float("nan")
-
-
 class GRPOTrainer:
     """Build everything from a :class:`Config` (or take a ready model/tokenizer/scorer) and train.
 

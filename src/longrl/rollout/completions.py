@@ -13,7 +13,7 @@ from .hf_generate import generate_completions
 from .sampler import Rollout, Sampler
 from .sampling import SamplingParams, sampling_params
 
-__all__ = ["build_sampler", "inference_sampler", "reward_inputs", "sample", "sampling_params"]
+__all__ = ["build_sampler", "reward_inputs", "sample", "sampling_params"]
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,6 @@ def build_sampler(model, tokenizer, gen, *, max_length: int, memory_cap_bytes: i
                    memory_cap_bytes=memory_cap_bytes, kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
                    sync_every=gen.sync_every, fast_decode=gen.fast_decode, fuse_lora=gen.fuse_lora,
                    nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections and pack_projections)
-
-
-def inference_sampler(model, tokenizer, gen, max_length: int) -> Sampler | None:
-    """:func:`build_sampler` without a memory cap (the earlier name)."""
-    return build_sampler(model, tokenizer, gen, max_length=max_length)
 
 
 def sample(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen, params: SamplingParams,

@@ -131,6 +131,10 @@ class RunDirectory:
 
         self.data_fingerprint = data_fingerprint(self.cfg.data.source)
         self.reward_files = reward_file_fingerprints(self.cfg.rewards)
+        self._check_inputs_unchanged()
+
+    def _check_inputs_unchanged(self) -> None:
+        """The fingerprints taken by check_data against the checkpoint a resume starts from."""
         if self.resume_from:
             check_data_unchanged(self.cfg, self.resume_from[0], self.data_fingerprint)
             check_rewards_unchanged(self.cfg, self.resume_from[0], self.reward_files)
@@ -150,7 +154,7 @@ class RunDirectory:
             self.resume = True
         if self.resume_decided_at_train or resume_from_checkpoint:
             self.resume_from = checked_output_dir(self.cfg, self.world, self.resume)
-            self.check_data()
+            self._check_inputs_unchanged()  # the files were fingerprinted at construction
         return self.resume_from if self.resume else None
 
     def release(self) -> None:

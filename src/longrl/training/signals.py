@@ -55,16 +55,16 @@ EXIT_REPORT_ENV = "LONGRL_EXIT_REPORT_DIR"  # set by cli/launcher.py for the ran
 
 def report_exit(exit_code: int, message: str) -> None:
     """Tell the launcher (when there is one) this rank's exit code: ``rank-R.json`` in its report directory,
-    written whole or not at all (a temporary file renamed)."""
+    written whole or not at all."""
     folder = os.environ.get(EXIT_REPORT_ENV)
     if not folder:
         return
     rank = int(os.environ.get("RANK", "0"))
     path = Path(folder) / f"rank-{rank}.json"
+    from .checkpoint import atomic_write_text  # here, not at the top: the launcher imports this module without torch
+
     try:
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"rank": rank, "exit_code": int(exit_code), "message": message}))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps({"rank": rank, "exit_code": int(exit_code), "message": message}))
     except OSError as e:  # the launcher then exits with torchrun's own code
         log.warning("could not report the exit code to the launcher (%s): %s", folder, e)
 
