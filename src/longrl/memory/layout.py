@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .planner import GIB, Plan, StepShape, plan_for_config
+from .planner import GIB, Plan, StepShape, plan_for_config, shared_prompt_applies
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ def pinned_transformers_checkpointing(cfg) -> bool:
 def resolve_layout(cfg, model_config, device: torch.device, step: StepShape | None = None,
                    world_size: int = 1) -> Layout:
     """The run's layout: on CUDA from the plan of ``step`` (PlanError when the job cannot fit, naming its
-    length_key), on the CPU the pinned keys with null as off. ``world_size``: the plan of one GPU of a data-parallel
+    length_key), on the CPU the pinned keys with null as off (grouped rows checked against ``model_config`` as the
+    plan checks them). ``world_size``: the plan of one GPU of a data-parallel
     job. Pinned keys (not null, not 0) win over the plan's choice."""
     m, t = cfg.model, cfg.train
     if device.type != "cuda":
@@ -98,7 +99,8 @@ def resolve_layout(cfg, model_config, device: torch.device, step: StepShape | No
                       gpu_resident_layers=m.gpu_resident_layers or 0, no_recompute_layers=m.no_recompute_layers or 0,
                       reuse_attention=offload if m.reuse_attention is None else bool(m.reuse_attention),
                       micro_batch_tokens=t.micro_batch_tokens, mlp_tile_tokens=t.mlp_tile_tokens or 0,
-                      shared_prompt=bool(t.shared_prompt) and (step is None or step.shared_prompt))
+                      shared_prompt=step is not None and step.shared_prompt
+                      and (model_config is None or shared_prompt_applies(cfg, step, model_config)))
     plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size, step=step)
     log.info("memory plan:\n%s", plan.table())
     return Layout(offload_activations=plan.offload, gradient_checkpointing=plan.checkpointing,

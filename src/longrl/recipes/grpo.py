@@ -25,11 +25,10 @@ from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
 from ..memory.microbatch import prompt_group_batches
 from ..memory.planner import StepShape, reference_placement
-from ..models import base_model, check_model_files, resolve_device
+from ..models import check_model_files, resolve_device
 from ..models.lora_training import fused_lora_training
 from ..models.policy import completion_mask, pad_right, reference_mode
 from ..models.reference import ReferenceModel
-from ..models.shared_prompt import unsupported_reason
 from ..ops.advantages import decoupled_group_advantages, group_advantages
 from ..ops.attention_backend import sdpa_priority
 from ..ops.losses import PolicyLossSettings, entropy_bonus_weights, high_entropy_mask, loss_token_weights, \
@@ -152,7 +151,7 @@ class GRPOTrainer:
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
         # sequences costs the square of the packed length, so padded rows are faster there
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
-        self.shared_prompt = self._shared_prompt(model)  # grouped rows: each prompt once in the log-prob passes
+        self.shared_prompt = self.layout.shared_prompt  # grouped rows: each prompt once in the log-prob passes
         self.prompt_order = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         # the policy update's forward: the model, or DDP over it (replicated weights: only the adapters are
         # reduced), or FSDP2 shards of it (full weights across several processes)
@@ -420,17 +419,6 @@ class GRPOTrainer:
     def _sampling_params(self, sequence_ids: tuple[int, ...] = ()) -> SamplingParams:
         params = sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
         return dataclasses.replace(params, sequence_ids=sequence_ids)  # a rank's sequences' global ids
-
-    def _shared_prompt(self, model) -> bool:
-        """Whether the log-prob passes run grouped rows (the layout's choice), checked against the model: a pinned
-        train.shared_prompt=true for a model where they would not be exact is a ConfigError."""
-        if not self.layout.shared_prompt:
-            return False
-        longest = self.cfg.data.max_prompt_length + trajectory_tokens(self.cfg)
-        reason = unsupported_reason(base_model(model).config, longest)
-        if reason is not None:
-            raise ConfigError(f"config key 'train.shared_prompt': true, but {reason}")
-        return True
 
     def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
         t = self.cfg.train

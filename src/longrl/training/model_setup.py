@@ -35,10 +35,8 @@ def build_policy_model(cfg, step: StepShape, model=None, tokenizer=None, device:
     device_name = device or cfg.model.device  # a data-parallel rank: its own cuda:LOCAL_RANK
     device = resolve_device(device_name)
     cap_allocator(cfg, device)  # train.gpu_memory_gib: an allocation past the budget fails
-    layout: Layout | None = None
-    if device.type != "cuda":  # nothing to plan: null layout keys are off
-        layout = resolve_layout(cfg, None, device, step, world_size)
-    elif model is None:  # plan from the model's config: a job that cannot fit fails before the weights load
+    layout: Layout | None = None  # on the CPU it is resolved after the load, against the model's config
+    if device.type == "cuda" and model is None:  # plan from the model's config: a job that cannot fit fails first
         model_config = _config_or_none(cfg.model)
         if model_config is not None:
             layout = resolve_layout(cfg, model_config, device, step, world_size)
