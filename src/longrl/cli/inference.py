@@ -114,15 +114,6 @@ def checkpoint_section(ckpt, cls, name: str):
     return cls(**{k: v for k, v in saved.items() if k in known})
 
 
-def checkpoint_memory_cap(ckpt) -> int | None:
-    """The run's GPU budget (train.gpu_memory_gib) in bytes, None without one: the sampler's KV cache stays within
-    it, as it did in training."""
-    from ..config.schema import Config, TrainConfig
-    from ..memory.layout import budget_bytes
-
-    return budget_bytes(Config(train=checkpoint_section(ckpt, TrainConfig, "train")))
-
-
 def trained_on_chat(ckpt) -> bool | None:
     """Whether the run's training prompts were chat messages (its first row), None if its data cannot be read."""
     from ..config.schema import DataConfig
@@ -158,11 +149,11 @@ def _prompts_from(args, column: str) -> list:
 
 
 def generate_settings(args, ckpt):
-    """The ``Config`` generate runs with: a run's own generation and data sections (defaults for a model), then
+    """The ``Config`` generate runs with: a run's own generation, data and train sections (defaults for a model), then
     the ``KEY=VALUE`` overrides, which may set ``generation.*`` (and ``model.*`` for a model, which has no run to
     rebuild it as), validated as any config."""
     from ..config import ConfigError, load_config
-    from ..config.schema import Config, DataConfig, GenerationConfig
+    from ..config.schema import Config, DataConfig, GenerationConfig, TrainConfig
 
     allowed = ("generation.",) if ckpt is not None else ("generation.", "model.")
     for item in args.overrides:
@@ -170,7 +161,8 @@ def generate_settings(args, ckpt):
             raise ConfigError(f"override {item!r}: generate takes {' and '.join(a + '*' for a in allowed)} overrides"
                               + (" (a run's model is rebuilt as it trained)" if ckpt is not None else ""))
     base = Config() if ckpt is None else Config(generation=checkpoint_section(ckpt, GenerationConfig, "generation"),
-                                               data=checkpoint_section(ckpt, DataConfig, "data"))
+                                               data=checkpoint_section(ckpt, DataConfig, "data"),
+                                               train=checkpoint_section(ckpt, TrainConfig, "train"))  # its GPU budget
     return load_config(None, args.overrides, base=base, recipe="sft")  # (no reward functions needed)
 
 
@@ -197,7 +189,7 @@ def generate_main(args) -> int:
                              temperature=args.temperature)
     prompts = [as_prompt(p, tokenizer, chat) for p in prompts]
     longest = max(len(tokenize_prompt(tokenizer, p)) for p in prompts)
-    cap = checkpoint_memory_cap(ckpt) if ckpt is not None else budget_bytes(cfg)
+    cap = budget_bytes(cfg)  # the run's train.gpu_memory_gib: the KV cache stays within it, as in training
     sampler = build_sampler(model, tokenizer, gen, max_length=longest + params.max_new_tokens, memory_cap_bytes=cap)
     out = sys.stdout
     for number, prompt in enumerate(prompts, 1):
