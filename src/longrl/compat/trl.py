@@ -63,7 +63,7 @@ def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=
 
     cfg = _args_config(args, GRPOConfig, "GRPOTrainer")
     model, rows = _model_and_rows(cfg, model, peft_config, train_dataset, "GRPOTrainer")
-    epochs_to_steps(cfg, rows)
+    rows = epochs_to_steps(cfg, rows)  # the rows it read to count steps (None: it read none)
     processing_class = _described(cfg, model, processing_class)
     eval_rows = None
     if eval_dataset is not None:
@@ -100,13 +100,17 @@ def _model_and_rows(cfg: Config, model, peft_config, train_dataset, trainer: str
     return model, rows
 
 
-def epochs_to_steps(cfg: Config, rows: list[dict] | None) -> None:
+def epochs_to_steps(cfg: Config, rows: list[dict] | None) -> list[dict] | None:
     """A GRPOConfig's num_train_epochs as train.max_steps, counted over the training prompts (``rows``, or
-    data.source's), as TRL counts them (compat.trl_config.steps_for_epochs)."""
-    if trl_epochs(cfg) is not None:
-        from ..data.prompts import read_prompt_rows
+    data.source's), as TRL counts them (compat.trl_config.steps_for_epochs). Returns the rows counted (``rows``
+    when there are no epochs to count), for the trainer to take instead of reading data.source again."""
+    if trl_epochs(cfg) is None:
+        return rows
+    from ..data.prompts import read_prompt_rows
 
-        apply_epochs(cfg, len(read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)))
+    rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
+    apply_epochs(cfg, len(rows))
+    return rows
 
 
 def sft_trainer_inputs(slots: tuple, *, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
@@ -289,8 +293,8 @@ class GRPOTrainer(grpo.GRPOTrainer):
                             "them: GRPOTrainer(model=..., reward_funcs=..., args=...). (longrl's GRPOTrainer(cfg, "
                             "model=...) takes a loaded model; a model name goes in cfg.model.name_or_path)")
         if isinstance(cfg, Config) and all(v is None for v in trl.values()):  # longrl's own form
-            epochs_to_steps(cfg, None)
-            super().__init__(cfg, model, tokenizer, scorer, callbacks=callbacks, **agents)
+            rows = epochs_to_steps(cfg, None)  # read once: the recipe takes them instead of reading again
+            super().__init__(cfg, model, tokenizer, scorer, rows=rows, callbacks=callbacks, **agents)
             return
         inputs = trainer_inputs((cfg, model, tokenizer, scorer), callbacks=callbacks,
                                 environment=environment_factory is not None or bool(tools), **trl)
