@@ -314,7 +314,7 @@ class _Run:
                 if self.slots_changed:
                     self._refresh_members()
                 batch = self._bucket(self.host.occupied()[-1] + 1)
-                remaining = max(self.host.turn_limit[i] - self.host.generated[i] for i in self._decoding())
+                remaining = max(self._turn_limit(i) - self.host.generated[i] for i in self._decoding())
                 steps = max(1, min(self.sampler.sync_every, remaining))
                 for _ in range(steps):
                     self._decode_step(batch)
@@ -426,7 +426,10 @@ class _Run:
         for slot, at in zip(slots, first):
             self.host.turn_start[slot] = at
             self.host.generated[slot] = self.host.checked[slot] = at + 1
-            self.host.turn_limit[slot] = min(self.max_tokens, at + params.max_new_tokens)
+
+    def _turn_limit(self, slot: int) -> int:
+        """The token count at which the slot's current turn ends (the host's view of the device's turn_limit)."""
+        return min(self.max_tokens, self.host.turn_start[slot] + self.params.max_new_tokens)
 
     # ------------------------------------------------------------------------------------------ decoding
     def _forward(self, batch: int) -> None:

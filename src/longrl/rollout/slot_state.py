@@ -55,7 +55,7 @@ class SlotTensors:
         self.active[len(src):] = False
 
 
-FREE_SLOT = dict(sequence=-1, generated=0, checked=0, turn_start=0, turn_limit=0)  # each SlotBook field's free value
+FREE_SLOT = dict(sequence=-1, generated=0, checked=0, turn_start=0)  # each SlotBook field's free value
 
 
 @dataclass
@@ -66,7 +66,6 @@ class SlotBook:
     generated: list[int]  # tokens after the prompt so far
     checked: list[int]  # stop strings checked up to this token
     turn_start: list[int]  # index of the current turn's first token (multi-turn; else 0)
-    turn_limit: list[int]  # the current turn ends when ``generated`` reaches it (the device's turn_limit)
 
     @classmethod
     def free(cls, slots: int) -> SlotBook:
