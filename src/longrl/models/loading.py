@@ -211,7 +211,7 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     tokenizer), pad token set to EOS when it has none, as :func:`load_model` returns it."""
     from .tiny import build_char_tokenizer
 
-    if read_warm_start(name_or_path) is not None:  # a checkpoint holds no tokenizer files: its base's
+    if checkpoint_path(name_or_path) is not None:  # a checkpoint holds no tokenizer files: its base's
         name_or_path, revision = tokenizer_source(name_or_path)
     if name_or_path == TINY_NAME:
         tokenizer = build_char_tokenizer()
