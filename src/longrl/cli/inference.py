@@ -72,17 +72,12 @@ def load_source(reference: str, model_cfg, device: str, ckpt=None) -> Source:
     ``reference`` names loaded with the ``model.*`` settings ``model_cfg`` (dtype, revision, 4-bit, ...; no
     adapters)."""
     from ..models import load_model
+    from ..models.loading import model_settings
 
     if ckpt is not None:
         model, tokenizer = checkpoint_model(ckpt, device)
         return Source(model, tokenizer, ckpt, str(ckpt.path))
-    m = model_cfg
-    model, tokenizer = load_model(reference, lora=None, dtype=m.dtype, device=device,
-                                  trust_remote_code=m.trust_remote_code, revision=m.revision,
-                                  attn_implementation=m.attn_implementation, load_in_4bit=m.load_in_4bit,
-                                  quant_keep_modules=m.quant_keep_modules,
-                                  quant_exception_budget=m.quant_exception_budget,
-                                  quant_calibration_text=m.quant_calibration_text)
+    model, tokenizer = load_model(reference, lora=None, device=device, **model_settings(model_cfg))
     model.eval()
     return Source(model, tokenizer, None, reference)
 

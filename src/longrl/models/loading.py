@@ -178,6 +178,15 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     return model, tokenizer
 
 
+MODEL_KEYS = ("dtype", "trust_remote_code", "revision", "attn_implementation", "load_in_4bit", "quant_keep_modules",
+              "quant_exception_budget", "quant_calibration_text")  # the model.* keys load_model takes as they are
+
+
+def model_settings(model_cfg) -> dict:
+    """load_model's keyword arguments from a ``model:`` config section (MODEL_KEYS)."""
+    return {key: getattr(model_cfg, key) for key in MODEL_KEYS}
+
+
 def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation, **model_kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -10,6 +10,7 @@ from ..memory import enable_mlp_tiling, enable_offloaded_checkpointing, keep_las
 from ..memory.layout import Layout, cap_allocator, pinned_transformers_checkpointing, resolve_layout
 from ..memory.planner import StepShape, model_config_of
 from ..models import base_model, load_model, resolve_device
+from ..models.loading import model_settings
 from ..models.fused_layers import enable_fused_layers
 from ..rollout.sampling import triton_available
 from .cpu_threads import set_cpu_threads
@@ -43,13 +44,8 @@ def build_policy_model(cfg, step: StepShape, model=None, tokenizer=None, device:
     if model is None:
         m = cfg.model
         checkpointing = layout.transformers_checkpointing if layout else pinned_transformers_checkpointing(cfg)
-        model, loaded = load_model(m.name_or_path, lora=cfg.lora, dtype=m.dtype, device=device_name,
-                                   trust_remote_code=m.trust_remote_code, revision=m.revision,
-                                   attn_implementation=m.attn_implementation, gradient_checkpointing=checkpointing,
-                                   seed=cfg.train.seed, load_in_4bit=m.load_in_4bit,
-                                   quant_keep_modules=m.quant_keep_modules,
-                                   quant_exception_budget=m.quant_exception_budget,
-                                   quant_calibration_text=m.quant_calibration_text)
+        model, loaded = load_model(m.name_or_path, lora=cfg.lora, device=device_name,
+                                   gradient_checkpointing=checkpointing, seed=cfg.train.seed, **model_settings(m))
         tokenizer = loaded if tokenizer is None else tokenizer
     if layout is None:  # the same plan `longrl plan` prints
         layout = resolve_layout(cfg, base_model(model).config, device, step, world_size)
