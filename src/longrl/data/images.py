@@ -89,8 +89,10 @@ class ImageSource:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", image_module.DecompressionBombWarning)  # our limit decides
                     image = image_module.open(stream)
-            except image_module.DecompressionBombError as e:
-                raise self.error(f"more pixels than Pillow opens ({e})") from None
+            except image_module.DecompressionBombError as e:  # past twice Pillow's own limit
+                raise self.error(f"more pixels than data.max_image_pixels={self.max_pixels:,} (Pillow: {e})"
+                                 if self.max_pixels <= 2 * image_module.MAX_IMAGE_PIXELS else
+                                 f"more pixels than Pillow opens ({e})") from None
             except Exception as e:  # noqa: BLE001 - any reader failure is the file's fault: name it
                 raise self.error(f"not an image Pillow can read ({type(e).__name__}: {e})") from None
             with image:
