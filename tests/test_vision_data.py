@@ -92,8 +92,9 @@ def test_image_parts_go_to_the_first_user_message_and_given_parts_stay(tmp_path)
          "images": [_png_bytes(), _png_bytes(BLUE)]},
     ]
     first, second = image_prompts(_cfg("memory:x"), read_prompt_rows(_cfg("memory:x"), rows=rows))
+    question = [{"type": "image"}, {"type": "text", "text": "What colour?"}]
     assert first.messages == [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                              {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
+                              {"role": "user", "content": question}]
     assert second.messages[0]["content"] == [{"type": "text", "text": "Left:"}, {"type": "image"},
                                              {"type": "text", "text": "right:"}, {"type": "image"}]
     assert open_images(second.images)[1].getpixel((3, 3)) == BLUE
@@ -161,9 +162,8 @@ def _bad_cases(tmp_path):
                                                                   "is a URL; runs read images offline"),
         ({"prompt": "q", "image": "big.png"}, r", column 'image' \(file .*big.png\): 80×70 = 5,600 pixels, more than "
                                               "data.max_image_pixels=5,000"),
-        ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "q"}]}],
-          "image": "noise.png"}, r": 'prompt' holds 2 \{'type': 'image'\} part\(s\) but the row has 1 image\(s\) in its "
-                                 r"'image' column"),
+        ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}], "image": "noise.png"},
+         r": 'prompt' holds 2 \{'type': 'image'\} part\(s\) but the row has 1 image\(s\) in its 'image' column"),
         ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}],
           "images": ["noise.png", "noise.png", "noise.png"]},
          r": 'prompt' holds 1 \{'type': 'image'\} part\(s\) but the row has 3 image\(s\) in its 'images' column"),
@@ -274,7 +274,8 @@ def test_fingerprints_follow_the_images_content_not_the_objects(tmp_path):
     picture = _png(tmp_path / "a.png")
     by_path = [{"prompt": "q", "image": str(picture)}]
     source = _jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "image": "a.png"}])
-    memory_before, file_before = rows_fingerprint(by_path), data_fingerprint(str(source), read_prompt_rows(_cfg(source)))
+    memory_before = rows_fingerprint(by_path)
+    file_before = data_fingerprint(str(source), read_prompt_rows(_cfg(source)))
     assert file_before != file_sha256(source)
     _png(picture, BLUE)  # the same path, another picture
     assert rows_fingerprint(by_path) != memory_before
