@@ -3,6 +3,8 @@ colour is the answer, and its rewards."""
 
 from collections import Counter
 
+import pytest
+
 from longrl.config import SFTSettings
 from longrl.config.schema import DataConfig
 from longrl.data.in_memory import rows_fingerprint
@@ -30,6 +32,8 @@ def test_each_picture_holds_one_shape_of_the_answers_colour():
         assert set(colours) <= {BACKGROUND, COLOURS[r["answer"]]}  # no edge blending: no other colour
         assert colours[COLOURS[r["answer"]]] >= 25  # even the smallest triangle is plain to see
     assert make_shape_rows(1, image_size=56)[0]["image"].size == (56, 56)
+    with pytest.raises(ValueError, match="image_size must be at least 8"):
+        make_shape_rows(1, image_size=4)
     assert len({len(c) for c in COLOURS}) > 1 and len({c[0] for c in COLOURS}) == len(COLOURS)  # first letters differ
 
 

@@ -277,6 +277,8 @@ def test_fingerprints_follow_the_images_content_not_the_objects(tmp_path):
     memory_before = rows_fingerprint(by_path)
     file_before = data_fingerprint(str(source), read_prompt_rows(_cfg(source)))
     assert file_before != file_sha256(source)
+    refused = [{"prompt": "q", "image": "https://example.com/a.png"}]  # the checks refuse it, naming the dataset
+    assert rows_fingerprint(refused) != rows_fingerprint([{"prompt": "q", "image": "https://example.com/b.png"}])
     _png(picture, BLUE)  # the same path, another picture
     assert rows_fingerprint(by_path) != memory_before
     assert data_fingerprint(str(source), read_prompt_rows(_cfg(source))) != file_before

@@ -205,12 +205,16 @@ def open_images(sources: list[ImageSource]) -> list:
 
 def rows_images_digest(rows: list[dict], base_dir: Path | None) -> str | None:
     """SHA-256 over the content of every image ``rows`` hold, in order (files read, not named); None when no row
-    holds an image."""
+    holds an image. Never raises: a cell that is no image counts as its text, and the row checks refuse it, naming
+    the dataset."""
     h, found = hashlib.sha256(), False
     for i, row in enumerate(rows):
         if not (isinstance(row, dict) and has_image_cells(row)):
             continue
-        for source in row_image_sources(row, f"row {i + 1}", base_dir)[1]:
-            found = True
-            h.update(f"{i}:{source.digest()};".encode())
+        found = True
+        try:
+            digests = [source.digest() for source in row_image_sources(row, f"row {i + 1}", base_dir)[1]]
+        except DataError as e:
+            digests = [f"refused:{e}"]
+        h.update(f"{i}:{','.join(digests)};".encode())
     return h.hexdigest() if found else None

@@ -49,6 +49,8 @@ def draw_shape(shape: str, colour: str, size: int, rng: random.Random):
 
 def make_shape_rows(num_examples: int, seed: int = 0, image_size: int = 32) -> list[dict]:
     """Rows ``{"prompt", "image", "answer", "shape"}`` drawn from ``seed`` (see the module's docstring)."""
+    if image_size < 8:
+        raise ValueError(f"image_size must be at least 8 pixels; got {image_size}")
     rng = random.Random(seed)
     rows = []
     for _ in range(num_examples):
