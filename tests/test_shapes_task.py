@@ -23,11 +23,11 @@ def test_the_same_seed_draws_the_same_pictures():
 
 
 def test_each_picture_holds_one_shape_of_the_answers_colour():
-    rows = make_shape_rows(200, seed=0, image_size=32)
+    rows = make_shape_rows(200, seed=0, image_size=28)
     assert Counter(r["answer"] for r in rows).keys() == COLOURS.keys()
     assert len({r["shape"] for r in rows}) == 3
     for r in rows:
-        assert r["image"].size == (32, 32) and r["image"].mode == "RGB"
+        assert r["image"].size == (28, 28) and r["image"].mode == "RGB"
         colours = {colour: count for count, colour in r["image"].getcolors()}
         assert set(colours) <= {BACKGROUND, COLOURS[r["answer"]]}  # no edge blending: no other colour
         assert colours[COLOURS[r["answer"]]] >= 25  # even the smallest triangle is plain to see

@@ -1,8 +1,9 @@
 """Coloured shapes: a small picture of one shape, and the question of its colour (``task:shapes``, the vision demo).
 
 Each row is ``{"prompt": "colour?", "image": <PIL image>, "answer": "red", "shape": "circle"}``: a square picture
-(32 × 32 pixels by default) on a grey background holding one circle, square or triangle of random size and place,
-filled with one of four colours. The prompt is the same for every row, so the picture is the only way to the answer.
+(28 × 28 pixels by default: the tiny demo model's 2 × 2 patches of 14 px, read without resizing) on a grey
+background holding one circle, square or triangle of random size and place, filled with one of four colours. The
+prompt is the same for every row, so the picture is the only way to the answer.
 The answers (red, green, blue, yellow) begin with four different letters: a character-level tokenizer decides the
 answer at its first token. Everything is drawn from ``seed`` (same seed, same pixels); the images stay in memory.
 
@@ -47,7 +48,7 @@ def draw_shape(shape: str, colour: str, size: int, rng: random.Random):
     return image
 
 
-def make_shape_rows(num_examples: int, seed: int = 0, image_size: int = 32) -> list[dict]:
+def make_shape_rows(num_examples: int, seed: int = 0, image_size: int = 28) -> list[dict]:
     """Rows ``{"prompt", "image", "answer", "shape"}`` drawn from ``seed`` (see the module's docstring)."""
     if image_size < 8:
         raise ValueError(f"image_size must be at least 8 pixels; got {image_size}")
@@ -60,7 +61,7 @@ def make_shape_rows(num_examples: int, seed: int = 0, image_size: int = 32) -> l
     return rows
 
 
-def make_shape_sft_rows(num_examples: int, seed: int = 0, image_size: int = 32) -> list[dict]:
+def make_shape_sft_rows(num_examples: int, seed: int = 0, image_size: int = 28) -> list[dict]:
     """Supervised rows ``{"prompt", "completion", "image"}`` (the answer as the completion), another seed's pictures:
     a warm start for the vision demo."""
     return [{"prompt": r["prompt"], "completion": r["answer"], "image": r["image"]}
