@@ -1,6 +1,7 @@
 """SFT rows are checked before the model loads, naming the row (issue 41, item 7): roles, empty turns, the format;
 message content given as a list of parts (the multimodal chat format) is trained as its text parts joined, as chat
-templates render them, and other part types are refused; TRL's formatting_func errors name the row; TRL's
+templates render them, and an image part carrying its own image is refused (images come from the row's image
+columns: test_vision_data.py); TRL's formatting_func errors name the row; TRL's
 positional order given the wrong way round is refused with the right order."""
 
 import json
@@ -37,7 +38,7 @@ def test_a_list_of_text_parts_trains_exactly_as_the_same_string():
 
 BAD_ROWS = [  # (row, what the refusal says) — each needs no tokenizer
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}]},
-                   {"role": "assistant", "content": "a cat"}]}, "content part 1 is .*only text parts"),
+                   {"role": "assistant", "content": "a cat"}]}, "content part 1 is an image part holding image"),
     ({"messages": [{"role": "user", "content": 7}, CHAT[1]]}, "content must be a string or a list of parts"),
     ({"messages": [{"role": "assitant", "content": "hi"}]}, "message 1 has role 'assitant'; expected one of"),
     ({"messages": [CHAT[0], {"role": "assistant", "content": "  "}]}, r"message 2 \(assistant\) is empty"),

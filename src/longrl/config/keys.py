@@ -29,10 +29,10 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "model.grouped_attention_backward", "model.reuse_attention", "model.attn_implementation",
                      "model.gradient_checkpointing", "model.fused_layers", "lora.fused_training",
                      "train.padding_free", "train.shared_prompt", "data.eval_source", "data.eval_split",
-                     "data.eval_num_examples", "train.max_nonfinite_steps", "train.max_no_signal_steps",
-                     "environment.max_reset_failure_share", "rewards[].timeout_s", "rewards[].isolation",
-                     "rewards[].memory_limit_gib", "rewards[].cpu_limit_s", "grpo.reference_placement",
-                     "distributed.")
+                     "data.eval_num_examples", "data.max_image_pixels", "train.max_nonfinite_steps",
+                     "train.max_no_signal_steps", "environment.max_reset_failure_share", "rewards[].timeout_s",
+                     "rewards[].isolation", "rewards[].memory_limit_gib", "rewards[].cpu_limit_s",
+                     "grpo.reference_placement", "distributed.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

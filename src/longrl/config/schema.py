@@ -82,6 +82,8 @@ class DataConfig:
     eval_source: Optional[str] = None  # held-out prompts for `longrl eval` and output.eval_steps (forms as source)
     eval_split: str = "test"  # split of an hf: eval_source
     eval_num_examples: int = 64  # eval prompts used: the first rows (rows generated for task:, another seed)
+    max_image_pixels: int = 50_000_000  # a row's image of more pixels (width × height) is refused before it is
+    #                                     decoded (decompression bombs); images come from an image/images column
 
 
 @dataclass

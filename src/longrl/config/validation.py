@@ -113,6 +113,7 @@ def _check_data(cfg: Config) -> None:
     _check(d.num_examples is None or d.num_examples >= 1, "data.num_examples", d.num_examples,
            "null (all rows) or an integer >= 1")
     _check(d.eval_num_examples >= 1, "data.eval_num_examples", d.eval_num_examples, "an integer >= 1")
+    _check(d.max_image_pixels >= 1, "data.max_image_pixels", d.max_image_pixels, "an integer >= 1")
 
 
 def _check_lora(cfg: Config) -> None:

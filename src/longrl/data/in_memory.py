@@ -1,6 +1,7 @@
 """Rows given in memory instead of a file: a ``datasets.Dataset`` or a list of dicts (TRL's train_dataset and
 eval_dataset), and the digest that stands for them as data.source (``memory:<digest>``), so a resume on other rows is
-refused as a resume on another file is."""
+refused as a resume on another file is. Images count by their content (pixels, bytes, the files a path names), never
+by the Python object."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError
+from .images import is_pil_image, pixels_digest, rows_images_digest
 
 
 def dataset_rows(dataset, name: str) -> list[dict] | None:
@@ -32,7 +34,20 @@ def dataset_rows(dataset, name: str) -> list[dict] | None:
     raise ConfigError(f"{name}: expected a datasets.Dataset, a list of dicts or a file path; got {kind}")
 
 
+def _content(value) -> str:
+    """What stands for a cell JSON cannot hold: a Pillow image's pixels or bytes by their digest, else ``str``."""
+    if is_pil_image(value):
+        return f"image:{pixels_digest(value)}"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"bytes:{hashlib.sha256(bytes(value)).hexdigest()}"
+    return str(value)
+
+
 def rows_fingerprint(rows: list[dict]) -> str:
-    """A digest of the rows' content, recorded as data.source so a resume with other rows is refused."""
-    text = json.dumps(rows, sort_keys=True, default=str)
-    return f"{len(rows)}-rows-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    """A digest of the rows' content, recorded as data.source so a resume with other rows is refused; rows with
+    images add the images' content (image files read, relative paths against the current directory)."""
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True, default=_content).encode())
+    images = rows_images_digest(rows, None)
+    if images is not None:
+        digest.update(f"+images:{images}".encode())
+    return f"{len(rows)}-rows-{digest.hexdigest()[:16]}"

@@ -1,6 +1,12 @@
 """Prompt datasets: files (JSONL, JSON, Parquet, CSV), the ``datasets`` library (``hf:NAME[:CONFIG]``) and
 built-in tasks (``task:NAME``). Prompts are plain strings or chat messages ``[{"role", "content"}, ...]``.
 
+A dataset whose rows hold images (an ``image`` or ``images`` column, images.py) or ``{"type": "image"}`` parts is a
+vision dataset: each prompt becomes chat messages holding one image part per image (image_parts.py), prepared by
+:func:`image_prompts` for a vision-language model's processor, which :func:`load_prompts` calls through its
+``encode_images`` argument instead of the tokenizer. :func:`read_prompt_rows` reads every image once, so a missing or
+bad one stops the run before the model loads.
+
 Prompts longer than ``max_prompt_length`` tokens follow ``overlong_prompt``:
   error          stop before training, naming the first overlong row (default: never train on a silently
                  altered prompt)
@@ -10,23 +16,24 @@ Prompts longer than ``max_prompt_length`` tokens follow ``overlong_prompt``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..models.files import file_sha256
 from ..tasks import TASKS
+from .errors import DataError
+from .image_parts import content_parts, count_image_parts, place_images
+from .images import ImageSource, dataset_folder, has_image_cells, open_images, row_image_sources, rows_images_digest
 
 log = logging.getLogger(__name__)
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DataError(ValueError):
-    """The dataset cannot be used; the message names the file, column or row."""
 
 
 TASK_ROWS = 2000  # rows a task: source generates when data.num_examples is null
@@ -109,15 +116,17 @@ def check_text_file(path: Path) -> None:
                                 f"{type(row).__name__}")
 
 
-def data_fingerprint(source: str) -> str | None:
-    """SHA-256 of a dataset file (None for task: and hf: sources, whose config names them exactly)."""
+def data_fingerprint(source: str, rows: list[dict] | None = None) -> str | None:
+    """SHA-256 of a dataset file (None for task: and hf: sources, whose config names them exactly). Given the file's
+    ``rows``, the content of the images they hold is hashed in too, so an image file changed on disk changes it."""
     if source.startswith(("task:", "hf:")):
         return None
     path = Path(source).expanduser()
     if not path.is_file():
         return None
-    return file_sha256(path)
-
+    digest = file_sha256(path)
+    images = rows_images_digest(rows, dataset_folder(source)) if rows else None
+    return digest if images is None else hashlib.sha256(f"{digest}+images:{images}".encode()).hexdigest()
 
 
 @dataclass
@@ -125,6 +134,10 @@ class PromptDataset:
     rows: list[dict]  # every column of each kept row
     prompt_ids: list[list[int]]  # tokenized prompt of each row (chat template applied for chat prompts)
     prompt_column: str
+    images: list[list[ImageSource]] | None = None  # a vision dataset: each kept row's images (images.open_images
+    #                                                reads them); None: a text dataset
+    messages: list[list[dict]] | None = None  # a vision dataset: each kept row's prompt as chat messages holding
+    #                                           its {"type": "image"} parts; None: a text dataset
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -144,10 +157,46 @@ def tokenize_prompt(tokenizer, prompt) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+class ImagePrompt(NamedTuple):
+    """A vision dataset's prompt, as a vision-language model's processor takes it."""
+
+    messages: list[dict]  # chat messages; contents are lists of text and {"type": "image"} parts
+    images: list[ImageSource]  # the images, in the order of the image parts (images.open_images reads them)
+
+
+def _has_images(row: dict, column: str) -> bool:
+    return has_image_cells(row) or count_image_parts(row.get(column)) > 0
+
+
+def image_prompt(row: dict, column: str, where: str, base_dir: Path | None, max_pixels: int) -> ImagePrompt:
+    """``row``'s prompt as chat messages holding one image part per image of the row (image_parts.py: a plain-text
+    prompt becomes one user message), with the images' sources; no image is read."""
+    images_column, sources = row_image_sources(row, where, base_dir, max_pixels)
+    prompt = row[column]
+    given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    messages = [{**m, "content": content_parts(m["content"], f"{where}: '{column}' message {i + 1}")}
+                for i, m in enumerate(given)]
+    place_images(messages, len(sources), where, f"'{column}'", images_column)
+    return ImagePrompt(messages, sources)
+
+
+def image_prompts(cfg, rows: list[dict]) -> list[ImagePrompt] | None:
+    """Each row's :func:`image_prompt` (rows counted from 1 in errors) when any row holds images or image parts
+    (a vision dataset; a row without images gets its prompt as messages and no images); None for a text dataset,
+    which :func:`load_prompts` tokenizes as ever. Reads no image: :func:`read_prompt_rows` has."""
+    column = cfg.prompt_column
+    if not any(_has_images(row, column) for row in rows):
+        return None
+    base_dir = dataset_folder(cfg.source)
+    return [image_prompt(row, column, f"dataset {cfg.source!r} row {i + 1}", base_dir, cfg.max_image_pixels)
+            for i, row in enumerate(rows)]
+
+
 def read_prompt_rows(cfg, seed: int = 0, rows: list[dict] | None = None) -> list[dict]:
     """The rows of data config ``cfg`` (or ``rows`` given in memory, the first ``cfg.num_examples`` of them),
     checked as far as no tokenizer is needed (not empty, the prompt column present, each prompt a non-empty string
-    or chat): the trainer reads them before the model loads."""
+    or chat; in a vision dataset each prompt's image parts against its images, and every image read): the trainer
+    reads them before the model loads."""
     if rows is None:
         rows = read_rows(cfg.source, cfg.split, cfg.num_examples, seed)
     elif cfg.num_examples is not None:
@@ -163,33 +212,53 @@ def read_prompt_rows(cfg, seed: int = 0, rows: list[dict] | None = None) -> list
         if not (isinstance(prompt, str) and prompt) and not (_is_chat(prompt) and prompt):
             raise DataError(f"dataset {cfg.source!r} row {i + 1}: prompt must be a non-empty string or a list of "
                             f"{{'role', 'content'}} messages; got {prompt!r:.80}")
+    for prepared in image_prompts(cfg, rows) or []:
+        open_images(prepared.images)  # each image read once, before the model loads
     return rows
 
 
-def load_prompts(cfg, tokenizer, seed: int = 0, rows: list[dict] | None = None) -> PromptDataset:
+def load_prompts(cfg, tokenizer, seed: int = 0, rows: list[dict] | None = None,
+                 encode_images: Callable[[list[dict], list], list[int]] | None = None) -> PromptDataset:
     """Read (unless ``rows`` from :func:`read_prompt_rows` are given), check and tokenize the prompts of data
-    config ``cfg``."""
+    config ``cfg``. A vision dataset's prompts (:func:`image_prompts`) are tokenized by ``encode_images(messages,
+    images)`` (the images as RGB Pillow images; the ids include the image tokens), which a vision-language model
+    provides; without it such a dataset is refused. A prompt with images is never cut: with
+    data.overlong_prompt=truncate_left an overlong one is refused."""
     rows = read_prompt_rows(cfg, seed) if rows is None else rows
     column = cfg.prompt_column
-    kept_rows, kept_ids, skipped = [], [], 0
+    prepared = image_prompts(cfg, rows)
+    if prepared is not None and encode_images is None:
+        first = next(i for i, p in enumerate(prepared) if p.images or count_image_parts(p.messages))
+        raise DataError(f"dataset {cfg.source!r} row {first + 1} holds images, but the model reads text only; "
+                        "train a vision-language model on it")
+    kept_rows, kept_ids, kept_prompts, skipped = [], [], [], 0
     for i, row in enumerate(rows):
-        ids = tokenize_prompt(tokenizer, row[column])
+        if prepared is None:
+            ids = tokenize_prompt(tokenizer, row[column])
+        else:
+            ids = list(encode_images(prepared[i].messages, open_images(prepared[i].images)))
         if len(ids) > cfg.max_prompt_length:
-            if cfg.overlong_prompt == "error":
+            if cfg.overlong_prompt == "error" or (prepared is not None and prepared[i].images
+                                                  and cfg.overlong_prompt == "truncate_left"):
+                cut = "; a prompt with images is never cut" if cfg.overlong_prompt == "truncate_left" else ""
                 raise DataError(f"dataset {cfg.source!r} row {i + 1}: prompt has {len(ids)} tokens, more than "
-                                f"data.max_prompt_length={cfg.max_prompt_length}; raise it, or set "
-                                f"data.overlong_prompt to truncate_left or skip")
+                                f"data.max_prompt_length={cfg.max_prompt_length}{cut}; raise it, or set "
+                                f"data.overlong_prompt to {'skip' if cut else 'truncate_left or skip'}")
             if cfg.overlong_prompt == "skip":
                 skipped += 1
                 continue
             ids = ids[-cfg.max_prompt_length:]
         kept_rows.append(row)
         kept_ids.append(ids)
+        kept_prompts.append(None if prepared is None else prepared[i])
     if skipped:
         log.warning("skipped %d of %d prompts longer than %d tokens", skipped, len(rows), cfg.max_prompt_length)
     if not kept_rows:
         raise DataError(f"dataset {cfg.source!r}: every prompt is longer than data.max_prompt_length")
-    return PromptDataset(kept_rows, kept_ids, column)
+    if prepared is None:
+        return PromptDataset(kept_rows, kept_ids, column)
+    return PromptDataset(kept_rows, kept_ids, column, images=[p.images for p in kept_prompts],
+                         messages=[p.messages for p in kept_prompts])
 
 
 class PromptSampler:

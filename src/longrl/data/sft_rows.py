@@ -8,10 +8,14 @@ Row formats (detected per row, the first that applies):
   text                 plain text (the ``text_column``), every token trained; EOS appended.
 
 A message's content is a string, or a list of parts (the multimodal chat format) whose text parts
-``{"type": "text", "text": ...}`` are joined with nothing between them, as chat templates render them; other part
-types (images, audio) are refused, naming the row. Every check that needs no tokenizer (the format, the roles,
-empty turns, the parts, an assistant turn to train on) is :func:`checked_row`, run on all rows by
-:func:`check_rows` before the model loads.
+``{"type": "text", "text": ...}`` are joined with nothing between them, as chat templates render them. Every check
+that needs no tokenizer (the format, the roles, empty turns, the parts, an assistant turn to train on) is
+:func:`checked_row`, run on all rows by :func:`check_rows` before the model loads.
+
+Rows with images (an ``image`` or ``images`` column, images.py; or ``{"type": "image"}`` parts) are messages or
+prompt / completion rows (plain-text ones become a user and an assistant message) whose contents stay lists of text
+and image parts, one image part per image (image_parts.py); :func:`check_rows` reads every image once. They are
+encoded by a vision-language model's processor, from :func:`image_rows`; the tokenizer path here refuses them.
 
 Where the assistant's tokens are, is read off the template itself: for assistant message i the conversation up
 to i rendered with the generation prompt is a prefix P of the conversation up to and including i, Q; the
@@ -29,6 +33,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pathlib import Path
+
+from .image_parts import content_parts, count_image_parts, place_images
+from .images import MAX_IMAGE_PIXELS, dataset_folder, has_image_cells, open_images, row_image_sources
 from .prompts import DataError, read_rows
 
 log = logging.getLogger(__name__)
@@ -60,10 +68,11 @@ def message_text(content, where: str) -> str | None:
     return "".join(texts)
 
 
-def chat_messages(messages, where: str, column: str = "messages") -> list[dict]:
-    """``messages`` checked, each content as text (:func:`message_text`); DataError naming the row and the message
-    for one that is not ``{"role", "content"}``, a role chat templates do not know, or an empty turn (no text and
-    no tool calls)."""
+def chat_messages(messages, where: str, column: str = "messages", with_images: bool = False) -> list[dict]:
+    """``messages`` checked, each content as text (:func:`message_text`), or with ``with_images`` as a list of text
+    and image parts (image_parts.content_parts); DataError naming the row and the message for one that is not
+    ``{"role", "content"}``, a role chat templates do not know, or an empty turn (no text, no image and no tool
+    calls)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: '{column}' must be a non-empty list of {{'role', 'content'}} messages")
     out = []
@@ -73,19 +82,57 @@ def chat_messages(messages, where: str, column: str = "messages") -> list[dict]:
             raise DataError(f"{at} is not a {{'role', 'content'}} message: {m!r:.80}")
         if m["role"] not in ROLES:
             raise DataError(f"{at} has role {m['role']!r}; expected one of {', '.join(ROLES)}")
-        text = message_text(m["content"], at)
-        if not (text or "").strip() and not m.get("tool_calls"):
+        if with_images:
+            content = content_parts(m["content"], at)
+            empty = not any(p["type"] == "image" or p["text"].strip() for p in content or [])
+        else:
+            content = message_text(m["content"], at)
+            empty = not (content or "").strip()
+        if empty and not m.get("tool_calls"):
             raise DataError(f"{at} ({m['role']}) is empty: a turn needs text (or, from the assistant, tool calls)")
-        out.append({**m, "content": text})
+        out.append({**m, "content": content})
     return out
 
 
-def checked_row(row, settings, where: str) -> dict:
+def _has_images(row: dict) -> bool:
+    return has_image_cells(row) or any(count_image_parts(row.get(c)) for c in ("messages", "prompt", "completion"))
+
+
+def _checked_image_row(row: dict, settings, where: str, base_dir: Path | None, max_pixels: int) -> dict:
+    """A row with images as ``{"messages", "tools", "images"}`` or ``{"prompt", "completion", "tools", "images"}``
+    (the images' sources, not read), contents as lists of parts holding one image part per image."""
+    images_column, images = row_image_sources(row, where, base_dir, max_pixels)
+    tools = row.get("tools")
+    if row.get("messages") is not None:
+        messages = chat_messages(row["messages"], where, with_images=True)
+        place_images(messages, len(images), where, "'messages'", images_column)
+        if settings.assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message to train on (sft.assistant_only_loss=true)")
+        return {"messages": messages, "tools": tools, "images": images}
+    if "prompt" in row and "completion" in row:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            prompt, completion = [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}]
+        elif not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise DataError(f"{where}: prompt and completion must both be strings or both chat messages")
+        prompt = chat_messages(prompt, where, "prompt", with_images=True)
+        completion = chat_messages(completion, where, "completion", with_images=True)
+        place_images(prompt + completion, len(images), where, "'prompt' and 'completion'", images_column)
+        return {"prompt": prompt, "completion": completion, "tools": tools, "images": images}
+    raise DataError(f"{where}: a dataset with images needs a 'messages' column or 'prompt' and 'completion' "
+                    f"columns in each row; columns: {', '.join(row)}")
+
+
+def checked_row(row, settings, where: str, base_dir: Path | None = None,
+                max_image_pixels: int = MAX_IMAGE_PIXELS) -> dict:
     """The row in one of the formats, checked without a tokenizer: ``{"messages", "tools"}`` (messages through
     :func:`chat_messages`; with ``assistant_only_loss`` at least one assistant turn), ``{"prompt", "completion",
-    "tools"}`` (both strings or both messages, the completion not empty) or ``{"text"}``."""
+    "tools"}`` (both strings or both messages, the completion not empty) or ``{"text"}``; a row with images gets
+    ``"images"`` (their sources, resolved against ``base_dir``; not read) and contents as lists of parts."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a row of named columns; got {type(row).__name__}")
+    if _has_images(row):
+        return _checked_image_row(row, settings, where, base_dir, max_image_pixels)
     tools = row.get("tools")
     if row.get("messages") is not None:
         messages = chat_messages(row["messages"], where)
@@ -111,13 +158,32 @@ def checked_row(row, settings, where: str) -> dict:
                     f"'{settings.text_column}' column (sft.text_column); columns: {', '.join(row) or 'none'}")
 
 
-def check_rows(rows: list, settings, source: str) -> list:
-    """``rows`` after :func:`checked_row` on each (rows counted from 1, as :func:`build_examples` names them)."""
+def check_rows(rows: list, settings, source: str, max_image_pixels: int = MAX_IMAGE_PIXELS) -> list:
+    """``rows`` after :func:`checked_row` on each (rows counted from 1, as :func:`build_examples` names them), every
+    image read once (relative paths against ``source``'s folder when it is a file)."""
     if not rows:
         raise DataError(f"dataset {source!r} is empty")
+    base_dir = dataset_folder(source)
     for i, row in enumerate(rows):
-        checked_row(row, settings, f"dataset {source!r} row {i + 1}")
+        open_images(checked_row(row, settings, f"dataset {source!r} row {i + 1}", base_dir,
+                                max_image_pixels).get("images", []))
     return rows
+
+
+def image_rows(rows: list, settings, source: str, max_image_pixels: int = MAX_IMAGE_PIXELS) -> list[dict] | None:
+    """Each row's :func:`checked_row` (messages or prompt / completion, with ``"images"``: a row without images has
+    none) for a vision-language model's processor when any row holds images; None for text rows, which
+    :func:`build_examples` encodes. Reads no image: :func:`check_rows` has."""
+    if not any(isinstance(row, dict) and _has_images(row) for row in rows):
+        return None
+    base_dir = dataset_folder(source)
+    out = []
+    for i, row in enumerate(rows):
+        where = f"dataset {source!r} row {i + 1}"
+        checked = checked_row(row, settings, where, base_dir, max_image_pixels)
+        out.append(checked if "images" in checked else _checked_image_row(row, settings, where, base_dir,
+                                                                          max_image_pixels))
+    return out
 
 
 def _render(tokenizer, messages, generation: bool, tools=None) -> str:
@@ -188,6 +254,8 @@ def _prompt_completion_example(tokenizer, prompt, completion, completion_only: b
 def row_example(tokenizer, row: dict, settings, where: str) -> SFTExample:
     """The example of one dataset row under ``settings`` (the ``sft:`` config section)."""
     row = checked_row(row, settings, where)
+    if "images" in row:
+        raise DataError(f"{where} holds images, but the model reads text only; train a vision-language model on it")
     if "messages" in row:
         return _chat_example(tokenizer, row["messages"], "assistant" if settings.assistant_only_loss else "all", where,
                              row["tools"])
@@ -228,7 +296,8 @@ def build_examples(tokenizer, rows: list[dict], settings, source: str) -> list[S
 def read_sft_rows(data_cfg, settings, seed: int = 0, source: str | None = None) -> list[dict]:
     """Read ``source`` (default ``data_cfg.source``) and check its rows (:func:`check_rows`: no tokenizer needed)."""
     source = source or data_cfg.source
-    return check_rows(read_rows(source, data_cfg.split, data_cfg.num_examples, seed), settings, source)
+    return check_rows(read_rows(source, data_cfg.split, data_cfg.num_examples, seed), settings, source,
+                      data_cfg.max_image_pixels)
 
 
 def load_examples(data_cfg, settings, tokenizer, seed: int = 0, source: str | None = None) -> list[SFTExample]:

@@ -12,7 +12,8 @@ import re
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def _text(completion) -> str:
+def completion_text(completion) -> str:
+    """A completion's text: a string as it is, a chat completion's last message's content."""
     if isinstance(completion, list):  # chat: [{"role": "assistant", "content": ...}]
         return completion[-1]["content"] if completion else ""
     return completion
@@ -54,6 +55,6 @@ def answer_reward(prompts, completions, answer, **kwargs) -> list[float | None]:
         if expected is None:
             out.append(None)
             continue
-        got = final_answer(_text(completion))
+        got = final_answer(completion_text(completion))
         out.append(1.0 if got is not None and _normal(got) == _normal(expected) else 0.0)
     return out

@@ -157,11 +157,13 @@ def read_eval_rows(cfg, source: str | None = None) -> list[dict] | None:
     return read_prompt_rows(dc, seed=cfg.train.seed + 1)[:dc.num_examples]
 
 
-def load_eval_prompts(cfg, tokenizer, rows: list[dict], source: str | None = None) -> PromptDataset:
-    """Tokenize the eval rows from :func:`read_eval_rows` (chat template for chat prompts)."""
+def load_eval_prompts(cfg, tokenizer, rows: list[dict], source: str | None = None,
+                      encode_images=None) -> PromptDataset:
+    """Tokenize the eval rows from :func:`read_eval_rows` (chat template for chat prompts; prompts with images
+    through ``encode_images``, as :func:`longrl.data.prompts.load_prompts` says)."""
     from ..data.prompts import load_prompts
 
-    return load_prompts(eval_data_config(cfg, source), tokenizer, rows=rows)
+    return load_prompts(eval_data_config(cfg, source), tokenizer, rows=rows, encode_images=encode_images)
 
 
 def held_out_rows(cfg, dataset) -> tuple[list[dict], str]:

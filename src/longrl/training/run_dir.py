@@ -122,14 +122,14 @@ class RunDirectory:
         self.data_fingerprint: str | None = None
         self.reward_files: dict[str, str] = {}  # reward file path → SHA-256, saved in each checkpoint
 
-    def check_data(self) -> None:
-        """Fingerprint data.source (a file's SHA-256) and the reward files, and refuse them when they differ from
-        the ones the checkpoint to resume from trained with (output.resume_changed_data / resume_changed_rewards
-        allow it)."""
+    def check_data(self, rows: list[dict] | None = None) -> None:
+        """Fingerprint data.source (a file's SHA-256; given the ``rows`` read from it, the image files they name
+        too) and the reward files, and refuse them when they differ from the ones the checkpoint to resume from
+        trained with (output.resume_changed_data / resume_changed_rewards allow it)."""
         from ..data.prompts import data_fingerprint
         from ..rewards import reward_file_fingerprints
 
-        self.data_fingerprint = data_fingerprint(self.cfg.data.source)
+        self.data_fingerprint = data_fingerprint(self.cfg.data.source, rows)
         self.reward_files = reward_file_fingerprints(self.cfg.rewards)
         self._check_inputs_unchanged()
 
