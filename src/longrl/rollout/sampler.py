@@ -151,9 +151,26 @@ class Sampler:
         """``num_generations`` completions of each prompt (contiguous per prompt); with ``multi_turn``, episodes
         whose turns alternate with an environment's tokens."""
         self._check_request(prompt_ids, num_generations, params, multi_turn)
+        start = time.perf_counter()
+        with self.prepared() as (fused, nf4, packed):
+            run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after the preparations: the KV
+            rollout = run.execute()  # cache is sized from what they leave free
+        self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
+                           "fast_decode": self.fast is not None,
+                           "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
+                           "packed_groups": packed if self.fast is not None else 0,
+                           "tokens": sum(len(c) for c in rollout.completion_ids)}
+        log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
+                  "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
+        return rollout
+
+    @contextlib.contextmanager
+    def prepared(self):
+        """The model set up for a sampler call: eval mode, the sampler's attention, LoRA fused, NF4 projections and
+        packed weights as configured; all undone on exit, in reverse order, whatever happens. Yields (LoRA fused,
+        NF4 projections, packed groups)."""
         register_sampler_attention()
         base = base_model(self.model)
-        start = time.perf_counter()
         with contextlib.ExitStack() as restore:  # undone in reverse order, whatever happens
             restore.callback(self.model.train, self.model.training)
             restore.callback(base.set_attn_implementation, base.config._attn_implementation)
@@ -170,16 +187,7 @@ class Sampler:
             if packer is not None:
                 restore.callback(packer.release_packing)
             packed = packer.prepare_packing() if packer is not None else 0
-            run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after the preparations: the KV
-            rollout = run.execute()  # cache is sized from what they leave free
-        self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
-                           "fast_decode": self.fast is not None,
-                           "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
-                           "packed_groups": packed if self.fast is not None else 0,
-                           "tokens": sum(len(c) for c in rollout.completion_ids)}
-        log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
-                  "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
-        return rollout
+            yield fused, nf4, packed
 
     def _check_request(self, prompt_ids, num_generations: int, params: SamplingParams,
                        multi_turn: MultiTurn | None) -> None:

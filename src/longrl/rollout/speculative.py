@@ -108,7 +108,7 @@ def speculative_step(logits: torch.Tensor, drafts: torch.Tensor, params: Samplin
     u_draw = uniform_for(params.seed ^ DRAW_SALT, seqs, positions).reshape(B, k1)
     n, token = accept_drafts(logp, drafts, u_accept, u_draw, lengths)
     slots = torch.arange(k1, device=logits.device)[None, :]  # [1, k + 1]
-    tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)
     tokens = tokens.scatter(1, n[:, None], token[:, None])
     tokens = torch.where(slots <= n[:, None], tokens, -1)  # [B, k + 1]
     safe = tokens.clamp(min=0)
