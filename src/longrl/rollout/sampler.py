@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tokens, prefix_entries,
-                              rollout_kv_bytes, sampler_workspace_bytes)
+                              rollout_kv_bytes, sampler_workspace_bytes, sampling_rows)
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
 from ..ops.logprobs import head_logits
@@ -749,7 +749,10 @@ class _Run:
         rejected drafts stay past the new write index, where nothing reads them and later tokens overwrite them."""
         sampler, state, device = self.sampler, self.state, self.sampler.device
         k = max(len(d) for d in drafts)
-        per_forward = self._extend_rows(k + 1)
+        vocab = sampler.head.weight.shape[0]
+        # rows a forward: its extend workspace, and its float32 logits [rows, k + 1, V] within the same cap
+        per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+        per_draw = max(1, sampling_rows(vocab) // (k + 1))  # rows accepted at once: the sampling temporaries' budget
         for first in range(0, len(slots), per_forward):
             part, part_drafts = slots[first:first + per_forward], drafts[first:first + per_forward]
             rows = torch.tensor(part, device=device)
@@ -759,12 +762,14 @@ class _Run:
             with sampler.compute_context():
                 hidden = self._extend_forward(rows, inputs, state.write_index[rows], lengths + 1)  # [b, k + 1, d]
                 logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
-            seen = state.seen[rows] if state.seen is not None else None
-            result = speculative_step(logits, padded, self.params, state.sequence_id[rows], state.generated[rows],
-                                      seen, lengths)
-            self._keep(rows, result)
-            for slot, d, accepted in zip(part, part_drafts, result.accepted.tolist()):
-                self.drafts.record(self.host.sequence[slot], len(d), accepted)
+            for a in range(0, len(part), per_draw):
+                sub, at = rows[a:a + per_draw], slice(a, a + per_draw)
+                seen = state.seen[sub] if state.seen is not None else None
+                result = speculative_step(logits[at], padded[at], self.params, state.sequence_id[sub],
+                                          state.generated[sub], seen, lengths[at])
+                self._keep(sub, result)
+                for slot, d, accepted in zip(part[at], part_drafts[at], result.accepted.tolist()):
+                    self.drafts.record(self.host.sequence[slot], len(d), accepted)
         self.drafts.counts.verify_steps += 1
         self.drafts.counts.verify_rows += len(slots)
 
