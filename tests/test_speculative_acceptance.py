@@ -168,3 +168,24 @@ def test_repetition_penalty_sees_the_drafts_before_each_position():
             s = seen[b].clone()
             s[drafts[b, :i]] = True
             assert torch.allclose(got[b, i], sampling_distribution(logits[b, i:i + 1], params, s[None])[0])
+
+
+@pytest.mark.parametrize("name", ["t07", "topk"])
+def test_padded_rows_equal_calls_with_their_own_draft_count(name):
+    """speculative_step with lengths: each row, its drafts padded to k, gives what a call with its own n drafts
+    gives (same accepted count, tokens, log-probs): the padding is never accepted nor drawn around."""
+    params = PARAMS[name]
+    g = torch.Generator().manual_seed(3)
+    B, k = 48, 3
+    logits = torch.randn(B, k + 1, V, generator=g) * 2
+    drafts = torch.where(torch.rand(B, k, generator=g) < 0.6, logits[:, :k].argmax(-1),
+                         torch.randint(0, V, (B, k), generator=g))
+    lengths = torch.arange(B) % (k + 1)  # 0 … k drafts
+    seq, pos = torch.arange(B), torch.full((B,), 4)
+    padded = speculative_step(logits, drafts, params, seq, pos, lengths=lengths)
+    for n in range(k + 1):
+        rows = lengths == n
+        own = speculative_step(logits[rows, :n + 1], drafts[rows, :n], params, seq[rows], pos[rows])
+        assert torch.equal(padded.accepted[rows], own.accepted)
+        assert torch.equal(padded.tokens[rows, :n + 1], own.tokens) and bool((padded.tokens[rows, n + 1:] == -1).all())
+        assert torch.equal(padded.logprobs[rows, :n + 1], own.logprobs)

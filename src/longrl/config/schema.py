@@ -111,6 +111,12 @@ class GenerationConfig:
     #                                during rollouts (weights moved into one buffer a group, back after it)
     fuse_lora: bool = True  # rollouts add LoRA deltas by fused products (false: PEFT's forward)
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
+    speculative: Literal["off", "ngram"] = "off"  # ngram: speculative rollouts (longrl backend): each step drafts up to
+    #   max_draft_tokens tokens a sequence from its prompt, its group's completions and the prompt's earlier completions
+    #   (no draft model) and checks them in one forward; exact: plain sampling's distribution (docs/rollouts.md). Off
+    #   until measured on a GPU; verify forwards run eagerly (no CUDA graph, no fast decode path)
+    max_draft_tokens: int = 4  # speculative: most drafted tokens a sequence checks in one verify step (1-16; each
+    #                            sequence's draft length adapts below it to its acceptance)
 
 
 @dataclass

@@ -105,6 +105,10 @@ def _check_generation(cfg: Config) -> None:
     _check(gen.sync_every >= 1, "generation.sync_every", gen.sync_every, ">= 1")
     _check(all(isinstance(s, str) and s for s in gen.stop_strings), "generation.stop_strings", gen.stop_strings,
            "non-empty strings")
+    _check(1 <= gen.max_draft_tokens <= 16, "generation.max_draft_tokens", gen.max_draft_tokens, "an integer 1-16")
+    _check(gen.speculative == "off" or gen.backend == "longrl", "generation.speculative", gen.speculative,
+           "off with generation.backend=hf (speculative rollouts verify drafts inside longrl's sampler; transformers' "
+           "generate has no exact speculative sampling without a draft model)")
 
 
 def _check_data(cfg: Config) -> None:

@@ -348,6 +348,9 @@ class GRPOTrainer:
             else:
                 rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, params,
                                  self.sampler, self.device)
+        if self.sampler is not None and self.sampler.speculative:  # verify steps, drafts, accepted (the sampler's)
+            self.phase_stats.update({f"speculative/{k[5:]}": float(v) for k, v in self.sampler.last_stats.items()
+                                     if k.startswith("spec_")})
         prompts, completions, columns = reward_inputs(rows, self.data.prompt_column, G, self.tokenizer, rollout)
         if agent is not None:  # the prompts the episodes opened with, their trajectories as messages with roles
             prompts, completions = agent.prompts, agent.completions

@@ -30,22 +30,27 @@ from dataclasses import dataclass
 import torch
 
 from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tokens, prefix_entries,
-                              rollout_kv_bytes, sampler_workspace_bytes)
+                              rollout_kv_bytes, sampler_workspace_bytes, sampling_rows)
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
+from .draft_book import DraftBook, ProposerFactory, kept_counts
+from .drafts import DraftHistory, GroupProposer
 from .fast_decode import FastDecoder
 from .kv_quant import FP8
 from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index, triton_available
 from .slot_state import SlotBook, SlotTensors
+from .speculative import SpeculativeResult, speculative_step
 
 log = logging.getLogger(__name__)
 
 
 EXTEND_WORKSPACE_BYTES = 1 << 30  # transient memory of one multi-turn extend forward (a layer's gathered K/V, scores)
+# speculative rollouts' draft history (earlier completions of a prompt, host memory): tokens kept a prompt, prompts kept
+DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS = 8192, 1024
 
 
 class SamplerUnsupported(RuntimeError):
@@ -100,14 +105,21 @@ class Sampler:
     one product a group during the rollout (FastDecoder.prepare_packing). memory_cap_bytes: the run's GPU budget
     (train.gpu_memory_gib): the KV cache takes at most what it leaves. kv_cache_dtype: "bf16" keeps keys/values
     in the compute dtype, "fp8" in e4m3 with a scale per position and key head (rollout/kv_quant.py).
+    speculative: "off"; "ngram", speculative decoding with drafts of up to ``max_draft_tokens`` tokens from the
+    prompt, the group's completions and the prompt's earlier completions (rollout/drafts.py; the history persists
+    across calls); or a factory (prompt ids, G) → a group's proposer (rollout/draft_book.py :class:`GroupDrafts`).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
-                 kv_cache_dtype: str = "bf16"):
+                 kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
+        if not (callable(speculative) or speculative in ("off", "ngram")):
+            raise ValueError(f"speculative must be off, ngram or a proposer factory; got {speculative!r}")
+        if max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1; got {max_draft_tokens}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
@@ -120,6 +132,17 @@ class Sampler:
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
         self.fast_proven = False  # set once a fast decode step ran (_Run._fast_forward)
         self.last_stats: dict = {}
+        self.draft_history = None
+        self.new_draft_group: ProposerFactory | None = speculative if callable(speculative) else None
+        if speculative == "ngram":
+            self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS)
+            self.new_draft_group = lambda prompt, G: GroupProposer(prompt, G, k_max=max_draft_tokens,
+                                                                   history=self.draft_history)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether decode steps verify drafted tokens (speculative rollouts)."""
+        return self.new_draft_group is not None
 
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
@@ -128,9 +151,26 @@ class Sampler:
         """``num_generations`` completions of each prompt (contiguous per prompt); with ``multi_turn``, episodes
         whose turns alternate with an environment's tokens."""
         self._check_request(prompt_ids, num_generations, params, multi_turn)
+        start = time.perf_counter()
+        with self.prepared() as (fused, nf4, packed):
+            run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after the preparations: the KV
+            rollout = run.execute()  # cache is sized from what they leave free
+        self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
+                           "fast_decode": self.fast is not None,
+                           "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
+                           "packed_groups": packed if self.fast is not None else 0,
+                           "tokens": sum(len(c) for c in rollout.completion_ids)}
+        log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
+                  "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
+        return rollout
+
+    @contextlib.contextmanager
+    def prepared(self):
+        """The model set up for a sampler call: eval mode, the sampler's attention, LoRA fused, NF4 projections and
+        packed weights as configured; all undone on exit, in reverse order, whatever happens. Yields (LoRA fused,
+        NF4 projections, packed groups)."""
         register_sampler_attention()
         base = base_model(self.model)
-        start = time.perf_counter()
         with contextlib.ExitStack() as restore:  # undone in reverse order, whatever happens
             restore.callback(self.model.train, self.model.training)
             restore.callback(base.set_attn_implementation, base.config._attn_implementation)
@@ -147,16 +187,7 @@ class Sampler:
             if packer is not None:
                 restore.callback(packer.release_packing)
             packed = packer.prepare_packing() if packer is not None else 0
-            run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after the preparations: the KV
-            rollout = run.execute()  # cache is sized from what they leave free
-        self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
-                           "fast_decode": self.fast is not None,
-                           "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
-                           "packed_groups": packed if self.fast is not None else 0,
-                           "tokens": sum(len(c) for c in rollout.completion_ids)}
-        log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
-                  "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
-        return rollout
+            yield fused, nf4, packed
 
     def _check_request(self, prompt_ids, num_generations: int, params: SamplingParams,
                        multi_turn: MultiTurn | None) -> None:
@@ -254,6 +285,8 @@ class _Run:
         self.unfinished = [self.G] * len(self.prompts)  # completions of each prompt not yet finished
         self.free_entries = list(range(self.num_entries))
         self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.num_sequences
+        self.drafts = (DraftBook(sampler.new_draft_group, self.prompts, num_generations) if sampler.speculative
+                       else None)  # speculative rollouts: the proposers and their counts
         self.stats = {"slots": self.num_slots, "prefix_slots": self.num_entries, "decode_steps": 0, "prefills": 0,
                       "compactions": 0, "kv_cache_bytes": self.cache.nbytes_held()}
         if multi is not None:
@@ -314,15 +347,21 @@ class _Run:
                 if self.slots_changed:
                     self._refresh_members()
                 batch = self._bucket(self.host.occupied()[-1] + 1)
-                remaining = max(self._turn_limit(i) - self.host.generated[i] for i in self._decoding())
-                steps = max(1, min(self.sampler.sync_every, remaining))
-                for _ in range(steps):
-                    self._decode_step(batch)
+                if self.drafts is not None:  # one step, then the host's checks (the step read the slots' state)
+                    steps = 1
+                    self._speculative_step(batch)
+                else:
+                    remaining = max(self._turn_limit(i) - self.host.generated[i] for i in self._decoding())
+                    steps = max(1, min(self.sampler.sync_every, remaining))
+                    for _ in range(steps):
+                        self._decode_step(batch)
                 self.stats["decode_steps"] += steps
                 self._sync(batch)
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.drafts is not None:
+            self.stats.update(self.drafts.counts.summary())
         return self._rollout()
 
     def _rollout(self) -> Rollout:
@@ -403,6 +442,9 @@ class _Run:
         state.sequence_id[slots] = torch.tensor([self.params.sequence_id(seq) for _, seq in admitted], device=device)
         state.prefix_entry[slots] = entries
         state.prompt_len[slots] = torch.tensor([len(self.prompts[p]) for p in prompts], device=device)
+        if self.drafts is not None:
+            for _, seq in admitted:
+                self.drafts.open(seq)
         self._begin_turn([slot for slot, _ in admitted], [0] * len(admitted), self.prompt_logits[entries])
         self.slots_changed = True
 
@@ -542,10 +584,14 @@ class _Run:
             self._compact()
 
     def _release(self, slot: int) -> None:
-        prompt = self.host.sequence[slot] // self.G
+        """Free the slot of a finished sequence (its result already kept)."""
+        seq = self.host.sequence[slot]
+        prompt = seq // self.G
         self.host.reset(slot)
         self.slots_changed = True
         self.unfinished[prompt] -= 1
+        if self.drafts is not None:
+            self.drafts.close(seq, self.results[seq][0], group_done=self.unfinished[prompt] == 0)
         if self.unfinished[prompt] == 0:
             self.free_entries.append(self.entry_of.pop(prompt))
 
@@ -617,11 +663,7 @@ class _Run:
             if bad is not None:
                 raise ValueError(f"environment tokens of sequence {self.host.sequence[slot]} hold id {bad}, outside "
                                  f"the model's vocabulary [0, {vocab})")
-        width = 1 + max(len(ids) for _, ids, _ in returns)
-        keys = self.cache.k_pre.shape[3] + self.max_tokens  # prefix + slot-store positions each new query reads
-        heads = base_model(sampler.model).config.get_text_config().num_attention_heads
-        row_bytes = 2 * sampler.kv_heads * keys * sampler.head_dim * 4 + heads * width * keys * 4  # K/V, scores
-        per_forward = max(1, min(sampler.prefill_tokens // width, EXTEND_WORKSPACE_BYTES // row_bytes))
+        per_forward = self._extend_rows(1 + max(len(ids) for _, ids, _ in returns))
         for first in range(0, len(returns), per_forward):
             chunk = returns[first:first + per_forward]
             slots = torch.tensor([slot for slot, _, _ in chunk], device=device)
@@ -632,12 +674,8 @@ class _Run:
                 torch.zeros(len(chunk), 0, dtype=torch.long, device=device)
             inputs = torch.cat([last_tok[:, None], new], dim=1)  # [b, width]
             lengths = torch.tensor([1 + len(ids) for _, ids, _ in chunk], device=device)
-            prompt_len = state.prompt_len[slots]
-            positions = prompt_len[:, None] + start[:, None] + torch.arange(width, device=device)[None]
-            meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
             with sampler.compute_context():
-                hidden = sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
-                                          longrl_kv=meta).last_hidden_state  # [b, width, d]
+                hidden = self._extend_forward(slots, inputs, start, lengths)  # [b, width, d]
                 logits = sampler.logits(hidden[torch.arange(len(chunk), device=device), lengths - 1])
             for slot, ids, n in chunk:
                 if ids:
@@ -650,3 +688,108 @@ class _Run:
             self.stats["resumes"] += len(chunk)
             self.stats["resume_forwards"] += 1
             self.stats["resume_tokens"] += int(lengths.sum())
+
+    # ------------------------------------------------------------------------------------------ extend forwards
+    def _extend_rows(self, width: int) -> int:
+        """Rows one extend forward of ``width`` tokens a row may hold: within prefill_tokens tokens and the workspace
+        cap (each row gathers its prefix and slot-store keys/values, and its scores over them, a layer at a time)."""
+        sampler = self.sampler
+        keys = self.cache.k_pre.shape[3] + self.max_tokens  # prefix + slot-store positions each new query reads
+        heads = base_model(sampler.model).config.get_text_config().num_attention_heads
+        row_bytes = 2 * sampler.kv_heads * keys * sampler.head_dim * 4 + heads * width * keys * 4  # K/V, scores
+        return max(1, min(sampler.prefill_tokens // width, EXTEND_WORKSPACE_BYTES // row_bytes))
+
+    def _extend_forward(self, slots: torch.Tensor, inputs: torch.Tensor, start: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [b, w, d] of inputs [b, w] (row r: its first lengths[r] tokens real, the rest padding)
+        run onto slots [b]' own stores from slot-store index start [b]: their keys/values written there, each token
+        attending causally over its prompt's prefix entry and its store (ExtendMeta). Call inside compute_context."""
+        state, device = self.state, self.sampler.device
+        prompt_len = state.prompt_len[slots]
+        positions = prompt_len[:, None] + start[:, None] + torch.arange(inputs.shape[1], device=device)[None]
+        meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
+        return self.sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
+                                     longrl_kv=meta).last_hidden_state
+
+    # ------------------------------------------------------------------------------------------ speculative decoding
+    def _speculative_step(self, batch: int) -> None:
+        """A step of speculative decoding over slots 0 … batch−1: the proposers get the tokens emitted since they
+        last looked and draft (at most the tokens the turn may still emit, less one); a verify forward checks the
+        drafts of every decoding sequence, or a plain decode step runs when no sequence has a draft."""
+        state, host = self.state, self.host
+        active, generated = torch.stack([state.active[:batch].long(), state.generated[:batch]]).tolist()
+        slots = [i for i in self._decoding() if i < batch and active[i]]
+        self._feed_drafts(slots, generated)
+        drafts = [self.drafts.propose(host.sequence[i], self._turn_limit(i) - generated[i] - 1) for i in slots]
+        if any(drafts):
+            self._verify(slots, drafts)
+        else:
+            self._decode_step(batch)
+
+    def _feed_drafts(self, slots: list[int], generated: list[int]) -> None:
+        """Hand each slot's proposer its trajectory's tokens [fed, generated) (its emitted tokens, and in multi-turn
+        runs its environment's) that it has not seen."""
+        if not slots:
+            return
+        device = self.sampler.device
+        fed = [self.drafts.fed[self.host.sequence[i]] for i in slots]
+        new = [generated[i] - f for i, f in zip(slots, fed)]
+        width = max(new)
+        if width <= 0:
+            return
+        cols = (torch.tensor(fed, device=device)[:, None] + torch.arange(width, device=device)[None])
+        rows = self.state.tokens[torch.tensor(slots, device=device)[:, None], cols.clamp(max=self.max_tokens - 1)]
+        for i, n, tokens in zip(slots, new, rows.tolist()):
+            self.drafts.feed(self.host.sequence[i], tokens[:max(0, n)])
+
+    def _verify(self, slots: list[int], drafts: list[list[int]]) -> None:
+        """One verify step: each slot's last token and drafts d_1..d_n (n ≤ k, padded to k) run in one extend
+        forward onto its own store from its write index (their keys/values written at write_index … write_index +
+        n); rollout/speculative.py's rule keeps a prefix of the drafts and samples one more token. The keys/values of
+        rejected drafts stay past the new write index, where nothing reads them and later tokens overwrite them."""
+        sampler, state, device = self.sampler, self.state, self.sampler.device
+        k = max(len(d) for d in drafts)
+        vocab = sampler.head.weight.shape[0]
+        # rows a forward: its extend workspace, and its float32 logits [rows, k + 1, V] within the same cap
+        per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+        per_draw = max(1, sampling_rows(vocab) // (k + 1))  # rows accepted at once: the sampling temporaries' budget
+        for first in range(0, len(slots), per_forward):
+            part, part_drafts = slots[first:first + per_forward], drafts[first:first + per_forward]
+            rows = torch.tensor(part, device=device)
+            padded = pad_right(part_drafts, 0, k).to(device)  # [b, k]
+            lengths = torch.tensor([len(d) for d in part_drafts], device=device)  # [b]
+            inputs = torch.cat([state.last_token[rows, None], padded], dim=1)  # [b, k + 1]
+            with sampler.compute_context():
+                hidden = self._extend_forward(rows, inputs, state.write_index[rows], lengths + 1)  # [b, k + 1, d]
+                logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
+            for a in range(0, len(part), per_draw):
+                sub, at = rows[a:a + per_draw], slice(a, a + per_draw)
+                seen = state.seen[sub] if state.seen is not None else None
+                result = speculative_step(logits[at], padded[at], self.params, state.sequence_id[sub],
+                                          state.generated[sub], seen, lengths[at])
+                self._keep(sub, result)
+                for slot, d, accepted in zip(part[at], part_drafts[at], result.accepted.tolist()):
+                    self.drafts.record(self.host.sequence[slot], len(d), accepted)
+        self.drafts.counts.verify_steps += 1
+        self.drafts.counts.verify_rows += len(slots)
+
+    def _keep(self, rows: torch.Tensor, result: SpeculativeResult) -> None:
+        """Write a verify step's kept tokens (its accepted drafts and sampled token, cut after a stop token) and
+        their log-probs after each row's trajectory, and advance generated / write_index / position by their count."""
+        state = self.state
+        b, width = result.tokens.shape
+        keep = kept_counts(result.tokens, result.accepted + 1, self.stop_ids)  # [b]
+        j = torch.arange(width, device=rows.device)[None]  # [1, k + 1]
+        kept = j < keep[:, None]  # [b, k + 1]
+        generated = state.generated[rows]
+        at_row, at_col = rows[:, None].expand(b, width)[kept], (generated[:, None] + j)[kept]
+        state.tokens[at_row, at_col] = result.tokens[kept]
+        state.logprobs[at_row, at_col] = result.logprobs[kept]
+        if state.seen is not None:
+            state.seen[at_row, result.tokens[kept]] = True
+        last = result.tokens.gather(1, (keep - 1)[:, None])[:, 0]  # [b]
+        state.last_token[rows] = last
+        state.generated[rows] = generated + keep
+        state.write_index[rows] += keep
+        state.position[rows] += keep
+        state.active[rows] = ~(torch.isin(last, self.stop_ids) | (generated + keep >= state.turn_limit[rows]))

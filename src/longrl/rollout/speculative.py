@@ -68,19 +68,21 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch
     return out.reshape(B, n, V)
 
 
-def accept_drafts(logp: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-                  u_draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_drafts(logp: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor, u_draw: torch.Tensor,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule on processed log-probs logp [B, k + 1, V] and drafts [B, k] long, with uniforms u_accept [B, k] and
     u_draw [B, k + 1] in [0, 1): accepted count n [B] (d_i kept while u_accept_i < p_i(d_i)) and the token [B] drawn
-    at 0-based position n, with u_draw[:, n], from p_n without d_n (n < k) or from p_k (n = k). No host sync."""
+    at 0-based position n, with u_draw[:, n], from p_n without d_n (n < k_b) or from p_n (n = k_b). Row b has
+    k_b = lengths[b] drafts (None: all k), the rest of its row padding. No host sync."""
     B, k1, V = logp.shape
     k = k1 - 1
+    k_b = torch.full((B,), k, dtype=torch.long, device=logp.device) if lengths is None else lengths
     p_draft = logp[:, :k, :].gather(-1, drafts[:, :, None])[:, :, 0].exp().double()  # [B, k]
-    ok = u_accept.double() < p_draft  # [B, k]
+    ok = (u_accept.double() < p_draft) & (torch.arange(k, device=logp.device)[None] < k_b[:, None])  # [B, k]
     n = torch.cumprod(ok.long(), dim=1).sum(1)  # [B]: leading acceptances
     rows = torch.arange(B, device=logp.device)
     probs = logp[rows, n].exp()  # [B, V]: p at the position after the kept drafts
-    rejected = n < k
+    rejected = n < k_b
     mask = torch.zeros_like(probs, dtype=torch.bool)
     if k > 0:
         mask[rows, drafts.gather(1, n.clamp(max=k - 1)[:, None])[:, 0]] = rejected  # d_n removed where rejected
@@ -90,10 +92,12 @@ def accept_drafts(logp: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tens
 
 
 def speculative_step(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
-                     position: torch.Tensor, seen: torch.Tensor | None = None) -> SpeculativeResult:
+                     position: torch.Tensor, seen: torch.Tensor | None = None,
+                     lengths: torch.Tensor | None = None) -> SpeculativeResult:
     """One verify step: logits [B, k + 1, V] of the forward over context ++ drafts (drafts [B, k] long), sequence
     ids [B] and the position [B] of d_1 keying the uniforms; seen [B, V] bool: the context's tokens, for the
-    repetition penalty (None: no penalty)."""
+    repetition penalty (None: no penalty); lengths [B]: the drafts of each row (None: k; a row's drafts past its
+    length are padding, never accepted: it emits at most lengths[b] + 1 tokens)."""
     B, k1, V = logits.shape
     k = k1 - 1
     seen_k = None if seen is None or params.repetition_penalty == 1.0 else seen_with_drafts(seen, drafts)
@@ -102,9 +106,9 @@ def speculative_step(logits: torch.Tensor, drafts: torch.Tensor, params: Samplin
     positions = (position[:, None] + torch.arange(k1, device=logits.device)).reshape(-1)  # [B·(k + 1)]
     u_accept = uniform_for(params.seed ^ ACCEPT_SALT, seqs, positions).reshape(B, k1)[:, :k]
     u_draw = uniform_for(params.seed ^ DRAW_SALT, seqs, positions).reshape(B, k1)
-    n, token = accept_drafts(logp, drafts, u_accept, u_draw)
+    n, token = accept_drafts(logp, drafts, u_accept, u_draw, lengths)
     slots = torch.arange(k1, device=logits.device)[None, :]  # [1, k + 1]
-    tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)
     tokens = tokens.scatter(1, n[:, None], token[:, None])
     tokens = torch.where(slots <= n[:, None], tokens, -1)  # [B, k + 1]
     safe = tokens.clamp(min=0)

