@@ -1,0 +1,137 @@
+"""Training passes with images (float64): log-probs, cross-entropies and gradients (LoRA parameters, and the vision
+tower's with LoRA on it) equal transformers' model run on each sequence with its pixel values; the vision tower runs
+once per distinct prompt per call."""
+
+import pytest
+import torch
+
+from longrl.config.schema import LoraConfig
+from longrl.models import apply_lora, base_model
+from longrl.models.policy import sequence_logprobs, token_cross_entropy
+from longrl.models.vision import FAMILIES, encode_prompt
+from longrl.models.vision.families import module_names as vision_modules_named
+
+from vision_models import build, images
+
+GRAD_TOL = 1e-6  # relative: the models' RMSNorm and Qwen's vision rotary compute in float32 even in float64 models,
+#                  so layouts that sum in another order differ by float32 rounding (with those in float64, < 1e-12)
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _setup(family: str, vision_modules: str):
+    model, processor = build(family, seed=1)
+    model = apply_lora(model.to(torch.float64), LoraConfig(r=2, alpha=4.0, vision_modules=vision_modules))
+    g = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # (PEFT starts B at zero: no gradient would reach A)
+            p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1
+    return model, processor
+
+
+def _prompts(model, processor):
+    """3 prompts: one image, two images of other sizes, and text only; the HF inputs of each."""
+    shapes = [((56, 56),), ((56, 28), (28, 56)), ()]
+    out = []
+    for k, sizes in enumerate(shapes):
+        parts = [{"type": "image"}] * len(sizes) + [{"type": "text", "text": f"Q{k}?"}]
+        messages = [{"role": "user", "content": parts}]
+        pics = images(len(sizes), seed=k, sizes=sizes or ((56, 56),))
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        nested = "pixel_attention_mask" in FAMILIES[model.config.model_type].image_inputs
+        enc = processor(text=[text], images=([pics] if nested else pics) if sizes else None,
+                        add_special_tokens=False, return_tensors="pt")
+        prompt = encode_prompt(processor, model.config, messages, pics) if sizes else None
+        out.append((enc, prompt))
+    return out
+
+
+def _reference_logps(model, enc, completion):
+    """log p(completion tokens) [n] from transformers' full forward on prompt + completion with the pixel values."""
+    n = len(completion)
+    inputs = {k: v for k, v in enc.items() if k != "attention_mask"}
+    inputs["input_ids"] = torch.cat([enc["input_ids"], torch.tensor([completion])], dim=1)
+    if "mm_token_type_ids" in inputs:
+        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, n, dtype=torch.long)], 1)
+    for k in ("pixel_values",):
+        if k in inputs:
+            inputs[k] = inputs[k].to(torch.float64)
+    logits = model(**inputs).logits[0, -n - 1:-1].to(torch.float64)  # [n, V]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def _grads(model, names):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if n in names}
+
+
+@pytest.mark.parametrize("family,vision_modules,packed", [
+    ("qwen2_vl", "none", True), ("qwen2_vl", "tower_and_projector", False), ("qwen2_vl", "projector", True),
+    ("llava", "none", False), ("llava", "tower_and_projector", True), ("qwen3_vl", "tower_and_projector", True),
+    ("idefics3", "projector", True)])
+def test_logprobs_and_gradients_equal_per_sequence_forward(family, vision_modules, packed):
+    model, processor = _setup(family, vision_modules)
+    G, prompts = 2, _prompts(model, processor)
+    g = torch.Generator().manual_seed(3)
+    prompt_ids, completion_ids, vision, hf = [], [], [], []
+    for enc, prompt in prompts:
+        for j in range(G):
+            length = 3 + 2 * j + len(prompt_ids) % 3  # unequal completion lengths
+            completion = torch.randint(40, 90, (length,), generator=g).tolist()
+            prompt_ids.append(enc["input_ids"][0].tolist())
+            completion_ids.append(completion)
+            vision.append(prompt)
+            hf.append((enc, completion))
+    width = max(len(c) for c in completion_ids)
+    weights = torch.randn(len(completion_ids), width, generator=g, dtype=torch.float64)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    tower = dict(base_model(model).named_modules())[vision_modules_named(base_model(model),
+                                                                         FAMILIES[model.config.model_type].tower)[0]]
+    calls = []
+    hook = tower.register_forward_hook(lambda *a: calls.append(1))
+
+    logps, _ = sequence_logprobs(model, prompt_ids, completion_ids, width, pad_id=0, packed=packed, vision=vision)
+    (logps * weights).sum().backward()
+    assert len(calls) == 2  # the two prompts with images, once each (G = 2 sequences each)
+    got = _grads(model, trained)
+    model.zero_grad()
+
+    hook.remove()
+    ref = torch.zeros_like(logps)
+    for i, (enc, completion) in enumerate(hf):
+        ref[i, :len(completion)] = _reference_logps(model, enc, completion)
+    (ref * weights).sum().backward()
+    expected = _grads(model, trained)
+    torch.testing.assert_close(logps, ref, rtol=0, atol=1e-10)
+    vision_names = [n for n in trained if any(k in n for k in ("visual", "vision_tower", "projector", "connector"))]
+    assert bool(vision_names) == (vision_modules != "none")
+    for n in trained:
+        assert float(expected[n].norm()) > 0, n
+        assert float((got[n] - expected[n]).norm() / expected[n].norm()) < GRAD_TOL, n
+    assert any(got[n].abs().sum() > 0 for n in vision_names) or vision_modules == "none"
+
+    # token cross-entropy over the same sequences (SFT) through the same inputs
+    seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    masks = [[False] * len(p) + [True] * len(c) for p, c in zip(prompt_ids, completion_ids)]
+    with torch.no_grad():
+        ce = token_cross_entropy(model, seqs, masks, pad_id=0, packed=not packed, vision=vision)
+    torch.testing.assert_close(-ce, torch.cat([ref[i, :len(c)] for i, c in enumerate(completion_ids)]).detach(),
+                               rtol=0, atol=1e-10)
+
+
+def test_frozen_tower_features_kept_across_calls_and_refusals():
+    model, processor = _setup("llava", "none")
+    (enc, prompt), *_ = _prompts(model, processor)
+    tower = base_model(model).model.vision_tower
+    calls = []
+    tower.register_forward_hook(lambda *a: calls.append(1))
+    ids = [prompt.input_ids] * 3
+    completions = [[50, 51], [52], [53, 54, 55]]
+    with torch.no_grad():
+        first, _ = sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
+        with model.disable_adapter():  # the reference pass: a frozen tower gives the same features
+            sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
+        again, _ = sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
+    assert len(calls) == 1 and torch.equal(first, again)
+    with pytest.raises(ValueError, match="shared-prompt.*text-only"):
+        sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3, shared_prompt=True)
+    with pytest.raises(ValueError, match="sequence 1 does not begin"):
+        sequence_logprobs(model, [ids[0], ids[0][1:], ids[0]], completions, 3, pad_id=0, vision=[prompt] * 3)
