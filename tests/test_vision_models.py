@@ -5,17 +5,23 @@ import inspect
 
 import pytest
 import torch
+from vision_models import FAMILIES, build, images
 
+from longrl.config.schema import LoraConfig
 from longrl.models import apply_lora, load_model, model_parts
 from longrl.models.loading import load_processor
 from longrl.models.quantize import choose_exceptions
 from longrl.models.structure import decoder_layers
-from longrl.models.vision import (FeatureCache, Placement, VisionModelError, encode_prompt, language_model_inputs,
-                                  mrope_positions, vision_family)
+from longrl.models.vision import (
+    FeatureCache,
+    Placement,
+    VisionModelError,
+    encode_prompt,
+    language_model_inputs,
+    mrope_positions,
+    vision_family,
+)
 from longrl.models.vision.adapters import lora_targets, vision_module_prefixes
-from longrl.config.schema import LoraConfig
-
-from vision_models import FAMILIES, build, images
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -80,7 +86,7 @@ def test_lora_targets_by_vision_modules(family, tiny):
     model, _ = tiny(family)
     fam = vision_family(model.config)
     tower, projector = vision_module_prefixes(model, fam), vision_module_prefixes(model, fam, "projector")
-    under = lambda names, prefixes: [n for n in names if any(n.startswith(p + ".") for p in prefixes)]  # noqa: E731
+    under = lambda names, prefixes: [n for n in names if any(n.startswith(p + ".") for p in prefixes)]
     none = lora_targets(model, fam, ["all-linear"], "none")
     assert none and not under(none, tower) and "lm_head" not in none
     only_proj = lora_targets(model, fam, ["all-linear"], "projector")
@@ -102,7 +108,7 @@ def test_text_model_refuses_vision_lora():
 
 
 def test_4bit_keeps_vision_modules_16bit(tiny):
-    model, processor = tiny("qwen2_vl")
+    model, _ = tiny("qwen2_vl")
     fam = vision_family(model.config)
     ids = torch.randint(0, 90, (1, 8))
     report = choose_exceptions(model, ids, exception_budget=0.0, keep_under=vision_module_prefixes(model, fam))

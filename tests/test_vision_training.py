@@ -4,14 +4,15 @@ once per distinct prompt per call."""
 
 import pytest
 import torch
+from vision_models import (
+    build,
+    chat_prompts,
+    full_forward_inputs,
+    vision_tower,
+    with_lora,
+)
 
-from longrl.config.schema import LoraConfig
-from longrl.models import apply_lora, base_model
 from longrl.models.policy import sequence_logprobs, token_cross_entropy
-from longrl.models.vision import FAMILIES, encode_prompt
-from longrl.models.vision.families import module_names as vision_modules_named
-
-from vision_models import build, images
 
 GRAD_TOL = 1e-6  # relative: the models' RMSNorm and Qwen's vision rotary compute in float32 even in float64 models,
 #                  so layouts that sum in another order differ by float32 rounding (with those in float64, < 1e-12)
@@ -19,43 +20,14 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _setup(family: str, vision_modules: str):
-    model, processor = build(family, seed=1)
-    model = apply_lora(model.to(torch.float64), LoraConfig(r=2, alpha=4.0, vision_modules=vision_modules))
-    g = torch.Generator().manual_seed(2)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # (PEFT starts B at zero: no gradient would reach A)
-            p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1
-    return model, processor
-
-
-def _prompts(model, processor):
-    """3 prompts: one image, two images of other sizes, and text only; the HF inputs of each."""
-    shapes = [((56, 56),), ((56, 28), (28, 56)), ()]
-    out = []
-    for k, sizes in enumerate(shapes):
-        parts = [{"type": "image"}] * len(sizes) + [{"type": "text", "text": f"Q{k}?"}]
-        messages = [{"role": "user", "content": parts}]
-        pics = images(len(sizes), seed=k, sizes=sizes or ((56, 56),))
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        nested = "pixel_attention_mask" in FAMILIES[model.config.model_type].image_inputs
-        enc = processor(text=[text], images=([pics] if nested else pics) if sizes else None,
-                        add_special_tokens=False, return_tensors="pt")
-        prompt = encode_prompt(processor, model.config, messages, pics) if sizes else None
-        out.append((enc, prompt))
-    return out
+    model, processor = build(family, seed=1, dtype=torch.float64)
+    return with_lora(model, vision_modules, seed=2), processor
 
 
 def _reference_logps(model, enc, completion):
     """log p(completion tokens) [n] from transformers' full forward on prompt + completion with the pixel values."""
     n = len(completion)
-    inputs = {k: v for k, v in enc.items() if k != "attention_mask"}
-    inputs["input_ids"] = torch.cat([enc["input_ids"], torch.tensor([completion])], dim=1)
-    if "mm_token_type_ids" in inputs:
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, n, dtype=torch.long)], 1)
-    for k in ("pixel_values",):
-        if k in inputs:
-            inputs[k] = inputs[k].to(torch.float64)
-    logits = model(**inputs).logits[0, -n - 1:-1].to(torch.float64)  # [n, V]
+    logits = model(**full_forward_inputs(enc, completion, torch.float64)).logits[0, -n - 1:-1]  # [n, V]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -69,7 +41,7 @@ def _grads(model, names):
     ("idefics3", "projector", True)])
 def test_logprobs_and_gradients_equal_per_sequence_forward(family, vision_modules, packed):
     model, processor = _setup(family, vision_modules)
-    G, prompts = 2, _prompts(model, processor)
+    G, prompts = 2, chat_prompts(model, processor, [((56, 56),), ((56, 28), (28, 56)), ()])
     g = torch.Generator().manual_seed(3)
     prompt_ids, completion_ids, vision, hf = [], [], [], []
     for enc, prompt in prompts:
@@ -83,10 +55,8 @@ def test_logprobs_and_gradients_equal_per_sequence_forward(family, vision_module
     width = max(len(c) for c in completion_ids)
     weights = torch.randn(len(completion_ids), width, generator=g, dtype=torch.float64)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    tower = dict(base_model(model).named_modules())[vision_modules_named(base_model(model),
-                                                                         FAMILIES[model.config.model_type].tower)[0]]
     calls = []
-    hook = tower.register_forward_hook(lambda *a: calls.append(1))
+    hook = vision_tower(model).register_forward_hook(lambda *a: calls.append(1))
 
     logps, _ = sequence_logprobs(model, prompt_ids, completion_ids, width, pad_id=0, packed=packed, vision=vision)
     (logps * weights).sum().backward()
@@ -119,10 +89,9 @@ def test_logprobs_and_gradients_equal_per_sequence_forward(family, vision_module
 
 def test_frozen_tower_features_kept_across_calls_and_refusals():
     model, processor = _setup("llava", "none")
-    (enc, prompt), *_ = _prompts(model, processor)
-    tower = base_model(model).model.vision_tower
+    (_, prompt), = chat_prompts(model, processor, [((56, 56),)])
     calls = []
-    tower.register_forward_hook(lambda *a: calls.append(1))
+    vision_tower(model).register_forward_hook(lambda *a: calls.append(1))
     ids = [prompt.input_ids] * 3
     completions = [[50, 51], [52], [53, 54, 55]]
     with torch.no_grad():

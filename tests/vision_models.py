@@ -176,3 +176,56 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
         model = tf.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").to(dtype)
     model.eval()
     return model, processor
+
+
+def chat_prompts(model, processor, shapes, seed: int = 0):
+    """Per entry of ``shapes`` (image sizes, () for text only): a one-message prompt with those images before a
+    short text, as (the processor's output for transformers' forward, its VisionPrompt or None)."""
+    from longrl.models.vision import FAMILIES, encode_prompt
+
+    nested = "pixel_attention_mask" in FAMILIES[model.config.model_type].image_inputs
+    out = []
+    for k, sizes in enumerate(shapes):
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": f"Q{k}?"}]}]
+        pics = images(len(sizes), seed=seed + k, sizes=sizes or ((56, 56),))
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        enc = processor(text=[text], images=([pics] if nested else pics) if sizes else None,
+                        add_special_tokens=False, return_tensors="pt")
+        out.append((enc, encode_prompt(processor, model.config, messages, pics) if sizes else None))
+    return out
+
+
+def full_forward_inputs(enc, tokens: list[int], dtype: torch.dtype | None = None) -> dict:
+    """transformers' forward inputs for the prompt ``enc`` followed by ``tokens`` (text), pixel values in ``dtype``."""
+    inputs = {k: v for k, v in enc.items() if k != "attention_mask"}
+    inputs["input_ids"] = torch.cat([enc["input_ids"], torch.tensor([tokens])], dim=1)
+    if "mm_token_type_ids" in inputs:  # (transformers ≥ 5.2x: its mRoPE index reads the token types)
+        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"],
+                                                 torch.zeros(1, len(tokens), dtype=torch.long)], dim=1)
+    if dtype is not None and "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    return inputs
+
+
+def vision_tower(model):
+    """The vision encoder module of a (PEFT-wrapped) tiny model, for counting its calls."""
+    from longrl.models import base_model
+    from longrl.models.vision import FAMILIES
+    from longrl.models.vision.families import module_names
+
+    base = base_model(model)
+    return dict(base.named_modules())[module_names(base, FAMILIES[base.config.model_type].tower)[0]]
+
+
+def with_lora(model, vision_modules: str = "none", seed: int = 0, scale: float = 0.1):
+    """``model`` with rank-2 LoRA adapters (longrl's apply_lora), their B matrices random (PEFT starts them at zero,
+    where no gradient would reach A and the adapters would change nothing)."""
+    from longrl.config.schema import LoraConfig
+    from longrl.models import apply_lora
+
+    model = apply_lora(model, LoraConfig(r=2, alpha=4.0, vision_modules=vision_modules))
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale
+    return model
