@@ -100,6 +100,17 @@ def test_frozen_tower_features_kept_across_calls_and_refusals():
             sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
         again, _ = sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
     assert len(calls) == 1 and torch.equal(first, again)
+    with torch.no_grad():  # equal completion lengths: stacked rows, no padding or mask; against padded rows
+        stacked, _ = sequence_logprobs(model, ids, [[50, 51]] * 3, 2, pad_id=0, vision=[prompt] * 3)
+        padded, _ = sequence_logprobs(model, ids, [[50, 51]] * 3, 2, pad_id=0, vision=[prompt] * 3, packed=False)
+    torch.testing.assert_close(stacked, padded, rtol=0, atol=1e-12)
+    torch.testing.assert_close(stacked[0], first[0, :2], rtol=0, atol=1e-12)
+    other, _ = build("llava", seed=9, dtype=torch.float64)  # another model's tower does not read the kept features
+    other_calls = []
+    vision_tower(other).register_forward_hook(lambda *a: other_calls.append(1))
+    with torch.no_grad():
+        sequence_logprobs(other, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
+    assert len(other_calls) == 1
     with pytest.raises(ValueError, match="shared-prompt.*text-only"):
         sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3, shared_prompt=True)
     with pytest.raises(ValueError, match="sequence 1 does not begin"):

@@ -77,12 +77,14 @@ class FeatureCache:
     """Image features once per distinct prompt object for one call; ``tower_calls`` counts the computations.
 
     With no vision parameter requiring grad (``trains`` False) they run without autograd and are kept on the
-    prompt for later calls; otherwise each call computes them once with autograd (its gradient summed over the
+    prompt for later calls with the same model's tower; otherwise each call computes them once with autograd (its gradient summed over the
     prompt's rows)."""
 
     def __init__(self, model, family):
         self.model, self.family = model, family
         self.trains = vision_trains(model, family)
+        # whose features a prompt keeps: this model's tower (another model, e.g. a frozen reference copy, recomputes)
+        self.key = id(vision_parameters(model, family)[0])
         self.features: dict[int, ImageFeatures] = {}
         self.tower_calls = 0
 
@@ -90,12 +92,12 @@ class FeatureCache:
         found = self.features.get(id(prompt))
         if found is not None:
             return found
-        if not self.trains and isinstance(prompt.cached, ImageFeatures):
-            found = prompt.cached
+        if not self.trains and prompt.cached is not None and prompt.cached[0] == self.key:
+            found = prompt.cached[1]
         else:
             with torch.no_grad() if not self.trains else contextlib.nullcontext():
                 found = compute_image_features(self.model, prompt)
             self.tower_calls += 1
-            prompt.cached = None if self.trains else found
+            prompt.cached = None if self.trains else (self.key, found)
         self.features[id(prompt)] = found
         return found

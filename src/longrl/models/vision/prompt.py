@@ -23,7 +23,7 @@ class VisionPrompt:
     image_positions: torch.Tensor  # [N] long: indices of the placeholder tokens in input_ids, ascending
     mrope: torch.Tensor | None = None  # [3, L] long: mRoPE positions (None: 1-D positions 0 … L−1)
     rope_delta: int = 0  # mRoPE: a token at index i ≥ L has position i + rope_delta in every section
-    cached: object = field(default=None, repr=False)  # features kept while the vision modules are frozen
+    cached: tuple | None = field(default=None, repr=False)  # (tower key, features) kept while the tower is frozen
 
     def __len__(self) -> int:
         return len(self.input_ids)
