@@ -62,6 +62,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # linear modules that get adapters
     #                                                                            (names or suffixes); all-linear:
     #                                                                            every linear but the LM head
+    vision_modules: Literal["none", "projector", "tower_and_projector"] = "none"  # vision-language models: adapters
+    #   on the language model's linear layers (target_modules), plus none, the projector (image features to the
+    #   language model's width), or every linear layer of the vision tower and projector
     fused_training: bool = True  # CUDA: the policy update's adapters as one addmm each (scale and add inside the
     #                              B product, in place) with q/k/v and gate/up sharing one A product; over plain
     #                              16-bit bases each sibling group is one product whose backward sums the input

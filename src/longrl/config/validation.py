@@ -123,6 +123,10 @@ def _check_data(cfg: Config) -> None:
 def _check_lora(cfg: Config) -> None:
     _check(cfg.lora.r >= 1, "lora.r", cfg.lora.r, "an integer >= 1")
     _check(0 <= cfg.lora.dropout < 1, "lora.dropout", cfg.lora.dropout, "0 <= dropout < 1")
+    _check(cfg.lora.vision_modules in ("none", "projector", "tower_and_projector"), "lora.vision_modules",
+           cfg.lora.vision_modules, "none, projector or tower_and_projector")
+    _check(cfg.lora.vision_modules == "none" or cfg.lora.enabled, "lora.vision_modules", cfg.lora.vision_modules,
+           "none with lora.enabled=false (it chooses where adapters go)")
 
 
 def _check_model_layout(cfg: Config) -> None:

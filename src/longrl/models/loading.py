@@ -17,6 +17,8 @@ from .quantize import (QuantizationError, calibration_ids, choose_exceptions, di
                        require_bitsandbytes)
 from .structure import base_model
 from .tiny import TINY_NAME, build_tiny_model
+from .vision.adapters import lora_targets, vision_module_prefixes
+from .vision.families import VisionModelError, vision_family
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     """
     dev = resolve_device(device)
     check_model_files(name_or_path)
+    image_text = _image_text_model(name_or_path, trust_remote_code, revision)  # an unsupported VLM stops here
     torch_dtype = resolve_dtype(dtype, dev)
     quant = dict(keep_modules=list(quant_keep_modules), exception_budget=quant_exception_budget,
                  calibration_text=quant_calibration_text)
@@ -161,12 +164,13 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
             model.longrl_quant_report = _quantize_or_fail(_quantize_built, model, tokenizer, dev, torch_dtype, **quant)
     elif load_in_4bit:
         model, tokenizer = _load_pretrained_4bit(name_or_path, torch_dtype, dev, trust_remote_code, revision,
-                                                 attn_implementation, **quant)
+                                                 attn_implementation, image_text=image_text, **quant)
     elif is_gguf(name_or_path):
         model, tokenizer = _load_gguf(name_or_path, torch_dtype, attn_implementation)
         model.to(dev)
     else:
-        model, tokenizer = _load_pretrained(name_or_path, torch_dtype, trust_remote_code, revision, attn_implementation)
+        model, tokenizer = _load_pretrained(name_or_path, torch_dtype, trust_remote_code, revision, attn_implementation,
+                                            image_text=image_text)
         model.to(dev)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -187,8 +191,29 @@ def model_settings(model_cfg) -> dict:
     return {key: getattr(model_cfg, key) for key in MODEL_KEYS}
 
 
-def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation, **model_kwargs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _image_text_model(name_or_path: str, trust_remote_code: bool, revision: str | None) -> bool:
+    """Whether a Hugging Face model directory or hub id is a supported vision-language model, read from its config
+    alone (no weights). Another model with a vision part raises :class:`VisionModelError` listing the supported
+    families. Builtin models, GGUF files and checkpoints (their base is checked when it loads) are text models here."""
+    if name_or_path == TINY_NAME or is_gguf(name_or_path) or checkpoint_path(name_or_path):
+        return False
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not read the config of {name_or_path!r}: {str(e)[:500]}") from e
+    try:
+        return vision_family(config) is not None
+    except VisionModelError as e:
+        raise VisionModelError(f"config key 'model.name_or_path': {name_or_path}: {e}") from None
+
+
+def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation, image_text=False,
+                     **model_kwargs):
+    """(model, tokenizer) through transformers' Auto classes: a causal LM, or with ``image_text`` an image-text-to-
+    text model (its processor: :func:`load_processor`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     path = Path(name).expanduser()
     if _looks_local(name) and not path.exists():
@@ -198,8 +223,9 @@ def _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implem
     kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation, **kwargs, **model_kwargs)
+        auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path) if path.exists() else name, dtype=torch_dtype,
+                                     attn_implementation=attn_implementation, **kwargs, **model_kwargs)
     except Exception as e:  # OSError, ValueError, SafetensorError, a corrupted file's RuntimeError
         raise ModelLoadError(f"could not load model {name!r}: {type(e).__name__}: {str(e)[:500]}") from e
     return model, tokenizer
@@ -242,6 +268,26 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     return tokenizer
 
 
+def load_processor(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The processor (tokenizer + image processor) of a vision-language model reference (a directory, hub id, or a
+    longrl checkpoint: its base's)."""
+    if checkpoint_path(name_or_path) is not None:
+        name_or_path, revision = tokenizer_source(name_or_path)
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelLoadError(f"could not load the processor of {name_or_path!r}: {type(e).__name__}: {e}") from e
+    if not hasattr(processor, "image_processor"):
+        raise VisionModelError(f"{name_or_path!r} has no image processor: its processor is a "
+                               f"{type(processor).__name__}")
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
 def _quantize_or_fail(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -251,12 +297,13 @@ def _quantize_or_fail(fn, *args, **kwargs):
 
 def _quantize_built(model, tokenizer, dev, torch_dtype, *, keep_modules, exception_budget, calibration_text):
     ids = calibration_ids(tokenizer, calibration_text).to(dev)
+    family = vision_family(base_model(model).config)
     return quantize_model(model, ids, keep_modules=keep_modules, exception_budget=exception_budget,
-                          compute_dtype=torch_dtype)
+                          compute_dtype=torch_dtype, keep_under=vision_module_prefixes(model, family) if family else [])
 
 
 def _load_pretrained_4bit(name, torch_dtype, dev, trust_remote_code, revision, attn_implementation, *,
-                          keep_modules, exception_budget, calibration_text):
+                          keep_modules, exception_budget, calibration_text, image_text=False):
     """Score on a 16-bit copy in host memory, then load in NF4 through transformers' ``BitsAndBytesConfig``.
 
     The 16-bit copy stays on the CPU and runs one decoder layer at a time on ``dev`` (``layers_streamed_to``), so
@@ -276,7 +323,7 @@ def _load_pretrained_4bit(name, torch_dtype, dev, trust_remote_code, revision, a
                                 bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_quant_storage=torch.uint8,
                                 llm_int8_skip_modules=skip)
     model, tokenizer = _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation,
-                                        quantization_config=config, device_map={"": dev})
+                                        image_text=image_text, quantization_config=config, device_map={"": dev})
     kept16 = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     if kept16 != set(report.kept):
         raise ModelLoadError(f"4-bit load of {name!r} kept {sorted(kept16 ^ set(report.kept))[:5]} differently "
@@ -288,11 +335,25 @@ def _load_pretrained_4bit(name, torch_dtype, dev, trust_remote_code, revision, a
 
 
 def apply_lora(model, lora):
-    """Wrap ``model`` with PEFT LoRA adapters (r, alpha, dropout, target modules; 'all-linear' by default)."""
+    """Wrap ``model`` with PEFT LoRA adapters (r, alpha, dropout, target modules; 'all-linear' by default).
+
+    A vision-language model gets them on its language model's linear layers (those ``lora.target_modules`` names)
+    and on its vision modules as ``lora.vision_modules`` says (models/vision/adapters.py)."""
     import peft
 
     targets = lora.target_modules
     target = "all-linear" if targets == ["all-linear"] else list(targets)
+    vision_modules = getattr(lora, "vision_modules", "none")
+    family = vision_family(base_model(model).config)
+    if family is not None:
+        try:
+            target = lora_targets(model, family, targets, vision_modules)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+    elif vision_modules != "none":
+        raise VisionModelError(f"config key 'lora.vision_modules': {vision_modules} but "
+                               f"{base_model(model).config.model_type!r} is a text-only model (no vision tower); "
+                               "use none")
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target,
                              task_type="CAUSAL_LM", bias="none")
     try:

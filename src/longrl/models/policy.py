@@ -14,6 +14,8 @@ import torch
 from . import model_parts
 from ..ops.logprobs import chunked_logprobs
 from .shared_prompt import enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs
+from .structure import base_model
+from .vision import FeatureCache, Placement, language_model_inputs, require_vision
 
 
 def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -66,12 +68,13 @@ def _padded_inputs(seqs: list[list[int]], pad_id: int, device):
     return dict(input_ids=input_ids, attention_mask=attention_mask)
 
 
-def backbone_hidden(model, seqs: list[list[int]], pad_id: int, packed: bool = True):
+def backbone_hidden(model, seqs: list[list[int]], pad_id: int, packed: bool = True, vision=None):
     """(hidden [rows, H], starts): the backbone's final hidden states of ``seqs``, flattened, and the row at which
     each sequence begins (its token t is row starts[i] + t).
 
     ``packed``: all sequences in one row with restarting positions (no padding), or stacked rows when all
-    lengths are equal; else right-padded rows with an attention mask (the reference layout).
+    lengths are equal; else right-padded rows with an attention mask (the reference layout). ``vision``: per
+    sequence its prompt's :class:`~longrl.models.vision.VisionPrompt` or None (see :func:`_with_images`).
     """
     backbone, head, _ = model_parts(model)
     device = head.weight.device
@@ -83,15 +86,39 @@ def backbone_hidden(model, seqs: list[list[int]], pad_id: int, packed: bool = Tr
         inputs = _packed_inputs(seqs, device)
     else:
         inputs = _padded_inputs(seqs, pad_id, device)
-    with compute_context(model):
-        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
     if packed:
         starts = [0]
         for s in seqs[:-1]:
             starts.append(starts[-1] + len(s))
     else:
         starts = [i * inputs["input_ids"].shape[1] for i in range(len(seqs))]
+    with compute_context(model):
+        if vision is not None and any(v is not None for v in vision):
+            inputs = _with_images(model, inputs, seqs, starts, vision)
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
     return hidden.reshape(-1, hidden.shape[-1]), starts
+
+
+def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], vision: list) -> dict:
+    """``inputs`` with the token ids replaced by embeddings holding each prompt's image features, and positions
+    for them (mRoPE: the prompt's 3-D positions, then its completion at index + rope_delta in every section).
+    Each distinct prompt object's features are computed once for the call (models/vision/features.py)."""
+    if len(vision) != len(seqs):
+        raise ValueError(f"vision has {len(vision)} entries for {len(seqs)} sequences (one VisionPrompt or None each)")
+    family = require_vision(base_model(model).config, "sequences with images")
+    for i, (seq, prompt) in enumerate(zip(seqs, vision)):
+        if prompt is not None and seq[:len(prompt)] != prompt.input_ids:
+            raise ValueError(f"sequence {i} does not begin with its VisionPrompt's input_ids (the prompt's tokens with "
+                             "the image placeholders expanded)")
+    ids = inputs["input_ids"]  # [rows, L]
+    width = ids.shape[1]
+    placements = [Placement(start // width, start % width, len(seq), prompt)
+                  for start, seq, prompt in zip(starts, seqs, vision)]
+    text_positions = inputs.get("position_ids")
+    if text_positions is None:
+        text_positions = torch.arange(width, device=ids.device)[None].expand(ids.shape[0], -1)
+    built = language_model_inputs(model, ids, text_positions, placements, FeatureCache(model, family))
+    return {**{k: v for k, v in inputs.items() if k not in ("input_ids", "position_ids")}, **built}
 
 
 def grouped_backbone_hidden(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
@@ -119,21 +146,29 @@ def grouped_backbone_hidden(model, prompt_ids: list[list[int]], completion_ids: 
 
 def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int, *,
                       pad_id: int, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                      packed: bool = True, shared_prompt: bool | str = False):
+                      packed: bool = True, shared_prompt: bool | str = False, vision=None):
     """(logps [b, width], entropy [b, width] or None), zero beyond each completion's length.
 
     ``packed``: the layout of :func:`backbone_hidden`. ``shared_prompt``: sequences with equal prompts run as
     grouped rows, each prompt computed once (:func:`grouped_backbone_hidden`; True is its "kernel" attention,
-    "mask" its plain twin); the same numbers as the repeated layout up to rounding. Differentiable with respect to
-    the model's trainable parameters when grad is enabled.
+    "mask" its plain twin); the same numbers as the repeated layout up to rounding. ``vision``: per sequence its
+    prompt's VisionPrompt (whose input_ids are prompt_ids[i]) or None; the sequences of one prompt share the
+    object, whose image features are computed once for the call. Differentiable with respect to the model's
+    trainable parameters when grad is enabled (with LoRA on the vision tower, its gradient summed over a prompt's
+    sequences).
     """
     _, head, spec = model_parts(model)
     device = head.weight.device
+    has_images = vision is not None and any(v is not None for v in vision)
+    if shared_prompt and has_images:
+        raise ValueError("grouped shared-prompt rows (shared_prompt) are text-only; run prompts with images with "
+                         "shared_prompt=False (each prompt's image features are still computed once)")
     if shared_prompt:
         attention = "kernel" if shared_prompt is True else shared_prompt
         hidden, predictors = grouped_backbone_hidden(model, prompt_ids, completion_ids, pad_id, packed, attention)
     else:
-        hidden, starts = backbone_hidden(model, [p + c for p, c in zip(prompt_ids, completion_ids)], pad_id, packed)
+        hidden, starts = backbone_hidden(model, [p + c for p, c in zip(prompt_ids, completion_ids)], pad_id, packed,
+                                         vision)
         # the state before each completion token predicts it
         predictors = [range(starts[i] + len(p) - 1, starts[i] + len(p) - 1 + len(c))
                       for i, (p, c) in enumerate(zip(prompt_ids, completion_ids))]
@@ -155,14 +190,16 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
 
 
 def token_cross_entropy(model, seqs: list[list[int]], loss_masks: list[list[bool]], *, pad_id: int,
-                        label_smoothing: float = 0.0, chunk_size: int = 1024, packed: bool = True) -> torch.Tensor:
+                        label_smoothing: float = 0.0, chunk_size: int = 1024, packed: bool = True,
+                        vision=None) -> torch.Tensor:
     """Cross-entropy [N] of each trained token (``loss_masks[i][t]``: token t of sequence i is predicted from the
-    tokens before it and counted), in sequence order; only those rows go through the chunked LM head."""
+    tokens before it and counted), in sequence order; only those rows go through the chunked LM head. ``vision``:
+    per sequence the VisionPrompt its tokens begin with, or None (as in :func:`sequence_logprobs`)."""
     from ..ops.cross_entropy import chunked_cross_entropy
 
     _, head, spec = model_parts(model)
     device = head.weight.device
-    hidden, starts = backbone_hidden(model, seqs, pad_id, packed)
+    hidden, starts = backbone_hidden(model, seqs, pad_id, packed, vision)
     rows = [starts[i] + t - 1 for i, m in enumerate(loss_masks) for t in range(1, len(m)) if m[t]]
     targets = [seqs[i][t] for i, m in enumerate(loss_masks) for t in range(1, len(m)) if m[t]]
     h = hidden[torch.tensor(rows, device=device)]  # [N, H]

@@ -238,14 +238,17 @@ def plain_4bit_bytes(model, candidates: list[str], compute_dtype: torch.dtype) -
 
 def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str] = (),
                       exception_budget: float = 0.10, compute_dtype: torch.dtype = torch.bfloat16,
-                      device: torch.device | None = None) -> QuantReport:
+                      device: torch.device | None = None, keep_under: list[str] = ()) -> QuantReport:
     """Score every candidate linear module of a 16-bit ``model`` (none at a zero budget) and choose the ones kept in
-    16-bit."""
+    16-bit. ``keep_under``: qualified module names whose linear layers all stay 16-bit (a vision tower and
+    projector), outside the budget."""
     head = _head_name(model)
     kept: dict[str, str] = {}
     candidates = []
     for name in linear_modules(model):
         reason = always_keep_reason(name, head)
+        if any(name.startswith(p + ".") for p in keep_under):
+            reason = "always: vision tower / projector"
         if reason:
             kept[name] = reason
         else:
@@ -327,7 +330,7 @@ def disable_cpu_repacking(model) -> None:
 
 
 def quantize_model(model, input_ids: torch.Tensor, *, keep_modules: list[str] = (), exception_budget: float = 0.10,
-                   compute_dtype: torch.dtype | None = None) -> QuantReport:
+                   compute_dtype: torch.dtype | None = None, keep_under: list[str] = ()) -> QuantReport:
     """Quantize an in-memory 16-bit model in place (scoring on its own weights, no copy); return the report.
 
     For models built in code (the demo model, the benchmark's random-weight models); a model on disk loads
@@ -336,7 +339,7 @@ def quantize_model(model, input_ids: torch.Tensor, *, keep_modules: list[str] = 
     require_bitsandbytes()
     compute_dtype = compute_dtype or model.get_output_embeddings().weight.dtype
     report = choose_exceptions(model, input_ids, keep_modules=keep_modules, exception_budget=exception_budget,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, keep_under=keep_under)
     quantize_linears_(model, report.quantized, compute_dtype)
     disable_cpu_repacking(model)
     report.log()

@@ -8,9 +8,10 @@ from ..ops.unwrap import base_model
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers of a causal LM (transformers or PEFT): ``model.layers`` of its backbone, the units FSDP2
-    shards and checkpointing recomputes one at a time."""
-    inner = getattr(base_model(model), "model", None)
+    """The decoder layers of a causal LM (transformers or PEFT): ``layers`` of its backbone (``get_decoder()``: a
+    vision-language model's language model), the units FSDP2 shards and checkpointing recomputes one at a time."""
+    base = base_model(model)
+    inner = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"{type(base_model(model)).__name__} has no model.layers: FSDP2 sharding needs a "

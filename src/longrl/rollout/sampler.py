@@ -33,6 +33,7 @@ from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tok
                               rollout_kv_bytes, sampler_workspace_bytes, sampling_rows)
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
+from ..models.vision import FeatureCache, Placement, VisionPrompt, language_model_inputs, require_vision, vision_family
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
@@ -129,6 +130,8 @@ class Sampler:
         self.use_triton = self.device.type == "cuda" and triton_available()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
+        self.family = vision_family(base_model(model).config)  # None: a text-only model
+        # (vision-language models' decode steps run through transformers' forward: FastDecoder.build refuses them)
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
         self.fast_proven = False  # set once a fast decode step ran (_Run._fast_forward)
         self.last_stats: dict = {}
@@ -147,15 +150,18 @@ class Sampler:
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
-                 multi_turn: MultiTurn | None = None) -> Rollout:
+                 multi_turn: MultiTurn | None = None, vision: list[VisionPrompt | None] | None = None) -> Rollout:
         """``num_generations`` completions of each prompt (contiguous per prompt); with ``multi_turn``, episodes
-        whose turns alternate with an environment's tokens."""
-        self._check_request(prompt_ids, num_generations, params, multi_turn)
+        whose turns alternate with an environment's tokens. ``vision``: per prompt its
+        :class:`~longrl.models.vision.VisionPrompt` (whose input_ids are the prompt's) or None: its image features
+        are computed once, placed in the prompt's prefill, and its G completions share the prompt's keys/values."""
+        self._check_request(prompt_ids, num_generations, params, multi_turn, vision)
         start = time.perf_counter()
         with self.prepared() as (fused, nf4, packed):
-            run = _Run(self, prompt_ids, num_generations, params, multi_turn)  # after the preparations: the KV
-            rollout = run.execute()  # cache is sized from what they leave free
+            run = _Run(self, prompt_ids, num_generations, params, multi_turn, vision)  # after the preparations: the
+            rollout = run.execute()  # KV cache is sized from what they leave free
         self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
+                           "vision_tower_calls": run.features.tower_calls if run.features is not None else 0,
                            "fast_decode": self.fast is not None,
                            "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
                            "packed_groups": packed if self.fast is not None else 0,
@@ -171,11 +177,13 @@ class Sampler:
         NF4 projections, packed groups)."""
         register_sampler_attention()
         base = base_model(self.model)
+        # a vision-language model switches its language model only (its vision tower keeps its own attention)
+        attends = self.backbone if self.family is not None else base
         with contextlib.ExitStack() as restore:  # undone in reverse order, whatever happens
             restore.callback(self.model.train, self.model.training)
-            restore.callback(base.set_attn_implementation, base.config._attn_implementation)
+            restore.callback(attends.set_attn_implementation, attends.config._attn_implementation)
             self.model.eval()
-            base.set_attn_implementation(SAMPLER_ATTENTION)
+            attends.set_attn_implementation(SAMPLER_ATTENTION)
             fused = restore.enter_context(fused_lora(self.model, self.compute_dtype) if self.fuse_lora
                                           else contextlib.nullcontext(False))
             use_nf4 = self.nf4_kernel and self.fast is not None and self.use_triton
@@ -190,10 +198,21 @@ class Sampler:
             yield fused, nf4, packed
 
     def _check_request(self, prompt_ids, num_generations: int, params: SamplingParams,
-                       multi_turn: MultiTurn | None) -> None:
-        """Raise on an empty prompt, a token outside the vocabulary, or lengths the sampler cannot run."""
+                       multi_turn: MultiTurn | None, vision=None) -> None:
+        """Raise on an empty prompt, a token outside the vocabulary, lengths the sampler cannot run, or images the
+        model cannot take (a text-only model, a VisionPrompt of other tokens than its prompt's)."""
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1; got {num_generations}")
+        if vision is not None:
+            if len(vision) != len(prompt_ids):
+                raise ValueError(f"vision has {len(vision)} entries for {len(prompt_ids)} prompts (one VisionPrompt "
+                                 "or None each)")
+            if any(v is not None for v in vision):
+                require_vision(base_model(self.model).config)
+            for row, (p, v) in enumerate(zip(prompt_ids, vision)):
+                if v is not None and list(p) != v.input_ids:
+                    raise ValueError(f"prompt {row}'s token ids are not its VisionPrompt's input_ids (the prompt's "
+                                     "tokens with the image placeholders expanded)")
         vocab = self.head.weight.shape[0]
         for row, p in enumerate(prompt_ids):
             if len(p) == 0:
@@ -241,7 +260,7 @@ def _graph_safe(model, use_triton: bool) -> bool:
     """Whether a decode step may be captured as a CUDA graph: not when the PyTorch attention twin runs (its
     prefix-table lookups synchronise with the host), nor with dynamic or LongRoPE scaling (transformers compares
     positions with a threshold on the host and swaps the frequency buffer a captured graph would keep reading)."""
-    rotary = getattr(getattr(base_model(model), "model", None), "rotary_emb", None)
+    rotary = getattr(base_model(model).get_decoder(), "rotary_emb", None)  # (a vision-language model's: its LM's)
     rope = str(getattr(rotary, "rope_type", ""))  # a dict of them for per-layer-type models
     return use_triton and "dynamic" not in rope and "longrope" not in rope
 
@@ -250,9 +269,13 @@ class _Run:
     """The state of one ``generate`` call (KV cache, slots, queue); dropped when the call returns."""
 
     def __init__(self, sampler: Sampler, prompt_ids, num_generations: int, params: SamplingParams,
-                 multi: MultiTurn | None = None):
+                 multi: MultiTurn | None = None, vision=None):
         self.sampler, self.params, self.G, self.multi = sampler, params, num_generations, multi
         self.prompts = [list(p) for p in prompt_ids]
+        self.vision = list(vision) if vision is not None else [None] * len(self.prompts)
+        # each prompt's image features, computed at its prefill (once: a prompt is prefilled once per call)
+        self.features = FeatureCache(sampler.model, sampler.family) if any(
+            v is not None for v in self.vision) else None
         self.num_sequences = len(prompt_ids) * num_generations
         self.max_tokens = multi.max_tokens if multi is not None else params.max_new_tokens  # tokens after a prompt
         self.max_prompt_len = max(len(p) for p in prompt_ids)
@@ -272,6 +295,8 @@ class _Run:
         self.prompt_logits = torch.zeros(self.num_entries, vocab, dtype=torch.float32, device=device)
         self.members = torch.full((self.num_entries, self.G), -1, dtype=torch.long, device=device)
         self.entry_len = torch.zeros(self.num_entries, dtype=torch.long, device=device)
+        # each entry's prompt's mRoPE rope delta (0: 1-D positions): token i after the prompt sits at i + delta
+        self.entry_delta = torch.zeros(self.num_entries, dtype=torch.long, device=device)
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
         self.buckets = batch_buckets(self.num_slots)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch bucket → its captured decode forward
@@ -422,8 +447,15 @@ class _Run:
             entries = torch.tensor([self.entry_of[q] for q in chunk], device=device)
             last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=device)
             positions = torch.arange(width, device=device)[None].expand(len(chunk), -1)
+            self.entry_delta[entries] = torch.tensor([v.rope_delta if v is not None else 0
+                                                      for v in (self.vision[q] for q in chunk)], device=device)
             with sampler.compute_context():
-                hidden = sampler.backbone(input_ids=ids, position_ids=positions, use_cache=False,
+                inputs = dict(input_ids=ids, position_ids=positions)
+                if any(self.vision[q] is not None for q in chunk):  # image features in place, mRoPE positions
+                    placements = [Placement(row, 0, len(self.prompts[q]), self.vision[q])
+                                  for row, q in enumerate(chunk)]
+                    inputs = language_model_inputs(sampler.model, ids, positions, placements, self.features)
+                hidden = sampler.backbone(**inputs, use_cache=False,
                                           longrl_kv=PrefillMeta(self.cache, entries)).last_hidden_state
                 self.prompt_logits[entries] = sampler.logits(hidden[torch.arange(len(chunk), device=device), last])
             self.stats["prefills"] += 1
@@ -461,7 +493,7 @@ class _Run:
         if state.seen is not None:
             state.seen[rows, tok] = True
         state.last_token[rows] = tok
-        state.position[rows] = state.prompt_len[rows] + index
+        state.position[rows] = state.prompt_len[rows] + index + self.entry_delta[state.prefix_entry[rows]]
         state.write_index[rows], state.generated[rows] = index, index + 1
         state.turn_limit[rows] = torch.clamp(index + params.max_new_tokens, max=self.max_tokens)
         state.active[rows] = ~(torch.isin(tok, self.stop_ids) | (state.generated[rows] >= state.turn_limit[rows]))
@@ -706,7 +738,8 @@ class _Run:
         attending causally over its prompt's prefix entry and its store (ExtendMeta). Call inside compute_context."""
         state, device = self.state, self.sampler.device
         prompt_len = state.prompt_len[slots]
-        positions = prompt_len[:, None] + start[:, None] + torch.arange(inputs.shape[1], device=device)[None]
+        delta = self.entry_delta[state.prefix_entry[slots]]  # mRoPE: the prompt's rope delta (else 0)
+        positions = (prompt_len + start + delta)[:, None] + torch.arange(inputs.shape[1], device=device)[None]
         meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
         return self.sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
                                      longrl_kv=meta).last_hidden_state

@@ -1,0 +1,74 @@
+"""A prompt with images, encoded once: its token ids (image placeholders expanded by the processor), the
+processor's image tensors, where the placeholders are, and its positions (1-D, or mRoPE with its rope delta).
+
+Every sequence of one prompt (its G completions, the rollout's and the training passes') holds the same
+:class:`VisionPrompt` object: the image features are computed once per object (models/vision/features.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .families import VisionFamily, image_token_id, require_vision
+from .mrope import continued_positions, mrope_positions
+
+
+@dataclass(eq=False)  # compared by identity: the sequences of one prompt share the object
+class VisionPrompt:
+    input_ids: list[int]  # [L] the prompt's tokens, each image's placeholder repeated once per image feature
+    image_inputs: dict[str, torch.Tensor]  # the processor's image tensors for this prompt (pixel_values, ...)
+    family: VisionFamily
+    image_positions: torch.Tensor  # [N] long: indices of the placeholder tokens in input_ids, ascending
+    mrope: torch.Tensor | None = None  # [3, L] long: mRoPE positions (None: 1-D positions 0 … L−1)
+    rope_delta: int = 0  # mRoPE: a token at index i ≥ L has position i + rope_delta in every section
+    cached: tuple | None = field(default=None, repr=False)  # (tower key, features) kept while the tower is frozen
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def positions(self, length: int) -> torch.Tensor:
+        """Positions of the prompt followed by ``length`` − L text tokens: [3, length] (mRoPE) or [length]."""
+        if self.mrope is None:
+            return torch.arange(length)
+        return continued_positions(self.mrope, self.rope_delta, length)
+
+
+def build_prompt(config, input_ids: list[int], image_inputs: dict[str, torch.Tensor]) -> VisionPrompt:
+    """A :class:`VisionPrompt` from a processor's output for one prompt (``input_ids`` a list, the image tensors
+    as returned). Raises ValueError when the placeholders do not match the image grids (mRoPE families)."""
+    family = require_vision(config)
+    token = image_token_id(config)
+    ids = [int(t) for t in input_ids]
+    where = torch.tensor([i for i, t in enumerate(ids) if t == token], dtype=torch.long)
+    if where.numel() == 0:
+        raise ValueError(f"the prompt has no image placeholder token (id {token}) but images were given")
+    prompt = VisionPrompt(ids, dict(image_inputs), family, where)
+    if family.mrope:
+        merge = int(config.vision_config.spatial_merge_size)
+        prompt.mrope, prompt.rope_delta = mrope_positions(ids, token, image_inputs["image_grid_thw"], merge)
+    return prompt
+
+
+def count_image_parts(messages) -> int:
+    """The ``{"type": "image"}`` parts in chat messages' content lists."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+
+
+def encode_prompt(processor, config, messages: list[dict], images: list) -> VisionPrompt:
+    """Encode one chat prompt with images: ``processor.apply_chat_template(messages, add_generation_prompt=True)``
+    renders the text (an image part where each image goes), then ``processor(text, images)`` expands each image's
+    placeholder and makes the image tensors. ``images``: one RGB PIL image per image part, in order."""
+    parts = count_image_parts(messages)
+    if parts != len(images):
+        raise ValueError(f"the messages hold {parts} image part(s) but {len(images)} image(s) were given")
+    family = require_vision(config)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # the rendered template holds its special tokens already; Idefics3/SmolVLM take one image list per text
+    nested = "pixel_attention_mask" in family.image_inputs
+    enc = processor(text=[text], images=[list(images)] if nested else list(images), add_special_tokens=False,
+                    return_tensors="pt")
+    image_inputs = {k: enc[k] for k in family.image_inputs if k in enc}
+    return build_prompt(config, enc["input_ids"][0].tolist(), image_inputs)

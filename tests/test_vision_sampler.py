@@ -1,0 +1,107 @@
+"""The sampler with images (float32): greedy tokens and log-probs equal transformers' full forward (with the pixel
+values) run token by token, for mRoPE (Qwen2-VL, Qwen3-VL with deepstack) and 1-D (LLaVA) families, over single
+and multi-turn rollouts; the vision tower runs once per prompt, not once per completion."""
+
+import pytest
+import torch
+from vision_models import (
+    build,
+    chat_prompts,
+    full_forward_inputs,
+    vision_tower,
+    with_lora,
+)
+
+from longrl.models import base_model
+from longrl.models.vision import VisionModelError
+from longrl.rollout.sampler import MultiTurn, Sampler
+from longrl.rollout.sampling import SamplingParams
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+G = 2
+
+
+def _model(family: str):
+    model, processor = build(family, seed=4)
+    return with_lora(model, seed=5, scale=0.2), processor
+
+
+def _prompts(model, processor):
+    """(prompt ids, VisionPrompt or None, transformers inputs) for prompts with 1 image, 2 images, and none."""
+    shapes = [((56, 56),), ((28, 56), (56, 28)), ()]
+    return [(enc["input_ids"][0].tolist(), prompt, enc) for enc, prompt in chat_prompts(model, processor, shapes, 10)]
+
+
+@torch.no_grad()
+def _full_forward_logps(model, enc, tokens: list[int]) -> torch.Tensor:
+    """log softmax [n, V] of the positions predicting ``tokens`` (after the prompt), one full forward."""
+    logits = model(**full_forward_inputs(enc, tokens)).logits[0, enc["input_ids"].shape[1] - 1:-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def _check_against_full_forward(model, prompts, rollout, n_env=None):
+    for i, completion in enumerate(rollout.completion_ids):
+        enc = prompts[i // G][2]
+        logps = _full_forward_logps(model, enc, completion)  # [n, V]
+        sampled = [j for j in range(len(completion)) if rollout.env_mask is None or rollout.env_mask[i][j]]
+        chosen = logps.argmax(-1)
+        assert [completion[j] for j in sampled] == chosen[sampled].tolist(), f"sequence {i}"
+        expected = logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs[i])[sampled], expected[sampled], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
+def test_greedy_and_logprobs_equal_full_forward_tower_once_per_prompt(family):
+    model, processor = _model(family)
+    prompts = _prompts(model, processor)
+    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    calls = []
+    hook = vision_tower(model).register_forward_hook(lambda *a: calls.append(1))
+    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=7, temperature=0),
+                               vision=[v for _, v, _ in prompts])
+    hook.remove()
+    assert len(calls) == 2 and sampler.last_stats["vision_tower_calls"] == 2  # 2 prompts with images, G = 2
+    assert sampler.last_stats["fast_decode"] is False
+    assert all(len(c) == 7 for c in rollout.completion_ids)
+    _check_against_full_forward(model, prompts, rollout)
+    assert base_model(model).config._attn_implementation == "eager"  # restored
+    assert base_model(model).get_decoder().config._attn_implementation == "eager"
+
+
+class _OneReturn:
+    """An environment answering a sequence's first turn with two fixed tokens, then ending the episode."""
+
+    def __init__(self):
+        self.turns = {}
+
+    def step(self, seq, tokens, room):
+        self.turns[seq] = self.turns.get(seq, 0) + 1
+        return [41, 42] if self.turns[seq] == 1 else None
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_multi_turn_resume_positions_equal_full_forward(family):
+    model, processor = _model(family)
+    prompts = _prompts(model, processor)
+    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=4, temperature=0),
+                               multi_turn=MultiTurn(_OneReturn(), max_tokens=12, workers=1),
+                               vision=[v for _, v, _ in prompts])
+    assert all(len(c) == 10 and c[4:6] == [41, 42] for c in rollout.completion_ids)
+    _check_against_full_forward(model, prompts, rollout)
+
+
+def test_request_errors():
+    model, processor = _model("llava")
+    (ids, prompt, _), *_ = _prompts(model, processor)
+    sampler = Sampler(model, processor.tokenizer)
+    params = SamplingParams(max_new_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="prompt 0's token ids are not its VisionPrompt"):
+        sampler.generate([ids[1:]], 1, params, vision=[prompt])
+    with pytest.raises(ValueError, match="1 entries for 2 prompts"):
+        sampler.generate([ids, ids], 1, params, vision=[prompt])
+    from longrl.models import build_tiny_model
+
+    text_model, tok = build_tiny_model()
+    with pytest.raises(VisionModelError, match="text-only"):
+        Sampler(text_model, tok).generate([[5, 6]], 1, params, vision=[prompt])
