@@ -65,8 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="offline demo: a tiny model learns arithmetic by GRPO on the CPU")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.add_argument("--print-config", action="store_true", help="print the demo's full YAML config and exit")
-    demo.add_argument("--task", choices=("arithmetic", "tools"), default="arithmetic",
-                      help="arithmetic: one-turn sums; tools: two turns, a lookup tool the answer needs")
+    demo.add_argument("--task", choices=("arithmetic", "tools", "vision"), default="arithmetic",
+                      help="arithmetic: one-turn sums; tools: two turns, a lookup tool the answer needs; vision: a "
+                           "tiny vision-language model names the colour of a shape in a picture")
     demo.add_argument("--sft", action="store_true",
                       help="warm start: supervised fine-tuning on correct answers first, then GRPO from it")
     sft = sub.add_parser("sft", help="supervised fine-tuning from a YAML config (conversations, prompt/completion "

@@ -10,9 +10,14 @@ from .schema import Config, DataConfig, EnvironmentConfig, GenerationConfig, GRP
     ModelConfig, OutputConfig, RewardSpec, SFTSettings, TrainConfig
 
 
+DEMO_TASKS = ("arithmetic", "tools", "vision")
+
+
 def demo_config(task: str = "arithmetic") -> Config:
     if task == "tools":
         return tools_demo_config()
+    if task == "vision":
+        return vision_demo_config()
     return Config(
         model=ModelConfig(name_or_path="builtin:tiny-arith", dtype="float32", device="cpu"),
         lora=LoraConfig(enabled=False),
@@ -40,6 +45,23 @@ def tools_demo_config() -> Config:
                  RewardSpec("longrl.tasks.tools:answer_reward", 0.8)],
         environment=EnvironmentConfig(factory="longrl.tasks.tools:LookupEnvironment", max_turns=2, max_tokens=4),
         output=replace(base.output, output_dir="longrl-demo-tools"),
+    )
+
+
+def vision_demo_config() -> Config:
+    """The arithmetic demo's loss and schedule for a tiny vision-language model (models/tiny_vision.py: a LLaVA
+    from random weights) naming the colour of the one shape in a 28-pixel picture (task:shapes): the picture is the
+    only way to the answer."""
+    base = demo_config()
+    return replace(
+        base,
+        model=replace(base.model, name_or_path="builtin:tiny-vision"),
+        data=replace(base.data, source="task:shapes", max_prompt_length=16),
+        generation=replace(base.generation, max_completion_length=3),
+        train=replace(base.train, max_steps=250),
+        rewards=[RewardSpec("longrl.tasks.shapes:format_reward", 0.2),
+                 RewardSpec("longrl.tasks.shapes:answer_reward", 0.8)],
+        output=replace(base.output, output_dir="longrl-demo-vision"),
     )
 
 

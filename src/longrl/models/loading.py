@@ -17,6 +17,7 @@ from .quantize import (QuantizationError, calibration_ids, choose_exceptions, di
                        require_bitsandbytes)
 from .structure import base_model
 from .tiny import TINY_NAME, build_tiny_model
+from .tiny_vision import TINY_VISION_NAME, build_tiny_vision_model, build_vision_processor, build_vision_tokenizer
 from .vision.adapters import lora_targets, vision_module_prefixes
 from .vision.families import VisionModelError, vision_family
 
@@ -76,14 +77,26 @@ def check_safetensors_file(path: Path) -> None:
                              f"{8 + n + max(ends, default=0):,} bytes, the file has {size:,}")
 
 
+BUILTIN_MODELS = (TINY_NAME, TINY_VISION_NAME)  # built in code: the demos' models
+
+
+def _build_builtin(name_or_path: str, seed: int, dtype: torch.dtype):
+    """(model, tokenizer) of a builtin model, weights drawn from ``seed`` (the vision model's tokenizer is its
+    processor's: :func:`load_processor` gives the processor)."""
+    if name_or_path == TINY_VISION_NAME:
+        model, processor = build_tiny_vision_model(seed=seed, dtype=dtype)
+        return model, processor.tokenizer
+    return build_tiny_model(seed=seed, dtype=dtype)
+
+
 def check_model_files(name_or_path: str) -> None:
     """Cheap checks of a model reference before anything loads: unknown ``builtin:`` names; a GGUF file that is
     missing, not GGUF or unreadable without the gguf package; another file where a model directory belongs; a
     directory without config.json or tokenizer files; cut-short safetensors files."""
     if name_or_path.startswith("builtin:"):
-        if name_or_path != TINY_NAME:
+        if name_or_path not in BUILTIN_MODELS:
             raise ModelLoadError(f"config key 'model.name_or_path': unknown builtin model {name_or_path!r}; "
-                                 f"builtin models: {TINY_NAME}")
+                                 f"builtin models: {', '.join(BUILTIN_MODELS)}")
         return
     if (warm := read_warm_start(name_or_path)) is not None:  # a longrl checkpoint or run, merged at load
         return check_model_files(warm.base)
@@ -146,7 +159,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     """
     dev = resolve_device(device)
     check_model_files(name_or_path)
-    image_text = _image_text_model(name_or_path, trust_remote_code, revision)  # an unsupported VLM stops here
+    image_text = is_image_text_model(name_or_path, trust_remote_code, revision)  # an unsupported VLM stops here
     torch_dtype = resolve_dtype(dtype, dev)
     quant = dict(keep_modules=list(quant_keep_modules), exception_budget=quant_exception_budget,
                  calibration_text=quant_calibration_text)
@@ -155,8 +168,8 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
         if is_gguf(name_or_path):
             raise ModelLoadError("config key 'model.load_in_4bit': a GGUF file loads dequantized to model.dtype; "
                                  "4-bit (NF4) loading needs a Hugging Face model directory or hub id")
-    if name_or_path == TINY_NAME or checkpoint_path(name_or_path):  # built in code, or a checkpoint merged in memory
-        model, tokenizer = (build_tiny_model(seed=seed, dtype=torch_dtype) if name_or_path == TINY_NAME else
+    if name_or_path in BUILTIN_MODELS or checkpoint_path(name_or_path):  # built in code, or a checkpoint merged
+        model, tokenizer = (_build_builtin(name_or_path, seed, torch_dtype) if name_or_path in BUILTIN_MODELS else
                             load_checkpoint_model(name_or_path, load_model, torch_dtype, dev, trust_remote_code,
                                                   attn_implementation))
         model.to(dev)
@@ -191,10 +204,12 @@ def model_settings(model_cfg) -> dict:
     return {key: getattr(model_cfg, key) for key in MODEL_KEYS}
 
 
-def _image_text_model(name_or_path: str, trust_remote_code: bool, revision: str | None) -> bool:
+def is_image_text_model(name_or_path: str, trust_remote_code: bool, revision: str | None) -> bool:
     """Whether a Hugging Face model directory or hub id is a supported vision-language model, read from its config
     alone (no weights). Another model with a vision part raises :class:`VisionModelError` listing the supported
     families. Builtin models, GGUF files and checkpoints (their base is checked when it loads) are text models here."""
+    if name_or_path == TINY_VISION_NAME:
+        return True
     if name_or_path == TINY_NAME or is_gguf(name_or_path) or checkpoint_path(name_or_path):
         return False
     from transformers import AutoConfig
@@ -250,6 +265,8 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
         name_or_path, revision = tokenizer_source(name_or_path)
     if name_or_path == TINY_NAME:
         tokenizer = build_char_tokenizer()
+    elif name_or_path == TINY_VISION_NAME:
+        tokenizer = build_vision_tokenizer()
     elif is_gguf(name_or_path):
         try:
             tokenizer = load_gguf_tokenizer(name_or_path)
@@ -273,6 +290,8 @@ def load_processor(name_or_path: str, revision: str | None = None, trust_remote_
     longrl checkpoint: its base's)."""
     if checkpoint_path(name_or_path) is not None:
         name_or_path, revision = tokenizer_source(name_or_path)
+    if name_or_path == TINY_VISION_NAME:
+        return build_vision_processor()
     from transformers import AutoProcessor
 
     try:

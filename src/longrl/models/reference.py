@@ -173,13 +173,14 @@ class ReferenceModel:
     # ----------------------------------------------------------------------------------------- log-probs
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int,
-                 micro_batches: list[list[int]], **kwargs) -> torch.Tensor:
+                 micro_batches: list[list[int]], vision: list | None = None, **kwargs) -> torch.Tensor:
         """[N, width] float32 (on the CPU) log-probs of the completions under the reference, one forward per
-        micro-batch (lists of row indices); ``kwargs``: :func:`longrl.models.policy.sequence_logprobs`'s."""
+        micro-batch (lists of row indices); ``vision``: per sequence its VisionPrompt or None; ``kwargs``:
+        :func:`longrl.models.policy.sequence_logprobs`'s."""
         out = torch.zeros(len(prompt_ids), width)
         for idx in micro_batches:
             lp, _ = sequence_logprobs(self.model, [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
-                                      width, **kwargs)
+                                      width, vision=None if vision is None else [vision[i] for i in idx], **kwargs)
             out[idx] = lp.cpu().to(out.dtype)
         return out
 

@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
-from ..data.prompts import PromptDataset, PromptSampler, load_prompts, read_prompt_rows
+from ..data.prompts import PromptDataset, PromptSampler, image_prompts, load_prompts, read_prompt_rows
+from ..models.loading import is_image_text_model
+from ..models.vision import supported_families
+from ..training.vision_inputs import PromptImages, is_processor, pick, repeat_groups
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
 from ..memory.microbatch import prompt_group_batches
@@ -75,6 +78,26 @@ class RolloutBatch:
     truncated: torch.Tensor  # [P·G] bool
     num_reward_failures: int
     episodes: list | None = None  # [P·G] agents.trajectory.Episode of multi-turn rollouts
+    vision: list | None = None  # [P·G] each completion's prompt's VisionPrompt or None (one object a prompt);
+    #                             None: no images in the batch
+
+
+def _check_image_run(cfg, agent_spec, model) -> None:
+    """Refuse, before the model loads, a text model (named by the config) and what prompts with images do not run
+    with yet."""
+    if model is None and not is_image_text_model(cfg.model.name_or_path, cfg.model.trust_remote_code,
+                                                  cfg.model.revision):
+        raise ConfigError(f"config key 'data.source': {cfg.data.source!r} holds prompts with images, but "
+                          f"model.name_or_path={cfg.model.name_or_path!r} reads text only; train a vision-language "
+                          f"model on it ({supported_families()})")
+    if cfg.train.shared_prompt:
+        raise ConfigError("config key 'train.shared_prompt': grouped rows (each prompt once in the log-prob passes) "
+                          "do not take prompts with images yet; set train.shared_prompt=false")
+    if agent_spec is not None:
+        raise ConfigError("config key 'environment.factory': multi-turn episodes do not take prompts with images yet")
+    if cfg.generation.backend != "longrl":
+        raise ConfigError("config key 'generation.backend': prompts with images are sampled by longrl's sampler "
+                          "only; set generation.backend=longrl")
 
 
 def _warn_loss_choices(g) -> None:
@@ -127,7 +150,7 @@ class GRPOTrainer:
         own_scorer = scorer is None or self.owns_given_scorer  # ours to add an environment's reward source to
         self.scorer = scorer or RewardScorer.from_specs(cfg.rewards or [ENVIRONMENT_REWARD])  # none: an environment's
         rows = read_prompt_rows(cfg.data, seed=cfg.train.seed, rows=rows)
-        self.run_dir.check_data()
+        self.run_dir.check_data(rows)
         eval_rows = read_eval_rows(cfg) if eval_rows is None else eval_rows
         if cfg.output.eval_steps and eval_rows is None:
             raise ConfigError(f"config key 'output.eval_steps': {cfg.output.eval_steps} needs held-out prompts in "
@@ -135,8 +158,12 @@ class GRPOTrainer:
         from ..agents.rollout import AgentSpec
 
         agent_spec = AgentSpec.resolve(cfg, environment_factory, tools)  # environment and tools: before the model
+        if image_prompts(cfg.data, rows) is not None:  # prompts with images: what they cannot run with, before the model
+            _check_image_run(cfg, agent_spec, model)
         self._model_source = ("the model passed in" if model is not None else
                               f"config key 'model.name_or_path': {cfg.model.name_or_path}")  # the reference's source
+        processor = tokenizer if is_processor(tokenizer) else None  # TRL's processing_class may be a processor
+        tokenizer = processor.tokenizer if processor is not None else tokenizer
         if model is not None:
             model, tokenizer = given_model(cfg, model, tokenizer, resolve_device(device),
                                            needed_tokens=(cfg.data.max_prompt_length + cfg.generation.max_completion_length,
@@ -145,13 +172,19 @@ class GRPOTrainer:
             cfg, StepShape.grpo(cfg, trajectory_tokens(cfg)), model, tokenizer, device=device,
             world_size=self.world.world_size)
         self.model, self.tokenizer = model, tokenizer
+        # a vision-language model's prompt encoder (its processor), None for a text model
+        self.images = PromptImages.for_model(model, cfg.model.name_or_path, processor, revision=cfg.model.revision,
+                                             trust_remote_code=cfg.model.trust_remote_code)
         self.reference = self._make_reference()  # before FSDP2 shards the weights and any step moves them
-        self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows)
-        self.eval_data = load_eval_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
+        encode_images = self.images.token_ids if self.images is not None else None
+        self.data = load_prompts(cfg.data, tokenizer, seed=cfg.train.seed, rows=rows, encode_images=encode_images)
+        self.eval_data = (load_eval_prompts(cfg, tokenizer, eval_rows, encode_images=encode_images)
+                          if eval_rows is not None else None)
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
         # sequences costs the square of the packed length, so padded rows are faster there
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
-        self.shared_prompt = self.layout.shared_prompt  # grouped rows: each prompt once in the log-prob passes
+        # grouped rows: each prompt once in the log-prob passes (text prompts only, for now)
+        self.shared_prompt = self.layout.shared_prompt and self.data.images is None
         self.prompt_order = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         # the policy update's forward: the model, or DDP over it (replicated weights: only the adapters are
         # reduced), or FSDP2 shards of it (full weights across several processes)
@@ -230,14 +263,15 @@ class GRPOTrainer:
         data = eval_dataset if eval_dataset is not None else self.eval_data
         if data is not None and not isinstance(data, PromptDataset):
             rows, source = held_out_rows(self.cfg, data)
-            data = load_eval_prompts(self.cfg, self.tokenizer, rows, source)
+            data = load_eval_prompts(self.cfg, self.tokenizer, rows, source,
+                                     encode_images=self.images.token_ids if self.images is not None else None)
         if data is None:
             raise ConfigError("config key 'data.eval_source': no held-out prompts to evaluate on")
         o = self.cfg.output
         with full_weights(self.policy):
             return evaluate(self.model, self.tokenizer, self.scorer, data, self.cfg.generation,
                             num_generations=o.eval_num_generations, pass_threshold=o.eval_pass_threshold,
-                            sampler=self.sampler, device=self.device)
+                            sampler=self.sampler, device=self.device, images=self.images)
 
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """The model as it is now, through ``longrl export``: a PEFT adapter (LoRA runs) or a merged model (full
@@ -300,7 +334,8 @@ class GRPOTrainer:
         self.phase_stats = {}
         if self.cfg.grpo.beta != 0.0 and batch.ref_logps is None:
             with self._phase("reference"):
-                batch.ref_logps = self._reference_logps(batch.prompt_ids, batch.completion_ids, batch.mask.shape[1])
+                batch.ref_logps = self._reference_logps(batch.prompt_ids, batch.completion_ids, batch.mask.shape[1],
+                                                        batch.vision)
         with self._phase("update"):
             return self._policy_update(batch)
 
@@ -315,7 +350,7 @@ class GRPOTrainer:
         log.info("KL reference: a frozen copy of the initial weights (%s)", placement)
         return reference
 
-    def _reference_logps(self, prompt_ids, completion_ids, width: int) -> torch.Tensor | None:
+    def _reference_logps(self, prompt_ids, completion_ids, width: int, vision=None) -> torch.Tensor | None:
         """[P·G, T] log-probs of the reference policy when grpo.beta ≠ 0, else None: the frozen copy of the initial
         weights (full weights), or the base with the adapters disabled (LoRA)."""
         if self.cfg.grpo.beta == 0.0:
@@ -326,9 +361,9 @@ class GRPOTrainer:
                                            pad_id=self.tokenizer.pad_token_id,
                                            temperature=logprob_temperature(self.cfg.generation.temperature),
                                            chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
-                                           shared_prompt=self.shared_prompt)
+                                           shared_prompt=self.shared_prompt, vision=vision)
         with reference_mode(self.model):
-            return self._logprobs(prompt_ids, completion_ids, width)
+            return self._logprobs(prompt_ids, completion_ids, width, vision=vision)
 
     def _rollout_batch(self) -> RolloutBatch:
         cfg, G = self.cfg, self.cfg.grpo.num_generations
@@ -340,6 +375,7 @@ class GRPOTrainer:
         params = self._sampling_params(tuple(p * G + k for p in mine for k in range(G)))
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
+        vision = self.images.prompts(self.data, rows_idx) if self.images is not None else None  # [P] or None
         agent = None
         with self._phase("generation"), full_weights(self.policy):
             if self.agents is not None:  # multi-turn episodes (agents/rollout.py)
@@ -347,7 +383,8 @@ class GRPOTrainer:
                 rollout = agent.rollout
             else:
                 rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, params,
-                                 self.sampler, self.device)
+                                 self.sampler, self.device, vision=vision)
+        vision = repeat_groups(vision, G)  # [P·G]: a completion's prompt's (the same object for the group)
         if self.sampler is not None and self.sampler.speculative:  # verify steps, drafts, accepted (the sampler's)
             self.phase_stats.update({f"speculative/{k[5:]}": float(v) for k, v in self.sampler.last_stats.items()
                                      if k.startswith("spec_")})
@@ -381,15 +418,16 @@ class GRPOTrainer:
             old_logps = None
             if cfg.grpo.num_iterations > 1 or cfg.grpo.steps_per_generation > 1:
                 with self._policy_forward():  # the update's own forward: the first iteration's ratio is exactly 1
-                    old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width)
-            ref_logps = self._reference_logps(rollout.prompt_ids, rollout.completion_ids, width)
+                    old_logps = self._logprobs(rollout.prompt_ids, rollout.completion_ids, width, vision=vision)
+            ref_logps = self._reference_logps(rollout.prompt_ids, rollout.completion_ids, width, vision)
         sampler_logps = (pad_right(rollout.logprobs, 0.0, width, dtype=torch.float32)
                          if rollout.logprobs is not None else None)
         return RolloutBatch(prompts=prompts, completions=completions, prompt_ids=rollout.prompt_ids,
                             completion_ids=rollout.completion_ids, rewards=rewards, rewards_per_function=per_function,
                             advantages=advantages, mask=mask, weights=weights, old_logps=old_logps,
                             ref_logps=ref_logps, sampler_logps=sampler_logps, truncated=truncated,
-                            num_reward_failures=len(failures), episodes=agent.episodes if agent is not None else None)
+                            num_reward_failures=len(failures), episodes=agent.episodes if agent is not None else None,
+                            vision=vision)
 
     def _make_rollout_sampler(self) -> Sampler | None:
         """longrl's sampler unless the config asks for transformers' generate or the model needs it: the builder
@@ -434,8 +472,9 @@ class GRPOTrainer:
         return count_groups(len(prompt_ids), t.micro_batch_size)
 
     @torch.no_grad()
-    def _logprobs(self, prompt_ids, completion_ids, width, with_entropy: bool = False):
-        """Log-probs [N, T] of the completions (and their entropies [N, T] with ``with_entropy``), no grad."""
+    def _logprobs(self, prompt_ids, completion_ids, width, with_entropy: bool = False, vision=None):
+        """Log-probs [N, T] of the completions (and their entropies [N, T] with ``with_entropy``), no grad;
+        ``vision``: per sequence its prompt's VisionPrompt or None."""
         out = torch.zeros(len(prompt_ids), width)
         ent = torch.zeros(len(prompt_ids), width) if with_entropy else None
         for idx, counts in lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids)):
@@ -443,7 +482,7 @@ class GRPOTrainer:
                                 pad_id=self.tokenizer.pad_token_id,
                                 temperature=logprob_temperature(self.cfg.generation.temperature),
                                 chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
-                                with_entropy=with_entropy, shared_prompt=self.shared_prompt)
+                                with_entropy=with_entropy, shared_prompt=self.shared_prompt, vision=pick(vision, idx))
             if not counts:  # (FSDP2: a forward every rank runs, see lockstep)
                 continue
             out[idx] = lp.cpu().to(out.dtype)  # kept in float32 whatever the model computes in
@@ -465,7 +504,7 @@ class GRPOTrainer:
         if g.top_entropy_quantile < 1.0:
             with self._policy_forward():
                 _, entropy = self._logprobs([b.prompt_ids[i] for i in rows], [b.completion_ids[i] for i in rows],
-                                            mask.shape[1], with_entropy=True)
+                                            mask.shape[1], with_entropy=True, vision=pick(b.vision, rows))
             keep = high_entropy_mask(entropy, mask, g.top_entropy_quantile,  # over every rank's tokens
                                      all_gather=self.world.all_gather_cat).to(mask.dtype)
         bonus = None
@@ -524,7 +563,8 @@ class GRPOTrainer:
                                      b.mask.shape[1], pad_id=self.tokenizer.pad_token_id,
                                      temperature=logprob_temperature(cfg.generation.temperature),
                                      chunk_size=cfg.train.logprob_chunk_size, with_entropy=True,
-                                     packed=self.padding_free, shared_prompt=self.shared_prompt)
+                                     packed=self.padding_free, shared_prompt=self.shared_prompt,
+                                     vision=pick(b.vision, idx))
         mask = b.mask[idx].to(dev)
         old = b.old_logps[idx].to(dev) if b.old_logps is not None else logps.detach()
         ref = b.ref_logps[idx].to(dev) if b.ref_logps is not None else None

@@ -41,12 +41,15 @@ def build_sampler(model, tokenizer, gen, *, max_length: int, memory_cap_bytes: i
 
 
 def sample(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen, params: SamplingParams,
-           sampler: Sampler | None, device) -> Rollout:
+           sampler: Sampler | None, device, vision: list | None = None) -> Rollout:
     """``num_generations`` completions per prompt (contiguous per prompt) through ``sampler``, or through
     transformers' generate when it is None (with ``gen``'s settings; ``params`` then gives only the length, the
-    temperature, the seed and the sequence ids)."""
+    temperature, the seed and the sequence ids). ``vision``: per prompt its VisionPrompt or None (longrl's sampler
+    only)."""
     if sampler is not None:
-        return sampler.generate(prompt_ids, num_generations, params)
+        return sampler.generate(prompt_ids, num_generations, params, vision=vision)
+    if vision is not None and any(v is not None for v in vision):
+        raise ValueError("prompts with images are sampled by longrl's sampler only (generation.backend: longrl)")
     if params.max_new_tokens != gen.max_completion_length or params.temperature != gen.temperature:
         from dataclasses import replace
 

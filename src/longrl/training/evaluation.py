@@ -60,12 +60,13 @@ class EvalResult:
 
 def evaluate(model, tokenizer, scorer, data: PromptDataset, gen, *, num_generations: int = 4,
              pass_threshold: float = 1.0, sampler=None, device=None, seed: int = EVAL_SEED,
-             prompts_per_batch: int = 32, keep_samples: int = 0) -> EvalResult:
+             prompts_per_batch: int = 32, keep_samples: int = 0, images=None) -> EvalResult:
     """Mean reward and pass@k of ``model`` on every prompt of ``data`` (see the module docstring).
 
     ``scorer``: a :class:`longrl.rewards.RewardScorer`; ``gen``: a generation config (its temperature, lengths and
     stop rules); ``sampler``: longrl's sampler for ``model`` (None: transformers' generate, seeded);
-    ``keep_samples``: how many scored completions to return with the metrics.
+    ``keep_samples``: how many scored completions to return with the metrics; ``images``: a vision-language model's
+    :class:`~longrl.training.vision_inputs.PromptImages` (prompts with images), else None.
     """
     device = device or next(model.parameters()).device
     n = num_generations
@@ -79,7 +80,9 @@ def evaluate(model, tokenizer, scorer, data: PromptDataset, gen, *, num_generati
         rows = [data.rows[i] for i in idx]
         params = sampling_params(gen, tokenizer, seed=seed * 1_000_003 + batch)
         with _seeded(params.seed, device, sampler is None):  # transformers' generate draws from torch's RNG
-            rollout = sample(model, tokenizer, [data.prompt_ids[i] for i in idx], n, gen, params, sampler, device)
+            vision = images.prompts(data, idx) if images is not None else None
+            rollout = sample(model, tokenizer, [data.prompt_ids[i] for i in idx], n, gen, params, sampler, device,
+                             vision=vision)
         prompts, completions, columns = reward_inputs(rows, data.prompt_column, n, tokenizer, rollout)
         values, total, failures = scorer.score(prompts, completions, columns)
         if failures:
