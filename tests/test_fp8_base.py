@@ -238,3 +238,16 @@ def test_fp8_grpo_trains_saves_adapters_resumes_and_exports(tmp_path):
     assert not any("float8" in str(p.dtype) for p in merged.parameters())
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-4)
+
+
+def test_a_checkpoint_from_before_the_key_resumes():
+    """A run saved before model.load_in_fp8 existed resumes (the missing key counts as its default); one trained
+    on another base does not."""
+    from longrl.config import resume_conflicts
+
+    cfg = load_config(None, ["lora.enabled=true"], base=demo_config())
+    saved = cfg.to_dict()
+    del saved["model"]["load_in_fp8"]
+    assert resume_conflicts(saved, cfg) == []
+    fp8 = load_config(None, ["lora.enabled=true", "model.load_in_fp8=true"], base=demo_config())
+    assert resume_conflicts(saved, fp8) == ["model.load_in_fp8: False → True"]
