@@ -12,6 +12,13 @@ replayed from a CUDA graph of 20 calls (as a captured decode step runs them: no 
     python benchmarks/nf4_matmul.py            # the table
     python benchmarks/nf4_matmul.py --sweep    # and the groups' sweep; its fastest choice per row count goes to
                                                # results/nf4_matmul_h200.json "best" (rollout_speed.py --nf4-launch)
+    python benchmarks/nf4_matmul.py --fp8 [--sweep]   # and, in the same run, an FP8 base's products (below)
+
+--fp8: the same shapes and groups with FP8 e4m3 weights in 128 × 128 blocks (src/longrl/ops/fp8_matmul.py): longrl's
+FP8 kernel (reads 1 byte a weight + 4 bytes a block: floor 1.0002 B/param) against the FP8 layer's own forward
+(dequantize the whole weight to bf16, then the bf16 product: the rollout's fallback and the training product) and
+bf16, at 1, 8, 16, 32 and 128 rows; with --sweep its launch choices on the packed groups (results
+fp8_matmul_h200_sweep: "best", for rollout_speed.py --fp8-launch).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 1024x4096": (1024, 4096), "gate/up
 GROUPS = {"q/k/v + A": ((4096, 1024, 1024), 96, 4096), "o + A": ((4096,), 32, 4096),
           "gate/up + A": ((14336, 14336), 64, 4096), "down + A": ((4096,), 32, 14336)}
 DECODE_ROWS = (16, 128)
+FP8_ROWS = (1, 8, 16, 32, 128)
 SWEEP_ROWS = (128, 16)  # the rollout's first
 TRAIN_ROWS = (2048,)  # training-side products (a micro-batch's tokens): bitsandbytes keeps these
 
@@ -134,9 +142,105 @@ def sweep(dev) -> tuple[list[dict], dict]:
     return rows, best
 
 
+def fp8_weight(N: int, K: int, dev, seed: int = 0):
+    """(codes, scales) of a random N × K weight (bf16, std 0.02) in FP8 blocks."""
+    from longrl.ops.fp8_blocks import quantize_fp8_blocks
+
+    torch.manual_seed(seed)
+    return quantize_fp8_blocks(torch.randn(N, K, dtype=torch.bfloat16, device=dev) * 0.02)
+
+
+def fp8_table(dev) -> list[dict]:
+    """Each shape at FP8_ROWS rows: longrl's FP8 product, the dequantize-then-bf16 product, the bf16 product."""
+    from longrl.ops import fp8_matmul as fm
+    from longrl.ops.fp8_blocks import dequantize_fp8, fp8_bytes
+
+    rows = []
+    for name, (N, K) in SHAPES.items():
+        q, s = fp8_weight(N, K, dev)
+        group = fm.fp8_group([q], [s])
+        Wd = dequantize_fp8(q, s, torch.bfloat16)
+        for M in FP8_ROWS:
+            x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
+            want = torch.nn.functional.linear(x.float(), Wd.float())
+            got = fm.fp8_group_linear(x, group).float()
+            err = float(((got - want).abs() / (want.abs() + 1e-2)).max())
+            t_fp8 = graph_seconds(lambda: fm.fp8_group_linear(x, group))
+            t_deq = graph_seconds(lambda: torch.nn.functional.linear(x, dequantize_fp8(q, s, torch.bfloat16)))
+            t_bf16 = graph_seconds(lambda: torch.nn.functional.linear(x, Wd))
+            rows.append(dict(shape=name, M=M, fp8_us=t_fp8 * 1e6, dequant_us=t_deq * 1e6, bf16_us=t_bf16 * 1e6,
+                             fp8_gbs=fp8_bytes(N, K) / t_fp8 / 1e9, bf16_gbs=N * K * 2 / t_bf16 / 1e9,
+                             max_rel_err=err))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def fp8_sweep(dev) -> tuple[list[dict], dict]:
+    """The packed decode's groups in FP8 under launch choices at 8, 32 and 128 rows; the least summed layer time
+    per row count ('best')."""
+    from longrl.ops import fp8_matmul as fm
+
+    groups = {}
+    for name, (ns, r, K) in GROUPS.items():
+        ws = [fp8_weight(n, K, dev, seed=i) for i, n in enumerate(ns)]
+        a = torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02
+        g = fm.fp8_group([q for q, _ in ws], [s for _, s in ws], a)
+        groups[name] = (g, fm.fp8_group_weight(g, torch.bfloat16))
+    rows, best = [], {}
+    for M in (128, 32, 8):
+        xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
+        bf16 = sum(graph_seconds(lambda: torch.nn.functional.linear(xs[n], W)) for n, (_, W) in groups.items())
+        totals = []
+        for bn, warps, stages, programs in [(b, w, 3, p) for b in (64, 128) for w in (4, 8) for p in (264, 528)]:
+            cfg = dict(bn=bn, warps=warps, stages=stages, programs=programs)
+            try:
+                total = 0.0
+                for name, (g, W) in groups.items():
+                    got = fm.fp8_group_linear(xs[name], g, launch=cfg).float()
+                    want = torch.nn.functional.linear(xs[name].float(), W.float())
+                    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+                        raise RuntimeError(f"{name}: off by {float((got - want).abs().max()):.3g}")
+                    total += graph_seconds(lambda: fm.fp8_group_linear(xs[name], g, launch=cfg))
+            except Exception as e:  # reported, not hidden
+                rows.append(dict(M=M, **cfg, error=f"{type(e).__name__}: {e}"[:200]))
+                continue
+            totals.append((total, cfg))
+            rows.append(dict(M=M, **cfg, layer_us=total * 1e6, bf16_layer_us=bf16 * 1e6))
+            print(rows[-1], flush=True)
+        if totals:
+            best[M] = min(totals, key=lambda t: t[0])[1]
+    return rows, best
+
+
+def fp8_lines(rows: list[dict], sweep_rows: list[dict], best: dict) -> list[str]:
+    from longrl.ops import fp8_matmul as fm
+
+    lines = ["", "## FP8 base (e4m3, 128 × 128 block scales): longrl's FP8 kernel vs dequantize + bf16 vs bf16", "",
+             "GB/s: floor bytes (1 B/param + 4 B a block) / time; dequant + bf16: the FP8 layer's own forward (the "
+             f"rollout's fallback, and training's product). FP8 launch table: {dict(fm.LAUNCH)}.", "",
+             "| weight | rows | longrl FP8 µs | dequant + bf16 µs | bf16 µs | FP8 GB/s | bf16 GB/s | × dequant "
+             "| × bf16 | max rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['M']} | {r['fp8_us']:.1f} | {r['dequant_us']:.1f} | {r['bf16_us']:.1f} | "
+                     f"{r['fp8_gbs']:,.0f} | {r['bf16_gbs']:,.0f} | {r['dequant_us'] / r['fp8_us']:.2f} | "
+                     f"{r['bf16_us'] / r['fp8_us']:.2f} | {r['max_rel_err']:.4f} |")
+    if sweep_rows:
+        lines += ["", f"FP8 launch sweep over a layer's four packed groups (µs summed); fastest: {best}", "",
+                  "| rows | bn | warps | stages | programs | layer µs | bf16 layer µs | × bf16 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in sweep_rows:
+            head = f"| {r['M']} | {r['bn']} | {r['warps']} | {r['stages']} | {r['programs']} | "
+            lines.append(head + (f"failed: {r['error']} | | |" if "error" in r else
+                                 f"{r['layer_us']:.1f} | {r['bf16_layer_us']:.1f} | "
+                                 f"{r['bf16_layer_us'] / r['layer_us']:.2f} |"))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also time the packed decode's groups under launch choices")
+    ap.add_argument("--fp8", action="store_true", help="also time an FP8 base's products (and sweep them with "
+                    "--sweep) in the same run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("nf4_matmul.py times CUDA kernels; no GPU here")
@@ -149,7 +253,15 @@ def main() -> None:
         nm.LAUNCH.update({b: best[min((m for m in best if m >= b), default=max(best))] for b in nm.LAUNCH})
         write_result("nf4_matmul_h200_sweep", {"best": {str(b): c for b, c in nm.LAUNCH.items()}, "sweep": sweep_rows},
                      [f"NF4 launch sweep (fastest per row count): {best}"])  # (rollout_speed --nf4-launch, at once)
+    fp8_sweep_rows, fp8_best = fp8_sweep(dev) if args.fp8 and args.sweep else ([], {})
+    if fp8_best:
+        from longrl.ops import fp8_matmul as fm
+
+        fm.LAUNCH.update({b: fp8_best[min((m for m in fp8_best if m >= b), default=max(fp8_best))] for b in fm.LAUNCH})
+        write_result("fp8_matmul_h200_sweep", {"best": {str(b): c for b, c in fm.LAUNCH.items()},
+                                               "sweep": fp8_sweep_rows}, [f"FP8 launch sweep: {fp8_best}"])
     rows = table(dev, bw)
+    fp8_rows = fp8_table(dev) if args.fp8 else []
     meta = run_meta(copy_bandwidth_gbs=bw / 1e9, bitsandbytes=bitsandbytes.__version__, launch=dict(nm.LAUNCH))
     lines = [f"# NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, {meta['gpu']}", "",
              f"{meta['date']}; torch {meta['torch']}, bitsandbytes {meta['bitsandbytes']}.  ", f"`{meta['command']}`",
@@ -178,8 +290,11 @@ def main() -> None:
             lines.append(head + " | ".join(f"{r['us'][n]:.1f}" for n in names) +
                          f" | {r['layer_us']:.1f} | {r['bf16_layer_us']:.1f} | "
                          f"{r['bf16_layer_us'] / r['layer_us']:.2f} |")
-    write_result("nf4_matmul_h200", {**meta, "rows": rows, "sweep": sweep_rows,
-                                     "best": {str(m): c for m, c in best.items()}}, lines)
+    if args.fp8:
+        lines += fp8_lines(fp8_rows, fp8_sweep_rows, fp8_best)
+    write_result("nf4_matmul_h200" + ("_fp8" if args.fp8 else ""),
+                 {**meta, "rows": rows, "sweep": sweep_rows, "best": {str(m): c for m, c in best.items()},
+                  "fp8_rows": fp8_rows, "fp8_sweep": fp8_sweep_rows}, lines)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,18 @@ GPU's measured copy bandwidth, and the rollout's peak GPU memory against weights
     python benchmarks/rollout_speed.py --shape llama-3.1-8b --prompts 16 --G 8 --prompt-len 512 --new-tokens 1024
     python benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 --G 8 --prompt-len 512 --new-tokens 1024
     python benchmarks/rollout_speed.py --impls longrl,longrl-4bit,longrl-4bit-bnb   # bf16 vs a 4-bit (QLoRA) base
+    python benchmarks/rollout_speed.py --impls longrl,longrl-4bit,longrl-fp8,longrl-fp8-dequant  # bf16, NF4, FP8
 
 longrl-4bit / longrl-4bit-bnb: the same shape rebuilt with every decoder projection in bitsandbytes NF4 (double
 quantization, blocks of 64; the head and embeddings bf16), the same LoRA, decoded with the 4-bit product that reads
 the codes (generation.nf4_kernel, ops/nf4_matmul.py) or with bitsandbytes' own call (dequantize, then bf16).
 Their roofline counts the codes and bitsandbytes' stored scales (8-bit, nested), not the float32 scales the kernel
 reads.
+
+longrl-fp8 / longrl-fp8-dequant: the same shape with every decoder projection in FP8 e4m3 with 128 × 128 block
+scales (models/fp8_linear.py; head and embeddings bf16), the same LoRA, decoded with the FP8 product that reads the
+e4m3 weights (ops/fp8_matmul.py) or with the FP8 layers' own forward (dequantize each weight to bf16, then multiply).
+Their roofline counts the codes and the scales. Each base's model is built after the previous one is dropped.
 """
 
 from __future__ import annotations
@@ -97,9 +103,9 @@ def model_bytes(model) -> tuple[int, int]:
 
 
 def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=True,
-               nf4_kernel=False):
+               nf4_kernel=False, fp8_kernel=False):
     sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode,
-                      pack_projections=pack, nf4_kernel=nf4_kernel)
+                      pack_projections=pack, nf4_kernel=nf4_kernel, fp8_kernel=fp8_kernel)
     params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=0)
     # warm-up: the very call timed below, so that its Triton compiles (kernels specialise on the slot store's length
     # and the batch) and CUDA-graph captures happen here, not in the timed run (an earlier 2-prompt, 4-token warm-up
@@ -130,6 +136,33 @@ def four_bit_model(shape: str, dev):
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     quantize_linears_(model, names, torch.bfloat16)
     return apply_lora(model, bench_lora())
+
+
+def fp8_model(shape: str, dev):
+    """``shape`` with every decoder projection in FP8 e4m3 (128 × 128 block scales) and LoRA r = 32 (the head stays
+    bf16)."""
+    from longrl.models.fp8_linear import quantize_fp8_linears_
+
+    model = random_model(shape, dev)
+    model.config.use_cache = True
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    with torch.no_grad():
+        quantize_fp8_linears_(model, names, torch.bfloat16)
+    return apply_lora(model, bench_lora())
+
+
+def quantized_model(base: str, shape: str, dev):
+    return four_bit_model(shape, dev) if base == "nf4" else fp8_model(shape, dev)
+
+
+def base_of(impl: str) -> str:
+    """Which base an impl runs on: bf16, nf4 (longrl-4bit*) or fp8 (longrl-fp8*)."""
+    return "nf4" if impl.startswith("longrl-4bit") else "fp8" if impl.startswith("longrl-fp8") else "bf16"
+
+
+def fp8_scale_bytes(model) -> int:
+    """Bytes of the FP8 layers' block scales (buffers, not parameters)."""
+    return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
 
 
 def nf4_state_bytes(model) -> int:
@@ -235,6 +268,8 @@ def main() -> None:
                     help="only profile the LoRA model's decode kernels over N new tokens (CUDA graphs on) and exit")
     ap.add_argument("--profile-4bit", action="store_true",
                     help="with --profile: profile the 4-bit (NF4) model of longrl-4bit instead of the bf16 one")
+    ap.add_argument("--profile-fp8", action="store_true",
+                    help="with --profile: profile the FP8 model of longrl-fp8 instead of the bf16 one")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8"),
                     help="with --profile: the sampler's KV cache (generation.kv_cache_dtype)")
     ap.add_argument("--profile-variants", default="packed,hf", metavar="LIST",
@@ -246,6 +281,9 @@ def main() -> None:
     ap.add_argument("--nf4-launch", default="", metavar="JSON|PATH",
                     help="launch table of the NF4 product (ops/nf4_matmul.LAUNCH, by rows), as a JSON object or a "
                     "benchmarks/nf4_matmul.py --sweep result whose 'best' is taken")
+    ap.add_argument("--fp8-launch", default="", metavar="JSON|PATH",
+                    help="launch table of the FP8 product (ops/fp8_matmul.LAUNCH, by rows), as a JSON object or a "
+                    "benchmarks/nf4_matmul.py --fp8 --sweep result (fp8_matmul_h200_sweep.json) whose 'best' is taken")
     ap.add_argument("--glue-launch", default="", metavar="JSON|PATH",
                     help="launch choices of the LoRA-folding SiLU·up kernel (fused_ops.LAUNCH entries), as a JSON "
                     "object or a decode_glue_speed.py result whose fastest choice at this shape is taken")
@@ -267,10 +305,18 @@ def main() -> None:
         chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
         nf4_matmul.LAUNCH.update({int(k): v for k, v in chosen.items()})
         print("NF4 launch:", nf4_matmul.LAUNCH, flush=True)
+    if args.fp8_launch:
+        from longrl.ops import fp8_matmul
+
+        spec = args.fp8_launch
+        chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
+        fp8_matmul.LAUNCH.update({int(k): v for k, v in chosen.items()})
+        print("FP8 launch:", fp8_matmul.LAUNCH, flush=True)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
-    if args.profile and args.profile_4bit:  # the NF4 model with its adapters, decode products on the NF4 kernel
-        model = four_bit_model(args.shape, dev)
+    if args.profile and (args.profile_4bit or args.profile_fp8):  # a quantized model with its adapters, decode
+        # products on its kernel
+        model = quantized_model("nf4" if args.profile_4bit else "fp8", args.shape, dev)
         profile_decode(args, model, random_prompts(args.prompts, args.prompt_len, model.config.vocab_size))
         return
     model = random_model(args.shape, dev)
@@ -298,21 +344,21 @@ def main() -> None:
     step_bytes, weight_bytes = model_bytes(model)
     derive(results, n_seq, N, Lp, kv_token, args.prompts)
     write_tables(args, results, weight_bytes)
-    four_bit = [i for i in impls if i.startswith("longrl-4bit")]
-    bf16_weight_bytes, on_4bit = weight_bytes, False
-    for name in [i for i in impls if i != "longrl-nolora" and i not in four_bit] + four_bit:  # 4-bit ones last
+    bf16_weight_bytes, on_base = weight_bytes, "bf16"
+    order = ("bf16", "nf4", "fp8")  # the quantized bases after the bf16 one, each built when the previous is dropped
+    for name in sorted((i for i in impls if i != "longrl-nolora"), key=lambda i: order.index(base_of(i))):
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
         try:
-            if name in four_bit and not on_4bit:  # the bf16 model is dropped first
-                model, on_4bit = None, True
+            if base_of(name) != on_base:
+                model, on_base = None, base_of(name)
                 gc.collect()
                 torch.cuda.empty_cache() if CUDA else None
-                model = four_bit_model(args.shape, dev)
+                model = quantized_model(on_base, args.shape, dev)
                 step_bytes, weight_bytes = model_bytes(model)
-                step_bytes += nf4_state_bytes(model)
-                print(f"4-bit model: {weight_bytes / GIB:.2f} GiB of parameters; a decode step reads "
+                step_bytes += nf4_state_bytes(model) if on_base == "nf4" else fp8_scale_bytes(model)
+                print(f"{on_base} model: {weight_bytes / GIB:.2f} GiB of parameters; a decode step reads "
                       f"{step_bytes / GIB:.2f} GiB of weights", flush=True)
             if name == "longrl":
                 r = run_longrl(model, prompts, args.G, N)
@@ -322,6 +368,12 @@ def main() -> None:
                     raise RuntimeError("no projection ran on the NF4 kernel")
             elif name == "longrl-4bit-bnb":
                 r = run_longrl(model, prompts, args.G, N, nf4_kernel=False)
+            elif name == "longrl-fp8":
+                r = run_longrl(model, prompts, args.G, N, fp8_kernel=True)
+                if CUDA and r["stats"]["fp8_projections"] == 0:
+                    raise RuntimeError("no projection ran on the FP8 kernel")
+            elif name == "longrl-fp8-dequant":
+                r = run_longrl(model, prompts, args.G, N, fp8_kernel=False)
             elif name == "longrl-hf":
                 r = run_longrl(model, prompts, args.G, N, fast_decode=False)
             elif name == "longrl-peft":
@@ -380,7 +432,7 @@ def profile_decode(args, model, prompts) -> None:
                     for k, (us, c) in runs[N][1].items()}
         per_step = {k: v for k, v in per_step.items() if v[0] > 0.05}
         wall = (runs[N][0] - runs[1][0]) / steps * 1e6
-        base = "NF4 4-bit base, " if args.profile_4bit else ""
+        base = "NF4 4-bit base, " if args.profile_4bit else "FP8 base, " if args.profile_fp8 else ""
         lines += [f"## {titles[variant]}, {base}{args.kv_cache_dtype} KV cache: {args.prompts} x "
                   f"{args.G}, {steps} decode steps: {wall:,.0f} µs a step wall-clock (rollout of {N} minus rollout "
                   f"of 1); GPU time of ops and kernels a step below (an op's time includes its kernels)", "",
@@ -417,13 +469,19 @@ def _nf4_launch() -> dict:
     return dict(LAUNCH)
 
 
+def _fp8_launch() -> dict:
+    from longrl.ops.fp8_matmul import LAUNCH
+
+    return dict(LAUNCH)
+
+
 def write_tables(args, results, weight_bytes) -> None:
     from longrl.rollout.decode_kernel import LAUNCH
     from longrl.rollout.fused_ops import LAUNCH as GLUE_LAUNCH
 
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH),
-                    glue_launch=dict(GLUE_LAUNCH), nf4_launch=_nf4_launch())
+                    glue_launch=dict(GLUE_LAUNCH), nf4_launch=_nf4_launch(), fp8_launch=_fp8_launch())
     stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
@@ -437,7 +495,7 @@ def write_tables(args, results, weight_bytes) -> None:
              f"{GLUE_LAUNCH}.", "",
              "| impl | seconds | tokens/s | × generate | × continuous | decode GB/s | of roofline | peak GiB "
              "| KV cache GiB | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("longrl", "longrl-4bit", "longrl-4bit-bnb", "longrl-packed", "longrl-unpacked", "longrl-hf",
+    for name in ("longrl", "longrl-4bit", "longrl-4bit-bnb", "longrl-fp8", "longrl-fp8-dequant", "longrl-packed", "longrl-unpacked", "longrl-hf",
                  "longrl-peft", "longrl-nolora", "longrl-eager", "hf-generate", "hf-continuous"):
         r = results.get(name)
         if r is None:
@@ -455,15 +513,21 @@ def write_tables(args, results, weight_bytes) -> None:
                  f"{peak / (r['weights_gib'] + r['kv_gib']):.3f}" if "kv_gib" in r else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     base_tps = results.get("longrl", {}).get("tokens_per_s")
-    for name in ("longrl-4bit", "longrl-4bit-bnb"):
+    for name in ("longrl-4bit", "longrl-4bit-bnb", "longrl-fp8", "longrl-fp8-dequant"):
         if base_tps and "tokens_per_s" in results.get(name, {}):
+            kind = "fp8" if base_of(name) == "fp8" else "nf4"
             lines += ["", f"{name} / longrl (bf16) tokens/s in this run: {results[name]['tokens_per_s'] / base_tps:.2f}×; "
-                      f"packed groups {results[name]['stats'].get('packed_groups')}, projections on the NF4 kernel "
-                      f"{results[name]['stats'].get('nf4_projections')}."]
+                      f"packed groups {results[name]['stats'].get('packed_groups')}, projections on the "
+                      f"{kind.upper()} kernel {results[name]['stats'].get(kind + '_projections')}."]
     lines += ["", "longrl-4bit: every decoder projection in bitsandbytes NF4 (head bf16), decode products on "
               "longrl's NF4 kernel (generation.nf4_kernel; NF4 launch table " + str(_nf4_launch()) + "); "
               "longrl-4bit-bnb: the same model through bitsandbytes' own call. Their weights column: the 4-bit "
               "model's parameters; roofline bytes: its codes + bitsandbytes' stored scales + the bf16 rest."]
+    if any(base_of(n) == "fp8" for n in results):
+        lines += ["", "longrl-fp8: every decoder projection in FP8 e4m3 with 128x128 block scales (head bf16), decode "
+                  "products on longrl's FP8 kernel (ops/fp8_matmul.py; launch table " + str(_fp8_launch()) + "); "
+                  "longrl-fp8-dequant: the same model through the FP8 layers' forward (dequantize, then bf16). "
+                  "Roofline bytes: the codes + the block scales + the bf16 rest."]
     lines += ["", "longrl: the sampler's defaults: decode steps through rollout/fast_decode.py (fused glue kernels), "
               "LoRA deltas added by fused products (rollout/lora_fusion.py), q/k/v and gate/up (and their LoRA A "
               "rows) read by one product a group (generation.pack_projections; longrl-packed: the same, named; "

@@ -293,4 +293,4 @@ def test_prepare_without_bitsandbytes_routes_nothing(monkeypatch):
                       num_attention_heads=4, num_key_value_heads=2)
     decoder = FastDecoder(LlamaForCausalLM(cfg))
     monkeypatch.setitem(sys.modules, "bitsandbytes.nn", None)  # import fails as if it were not installed
-    assert decoder.prepare_nf4() == 0 and decoder.nf4 == {}
+    assert decoder.prepare_quantized() == {"nf4": 0, "fp8": 0} and decoder.quant == {}

@@ -62,7 +62,8 @@ def plan_command(cfg, gpu_memory_gib: float | None, world_size: int = 1, sft: bo
     if world_size > 1:
         per_rank = -(-cfg.train.prompts_per_step // world_size) * cfg.grpo.num_generations
         kind = ("FSDP2 full weights" if not cfg.lora.enabled else
-                "data-parallel, 4-bit base replicated" if cfg.model.load_in_4bit else "data-parallel, LoRA replicated")
+                "data-parallel, 4-bit base replicated" if cfg.model.load_in_4bit else
+                "data-parallel, FP8 base replicated" if cfg.model.load_in_fp8 else "data-parallel, LoRA replicated")
         layout = f"; per GPU of {world_size} ({kind}): up to {per_rank} completions"
     print(f"plan for {cfg.model.name_or_path}: {n} completions × "
           f"{cfg.data.max_prompt_length + cfg.generation.max_completion_length:,} tokens, {gpu_memory_gib:.1f} GiB GPU"

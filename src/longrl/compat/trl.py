@@ -260,13 +260,16 @@ def describe_model(cfg: Config, model, had_adapters: bool) -> None:
     """cfg.model (and cfg.lora for a model that came with adapters) as the given model really is: checkpoints record
     it, ``longrl export`` reads it."""
     from ..models import base_model
+    from ..models.fp8_linear import is_fp8_model
 
     base = base_model(model)
     name = getattr(base, "name_or_path", None) or getattr(base.config, "_name_or_path", "") or "in-memory-model"
     cfg.model.name_or_path = str(name)
     cfg.model.dtype = str(base.get_input_embeddings().weight.dtype).removeprefix("torch.")
+    report = getattr(base, "longrl_quant_report", None)
+    cfg.model.load_in_fp8 = is_fp8_model(base)
     cfg.model.load_in_4bit = bool(getattr(base, "is_loaded_in_4bit", False) or
-                                  getattr(base, "longrl_quant_report", None) is not None)
+                                  (report is not None and not cfg.model.load_in_fp8))
     if had_adapters:
         lora_from_peft(cfg, next(iter(model.peft_config.values())))
 

@@ -26,19 +26,26 @@ class FastLanguageModel:
 
     @staticmethod
     def from_pretrained(model_name: str = "builtin:tiny-arith", max_seq_length: int | None = None, dtype=None,
-                        load_in_4bit: bool = True, *, device: str = "auto", trust_remote_code: bool = False,
-                        revision: str | None = None, attn_implementation: str | None = None, **unsupported):
+                        load_in_4bit: bool | None = None, *, load_in_fp8: bool = False, device: str = "auto",
+                        trust_remote_code: bool = False, revision: str | None = None,
+                        attn_implementation: str | None = None, **unsupported):
         """(model, tokenizer) through ``load_model``: ``dtype`` None is auto (bf16 on CUDA, fp32 on the CPU);
-        ``load_in_4bit`` (Unsloth's default True) is longrl's NF4 base with its 16-bit exceptions.
+        ``load_in_4bit`` (None: Unsloth's default, True unless ``load_in_fp8``) is longrl's NF4 base with its
+        16-bit exceptions; ``load_in_fp8`` its FP8 base (e4m3, 128 × 128 block scales, the same exceptions).
         ``max_seq_length`` is kept as ``model.max_seq_length``: longrl's lengths are
         ``max_prompt_length + max_completion_length`` of the GRPO config, and the trainer checks them against it."""
         from ..models import load_model
 
         _refuse(unsupported, "from_pretrained", {"load_in_8bit": False, "full_finetuning": False, "token": None,
                                                  "fast_inference": False})
+        if load_in_4bit and load_in_fp8:
+            raise ValueError("FastLanguageModel.from_pretrained(load_in_4bit=True, load_in_fp8=True): a base is "
+                             "quantized one way; pass one of them")
+        load_in_4bit = not load_in_fp8 if load_in_4bit is None else load_in_4bit
         model, tokenizer = load_model(model_name, lora=None, dtype=_dtype_name(dtype), device=device,
                                       trust_remote_code=trust_remote_code, revision=revision,
-                                      attn_implementation=attn_implementation, load_in_4bit=load_in_4bit)
+                                      attn_implementation=attn_implementation, load_in_4bit=load_in_4bit,
+                                      load_in_fp8=load_in_fp8)
         model.max_seq_length = max_seq_length
         return model, tokenizer
 

@@ -51,8 +51,11 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def resume_conflicts(saved: dict, cfg: Config) -> list[str]:
     """'key: saved → now' for each key outside RESUMABLE_CHANGES whose value differs between the config a
-    checkpoint was trained with (``saved``, as stored in its JSON state) and ``cfg``."""
+    checkpoint was trained with (``saved``, as stored in its JSON state) and ``cfg``. A key the saved config lacks
+    (added to longrl after the checkpoint was written) counts as its default, the behaviour the run had."""
+    defaults = _flat(json.loads(json.dumps(Config().to_dict())))
     before, now = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
+    before.update({k: defaults[k] for k in now if k not in before and k in defaults})
     return [f"{k}: {before.get(k)!r} → {now.get(k)!r}" for k in sorted(set(before) | set(now))
             if before.get(k) != now.get(k) and not any(
                 re.sub(r"\[\d+\]", "[]", k) == a or (a.endswith(".") and k.startswith(a)) for a in RESUMABLE_CHANGES)]

@@ -48,6 +48,8 @@ class ModelConfig:
     #                            transformers' modules
     device: str = "auto"  # auto: cuda if available, else cpu
     load_in_4bit: bool = False  # NF4 base (bitsandbytes, double quant), computing in dtype; needs LoRA (QLoRA)
+    load_in_fp8: bool = False  # FP8 base: the same linear layers in e4m3 with a scale per 128x128 block (1 byte a
+    #   weight), the same 16-bit exceptions, computing in dtype; needs LoRA; not with load_in_4bit (docs/models.md)
     quant_keep_modules: list[str] = field(default_factory=list)  # linear modules kept 16-bit (name or dotted suffix)
     quant_exception_budget: float = 0.10  # extra bytes over plain 4-bit for the most sensitive modules in 16-bit
     quant_calibration_text: Optional[str] = None  # text for the sensitivity scores; null: ids drawn from the vocab

@@ -148,10 +148,14 @@ def _check_model_layout(cfg: Config) -> None:
 
 
 def _check_model_weights(cfg: Config) -> None:
-    """4-bit quantization and the device."""
+    """4-bit and FP8 quantization and the device."""
     m = cfg.model
+    _check(not (m.load_in_fp8 and m.load_in_4bit), "model.load_in_fp8", m.load_in_fp8,
+           "false with model.load_in_4bit=true (a base is quantized one way: NF4 or FP8)")
     _check(not m.load_in_4bit or cfg.lora.enabled, "model.load_in_4bit", m.load_in_4bit,
            "true only with lora.enabled=true (4-bit weights cannot be trained; QLoRA trains adapters on them)")
+    _check(not m.load_in_fp8 or cfg.lora.enabled, "model.load_in_fp8", m.load_in_fp8,
+           "true only with lora.enabled=true (FP8 base weights are frozen; LoRA trains adapters on them)")
     _check(m.quant_exception_budget >= 0, "model.quant_exception_budget", m.quant_exception_budget,
            ">= 0 (a fraction of the plain 4-bit weight bytes; 0: no exceptions beyond the keep-list)")
     _check(m.quant_calibration_text is None or m.quant_calibration_text.strip() != "", "model.quant_calibration_text",

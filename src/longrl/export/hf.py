@@ -47,7 +47,8 @@ def write_card(out: Path, ckpt: Checkpoint, fmt: str, details: dict) -> None:
     ``--overwrite`` may replace) and a short README.md on how to load the output."""
     meta = {"format": fmt, "checkpoint": str(ckpt.path.resolve()), "step": ckpt.state.get("step"),
             "base_model": ckpt.base_name, "revision": ckpt.model.get("revision"), "base_dtype": ckpt.dtype,
-            "load_in_4bit": bool(ckpt.model.get("load_in_4bit", False)), **details}
+            "load_in_4bit": bool(ckpt.model.get("load_in_4bit", False)),
+            "load_in_fp8": bool(ckpt.model.get("load_in_fp8", False)), **details}
     (out / EXPORT_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
     base_ref = f"./{BUILTIN_BASE_DIR}" if ckpt.base_name == TINY_NAME else ckpt.base_name
     usage = {

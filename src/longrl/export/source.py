@@ -1,5 +1,5 @@
 """Read a training checkpoint and rebuild what it trained: the base model named in its run config (the same
-dtype, revision, seed for the builtin model, 4-bit loading) with the checkpoint's adapter or full weights."""
+dtype, revision, seed for the builtin model, 4-bit or FP8 loading) with the checkpoint's adapter or full weights."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 from ..training.checkpoint import BASE_WEIGHTS_FILE, STATE_FILE, CheckpointError, check_finite, latest_checkpoint, \
     verify_checkpoint
 from ..models import ModelLoadError, load_model
+from ..models.fp8_linear import dequantize_fp8_linears
+from ..models.structure import put_frozen_linear
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +156,8 @@ def load_base(ckpt: Checkpoint, device: str = "cpu"):
 def load_trained(ckpt: Checkpoint, device: str = "cpu", dequantize: bool = False):
     """The trained model: a ``peft.PeftModel`` on the base (adapter checkpoints) or the full model.
 
-    ``dequantize``: replace 4-bit bitsandbytes layers of the base by 16/32-bit ``nn.Linear`` holding their
-    dequantized weights before the adapter goes on, so that a merge adds the adapter to exactly the weights
+    ``dequantize``: replace 4-bit bitsandbytes layers and FP8 layers (models/fp8_linear.py) of the base by
+    16/32-bit ``nn.Linear`` holding their dequantized weights before the adapter goes on, so that a merge adds the adapter to exactly the weights
     training saw (rather than re-quantizing the sum).
     """
     if not ckpt.is_adapter:
@@ -169,6 +171,7 @@ def load_trained(ckpt: Checkpoint, device: str = "cpu", dequantize: bool = False
     base = load_base(ckpt, device)
     if dequantize:
         dequantize_4bit_linears(base)
+        dequantize_fp8_linears(base)
     return PeftModel.from_pretrained(base, str(ckpt.path), is_trainable=False)
 
 
@@ -191,15 +194,7 @@ def dequantize_4bit_linears(model, dtype: torch.dtype | None = None) -> int:
             data, state = _convert_weight_packed_for_cpu_inverse(data, state)
         weight = dequantize_4bit(data, state)
         out_dtype = dtype or getattr(module, "compute_dtype", None) or weight.dtype
-        linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                 device=weight.device, dtype=out_dtype)
-        with torch.no_grad():
-            linear.weight.copy_(weight.to(out_dtype))
-            if module.bias is not None:
-                linear.bias.copy_(module.bias.to(out_dtype))
-        linear.requires_grad_(False)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        put_frozen_linear(model, name, weight, module.bias, out_dtype)
     if targets:
         log.info("dequantized %d 4-bit linear layers for the merge", len(targets))
         if hasattr(model, "is_loaded_in_4bit"):

@@ -6,7 +6,7 @@ linear projection, micro-batches of T tokens and the MLP in tiles of t tokens (t
 log-prob chunks, then each layer from the last to the first: recomputed with autograd and backpropagated before
 the next one starts. So the peak is inside one of those steps, and a term counts only where it is live then:
 
-    weights      = base parameters × b                          (4-bit bases: nf4_weight_bytes)
+    weights      = base parameters × b                          (4-bit bases: nf4_weight_bytes; FP8: fp8_weight_bytes)
     lora         = LoRA parameters × 4 × (1 + 1 + 2)            fp32 weights, grads, Adam moments
     gpu inputs   = n × T × s                                    s = H b per layer input (+ Q b + 4 heads with
                    attention reuse); n = L without offloading; offloaded, n = max(gpu_resident, 2): the last
@@ -180,6 +180,16 @@ def nf4_weight_bytes(shape: ModelShape, compute_bytes: int, exception_budget: fl
 
     linear = shape.linear_params()
     plain = linear * NF4_BYTES_PER_PARAM + (shape.base_params() - linear) * compute_bytes
+    return int(plain * (1 + exception_budget))
+
+
+def fp8_weight_bytes(shape: ModelShape, compute_bytes: int, exception_budget: float) -> int:
+    """Base weights of an FP8 base: the linear projections at FP8_BYTES_PER_PARAM (an e4m3 byte a weight, a float32
+    scale per 128 × 128 block), everything else at ``compute_bytes``, times (1 + exception_budget) as for NF4."""
+    from ..ops.fp8_blocks import FP8_BYTES_PER_PARAM
+
+    linear = shape.linear_params()
+    plain = linear * FP8_BYTES_PER_PARAM + (shape.base_params() - linear) * compute_bytes
     return int(plain * (1 + exception_budget))
 
 
@@ -404,7 +414,7 @@ def predict(shape: ModelShape, *, tokens: int, lora_r: int, weight_bytes: float,
         "log-prob backward": logprob_backward_bytes(tokens, shape.hidden, shape.vocab, chunk, b, logprob_kernel,
                                                     norm_bytes=n),
     }
-    if weight_bytes < 2:  # a 4-bit base: bitsandbytes dequantizes each product's weight, forward and backward
+    if weight_bytes < 2:  # a 4-bit or FP8 base: each product's weight is dequantized, forward and backward
         parts["NF4 dequantized weights"] = 2 * shape.hidden * max(shape.intermediate, shape.q_dim) * b
     if trainable_head:
         parts["LoRA (+grads, Adam)"] += shape.vocab * shape.hidden * 4 * 4
@@ -945,6 +955,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     shape = ModelShape.from_config(model_config)
     if cfg.model.load_in_4bit:  # as bytes per base parameter, the unit predict() takes
         weight_bytes = nf4_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
+    elif cfg.model.load_in_fp8:
+        weight_bytes = fp8_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
     reference = ReferenceMemory.of(shape, placement, compute) if placement else None
     budget = gpu_free_bytes
     if reference is not None:  # resident through both phases: the rest of the step is planned in what it leaves
@@ -992,6 +1004,9 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
     if cfg.model.load_in_4bit:
         plan.parts_gpu_bytes = {("base weights (NF4 4-bit)" if k == "base weights" else k): v
                                 for k, v in plan.parts_gpu_bytes.items()}
+    elif cfg.model.load_in_fp8:
+        names = {"base weights": "base weights (FP8 e4m3)", "NF4 dequantized weights": "FP8 dequantized weights"}
+        plan.parts_gpu_bytes = {names.get(k, k): v for k, v in plan.parts_gpu_bytes.items()}
     if reference is not None:
         reference.add_to(plan, budget)
     return plan

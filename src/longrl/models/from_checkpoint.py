@@ -87,8 +87,9 @@ def read_warm_start(name_or_path: str, depth: int = 0) -> WarmStart | None:
     if missing:
         raise CheckpointModelError(f"{where} is incomplete: missing {', '.join(missing)}")
     _check_sizes(path, where)
-    if warm.is_adapter and model.get("load_in_4bit"):
-        raise CheckpointModelError(f"{where} trained LoRA on a 4-bit base: its adapter fits the quantized weights. "
+    quantized = "a 4-bit" if model.get("load_in_4bit") else "an FP8" if model.get("load_in_fp8") else None
+    if warm.is_adapter and quantized:
+        raise CheckpointModelError(f"{where} trained LoRA on {quantized} base: its adapter fits the quantized weights. "
                                    f"Merge it first (`longrl export DIR --from {path} --format merged`) and give DIR")
     if depth >= MAX_DEPTH:
         raise CheckpointModelError(f"{where}: its base is a checkpoint nested {MAX_DEPTH} deep (a loop?)")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelLoadError
+from .fp8 import quantize_model_fp8
 from .from_checkpoint import checkpoint_path, load_checkpoint_model, read_warm_start, tokenizer_source
 from .gguf import GgufError, check_gguf_file, is_gguf, load_gguf_model, load_gguf_tokenizer
 from .quantize import (QuantizationError, calibration_ids, choose_exceptions, disable_cpu_repacking, quantize_model,
@@ -144,7 +145,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
                trust_remote_code: bool = False, revision: str | None = None,
                attn_implementation: str | None = None, gradient_checkpointing: bool = False, seed: int = 0,
                load_in_4bit: bool = False, quant_keep_modules: list[str] = (), quant_exception_budget: float = 0.10,
-               quant_calibration_text: str | None = None):
+               quant_calibration_text: str | None = None, load_in_fp8: bool = False):
     """Return (model, tokenizer). ``lora``: a :class:`longrl.config.schema.LoraConfig` (or None for no adapters).
 
     The model is a ``peft.PeftModel`` when LoRA is enabled, else the plain transformers model; its base
@@ -156,6 +157,10 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     quantization-sensitive modules that fit in ``quant_exception_budget`` (see :mod:`longrl.models.quantize`;
     calibration on ``quant_calibration_text`` or on token ids drawn from the vocabulary). The choice is logged and
     kept as ``base_model(model).longrl_quant_report``.
+
+    ``load_in_fp8``: the same linear layers in FP8 e4m3 with a scale per 128 × 128 block (:mod:`longrl.models.fp8`,
+    the same exceptions scored with FP8's round trip), quantized in place from the 16-bit weights loaded to host
+    memory, one matrix at a time on the device.
     """
     dev = resolve_device(device)
     check_model_files(name_or_path)
@@ -163,6 +168,9 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
     torch_dtype = resolve_dtype(dtype, dev)
     quant = dict(keep_modules=list(quant_keep_modules), exception_budget=quant_exception_budget,
                  calibration_text=quant_calibration_text)
+    if load_in_4bit and load_in_fp8:
+        raise ModelLoadError("config keys 'model.load_in_4bit' and 'model.load_in_fp8' are both true: a base is "
+                             "quantized one way; set one of them false")
     if load_in_4bit:
         _quantize_or_fail(require_bitsandbytes)
         if is_gguf(name_or_path):
@@ -172,18 +180,20 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
         model, tokenizer = (_build_builtin(name_or_path, seed, torch_dtype) if name_or_path in BUILTIN_MODELS else
                             load_checkpoint_model(name_or_path, load_model, torch_dtype, dev, trust_remote_code,
                                                   attn_implementation))
-        model.to(dev)
         if load_in_4bit:  # in memory: quantized in place through bitsandbytes' Linear4bit
+            model.to(dev)
             model.longrl_quant_report = _quantize_or_fail(_quantize_built, model, tokenizer, dev, torch_dtype, **quant)
     elif load_in_4bit:
         model, tokenizer = _load_pretrained_4bit(name_or_path, torch_dtype, dev, trust_remote_code, revision,
                                                  attn_implementation, image_text=image_text, **quant)
     elif is_gguf(name_or_path):
         model, tokenizer = _load_gguf(name_or_path, torch_dtype, attn_implementation)
-        model.to(dev)
     else:
         model, tokenizer = _load_pretrained(name_or_path, torch_dtype, trust_remote_code, revision, attn_implementation,
                                             image_text=image_text)
+    if load_in_fp8:  # from host memory: quantized onto the device one matrix at a time, the rest moved after
+        model.longrl_quant_report = _quantize_or_fail(_quantize_fp8, model, tokenizer, dev, torch_dtype, **quant)
+    elif not load_in_4bit:
         model.to(dev)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -196,7 +206,7 @@ def load_model(name_or_path: str, *, lora=None, dtype: str | torch.dtype = "auto
 
 
 MODEL_KEYS = ("dtype", "trust_remote_code", "revision", "attn_implementation", "load_in_4bit", "quant_keep_modules",
-              "quant_exception_budget", "quant_calibration_text")  # the model.* keys load_model takes as they are
+              "quant_exception_budget", "quant_calibration_text", "load_in_fp8")  # the model.* keys load_model takes as they are
 
 
 def model_settings(model_cfg) -> dict:
@@ -319,6 +329,12 @@ def _quantize_built(model, tokenizer, dev, torch_dtype, *, keep_modules, excepti
     family = vision_family(base_model(model).config)
     return quantize_model(model, ids, keep_modules=keep_modules, exception_budget=exception_budget,
                           compute_dtype=torch_dtype, keep_under=vision_module_prefixes(model, family) if family else [])
+
+
+def _quantize_fp8(model, tokenizer, dev, torch_dtype, *, keep_modules, exception_budget, calibration_text):
+    ids = calibration_ids(tokenizer, calibration_text)
+    return quantize_model_fp8(model, ids, keep_modules=keep_modules, exception_budget=exception_budget,
+                              compute_dtype=torch_dtype, device=dev)
 
 
 def _load_pretrained_4bit(name, torch_dtype, dev, trust_remote_code, revision, attn_implementation, *,

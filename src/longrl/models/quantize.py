@@ -16,6 +16,9 @@ everything else (embeddings, norms, LM head, routers, biases) in the compute dty
 explicit keep-list are kept whatever their score and their bytes count first. Ties break by module name, the
 calibration tokens come from a fixed seed: the choice is deterministic for a given model and device.
 Embeddings and norms are not linear layers and are never quantized.
+
+An FP8 base (models/fp8.py) chooses its exceptions the same way with its own round trip and bytes
+(:data:`FP8`: e4m3 in 128 × 128 blocks, ops/fp8_blocks.py) in place of NF4's (:data:`NF4`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import importlib.util
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ..ops.fp8_blocks import fp8_bytes, fp8_roundtrip
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,20 @@ def nf4_roundtrip(weight: torch.Tensor) -> torch.Tensor:
     q, state = bnbF.quantize_4bit(weight.detach().contiguous(), blocksize=NF4_BLOCKSIZE, compress_statistics=True,
                                   quant_type="nf4")
     return bnbF.dequantize_4bit(q, state).to(weight.dtype)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A quantized base's weight format, as the exception choice sees it."""
+
+    label: str  # "4-bit NF4": names the base in the report
+    plain: str  # "4-bit": names the all-quantized size
+    roundtrip: Callable[[torch.Tensor], torch.Tensor]  # W → Ŵ in W's dtype
+    bytes_of: Callable[[torch.Tensor], int]  # a weight's bytes in the format
+
+
+NF4 = QuantFormat("4-bit NF4", "4-bit", nf4_roundtrip, lambda w: nf4_bytes(w.numel()))
+FP8 = QuantFormat("FP8 e4m3", "FP8", fp8_roundtrip, lambda w: fp8_bytes(*w.shape))
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -137,6 +157,7 @@ class QuantReport:
     budget_bytes: int
     compute_dtype: torch.dtype = torch.bfloat16
     quantized: list[str] = field(default_factory=list)
+    fmt: QuantFormat = NF4
 
     @property
     def total_bytes(self) -> int:
@@ -144,8 +165,9 @@ class QuantReport:
 
     def lines(self) -> list[str]:
         share = self.exception_bytes / self.plain_4bit_bytes if self.plain_4bit_bytes else 0.0
-        out = [f"4-bit NF4 base: {len(self.quantized)} linear modules in NF4, {len(self.kept)} kept in "
-               f"{str(self.compute_dtype).removeprefix('torch.')}; weights {_size(self.total_bytes)} = plain 4-bit "
+        out = [f"{self.fmt.label} base: {len(self.quantized)} linear modules in {self.fmt.plain}, {len(self.kept)} "
+               f"kept in {str(self.compute_dtype).removeprefix('torch.')}; weights {_size(self.total_bytes)} = plain "
+               f"{self.fmt.plain} "
                f"{_size(self.plain_4bit_bytes)} + exceptions {_size(self.exception_bytes)} ({share:.1%}; budget "
                f"{_size(self.budget_bytes)}); embeddings and norms stay in the compute dtype"]
         out += [f"  kept {n}: {why}" for n, why in sorted(self.kept.items())]
@@ -156,9 +178,9 @@ class QuantReport:
             log.info(line)
 
 
-def score_modules(model, input_ids: torch.Tensor, names: list[str], device: torch.device | None = None
-                  ) -> list[ModuleScore]:
-    """Scores of the linear modules ``names`` of a 16-bit model, from one no-grad forward of its backbone on
+def score_modules(model, input_ids: torch.Tensor, names: list[str], device: torch.device | None = None,
+                  fmt: QuantFormat = NF4) -> list[ModuleScore]:
+    """Scores of the linear modules ``names`` of a 16-bit model in format ``fmt``, from one no-grad forward of its backbone on
     ``input_ids`` [rows, length]; worst first, ties by name. A model on the CPU with a CUDA ``device`` runs
     one decoder layer at a time on the device (see :func:`layers_streamed_to`)."""
     modules = linear_modules(model)
@@ -169,7 +191,7 @@ def score_modules(model, input_ids: torch.Tensor, names: list[str], device: torc
     def hook(name):
         def fn(module, args, out):
             w = module.weight
-            w_hat = nf4_roundtrip(w)
+            w_hat = fmt.roundtrip(w)
             if name not in w_err:
                 w_err[name] = relative_error(w, w_hat)
             diff = F.linear(args[0], w - w_hat)  # [rows, length, out]: the bias cancels
@@ -191,7 +213,7 @@ def score_modules(model, input_ids: torch.Tensor, names: list[str], device: torc
     scores = []
     for n in names:
         if n not in w_err:  # never called on the batch (e.g. an unused expert)
-            w_err[n] = relative_error(modules[n].weight, nf4_roundtrip(modules[n].weight))
+            w_err[n] = relative_error(modules[n].weight, fmt.roundtrip(modules[n].weight))
         e_o = math.sqrt(sq_err[n] / sq_out[n]) if sq_out[n] > 0 else None
         scores.append(ModuleScore(n, modules[n].weight.numel(), w_err[n], e_o))
     return sorted(scores, key=lambda s: (-s.score, s.name))
@@ -221,27 +243,29 @@ def layers_streamed_to(backbone, device: torch.device):
             m.to(home)
 
 
-def module_costs(model, names: list[str]) -> dict[str, int]:
-    """Extra bytes of keeping each module's weight in its current dtype instead of NF4."""
+def module_costs(model, names: list[str], fmt: QuantFormat = NF4) -> dict[str, int]:
+    """Extra bytes of keeping each module's weight in its current dtype instead of ``fmt``."""
     modules = linear_modules(model)
-    return {n: modules[n].weight.numel() * modules[n].weight.element_size() - nf4_bytes(modules[n].weight.numel())
+    return {n: modules[n].weight.numel() * modules[n].weight.element_size() - fmt.bytes_of(modules[n].weight)
             for n in names}
 
 
-def plain_4bit_bytes(model, candidates: list[str], compute_dtype: torch.dtype) -> int:
-    """Bytes of the model with every candidate weight in NF4 and every other parameter in ``compute_dtype``."""
+def plain_4bit_bytes(model, candidates: list[str], compute_dtype: torch.dtype, fmt: QuantFormat = NF4) -> int:
+    """Bytes of the model with every candidate weight in ``fmt`` (NF4: 4-bit) and every other parameter in
+    ``compute_dtype``."""
     modules = linear_modules(model)
-    quantized = {id(modules[n].weight) for n in candidates}
+    quantized = {id(modules[n].weight): modules[n].weight for n in candidates}
     b = torch.empty(0, dtype=compute_dtype).element_size()
-    return sum(nf4_bytes(p.numel()) if id(p) in quantized else p.numel() * b for p in model.parameters())
+    return sum(fmt.bytes_of(p) if id(p) in quantized else p.numel() * b for p in model.parameters())
 
 
 def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str] = (),
                       exception_budget: float = 0.10, compute_dtype: torch.dtype = torch.bfloat16,
-                      device: torch.device | None = None, keep_under: list[str] = ()) -> QuantReport:
-    """Score every candidate linear module of a 16-bit ``model`` (none at a zero budget) and choose the ones kept in
-    16-bit. ``keep_under``: qualified module names whose linear layers all stay 16-bit (a vision tower and
-    projector), outside the budget."""
+                      device: torch.device | None = None, keep_under: list[str] = (),
+                      fmt: QuantFormat = NF4) -> QuantReport:
+    """Score every candidate linear module of a 16-bit ``model`` in format ``fmt`` (none at a zero budget) and
+    choose the ones kept in 16-bit. ``keep_under``: qualified module names whose linear layers all stay 16-bit (a
+    vision tower and projector), outside the budget."""
     head = _head_name(model)
     kept: dict[str, str] = {}
     candidates = []
@@ -259,10 +283,10 @@ def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str]
                                 f"model (e.g. {candidates[:3]})")
     # with no budget the keep-list alone decides (e.g. an export rebuilding a checkpoint's recorded exceptions):
     # the calibration forward would only feed the log
-    scores = score_modules(model, input_ids, candidates, device) if exception_budget > 0 else []
+    scores = score_modules(model, input_ids, candidates, device, fmt) if exception_budget > 0 else []
     score_of = {s.name: s for s in scores}
-    costs = module_costs(model, candidates)
-    plain = plain_4bit_bytes(model, candidates, compute_dtype)
+    costs = module_costs(model, candidates, fmt)
+    plain = plain_4bit_bytes(model, candidates, compute_dtype, fmt)
     budget = int(exception_budget * plain)
     spent = 0
     for name in candidates:  # the explicit keep-list first: its bytes count against the budget
@@ -281,7 +305,7 @@ def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str]
                             f"output {_fmt(s.output_error)}), +{_size(costs[s.name])}")
             spent += costs[s.name]
     quantized = [n for n in candidates if n not in kept]
-    return QuantReport(scores, kept, plain, spent, budget, compute_dtype, quantized)
+    return QuantReport(scores, kept, plain, spent, budget, compute_dtype, quantized, fmt)
 
 
 def _fmt(x: float | None) -> str:

@@ -17,3 +17,17 @@ def decoder_layers(model) -> list[torch.nn.Module]:
         raise ValueError(f"{type(base_model(model)).__name__} has no model.layers: FSDP2 sharding needs a "
                          "Llama-style decoder stack")
     return list(layers)
+
+
+def put_frozen_linear(model, name: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """Put a frozen ``nn.Linear`` holding ``weight`` [out, in] and ``bias`` (both cast to ``dtype``) in the place of
+    ``model``'s module ``name`` (a quantized layer dequantized for a merge)."""
+    out_features, in_features = weight.shape
+    linear = torch.nn.Linear(in_features, out_features, bias=bias is not None, device=weight.device, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight.to(dtype))
+        if bias is not None:
+            linear.bias.copy_(bias.to(dtype))
+    linear.requires_grad_(False)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)

@@ -429,16 +429,71 @@ def _interpreting() -> bool:
     return type(_nf4_group_kernel).__name__ == "InterpretedFunction"
 
 
-def launch_for(M: int, launch: dict | None = None) -> tuple[int, dict]:
-    """(row tile BM, LAUNCH entry) for M rows of x."""
-    bucket = next((b for b in sorted(LAUNCH) if b >= M), max(LAUNCH))
-    entry = {**LAUNCH[bucket], **(launch or {})}
+def launch_for(M: int, launch: dict | None = None, table: dict | None = None) -> tuple[int, dict]:
+    """(row tile BM, ``table``'s entry: default :data:`LAUNCH`) for M rows of x."""
+    table = table or LAUNCH
+    bucket = next((b for b in sorted(table) if b >= M), max(table))
+    entry = {**table[bucket], **(launch or {})}
     return min(bucket, max(16, triton.next_power_of_2(M))), entry
 
 
 def split_for(row_tiles: int, n_chunks: int, programs: int) -> int:
     """K splits: about ``programs`` programs in all, each split at least MIN_CHUNKS_PER_SPLIT chunks of K."""
     return max(1, min(n_chunks // MIN_CHUNKS_PER_SPLIT, -(-programs // row_tiles)))
+
+
+@dataclass(frozen=True)
+class GroupGrid:
+    """The launch of a grouped product (this one's, and ops/fp8_matmul.py's): BN-row tiles of the 16-bit rows
+    first, then of the quantized weights (none across two weights: BN halves until it divides all but the last),
+    K split into ``split`` ranges of ``per_split`` chunks, x in m tiles of BM rows; the weights' row bounds N0, N01."""
+
+    BM: int
+    BN: int
+    dense_tiles: int
+    row_tiles: int
+    m_tiles: int
+    n_chunks: int
+    split: int
+    per_split: int
+    N0: int
+    N01: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.row_tiles, self.split, self.m_tiles
+
+
+def group_grid(M: int, rows: list, R: int, K: int, chunk: int, BM: int, cfg: dict) -> GroupGrid:
+    """The :class:`GroupGrid` of M rows of x times quantized weights of ``rows`` rows and R 16-bit rows, K wide,
+    read ``chunk`` elements of K a step, under launch entry ``cfg`` (bn, programs)."""
+    BN = cfg["bn"]
+    while any(n % BN for n in rows[:-1]):  # no tile across two weights (groupable: multiples of MIN_BN)
+        BN //= 2
+    NQ = sum(rows)
+    dense_tiles = -(-R // BN)
+    row_tiles = dense_tiles + -(-NQ // BN)
+    m_tiles = -(-M // BM)
+    n_chunks = -(-K // chunk)
+    split = split_for(row_tiles * m_tiles, n_chunks, cfg["programs"])
+    per_split = -(-n_chunks // split)
+    N0 = rows[0]
+    return GroupGrid(BM, BN, dense_tiles, row_tiles, m_tiles, n_chunks, -(-n_chunks // per_split), per_split, N0,
+                     N0 + (rows[1] if len(rows) > 1 else NQ))
+
+
+def split_target(out: torch.Tensor, split: int) -> torch.Tensor:
+    """Where the product's programs write: ``out`` [M, NT] itself, or float32 partial sums [split, M, NT]."""
+    return out if split == 1 else torch.empty(split, *out.shape, dtype=torch.float32, device=out.device)
+
+
+def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, NT] = cast(Σ_s target[s] (+ bias)), the splits added in order (nothing when target is out)."""
+    if target is out:
+        return
+    total, NT, block = out.numel(), out.shape[-1], 1024
+    _split_sum_kernel[(-(-total // block),)](target, bias if bias is not None else out, out, total, NT,
+                                             target.shape[0], HAS_BIAS=bias is not None, BLOCK=block)
 
 
 def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
@@ -456,21 +511,11 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     M, NQ, NT = x2.shape[0], group.nf4_rows, group.out_features
     R = NT - NQ
     BM, cfg = launch_for(M, launch)
-    BN = cfg["bn"]
-    while any(n % BN for n in group.rows[:-1]):  # no tile across two weights (groupable: multiples of MIN_BN)
-        BN //= 2
-    dense_tiles = -(-R // BN)
-    row_tiles = dense_tiles + -(-NQ // BN)
-    m_tiles = -(-M // BM)
-    n_chunks = -(-K // CHUNK)
-    split = split_for(row_tiles * m_tiles, n_chunks, cfg["programs"])
-    per_split = -(-n_chunks // split)
-    split = -(-n_chunks // per_split)
+    g = group_grid(M, group.rows, R, K, CHUNK, BM, cfg)
+    BN, split = g.BN, g.split
     out = torch.empty(M, NT, dtype=x.dtype, device=x.device)
-    target = out if split == 1 else torch.empty(split, M, NT, dtype=torch.float32, device=x.device)
+    target = split_target(out, split)
     p = group.packed + [group.packed[0]] * (MAX_NF4 - len(group.packed))
-    N0 = group.rows[0]
-    N01 = N0 + (group.rows[1] if len(group.rows) > 1 else NQ)
     dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
     bias = group.bias if group.bias is not None else out
     lut, asm = cfg["lut"], not _interpreting()
@@ -478,9 +523,9 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
     for _ in range(2):
-        kernel = _nf4_group_kernel[(row_tiles, split, m_tiles)](
-            x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, N0, N01, NQ, R,
-            x2.stride(0), NT, M * NT, n_chunks, per_split, dense_tiles,
+        kernel = _nf4_group_kernel[g.grid](
+            x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, g.N0, g.N01, NQ, R,
+            x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
             LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, num_warps=cfg["warps"], num_stages=cfg["stages"])
         if lut != 3 or not asm or _checked(kernel):
@@ -491,10 +536,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
         log.warning("nf4_matmul: the byte-permute lookup does not fit this build's layout (rows %d, tile %d, %d "
                     "warps); using the register gather for it", BM, BN, cfg["warps"])
         lut = 1
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(-(-M * NT // block),)](target, bias, out, M * NT, NT, split,
-                                                  HAS_BIAS=group.bias is not None, BLOCK=block)
+    sum_splits(target, group.bias, out)
     return out.view(*lead, NT)
 
 

@@ -16,14 +16,16 @@ It is used only for decode steps, only for the architectures above with a SiLU M
 can run the model at all (prefill keeps transformers' forward). tests/test_fast_decode.py checks it against
 transformers' forward for each architecture.
 
-Between :meth:`FastDecoder.prepare_nf4` and :meth:`FastDecoder.release_nf4` (the sampler calls them around a
-rollout when ``generation.nf4_kernel`` is on), projections over a bitsandbytes NF4 base compute their base product
-with :func:`longrl.ops.nf4_matmul.nf4_group_linear` (the 4-bit weights read directly) instead of calling the
-module; a projection whose adapters run through PEFT's own forward keeps the module call. With packing on, a
-layer's q/k/v, o, gate/up and down are grouped as in the 16-bit packed decode below, their stacked LoRA A rows read
-by the same product (nothing moved: the group holds the codes' pointers, the expanded scales and the A rows);
-otherwise each projection is a product of its own plus the fused LoRA delta
-(:func:`longrl.rollout.lora_fusion.fused_adder`).
+Between :meth:`FastDecoder.prepare_quantized` and :meth:`FastDecoder.release_quantized` (the sampler calls them
+around a rollout), projections over a quantized base compute their base product with its kernel instead of calling
+the module: a bitsandbytes NF4 base with :func:`longrl.ops.nf4_matmul.nf4_group_linear` (``generation.nf4_kernel``),
+an FP8 base (models/fp8_linear.py) with :func:`longrl.ops.fp8_matmul.fp8_group_linear` (the sampler's
+``fp8_kernel``), each reading the quantized weights directly. A projection whose adapters run through PEFT's own
+forward, or whose shapes the kernel does not read, keeps the module call (the FP8 module dequantizes its whole
+matrix, then multiplies: the fallback). With packing on, a layer's q/k/v, o, gate/up and down are grouped as in the
+16-bit packed decode below, their stacked LoRA A rows read by the same product (nothing moved: the group holds the
+codes' pointers, the scales and the A rows); otherwise each projection is a product of its own plus the fused LoRA
+delta (:func:`longrl.rollout.lora_fusion.fused_adder`).
 
 Between :meth:`FastDecoder.prepare_packing` and :meth:`FastDecoder.release_packing` (``generation.pack_projections``,
 on by default) the base weights of each layer's q/k/v and of its gate/up projections
@@ -39,9 +41,12 @@ memory); release gives every weight its own storage again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from ..models.fp8_linear import FP8Linear
+from ..ops.fp8_matmul import fp8_group, fp8_group_linear, fp8_groupable
 from ..ops.nf4_matmul import groupable, nf4_group, nf4_group_linear
 from .attention import DecodeMeta, decode_attend
 from .fused_ops import LoraFold, add_rmsnorm, decode_silu_mul, rotary_kv
@@ -52,6 +57,40 @@ PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "
 # sibling projections read by one product; a lone projection only when its adapter's A rows ride along
 PACKED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                  ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """A quantized base's decode product: which base layers it reads and how a group of them becomes its operands."""
+
+    name: str  # "nf4", "fp8": the sampler's statistics count the projections routed to each
+    reason: Callable  # base layers → why they cannot be one group of this kernel (None: they can)
+    operands: Callable  # (base layers, 16-bit rows after them or None, their biases) → the product's operands
+    linear: Callable  # (x [B, in], operands) → [B, Σ out (+ rows)]
+
+
+def _nf4_reason(bases: list) -> str | None:
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # no 4-bit layers without bitsandbytes
+        return "bitsandbytes is not installed"
+    if not all(isinstance(b, Linear4bit) and getattr(b.weight, "quant_state", None) is not None for b in bases):
+        return "not bitsandbytes 4-bit layers"
+    return groupable([b.weight for b in bases])
+
+
+def _fp8_reason(bases: list) -> str | None:
+    if not all(isinstance(b, FP8Linear) for b in bases):
+        return "not FP8 layers"
+    return fp8_groupable([b.weight for b in bases], [b.weight_scale for b in bases])
+
+
+NF4_KERNEL = QuantKernel("nf4", _nf4_reason, lambda bases, dense, biases: nf4_group([b.weight for b in bases], dense,
+                                                                                     biases), nf4_group_linear)
+FP8_KERNEL = QuantKernel("fp8", _fp8_reason,
+                         lambda bases, dense, biases: fp8_group([b.weight for b in bases],
+                                                                [b.weight_scale for b in bases], dense, biases),
+                         fp8_group_linear)
 
 
 @dataclass
@@ -67,14 +106,19 @@ class _Pack:
     group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
     a_start: int = 0
     fold: tuple | None = None  # q/k/v or gate/up: (column offsets into A x, (s B)ᵀ each, r) for the glue kernel
-    nf4: object = None  # an NF4 base's operands (ops/nf4_matmul.NF4Group; ``weight`` is then None)
+    quant: object = None  # a quantized base's operands (NF4Group, FP8Group; ``weight`` is then None)
+    kernel: QuantKernel | None = None  # the product reading ``quant``
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, in] → [B, Σ out (+ Σ r)]."""
-        if self.nf4 is None:
+        if self.quant is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        # as bitsandbytes' forward: the product in the layer's compute dtype, the result in the input's
-        return nf4_group_linear(x.to(self.bases[0].compute_dtype or x.dtype), self.nf4).to(x.dtype)
+        return _quant_product(x, self.bases[0], self.kernel, self.quant)
+
+
+def _quant_product(x: torch.Tensor, base, kernel: QuantKernel, operands) -> torch.Tensor:
+    """As the quantized layer's forward: the product in the layer's compute dtype, the result in the input's."""
+    return kernel.linear(x.to(base.compute_dtype or x.dtype), operands).to(x.dtype)
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -103,47 +147,49 @@ class FastDecoder:
         self.body = causal_lm.model
         self.layers = list(self.body.layers[: causal_lm.config.num_hidden_layers])
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
-        self.nf4: dict = {}  # projection module → (base layer, its NF4Group or None when grouped, delta hook or None)
-        self.nf4_packs: dict = {}  # (layer index, first projection's name) → _Pack of NF4 bases, for one rollout
+        self.quant: dict = {}  # projection module → (base layer, its operands or None when grouped, delta hook or
+        #                        None, QuantKernel), for one rollout
+        self.quant_packs: dict = {}  # (layer index, first projection's name) → _Pack of quantized bases
         self.packs: dict = {}  # (layer index, first projection's name) → _Pack, for one rollout
 
-    def prepare_nf4(self, pack: bool = True) -> int:
-        """Route the NF4-base projections through the 4-bit product for the coming rollout (call inside the
-        sampler's fused-LoRA context, before :meth:`prepare_packing` and before its graphs are captured), grouped
-        by layer when ``pack`` (module docstring); returns how many projections. The expanded block scales (4 bytes
-        per 64 parameters) and the groups' copies of the A rows live until :meth:`release_nf4`."""
-        self.nf4, self.nf4_packs = {}, {}
-        try:
-            from bitsandbytes.nn import Linear4bit
-        except ImportError:  # no 4-bit layers without bitsandbytes
-            return 0
-        routed = {}  # module → (base, adder)
+    def prepare_quantized(self, pack: bool = True, kernels: tuple = (NF4_KERNEL, FP8_KERNEL)) -> dict:
+        """Route the projections over quantized bases through ``kernels``' products for the coming rollout (call
+        inside the sampler's fused-LoRA context, before :meth:`prepare_packing` and before its graphs are captured),
+        grouped by layer when ``pack`` (module docstring); returns how many projections each kernel took, by name.
+        The operands (NF4's expanded block scales: 4 bytes per 64 parameters; the groups' copies of the A rows)
+        live until :meth:`release_quantized`."""
+        self.quant, self.quant_packs = {}, {}
+        routed = {}  # module → (base, adder, kernel)
         for layer in self.layers:
             for parent, name in PROJECTIONS:
                 module = getattr(getattr(layer, parent), name)
                 base = getattr(module, "base_layer", module)
-                if (not isinstance(base, Linear4bit) or getattr(base.weight, "quant_state", None) is None
-                        or groupable([base.weight])):  # the kernel's shapes; others keep bitsandbytes' call
+                # the kernel's layers and shapes; others keep the module call
+                kernel = next((k for k in kernels if k.reason([base]) is None), None)
+                if kernel is None:
                     continue
                 adder = fused_adder(base)
                 peft_runs = base is not module and adder is None and not getattr(module, "disable_adapters", False)
                 if not peft_runs:  # (PEFT's forward adds the adapters: only the module call is right)
-                    routed[module] = (base, adder)
+                    routed[module] = (base, adder, kernel)
         for i, layer in enumerate(self.layers):
             for parent, names in PACKED_GROUPS:
                 modules = [getattr(getattr(layer, parent), n) for n in names]
-                group = _nf4_pack(modules, routed) if pack else None
+                group = _quant_pack(modules, routed) if pack else None
                 if group is not None:
-                    self.nf4_packs[(i, names[0])] = group
+                    self.quant_packs[(i, names[0])] = group
                 for m in modules:
                     if m in routed:
-                        base, adder = routed[m]
-                        self.nf4[m] = (base, None if group is not None else
-                                       nf4_group([base.weight], biases=[base.bias]), adder)
-        return len(self.nf4)
+                        base, adder, kernel = routed[m]
+                        ops = None if group is not None else kernel.operands([base], None, [base.bias])
+                        self.quant[m] = (base, ops, adder, kernel)
+        counts = {k.name: 0 for k in kernels}
+        for *_, kernel in self.quant.values():
+            counts[kernel.name] += 1
+        return counts
 
-    def release_nf4(self) -> None:
-        self.nf4, self.nf4_packs = {}, {}
+    def release_quantized(self) -> None:
+        self.quant, self.quant_packs = {}, {}
 
     def prepare_packing(self) -> int:
         """Pack each layer's q/k/v and gate/up base weights, and o/down's when they have fused adapters (see the
@@ -156,11 +202,11 @@ class FastDecoder:
             for i, layer in enumerate(self.layers):
                 for parent, names in PACKED_GROUPS:
                     modules = [getattr(getattr(layer, parent), n) for n in names]
-                    pack = _pack_group(modules, self.nf4)
+                    pack = _pack_group(modules, self.quant)
                     if pack is not None:
                         self.packs[(i, names[0])] = pack
         _return_cached_blocks(any(p.weight.is_cuda for p in self.packs.values()))
-        return len(self.packs) + len(self.nf4_packs)
+        return len(self.packs) + len(self.quant_packs)
 
     def release_packing(self) -> None:
         """Every packed weight back in storage of its own, a group at a time: a group's buffer is freed with its
@@ -183,7 +229,7 @@ class FastDecoder:
         """(the projections' outputs, the LoRA deltas the next glue kernel adds or None): with a packed group whose
         adapters fold (q/k/v → rotary_kv, gate/up → decode_silu_mul), the base outputs and A x from one product, the
         B products left to the kernel; otherwise the outputs with their deltas added."""
-        pack = self.packs.get((i, first)) or self.nf4_packs.get((i, first))
+        pack = self.packs.get((i, first)) or self.quant_packs.get((i, first))
         if pack is None or pack.fold is None:
             return self._project_group(i, first, modules, x), None
         y = pack.product(x)  # [B, Σ out + Σ r]
@@ -192,7 +238,7 @@ class FastDecoder:
     def _project_group(self, i: int, first: str, modules: list, x: torch.Tensor) -> list:
         """The outputs of sibling projections (or a lone one; ``first``: the first one's name) on x [B, in]: one
         packed product, or a call each."""
-        pack = self.packs.get((i, first)) or self.nf4_packs.get((i, first))
+        pack = self.packs.get((i, first)) or self.quant_packs.get((i, first))
         if pack is None:
             return [self._project(m, x) for m in modules]
         y = pack.product(x)  # [B, Σ out (+ Σ r)]
@@ -202,12 +248,11 @@ class FastDecoder:
                 for base, (lo, hi), adder in zip(pack.bases, pack.bounds, pack.adders)]
 
     def _project(self, module, x: torch.Tensor) -> torch.Tensor:
-        entry = self.nf4.get(module)
+        entry = self.quant.get(module)
         if entry is None:
             return module(x)
-        base, group, adder = entry
-        # as bitsandbytes' forward: the product in the layer's compute dtype, the result in the input's
-        y = nf4_group_linear(x.to(base.compute_dtype or x.dtype), group).to(x.dtype)
+        base, operands, adder, kernel = entry
+        y = _quant_product(x, base, kernel, operands)
         return y if adder is None else adder(base, (x,), y)
 
     @staticmethod
@@ -279,34 +324,34 @@ def _lora_rows(modules: list, bases: list, dtype: torch.dtype):
     return adders, None, None, None
 
 
-def _nf4_pack(modules: list, routed: dict) -> "_Pack | None":
-    """The NF4 group of sibling projections routed to the 4-bit product (``routed``: module → (base, adder)), their
-    adapters' A rows read by the same product when the fused adapters group exactly these projections; None when
-    they cannot be one group (or, alone without A rows, would gain nothing)."""
-    if not all(m in routed for m in modules):
+def _quant_pack(modules: list, routed: dict) -> "_Pack | None":
+    """The group of sibling projections routed to one quantized product (``routed``: module → (base, adder,
+    kernel)), their adapters' A rows read by the same product when the fused adapters group exactly these
+    projections; None when they cannot be one group (or, alone without A rows, would gain nothing)."""
+    if not all(m in routed for m in modules) or len({routed[m][2] for m in modules}) > 1:
         return None
-    bases = [routed[m][0] for m in modules]
+    bases, kernel = [routed[m][0] for m in modules], routed[modules[0]][2]
     dtypes = {b.compute_dtype for b in bases}
-    if groupable([b.weight for b in bases]) or len(dtypes) > 1 or None in dtypes:
+    if kernel.reason(bases) or len(dtypes) > 1 or None in dtypes:
         return None
     adders, group, a_rows, fold = _lora_rows(modules, bases, dtypes.pop())
     if adders is None or (a_rows is None and len(bases) == 1):
         return None
-    ops = nf4_group([b.weight for b in bases], a_rows, [b.bias for b in bases])
+    ops = kernel.operands(bases, a_rows, [b.bias for b in bases])
     bounds, start = [], 0
     for b in bases:
         bounds.append((start, start + b.out_features))
         start += b.out_features
-    return _Pack(bases, None, None, bounds, adders, group, start, fold, nf4=ops)
+    return _Pack(bases, None, None, bounds, adders, group, start, fold, quant=ops, kernel=kernel)
 
 
-def _pack_group(modules: list, nf4: dict) -> "_Pack | None":
+def _pack_group(modules: list, quant: dict) -> "_Pack | None":
     """Move the base weights of sibling projections (or of a lone one with an adapter) into one buffer, their
     adapters' A rows appended when the fused adapters group exactly these projections; None when they cannot
     share one product (or, alone, would gain nothing)."""
     bases = [getattr(m, "base_layer", m) for m in modules]
     w0 = bases[0].weight
-    if (any(type(b) is not torch.nn.Linear or m in nf4 for m, b in zip(modules, bases))
+    if (any(type(b) is not torch.nn.Linear or m in quant for m, b in zip(modules, bases))
             or any(b.weight.dtype != w0.dtype or b.weight.device != w0.device or b.in_features != bases[0].in_features
                    or not b.weight.is_contiguous() for b in bases)
             or len({None if b.bias is None else b.bias.dtype for b in bases}) > 1):  # (one bias buffer, one dtype)

@@ -39,7 +39,7 @@ from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, Pref
                         unsupported_reason)
 from .draft_book import DraftBook, ProposerFactory, kept_counts
 from .drafts import DraftHistory, GroupProposer
-from .fast_decode import FastDecoder
+from .fast_decode import FP8_KERNEL, NF4_KERNEL, FastDecoder
 from .kv_quant import FP8
 from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index, triton_available
@@ -109,12 +109,16 @@ class Sampler:
     speculative: "off"; "ngram", speculative decoding with drafts of up to ``max_draft_tokens`` tokens from the
     prompt, the group's completions and the prompt's earlier completions (rollout/drafts.py; the history persists
     across calls); or a factory (prompt ids, G) → a group's proposer (rollout/draft_book.py :class:`GroupDrafts`).
+    nf4_kernel / fp8_kernel: with fast_decode and Triton, decode products over an NF4 / FP8 base read the quantized
+    weights directly (ops/nf4_matmul.py, ops/fp8_matmul.py; FastDecoder.prepare_quantized); off, or where a
+    shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
-                 kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4):
+                 kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
+                 fp8_kernel: bool = True):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -122,6 +126,7 @@ class Sampler:
         if max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1; got {max_draft_tokens}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
+        self.fp8_kernel = fp8_kernel
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
@@ -157,13 +162,15 @@ class Sampler:
         are computed once, placed in the prompt's prefill, and its G completions share the prompt's keys/values."""
         self._check_request(prompt_ids, num_generations, params, multi_turn, vision)
         start = time.perf_counter()
-        with self.prepared() as (fused, nf4, packed):
+        with self.prepared() as (fused, quant, packed):
             run = _Run(self, prompt_ids, num_generations, params, multi_turn, vision)  # after the preparations: the
             rollout = run.execute()  # KV cache is sized from what they leave free
         self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
                            "vision_tower_calls": run.features.tower_calls if run.features is not None else 0,
                            "fast_decode": self.fast is not None,
-                           "nf4_projections": nf4 if self.fast is not None else 0,  # 0 after a fallback
+                           # 0 after a fallback (and without Triton: the modules' own forward)
+                           "nf4_projections": quant.get("nf4", 0) if self.fast is not None else 0,
+                           "fp8_projections": quant.get("fp8", 0) if self.fast is not None else 0,
                            "packed_groups": packed if self.fast is not None else 0,
                            "tokens": sum(len(c) for c in rollout.completion_ids)}
         log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
@@ -172,9 +179,9 @@ class Sampler:
 
     @contextlib.contextmanager
     def prepared(self):
-        """The model set up for a sampler call: eval mode, the sampler's attention, LoRA fused, NF4 projections and
-        packed weights as configured; all undone on exit, in reverse order, whatever happens. Yields (LoRA fused,
-        NF4 projections, packed groups)."""
+        """The model set up for a sampler call: eval mode, the sampler's attention, LoRA fused, NF4/FP8 projections
+        and packed weights as configured; all undone on exit, in reverse order, whatever happens. Yields (LoRA fused,
+        {kernel: quantized projections}, packed groups)."""
         register_sampler_attention()
         base = base_model(self.model)
         # a vision-language model switches its language model only (its vision tower keeps its own attention)
@@ -186,16 +193,17 @@ class Sampler:
             attends.set_attn_implementation(SAMPLER_ATTENTION)
             fused = restore.enter_context(fused_lora(self.model, self.compute_dtype) if self.fuse_lora
                                           else contextlib.nullcontext(False))
-            use_nf4 = self.nf4_kernel and self.fast is not None and self.use_triton
-            nf4 = self.fast.prepare_nf4(self.pack_projections) if use_nf4 else 0
-            restore.callback(self._release_nf4)
+            kernels = tuple(k for k, on in ((NF4_KERNEL, self.nf4_kernel), (FP8_KERNEL, self.fp8_kernel)) if on)
+            quant = (self.fast.prepare_quantized(self.pack_projections, kernels)
+                     if kernels and self.fast is not None and self.use_triton else {})
+            restore.callback(self._release_quantized)
             # the packer is kept: a failing first fast step drops self.fast, and the weights must leave the packed
             # buffers whatever happens
             packer = self.fast if self.pack_projections else None
             if packer is not None:
                 restore.callback(packer.release_packing)
             packed = packer.prepare_packing() if packer is not None else 0
-            yield fused, nf4, packed
+            yield fused, quant, packed
 
     def _check_request(self, prompt_ids, num_generations: int, params: SamplingParams,
                        multi_turn: MultiTurn | None, vision=None) -> None:
@@ -226,9 +234,9 @@ class Sampler:
         if reason:
             raise SamplerUnsupported(f"longrl's sampler does not support {reason}; use generation.backend=hf")
 
-    def _release_nf4(self) -> None:
+    def _release_quantized(self) -> None:
         if self.fast is not None:  # (None after a fallback: the dropped decoder's routing went with it)
-            self.fast.release_nf4()
+            self.fast.release_quantized()
 
     # ------------------------------------------------------------------------------------------ model calls
     @property

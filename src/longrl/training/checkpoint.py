@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..models.files import file_sha256
+from ..models.fp8_linear import is_fp8_model
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +280,11 @@ def _sync_dir(path: Path) -> None:
 
 def frozen_base_weights(model) -> dict | None:
     """The base weights under a PEFT wrapper, in the base model's own names (adapters left out); None when the
-    base is quantized (its weights are then not plain tensors and are rebuilt by loading instead)."""
+    base is quantized (4-bit codes, or FP8 codes and their block scales: rebuilt by loading and quantizing the
+    original weights instead, never saved beside the adapters)."""
     base = model.get_base_model()
+    if is_fp8_model(base):
+        return None
     weights = {k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True).contiguous()
                for k, v in base.state_dict().items() if ".lora_" not in k}
     return weights if all(v.is_floating_point() for v in weights.values()) else None

@@ -1,0 +1,217 @@
+"""x · Wᵀ for FP8 block-scaled weights read in their 8-bit form (the decode-step products of an FP8 base).
+
+Decode steps multiply few rows (1–32 a step, up to 128) by every weight: the product is bound by reading the
+weights. An FP8 base's forward (models/fp8_linear.py) dequantizes the whole matrix to 16 bits first, 1 + 2 + 2
+bytes moved per parameter; this kernel dequantizes in registers instead, reading 1 byte per parameter plus a
+float32 scale per 128 × 128 block (ops/fp8_blocks.py):
+
+    W_i[n, k] = cast(float32(q_i[n, k]) · s_i[n // 128, k // 128])     (exactly the dequantized value)
+    y = x · [W_0; W_1; W_2; D]ᵀ (+ bias)                                 (float32 sums, split over K, one rounding)
+
+A product reads a *group*, as the NF4 product does (ops/nf4_matmul.py): up to three FP8 weights of the same input
+width stacked by rows (q/k/v, gate/up), then optional 16-bit rows D (the stacked LoRA A rows of the packed decode,
+rollout/fast_decode.py); nothing is copied (the group holds each weight's codes and scales as the modules keep
+them). A program owns BN rows of one weight (or of D) and a range of K in chunks of 128 (one block column: its
+rows' scales are one small gather); the dequantized tile is the left operand of a tensor-core product with the
+few rows of x. K is split over programs so that a small group still fills the GPU; the splits' float32 partial
+sums are added in a fixed order (ops/nf4_matmul.py's split-sum kernel: the same result every call).
+
+:func:`fp8_group_reference` is the plain twin (the dequantized weights stacked, then ``F.linear``);
+tests/test_fp8_matmul.py checks the kernel against it through Triton's interpreter on odd and block-crossing
+shapes; benchmarks/nf4_matmul.py --fp8 times both on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .fp8_blocks import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_reference, fp8_blocks
+from .nf4_matmul import MIN_BN, group_grid, launch_for, split_target, sum_splits
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton use the twin
+    triton = None
+
+MAX_FP8 = 3  # FP8 weights one group stacks (q/k/v)
+CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
+
+# launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128): bn rows
+# a program owns, warps, pipeline stages, and the programs the K split aims at (split = ⌈programs / row tiles⌉,
+# each split ≥ 4 chunks). Not yet measured on a GPU: benchmarks/nf4_matmul.py --fp8 --sweep times the choices.
+LAUNCH = {16: dict(bn=64, warps=4, stages=3, programs=528),
+          32: dict(bn=64, warps=4, stages=3, programs=528),
+          64: dict(bn=128, warps=8, stages=3, programs=264),
+          128: dict(bn=128, warps=8, stages=3, programs=264)}
+
+
+@dataclass
+class FP8Group:
+    """The operands of one grouped product: FP8 weights stacked by rows, then optional 16-bit rows."""
+
+    codes: list  # each weight's float8_e4m3fn [N_i, K] (the module's own storage)
+    scales: list  # each weight's float32 [⌈N_i/128⌉, ⌈K/128⌉]
+    rows: list  # N_i
+    K: int
+    dense: torch.Tensor | None = None  # [R, K] 16-bit rows after the FP8 ones (LoRA A), or None
+    bias: torch.Tensor | None = None  # [Σ N_i + R] (zeros on the dense rows), or None
+
+    @property
+    def fp8_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def out_features(self) -> int:
+        return self.fp8_rows + (self.dense.shape[0] if self.dense is not None else 0)
+
+
+def fp8_groupable(codes: list, scales: list) -> str | None:
+    """Why these FP8 weights cannot be one group (None: they can): 1 to 3 contiguous float8_e4m3fn matrices of one
+    input width with their block scales, every weight but the last a multiple of 16 rows (a row tile never
+    straddles two weights), on one device."""
+    if not 1 <= len(codes) <= MAX_FP8 or len(scales) != len(codes):
+        return f"{len(codes)} weights (1 to {MAX_FP8}, each with its scales)"
+    for q, s in zip(codes, scales):
+        if q.dim() != 2 or q.dtype != FP8_DTYPE or not q.is_contiguous():
+            return "not contiguous float8_e4m3fn matrices"
+        if s.dtype != torch.float32 or tuple(s.shape) != fp8_blocks(*q.shape) or not s.is_contiguous():
+            return f"scales {tuple(s.shape)} {s.dtype} (float32, one per 128 × 128 block)"
+    if len({q.shape[1] for q in codes}) > 1:
+        return f"input widths {sorted({q.shape[1] for q in codes})} (one)"
+    if any(q.shape[0] % MIN_BN for q in codes[:-1]):
+        return f"row counts {[q.shape[0] for q in codes]} (all but the last a multiple of {MIN_BN})"
+    if len({t.device for t in codes + scales}) > 1:
+        return "weights on several devices"
+    return None
+
+
+def fp8_group(codes: list, scales: list, dense: torch.Tensor | None = None,
+              biases: list | None = None) -> FP8Group:
+    """The group of FP8 weights (codes and block scales, q/k/v, gate/up, or one), their biases (a list with None
+    for none; all None: no bias) and the 16-bit rows ``dense`` [R, K] after them; nothing is copied but the
+    biases."""
+    reason = fp8_groupable(codes, scales)
+    if reason:
+        raise ValueError(f"fp8_group: {reason}")
+    K = codes[0].shape[1]
+    if dense is not None and (dense.dim() != 2 or dense.shape[1] != K):
+        raise ValueError(f"fp8_group: dense rows {tuple(dense.shape)} do not have the input width {K}")
+    rows = [q.shape[0] for q in codes]
+    bias = None
+    if biases is not None and any(b is not None for b in biases):
+        device = codes[0].device
+        dtype = next(b.dtype for b in biases if b is not None)
+        parts = [b if b is not None else torch.zeros(n, device=device) for b, n in zip(biases, rows)]
+        tail = [torch.zeros(dense.shape[0], device=device)] if dense is not None else []
+        bias = torch.cat([p.to(dtype) for p in parts + tail])
+    return FP8Group(list(codes), list(scales), rows, K, dense.contiguous() if dense is not None else None, bias)
+
+
+def fp8_group_weight(group: FP8Group, dtype: torch.dtype) -> torch.Tensor:
+    """The group's stacked weight [Σ N_i + R, K] in ``dtype``, each FP8 weight dequantized."""
+    parts = [dequantize_fp8_reference(q, s, dtype) for q, s in zip(group.codes, group.scales)]
+    if group.dense is not None:
+        parts.append(group.dense.to(dtype))
+    return torch.cat(parts)
+
+
+def fp8_group_reference(x: torch.Tensor, group: FP8Group) -> torch.Tensor:
+    """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin)."""
+    bias = group.bias.to(x.dtype) if group.bias is not None else None
+    return torch.nn.functional.linear(x, fp8_group_weight(group, x.dtype), bias)
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm, stride_ym,
+                          stride_ys, n_chunks, chunks_per_split, dense_tiles, HAS_BIAS: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr):
+        """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D, the rest the FP8
+        rows; an FP8 tile lies inside one weight (P0 rows [0, N0), P1 [N0, N01), P2 [N01, NQ)), whose scales are
+        S0, S1, S2. acc [BN, BM] (weight tile on the left) goes to split ps's float32 slice of Y, or (one split)
+        to Y itself with the bias, cast."""
+        pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        m = pm * BM + tl.arange(0, BM)
+        m_ok = m < M
+        x_rows = X + m.to(tl.int64) * stride_xm  # [BM]
+        c_start = ps * chunks_per_split
+        c_stop = tl.minimum(c_start + chunks_per_split, n_chunks)
+        acc = tl.zeros([BN, BM], tl.float32)
+        kk = tl.arange(0, 128)
+        if pn < dense_tiles:  # 16-bit rows: plain product
+            r = pn * BN + tl.arange(0, BN)
+            r_ok = r < R
+            col, c_ok = NQ + r, r_ok
+            d_rows = D + r.to(tl.int64) * K
+            for c in tl.range(c_start, c_stop, num_stages=1):
+                k = c * 128 + kk
+                k_ok = k < K
+                d = tl.load(d_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, 128]
+                xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)  # [128, BM]
+                acc += tl.dot(d.to(xt.dtype), xt, out_dtype=tl.float32)
+        else:
+            row0 = (pn - dense_tiles) * BN
+            n = row0 + tl.arange(0, BN)  # rows of the group
+            n_ok = n < NQ
+            col, c_ok = n, n_ok
+            codes = tl.where(row0 >= N01, P2, tl.where(row0 >= N0, P1, P0))  # this tile's weight
+            scales = tl.where(row0 >= N01, S2, tl.where(row0 >= N0, S1, S0))
+            local = tl.where(row0 >= N01, row0 - N01, tl.where(row0 >= N0, row0 - N0, row0)) + tl.arange(0, BN)
+            w_rows = codes + local.to(tl.int64) * K  # [BN] first code of each row
+            s_rows = scales + (local // 128) * KB  # [BN] each row's block row of scales
+            for c in range(c_start, c_stop):
+                k = c * 128 + kk
+                if EVEN_K:  # no mask along k: the loads stay 16-byte vectors
+                    w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 128] e4m3
+                    xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :], other=0.0)  # [128, BM]
+                else:
+                    k_ok = k < K
+                    w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                s = tl.load(s_rows + c, mask=n_ok, other=0.0)  # [BN] float32
+                tile = (w.to(tl.float32) * s[:, None]).to(xt.dtype)  # the dequantized weights, as the twin's
+                acc += tl.dot(tile, xt, out_dtype=tl.float32)
+        ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(ptr, acc.to(Y.dtype.element_ty), mask=c_ok[:, None] & m_ok[None, :])
+
+
+def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
+                     launch: dict | None = None) -> torch.Tensor:
+    """x [..., K] → [..., Σ N_i + R] = x · [W_0; …; D]ᵀ (+ bias) for the group (module docstring); the twin when
+    Triton is off or x is not 16-bit. ``launch`` overrides :data:`LAUNCH`'s entry (for tuning; the result does not
+    depend on it beyond float32 summation order)."""
+    K = group.K
+    if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
+        return fp8_group_reference(x, group)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, NQ, NT = x2.shape[0], group.fp8_rows, group.out_features
+    R = NT - NQ
+    BM, cfg = launch_for(M, launch, LAUNCH)
+    g = group_grid(M, group.rows, R, K, CHUNK, BM, cfg)
+    out = torch.empty(M, NT, dtype=x.dtype, device=x.device)
+    target = split_target(out, g.split)
+    codes = group.codes + [group.codes[0]] * (MAX_FP8 - len(group.codes))
+    scales = group.scales + [group.scales[0]] * (MAX_FP8 - len(group.scales))
+    dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
+    bias = group.bias if group.bias is not None else out
+    _fp8_group_kernel[g.grid](
+        x2, *codes, *scales, dense, bias, target, M, K, g.n_chunks, g.N0, g.N01, NQ, R, x2.stride(0), NT, M * NT,
+        g.n_chunks, g.per_split, g.dense_tiles, HAS_BIAS=group.bias is not None and g.split == 1, BM=BM, BN=g.BN,
+        EVEN_K=K % CHUNK == 0, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    sum_splits(target, group.bias, out)
+    return out.view(*lead, NT)
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+               use_triton: bool = True) -> torch.Tensor:
+    """x [..., K] → [..., N] = x · Ŵᵀ (+ bias) for one FP8 weight (for tests and one-off products; decode steps hold
+    an :class:`FP8Group`)."""
+    return fp8_group_linear(x, fp8_group([codes], [scales], biases=[bias]), use_triton=use_triton)

@@ -1,0 +1,140 @@
+"""The FP8 kernels against their twins through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set before
+triton is imported): the block dequantization bit for bit, the grouped decode product (rows 1 to 33, K and N not
+multiples of 128, three weights with 16-bit rows and biases, K splits) against the exact product of the dequantized
+weights, and the sampler's decode steps with the FP8 product against the FP8 layers' own forward. The interpreter's
+bfloat16 products are wrong (it runs them on raw bits), so products are checked in float16; bfloat16 runs on the GPU
+(benchmarks/nf4_matmul.py --fp8)."""
+
+import textwrap
+
+import pytest
+import torch
+from interpreter import run_interpreted
+
+from longrl.ops.fp8_blocks import quantize_fp8_blocks
+from longrl.ops.fp8_matmul import fp8_group, fp8_group_linear, fp8_group_weight, fp8_groupable
+
+DEQUANTIZE_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.ops import fp8_blocks as fb
+
+    for N, K in [(1, 1), (3, 200), (130, 129), (257, 384), (128, 256)]:
+        torch.manual_seed(N + K)
+        q, s = fb.quantize_fp8_blocks(torch.randn(N, K) * 3)
+        for dtype in (torch.float32, torch.float16):
+            got = fb.dequantize_fp8(q, s, dtype, use_triton=True)
+            assert got.dtype == dtype and torch.equal(got, fb.dequantize_fp8_reference(q, s, dtype)), (N, K, dtype)
+        # the interpreter casts float32 to bfloat16 by truncation (the GPU and torch round to nearest: bit for bit
+        # in tests/test_fp8_gpu.py): within one bfloat16 ulp here
+        got, want = fb.dequantize_fp8(q, s, torch.bfloat16, use_triton=True), fb.dequantize_fp8_reference(q, s,
+                                                                                                        torch.bfloat16)
+        assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs()).all(), (N, K)
+    print("dequantize ok")
+''')
+
+
+def test_dequantize_kernel_equals_its_twin_bit_for_bit():
+    """float32 and float16 bit for bit through the interpreter (bfloat16 on the GPU: tests/test_fp8_gpu.py)."""
+    assert "dequantize ok" in run_interpreted(DEQUANTIZE_CHECK)
+
+
+PRODUCT_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.ops import fp8_blocks as fb, fp8_matmul as fm
+
+    worst = 0.0
+    # (rows of each FP8 weight, K, rows of x, 16-bit rows after them, biases, launch override): q/k/v-like groups
+    # whose row tiles shrink to the weights' boundaries (48 rows), K not a multiple of 128 (masked chunks), K splits
+    # (few programs: several chunks a split; many: one split a chunk), one weight alone, rows 1, 3, 17, 33
+    cases = [([48, 32, 70], 300, 3, 5, True, None),
+             ([130], 129, 17, 0, False, None),
+             ([64, 64], 1280, 1, 3, False, dict(programs=4)),
+             ([96], 700, 33, 0, True, dict(bn=32, programs=64)),
+             ([128, 16, 16], 257, 17, 7, True, dict(bn=128, programs=1000)),
+             ([200], 384, 1, 0, False, None)]
+    for rows, K, M, R, bias, launch in cases:
+        torch.manual_seed(K + M)
+        ws = [fb.quantize_fp8_blocks(torch.randn(n, K) * 0.1) for n in rows]
+        dense = torch.randn(R, K, dtype=torch.float16) if R else None
+        biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
+        g = fm.fp8_group([q for q, _ in ws], [s for _, s in ws], dense, biases)
+        x = torch.randn(2, M, K, dtype=torch.float16)
+        got = fm.fp8_group_linear(x, g, launch=launch)
+        assert got.shape == (2, M, sum(rows) + R) and got.dtype == torch.float16
+        exact = x.double() @ fm.fp8_group_weight(g, torch.float16).double().t()
+        if bias:
+            exact += g.bias.double()
+        err = ((got.double() - exact).abs() / (exact.abs() + 1e-2)).max().item()
+        worst = max(worst, err)
+        assert err <= 2 ** -9, (rows, K, M, err)  # float32 sums, one float16 rounding at the end
+        twin = fm.fp8_group_reference(x.float(), g)  # the twin itself in float32 (weights not rounded to float16)
+        exact32 = x.double() @ fm.fp8_group_weight(g, torch.float32).double().t()
+        if bias:
+            exact32 += g.bias.double()
+        assert ((twin.double() - exact32).abs() <= 1e-5 * (1 + exact32.abs())).all()
+    print("product ok", worst)
+''')
+
+
+def test_group_product_equals_its_twin_on_odd_and_block_crossing_shapes():
+    assert "product ok" in run_interpreted(PRODUCT_CHECK)
+
+
+def test_groupable_reasons_and_the_twin_without_triton():
+    q, s = quantize_fp8_blocks(torch.randn(40, 64))
+    q2, s2 = quantize_fp8_blocks(torch.randn(32, 64))
+    assert fp8_groupable([q, q2], [s, s2]) is not None  # 40 rows: not a multiple of 16 before the last
+    assert fp8_groupable([q2, q], [s2, s]) is None
+    assert "float8" in fp8_groupable([q.float()], [s])
+    assert "scales" in fp8_groupable([q], [s.t().contiguous().repeat(1, 2)])
+    with pytest.raises(ValueError, match="fp8_group"):
+        fp8_group([q, q2], [s, s2])
+    g = fp8_group([q2, q], [s2, s], torch.randn(3, 64), [None, torch.randn(40)])
+    x = torch.randn(5, 64)
+    want = torch.nn.functional.linear(x, fp8_group_weight(g, torch.float32), g.bias)
+    assert torch.equal(fp8_group_linear(x, g, use_triton=False), want)
+    assert torch.equal(fp8_group_linear(x, g), want)  # float32 input: the twin
+
+
+SAMPLER_CHECK = textwrap.dedent('''
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from longrl.config.schema import LoraConfig
+    from longrl.models import apply_lora
+    from longrl.models.fp8 import quantize_model_fp8
+    from longrl.rollout import Sampler, SamplingParams
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=208, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).to(torch.float16).eval()
+    quantize_model_fp8(model, torch.randint(0, 97, (2, 16)), exception_budget=0.0)
+    model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    runs = []
+    for fp8 in (False, True):
+        sampler = Sampler(model, None, fp8_kernel=fp8)
+        sampler.use_triton = True  # the fused decode kernels through the interpreter
+        r = sampler.generate(prompts, 2, SamplingParams(max_new_tokens=6, temperature=0))
+        runs.append((r, sampler.last_stats))
+    (plain, s0), (fast, s1) = runs
+    assert s0["fp8_projections"] == 0 and s1["fp8_projections"] == 7 * 2, (s0, s1)
+    assert s1["nf4_projections"] == 0 and s1["packed_groups"] == 4 * 2, s1  # q/k/v + A, o + A, gate/up + A, down + A
+    assert s1["lora_fused"] and s1["fast_decode"]
+    assert fast.completion_ids == plain.completion_ids, (fast.completion_ids, plain.completion_ids)
+    a = torch.tensor(sum(fast.logprobs, [])); b = torch.tensor(sum(plain.logprobs, []))
+    assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+    print("sampler ok")
+''')
+
+
+def test_sampler_with_the_fp8_product_equals_the_layers_forward():
+    """A LoRA model on an FP8 base: decode steps through the grouped FP8 products (each layer's q/k/v, o, gate/up
+    (208 rows: K of down_proj not a multiple of 128) and down with their LoRA A rows, the B products folded into the
+    glue kernels) give the tokens (greedy) and log-probs of the FP8 layers' own forward (dequantize, then multiply:
+    the fallback), float16 through the interpreter."""
+    assert "sampler ok" in run_interpreted(SAMPLER_CHECK)
