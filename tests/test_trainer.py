@@ -303,10 +303,10 @@ def test_old_policy_logprobs_come_from_the_update_forward(tmp_path, monkeypatch)
 
     real_logprobs = GRPOTrainer._logprobs
 
-    def logprobs(self, *args):
+    def logprobs(self, *args, **kwargs):
         fused = any(isinstance(m, FusedLoraLinear) for m in self.model.modules())
         entered.append(("old" if fused else "plain"))
-        return real_logprobs(self, *args)
+        return real_logprobs(self, *args, **kwargs)
 
     monkeypatch.setattr(GRPOTrainer, "_policy_forward", policy_forward)
     monkeypatch.setattr(GRPOTrainer, "_logprobs", logprobs)
