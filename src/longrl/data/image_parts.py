@@ -17,6 +17,15 @@ from __future__ import annotations
 from .errors import DataError
 
 
+def content_type_error(content, where: str) -> DataError:
+    """The error for a message content that is neither a string nor a list of parts. A number usually is a string
+    the dataset reader converted: a JSON column whose contents mix strings and lists of parts is read as one type."""
+    hint = ("; if it was a string in the file, write it as a text part ([{\"type\": \"text\", \"text\": ...}]): "
+            "the dataset reader turns such strings into numbers when other messages' contents are lists of parts"
+            if isinstance(content, (int, float)) else "")
+    return DataError(f"{where}: content must be a string or a list of parts; got {type(content).__name__}{hint}")
+
+
 def content_parts(content, where: str) -> list[dict] | None:
     """A message's content as a list of text and image parts (None stays None: an assistant turn of tool calls);
     DataError naming the part for anything else."""
@@ -25,7 +34,7 @@ def content_parts(content, where: str) -> list[dict] | None:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise DataError(f"{where}: content must be a string or a list of parts; got {type(content).__name__}")
+        raise content_type_error(content, where)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
-from .image_parts import content_parts, count_image_parts, place_images
+from .image_parts import content_parts, content_type_error, count_image_parts, place_images
 from .images import MAX_IMAGE_PIXELS, dataset_folder, has_image_cells, open_images, row_image_sources
 from .prompts import DataError, read_rows
 
@@ -57,7 +57,7 @@ def message_text(content, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise DataError(f"{where}: content must be a string or a list of parts; got {type(content).__name__}")
+        raise content_type_error(content, where)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
