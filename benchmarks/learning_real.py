@@ -48,7 +48,7 @@ Device call 2, at once after it (carry [".whl", ".smollm2_b"]; timeout_s 600): T
 Device call 3, at once after it (the same carry): longrl, seeds 0,1,2 side by side, then the SFT-then-GRPO arm
     bash benchmarks/learning_real_device.sh longrl
 A call that finds a fresh machine says so at once (no /tmp/smollm2.part00): make call 1 again, then that call.
-Each call stops its arms at DEADLINE (530 s) and keeps their curves so far (with a constant learning rate and no
+Each call stops its arms at DEADLINE (520 s) and keeps their curves so far (with a constant learning rate and no
 warm-up, a run stopped at step k is a k-step run). On a machine of 4 GPUs (if `status` lends nvidia-h200-x4) each arm
 gets a GPU of its own: the same calls, call 3 with JOBS=4. Then here, from the files each call brought back:
     python benchmarks/learning_real.py --merge .../learning_real_h200_trl.json .../learning_real_h200_longrl.json \\
@@ -533,17 +533,21 @@ def run_arms(args, hp: dict, model_dir: Path, work: Path) -> list[dict]:
             running[proc.pid] = dict(proc=proc, log=log, tag=tag, gpu=gpu, start=time.time(), part=spec["part"])
             print(f"started {tag} (pid {proc.pid}, GPU {gpu}, {threads} CPU threads)", flush=True)
         time.sleep(2)
-        for pid, r in list(running.items()):
-            rc = r["proc"].poll()
-            if rc is None and deadline and time.perf_counter() > deadline:
-                print(f"deadline: stopping {r['tag']} (pid {pid})", flush=True)
-                r["proc"].terminate()
+        if deadline and time.perf_counter() > deadline:  # stop them all at once, then give them 30 s together
+            for pid, r in running.items():
+                if r["proc"].poll() is None:
+                    print(f"deadline: stopping {r['tag']} (pid {pid})", flush=True)
+                    r["proc"].terminate()
+                    r["stopped"] = True
+            end = time.perf_counter() + 30
+            for r in running.values():
                 try:
-                    rc = r["proc"].wait(30)
+                    r["proc"].wait(max(0.1, end - time.perf_counter()))
                 except subprocess.TimeoutExpired:
                     r["proc"].kill()
-                    rc = r["proc"].wait()
-                r["stopped"] = True
+                    r["proc"].wait()
+        for pid, r in list(running.items()):
+            rc = r["proc"].poll()
             if rc is None:
                 continue
             r["log"].close()
@@ -621,7 +625,7 @@ def report(payload: dict) -> list[str]:
     for arm, rs in by_arm.items():
         for r in rs:
             s = summary(r)
-            note = ("stopped by the deadline" if r.get("stopped_by_deadline") else
+            note = (f"stopped by the deadline after step {s['last_step']}" if r.get("stopped_by_deadline") else
                     f"exit {r.get('rc')}" if r.get("rc") else "" if r.get("complete") else "incomplete")
             med = "–" if s["median_step_s"] is None else f"{s['median_step_s']:.2f}"
             mean = "–" if s["mean_step_s"] is None else f"{s['mean_step_s']:.2f}"

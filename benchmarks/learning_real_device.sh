@@ -7,7 +7,7 @@
 #   bash benchmarks/learning_real_device.sh longrl   # call 3, carry [".whl", ".smollm2_b"]: longrl, seeds 0,1,2,
 #                                                    #   then the SFT-then-GRPO arm, seed 0
 #
-# SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds for the whole call, default 530) and TAG change what a call runs.
+# SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds from the program's start, default 520) and TAG change what a call runs.
 # Each call writes learning_real_<TAG>.{json,md} and logs.tar.gz (the runs' logs and partial records) to $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -38,9 +38,9 @@ esac
 STEPS_ARG=()
 [ -n "${STEPS:-}" ] && STEPS_ARG=(--steps "$STEPS")
 # --jobs 3: the three seeds side by side on the GPU(s); the SFT arm starts when the first of them ends
-timeout $(( ${DEADLINE:-530} + 40 )) python3 benchmarks/learning_real.py --engine $ENGINE --seeds "${SEEDS:-0,1,2}" \
-    --sft-seeds "$SFT" --jobs "${JOBS:-3}" --deadline "${DEADLINE:-530}" --gguf $GGUF --out "$OUT" \
+timeout $(( ${DEADLINE:-520} + 50 )) python3 benchmarks/learning_real.py --engine $ENGINE --seeds "${SEEDS:-0,1,2}" \
+    --sft-seeds "$SFT" --jobs "${JOBS:-3}" --deadline "${DEADLINE:-520}" --gguf $GGUF --out "$OUT" \
     --tag "${TAG:-h200_$ENGINE}" "${STEPS_ARG[@]}"
 rc=$?
-tar czf "$OUT/logs.tar.gz" -C /tmp/learning_real work 2>/dev/null
+(cd /tmp/learning_real/work && tar czf "$OUT/logs.tar.gz" */*.log */*.json) 2>/dev/null  # not the run directories
 exit $rc
