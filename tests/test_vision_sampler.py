@@ -23,7 +23,19 @@ G = 2
 
 def _model(family: str):
     model, processor = build(family, seed=4)
+    _never_greedy_image_token(model)
     return with_lora(model, seed=5, scale=0.2), processor
+
+
+@torch.no_grad()
+def _never_greedy_image_token(model):
+    """Zero the LM head's row of the image placeholder (its logit 0, below the largest of ~100 random logits):
+    a greedy chain that emitted it would make transformers' full forward, the reference here, count it as an image
+    token (longrl's passes place features at the prompt's placeholders only). Without this the chain depends on
+    near-ties that the CPU's thread count decides."""
+    from longrl.models.vision import image_token_id
+
+    model.get_output_embeddings().weight[image_token_id(model.config)] = 0.0
 
 
 def _prompts(model, processor):
