@@ -63,6 +63,9 @@ def test_the_demos(fresh):
     assert (fresh / "longrl-demo" / "checkpoint-20").is_dir()  # the GRPO stage wrote the demo's directory again
     out = run(documented("longrl demo --task tools", "docs/agents.md"), fresh, ["train.max_steps=10"] + DEMO[1:])
     assert "mean reward: first" in out and (fresh / "longrl-demo-tools").is_dir()
+    out = run(documented("longrl demo --task vision"), fresh, DEMO)
+    assert "mean reward: first" in out and (fresh / "longrl-demo-vision" / "checkpoint-20").is_dir()
+    documented("longrl demo --task vision", "docs/vision.md")
 
 
 def _small_model_dir(path: Path) -> Path:
