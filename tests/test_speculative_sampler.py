@@ -281,3 +281,20 @@ def test_a_grpo_step_reports_the_speculative_counts(tmp_path):
     step = history[0]
     assert step["speculative/verify_steps"] >= 0 and 0 <= step["speculative/hit_rate"] <= 1
     assert {"speculative/drafted_tokens", "speculative/accepted_tokens", "speculative/accepted_per_step"} <= set(step)
+
+
+def test_time_saved_estimate_from_the_calls_own_plain_steps():
+    """V verify steps emitting 1 + a tokens a sequence would have taken about V·(1 + a) plain steps: 10 verify steps
+    of 4 rows accepting 20 drafts (a = 0.5) in 3 s, beside plain steps of 0.25 s, saved 10 · 1.5 · 0.25 − 3 = 0.75 s;
+    a call without a plain step reports no estimate; the sampler times both kinds of step."""
+    from longrl.rollout.draft_book import SpeculativeCounts
+
+    counts = SpeculativeCounts(verify_steps=10, verify_rows=40, drafted=60, accepted=20, verify_s=3.0, plain_steps=4,
+                               plain_s=1.0)
+    assert counts.summary()["spec_time_saved_s"] == pytest.approx(0.75)
+    assert "spec_time_saved_s" not in SpeculativeCounts(verify_steps=1, verify_rows=1, verify_s=0.1).summary()
+    model, tok = peaked_model(seed=3)
+    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=3)
+    sampler.generate(PROMPTS, 4, SamplingParams(max_new_tokens=12, seed=2))
+    stats = sampler.last_stats
+    assert stats["spec_verify_s"] > 0 and (stats["spec_verify_steps"] > 0)

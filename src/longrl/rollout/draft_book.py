@@ -36,20 +36,33 @@ ProposerFactory = Callable[[list[int], int], GroupDrafts]  # (prompt token ids, 
 @dataclass
 class SpeculativeCounts:
     """A call's verify steps (forwards over drafted tokens), their rows (sequences checked), the tokens drafted and
-    the drafts accepted."""
+    the drafts accepted; the seconds spent in verify steps and in the plain decode steps of the same call (steps
+    where no sequence had a draft)."""
 
     verify_steps: int = 0
     verify_rows: int = 0
     drafted: int = 0
     accepted: int = 0
+    verify_s: float = 0.0
+    plain_steps: int = 0
+    plain_s: float = 0.0
 
     def summary(self) -> dict:
         """The sampler's ``spec_*`` statistics: the counts, accepted drafts per row of a verify step (a verify step
-        emits 1 + that many tokens a sequence) and the share of drafted tokens accepted (the hit rate)."""
-        return {"spec_verify_steps": self.verify_steps, "spec_verify_rows": self.verify_rows,
-                "spec_drafted_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
-                "spec_accepted_per_step": self.accepted / max(1, self.verify_rows),
-                "spec_hit_rate": self.accepted / max(1, self.drafted)}
+        emits 1 + that many tokens a sequence), the share of drafted tokens accepted (the hit rate), the verify
+        steps' seconds, and, when the call also ran plain steps, an estimate of the seconds saved:
+        s_saved = V·(1 + a)·t_plain − T_verify, with V verify steps, a the mean accepted drafts a row, t_plain the
+        mean plain step and T_verify the verify steps' seconds (plain decoding would have needed about 1 + a steps
+        for each verify step's tokens, its rows advancing together)."""
+        per_row = self.accepted / max(1, self.verify_rows)
+        out = {"spec_verify_steps": self.verify_steps, "spec_verify_rows": self.verify_rows,
+               "spec_drafted_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
+               "spec_accepted_per_step": per_row, "spec_hit_rate": self.accepted / max(1, self.drafted),
+               "spec_verify_s": self.verify_s}
+        if self.plain_steps:
+            plain = self.plain_s / self.plain_steps
+            out["spec_time_saved_s"] = self.verify_steps * (1 + per_row) * plain - self.verify_s
+        return out
 
 
 class DraftBook:

@@ -762,10 +762,18 @@ class _Run:
         slots = [i for i in self._decoding() if i < batch and active[i]]
         self._feed_drafts(slots, generated)
         drafts = [self.drafts.propose(host.sequence[i], self._turn_limit(i) - generated[i] - 1) for i in slots]
+        counts, start = self.drafts.counts, time.perf_counter()
         if any(drafts):
             self._verify(slots, drafts)
         else:
             self._decode_step(batch)
+        if self.sampler.device.type == "cuda":  # (the next step reads the state anyway: this wait costs nothing)
+            torch.cuda.synchronize(self.sampler.device)
+        seconds = time.perf_counter() - start
+        if any(drafts):
+            counts.verify_s += seconds
+        else:
+            counts.plain_steps, counts.plain_s = counts.plain_steps + 1, counts.plain_s + seconds
 
     def _feed_drafts(self, slots: list[int], generated: list[int]) -> None:
         """Hand each slot's proposer its trajectory's tokens [fed, generated) (its emitted tokens, and in multi-turn
