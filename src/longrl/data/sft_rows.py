@@ -15,7 +15,8 @@ that needs no tokenizer (the format, the roles, empty turns, the parts, an assis
 Rows with images (an ``image`` or ``images`` column, images.py; or ``{"type": "image"}`` parts) are messages or
 prompt / completion rows (plain-text ones become a user and an assistant message) whose contents stay lists of text
 and image parts, one image part per image (image_parts.py); :func:`check_rows` reads every image once. They are
-encoded by a vision-language model's processor, from :func:`image_rows`; the tokenizer path here refuses them.
+encoded by a vision-language model's processor (training/vision_examples.py), from :func:`image_rows`; the tokenizer
+path here refuses them.
 
 Where the assistant's tokens are, is read off the template itself: for assistant message i the conversation up
 to i rendered with the generation prompt is a prefix P of the conversation up to and including i, Q; the
