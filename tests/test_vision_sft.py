@@ -48,7 +48,8 @@ def _rows():
     ]
 
 
-def _examples(family, settings=SFTSettings(), dtype=torch.float32, rows=None):
+def _examples(family, settings=None, dtype=torch.float32, rows=None):
+    settings = settings or SFTSettings()
     model, processor = build(family, seed=1, dtype=dtype)
     encoder = PromptImages(processor, model.config)
     rows = check_rows(rows or _rows(), settings, "d.jsonl")
@@ -164,7 +165,8 @@ def test_longrl_sft_on_a_vision_jsonl_learns_and_resumes_exactly(tmp_path):
 
     data = _vision_jsonl(tmp_path / "data")
     (tmp_path / "sft.yaml").write_text("{}\n")
-    assert main(["sft", str(tmp_path / "sft.yaml"), *_overrides(data, tmp_path / "cli", **{"train.max_steps": 12})]) == 0
+    overrides = _overrides(data, tmp_path / "cli", **{"train.max_steps": 12})
+    assert main(["sft", str(tmp_path / "sft.yaml"), *overrides]) == 0
     losses = [m["loss"] for m in read_metrics(tmp_path / "cli")]
     assert len(losses) == 12 and sum(losses[-3:]) < 0.7 * sum(losses[:3])
 

@@ -7,9 +7,11 @@ One optimizer step reads ``sft.examples_per_step`` examples (``longrl.data.sft_r
 
 so the loss is the mean over the step's trained tokens however the step is split. CE_t comes from the
 backbone's hidden states and the LM head in chunks (``longrl.ops.cross_entropy``: no tokens × vocab tensor),
-with optional label smoothing. A vision dataset (rows with images) is encoded by the vision-language model's processor
-(training/vision_examples.py); each step makes the image tensors of the examples it draws. Held-out loss and perplexity exp(mean CE) every ``output.eval_steps`` (and at
+with optional label smoothing. Held-out loss and perplexity exp(mean CE) every ``output.eval_steps`` (and at
 the end) on ``data.eval_source`` or, without one, on the last ``sft.eval_examples`` rows held out.
+
+A vision dataset (rows with images) is encoded by the vision-language model's processor
+(``longrl.training.vision_examples``); each step makes the image tensors of the examples it draws.
 """
 
 from __future__ import annotations

@@ -24,6 +24,6 @@ from .mrope import continued_positions, mrope_positions
 from .prompt import VisionPrompt, build_prompt, encode_prompt, encode_text
 
 __all__ = ["FAMILIES", "FeatureCache", "ImageFeatures", "Placement", "VisionFamily", "VisionModelError",
-           "VisionPrompt", "build_prompt", "compute_image_features", "continued_positions", "encode_prompt", "encode_text",
-           "has_vision", "image_token_id", "language_model_inputs", "mrope_positions", "require_vision",
+           "VisionPrompt", "build_prompt", "compute_image_features", "continued_positions", "encode_prompt",
+           "encode_text", "has_vision", "image_token_id", "language_model_inputs", "mrope_positions", "require_vision",
            "supported_families", "vision_family", "vision_parameters", "vision_trains"]
