@@ -1,5 +1,5 @@
-"""``longrl demo``: the offline demo (a tiny model learns small-number addition), optionally after a supervised
-warm start (``--sft``)."""
+"""``longrl demo``: the offline demos (a tiny model learns small-number addition, to use a lookup tool, or the colour
+of a shape in a picture: ``--task``), optionally after a supervised warm start (``--sft``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,9 @@ def demo_command(cfg, warm_start: bool = False) -> int:
                 history = sft.train()
             print(f"warm start: {len(history)} supervised steps, held-out loss "
                   f"{history[-1].get('eval/loss', float('nan')):.3f}", flush=True)
-            GRPOTrainer(cfg, model=sft.model, tokenizer=sft.tokenizer).train()
+            # a vision-language model goes on with its processor (GRPO finds the image encoder through it)
+            tokenizer = sft.images.processor if sft.images is not None else sft.tokenizer
+            GRPOTrainer(cfg, model=sft.model, tokenizer=tokenizer).train()
         else:
             run_grpo(cfg)
     metrics = read_metrics(cfg.output.output_dir)

@@ -165,9 +165,16 @@ def sft_trainer_inputs(slots: tuple, *, args=None, data_collator=None, train_dat
 
 
 def _formatted(rows: list[dict], formatting_func, column: str, name: str) -> list[dict]:
-    """TRL's formatting_func: each row → {column: formatting_func(row)}, a text row."""
+    """TRL's formatting_func: each row → {column: formatting_func(row)}, a text row (a row with images is refused:
+    the text would train without them)."""
+    from ..data.sft_rows import has_images
+
     out = []
     for i, row in enumerate(rows):
+        if isinstance(row, dict) and has_images(row):
+            raise ConfigError(f"formatting_func: {name} row {i + 1} holds images, and formatting_func makes text rows, "
+                              "which would train without them; leave formatting_func out: rows with an image/images "
+                              "column and messages or prompt/completion columns go through the model's processor")
         try:
             text = formatting_func(row)
         except Exception as e:

@@ -65,11 +65,16 @@ def vision_demo_config() -> Config:
     )
 
 
+SFT_TASKS = {"task:shapes": "task:shapes_sft"}  # a demo's GRPO task → its warm start's (else arithmetic's)
+
+
 def sft_warm_start_config(grpo: Config, steps: int = 60) -> Config:
     """The demo's supervised warm start (``longrl demo --sft``): the same model trained on correct answers
-    (``task:arithmetic_sft``, drawn with another seed than the GRPO prompts) before GRPO starts from it."""
+    (``task:arithmetic_sft``, or ``task:shapes_sft`` for the vision demo; drawn with another seed than the GRPO
+    prompts) before GRPO starts from it."""
     cfg = copy.deepcopy(grpo)
-    cfg.data = DataConfig(source="task:arithmetic_sft", num_examples=2000, max_prompt_length=16)
+    cfg.data = DataConfig(source=SFT_TASKS.get(grpo.data.source, "task:arithmetic_sft"), num_examples=2000,
+                          max_prompt_length=16)
     cfg.sft = SFTSettings(max_length=16, examples_per_step=64, eval_examples=64)
     cfg.train = TrainConfig(max_steps=steps, micro_batch_size=128, learning_rate=2e-3, warmup_steps=5, seed=0)
     cfg.output = OutputConfig(output_dir=f"{grpo.output.output_dir}-sft", logging_steps=10, save_steps=0)

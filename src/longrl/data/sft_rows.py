@@ -15,7 +15,8 @@ that needs no tokenizer (the format, the roles, empty turns, the parts, an assis
 Rows with images (an ``image`` or ``images`` column, images.py; or ``{"type": "image"}`` parts) are messages or
 prompt / completion rows (plain-text ones become a user and an assistant message) whose contents stay lists of text
 and image parts, one image part per image (image_parts.py); :func:`check_rows` reads every image once. They are
-encoded by a vision-language model's processor, from :func:`image_rows`; the tokenizer path here refuses them.
+encoded by a vision-language model's processor (training/vision_examples.py), from :func:`image_rows`; the tokenizer
+path here refuses them.
 
 Where the assistant's tokens are, is read off the template itself: for assistant message i the conversation up
 to i rendered with the generation prompt is a prefix P of the conversation up to and including i, Q; the
@@ -43,9 +44,19 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class ExampleImages:
+    """Where an example's image tensors come from, remade each time a step draws it (not kept for the dataset)."""
+
+    text: str  # the conversation as the processor's chat template renders it (image placeholders not expanded)
+    sources: list  # its images (images.ImageSource), one a placeholder, in order
+    end: int  # the index after its last image placeholder token: the example may not be cut before it
+
+
+@dataclass
 class SFTExample:
     input_ids: list[int]  # [L]
     loss_mask: list[bool]  # [L]: token t is trained (predicted from tokens < t); position 0 never is
+    images: ExampleImages | None = None  # a vision dataset's example with images (None: text)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # the roles chat templates render
@@ -94,7 +105,8 @@ def chat_messages(messages, where: str, column: str = "messages", with_images: b
     return out
 
 
-def _has_images(row: dict) -> bool:
+def has_images(row: dict) -> bool:
+    """Whether a row holds images: an ``image``/``images`` cell or ``{"type": "image"}`` parts."""
     return has_image_cells(row) or any(count_image_parts(row.get(c)) for c in ("messages", "prompt", "completion"))
 
 
@@ -131,7 +143,7 @@ def checked_row(row, settings, where: str, base_dir: Path | None = None,
     ``"images"`` (their sources, resolved against ``base_dir``; not read) and contents as lists of parts."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a row of named columns; got {type(row).__name__}")
-    if _has_images(row):
+    if has_images(row):
         return _checked_image_row(row, settings, where, base_dir, max_image_pixels)
     tools = row.get("tools")
     if row.get("messages") is not None:
@@ -174,7 +186,7 @@ def image_rows(rows: list, settings, source: str, max_image_pixels: int = MAX_IM
     """Each row's :func:`checked_row` (messages or prompt / completion, with ``"images"``: a row without images has
     none) for a vision-language model's processor when any row holds images; None for text rows, which
     :func:`build_examples` encodes. Reads no image: :func:`check_rows` has."""
-    if not any(isinstance(row, dict) and _has_images(row) for row in rows):
+    if not any(isinstance(row, dict) and has_images(row) for row in rows):
         return None
     base_dir = dataset_folder(source)
     out = []
@@ -266,12 +278,15 @@ def row_example(tokenizer, row: dict, settings, where: str) -> SFTExample:
     return SFTExample(ids, [True] * len(ids))
 
 
-def build_examples(tokenizer, rows: list[dict], settings, source: str) -> list[SFTExample]:
-    """Every row as an example (rows counted from 1 in messages), with the overlong policy applied."""
+def build_examples(tokenizer, rows: list[dict], settings, source: str, encode=None) -> list[SFTExample]:
+    """Every row as an example (rows counted from 1 in messages), with the overlong policy applied. ``encode(row,
+    where)``: one row's example (default: :func:`row_example` with ``tokenizer``; a vision dataset's rows go through
+    its processor, training/vision_examples.py). An example with images is never cut inside its image tokens."""
+    encode = encode or (lambda row, where: row_example(tokenizer, row, settings, where))
     out, skipped = [], 0
     for i, row in enumerate(rows):
         where = f"dataset {source!r} row {i + 1}"
-        ex = row_example(tokenizer, row, settings, where)
+        ex = encode(row, where)
         ex.loss_mask[0] = False  # nothing predicts the first token
         if len(ex.input_ids) > settings.max_length:
             if settings.overlong == "error":
@@ -280,7 +295,11 @@ def build_examples(tokenizer, rows: list[dict], settings, source: str) -> list[S
             if settings.overlong == "skip":
                 skipped += 1
                 continue
-            ex = SFTExample(ex.input_ids[:settings.max_length], ex.loss_mask[:settings.max_length])
+            if ex.images is not None and ex.images.end > settings.max_length:
+                raise DataError(f"{where}: {len(ex.input_ids)} tokens, more than sft.max_length={settings.max_length}, "
+                                f"and its image tokens run to token {ex.images.end}: sft.overlong=truncate would cut "
+                                "them; raise sft.max_length, or set sft.overlong=skip")
+            ex = SFTExample(ex.input_ids[:settings.max_length], ex.loss_mask[:settings.max_length], ex.images)
         if not any(ex.loss_mask):
             skipped += 1
             continue
@@ -298,9 +317,3 @@ def read_sft_rows(data_cfg, settings, seed: int = 0, source: str | None = None) 
     source = source or data_cfg.source
     return check_rows(read_rows(source, data_cfg.split, data_cfg.num_examples, seed), settings, source,
                       data_cfg.max_image_pixels)
-
-
-def load_examples(data_cfg, settings, tokenizer, seed: int = 0, source: str | None = None) -> list[SFTExample]:
-    """Read ``source`` (default ``data_cfg.source``) and build its examples."""
-    source = source or data_cfg.source
-    return build_examples(tokenizer, read_sft_rows(data_cfg, settings, seed, source), settings, source)

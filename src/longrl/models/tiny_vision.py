@@ -17,11 +17,14 @@ SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>", IMAGE_TOKEN]
 WORDS = ["red", "green", "blue", "yellow", "colour", "shape", "what", "?", "=", ".", ","]
 IMAGE_SIZE, PATCH_SIZE = 28, 14
 # messages → text: image parts become the image token (the processor expands it to the image's 4 tokens), text
-# parts their text; the generation prompt is "=" (the answer follows it)
+# parts their text; an assistant turn is "=", its text and "<eos>", so the generation prompt is "=" (the answer
+# follows it) and a supervised example of an answer reads as a sampled one
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}={% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + IMAGE_TOKEN + "{% elif p['type'] == 'text' %}"
-    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% if m['role'] == 'assistant' %}<eos>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}={% endif %}"
 )
 
 

@@ -21,9 +21,7 @@ import torch
 
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, image_prompts, load_prompts, read_prompt_rows
-from ..models.loading import is_image_text_model
-from ..models.vision import supported_families
-from ..training.vision_inputs import PromptImages, is_processor, pick, repeat_groups
+from ..training.vision_inputs import PromptImages, check_image_model, is_processor, pick, repeat_groups
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
 from ..memory.microbatch import prompt_group_batches
@@ -83,13 +81,9 @@ class RolloutBatch:
 
 
 def _check_image_run(cfg, agent_spec, model) -> None:
-    """Refuse, before the model loads, a text model (named by the config) and what prompts with images do not run
-    with yet."""
-    if model is None and not is_image_text_model(cfg.model.name_or_path, cfg.model.trust_remote_code,
-                                                  cfg.model.revision):
-        raise ConfigError(f"config key 'data.source': {cfg.data.source!r} holds prompts with images, but "
-                          f"model.name_or_path={cfg.model.name_or_path!r} reads text only; train a vision-language "
-                          f"model on it ({supported_families()})")
+    """Refuse, before the model loads, a text model (named by the config, or passed in) and what prompts with images
+    do not run with yet."""
+    check_image_model(cfg, model, "prompts")
     if cfg.train.shared_prompt:
         raise ConfigError("config key 'train.shared_prompt': grouped rows (each prompt once in the log-prob passes) "
                           "do not take prompts with images yet; set train.shared_prompt=false")

@@ -9,6 +9,9 @@ so the loss is the mean over the step's trained tokens however the step is split
 backbone's hidden states and the LM head in chunks (``longrl.ops.cross_entropy``: no tokens × vocab tensor),
 with optional label smoothing. Held-out loss and perplexity exp(mean CE) every ``output.eval_steps`` (and at
 the end) on ``data.eval_source`` or, without one, on the last ``sft.eval_examples`` rows held out.
+
+A vision dataset (rows with images) is encoded by the vision-language model's processor
+(``longrl.training.vision_examples``); each step makes the image tensors of the examples it draws.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from ..config import Config, ConfigError
 from ..data.in_memory import dataset_rows
 from ..data.prompts import PromptSampler
-from ..data.sft_rows import SFTExample, build_examples, check_rows, load_examples, read_sft_rows
+from ..data.sft_rows import SFTExample, build_examples, check_rows, has_images, image_rows, read_sft_rows
 from ..memory import count_groups, token_budget_groups
 from ..memory.planner import StepShape
 from ..models import check_model_files, resolve_device
@@ -37,6 +40,8 @@ from ..training.optimizer import make_optimizer
 from ..training.reporting import RunReporter
 from ..training.run_dir import RunDirectory, write_run_settings
 from ..training.signals import StopSignals
+from ..training.vision_examples import example_prompts, vision_examples
+from ..training.vision_inputs import PromptImages, check_image_model, is_processor, pick
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +54,13 @@ def _micro_batches(examples: list[SFTExample], micro_batch_tokens: int, micro_ba
 
 def step_loss(model, examples: list[SFTExample], groups: list[list[int]], *, pad_id: int, label_smoothing: float,
               chunk_size: int, packed: bool, backward: bool, n_total: int | None = None,
-              forward: torch.nn.Module | None = None) -> tuple[float, int]:
+              forward: torch.nn.Module | None = None, vision: list | None = None) -> tuple[float, int]:
     """(Σ CE / N, N) over ``examples`` split into ``groups``; with ``backward`` each group's share is
     back-propagated as it is computed (gradients accumulate; the sum is the whole step's mean). ``n_total``: N
     when ``examples`` are one rank's share of the step (the trained tokens of every rank), else theirs.
     ``forward``: the module computing a micro-batch's cross-entropies (``distributed.data_parallel``'s, whose DDP
-    sums the gradients over ranks at the last micro-batch); default: ``token_cross_entropy`` on ``model``."""
+    sums the gradients over ranks at the last micro-batch); default: ``token_cross_entropy`` on ``model``.
+    ``vision``: per example its VisionPrompt (training/vision_examples.py) or None; None: no images."""
     n_tokens = sum(sum(e.loss_mask) for e in examples) if n_total is None else n_total
     forward = CrossEntropyModule(model) if forward is None else forward
     total = 0.0
@@ -62,7 +68,8 @@ def step_loss(model, examples: list[SFTExample], groups: list[list[int]], *, pad
         mb = [examples[i] for i in idx]
         with gradient_sync(forward, last=k == len(groups) - 1):
             ce = forward([e.input_ids for e in mb], [e.loss_mask for e in mb], pad_id=pad_id,
-                         label_smoothing=label_smoothing, chunk_size=chunk_size, packed=packed)  # [n_mb]
+                         label_smoothing=label_smoothing, chunk_size=chunk_size, packed=packed,
+                         vision=pick(vision, idx))  # [n_mb]
             loss = ce.sum() / max(n_tokens, 1)
             if backward:
                 loss.backward()
@@ -95,7 +102,6 @@ class SFTTrainer:
                               f"least the number of processes ({self.world.world_size}): each trains whole examples")
         self.run_dir = RunDirectory(cfg, self.world, kind="sft", command="sft",
                                     resume_decided_at_train=self.resume_decided_at_train)
-        self.run_dir.check_data()
         s = cfg.sft
         # the rows are read and checked (all that needs no tokenizer) before the model loads
         train_name = "train_dataset" if train_rows is not None else cfg.data.source
@@ -107,6 +113,11 @@ class SFTTrainer:
             check_rows(eval_rows, s, eval_name)
         elif eval_source:
             eval_rows = read_sft_rows(cfg.data, s, seed=cfg.train.seed, source=eval_source)
+        self.run_dir.check_data(train_rows)  # a dataset file, and the image files its rows name
+        if any(isinstance(row, dict) and has_images(row) for row in train_rows + (eval_rows or [])):
+            check_image_model(cfg, model, "examples")  # before the weights load
+        processor = tokenizer if is_processor(tokenizer) else None  # TRL's processing_class may be a processor
+        tokenizer = processor.tokenizer if processor is not None else tokenizer
         if model is None:
             check_model_files(cfg.model.name_or_path)
         else:
@@ -114,9 +125,11 @@ class SFTTrainer:
                                            needed_tokens=(cfg.sft.max_length, "sft.max_length"))
         self.model, self.tokenizer, self.device, self.layout, self.offloader = build_policy_model(
             cfg, StepShape.sft(cfg), model, tokenizer, device=device)
-        examples = build_examples(self.tokenizer, train_rows, s, train_name)
+        self._processor = processor
+        self.images: PromptImages | None = None  # a vision-language model's processor, once a dataset has images
+        examples = self._examples(train_rows, train_name)
         if eval_rows is not None:
-            self.eval_examples = build_examples(self.tokenizer, eval_rows, s, eval_name)
+            self.eval_examples = self._examples(eval_rows, eval_name)
         elif s.eval_examples and len(examples) >= 10:
             held = min(s.eval_examples, len(examples) // 10)
             examples, self.eval_examples = examples[:-held], examples[-held:]
@@ -140,6 +153,21 @@ class SFTTrainer:
         # one packed row per micro-batch on CUDA; padded rows on the CPU, where attention over a packed row costs its
         # length squared (the same loss either way)
         self.packed = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
+
+    def _examples(self, rows: list[dict], source: str) -> list[SFTExample]:
+        """The examples of ``rows`` (read and checked): through the processor for a vision dataset (the first one
+        finds it: the processor passed in, or the model's), else the tokenizer."""
+        checked = image_rows(rows, self.cfg.sft, source, self.cfg.data.max_image_pixels)
+        if checked is None:
+            return build_examples(self.tokenizer, rows, self.cfg.sft, source)
+        if self.images is None:
+            m = self.cfg.model
+            self.images = PromptImages.for_model(self.model, m.name_or_path, self._processor, revision=m.revision,
+                                                 trust_remote_code=m.trust_remote_code)
+        if self.images is None:
+            raise ConfigError(f"dataset {source!r} holds examples with images, but the model reads text only; train a "
+                              "vision-language model on it")
+        return vision_examples(self.images, checked, self.cfg.sft, source)
 
     def _groups(self, examples: list[SFTExample]) -> list[list[int]]:
         t = self.cfg.train
@@ -222,10 +250,11 @@ class SFTTrainer:
         start, stop = shard(len(examples), self.world.rank, self.world.world_size)
         mine = examples[start:stop]
         n_total = int(self.world.all_sum(torch.tensor(sum(sum(e.loss_mask) for e in mine), dtype=torch.float64)))
+        vision = example_prompts(self.images, mine)  # the image tensors of this rank's examples, for this step only
         loss, _ = step_loss(self.model, mine, self._groups(mine), pad_id=self._pad_id(),
                             label_smoothing=label_smoothing, chunk_size=self.cfg.train.logprob_chunk_size,
                             packed=self.packed, backward=backward, n_total=n_total,
-                            forward=self.forward if backward else None)
+                            forward=self.forward if backward else None, vision=vision)
         if self.world.distributed:
             loss = self.world.sum_floats({"loss": loss})["loss"]
         return loss, n_total
@@ -255,8 +284,9 @@ class SFTTrainer:
             return dataset
         rows = dataset_rows(dataset, "eval_dataset")
         if rows is None:
-            return load_examples(self.cfg.data, self.cfg.sft, self.tokenizer, source=str(dataset))
-        return build_examples(self.tokenizer, rows, self.cfg.sft, "eval_dataset")
+            source = str(dataset)
+            return self._examples(read_sft_rows(self.cfg.data, self.cfg.sft, source=source), source)
+        return self._examples(check_rows(rows, self.cfg.sft, "eval_dataset"), "eval_dataset")
 
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """TRL's save_model: the model as it is now through ``longrl export`` (a PEFT adapter for LoRA runs, else a

@@ -190,7 +190,10 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(exist_ok=staged is not None)
-        model.save_pretrained(tmp, **({"state_dict": model_state} if model_state is not None else {}))
+        kwargs = {"state_dict": model_state} if model_state is not None else {}
+        if not hasattr(model, "peft_config"):  # full weights under the model's own names, as the loaders read them
+            kwargs["save_original_format"] = False  # (transformers would rename e.g. a LLaVA's to its hub layout)
+        model.save_pretrained(tmp, **kwargs)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")

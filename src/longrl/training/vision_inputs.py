@@ -8,11 +8,25 @@ pixels are never all in memory. The processor is deterministic, so both encoding
 
 from __future__ import annotations
 
+from ..config import ConfigError
 from ..data.images import open_images
 from ..data.prompts import PromptDataset
 from ..models import base_model
-from ..models.loading import load_processor
-from ..models.vision import VisionPrompt, encode_prompt, vision_family
+from ..models.loading import is_image_text_model, load_processor
+from ..models.vision import VisionPrompt, encode_prompt, encode_text, supported_families, vision_family
+
+
+def check_image_model(cfg, model, what: str) -> None:
+    """Refuse a text model for a dataset holding ``what`` (prompts, examples) with images: the model the config names
+    before its weights load (its config alone), or the model passed in."""
+    if model is None:
+        vision = is_image_text_model(cfg.model.name_or_path, cfg.model.trust_remote_code, cfg.model.revision)
+        name = f"model.name_or_path={cfg.model.name_or_path!r}"
+    else:
+        vision, name = vision_family(base_model(model).config) is not None, "the model passed in"
+    if not vision:
+        raise ConfigError(f"config key 'data.source': {cfg.data.source!r} holds {what} with images, but {name} reads "
+                          f"text only; train a vision-language model on it ({supported_families()})")
 
 
 def is_processor(obj) -> bool:
@@ -44,7 +58,7 @@ class PromptImages:
         vision dataset without images is rendered and tokenized as text."""
         if not images:
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return encode_text(self.processor, self.config, text, [])[0]
         return encode_prompt(self.processor, self.config, messages, images).input_ids
 
     def prompts(self, data: PromptDataset, rows: list[int]) -> list[VisionPrompt | None] | None:

@@ -21,9 +21,9 @@ from .features import (
 )
 from .inputs import Placement, language_model_inputs
 from .mrope import continued_positions, mrope_positions
-from .prompt import VisionPrompt, build_prompt, encode_prompt
+from .prompt import VisionPrompt, build_prompt, encode_prompt, encode_text
 
 __all__ = ["FAMILIES", "FeatureCache", "ImageFeatures", "Placement", "VisionFamily", "VisionModelError",
            "VisionPrompt", "build_prompt", "compute_image_features", "continued_positions", "encode_prompt",
-           "has_vision", "image_token_id", "language_model_inputs", "mrope_positions", "require_vision",
+           "encode_text", "has_vision", "image_token_id", "language_model_inputs", "mrope_positions", "require_vision",
            "supported_families", "vision_family", "vision_parameters", "vision_trains"]

@@ -57,18 +57,25 @@ def count_image_parts(messages) -> int:
                for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
 
 
+def encode_text(processor, config, text: str, images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """(token ids, image tensors) of a rendered chat ``text``: ``processor(text, images)`` repeats each image's
+    placeholder once per image feature (the rendered template holds its special tokens already) and makes the
+    family's image tensors ({} without images). ``images``: one RGB PIL image per placeholder, in order."""
+    family = require_vision(config)
+    if not images:
+        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), {}
+    nested = "pixel_attention_mask" in family.image_inputs  # Idefics3/SmolVLM take one image list per text
+    enc = processor(text=[text], images=[list(images)] if nested else list(images), add_special_tokens=False,
+                    return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {k: enc[k] for k in family.image_inputs if k in enc}
+
+
 def encode_prompt(processor, config, messages: list[dict], images: list) -> VisionPrompt:
     """Encode one chat prompt with images: ``processor.apply_chat_template(messages, add_generation_prompt=True)``
-    renders the text (an image part where each image goes), then ``processor(text, images)`` expands each image's
+    renders the text (an image part where each image goes), then :func:`encode_text` expands each image's
     placeholder and makes the image tensors. ``images``: one RGB PIL image per image part, in order."""
     parts = count_image_parts(messages)
     if parts != len(images):
         raise ValueError(f"the messages hold {parts} image part(s) but {len(images)} image(s) were given")
-    family = require_vision(config)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # the rendered template holds its special tokens already; Idefics3/SmolVLM take one image list per text
-    nested = "pixel_attention_mask" in family.image_inputs
-    enc = processor(text=[text], images=[list(images)] if nested else list(images), add_special_tokens=False,
-                    return_tensors="pt")
-    image_inputs = {k: enc[k] for k in family.image_inputs if k in enc}
-    return build_prompt(config, enc["input_ids"][0].tolist(), image_inputs)
+    return build_prompt(config, *encode_text(processor, config, text, images))
