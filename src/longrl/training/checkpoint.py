@@ -294,9 +294,10 @@ def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict |
     """(trainer state, frozen base weights) of a checkpoint of either recipe: the data position and the config, and
     what ``longrl export`` needs to rebuild exactly the trained model: the base's real dtype (model.dtype=auto
     depends on the device), the modules a 4-bit base kept in 16-bit, a GGUF base's file (path, size, SHA-256), and
-    the builtin model's frozen base, which only a seed and this torch version's initializers could otherwise
-    rebuild. ``extra``: the recipe's own entries."""
-    from ..models import TINY_NAME, base_model
+    a builtin model's frozen base (``BUILTIN_MODELS``: the demos' text and vision models), which only a seed and
+    this torch version's initializers could otherwise rebuild. ``extra``: the recipe's own entries."""
+    from ..models import base_model
+    from ..models.loading import BUILTIN_MODELS
 
     base = base_model(model)
     dtype = base.get_input_embeddings().weight.dtype
@@ -308,7 +309,7 @@ def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict |
     if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
         state["quant_kept"] = sorted(report.kept)
     frozen = (frozen_base_weights(model)
-              if cfg.model.name_or_path == TINY_NAME and hasattr(model, "peft_config") else None)
+              if cfg.model.name_or_path in BUILTIN_MODELS and hasattr(model, "peft_config") else None)
     return state, frozen
 
 
