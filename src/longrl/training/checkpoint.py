@@ -173,6 +173,19 @@ def staging_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / f".tmp-checkpoint-{step}-{_saver_tag()}"
 
 
+def own_weight_names(model) -> dict:
+    """``save_pretrained``'s argument that keeps the model's own weight names (transformers 5 otherwise writes some
+    families' legacy names, e.g. LLaVA's ``language_model.model.*``, which ``load_state_dict`` on resume does not
+    take; ``from_pretrained`` reads either). Empty for a PEFT model (its adapter names are its own) or a
+    transformers without the argument."""
+    import inspect
+
+    if hasattr(model, "peft_config"):
+        return {}
+    return {"save_original_format": False} if "save_original_format" in inspect.signature(
+        model.save_pretrained).parameters else {}
+
+
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
                     save_total_limit: int = 0, base_weights: dict | None = None, model_state: dict | None = None,
                     staged: Path | None = None) -> Path:
@@ -190,7 +203,8 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(exist_ok=staged is not None)
-        model.save_pretrained(tmp, **({"state_dict": model_state} if model_state is not None else {}))
+        model.save_pretrained(tmp, **({"state_dict": model_state} if model_state is not None else {}),
+                              **own_weight_names(model))
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
