@@ -139,3 +139,37 @@ def test_the_sft_quickstart(fresh):
         .replace("runs/sft", "runs/my-model-dir-sft"), fresh,
         ["data.source=examples/prompts.jsonl", "train.max_steps=1", "output.output_dir=runs/after-sft"] + SMALL_GRPO)
     assert (fresh / "runs" / "after-sft" / "checkpoint-1").is_dir()
+
+
+def test_the_vision_commands(fresh):
+    """docs/vision.md, "Commands": the demo, generate --image, eval on a vision dataset, plan and export, and the
+    exported model loaded as its snippet loads it; "APIs": the TRL + Unsloth script."""
+    from PIL import Image
+
+    doc = "docs/vision.md"
+    out = run(documented("longrl demo --task vision", doc), fresh, ["train.max_steps=4", "output.save_steps=2",
+                                                                     "output.report_to=[none]", "output.progress_bar=false"])
+    assert "mean reward: first" in out and (fresh / "longrl-demo-vision" / "checkpoint-4").is_dir()
+    (fresh / "pics").mkdir()
+    for colour, rgb in {"red": (220, 20, 20), "blue": (20, 20, 220)}.items():
+        Image.new("RGB", (28, 28), rgb).save(fresh / "pics" / f"{colour}.png")
+    shutil.copy(fresh / "pics" / "red.png", fresh / "red.png")
+    out = run(documented('longrl generate --from longrl-demo-vision --prompt "colour?" --image red.png --n 4', doc), fresh)
+    assert out.startswith("=== prompt 1/1: <image>colour?") and out.count("--- sample") == 4
+    run(documented("longrl demo --task vision --print-config > vision.yaml", doc), fresh)
+    (fresh / "held_out.jsonl").write_text("".join(json.dumps({"prompt": "colour?", "image": f"pics/{c}.png",
+                                                              "answer": c}) + "\n" for c in ("red", "blue")))
+    out = run(documented("longrl eval vision.yaml --from longrl-demo-vision --data held_out.jsonl --n 4", doc), fresh)
+    assert "on 2 prompts × 4 samples" in out and "eval/pass@4/answer_reward" in out
+    out = run(documented("longrl plan vision.yaml --gpu-memory-gib 24", doc), fresh)
+    assert "image tokens (counted in data.max_prompt_length)" in out
+    run(documented("longrl export vision-merged --from longrl-demo-vision --format merged", doc), fresh)
+    text = (ROOT / doc).read_text()
+    loading = text.split("```python\n")[1].split("```")[0]
+    assert "AutoProcessor" in loading
+    script = text.split("```python\n")[2].split("```")[0]
+    assert "FastVisionModel.get_peft_model" in script
+    for code in (loading, script):
+        done = subprocess.run([sys.executable, "-c", code], cwd=fresh, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert (fresh / "vision-run" / "checkpoint-10").is_dir()

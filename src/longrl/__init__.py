@@ -18,7 +18,7 @@ _LAZY = {
     "Config": "config", "ConfigError": "config", "load_config": "config",
     "GRPOConfig": "compat.trl_config", "GRPOTrainer": "compat.trl", "SFTConfig": "compat.trl_config", "SFTTrainer": "compat.trl",
     "Callback": "training.callbacks",
-    "FastLanguageModel": "compat.unsloth", "load_model": "models", "chunked_logprobs": "ops.logprobs",
+    "FastLanguageModel": "compat.unsloth", "FastVisionModel": "compat.unsloth", "load_model": "models", "chunked_logprobs": "ops.logprobs",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -36,6 +36,7 @@ class Source:
     tokenizer: object
     ckpt: object | None
     name: str  # as printed: the checkpoint's path or the model reference
+    images: object = None  # a vision-language model's PromptImages (its processor); None for a text model
 
 
 def is_run(reference: str) -> bool:
@@ -74,12 +75,14 @@ def load_source(reference: str, model_cfg, device: str, ckpt=None) -> Source:
     from ..models import load_model
     from ..models.loading import model_settings
 
+    from .inference_images import prompt_images
+
     if ckpt is not None:
         model, tokenizer = checkpoint_model(ckpt, device)
-        return Source(model, tokenizer, ckpt, str(ckpt.path))
+        return Source(model, tokenizer, ckpt, str(ckpt.path), prompt_images(model, reference, ckpt, model_cfg))
     model, tokenizer = load_model(reference, lora=None, device=device, **model_settings(model_cfg))
     model.eval()
-    return Source(model, tokenizer, None, reference)
+    return Source(model, tokenizer, None, reference, prompt_images(model, reference, None, model_cfg))
 
 
 def checkpoint_model(ckpt, device: str = "auto"):
@@ -130,17 +133,43 @@ def as_prompt(text_or_messages, tokenizer, chat: bool):
     return text_or_messages
 
 
-def _prompts_from(args, column: str) -> list:
+def _prompts_from(args, column: str, max_image_pixels: int) -> list[tuple]:
+    """(prompt, images) pairs: ``--prompt`` with its ``--image`` files (read and checked here), or ``--data``'s
+    rows (a vision dataset's prompts as messages with image parts, their images read)."""
     from ..config.schema import DataConfig
-    from ..data.prompts import DataError, read_prompt_rows
+    from ..data.images import open_images
+    from ..data.prompts import DataError, image_prompts, read_prompt_rows
+    from .inference_images import image_messages, read_image_files
 
     if args.prompt is not None:
-        return [args.prompt]
+        if not args.image:
+            return [(args.prompt, [])]
+        images = read_image_files(args.image, max_image_pixels)
+        return [(image_messages(args.prompt, len(images)), images)]
+    data = DataConfig(source=args.data, prompt_column=column, shuffle=False, max_image_pixels=max_image_pixels)
     try:
-        rows = read_prompt_rows(DataConfig(source=args.data, prompt_column=column, shuffle=False))
+        rows = read_prompt_rows(data)[:args.limit or None]
+        with_images = image_prompts(data, rows)
+        if with_images is not None:
+            return [(p.messages, open_images(p.images)) for p in with_images]
     except DataError as e:
         raise InferenceError(f"--data: {e}") from e
-    return [row[column] for row in rows[:args.limit or None]]
+    return [(row[column], []) for row in rows]
+
+
+def _encoded(source, prompt, images: list):
+    """(token ids, VisionPrompt or None) of one prompt, as training encodes it."""
+    from ..data.prompts import tokenize_prompt
+    from ..models.vision import encode_prompt
+
+    if source.images is None:
+        return tokenize_prompt(source.tokenizer, prompt), None
+    if not images:
+        if isinstance(prompt, str):
+            return tokenize_prompt(source.tokenizer, prompt), None
+        return source.images.token_ids(prompt, []), None
+    vision = encode_prompt(source.images.processor, source.images.config, prompt, images)
+    return vision.input_ids, vision
 
 
 def generate_settings(args, ckpt):
@@ -163,17 +192,22 @@ def generate_settings(args, ckpt):
 
 def generate_main(args) -> int:
     """``longrl generate``: K completions per prompt, printed as each prompt's completions finish."""
-    from ..data.prompts import tokenize_prompt
     from ..export.source import read_checkpoint
     from ..memory.layout import budget_bytes
     from ..rollout.completions import build_sampler, sample, sampling_params
+    from .inference_images import require_image_model, shown_text
 
     if (args.prompt is None) == (args.data is None):
         raise InferenceError("give one of --prompt TEXT or --data FILE")
+    if args.image and args.prompt is None:
+        raise InferenceError("--image goes with --prompt TEXT; a --data file's images come from its image or images "
+                             "column")
     check_source(args.checkpoint)
     ckpt = read_checkpoint(args.checkpoint) if is_run(args.checkpoint) else None  # verified before loading
     cfg = generate_settings(args, ckpt)
-    prompts = _prompts_from(args, args.prompt_column or cfg.data.prompt_column)
+    prompts = _prompts_from(args, args.prompt_column or cfg.data.prompt_column, cfg.data.max_image_pixels)
+    if any(images for _, images in prompts):  # before the weights load
+        require_image_model(args.checkpoint, ckpt, cfg.model, "--image" if args.image else f"--data {args.data}")
     source = load_source(args.checkpoint, cfg.model, args.device or cfg.model.device, ckpt)
     model, tokenizer, gen = source.model, source.tokenizer, cfg.generation
     chat = {"yes": True, "no": False}.get(args.chat)
@@ -182,16 +216,16 @@ def generate_main(args) -> int:
         chat = trained if trained is not None else bool(getattr(tokenizer, "chat_template", None))
     params = sampling_params(gen, tokenizer, seed=args.seed, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature)
-    prompts = [as_prompt(p, tokenizer, chat) for p in prompts]
-    longest = max(len(tokenize_prompt(tokenizer, p)) for p in prompts)
+    prompts = [(as_prompt(p, tokenizer, chat), images) for p, images in prompts]
+    encoded = [_encoded(source, p, images) for p, images in prompts]  # each prompt's images encoded once
+    longest = max(len(ids) for ids, _ in encoded)
     cap = budget_bytes(cfg)  # the run's train.gpu_memory_gib: the KV cache stays within it, as in training
     sampler = build_sampler(model, tokenizer, gen, max_length=longest + params.max_new_tokens, memory_cap_bytes=cap)
     out = sys.stdout
-    for number, prompt in enumerate(prompts, 1):
-        ids = tokenize_prompt(tokenizer, prompt)
+    for number, ((prompt, _), (ids, vision)) in enumerate(zip(prompts, encoded), 1):
         start = time.perf_counter()
         rollout = sample(model, tokenizer, [ids], args.n, gen, replace(params, seed=args.seed + number), sampler,
-                         next(model.parameters()).device)
+                         next(model.parameters()).device, vision=[vision] if vision is not None else None)
         seconds = time.perf_counter() - start
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         if args.jsonl:
@@ -199,8 +233,7 @@ def generate_main(args) -> int:
                 out.write(json.dumps({"prompt": prompt, "sample": k, "completion": text, "tokens": len(tokens),
                                       "truncated": cut}) + "\n")
         else:
-            shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-            out.write(f"=== prompt {number}/{len(prompts)}: {shown}\n")
+            out.write(f"=== prompt {number}/{len(prompts)}: {shown_text(prompt)}\n")
             for k, (text, tokens, cut) in enumerate(zip(texts, rollout.completion_ids, rollout.truncated), 1):
                 end = "cut at --max-new-tokens" if cut else "stopped"
                 out.write(f"--- sample {k}/{args.n} ({len(tokens)} tokens, {end})\n{text}\n")
@@ -213,8 +246,10 @@ def eval_main(args) -> int:
     """``longrl eval CONFIG --from RUN_OR_MODEL``: mean reward and pass@k per reward function on held-out
     prompts."""
     from ..config.loading import load_config
+    from ..data.prompts import image_prompts
     from ..export.source import read_checkpoint
-    from ..training.evaluation import evaluate, load_eval_prompts, read_eval_rows
+    from ..training.evaluation import eval_data_config, evaluate, load_eval_prompts, read_eval_rows
+    from .inference_images import require_image_model
     from ..rewards import RewardScorer
     from ..memory.layout import budget_bytes
     from ..rollout.completions import build_sampler
@@ -228,16 +263,20 @@ def eval_main(args) -> int:
     ckpt = read_checkpoint(args.checkpoint) if is_run(args.checkpoint) else None  # verified before the rest loads
     scorer = RewardScorer.from_specs(cfg.rewards)  # reward functions and data fail before the model loads
     rows = read_eval_rows(cfg, args.data)
+    if image_prompts(eval_data_config(cfg, args.data), rows) is not None:  # before the weights load
+        require_image_model(args.checkpoint, ckpt, cfg.model, f"{args.data or cfg.data.eval_source} holds images")
     source = load_source(args.checkpoint, cfg.model, args.device or cfg.model.device, ckpt)
     model, tokenizer = source.model, source.tokenizer
-    data = load_eval_prompts(cfg, tokenizer, rows, args.data)
+    data = load_eval_prompts(cfg, tokenizer, rows, args.data,
+                             encode_images=source.images.token_ids if source.images is not None else None)
     gen = cfg.generation
     sampler = build_sampler(model, tokenizer, gen, max_length=cfg.data.max_prompt_length + gen.max_completion_length,
                             memory_cap_bytes=budget_bytes(cfg))
     start = time.perf_counter()
     result = evaluate(model, tokenizer, scorer, data, gen, num_generations=cfg.output.eval_num_generations,
                       pass_threshold=cfg.output.eval_pass_threshold, sampler=sampler,
-                      device=next(model.parameters()).device, seed=args.seed, keep_samples=args.samples)
+                      device=next(model.parameters()).device, seed=args.seed, keep_samples=args.samples,
+                      images=source.images)
     print(f"eval of {source.name} on {len(data)} prompts × {cfg.output.eval_num_generations} samples "
           f"({time.perf_counter() - start:.1f} s; pass: reward >= {cfg.output.eval_pass_threshold:g}"
           f"{'; greedy' if gen.temperature == 0 else ''})")

@@ -128,7 +128,10 @@ def _add_generate_and_eval(sub) -> None:
     gen.add_argument("--from", dest="checkpoint", required=True, metavar="RUN_OR_MODEL", help=MODEL_HELP)
     gen.add_argument("--prompt", type=_non_empty, help="one prompt (a user message when the run trained on chat "
                      "prompts, or a model with a chat template)")
-    gen.add_argument("--data", metavar="FILE", help="prompts from a dataset file (.jsonl/.json/.parquet/.csv)")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for --prompt (repeat for several, in order); needs a vision-language model")
+    gen.add_argument("--data", metavar="FILE", help="prompts from a dataset file (.jsonl/.json/.parquet/.csv; its "
+                     "image or images column for a vision-language model)")
     gen.add_argument("--prompt-column", default=None, help="column of --data holding the prompt (default: the run's)")
     gen.add_argument("--limit", type=_number(int, "an integer >= 0 (0: all)", lambda v: v >= 0), default=0,
                      help="first N prompts of --data (default: all)")
@@ -289,10 +292,11 @@ def _exit_code(e: Exception) -> int | None:
 def _inference(args) -> int:
     from ..export import ExportError
     from .inference import InferenceError, eval_main, generate_main
+    from .inference_images import ImageRequestError
 
     try:
         return generate_main(args) if args.command == "generate" else eval_main(args)
-    except (InferenceError, ExportError) as e:
+    except (InferenceError, ImageRequestError, ExportError) as e:
         print(f"longrl: error: {e}", file=sys.stderr)
         return 2
 

@@ -64,7 +64,7 @@ def trainer_inputs(slots: tuple, *, reward_funcs=None, args=None, train_dataset=
     cfg = _args_config(args, GRPOConfig, "GRPOTrainer")
     model, rows = _model_and_rows(cfg, model, peft_config, train_dataset, "GRPOTrainer")
     rows = epochs_to_steps(cfg, rows)  # the rows it read to count steps (None: it read none)
-    processing_class = _described(cfg, model, processing_class)
+    processing_class = _described(cfg, model, vision_processor(model, processing_class))
     eval_rows = None
     if eval_dataset is not None:
         eval_rows, cfg.data.eval_source = held_out_rows(cfg, eval_dataset)
@@ -247,6 +247,28 @@ def _described(cfg: Config, model, processing_class):
     # a PEFT model with lora.enabled=false is left to the recipe, which refuses it (models.ensure_adapters)
     describe_model(cfg, model, had_adapters=hasattr(model, "peft_config") and cfg.lora.enabled)
     return tokenizer_for(model) if processing_class is None else processing_class
+
+
+def vision_processor(model, processing_class):
+    """``processing_class`` for a vision-language model object given: its processor (tokenizer and image
+    processor), or, when None, the processor saved with the model (TRL's default); a tokenizer alone cannot encode
+    images and is refused. Other models' processing_class is returned as given."""
+    from ..models import base_model
+    from ..models.loading import load_processor
+    from ..models.vision import vision_family
+    from ..training.vision_inputs import is_processor
+
+    if model is None or is_processor(processing_class) or vision_family(base_model(model).config) is None:
+        return processing_class
+    if processing_class is not None:
+        raise ConfigError(f"processing_class: the model is a vision-language model, which needs its processor "
+                          f"(tokenizer and image processor: AutoProcessor.from_pretrained(...), or the second value "
+                          f"of FastVisionModel.from_pretrained); got a {type(processing_class).__name__}")
+    name = getattr(base_model(model).config, "_name_or_path", "")
+    if not name:
+        raise ConfigError("processing_class: the vision-language model given has no name_or_path to load its "
+                          "processor from; pass processing_class=processor")
+    return load_processor(name)
 
 
 def tokenizer_for(model):

@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 
 from .destination import EXPORT_MARKER, check_destination
-from .source import Checkpoint, ExportError, check_remote_code, dequantize_4bit_linears, load_tokenizer, merged_model, read_checkpoint
+from .source import (Checkpoint, ExportError, check_remote_code, dequantize_4bit_linears, is_vision_checkpoint,
+                     load_processing, load_tokenizer, merged_model, read_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ __all__ = ["EXPORT_MARKER", "FORMATS", "Checkpoint", "ExportError", "dequantize_
 def _base_config(ckpt: Checkpoint):
     """The transformers config of the trained model (read without loading weights)."""
     from ..models import TINY_NAME
+    from ..models.tiny_vision import TINY_VISION_NAME, build_vision_tokenizer, tiny_vision_config
 
     if not ckpt.is_adapter:
         from transformers import AutoConfig
@@ -40,6 +42,8 @@ def _base_config(ckpt: Checkpoint):
         from ..models.tiny import tiny_config_dict
 
         return LlamaConfig(**tiny_config_dict())
+    if ckpt.base_name == TINY_VISION_NAME:
+        return tiny_vision_config(build_vision_tokenizer())
     from ..models.gguf import GgufError, gguf_model_config, is_gguf
 
     if is_gguf(ckpt.base_name):
@@ -101,6 +105,10 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     ckpt = dataclasses.replace(read_checkpoint(checkpoint), trust_remote_code=trust_remote_code)
     check_remote_code(ckpt, trust_remote_code)
+    if fmt == "gguf" and is_vision_checkpoint(ckpt):
+        raise ExportError(f"checkpoint {ckpt.path} trained the vision-language model {ckpt.base_name!r}: GGUF export "
+                          "of vision models is not supported (longrl does not write llama.cpp's image projector, "
+                          "the mmproj file); export it with --format merged or --format adapter")
     # "out/.", "..", "out/sub/..": a name and a parent to stage beside (".." read lexically, as cd reads it)
     output_dir = Path(os.path.normpath(Path(output_dir).expanduser().absolute()))
     check_destination(output_dir, overwrite, Path(ckpt.path), own_run=_own_run)
@@ -120,12 +128,12 @@ def export_checkpoint(checkpoint: str | Path, output_dir: str | Path, fmt: str =
         if fmt == "adapter":
             write_adapter(staging, ckpt)
         else:
-            model, tokenizer = merged_model(ckpt, device), load_tokenizer(ckpt)
+            model = merged_model(ckpt, device)
             if fmt == "merged":
-                write_merged(staging, model, tokenizer, torch_dtype)
+                write_merged(staging, model, load_processing(ckpt), torch_dtype)
                 details["dtype"] = str(torch_dtype).removeprefix("torch.")
             else:
-                _write_gguf(staging, model, tokenizer, quant, ckpt, plan)
+                _write_gguf(staging, model, load_tokenizer(ckpt), quant, ckpt, plan)
                 details["quant"] = quant
         write_card(staging, ckpt, fmt, details)
         _replace(staging, output_dir)

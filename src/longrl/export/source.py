@@ -127,6 +127,30 @@ def load_tokenizer(ckpt: Checkpoint):
         raise ExportError(f"could not load the tokenizer of base model {ckpt.base_name!r}: {e}") from e
 
 
+def is_vision_checkpoint(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint trained a vision-language model (read from its base's config: no weights)."""
+    from ..models.loading import is_image_text_model
+
+    try:
+        return is_image_text_model(ckpt.base_name, ckpt.trust_remote_code, ckpt.model.get("revision"))
+    except ModelLoadError as e:
+        raise ExportError(f"base model of {ckpt.path}: {e}") from e
+
+
+def load_processing(ckpt: Checkpoint):
+    """What turns the trained model's inputs into tokens: a vision-language model's processor (tokenizer, image
+    processor, chat template), else the tokenizer (:func:`load_tokenizer`)."""
+    if not is_vision_checkpoint(ckpt):
+        return load_tokenizer(ckpt)
+    from ..models.loading import load_processor
+
+    try:
+        return load_processor(ckpt.base_name, revision=ckpt.model.get("revision"),
+                              trust_remote_code=ckpt.trust_remote_code)
+    except ModelLoadError as e:
+        raise ExportError(f"could not load the processor of base model {ckpt.base_name!r}: {e}") from e
+
+
 def load_base(ckpt: Checkpoint, device: str = "cpu"):
     """The base model exactly as training loaded it, without adapters.
 
@@ -161,11 +185,12 @@ def load_trained(ckpt: Checkpoint, device: str = "cpu", dequantize: bool = False
     training saw (rather than re-quantizing the sum).
     """
     if not ckpt.is_adapter:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         from ..models.loading import DTYPES
 
-        return AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=DTYPES.get(ckpt.dtype, torch.float32)).to(device)
+        auto = AutoModelForImageTextToText if is_vision_checkpoint(ckpt) else AutoModelForCausalLM
+        return auto.from_pretrained(str(ckpt.path), dtype=DTYPES.get(ckpt.dtype, torch.float32)).to(device)
     from peft import PeftModel
 
     base = load_base(ckpt, device)

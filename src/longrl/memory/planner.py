@@ -213,6 +213,7 @@ class Plan:
     step_tokens: tuple[int, int, int] | None = None
     shared_prompt_would_save: bool = False  # off, where grouped rows would pay (shared_prompt_saves)
     reference: "ReferenceMemory | None" = None  # the KL reference copy of a full-weight run (counted in the parts)
+    vision: "VisionMemory | None" = None  # a vision-language model's tower, features and activations (in the parts)
 
     def table(self) -> str:
         rows = [("GPU memory planned for", f"{self.budget_bytes / GIB:8.2f} GiB")] if self.budget_bytes else []
@@ -233,6 +234,8 @@ class Plan:
                                                             if self.shared_prompt_would_save else ""))]
         if self.reference is not None:
             rows += [("KL reference", self.reference.describe())]
+        if self.vision is not None:
+            rows += [("images", self.vision.describe())]
         rows += [(f"GPU: {k}", f"{v / GIB:8.2f} GiB") for k, v in self.parts_gpu_bytes.items()]
         rows += [("predicted peak GPU", f"{self.predicted_gpu_bytes / GIB:8.2f} GiB  (of layer recompute and log-prob "
                                         "backward, only the larger: they are not live together)"),
@@ -690,12 +693,15 @@ def model_config_of(name_or_path: str, trust_remote_code: bool = False):
     """The transformers config of a model reference, without loading weights."""
     from ..models.from_checkpoint import config_source
     from ..models.tiny import TINY_NAME, tiny_config_dict
+    from ..models.tiny_vision import TINY_VISION_NAME, build_vision_tokenizer, tiny_vision_config
 
     name_or_path = config_source(name_or_path)  # a longrl checkpoint: its own config.json, or its base's
     if name_or_path == TINY_NAME:
         from transformers import LlamaConfig
 
         return LlamaConfig(**tiny_config_dict(), vocab_size=20)
+    if name_or_path == TINY_VISION_NAME:
+        return tiny_vision_config(build_vision_tokenizer())
     from ..models.gguf import gguf_model_config, is_gguf
 
     if is_gguf(name_or_path):
@@ -959,6 +965,9 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
         weight_bytes = fp8_weight_bytes(shape, weight_bytes, cfg.model.quant_exception_budget) / shape.base_params()
     reference = ReferenceMemory.of(shape, placement, compute) if placement else None
     budget = gpu_free_bytes
+    vision = vision_memory(cfg, model_config, prompts * step.steps_per_rollout, compute)
+    if vision is not None:  # resident through the step: the language model is planned in what it leaves
+        gpu_free_bytes -= vision.total_bytes
     if reference is not None:  # resident through both phases: the rest of the step is planned in what it leaves
         host_free_bytes = pinnable_host_bytes() if host_free_bytes is None else host_free_bytes
         gpu_free_bytes, host_free_bytes = reference.reserve(gpu_free_bytes, host_free_bytes, world_size)
@@ -1009,7 +1018,27 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
         plan.parts_gpu_bytes = {names.get(k, k): v for k, v in plan.parts_gpu_bytes.items()}
     if reference is not None:
         reference.add_to(plan, budget)
+    if vision is not None:
+        plan.parts_gpu_bytes.update(vision.parts())
+        plan.predicted_gpu_bytes += vision.total_bytes
+        plan.budget_bytes, plan.vision = budget, vision
+        if plan.rollout is not None:
+            plan.rollout.parts_gpu_bytes.update(vision.parts())
+            plan.rollout.predicted_gpu_bytes += vision.total_bytes
     return plan
+
+
+def vision_memory(cfg, model_config, prompts: int, compute_bytes: int):
+    """The vision side's memory (memory/vision.py) of a vision-language config, for ``prompts`` prompts a rank
+    (a rollout batch's); None for a text model."""
+    from ..models.vision import vision_family
+    from .vision import VisionMemory
+
+    if vision_family(model_config) is None:
+        return None
+    return VisionMemory.of(model_config, prompts=prompts, compute_bytes=compute_bytes,
+                           tower_trains=not cfg.lora.enabled or cfg.lora.vision_modules != "none",
+                           full_weights=not cfg.lora.enabled)
 
 
 def _grouped_plan(shape: ModelShape, candidates: list, gpu_free_bytes: int, step_args: dict, step: StepShape,

@@ -217,10 +217,13 @@ def model_settings(model_cfg) -> dict:
 def is_image_text_model(name_or_path: str, trust_remote_code: bool, revision: str | None) -> bool:
     """Whether a Hugging Face model directory or hub id is a supported vision-language model, read from its config
     alone (no weights). Another model with a vision part raises :class:`VisionModelError` listing the supported
-    families. Builtin models, GGUF files and checkpoints (their base is checked when it loads) are text models here."""
+    families. A longrl checkpoint is what its base is (down its chain of warm starts); builtin:tiny-arith and GGUF
+    files are text models."""
     if name_or_path == TINY_VISION_NAME:
         return True
-    if name_or_path == TINY_NAME or is_gguf(name_or_path) or checkpoint_path(name_or_path):
+    if (warm := read_warm_start(name_or_path)) is not None:
+        return is_image_text_model(warm.base, trust_remote_code, warm.model.get("revision"))
+    if name_or_path == TINY_NAME or is_gguf(name_or_path):
         return False
     from transformers import AutoConfig
 

@@ -173,6 +173,19 @@ def staging_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / f".tmp-checkpoint-{step}-{_saver_tag()}"
 
 
+def own_weight_names(model) -> dict:
+    """``save_pretrained``'s argument that keeps the model's own weight names (transformers 5 otherwise writes some
+    families' legacy names, e.g. LLaVA's ``language_model.model.*``, which ``load_state_dict`` on resume does not
+    take; ``from_pretrained`` reads either). Empty for a PEFT model (its adapter names are its own) or a
+    transformers without the argument."""
+    import inspect
+
+    if hasattr(model, "peft_config"):
+        return {}
+    return {"save_original_format": False} if "save_original_format" in inspect.signature(
+        model.save_pretrained).parameters else {}
+
+
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
                     save_total_limit: int = 0, base_weights: dict | None = None, model_state: dict | None = None,
                     staged: Path | None = None) -> Path:
@@ -190,10 +203,8 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, st
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(exist_ok=staged is not None)
-        kwargs = {"state_dict": model_state} if model_state is not None else {}
-        if not hasattr(model, "peft_config"):  # full weights under the model's own names, as the loaders read them
-            kwargs["save_original_format"] = False  # (transformers would rename e.g. a LLaVA's to its hub layout)
-        model.save_pretrained(tmp, **kwargs)
+        model.save_pretrained(tmp, **({"state_dict": model_state} if model_state is not None else {}),
+                              **own_weight_names(model))
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -297,9 +308,10 @@ def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict |
     """(trainer state, frozen base weights) of a checkpoint of either recipe: the data position and the config, and
     what ``longrl export`` needs to rebuild exactly the trained model: the base's real dtype (model.dtype=auto
     depends on the device), the modules a 4-bit base kept in 16-bit, a GGUF base's file (path, size, SHA-256), and
-    the builtin model's frozen base, which only a seed and this torch version's initializers could otherwise
-    rebuild. ``extra``: the recipe's own entries."""
-    from ..models import TINY_NAME, base_model
+    a builtin model's frozen base (``BUILTIN_MODELS``: the demos' text and vision models), which only a seed and
+    this torch version's initializers could otherwise rebuild. ``extra``: the recipe's own entries."""
+    from ..models import base_model
+    from ..models.loading import BUILTIN_MODELS
 
     base = base_model(model)
     dtype = base.get_input_embeddings().weight.dtype
@@ -311,7 +323,7 @@ def trainer_state(model, cfg, data_position: int, **extra) -> tuple[dict, dict |
     if report is not None:  # a 4-bit base: the modules kept in 16-bit, so export rebuilds exactly this base
         state["quant_kept"] = sorted(report.kept)
     frozen = (frozen_base_weights(model)
-              if cfg.model.name_or_path == TINY_NAME and hasattr(model, "peft_config") else None)
+              if cfg.model.name_or_path in BUILTIN_MODELS and hasattr(model, "peft_config") else None)
     return state, frozen
 
 
