@@ -382,7 +382,8 @@ def run_longrl(args, shape: dict, root: Path) -> dict:
         except torch.OutOfMemoryError:
             cap = "enforced: an allocation past the budget raised out-of-memory"
     plan = trainer.layout.plan
-    return dict(arm=args.arm, phases=phases, step_seconds=last["step_time_s"], step_peak_gib=max(peaks) if peaks else None,
+    return dict(arm=args.arm, phases=phases, step_seconds=last["step_time_s"],
+                step_peak_gib=max(peaks) if peaks else None,
                 tower=towers[-1], tower_per_step=towers, prompts_encoded=encoded, cap=cap, quantization=quant,
                 weights_gib=sum(t.numel() * t.element_size() for t in model.parameters()) / GIB,
                 kv_cache_gib=trainer.sampler.last_stats.get("kv_cache_bytes", 0) / GIB if trainer.sampler else None,
@@ -459,9 +460,19 @@ def run_trl(args, shape: dict, root: Path) -> dict:
                           peft_config=PeftLoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=targets,
                                                      task_type="CAUSAL_LM"),
                           callbacks=[StepClock()])
+    from grpo_e2e import generate_reuses_kv_cache
+
+    reuses = generate_reuses_kv_cache(trainer.model)  # TRL's way of calling generate (transformers 5.17: it does not)
+    print(f"generate, called TRL's way, reuses its KV cache: {reuses}", flush=True)
+    if not reuses:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__}'s generate, called as TRL calls it, re-runs the "
+                           "whole sequence for every new token: run this arm on transformers 5.24 (see the docstring)")
     trainer.train()
     lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
     return dict(arm="trl", trl=trl.__version__, datasets_stub=tb.DATASETS_STUB_USED, step_seconds=times[-1],
+                generate_reuses_kv_cache=reuses,
                 step_times=times, step_peak_gib=peaks[-1] if peaks else None, tower=towers[-1],
                 tower_per_step=towers, mean_completion_length=lengths[-1] if lengths else None,
                 prompts_encoded=encoded, lora_targets=len(targets))
@@ -473,6 +484,10 @@ def child(args) -> None:
     out = Path(args.child_out)
     record = dict(arm=args.arm, completion=args.completion, prompts=args.prompts)
     try:
+        import peft
+        from results_io import run_meta
+
+        record["meta"] = run_meta(peft=peft.__version__, **trl_version())  # each arm's own versions
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
             r = run_trl(args, shape, Path(tmp)) if args.arm == "trl" else run_longrl(args, shape, Path(tmp))
@@ -490,10 +505,10 @@ def child(args) -> None:
 def classify(e: BaseException, text: str) -> str:
     """out_of_memory (an allocation past the budget or the card), refused (the planner: the step cannot fit), error."""
     name = type(e).__name__
-    if name in ("OutOfMemoryError",) or "CUDA out of memory" in text or "out of memory" in str(e).lower():
-        return "out_of_memory"
-    if name == "PlanError" or "PlanError" in text:
+    if name == "PlanError" or "longrl.memory.planner.PlanError" in text or "PlanError:" in text:
         return "refused"
+    if name == "OutOfMemoryError" or "CUDA out of memory" in text or "out of memory" in str(e).lower():
+        return "out_of_memory"
     return "error"
 
 
@@ -514,9 +529,12 @@ def spawn(args, arm: str, completion: int, tmp: Path) -> dict:
     if left is not None and left < 30:
         return dict(arm=arm, completion=completion, status="not_run", error="deadline: under 30 s left")
     print(f"=== {arm}, {args.prompts} x {args.G} x {completion}: {' '.join(cmd[2:])}", flush=True)
+    env = dict(os.environ)
+    if arm == "trl" and not cuda_available():
+        env.setdefault("TRITON_INTERPRET", "1")  # TRL's log-prob kernel is Triton's: its interpreter on the CPU
     start = time.perf_counter()
     try:
-        rc = subprocess.run(cmd, timeout=left).returncode
+        rc = subprocess.run(cmd, timeout=left, env=env).returncode
     except subprocess.TimeoutExpired:
         return dict(arm=arm, completion=completion, status="timeout", seconds=time.perf_counter() - start,
                     error=f"stopped by the deadline after {time.perf_counter() - start:.0f} s")
@@ -529,13 +547,21 @@ def spawn(args, arm: str, completion: int, tmp: Path) -> dict:
     return record
 
 
-def stem_of(args, suffix: str = "") -> str:
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def stem_of(args, suffix: str = "", length: str | None = None) -> str:
+    """vision_grpo_<shape>_<P>x<G>x<length>_<h200|cpu>[_4bit][_capN]<suffix><tag>."""
     import torch
 
     gpu = "h200" if torch.cuda.is_available() else "cpu"
     base = "_4bit" if args.load_in_4bit else ""
     cap = f"_cap{args.budget_gib:g}" if args.budget_gib else ""
-    return f"{STEM}_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{gpu}{base}{cap}{suffix}{args.tag}"
+    length = str(args.completion) if length is None else length
+    return f"{STEM}_{args.shape}_{args.prompts}x{args.G}x{length}_{gpu}{base}{cap}{suffix}{args.tag}"
 
 
 def arms_main(args) -> None:
@@ -563,7 +589,8 @@ def write_arms(args, records: list[dict], stem: str) -> None:
              f"{SHAPES[args.shape]['image_px']} × {SHAPES[args.shape]['image_px']} random-pixel image "
              f"(grid {enc.get('grid_thw')}, {enc.get('image_tokens')} image tokens) and {args.prompt_len} text tokens "
              f"({enc.get('tokens')} prompt tokens in all); beta 0.04, loss dapo. Budget: train.gpu_memory_gib = "
-             f"{args.budget_gib or 'none'}. Figures of step {args.steps} of {args.steps}; each arm a fresh process.", ""]
+             f"{args.budget_gib or 'none'}. Figures of step {args.steps} of {args.steps}; each arm a fresh "
+             "process.", ""]
     lines += ["| arm | status | whole step s | step peak GiB | generation s | reference s | update s | "
               "tower calls / step (rollout, passes) | images through the tower / step |", "|---" * 9 + "|"]
     for r in records:
@@ -581,6 +608,10 @@ def write_arms(args, records: list[dict], stem: str) -> None:
         lines.append(f"| {r['arm']} | ok | {_f(x['step_seconds'])} | {_f(x.get('step_peak_gib'))} | "
                      f"{_f(ph.get('generation', {}).get('seconds'))} | {_f(ph.get('reference', {}).get('seconds'))} | "
                      f"{_f(ph.get('update', {}).get('seconds'))} | {split} | {_f(t['images_total'], '{:.0f}')} |")
+    versions = {r["arm"]: {k: r["meta"].get(k) for k in ("torch", "transformers", "peft", "trl") if r["meta"].get(k)}
+                for r in records if r.get("meta")}
+    lines += ["", "Versions per arm (each its own process): " + "; ".join(
+        f"{arm}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for arm, vs in versions.items()) + "."]
     for r in ok:
         x = r["result"]
         if r["arm"] == "trl":
@@ -616,14 +647,14 @@ def trl_version() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the probe
-def probe_main(args) -> None:
+def probe_main(args) -> Path:
     """Doubling from --probe-start while the step fits, then bisecting between the longest length that fits and the
     shortest that does not, to --probe-resolution tokens; each probe a fresh process; the state saved after each."""
     from results_io import RESULTS
 
     state_path = Path(args.probe_state) if args.probe_state else None
     probes: list[dict] = json.loads(state_path.read_text())["probes"] if state_path else []
-    out_state = RESULTS / f"{stem_of(args, '_probe')}s.json".replace(f"x{args.completion}_", "xL_")
+    out_state = RESULTS / f"{stem_of(args, '_probes', 'L')}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         while True:
@@ -640,14 +671,15 @@ def probe_main(args) -> None:
             if r["status"] not in ("ok", "out_of_memory", "refused"):
                 break  # a timeout or an error settles nothing: stop here (a later call may continue)
     write_probe(args, probes, out_state)
+    return out_state
 
 
 def next_probe(probes: list[dict], start: int, resolution: int, most: int) -> int | None:
-    """The next length to try: ``start`` first; double past the longest fit until one fails; then bisect."""
+    """The next length to try: ``start`` first; double past the longest fit until one fails; then bisect (None:
+    settled to ``resolution``, or past ``most``). Probes that settled nothing (timeout, error) are not counted: a
+    continued search tries their length again."""
     fits = [p["completion"] for p in probes if p["status"] == "ok"]
     fails = [p["completion"] for p in probes if p["status"] in ("out_of_memory", "refused")]
-    if any(p["status"] not in ("ok", "out_of_memory", "refused") for p in probes[-1:]):
-        return None if not probes[-1].get("retry") else probes[-1]["completion"]
     lo = max(fits, default=None)
     hi = min((f for f in fails if lo is None or f > lo), default=None)
     if lo is None and hi is None:
@@ -675,20 +707,23 @@ def write_probe(args, probes: list[dict], state_path: Path) -> None:
     base = "NF4 4-bit base" if args.load_in_4bit else "bf16"
     lines = [f"# Longest completions that fit, {args.shape} shape ({base}, LoRA r=32), {args.prompts} prompt × "
              f"{args.G} completions, train.gpu_memory_gib = {args.budget_gib or 'none'}, {meta['gpu']}", "",
-             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ",
+             f"`{meta['command']}`", "",
              "Each length a whole GRPO step (rollout + reference + update) in a fresh process; fits = the step "
              "finished; does not = out of memory inside the budget or refused by the planner before the weights "
              "loaded. Doubling from --probe-start, then bisecting to --probe-resolution "
              f"({args.probe_resolution}) tokens.", "",
-             "| completion tokens | result | whole step s | step peak GiB | process s | note |", "|---|---|---|---|---|---|"]
+             "| completion tokens | result | whole step s | step peak GiB | process s | note |",
+             "|---|---|---|---|---|---|"]
     for p in probes:
         lines.append(f"| {p['completion']:,} | {p['status']} | {_f(p.get('step_seconds'))} | "
-                     f"{_f(p.get('step_peak_gib'))} | {_f(p.get('seconds'), '{:.0f}')} | {str(p.get('error') or '')[:100]} |")
+                     f"{_f(p.get('step_peak_gib'))} | {_f(p.get('seconds'), '{:.0f}')} | "
+                     f"{str(p.get('error') or '')[:100]} |")
     lines += ["", f"Longest that fits: {longest if longest is not None else 'none found'}"
               + (f"; shortest longer one that does not: {shortest_fail}" if shortest_fail else
                  "; no longer length failed (the search ended on time or --probe-max)") + ". "
               + f"Probe state (for --probe-state): {state_path.name}."]
-    write_result(stem_of(args, "_probe").replace(f"x{args.completion}_", "xL_"),
+    write_result(stem_of(args, "_probe", "L"),
                  {**meta, **vars(args), "probes": probes, "longest_fit": longest, "shortest_fail": shortest_fail},
                  lines)
 
@@ -714,7 +749,9 @@ def smoke_main(args) -> None:
     import results_io
 
     results_io.RESULTS = SMOKE_DIR
-    tiny = dict(shape="tiny", G=4, prompt_len=8, steps=1, tag="_smoke", probe_state=None, deadline=0)
+    for old in SMOKE_DIR.glob(f"{STEM}_*"):
+        old.unlink()
+    tiny = dict(shape="tiny", G=8, prompt_len=8, steps=1, tag="_smoke", probe_state=None, deadline=0)
     failures = []
     try:
         import trl  # noqa: F401
@@ -741,8 +778,18 @@ def smoke_main(args) -> None:
     # (b): the probe on a tiny scale (on the CPU nothing runs out of memory: it doubles to --probe-max)
     a = argparse.Namespace(**{**vars(args), **tiny, "budget_gib": 22.0, "load_in_4bit": True, "completion": 0,
                               "prompts": 1, "probe_start": 8, "probe_max": 32, "probe_resolution": 4})
-    probe_main(a)
-    state = json.loads(next(SMOKE_DIR.glob(f"{STEM}_tiny_1x4xL_*_probes.json")).read_text())
+    state = json.loads(probe_main(a).read_text())
+    # --merge: the (c) file's arms split in two files and joined again
+    c_file = next(SMOKE_DIR.glob(f"{STEM}_tiny_2x8x16_cpu_smoke.json"))
+    payload = json.loads(c_file.read_text())
+    halves = []
+    for k, recs in enumerate((payload["records"][:1], payload["records"][1:])):
+        halves.append(SMOKE_DIR / f"{STEM}_half{k}.json")
+        halves[-1].write_text(json.dumps({**payload, "records": recs}))
+    merge_main(argparse.Namespace(**{**vars(args), "merge": [str(h) for h in halves]}))
+    merged = json.loads(next(SMOKE_DIR.glob(f"{STEM}_tiny_2x8x16_cpu_merged_smoke.json")).read_text())
+    if [r["arm"] for r in merged["records"]] != [r["arm"] for r in payload["records"]]:
+        failures.append(f"merge: arms {[r['arm'] for r in merged['records']]}")
     got = [p["completion"] for p in state["probes"]]
     if got != [8, 16, 32] or any(p["status"] != "ok" for p in state["probes"]):
         failures.append(f"(b) probes {[(p['completion'], p['status']) for p in state['probes']]}")
@@ -753,7 +800,9 @@ def smoke_main(args) -> None:
     seq += [dict(completion=24576, status="ok"), dict(completion=28672, status="refused")]
     assert next_probe(seq, 16384, 1024, 1 << 17) == 26624
     assert next_probe([dict(completion=16384, status="out_of_memory")], 16384, 1024, 1 << 17) == 8192
-    assert next_probe([dict(completion=16384, status="timeout")], 16384, 1024, 1 << 17) is None
+    assert next_probe([dict(completion=16384, status="timeout")], 16384, 1024, 1 << 17) == 16384
+    assert next_probe(seq + [dict(completion=26624, status="ok"), dict(completion=27648, status="ok")], 16384,
+                      1024, 1 << 17) is None
     print("smoke:", "FAILED\n  " + "\n  ".join(failures) if failures else "every mode ran", flush=True)
     print(f"smoke files (not results): {SMOKE_DIR}", flush=True)
     if failures:
