@@ -50,23 +50,28 @@ Pillow; no bitsandbytes, TRL or datasets). Here, in the checkout's root, once:
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_24_x86_64 -d /tmp/bnb bitsandbytes==0.50.2
     unzip -q -o /tmp/bnb/bitsandbytes-0.50.2-*.whl -d .whl/bnb-0.50.2-slim && find .whl/bnb-0.50.2-slim \\
-        -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete   # 43 MB wheel -> ~9 MB
-    du -sh .whl                                                                         # well under 64 MiB
+        -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete  # CUDA 13 + CPU libraries
+    du -sh .whl                                                                        # must stay under 64 MiB
 
-Device calls, kind nvidia-h200, each with carry [".whl"] and timeout_s 600, each starting with
-    S="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \\
-       && export PYTHONPATH=/tmp/site:$PWD/.whl/bnb-0.50.2-slim:$PWD/src PYTHONUNBUFFERED=1 LONGRL_RESULTS_DIR=$OUT"
-  (a) $S && python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 --deadline 560
-  (b) $S && python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe --deadline 560
-      (starts at 16,384, the issue's target; a second call continues the search from the first call's file:
-       copy it into the checkout first, e.g. mkdir -p .whl/state && cp <files_at>/vision_grpo_*_probes.json
-       .whl/state/, then ... --probe --probe-state .whl/state/<that file> --deadline 560)
-  (c) $S && python3 benchmarks/vision_grpo.py --arms longrl,per-completion,trl --prompts 4 --completion 2048 \\
-          --deadline 570
-      (if the three arms do not fit one call: --arms longrl,per-completion in one call, --arms trl in the next,
-       then here: python benchmarks/vision_grpo.py --merge <first>.json <second>.json)
---deadline (seconds from the start) stops arms and probes that would run past it: each arm's process gets the time
-left, and an arm or probe cut short is recorded as such, never as a figure.
+Device calls, kind nvidia-h200, each with carry [".whl"] and timeout_s 600, one mode a call; each command begins
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PWD/.whl/bnb-0.50.2-slim:$PWD/src PYTHONUNBUFFERED=1 LONGRL_RESULTS_DIR=$OUT &&
+then:
+  (a) python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 --deadline 560
+  (b) python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe --deadline 560
+      It starts at 16,384 (the issue's target). To continue in a further call, put the _probes.json that came back
+      into the checkout (mkdir -p .whl/state && cp <files_at>/vision_grpo_*_probes.json .whl/state/) and add
+      --probe-state .whl/state/<that file>; a probe the deadline cut short is tried again there.
+  (c) python3 benchmarks/vision_grpo.py --arms longrl,per-completion,trl --prompts 4 --completion 2048 --deadline 570
+      If the arms do not all finish in one call, run the missing ones in the next (--arms trl, the same flags) and
+      join the files here: python benchmarks/vision_grpo.py --merge <first>.json <second>.json.
+      The TRL arm first checks that transformers' generate, called TRL's way, reuses its KV cache (grpo_e2e.py's
+      check; it did with this model on 5.17 and 5.25 on the CPU) and stops with an error if not: then run --arms trl
+      on transformers 5.24 (python3 -m pip download --no-deps ... -d .whl/tf524 transformers==5.24.0 peft==0.21.2,
+      installed with --target /tmp/site_tf524 and PYTHONPATH=/tmp/site_tf524:... before the rest), as
+      device_run.sh's with_tf524 does for grpo_e2e's TRL anchor.
+--deadline (seconds from the program's start) bounds every arm and probe: each process gets the time left, and one
+cut short is recorded as stopped by the deadline, never as a figure. Nothing here has been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -581,7 +586,8 @@ def write_arms(args, records: list[dict], stem: str) -> None:
     ok = [r for r in records if r.get("status") == "ok"]
     first = ok[0]["result"] if ok else {}
     enc = (first.get("prompts_encoded") or [{}])[0]
-    base = "NF4 4-bit base (dynamic 16-bit exceptions; tower and projector 16-bit)" if args.load_in_4bit else "bf16"
+    base = ("NF4 4-bit base (dynamic 16-bit exceptions; tower and projector 16-bit)" if args.load_in_4bit else
+            "bf16" if meta["gpu"] != "CPU" else "float32 on the CPU")
     lines = [f"# Whole GRPO step, {args.shape} shape (random weights, {base}, LoRA r=32 on the language model), "
              f"{meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}"
              + (f", TRL {meta['trl']}" if meta.get("trl") else "") + ".  ", f"`{meta['command']}`", "",
@@ -608,6 +614,16 @@ def write_arms(args, records: list[dict], stem: str) -> None:
         lines.append(f"| {r['arm']} | ok | {_f(x['step_seconds'])} | {_f(x.get('step_peak_gib'))} | "
                      f"{_f(ph.get('generation', {}).get('seconds'))} | {_f(ph.get('reference', {}).get('seconds'))} | "
                      f"{_f(ph.get('update', {}).get('seconds'))} | {split} | {_f(t['images_total'], '{:.0f}')} |")
+    described = {"longrl": "longrl as it runs: each prompt's VisionPrompt shared by its G completions (the tower once "
+                           "per prompt in the rollout, its features kept for the passes while it is frozen)",
+                 "per-completion": "the same trainer with the batch's vision list built with a copy of the "
+                                   "VisionPrompt per completion (longrl.recipes.grpo.repeat_groups replaced in this "
+                                   "program): the tower runs once per completion in the passes, each copy's "
+                                   "features then kept for the rest of the step",
+                 "trl": "TRL's GRPOTrainer.train(): the image repeated for every completion row, the tower run "
+                        "in generate and in every forward (calls count batched forwards, images count "
+                        "images through the tower)"}
+    lines += ["", "Arms: " + "; ".join(f"**{r['arm']}**: {described[r['arm']]}" for r in records) + "."]
     versions = {r["arm"]: {k: r["meta"].get(k) for k in ("torch", "transformers", "peft", "trl") if r["meta"].get(k)}
                 for r in records if r.get("meta")}
     lines += ["", "Versions per arm (each its own process): " + "; ".join(
