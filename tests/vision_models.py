@@ -12,6 +12,8 @@ import string
 
 import torch
 
+from longrl.models.tiny_vision import pillow_image_processor
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "idefics3", "smolvlm")
 QWEN_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                 "<|video_pad|>", "<|endoftext|>"]
@@ -99,7 +101,7 @@ def _qwen(family: str, tok):
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
                       patch_size=patch, num_position_embeddings=16, deepstack_visual_indexes=[0])
         config, processor_cls = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **common), tf.Qwen3VLProcessor
-    image_processor = tf.Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, temporal_patch_size=2,
+    image_processor = pillow_image_processor("Qwen2VLImageProcessor", patch_size=patch, merge_size=2, temporal_patch_size=2,
                                                   min_pixels=(2 * patch) ** 2, max_pixels=(4 * patch) ** 2)
     processor = _images_only(processor_cls)(image_processor=image_processor, tokenizer=tok,
                                             chat_template=_template(IMAGE_TEXT["qwen"], "<|im_start|>user\n",
@@ -119,14 +121,14 @@ def _llava(family: str, tok):
     if family == "llava":
         config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
                                 image_seq_length=4, vision_feature_layer=-1)
-        image_processor = tf.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        image_processor = pillow_image_processor("CLIPImageProcessor", size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
         processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
                                       vision_feature_select_strategy="default", chat_template=template)
         return config, processor
     pinpoints = [[28, 28], [28, 56], [56, 28]]
     config = tf.LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_id,
                                 image_grid_pinpoints=pinpoints, vision_feature_layer=-1)
-    image_processor = tf.LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+    image_processor = pillow_image_processor("LlavaNextImageProcessor", size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                                                     image_grid_pinpoints=pinpoints)
     processor = tf.LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
                                       vision_feature_select_strategy="default", chat_template=template)
@@ -145,12 +147,12 @@ def _idefics(family: str, tok):
     size = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 64}, do_image_splitting=False)
     if family == "idefics3":
         config = tf.Idefics3Config(vision_config=vision, text_config=text, image_token_id=image_id, scale_factor=2)
-        processor = tf.Idefics3Processor(image_processor=tf.Idefics3ImageProcessorPil(**size), tokenizer=tok,
+        processor = tf.Idefics3Processor(image_processor=pillow_image_processor("Idefics3ImageProcessor", **size), tokenizer=tok,
                                          image_seq_len=4, chat_template=template)
     else:  # SmolVLMProcessor needs num2words (for videos): Idefics3's processor writes the same layout for
         #    one unsplit image a placeholder, <fake_token_around_image><global-img><image>×4<fake_token_around_image>
         config = tf.SmolVLMConfig(vision_config=vision, text_config=text, image_token_id=image_id, scale_factor=2)
-        processor = tf.Idefics3Processor(image_processor=tf.SmolVLMImageProcessorPil(**size), tokenizer=tok,
+        processor = tf.Idefics3Processor(image_processor=pillow_image_processor("SmolVLMImageProcessor", **size), tokenizer=tok,
                                          image_seq_len=4, chat_template=template)
     return config, processor
 
@@ -167,7 +169,12 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
         config, processor = _llava(family, tok)
     elif family in ("idefics3", "smolvlm"):
         tok = build_tokenizer(IDEFICS_SPECIAL, "<image>")
-        config, processor = _idefics(family, tok)
+        try:
+            config, processor = _idefics(family, tok)
+        except ImportError as e:  # transformers < 5.2x: these image processors need torchvision
+            import pytest
+
+            pytest.skip(f"{family}: {e} (transformers {tf.__version__} without torchvision)")
     else:
         raise ValueError(f"no tiny {family!r}; families: {', '.join(FAMILIES)}")
     config._attn_implementation = "eager"

@@ -44,16 +44,29 @@ def build_vision_tokenizer():
     return tok
 
 
+def pillow_image_processor(name: str, **kwargs):
+    """transformers' image processor ``name`` on its Pillow backend (no torchvision needed): ``{name}Pil`` where
+    transformers has it (≥ 5.2x, whose plain name then wants torchvision), else ``name`` (the Pillow one before)."""
+    import transformers
+
+    for cls_name in (name + "Pil", name):
+        cls = getattr(transformers, cls_name, None)
+        if cls is None:
+            continue
+        try:
+            return cls(**kwargs)
+        except ImportError:  # a placeholder class of a backend this install lacks
+            continue
+    raise ImportError(f"transformers has no Pillow image processor {name!r}")
+
+
 def build_vision_processor():
     """LLaVA's processor over a PIL CLIP image processor (resize and centre-crop to 28 px, CLIP's normalisation)
     and :func:`build_vision_tokenizer`."""
-    import transformers
     from transformers import LlavaProcessor
 
-    # transformers ≥ 5.2x names its Pillow backend apart (the plain name then wants torchvision)
-    image_processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
-    image_processor = image_processor_cls(size={"shortest_edge": IMAGE_SIZE},
-                                          crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    image_processor = pillow_image_processor("CLIPImageProcessor", size={"shortest_edge": IMAGE_SIZE},
+                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     return LlavaProcessor(image_processor=image_processor, tokenizer=build_vision_tokenizer(), patch_size=PATCH_SIZE,
                           vision_feature_select_strategy="default", num_additional_image_tokens=1,
                           image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE)
