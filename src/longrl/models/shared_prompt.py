@@ -158,10 +158,11 @@ def _attention(delegate: str):
 
 def enable_shared_prompt(model) -> None:
     """Install the shared-prompt attention on ``model``'s language model (transformers or PEFT; idempotent; a
-    vision tower keeps its own): its attention implementation becomes PREFIX + the one it had, registered in transformers' AttentionInterface with that one's
-    mask builder, which runs grouped rows and hands every other call to the implementation it had. It stays for
-    the model's life (a checkpointed layer's recompute, in the backward, attends through the same function as its
-    forward); :func:`disable_shared_prompt` restores the one it had."""
+    vision tower keeps its own): its attention implementation becomes PREFIX + the one it had, registered in
+    transformers' AttentionInterface with that one's mask builder, which runs grouped rows and hands every other
+    call to the implementation it had. It stays for the model's life (a checkpointed layer's recompute, in the
+    backward, attends through the same function as its forward); :func:`disable_shared_prompt` restores the one it
+    had."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
