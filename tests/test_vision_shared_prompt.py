@@ -1,7 +1,7 @@
 """Grouped rows with images (float64): each prompt once in a row with its image features, then its completions.
 Log-probs and gradients (LoRA on the language model, and on the tower and projector) equal the repeated layout's and
-transformers' model run on each sequence with its pixel values, for LLaVA (1-D positions), Qwen2-VL and Qwen2.5-VL
-(mRoPE) and Qwen3-VL (mRoPE, deepstack), with the flash-part kernel and its masked twin, packed and padded rows;
+transformers' model run on each sequence with its pixel values, for LLaVA, LLaVA-NeXT and Idefics3 (1-D positions),
+Qwen2-VL and Qwen2.5-VL (mRoPE) and Qwen3-VL (mRoPE, deepstack), with the flash-part kernel and its masked twin, packed and padded rows;
 prompts with equal tokens but other images stay apart; the tower runs once per prompt."""
 
 import pytest
@@ -59,7 +59,8 @@ def _assert_grads_close(got, want):
 
 @pytest.mark.parametrize("family, vision_modules", [
     ("llava", "tower_and_projector"), ("qwen2_vl", "tower_and_projector"), ("qwen2_vl", "none"),
-    ("qwen2_5_vl", "projector"), ("qwen3_vl", "tower_and_projector")])
+    ("qwen2_5_vl", "projector"), ("qwen3_vl", "tower_and_projector"), ("llava_next", "projector"),
+    ("idefics3", "none")])
 def test_grouped_rows_with_images_equal_the_repeated_layout_and_transformers(family, vision_modules):
     model, prompts, seqs = _setup(family, vision_modules)
     assert unsupported_reason(base_model(model).config) is None
