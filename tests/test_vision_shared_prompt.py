@@ -106,3 +106,22 @@ def test_grouped_rows_keep_equal_tokens_with_other_images_apart():
     with pytest.raises(ValueError, match="sequence 1 does not begin"):
         sequence_logprobs(model, [prompt_ids[0], prompt_ids[0][1:]], completion_ids[:2], 9, pad_id=0,
                           vision=[vision[0], vision[0]], shared_prompt=True)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_grouped_rows_with_images_under_offloaded_checkpointing(reuse):
+    """Qwen3-VL (mRoPE, deepstack) with LoRA on the tower, grouped rows under offloaded checkpointing (decoder
+    layers recomputed in backward, with the attention outputs replayed when ``reuse``): the repeated layout's
+    log-probs and gradients without checkpointing."""
+    from longrl.memory.offload import enable_offloaded_checkpointing
+
+    model, prompts, seqs = _setup("qwen3_vl", "tower_and_projector")
+    prompt_ids, completion_ids, vision = _inputs(prompts, seqs)
+    weights = torch.randn(len(seqs), max(len(c) for c in completion_ids), generator=torch.Generator().manual_seed(4),
+                          dtype=torch.float64)
+    want, want_grads = _run(model, prompt_ids, completion_ids, vision, weights)
+    model.train()
+    enable_offloaded_checkpointing(model, reuse_attention=reuse)
+    got, grads = _run(model, prompt_ids, completion_ids, vision, weights, shared_prompt=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    _assert_grads_close(grads, want_grads)
