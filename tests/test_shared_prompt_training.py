@@ -39,6 +39,15 @@ def test_micro_batches_cut_a_group_that_exceeds_the_budget():
             assert 10 + sum(lengths[i] for i in b) <= 22
 
 
+def test_micro_batches_keep_equal_prompts_with_other_images_apart():
+    """Keys (a prompt's images): equal tokens with other keys are other units, each counting its prompt."""
+    a, b = object(), object()
+    prompts, keys = [[1] * 10] * 4, [a, b, a, b]
+    assert prompt_group_batches(prompts, [5] * 4, token_budget=20, size=0, keys=keys) == [[0, 2], [1, 3]]
+    assert prompt_group_batches(prompts, [5] * 4, token_budget=30, size=0) == [[0, 1, 2, 3]]
+    assert prompt_group_batches(prompts, [1] * 4, token_budget=0, size=2, keys=keys) == [[0, 2], [1, 3]]
+
+
 def test_micro_batches_by_count_follow_the_groups():
     prompts = [[1], [2], [1], [2], [1]]
     assert prompt_group_batches(prompts, [1] * 5, token_budget=0, size=2) == [[0, 2], [1, 4], [3]]
