@@ -39,6 +39,15 @@ def test_micro_batches_cut_a_group_that_exceeds_the_budget():
             assert 10 + sum(lengths[i] for i in b) <= 22
 
 
+def test_micro_batches_keep_equal_prompts_with_other_images_apart():
+    """Keys (a prompt's images): equal tokens with other keys are other units, each counting its prompt."""
+    a, b = object(), object()
+    prompts, keys = [[1] * 10] * 4, [a, b, a, b]
+    assert prompt_group_batches(prompts, [5] * 4, token_budget=20, size=0, keys=keys) == [[0, 2], [1, 3]]
+    assert prompt_group_batches(prompts, [5] * 4, token_budget=30, size=0) == [[0, 1, 2, 3]]
+    assert prompt_group_batches(prompts, [1] * 4, token_budget=0, size=2, keys=keys) == [[0, 2], [1, 3]]
+
+
 def test_micro_batches_by_count_follow_the_groups():
     prompts = [[1], [2], [1], [2], [1]]
     assert prompt_group_batches(prompts, [1] * 5, token_budget=0, size=2) == [[0, 2], [1, 4], [3]]
@@ -119,6 +128,19 @@ def _metrics(history):
     return [{k: v for k, v in m.items() if not k.endswith(("time_s", "peak_gib"))} for m in history]
 
 
+def assert_same_metrics(got, want):
+    """Two runs' metrics (without timings and peaks) step after step: floats to float32 rounding, the rest equal."""
+    got, want = _metrics(got), _metrics(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys()
+        for k in a:
+            if isinstance(a[k], float):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+            else:
+                assert a[k] == b[k], k
+
+
 @pytest.mark.parametrize("overrides", [
     [],  # the demo's: full weights, dapo, β = 0
     ["lora.enabled=true", "lora.r=4", "grpo.beta=0.05", "grpo.loss_type=grpo", "grpo.num_iterations=2",
@@ -135,15 +157,9 @@ def test_tiny_run_gives_the_same_metrics(tmp_path, overrides):
     for shared in ("false", "true"):
         trainer = GRPOTrainer(_cfg(tmp_path / shared, f"train.shared_prompt={shared}", *overrides))
         assert trainer.shared_prompt == (shared == "true") and trainer.layout.shared_prompt == trainer.shared_prompt
-        runs[shared] = _metrics(trainer.train())
+        runs[shared] = trainer.train()
     assert len(runs["true"]) == 2
-    for a, b in zip(runs["true"], runs["false"]):
-        assert a.keys() == b.keys()
-        for k in a:
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-            else:
-                assert a[k] == b[k], k
+    assert_same_metrics(runs["true"], runs["false"])
 
 
 def test_trainer_refuses_a_pinned_shared_prompt_the_model_cannot_run_exactly(tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 """GRPO with images through the recipe (CPU): the vision demo learns; the vision tower runs once per prompt in a
-step's rollout and passes (once per step when it is frozen); a text model, grouped rows, environments and
-transformers' generate are refused before the model loads."""
+step's rollout and passes (once per step when it is frozen); grouped rows (train.shared_prompt) give the step the
+repeated layout gives; a text model, environments and transformers' generate are refused before the model loads."""
 
 import json
 
 import pytest
+from test_shared_prompt_training import assert_same_metrics
 
 from longrl.config import ConfigError, load_config
 from longrl.config.demo import demo_config
@@ -62,6 +63,28 @@ def test_grpo_step_with_kl_reference_and_images(tmp_path):
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("overrides", [
+    [],  # the demo's: full weights (the tower trains), micro-batches of 5 sequences that cut groups
+    ["lora.enabled=true", "lora.r=4", "lora.vision_modules=tower_and_projector", "grpo.beta=0.05",
+     "grpo.loss_type=grpo", "grpo.num_iterations=2", "train.micro_batch_tokens=120", "train.padding_free=true"],
+])
+def test_grouped_rows_with_images_give_the_same_steps(tmp_path, overrides):
+    """The vision demo's steps with train.shared_prompt=true and =false: the same rewards, losses, KL and gradient
+    norms, to float32 rounding (the tiny model computes in float32; float64 equality is
+    tests/test_vision_shared_prompt.py's). Every prompt of task:shapes has the same tokens (one 28-pixel picture
+    and "colour?"): only their images tell the groups apart."""
+    runs, tower_calls = {}, {}
+    for shared in ("false", "true"):
+        trainer = GRPOTrainer(_cfg(tmp_path / shared, f"train.shared_prompt={shared}", *overrides))
+        assert trainer.shared_prompt == (shared == "true")
+        calls = _count_tower_calls(trainer)
+        runs[shared] = trainer.train()
+        tower_calls[shared] = len(calls)
+    assert len(runs["true"]) == 2 and tower_calls["true"] == tower_calls["false"]
+    assert {"loss", "grad_norm", "reward", "kl"} <= runs["true"][0].keys()
+    assert_same_metrics(runs["true"], runs["false"])
+
+
 def _no_model_load(monkeypatch):
     import longrl.training.model_setup as model_setup
 
@@ -70,7 +93,6 @@ def _no_model_load(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.name_or_path=builtin:tiny-arith"], "holds prompts with images, but model.name_or_path"),
-    (["train.shared_prompt=true"], "train.shared_prompt"),
     (["generation.backend=hf"], "generation.backend"),
     (["environment.factory=longrl.tasks.tools:LookupEnvironment", "environment.max_turns=2"], "environment.factory"),
 ])

@@ -105,13 +105,15 @@ def test_frozen_tower_features_kept_across_calls_and_refusals():
         padded, _ = sequence_logprobs(model, ids, [[50, 51]] * 3, 2, pad_id=0, vision=[prompt] * 3, packed=False)
     torch.testing.assert_close(stacked, padded, rtol=0, atol=1e-12)
     torch.testing.assert_close(stacked[0], first[0, :2], rtol=0, atol=1e-12)
+    with torch.no_grad():  # grouped rows take images (tests/test_vision_shared_prompt.py): the kept features serve them
+        grouped, _ = sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3, shared_prompt=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(grouped, first, rtol=0, atol=1e-5)  # eager attention: its softmax in float32
     other, _ = build("llava", seed=9, dtype=torch.float64)  # another model's tower does not read the kept features
     other_calls = []
     vision_tower(other).register_forward_hook(lambda *a: other_calls.append(1))
     with torch.no_grad():
         sequence_logprobs(other, ids, completions, 3, pad_id=0, vision=[prompt] * 3)
     assert len(other_calls) == 1
-    with pytest.raises(ValueError, match="shared-prompt.*text-only"):
-        sequence_logprobs(model, ids, completions, 3, pad_id=0, vision=[prompt] * 3, shared_prompt=True)
     with pytest.raises(ValueError, match="sequence 1 does not begin"):
         sequence_logprobs(model, [ids[0], ids[0][1:], ids[0]], completions, 3, pad_id=0, vision=[prompt] * 3)

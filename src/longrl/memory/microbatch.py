@@ -40,10 +40,12 @@ def count_groups(n: int, size: int) -> list[list[int]]:
 
 
 def prompt_group_batches(prompt_ids: list[list[int]], completion_lengths: list[int], token_budget: int,
-                         size: int) -> list[list[int]]:
+                         size: int, keys: list | None = None) -> list[list[int]]:
     """Micro-batches (sequence indices) for grouped rows, a group's completions together (module docstring):
-    by ``token_budget`` (> 0) over P + ΣR a unit, else ``size`` sequences a micro-batch taken group after group."""
-    groups = group_by_prompt(prompt_ids)
+    by ``token_budget`` (> 0) over P + ΣR a unit, else ``size`` sequences a micro-batch taken group after group.
+    ``keys``: per sequence its prompt's images (a VisionPrompt) or None: equal tokens with other images are
+    another group (models/shared_prompt.group_by_prompt)."""
+    groups = group_by_prompt(prompt_ids, keys)
     if token_budget <= 0:
         order = [i for g in groups for i in g]
         return [sorted(order[s:s + size]) for s in range(0, len(order), size)]

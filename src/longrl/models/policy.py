@@ -13,7 +13,7 @@ import torch
 
 from . import model_parts
 from ..ops.logprobs import chunked_logprobs
-from .shared_prompt import enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs
+from .shared_prompt import GroupedRows, enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs
 from .structure import base_model
 from .vision import FeatureCache, Placement, language_model_inputs, require_vision
 
@@ -93,16 +93,18 @@ def backbone_hidden(model, seqs: list[list[int]], pad_id: int, packed: bool = Tr
     else:
         starts = [i * inputs["input_ids"].shape[1] for i in range(len(seqs))]
     with compute_context(model):
-        if vision is not None and any(v is not None for v in vision):
+        if _has_images(vision):
             inputs = _with_images(model, inputs, seqs, starts, vision)
         hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [1, Σ len, H] or [b, L, H]
     return hidden.reshape(-1, hidden.shape[-1]), starts
 
 
-def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], vision: list) -> dict:
-    """``inputs`` with the token ids replaced by embeddings holding each prompt's image features, and positions
-    for them (mRoPE: the prompt's 3-D positions, then its completion at index + rope_delta in every section).
-    Each distinct prompt object's features are computed once for the call (models/vision/features.py)."""
+def _has_images(vision) -> bool:
+    return vision is not None and any(v is not None for v in vision)
+
+
+def _vision_family(model, seqs: list[list[int]], vision: list):
+    """The model's vision family, after checking that sequence i begins with vision[i]'s tokens (where not None)."""
     if len(vision) != len(seqs):
         raise ValueError(f"vision has {len(vision)} entries for {len(seqs)} sequences (one VisionPrompt or None each)")
     family = require_vision(base_model(model).config, "sequences with images")
@@ -110,6 +112,14 @@ def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], 
         if prompt is not None and seq[:len(prompt)] != prompt.input_ids:
             raise ValueError(f"sequence {i} does not begin with its VisionPrompt's input_ids (the prompt's tokens with "
                              "the image placeholders expanded)")
+    return family
+
+
+def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], vision: list) -> dict:
+    """``inputs`` with the token ids replaced by embeddings holding each prompt's image features, and positions
+    for them (mRoPE: the prompt's 3-D positions, then its completion at index + rope_delta in every section).
+    Each distinct prompt object's features are computed once for the call (models/vision/features.py)."""
+    family = _vision_family(model, seqs, vision)
     ids = inputs["input_ids"]  # [rows, L]
     width = ids.shape[1]
     placements = [Placement(start // width, start % width, len(seq), prompt)
@@ -122,16 +132,19 @@ def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], 
 
 
 def grouped_backbone_hidden(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
-                            packed: bool = True, attention: str = "kernel"):
+                            packed: bool = True, attention: str = "kernel", vision=None):
     """(hidden [rows, H], predictors): the backbone's final hidden states of the sequences laid out as grouped rows
     (models/shared_prompt.py: each prompt once, then its completions), flattened, and for each sequence the rows
     whose hidden states predict its completion tokens (row predictors[i][j] predicts completion_ids[i][j]).
 
     ``attention``: "kernel", the flash parts merged by log-sum-exp (ops/shared_prompt_attention.py), or "mask", the
-    plain twin: the layout's [rows, L, L] mask through the model's own attention."""
+    plain twin: the layout's [rows, L, L] mask through the model's own attention. ``vision``: per sequence its
+    prompt's VisionPrompt or None; sequences are grouped by their prompt's tokens and VisionPrompt object, and
+    each group's image features go into its prompt part (:func:`_grouped_with_images`)."""
     backbone, head, _ = model_parts(model)
     device = head.weight.device
-    rows = grouped_rows(prompt_ids, completion_ids, pad_id, packed)
+    family = _vision_family(model, prompt_ids, vision) if _has_images(vision) else None
+    rows = grouped_rows(prompt_ids, completion_ids, pad_id, packed, keys=vision if family is not None else None)
     if attention == "kernel":
         enable_shared_prompt(model)  # (once) grouped rows, and the layer recomputes of their backward, attend by it
         inputs = kernel_inputs(rows, device)
@@ -140,8 +153,31 @@ def grouped_backbone_hidden(model, prompt_ids: list[list[int]], completion_ids: 
     else:
         raise ValueError(f"grouped-row attention is 'kernel' or 'mask', not {attention!r}")
     with compute_context(model):
+        if family is not None:
+            inputs = _grouped_with_images(model, inputs, rows, [vision[i] for i in rows.firsts], family)
         hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [rows, L, H]
     return hidden.reshape(-1, hidden.shape[-1]), rows.predictors
+
+
+def _grouped_with_images(model, inputs: dict, rows: GroupedRows, prompts: list, family) -> dict:
+    """``inputs`` of grouped rows (``prompts``: each group's VisionPrompt or None) with the token ids replaced by
+    embeddings holding each group's image features at its prompt part's placeholders (once a group; the features
+    once per prompt object for the call), and positions: 1-D, the layout's; mRoPE [3, rows, L], the prompt part's
+    3-D positions and completion token j at P + j + rope_delta in every section, where it sits in its own
+    sequence. Qwen3-VL's deepstack features go to the same placeholders."""
+    layout = rows.layout
+    text = inputs["position_ids"]  # [rows, L]: 0 … P−1, then P … P+R_g−1 for each completion g
+    placements = [Placement(g.row, g.start, g.prompt, p) for g, p in zip(layout.groups, prompts)]
+    positions = text
+    if family.mrope:
+        positions = text[None].repeat(3, 1, 1)  # [3, rows, L]; text-only groups and padding as 1-D
+        for g, p in zip(layout.groups, prompts):
+            if p is not None:
+                positions[:, g.row, g.start:g.start + g.prompt] = p.positions(g.prompt).to(text.device)
+                positions[:, g.row, g.start + g.prompt:g.end] += p.rope_delta
+    built = language_model_inputs(model, inputs["input_ids"], text, placements, FeatureCache(model, family),
+                                  positions=positions)
+    return {**{k: v for k, v in inputs.items() if k not in ("input_ids", "position_ids")}, **built}
 
 
 def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int, *,
@@ -151,21 +187,19 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
 
     ``packed``: the layout of :func:`backbone_hidden`. ``shared_prompt``: sequences with equal prompts run as
     grouped rows, each prompt computed once (:func:`grouped_backbone_hidden`; True is its "kernel" attention,
-    "mask" its plain twin); the same numbers as the repeated layout up to rounding. ``vision``: per sequence its
-    prompt's VisionPrompt (whose input_ids are prompt_ids[i]) or None; the sequences of one prompt share the
-    object, whose image features are computed once for the call. Differentiable with respect to the model's
+    "mask" its plain twin; with images too: each group's features in its prompt part); the same numbers as the
+    repeated layout up to rounding. ``vision``: per sequence its prompt's VisionPrompt (prompt_ids[i] begins with its
+    input_ids) or None; the sequences of one prompt share the object, whose image features are computed once
+    for the call. Differentiable with respect to the model's
     trainable parameters when grad is enabled (with LoRA on the vision tower, its gradient summed over a prompt's
     sequences).
     """
     _, head, spec = model_parts(model)
     device = head.weight.device
-    has_images = vision is not None and any(v is not None for v in vision)
-    if shared_prompt and has_images:
-        raise ValueError("grouped shared-prompt rows (shared_prompt) are text-only; run prompts with images with "
-                         "shared_prompt=False (each prompt's image features are still computed once)")
     if shared_prompt:
         attention = "kernel" if shared_prompt is True else shared_prompt
-        hidden, predictors = grouped_backbone_hidden(model, prompt_ids, completion_ids, pad_id, packed, attention)
+        hidden, predictors = grouped_backbone_hidden(model, prompt_ids, completion_ids, pad_id, packed, attention,
+                                                     vision)
     else:
         hidden, starts = backbone_hidden(model, [p + c for p, c in zip(prompt_ids, completion_ids)], pad_id, packed,
                                          vision)

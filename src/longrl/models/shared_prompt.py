@@ -11,7 +11,9 @@ The attention runs through transformers' public interface: :func:`enable_shared_
 implementation that runs ops/shared_prompt_attention.py's function for grouped rows and the model's own for every
 other call, and the layout travels as a keyword argument of the backbone's forward, which transformers passes down
 to every attention call (the recompute of a checkpointed layer too). The plain twin passes the layout's mask as a
-4-D attention mask to the model's own attention instead (:func:`mask_inputs`).
+4-D attention mask to the model's own attention instead (:func:`mask_inputs`). Of a vision-language model only the
+language model switches (its vision tower keeps its own attention); prompts with images are grouped by their
+tokens and their images (models/policy.py scatters each group's image features into its prompt part).
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ from ..ops.shared_prompt_attention import LAYOUT_KWARG, PromptGroup, SharedPromp
 from ..ops.unwrap import base_model
 
 PREFIX = "longrl_shared_prompt_on_"  # the attention implementation's name: this, then the one it wraps
-# model types whose attention is transformers' rotary self-attention through ALL_ATTENTION_FUNCTIONS with the
-# forward's keyword arguments passed down (checked against the repeated layout in tests/test_shared_prompt.py)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# (text) model types whose attention is transformers' rotary self-attention through ALL_ATTENTION_FUNCTIONS with the
+# forward's keyword arguments passed down (checked against the repeated layout in tests/test_shared_prompt.py; the
+# Qwen-VL language models, mRoPE, in tests/test_vision_shared_prompt.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 
 
-def group_by_prompt(prompt_ids: list[list[int]]) -> list[list[int]]:
-    """Indices of the sequences, grouped by equal prompts, in order of first appearance."""
+def group_by_prompt(prompt_ids: list[list[int]], keys: list | None = None) -> list[list[int]]:
+    """Indices of the sequences, grouped by equal prompts, in order of first appearance. ``keys``: per sequence
+    what must be equal too (a prompt's VisionPrompt, compared by identity: equal tokens, other images), or None."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompt_ids):
-        groups.setdefault(tuple(p), []).append(i)
+        groups.setdefault((tuple(p), None if keys is None else keys[i]), []).append(i)
     return list(groups.values())
 
 
@@ -58,32 +62,36 @@ def unsupported_reason(config, max_tokens: int | None = None) -> str | None:
 
 @dataclass
 class GroupedRows:
-    """The backbone's inputs for grouped rows: token ids [rows, length], the layout, and for each sequence the flat
-    index (row × length + token) of the hidden state that predicts each of its completion tokens."""
+    """The backbone's inputs for grouped rows: token ids [rows, length], the layout, for each sequence the flat
+    index (row × length + token) of the hidden state that predicts each of its completion tokens, and for each
+    group of the layout the index of a sequence of it (whose prompt it holds)."""
     input_ids: torch.Tensor
     layout: SharedPromptLayout
     predictors: list[list[int]]
+    firsts: list[int]
 
 
 def grouped_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
-                 packed: bool) -> GroupedRows:
+                 packed: bool, keys: list | None = None) -> GroupedRows:
     """Sequences (prompt_ids[i] + completion_ids[i]) as grouped rows: every group back to back in one row
-    (``packed``) or one group a row, right-padded with ``pad_id``. Empty completions take no tokens."""
+    (``packed``) or one group a row, right-padded with ``pad_id``. Empty completions take no tokens. ``keys``:
+    as in :func:`group_by_prompt` (sequences with equal prompt tokens but other keys are other groups)."""
     if any(len(p) < 1 for p in prompt_ids):
         raise ValueError("grouped rows need prompts of at least one token")
-    groups = []  # (prompt, [sequence indices with tokens])
-    for members in group_by_prompt(prompt_ids):
+    groups = []  # (the first sequence's index, [sequence indices with tokens])
+    for members in group_by_prompt(prompt_ids, keys):
         nonempty = [i for i in members if completion_ids[i]]
         if nonempty:
-            groups.append((prompt_ids[members[0]], nonempty))
+            groups.append((members[0], nonempty))
     if not groups:  # nothing to predict: one prompt alone keeps the forward (and its graph) well formed
-        groups = [(prompt_ids[0], [])]
-    sizes = [len(p) + sum(len(completion_ids[i]) for i in members) for p, members in groups]
+        groups = [(0, [])]
+    groups = [(first, prompt_ids[first], members) for first, members in groups]
+    sizes = [len(p) + sum(len(completion_ids[i]) for i in members) for _, p, members in groups]
     rows, length = (1, sum(sizes)) if packed else (len(groups), max(sizes))
     ids = torch.full((rows, length), pad_id, dtype=torch.long)
     placed, predictors = [], [[] for _ in prompt_ids]
     at = 0
-    for k, (prompt, members) in enumerate(groups):
+    for k, (_, prompt, members) in enumerate(groups):
         row, start = (0, at) if packed else (k, 0)
         group = PromptGroup(row, start, len(prompt), tuple(len(completion_ids[i]) for i in members))
         ids[row, start:start + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
@@ -94,7 +102,7 @@ def grouped_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], p
             predictors[i] = [last] + list(range(row * length + s, row * length + s + len(c) - 1))
         placed.append(group)
         at += sizes[k]
-    return GroupedRows(ids, SharedPromptLayout(tuple(placed), rows, length), predictors)
+    return GroupedRows(ids, SharedPromptLayout(tuple(placed), rows, length), predictors, [f for f, _, _ in groups])
 
 
 def grouped_mask(rows: int, device) -> torch.Tensor:
@@ -120,10 +128,16 @@ def mask_inputs(model, rows: GroupedRows, device) -> dict:
                 attention_mask=mask)
 
 
+def _language_model(model):
+    """The module whose attention grouped rows switch: the backbone (a vision-language model's language model; a
+    text model's decoder, which shares the model's config)."""
+    return base_model(model).get_decoder()
+
+
 def attention_delegate(model) -> str:
-    """The attention implementation ``model`` runs for calls other than grouped rows (its own, or the one
-    :func:`enable_shared_prompt` wraps)."""
-    name = base_model(model).config._attn_implementation
+    """The attention implementation ``model``'s language model runs for calls other than grouped rows (its own, or
+    the one :func:`enable_shared_prompt` wraps)."""
+    name = _language_model(model).config._attn_implementation
     return name[len(PREFIX):] if name.startswith(PREFIX) else name
 
 
@@ -143,27 +157,28 @@ def _attention(delegate: str):
 
 
 def enable_shared_prompt(model) -> None:
-    """Install the shared-prompt attention on ``model`` (transformers or PEFT; idempotent): its attention
-    implementation becomes PREFIX + the one it had, registered in transformers' AttentionInterface with that one's
-    mask builder, which runs grouped rows and hands every other call to the implementation it had. It stays for
-    the model's life (a checkpointed layer's recompute, in the backward, attends through the same function as its
-    forward); :func:`disable_shared_prompt` restores the one it had."""
+    """Install the shared-prompt attention on ``model``'s language model (transformers or PEFT; idempotent; a
+    vision tower keeps its own): its attention implementation becomes PREFIX + the one it had, registered in
+    transformers' AttentionInterface with that one's mask builder, which runs grouped rows and hands every other
+    call to the implementation it had. It stays for the model's life (a checkpointed layer's recompute, in the
+    backward, attends through the same function as its forward); :func:`disable_shared_prompt` restores the one it
+    had."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    base = base_model(model)
-    delegate = base.config._attn_implementation
+    language = _language_model(model)
+    delegate = language.config._attn_implementation
     if delegate.startswith(PREFIX):
         return
     name = PREFIX + delegate
     AttentionInterface.register(name, _attention(delegate))
     if delegate in ALL_MASK_ATTENTION_FUNCTIONS:  # else transformers builds no mask for it, nor for this one
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[delegate])
-    base.set_attn_implementation(name)
+    language.set_attn_implementation(name)
 
 
 def disable_shared_prompt(model) -> None:
     """Back to the attention implementation :func:`enable_shared_prompt` wrapped."""
-    base = base_model(model)
-    if base.config._attn_implementation.startswith(PREFIX):
-        base.set_attn_implementation(attention_delegate(model))
+    language = _language_model(model)
+    if language.config._attn_implementation.startswith(PREFIX):
+        language.set_attn_implementation(attention_delegate(model))

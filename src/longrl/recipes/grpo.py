@@ -84,9 +84,6 @@ def _check_image_run(cfg, agent_spec, model) -> None:
     """Refuse, before the model loads, a text model (named by the config, or passed in) and what prompts with images
     do not run with yet."""
     check_image_model(cfg, model, "prompts")
-    if cfg.train.shared_prompt:
-        raise ConfigError("config key 'train.shared_prompt': grouped rows (each prompt once in the log-prob passes) "
-                          "do not take prompts with images yet; set train.shared_prompt=false")
     if agent_spec is not None:
         raise ConfigError("config key 'environment.factory': multi-turn episodes do not take prompts with images yet")
     if cfg.generation.backend != "longrl":
@@ -177,8 +174,8 @@ class GRPOTrainer:
         # micro-batch layout (the same loss either way): on the CPU, attention over one packed row of unequal
         # sequences costs the square of the packed length, so padded rows are faster there
         self.padding_free = cfg.train.padding_free if cfg.train.padding_free is not None else self.device.type == "cuda"
-        # grouped rows: each prompt once in the log-prob passes (text prompts only, for now)
-        self.shared_prompt = self.layout.shared_prompt and self.data.images is None
+        # grouped rows: each prompt once in the log-prob passes (with its images' features once a group)
+        self.shared_prompt = self.layout.shared_prompt
         self.prompt_order = PromptSampler(len(self.data), cfg.train.seed, cfg.data.shuffle)
         # the policy update's forward: the model, or DDP over it (replicated weights: only the adapters are
         # reduced), or FSDP2 shards of it (full weights across several processes)
@@ -351,7 +348,7 @@ class GRPOTrainer:
             return None
         if self.reference is not None:  # a rank's own forwards: no collective inside, no lockstep needed
             return self.reference.logprobs(prompt_ids, completion_ids, width,
-                                           self._micro_batches(prompt_ids, completion_ids),
+                                           self._micro_batches(prompt_ids, completion_ids, vision),
                                            pad_id=self.tokenizer.pad_token_id,
                                            temperature=logprob_temperature(self.cfg.generation.temperature),
                                            chunk_size=self.cfg.train.logprob_chunk_size, packed=self.padding_free,
@@ -455,11 +452,12 @@ class GRPOTrainer:
         params = sampling_params(self.cfg.generation, self.tokenizer, seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
         return dataclasses.replace(params, sequence_ids=sequence_ids)  # a rank's sequences' global ids
 
-    def _micro_batches(self, prompt_ids, completion_ids) -> list[list[int]]:
+    def _micro_batches(self, prompt_ids, completion_ids, vision=None) -> list[list[int]]:
+        """Micro-batches (sequence indices); ``vision``: per sequence its prompt's VisionPrompt or None."""
         t = self.cfg.train
         if self.shared_prompt:  # a prompt's completions together (cut only where they exceed the token budget)
             return prompt_group_batches(prompt_ids, [len(c) for c in completion_ids], self.layout.micro_batch_tokens,
-                                        t.micro_batch_size)
+                                        t.micro_batch_size, keys=vision)
         if self.layout.micro_batch_tokens > 0:
             return token_budget_groups([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)],
                                        self.layout.micro_batch_tokens)
@@ -471,7 +469,7 @@ class GRPOTrainer:
         ``vision``: per sequence its prompt's VisionPrompt or None."""
         out = torch.zeros(len(prompt_ids), width)
         ent = torch.zeros(len(prompt_ids), width) if with_entropy else None
-        for idx, counts in lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids)):
+        for idx, counts in lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids, vision)):
             lp, e = self.policy([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], width,
                                 pad_id=self.tokenizer.pad_token_id,
                                 temperature=logprob_temperature(self.cfg.generation.temperature),
@@ -515,7 +513,8 @@ class GRPOTrainer:
         sums: dict[str, float] = {}  # per-token statistics summed over this rank's tokens (loss: Σ ω ℓ)
         keep, bonus = self._step_entropy_terms(b, rows)  # [R, T] each, or None
         prompt_ids, completion_ids = [b.prompt_ids[i] for i in rows], [b.completion_ids[i] for i in rows]
-        rounds = lockstep(self.policy, self.world, self._micro_batches(prompt_ids, completion_ids))
+        batches = self._micro_batches(prompt_ids, completion_ids, pick(b.vision, rows))
+        rounds = lockstep(self.policy, self.world, batches)
         with self._policy_forward():  # forwards and backwards inside the context
             for k, (local, counts) in enumerate(rounds):
                 # gradients summed across ranks (ω is normalised globally); DDP reduces at the last one only

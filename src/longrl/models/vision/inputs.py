@@ -28,12 +28,14 @@ class Placement:
 
 
 def language_model_inputs(model, input_ids: torch.Tensor, text_positions: torch.Tensor, placements: list[Placement],
-                          features: FeatureCache) -> dict:
+                          features: FeatureCache, positions: torch.Tensor | None = None) -> dict:
     """Keyword arguments for the language model (``inputs_embeds``, ``position_ids``, extras) of ``input_ids``
     [rows, L] whose 1-D positions are ``text_positions`` [rows, L] (each sequence from 0, padding arbitrary).
 
     embeds[r, s + p] = features of the prompt's k-th placeholder where p is its k-th placeholder index; other
-    tokens keep their token embeddings. Each distinct prompt's features come from ``features`` (once per call)."""
+    tokens keep their token embeddings. Each distinct prompt's features come from ``features`` (once per call).
+    ``positions``: the position ids as the caller lays them out ([rows, L] or [3, rows, L]; grouped rows, whose
+    completions restart after their prompt), else built from ``text_positions`` and the placements."""
     family = features.family
     embeds = base_model(model).get_decoder().get_input_embeddings()(input_ids)  # [rows, L, H]
     device = embeds.device
@@ -58,7 +60,8 @@ def language_model_inputs(model, input_ids: torch.Tensor, text_positions: torch.
             out["deepstack_visual_embeds"] = [torch.cat([d[k] for d in deep]).to(embeds.dtype)
                                               for k in range(len(deep[0]))]
     out["inputs_embeds"] = embeds
-    out["position_ids"] = _positions(family, text_positions.to(device), placements)
+    out["position_ids"] = (_positions(family, text_positions.to(device), placements) if positions is None
+                           else positions.to(device))
     return out
 
 
