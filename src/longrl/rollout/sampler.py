@@ -268,7 +268,14 @@ class Sampler:
 def _graph_safe(model, use_triton: bool) -> bool:
     """Whether a decode step may be captured as a CUDA graph: not when the PyTorch attention twin runs (its
     prefix-table lookups synchronise with the host), nor with dynamic or LongRoPE scaling (transformers compares
-    positions with a threshold on the host and swaps the frequency buffer a captured graph would keep reading)."""
+    positions with a threshold on the host and swaps the frequency buffer a captured graph would keep reading).
+
+    A vision-language model's rotary is its language model's: a Qwen2/2.5-VL checkpoint's "mrope" type is "default"
+    in transformers' config (mrope_section beside it), Qwen3-VL's too, so they are captured as text models are. The
+    step reads only device state: the fast path's rotary gets the positions (rope delta already added, outside the
+    graph) as three equal rows, a view; transformers' forward expands 1-D positions the same way, and its mask
+    builder returns before the packed-sequence check (which reads a tensor) for the sampler's attention. The image
+    features and deepstack enter in the eager prefill only. tests/test_vision_sampler_gpu.py replays it."""
     rotary = getattr(base_model(model).get_decoder(), "rotary_emb", None)  # (a vision-language model's: its LM's)
     rope = str(getattr(rotary, "rope_type", ""))  # a dict of them for per-layer-type models
     return use_triton and "dynamic" not in rope and "longrope" not in rope
