@@ -107,7 +107,7 @@ def test_bf16_rounds_exactly_like_transformers(family):
     assert torch.equal(torch.tensor(sum(fast.logprobs, [])), torch.tensor(sum(plain.logprobs, [])))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
 def test_4bit_base_decodes_as_transformers(family):
     """An NF4 language model (bitsandbytes on the CPU: the projections' own forward; the tower and projector stay
     16-bit) with LoRA: the fast path gives transformers' forward's tokens and log-probs."""
