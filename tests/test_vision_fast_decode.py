@@ -20,6 +20,28 @@ MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}
 
 
+def _generate(sampler, prompts, params, G: int = 2, **kw):
+    """``sampler.generate`` on ``prompts`` as test_vision_sampler._prompts gives them, G completions each."""
+    return sampler.generate([p for p, _, _ in prompts], G, params, vision=[v for _, v, _ in prompts], **kw)
+
+
+def _assert_same_rollout(got, want) -> None:
+    """The same tokens, and log-probs within float32 rounding."""
+    assert got.completion_ids == want.completion_ids
+    torch.testing.assert_close(torch.tensor(sum(got.logprobs, [])), torch.tensor(sum(want.logprobs, [])),
+                               atol=1e-5, rtol=1e-5)
+
+
+def _fast_and_plain(model, processor, prompts, params, G: int = 2, **kw) -> dict:
+    """{fast: rollout} with the fast decode path on and off (transformers' forward)."""
+    runs = {}
+    for fast in (True, False):
+        sampler = Sampler(model, processor.tokenizer, fast_decode=fast, **kw)
+        runs[fast] = _generate(sampler, prompts, params, G)
+        assert sampler.last_stats["fast_decode"] is fast  # (a failing first fast step would fall back: False)
+    return runs
+
+
 def _rotary_1d(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
     """The plain 1-D rotary at ``positions`` [B]: cos, sin [B, D] of cat(p·inv_freq, p·inv_freq), times scaling."""
     freqs = positions.float()[:, None] * inv_freq.float()[None]  # [B, D/2]
@@ -66,14 +88,24 @@ def test_sampled_tokens_and_logprobs_equal_transformers_forward(family):
     model, processor = _model(family)
     prompts = _prompts(model, processor)
     params = SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)
-    runs = {}
-    for fast in (True, False):
-        sampler = Sampler(model, processor.tokenizer, fast_decode=fast, sync_every=3)
-        runs[fast] = sampler.generate([p for p, _, _ in prompts], 3, params, vision=[v for _, v, _ in prompts])
-        assert sampler.last_stats["fast_decode"] is fast
-    assert runs[True].completion_ids == runs[False].completion_ids
-    torch.testing.assert_close(torch.tensor(sum(runs[True].logprobs, [])), torch.tensor(sum(runs[False].logprobs, [])),
-                               atol=1e-5, rtol=1e-5)
+    runs = _fast_and_plain(model, processor, prompts, params, G=3, sync_every=3)
+    _assert_same_rollout(runs[True], runs[False])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_sampling_is_unchanged_by_the_fused_training_layers(family):
+    """The trainer's fused norms, MLPs and attentions (models/fused_layers.py) on the language model: rollouts on the
+    fast path and on transformers' forward give the unwrapped model's tokens and log-probs."""
+    from longrl.models.fused_layers import enable_fused_layers
+
+    model, processor = _model(family)
+    prompts = _prompts(model, processor)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4)
+    want = _generate(Sampler(model, processor.tokenizer), prompts, params)
+    assert enable_fused_layers(model)["swiglu"] == 2
+    for got in _fast_and_plain(model, processor, prompts, params).values():
+        _assert_same_rollout(got, want)
+
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
@@ -87,8 +119,7 @@ def test_scaled_rope_greedy_equals_full_forward(family):
     model = with_lora(model, seed=5, scale=0.2)
     prompts = _prompts(model, processor)
     sampler = Sampler(model, processor.tokenizer, sync_every=2)
-    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=6, temperature=0),
-                               vision=[v for _, v, _ in prompts])
+    rollout = _generate(sampler, prompts, SamplingParams(max_new_tokens=6, temperature=0), G)
     assert sampler.last_stats["fast_decode"]
     _check_against_full_forward(model, prompts, rollout)
 
@@ -101,8 +132,8 @@ def test_bf16_rounds_exactly_like_transformers(family):
     model = with_lora(model, seed=5, scale=0.2)
     prompts = _prompts(model, processor)
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=1)
-    fast, plain = (Sampler(model, processor.tokenizer, fast_decode=f, pack_projections=False).generate(
-        [p for p, _, _ in prompts], 2, params, vision=[v for _, v, _ in prompts]) for f in (True, False))
+    fast, plain = (_generate(Sampler(model, processor.tokenizer, fast_decode=f, pack_projections=False), prompts,
+                             params) for f in (True, False))
     assert fast.completion_ids == plain.completion_ids
     assert torch.equal(torch.tensor(sum(fast.logprobs, [])), torch.tensor(sum(plain.logprobs, [])))
 
@@ -125,14 +156,8 @@ def test_4bit_base_decodes_as_transformers(family):
     model = with_lora(model, seed=5, scale=0.2)
     prompts = _prompts(model, processor)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
-    runs = {}
-    for fast in (True, False):
-        sampler = Sampler(model, processor.tokenizer, fast_decode=fast)
-        runs[fast] = sampler.generate([p for p, _, _ in prompts], 2, params, vision=[v for _, v, _ in prompts])
-        assert sampler.last_stats["fast_decode"] is fast
-    assert runs[True].completion_ids == runs[False].completion_ids
-    torch.testing.assert_close(torch.tensor(sum(runs[True].logprobs, [])), torch.tensor(sum(runs[False].logprobs, [])),
-                               atol=1e-5, rtol=1e-5)
+    runs = _fast_and_plain(model, processor, prompts, params)
+    _assert_same_rollout(runs[True], runs[False])
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -146,8 +171,7 @@ def test_deepstack_reaches_the_prefill_only(fast):
         lambda module, args, kwargs: calls.append((kwargs["input_ids"] if "input_ids" in kwargs else None,
                                                    kwargs.get("deepstack_visual_embeds"))), with_kwargs=True)
     sampler = Sampler(model, processor.tokenizer, fast_decode=fast, sync_every=2)
-    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=5, temperature=0),
-                               vision=[v for _, v, _ in prompts])
+    rollout = _generate(sampler, prompts, SamplingParams(max_new_tokens=5, temperature=0), G)
     hook.remove()
     prefills = sampler.last_stats["prefills"]
     assert prefills >= 1 and all(deep is not None for _, deep in calls[:prefills])  # (each prefill chunk holds a prompt with images)

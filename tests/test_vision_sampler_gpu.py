@@ -5,6 +5,7 @@ tests/test_vision_sampler.py, tests/test_vision_fast_decode.py)."""
 
 import pytest
 import torch
+from test_vision_fast_decode import _generate
 from test_vision_sampler import G, _model, _OneReturn, _prompts
 from vision_models import FAMILIES, full_forward_inputs
 
@@ -26,10 +27,6 @@ def _full_forward_logps(model, enc, tokens: list[int]) -> torch.Tensor:
     inputs = {k: v.cuda() for k, v in full_forward_inputs(enc, tokens).items()}
     logits = model(**inputs).logits[0, enc["input_ids"].shape[1] - 1:-1].float()
     return torch.log_softmax(logits, -1).cpu()
-
-
-def _generate(sampler, prompts, params, **kw):
-    return sampler.generate([p for p, _, _ in prompts], G, params, vision=[v for _, v, _ in prompts], **kw)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
