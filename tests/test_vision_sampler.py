@@ -1,10 +1,12 @@
 """The sampler with images (float32): greedy tokens and log-probs equal transformers' full forward (with the pixel
-values) run token by token, for mRoPE (Qwen2-VL, Qwen3-VL with deepstack) and 1-D (LLaVA) families, over single
-and multi-turn rollouts; the vision tower runs once per prompt, not once per completion."""
+values), for every supported family (mRoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL with deepstack; 1-D: LLaVA, LLaVA-NeXT,
+Idefics3, SmolVLM), decode steps on the fast path (rollout/fast_decode.py on the language model) and on transformers'
+forward, over single and multi-turn rollouts; the vision tower runs once per prompt, not once per completion."""
 
 import pytest
 import torch
 from vision_models import (
+    FAMILIES,
     build,
     chat_prompts,
     full_forward_inputs,
@@ -62,18 +64,20 @@ def _check_against_full_forward(model, prompts, rollout, n_env=None):
         torch.testing.assert_close(torch.tensor(rollout.logprobs[i])[sampled], expected[sampled], rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
-def test_greedy_and_logprobs_equal_full_forward_tower_once_per_prompt(family):
+@pytest.mark.parametrize("family, fast", [(f, True) for f in FAMILIES] + [("qwen2_vl", False), ("qwen3_vl", False),
+                                                                          ("llava", False)])
+def test_greedy_and_logprobs_equal_full_forward_tower_once_per_prompt(family, fast):
     model, processor = _model(family)
     prompts = _prompts(model, processor)
-    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    sampler = Sampler(model, processor.tokenizer, sync_every=2, fast_decode=fast)
+    assert (sampler.fast is not None) is fast  # every supported family's language model takes the fast path
     calls = []
     hook = vision_tower(model).register_forward_hook(lambda *a: calls.append(1))
     rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=7, temperature=0),
                                vision=[v for _, v, _ in prompts])
     hook.remove()
     assert len(calls) == 2 and sampler.last_stats["vision_tower_calls"] == 2  # 2 prompts with images, G = 2
-    assert sampler.last_stats["fast_decode"] is False
+    assert sampler.last_stats["fast_decode"] is fast  # (a failing first fast step would fall back: False)
     assert all(len(c) == 7 for c in rollout.completion_ids)
     _check_against_full_forward(model, prompts, rollout)
     assert base_model(model).config._attn_implementation == "eager"  # restored
@@ -91,14 +95,16 @@ class _OneReturn:
         return [41, 42] if self.turns[seq] == 1 else None
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
 def test_multi_turn_resume_positions_equal_full_forward(family):
     model, processor = _model(family)
     prompts = _prompts(model, processor)
     sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    assert sampler.fast is not None  # decode steps between the turns on the fast path, at the resumed positions
     rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=4, temperature=0),
                                multi_turn=MultiTurn(_OneReturn(), max_tokens=12, workers=1),
                                vision=[v for _, v, _ in prompts])
+    assert sampler.last_stats["fast_decode"]
     assert all(len(c) == 10 and c[4:6] == [41, 42] for c in rollout.completion_ids)
     _check_against_full_forward(model, prompts, rollout)
 

@@ -77,12 +77,12 @@ def _images_only(processor_cls):
     return ImagesOnly
 
 
-def _qwen(family: str, tok):
+def _qwen(family: str, tok, rope: dict | None = None):
     import transformers as tf
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     text = dict(TEXT_LAYER, vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                  "mrope_section": [2, 1, 1]},
+                                                                  "mrope_section": [2, 1, 1], **(rope or {})},
                 pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
@@ -109,13 +109,15 @@ def _qwen(family: str, tok):
     return config, processor
 
 
-def _llava(family: str, tok):
+def _llava(family: str, tok, rope: dict | None = None):
     import transformers as tf
 
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
     text = dict(TEXT_LAYER, model_type="llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if rope:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, **rope}
     image_id = tok.convert_tokens_to_ids("<image>")
     template = _template(IMAGE_TEXT["llava"], "USER: ", "ASSISTANT: ", "\n")
     if family == "llava":
@@ -157,16 +159,17 @@ def _idefics(family: str, tok):
     return config, processor
 
 
-def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """(model, processor): a tiny random ``family`` model (eager attention) and its processor."""
+def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, rope: dict | None = None):
+    """(model, processor): a tiny random ``family`` model (eager attention) and its processor. ``rope``: entries
+    over the text model's rope_parameters (Qwen and LLaVA families), e.g. a scaling type."""
     import transformers as tf
 
     if family.startswith("qwen"):
         tok = build_tokenizer(QWEN_SPECIAL, "<|image_pad|>")
-        config, processor = _qwen(family, tok)
+        config, processor = _qwen(family, tok, rope)
     elif family.startswith("llava"):
         tok = build_tokenizer(["<image>"], "<image>")
-        config, processor = _llava(family, tok)
+        config, processor = _llava(family, tok, rope)
     elif family in ("idefics3", "smolvlm"):
         tok = build_tokenizer(IDEFICS_SPECIAL, "<image>")
         try:

@@ -108,7 +108,8 @@ class GenerationConfig:
     kv_cache_dtype: Literal["bf16", "fp8"] = "bf16"  # bf16: the compute dtype; fp8: e4m3 keys/values with a
     #                                                  power-of-two scale per position and head (half the bytes)
     cuda_graphs: bool = True  # sampler decode steps as CUDA graphs (CUDA only)
-    fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels (false: transformers')
+    fast_decode: bool = True  # Llama/Mistral/Qwen2/Qwen3 decode steps with fused glue kernels, also the language
+    #                           model of the vision families (docs/vision.md) (false: transformers' forward)
     nf4_kernel: bool = True  # with fast_decode and a 4-bit base: decode products read the NF4 weights directly
     #                          (ops/nf4_matmul.py, grouped as the packed decode) instead of bitsandbytes' call
     #                          (1.57x its tokens/s in the 8B rollout; false: bitsandbytes' call)

@@ -1,4 +1,6 @@
-"""A decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) with its elementwise glue fused.
+"""A decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) with its elementwise glue fused; also the
+language model of a vision-language model whose text model is one of those (LLaVA, LLaVA-NeXT, Idefics3, SmolVLM) or
+their mRoPE twins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; see :func:`language_model` and :meth:`FastDecoder.rotary`).
 
 The sampler's decode step is one token per sequence, so a decoder layer's cost outside its matrix products is
 the number of kernels it launches. This runs the same computation as transformers' decoder layers for one
@@ -14,7 +16,8 @@ RoPE scaling type is transformers' own) and :mod:`longrl.rollout.fused_ops` for 
 
 It is used only for decode steps, only for the architectures above with a SiLU MLP, and only when the sampler
 can run the model at all (prefill keeps transformers' forward). tests/test_fast_decode.py checks it against
-transformers' forward for each architecture.
+transformers' forward for each architecture; tests/test_vision_fast_decode.py for each vision family (image features
+and Qwen3-VL's deepstack enter at prompt positions only, in the prefill: a decode step reads token embeddings).
 
 Between :meth:`FastDecoder.prepare_quantized` and :meth:`FastDecoder.release_quantized` (the sampler calls them
 around a rollout), projections over a quantized base compute their base product with its kernel instead of calling
@@ -46,6 +49,7 @@ from typing import Callable
 import torch
 
 from ..models.fp8_linear import FP8Linear
+from ..models.vision import FAMILIES as VISION_FAMILIES
 from ..ops.fp8_matmul import fp8_group, fp8_group_linear, fp8_groupable
 from ..ops.nf4_matmul import groupable, nf4_group, nf4_group_linear
 from .attention import DecodeMeta, decode_attend
@@ -121,20 +125,36 @@ def _quant_product(x: torch.Tensor, base, kernel: QuantKernel, operands) -> torc
     return kernel.linear(x.to(base.compute_dtype or x.dtype), operands).to(x.dtype)
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# the text models of vision-language models (models/vision/families.py) whose decoder layers are those above: LLaVA,
+# LLaVA-NeXT, Idefics3, SmolVLM build one of the first four; Qwen2-VL and Qwen2.5-VL a Qwen2 stack with mRoPE,
+# Qwen3-VL a Qwen3 stack (q/k norms) with interleaved mRoPE
+TEXT_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+MROPE_TEXT_MODELS = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
+
+
+def language_model(causal_lm):
+    """The decoder stack a decode step runs (embed_tokens, layers, norm, rotary_emb): a causal LM's ``model``; for a
+    vision-language model of a supported family, its text model (``get_decoder()``: no vision tower). None for
+    anything else."""
+    if type(causal_lm).__name__ in SUPPORTED:
+        return getattr(causal_lm, "model", None)
+    if getattr(causal_lm.config, "model_type", None) in VISION_FAMILIES:
+        return causal_lm.get_decoder()
+    return None
 
 
 def unsupported_reason(causal_lm) -> str | None:
     """Why :class:`FastDecoder` cannot run this transformers model (None: it can)."""
     name = type(causal_lm).__name__
-    if name not in SUPPORTED:
-        return f"architecture {name}"
-    cfg = causal_lm.config
+    body = language_model(causal_lm)
+    if body is None or (name not in SUPPORTED and type(body).__name__ not in TEXT_MODELS + MROPE_TEXT_MODELS):
+        return f"architecture {name}" + (f" (language model {type(body).__name__})" if body is not None else "")
+    cfg = body.config  # (a vision-language model's: its text config)
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act}"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp"
-    body = getattr(causal_lm, "model", None)
-    if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    if not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "an unexpected module layout"
     return None
 
@@ -144,8 +164,9 @@ class FastDecoder:
     ``meta.use_triton``, their PyTorch twins otherwise."""
 
     def __init__(self, causal_lm):
-        self.body = causal_lm.model
-        self.layers = list(self.body.layers[: causal_lm.config.num_hidden_layers])
+        self.body = language_model(causal_lm)
+        self.layers = list(self.body.layers[: self.body.config.num_hidden_layers])
+        self.mrope = type(self.body).__name__ in MROPE_TEXT_MODELS
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.quant: dict = {}  # projection module → (base layer, its operands or None when grouped, delta hook or
         #                        None, QuantKernel), for one rollout
@@ -259,11 +280,25 @@ class FastDecoder:
     def build(causal_lm) -> "FastDecoder | None":
         return None if unsupported_reason(causal_lm) else FastDecoder(causal_lm)
 
+    def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, D] of one decode token a sequence at ``positions`` [B], from the model's own rotary module
+        (its inv_freq, rope type and attention_scaling). mRoPE text models get the three position rows (temporal,
+        height, width) their forward makes of 1-D position ids, all equal: after the prompt a token's three
+        components are equal (prompt_len + index + rope_delta, which ``positions`` holds), so each frequency i,
+        whichever row the section or interleaved layout reads it from, is positions · inv_freq[i]: the 1-D rotary.
+        (tests/test_vision_fast_decode.py checks that against the module, Qwen3-VL's interleaved layout included.)"""
+        pos = positions[:, None]  # [B, 1]
+        if self.mrope:
+            pos = pos[None].expand(3, -1, -1)  # [3, B, 1]
+        cos, sin = self.body.rotary_emb(h[:, None], pos)  # [B, 1, D] each
+        if cos.dim() != 3:  # (a transformers release that leaves the sections to the attention: not taken)
+            raise RuntimeError(f"rotary embedding of shape {tuple(cos.shape)}; expected [B, 1, head_dim]")
+        return cos[:, 0], sin[:, 0]
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMeta) -> torch.Tensor:
         tri, cache = meta.use_triton, meta.cache
         h = self.body.embed_tokens(ids)  # [B, d]
-        cos, sin = self.body.rotary_emb(h[:, None], positions[:, None])  # [B, 1, D] each
-        cos, sin = cos[:, 0], sin[:, 0]
+        cos, sin = self.rotary(h, positions)  # [B, D] each
         delta = None
         for i, layer in enumerate(self.layers):
             norm = layer.input_layernorm

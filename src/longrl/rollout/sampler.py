@@ -101,7 +101,8 @@ class Sampler:
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only). sync_every: decode steps between host checks.
     prefill_tokens: prompt tokens per prefill forward. fuse_lora: add LoRA deltas by fused products for the call
     (rollout/lora_fusion.py) instead of PEFT's per-layer forward. fast_decode: run decode steps of Llama-family
-    models through rollout/fast_decode.py (fused elementwise kernels) instead of transformers' forward.
+    models, and of vision-language models' language models built like them, through rollout/fast_decode.py (fused
+    elementwise kernels) instead of transformers' forward.
     pack_projections: with fast_decode, each layer's q/k/v and gate/up base weights (and their LoRA A rows) read by
     one product a group during the rollout (FastDecoder.prepare_packing). memory_cap_bytes: the run's GPU budget
     (train.gpu_memory_gib): the KV cache takes at most what it leaves. kv_cache_dtype: "bf16" keeps keys/values
@@ -136,7 +137,7 @@ class Sampler:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.family = vision_family(base_model(model).config)  # None: a text-only model
-        # (vision-language models' decode steps run through transformers' forward: FastDecoder.build refuses them)
+        # (a vision-language model's fast decode steps run its language model: rollout/fast_decode.py language_model)
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
         self.fast_proven = False  # set once a fast decode step ran (_Run._fast_forward)
         self.last_stats: dict = {}
@@ -267,7 +268,14 @@ class Sampler:
 def _graph_safe(model, use_triton: bool) -> bool:
     """Whether a decode step may be captured as a CUDA graph: not when the PyTorch attention twin runs (its
     prefix-table lookups synchronise with the host), nor with dynamic or LongRoPE scaling (transformers compares
-    positions with a threshold on the host and swaps the frequency buffer a captured graph would keep reading)."""
+    positions with a threshold on the host and swaps the frequency buffer a captured graph would keep reading).
+
+    A vision-language model's rotary is its language model's: a Qwen2/2.5-VL checkpoint's "mrope" type is "default"
+    in transformers' config (mrope_section beside it), Qwen3-VL's too, so they are captured as text models are. The
+    step reads only device state: the fast path's rotary gets the positions (rope delta already added, outside the
+    graph) as three equal rows, a view; transformers' forward expands 1-D positions the same way, and its mask
+    builder returns before the packed-sequence check (which reads a tensor) for the sampler's attention. The image
+    features and deepstack enter in the eager prefill only. tests/test_vision_sampler_gpu.py replays it."""
     rotary = getattr(base_model(model).get_decoder(), "rotary_emb", None)  # (a vision-language model's: its LM's)
     rope = str(getattr(rotary, "rope_type", ""))  # a dict of them for per-layer-type models
     return use_triton and "dynamic" not in rope and "longrope" not in rope
