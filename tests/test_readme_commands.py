@@ -147,6 +147,11 @@ def test_the_vision_commands(fresh):
     from PIL import Image
 
     doc = "docs/vision.md"
+    run(documented("longrl init --model Qwen/Qwen2.5-VL-3B-Instruct --task vision > run.yaml", doc), fresh)
+    from longrl.config import load_config
+
+    started = load_config(fresh / "run.yaml")  # (no model is read: init writes the config only)
+    assert started.lora.vision_modules == "none" and started.data.max_prompt_length == 2048
     out = run(documented("longrl demo --task vision", doc), fresh, ["train.max_steps=4", "output.save_steps=2",
                                                                      "output.report_to=[none]", "output.progress_bar=false"])
     assert "mean reward: first" in out and (fresh / "longrl-demo-vision" / "checkpoint-4").is_dir()

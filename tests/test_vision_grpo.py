@@ -115,3 +115,29 @@ def test_image_file_dataset_trains(tmp_path):
     cfg = _cfg(tmp_path / "out", f"data.source={tmp_path / 'data.jsonl'}", "data.num_examples=null")
     GRPOTrainer(cfg).train()
     assert len(read_metrics(tmp_path / "out")) == 2
+
+
+def test_init_task_vision_config_trains(tmp_path, capsys):
+    """`longrl init --model DIR --task vision`: a vision-language model's starting config (lora.vision_modules, a
+    longer prompt for image tokens, the context read from the text config) that trains on rows with image files."""
+    from longrl.cli.main import main
+    from longrl.models.tiny_vision import build_tiny_vision_model
+    from longrl.tasks.shapes import make_shape_rows
+
+    model, processor = build_tiny_vision_model(seed=0)
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    assert main(["init", "--model", str(tmp_path / "vlm"), "--task", "vision"]) == 0
+    (tmp_path / "run.yaml").write_text(capsys.readouterr().out)
+    lines = []
+    for i, row in enumerate(make_shape_rows(4, seed=1)):
+        row["image"].save(tmp_path / f"p{i}.png")
+        lines.append(json.dumps({"prompt": "colour?", "image": f"p{i}.png", "answer": "3"}))
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.lora.vision_modules == "none" and cfg.lora.enabled
+    assert cfg.data.max_prompt_length + cfg.generation.max_completion_length <= 256  # the text config's context
+    assert main(["train", str(tmp_path / "run.yaml"), "train.max_steps=1", "train.prompts_per_step=2",
+                 "generation.max_completion_length=4", "grpo.num_generations=2", f"output.output_dir={tmp_path / 'o'}",
+                 "output.progress_bar=false", "output.report_to=[none]"]) == 0
+    assert len(read_metrics(tmp_path / "o")) == 1

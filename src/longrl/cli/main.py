@@ -29,9 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="print a commented starting config for a real model: longrl init > run.yaml")
     init.add_argument("--model", default=None, metavar="ID_OR_DIR",
                       help="hub id or local model directory (default: Qwen/Qwen2.5-1.5B-Instruct)")
-    init.add_argument("--task", choices=("math", "code", "custom"), default=None,
+    init.add_argument("--task", choices=("math", "code", "custom", "vision"), default=None,
                       help="math (default): a built-in answer reward on an `answer` column; code, custom: your "
-                           "rewards.py")
+                           "rewards.py; vision: prompts with images, a vision-language model (default "
+                           "Qwen/Qwen2.5-VL-3B-Instruct)")
     init.add_argument("--sft", action="store_true", help="a config for `longrl sft` (supervised fine-tuning)")
     train = sub.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file (see `longrl demo --print-config`)")

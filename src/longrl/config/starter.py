@@ -15,14 +15,17 @@ from pathlib import Path
 
 from .keys import config_keys
 
-TASKS = ("math", "code", "custom")
+TASKS = ("math", "code", "custom", "vision")
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+DEFAULT_VISION_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"  # --task vision without --model
 
 _TASK_DATA = {
     "math": ('one JSON object a line: {"prompt": "...", "answer": "42"} (chat prompts: a list of '
              '{"role", "content"} messages)'),
     "code": 'one JSON object a line: {"prompt": "...", "tests": "..."}: every column reaches the reward function',
     "custom": 'one JSON object a line with a "prompt" column; every other column reaches the reward functions',
+    "vision": ('one JSON object a line: {"prompt": "How many cars?", "image": "pics/1.png", "answer": "3"} '
+               '("images": [...] for several; paths relative to the data file: docs/vision.md)'),
 }
 
 _TASK_REWARDS = {
@@ -38,9 +41,14 @@ _TASK_REWARDS = {
   # your reward file, beside this config: def reward(prompts, completions, **columns) -> list[float | None]
   - function: rewards.py:reward
     weight: 1.0""",
+    "vision": """\
+  - function: longrl.rewards.answers:answer_reward   # 1 when the final answer (last \\boxed{} or number) is `answer`
+    weight: 1.0""",
 }
 
-_COMPLETION = {"math": 1024, "code": 2048, "custom": 1024}
+_COMPLETION = {"math": 1024, "code": 2048, "custom": 1024, "vision": 1024}
+# prompt tokens: an image is a few hundred to a few thousand tokens (Qwen2.5-VL: a 1,024-pixel square, ~1,400)
+_PROMPT = {"math": 512, "code": 512, "custom": 512, "vision": 2048}
 
 
 def _model_entry(model: str) -> tuple[str, int | None]:
@@ -52,7 +60,10 @@ def _model_entry(model: str) -> tuple[str, int | None]:
     config = path / "config.json"
     if config.is_file():
         try:
-            context = json.loads(config.read_text()).get("max_position_embeddings")
+            settings = json.loads(config.read_text())
+            # (a vision-language model's language model keeps it in its text_config)
+            context = settings.get("max_position_embeddings") or \
+                (settings.get("text_config") or {}).get("max_position_embeddings")
         except (OSError, ValueError):
             context = None
     return os.path.abspath(path), context
@@ -69,9 +80,11 @@ _SFT_LAYOUT = """\
 """
 
 
-def _model_and_lora(name: str, layout_note: str, lora_note: str) -> str:
+def _model_and_lora(name: str, layout_note: str, lora_note: str, vision: bool = False) -> str:
     """The model and lora sections both starting configs share (LoRA r 16 on every linear layer); ``lora_note``
-    ends the comment on lora.enabled."""
+    ends the comment on lora.enabled; ``vision``: a vision-language model's lora.vision_modules line."""
+    vision_line = ("  vision_modules: none            # the language model's layers only (projector, "
+                   "tower_and_projector: more)\n") if vision else ""
     return f"""\
 model:
   name_or_path: {json.dumps(name)}
@@ -85,7 +98,7 @@ lora:
   alpha: 32
   dropout: 0.0
   target_modules: [all-linear]    # every linear layer but the LM head
-"""
+{vision_line}"""
 
 
 def _budget_line(keys: set) -> str:
@@ -98,8 +111,9 @@ def render(model: str | None = None, task: str = "math") -> str:
     """The YAML text of a starting config."""
     if task not in TASKS:
         raise ValueError(f"--task: one of {', '.join(TASKS)}; got {task!r}")
-    name, context = _model_entry(model or DEFAULT_MODEL)
-    prompt_len, completion_len = 512, _COMPLETION[task]
+    model = model or (DEFAULT_VISION_MODEL if task == "vision" else DEFAULT_MODEL)
+    name, context = _model_entry(model)
+    prompt_len, completion_len = _PROMPT[task], _COMPLETION[task]
     if context and prompt_len + completion_len > context:  # a small model: split its context 1 : 2
         prompt_len, completion_len = max(1, context // 3), context - max(1, context // 3)
     keys = set(config_keys())
@@ -107,12 +121,13 @@ def render(model: str | None = None, task: str = "math") -> str:
     budget = _budget_line(keys)
     report = "  report_to: tensorboard          # tensorboard, wandb or none\n" if "output.report_to" in keys else ""
     return f"""\
-# longrl run config: `longrl init --model {model or DEFAULT_MODEL} --task {task}`
+# longrl run config: `longrl init --model {model} --task {task}`
 #   longrl plan run.yaml       the memory layout and predicted peaks (--gpu-memory-gib N for another GPU)
 #   longrl train run.yaml      train; KEY=VALUE after the file overrides, e.g. train.max_steps=10
 # Relative paths are read from this file's folder. Every key: docs/config.md.
 
-{_model_and_lora(name, _GRPO_LAYOUT, "; the KL reference is the base with them disabled")}
+{_model_and_lora(name, _GRPO_LAYOUT, "; the KL reference is the base with them disabled",
+                 vision=task == "vision" and "lora.vision_modules" in keys)}
 data:
   source: train.jsonl             # {_TASK_DATA[task]}
   prompt_column: prompt
