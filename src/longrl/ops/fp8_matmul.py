@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp8_blocks import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_reference, fp8_blocks
-from .nf4_matmul import MIN_BN, group_grid, launch_for, split_target, sum_splits
+from .nf4_matmul import MIN_BN, group_grid, launch_for, matrix_rows, split_target, sum_splits
 
 try:
     import triton
@@ -188,10 +188,7 @@ def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
     K = group.K
     if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
         return fp8_group_reference(x, group)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    lead, x2 = matrix_rows(x, K)
     M, NQ, NT = x2.shape[0], group.fp8_rows, group.out_features
     R = NT - NQ
     BM, cfg = launch_for(M, launch, LAUNCH)

@@ -482,6 +482,12 @@ def group_grid(M: int, rows: list, R: int, K: int, chunk: int, BM: int, cfg: dic
                      N0 + (rows[1] if len(rows) > 1 else NQ))
 
 
+def matrix_rows(x: torch.Tensor, K: int) -> tuple[torch.Size, torch.Tensor]:
+    """(leading shape, rows [M, K] with unit stride along K) of x [..., K], for a product's kernel."""
+    rows = x.reshape(-1, K)
+    return x.shape[:-1], rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def split_target(out: torch.Tensor, split: int) -> torch.Tensor:
     """Where the product's programs write: ``out`` [M, NT] itself, or float32 partial sums [split, M, NT]."""
     return out if split == 1 else torch.empty(split, *out.shape, dtype=torch.float32, device=out.device)
@@ -504,10 +510,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     K = group.K
     if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
         return nf4_group_reference(x, group)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    lead, x2 = matrix_rows(x, K)
     M, NQ, NT = x2.shape[0], group.nf4_rows, group.out_features
     R = NT - NQ
     BM, cfg = launch_for(M, launch)
