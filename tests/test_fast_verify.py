@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 from interpreter import run_interpreted
+from test_speculative_sampler import fixed, peaked_model
 
 from longrl.rollout import Sampler, SamplingParams
 from longrl.rollout.sampler import _Run
-from test_speculative_sampler import fixed, peaked_model
 
 # prompts sharing a prefix entry (G = 3 each), of odd lengths
 VERIFY_PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5, 9], [1, 8], [1, 4, 4, 4, 4, 4, 5, 11, 12, 13, 2]]
@@ -29,7 +29,8 @@ def random_drafts(k: int, seed: int):
 
 
 @torch.no_grad()
-def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed: int = 0) -> int:
+def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed: int = 0,
+                         device: str = "cpu") -> int:
     """After a few speculative steps (write indices apart), one more verify step's logits and written keys/values
     by the virtual-row forward equal the extend forward's on the same cache: logits at each row's n + 1 real
     positions, the slot stores (dequantized when FP8) at every position either wrote for a real token, and nothing
@@ -39,6 +40,7 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
     logit_tol = 2e-3 if use_triton else 2e-4
     kv_tol = dict(atol=2e-2, rtol=0.13) if use_triton and kv_cache_dtype == "fp8" else dict(atol=1e-4, rtol=1e-4)
     model, tok = peaked_model(seed=seed)
+    model = model.to(device)
     sampler = Sampler(model, tok, kv_cache_dtype=kv_cache_dtype, speculative=random_drafts(k, seed), fast_verify=True)
     sampler.use_triton = use_triton
     params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=seed)
@@ -62,11 +64,12 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
         after_fast = [t.clone() for t in cache.slot_tensors()]
         for t, b in zip(cache.slot_tensors(), before):
             t.copy_(b)
-        rows = torch.tensor(slots)
+        rows = torch.tensor(slots, device=device)
         padded = torch.zeros(len(slots), width - 1, dtype=torch.long)
         for j, d in enumerate(drafts):
             padded[j, :len(d)] = torch.tensor(d, dtype=torch.long)
-        lengths = torch.tensor([len(d) for d in drafts]) + 1
+        padded = padded.to(device)
+        lengths = torch.tensor([len(d) for d in drafts], device=device) + 1
         inputs = torch.cat([state.last_token[rows, None], padded], dim=1)
         with sampler.compute_context():
             hidden = run._extend_forward(rows, inputs, state.write_index[rows], lengths)
@@ -75,7 +78,7 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
             n = int(lengths[j])
             torch.testing.assert_close(fast[slot, :n], twin[j, :n], atol=logit_tol, rtol=logit_tol)
         # the keys/values each wrote for real tokens, and everything else of the slot stores unchanged
-        real = torch.zeros(cache.k_suf.shape[1], cache.k_suf.shape[3], dtype=torch.bool)  # [S, T]
+        real = torch.zeros(cache.k_suf.shape[1], cache.k_suf.shape[3], dtype=torch.bool, device=device)  # [S, T]
         for slot, n in zip(slots, lengths.tolist()):
             w = int(state.write_index[slot])
             real[slot, w:w + n] = True
