@@ -10,10 +10,13 @@ checkpoint (not made here).
 
 (ii) The 8B Llama shape with random weights (benchmarks/trl_baseline.py's llama-3.1-8b, bf16): one prompt of C
 tokens (1K, 16K) shared by R rows (8, 16, 32), in the sampler as a rollout runs it; the wall time of a plain decode
-step (CUDA graph, fast decode path) against a verify step of k + 1 tokens a row (k = 1, 2, 4; eager extend
-forward, acceptance, state updates), the slot state restored between repetitions. With a: the accepted drafts per
-verify step measured in (i) at the same k, the projected speed-up is (1 + a) · t_step / t_verify(k) — a
-projection (random weights accept nothing; the acceptance comes from the small real model), labelled as such.
+step (CUDA graph, fast decode path) against a verify step of k + 1 tokens a row (k = 1, 2, 4; forward, acceptance,
+state updates) on the decode path (virtual rows: CUDA graph, fast decode path, the decode attention kernel;
+Sampler(fast_verify=True)) and on its twin (the eager extend forward), the slot state restored between repetitions;
+and the forwards alone (the decode step's graph against the fast verify's). With a: the accepted drafts per
+verify step measured in (i) at the same k, the projected speed-up is (1 + a) · t_step / t_verify(k) with the fast
+verify step — a projection (random weights accept nothing; the acceptance comes from the small real model),
+labelled as such.
 
     python benchmarks/speculative_rollout.py            # GPU; writes results/speculative_rollout_<gpu>.md/.json
     python benchmarks/speculative_rollout.py --smoke    # CPU, tiny sizes: checks the program runs; writes nothing
@@ -142,9 +145,15 @@ def verify_cost(args, device) -> list[dict]:
                 g = torch.Generator().manual_seed(0)
                 t_step = step_seconds(lambda: run._decode_step(batch), restore, args.reps)
                 row = dict(context=context, rows=n_rows, step_s=t_step)
+                row["step_forward_s"] = step_seconds(lambda: run._run_forward(batch), restore, args.reps)
                 for k in args.k:
                     drafts = torch.randint(3, vocab, (n_rows, k), generator=g).tolist()
-                    row[f"verify_k{k}_s"] = step_seconds(lambda: run._verify(slots, drafts), restore, args.reps)
+                    for name, fast in (("verify", True), ("twin", False)):  # the decode path; the extend forward
+                        sampler.fast_verify = fast
+                        row[f"{name}_k{k}_s"] = step_seconds(lambda: run._verify(batch, slots, drafts), restore,
+                                                             args.reps)
+                    row[f"verify_forward_k{k}_s"] = step_seconds(lambda: run._fast_verify(batch, slots, drafts, k),
+                                                                 restore, args.reps)
                 rows.append(row)
                 print(row, flush=True)
             del run
@@ -195,20 +204,24 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"{r['hit_rate']:.2f} |" for r in real]
         lines.append("")
     lines += ["## (ii) 8B shape (random weights): a verify step of k + 1 tokens against a one-token step", "",
-              "One prompt of C tokens shared by R rows; wall ms a step (plain: CUDA graph and fast decode path; verify: "
-              "eager extend forward + acceptance). PROJECTED speed-up = (1 + a) · t_step / t_verify, a = SmolLM2's "
-              "accepted drafts per verify step at the same k (temperature 1, later step) — a projection, not a "
-              "measurement.", "",
-              "| context | rows | step ms | " + " | ".join(f"verify k={k} ms | projected ×" for k in args.k) + " |",
-              "| --- | --- | --- | " + " | ".join("--- | ---" for _ in args.k) + " |"]
+              "One prompt of C tokens shared by R rows; wall ms a step (plain: CUDA graph and fast decode path; "
+              "verify: virtual rows on the decode path, CUDA graph, + acceptance; twin: the eager extend forward + "
+              "acceptance); fwd: the forwards alone (decode step's graph; the verify's). PROJECTED speed-up = "
+              "(1 + a) · t_step / t_verify, a = SmolLM2's accepted drafts per verify step at the same k (temperature "
+              "1, later step) — a projection, not a measurement.", "",
+              "| context | rows | step ms | step fwd ms | " + " | ".join(
+                  f"k={k}: verify ms | fwd ms | twin ms | projected ×" for k in args.k) + " |",
+              "| --- | --- | --- | --- | " + " | ".join("--- | --- | --- | ---" for _ in args.k) + " |"]
     for c in cost:
         cells = []
         for k in args.k:
             a = next((r["accepted_per_step"] for r in real if r["k"] == k and r["temperature"] == 1.0
                       and r["call"].startswith("later")), None)
             proj = "–" if a is None else f"{(1 + a) * c['step_s'] / c[f'verify_k{k}_s']:.2f}"
-            cells.append(f"{1e3 * c[f'verify_k{k}_s']:.2f} | {proj}")
-        lines.append(f"| {c['context']} | {c['rows']} | {1e3 * c['step_s']:.2f} | " + " | ".join(cells) + " |")
+            cells.append(f"{1e3 * c[f'verify_k{k}_s']:.2f} | {1e3 * c[f'verify_forward_k{k}_s']:.2f} | "
+                         f"{1e3 * c[f'twin_k{k}_s']:.2f} | {proj}")
+        lines.append(f"| {c['context']} | {c['rows']} | {1e3 * c['step_s']:.2f} | {1e3 * c['step_forward_s']:.2f} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 

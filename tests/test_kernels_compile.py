@@ -51,11 +51,11 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
             dk._chunk_kernel,
             {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", "COUNT": "*i32",
              "OUT": dtype, **strides, "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32",
-             "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "stride_esb": "i64", "stride_esh": "i64",
+             "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "SLOTS": "*i64", "stride_esb": "i64", "stride_esh": "i64",
              **{n: "i64" for n in ("stride_vsb", "stride_vsh", "stride_vs")}},
             dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
                  PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False,
-                 PREFETCH=False, V_WHOLE=False),
+                 PREFETCH=False, V_WHOLE=False, HAS_SLOTS=members == 8),  # (8: a verify step's virtual rows)
             num_warps=4)
         if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
             lines = kernel.asm["ptx"].splitlines()
@@ -89,9 +89,9 @@ def test_fused_decode_kernels_build(dtype):
                                    "VC": dtype, "WIDX": "*i64", "QW": dtype, "KW": dtype, "QO": dtype, "eps": "fp32",
                                    "stride_cs": "i64", "stride_ch": "i64", "stride_ct": "i64", "stride_q": "i64",
                                    "stride_k": "i64", "stride_v": "i64", "XA": dtype, "stride_xa": "i64", "LO_Q": "i32",
-                                   "LO_K": "i32", "LO_V": "i32", "BQ": dtype, "BK": dtype, "BV": dtype},
+                                   "LO_K": "i32", "LO_V": "i32", "BQ": dtype, "BK": dtype, "BV": dtype, "SLOTS": "*i64"},
                                   dict(HQ=32, HKV=8, D=128, HALF=64, HAS_NORM=norm, R=32 if norm else 0,
-                                       RP=32 if norm else 1), num_warps=1,
+                                       RP=32 if norm else 1, HAS_SLOTS=norm), num_warps=1,
                                   enable_fp_fusion=fo.ROTARY_FP_FUSION)
         # transformers rounds each rotary product before the sum: no fused multiply-add may stand in for them
         # (with contraction on, the compiler emitted fma.rn.bf16 and the H200 run missed by several bf16 units)
@@ -119,7 +119,7 @@ def _fp8_chunk_signature() -> dict:
                "stride_epp", "stride_eph", "stride_esb", "stride_esh")
     return dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
                 M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
-                KSE="*i8", VSE="*i8", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
+                KSE="*i8", VSE="*i8", SLOTS="*i64", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
                 NPRE="i32")
 
 
@@ -135,7 +135,7 @@ def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():
         kernel = compile_for_sm90(dk._chunk_kernel, sig,
                                   dict(REP=4, R=16, D=128, DP=128, BLOCK=dk.BLOCK, CHUNK=1024, PREC="tf32",
                                        DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
-                                       PREFETCH=False, V_WHOLE=True),
+                                       PREFETCH=False, V_WHOLE=True, HAS_SLOTS=False),
                                   num_warps=4)
         counts[fp8] = kernel.asm["ptx"].count("cvt.bf16.f16")
     assert counts[1] > 0 and counts[2] == 0, counts
@@ -202,7 +202,7 @@ def _fp8_chunk_build(fp8: int, prefetch: bool, block: int = dk.BLOCK):
     kernel = compile_for_sm90(dk._chunk_kernel, _fp8_chunk_signature(),
                               dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32",
                                    DYNAMIC_STOP=True, FUSED=True, RB=4, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8,
-                                   PREFETCH=prefetch, V_WHOLE=True),
+                                   PREFETCH=prefetch, V_WHOLE=True, HAS_SLOTS=False),
                               num_warps=4, aligned=_ALIGNED)
     attention_loops = [b for b in _sass_loops(kernel) if any(re.match(r"[HQ]GMMA|HMMA", ins) for ins in b)]
     assert len(attention_loops) == 2, len(attention_loops)

@@ -209,3 +209,31 @@ def test_packing_and_release_hold_one_group_of_extra_memory_at_most():
         decoder.release_packing()
         assert torch.cuda.max_memory_allocated() - packed <= largest + slack
         assert abs(torch.cuda.memory_allocated() - before) <= slack
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("slots", [None, 3])
+def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, slots):
+    """Verify steps as decode steps over virtual rows (Sampler fast_verify's default on CUDA: graphs per batch bucket
+    and draft count, the compiled kernels), random drafts of unequal counts and the n-gram proposer, continuous
+    batching: plain greedy's tokens and log-probs; then the verify forward's logits and writes against the extend
+    forward's (test_fast_verify's check, on the GPU's kernels)."""
+    from test_fast_verify import VERIFY_PROMPTS, check_verify_forward, random_drafts
+    from test_speculative_sampler import peaked_model
+
+    model, tok = peaked_model(seed=2)
+    model = model.cuda()
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=per * (slots * 40 + 3 * 11) if slots else None)
+    params = SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
+    plain = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
+    for speculative in (random_drafts(5, 1), "ngram"):
+        sampler = Sampler(model, tok, speculative=speculative, **kw)
+        assert sampler.cuda_graphs and sampler.fast_verify
+        spec = sampler.generate(VERIFY_PROMPTS, 3, params)
+        assert spec.completion_ids == plain.completion_ids
+        torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
+                                   atol=1e-4, rtol=1e-4)
+        stats = sampler.last_stats
+        assert stats["spec_fast_verify_steps"] == stats["spec_verify_steps"] > 0 and stats["fast_decode"]
+    assert check_verify_forward(True, kv_cache_dtype, device="cuda") == 8

@@ -92,12 +92,14 @@ def three_token_law(model, prompt, params) -> torch.Tensor:
     return (p0[:, None, None] * p1[:, :, None] * p2).double()
 
 
+@pytest.mark.parametrize("fast_verify", [False, True])
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_speculative_tokens_have_plain_sampling_distribution(name):
+def test_speculative_tokens_have_plain_sampling_distribution(name, fast_verify):
     """20,000 completions of one prompt under a fixed proposer: even sequences draft the likeliest chain after the
     likeliest first token (often accepted), odd ones a chain of unlikely tokens (mostly rejected: the residual
     draw). The completion's first token is drawn from the prompt's logits; its second and third come from verify
-    steps (2 drafts a step). Chi-square of (t0, t1, t2) against plain sampling's law."""
+    steps (2 drafts a step). Chi-square of (t0, t1, t2) against plain sampling's law. fast_verify: the verify
+    steps as decode steps over virtual rows (the PyTorch twins of its kernels), else the extend forward."""
     model, tok = peaked_model(seed=3)
     prompt = PROMPTS[0]
     params = SamplingParams(max_new_tokens=4, seed=11, **PARAMS[name])
@@ -106,10 +108,12 @@ def test_speculative_tokens_have_plain_sampling_distribution(name):
     likely = [int(law[first].sum(1).argmax())]
     likely.append(int(law[first, likely[0]].argmax()))
     unlikely = [int(law[first].sum(1).argmin()), int(law[first, likely[0]].argmin())]
-    sampler = Sampler(model, tok, speculative=fixed(lambda p, i, done: likely if i % 2 == 0 else unlikely))
+    sampler = Sampler(model, tok, speculative=fixed(lambda p, i, done: likely if i % 2 == 0 else unlikely),
+                      fast_verify=fast_verify)
     r = sampler.generate([prompt], DRAWS, params)
     stats = sampler.last_stats
     assert stats["spec_verify_steps"] >= 1 and 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    assert stats["spec_fast_verify_steps"] == (stats["spec_verify_steps"] if fast_verify else 0)
     got = torch.tensor([c[:3] for c in r.completion_ids])  # [DRAWS, 3]
     V = law.shape[0]
     counts = torch.zeros(V, V, V).index_put_((got[:, 0], got[:, 1], got[:, 2]), torch.ones(DRAWS), accumulate=True)
@@ -122,12 +126,14 @@ def test_speculative_tokens_have_plain_sampling_distribution(name):
 
 
 # ----------------------------------------------------------------------------------------------- (b) log-probs
+@pytest.mark.parametrize("fast_verify", [False, True])
 @pytest.mark.parametrize("fuse_lora", [True, False])
-def test_reported_logprobs_equal_a_full_forward(fuse_lora):
+def test_reported_logprobs_equal_a_full_forward(fuse_lora, fast_verify):
     model, tok = peaked_model(seed=1, lora=True)
     T = 0.7
     targets = greedy_targets(model, tok, PROMPTS, 12)
-    sampler = Sampler(model, tok, fuse_lora=fuse_lora, speculative=oracle(targets, k=3, wrong=0.3))
+    sampler = Sampler(model, tok, fuse_lora=fuse_lora, speculative=oracle(targets, k=3, wrong=0.3),
+                      fast_verify=fast_verify)
     r = sampler.generate(PROMPTS, 3, SamplingParams(max_new_tokens=12, temperature=T, top_p=0.9, seed=5))
     assert sampler.last_stats["spec_accepted_tokens"] > 0
     for prompt, comp, lps in zip(r.prompt_ids, r.completion_ids, r.logprobs):
@@ -138,8 +144,9 @@ def test_reported_logprobs_equal_a_full_forward(fuse_lora):
 
 
 # ----------------------------------------------------------------------------------------------- (c) greedy
+@pytest.mark.parametrize("fast_verify", [False, True])
 @pytest.mark.parametrize("case", ["shared", "queued", "lora", "peft", "penalty", "fp8"])
-def test_greedy_speculation_gives_plain_greedy_tokens(case):
+def test_greedy_speculation_gives_plain_greedy_tokens(case, fast_verify):
     """The n-gram proposer on repetitive prompts: the same tokens and log-probs as plain greedy decoding, with
     continuous batching (3 slots for 8 sequences), LoRA (fused or PEFT's forward), a repetition penalty or the FP8
     KV cache."""
@@ -153,7 +160,7 @@ def test_greedy_speculation_gives_plain_greedy_tokens(case):
     params = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=(3,),
                             repetition_penalty=1.3 if case == "penalty" else 1.0)
     plain = Sampler(model, tok, **kw).generate(prompts, 2, params)
-    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=4, **kw)
+    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=4, fast_verify=fast_verify, **kw)
     spec = sampler.generate(prompts, 2, params)
     if case == "queued":
         assert sampler.last_stats["slots"] == 3
@@ -180,14 +187,15 @@ def test_greedy_drafts_of_top_k_1_are_accepted_exactly_when_right():
 
 # ----------------------------------------------------------------------------------------------- (d) KV rollback
 @torch.no_grad()
-def test_cache_after_rejections_equals_a_cache_built_without_them():
+@pytest.mark.parametrize("fast_verify", [False, True])
+def test_cache_after_rejections_equals_a_cache_built_without_them(fast_verify):
     """Greedy verify steps with wrong drafts mixed in, run step by step: each slot's prompt prefix ++ slot store
     below its write index equals the prefix store of the prompt + its kept tokens prefilled from scratch (the
     rejected drafts' keys/values left past the write index only)."""
     model, tok = peaked_model(seed=5)
     params = SamplingParams(max_new_tokens=30, temperature=0)
     targets = greedy_targets(model, tok, PROMPTS, 30)
-    sampler = Sampler(model, tok, speculative=oracle(targets, k=4, wrong=0.6, seed=1))
+    sampler = Sampler(model, tok, speculative=oracle(targets, k=4, wrong=0.6, seed=1), fast_verify=fast_verify)
     with sampler.prepared():
         run = _Run(sampler, PROMPTS, 2, params)
         run._admit()
@@ -215,15 +223,16 @@ def test_cache_after_rejections_equals_a_cache_built_without_them():
 
 
 # ----------------------------------------------------------------------------------------------- (e) multi-turn, FP8
+@pytest.mark.parametrize("fast_verify", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
-def test_multi_turn_greedy_speculation_equals_plain(kv_cache_dtype):
+def test_multi_turn_greedy_speculation_equals_plain(kv_cache_dtype, fast_verify):
     """Episodes of 3 turns (environment tokens prefilled onto the slot's cache between them): the n-gram proposer
     (which also reads the environment's tokens) gives plain greedy's trajectories, masks and log-probs."""
     model, tok = peaked_model(seed=6)
     params = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=STOP)
     runs = []
     for speculative in ("off", "ngram"):
-        sampler = Sampler(model, tok, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
+        sampler = Sampler(model, tok, kv_cache_dtype=kv_cache_dtype, speculative=speculative, fast_verify=fast_verify)
         runs.append(sampler.generate([[1, 5, 6, 7, 5, 6, 7], [1, 9, 4, 9, 4]], 2, params,
                                      MultiTurn(ScriptedHandler(turns=3), max_tokens=48)))
     plain, spec = runs
@@ -235,7 +244,8 @@ def test_multi_turn_greedy_speculation_equals_plain(kv_cache_dtype):
 
 
 # ----------------------------------------------------------------------------------------------- (f) stop rules
-def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there():
+@pytest.mark.parametrize("fast_verify", [False, True])
+def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(fast_verify):
     """Oracle drafts of 4 tokens, all accepted: a stop token at any place of the run ends the completion with it
     (the accepted drafts after it dropped), as plain decoding does; max_new_tokens cuts a run too."""
     model, tok = peaked_model(seed=7)
@@ -243,7 +253,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there():
     full = [targets[tuple(p)] for p in PROMPTS]
     stop = full[0][5]
     params = SamplingParams(max_new_tokens=13, temperature=0, stop_token_ids=(stop,))
-    sampler = Sampler(model, tok, speculative=oracle(targets, k=4))
+    sampler = Sampler(model, tok, speculative=oracle(targets, k=4), fast_verify=fast_verify)
     r = sampler.generate(PROMPTS, 1, params)
     for comp, whole, truncated in zip(r.completion_ids, full, r.truncated):
         cut = whole[:13]

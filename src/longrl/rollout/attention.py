@@ -108,15 +108,16 @@ class KVCache:
         self.v_pre_e[layer, entries, :, :width] = ve
 
     def write_decode(self, layer: int, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,
-                     use_triton: bool) -> None:
-        """key/value [B, Hkv, D] of slots 0..B−1 at their write_index [B]."""
+                     use_triton: bool, slots: torch.Tensor | None = None) -> None:
+        """key/value [B, Hkv, D] of slots 0..B−1 (or of slots [B]: a verify step's virtual rows) at their
+        write_index [B]."""
         if not self.fp8:
-            rows = torch.arange(key.shape[0], device=key.device)
+            rows = torch.arange(key.shape[0], device=key.device) if slots is None else slots
             self.k_suf[layer][rows, :, write_index] = key.to(self.k_suf.dtype)  # [B, Hkv, D] into [S, Hkv, T, D]
             self.v_suf[layer][rows, :, write_index] = value.to(self.v_suf.dtype)
             return
         store_decode(key, value, self.k_suf[layer], self.v_suf[layer], self.k_suf_e[layer], self.v_suf_e[layer],
-                     write_index, use_triton)
+                     write_index, use_triton, slots)
 
     def write_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor) -> None:
@@ -152,10 +153,34 @@ class DecodeMeta:
     use_triton: bool = False
     members: torch.Tensor | None = None  # [P, G] long: slots reading each prefix entry (−1: none); Triton only
     entry_len: torch.Tensor | None = None  # [P] long: prompt length of each prefix entry
+    # [B] long: the slot of each row; None: row b is slot b. A verify step's virtual rows (verify_meta): row
+    # b·(k+1) + i is query i of slot b, at write_index[b] + i, reading slot b's store up to it
+    slots: torch.Tensor | None = None
     suffix_len: torch.Tensor = field(init=False)  # [B] valid slot-store keys after this step's write
 
     def __post_init__(self):
         self.suffix_len = self.write_index + 1  # once a step, not once a layer
+
+
+def verify_meta(cache: KVCache, prefix_index: torch.Tensor, prefix_len: torch.Tensor, write_index: torch.Tensor,
+                width: int, use_triton: bool, members: torch.Tensor | None = None,
+                entry_len: torch.Tensor | None = None) -> DecodeMeta:
+    """A verify step of ``width`` = k + 1 positions a slot over slots 0 … B−1 as a decode step of B·width virtual
+    rows: row b·width + i is slot b's query at slot-store index w_bi = min(write_index[b] + i, T − 1) (its key/value
+    written there; it reads its prompt's prefix and the store's keys [0, w_bi], causal by length). prefix_index,
+    prefix_len, write_index [B]; members [P, G] → [P, G·width] (virtual rows of the members). The clamp at T − 1
+    touches only padding queries: a real draft sits below the turn's last index, whose key nothing reads."""
+    i = torch.arange(width, device=write_index.device)
+    T = cache.k_suf.shape[3]
+    B = len(write_index)
+
+    def each(x):  # [B] → [B·width], each entry repeated width times (no host sync: capturable)
+        return x[:, None].expand(B, width).flatten()
+    index = (write_index[:, None] + i[None]).clamp(max=T - 1).flatten()  # [B·width]
+    if members is not None:
+        members = torch.where(members[:, :, None] >= 0, members[:, :, None] * width + i, -1).flatten(1)
+    return DecodeMeta(cache, each(prefix_index), each(prefix_len), index, use_triton, members, entry_len,
+                      each(torch.arange(B, device=write_index.device)))
 
 
 @dataclass
@@ -200,9 +225,10 @@ def extend_attention(query, key, value, layer: int, meta: ExtendMeta, scale: flo
 
 
 def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
-                               members=None, prompt_len=None, kv_exp=None):
+                               members=None, prompt_len=None, kv_exp=None, slots=None):
     """Plain PyTorch decode attention. q [B, Hq, D]; k_pre/v_pre [P, Hkv, Lp, D]; k_suf/v_suf [≥B, Hkv, T, D];
-    prefix_index, prefix_len, suffix_len [B] (suffix_len: valid slot-store keys). Returns [B, Hq, D].
+    prefix_index, prefix_len, suffix_len [B] (suffix_len: valid slot-store keys). Returns [B, Hq, D]. slots [B]:
+    row b reads slot slots[b]'s store (else slot b's).
 
     With members [P, G] (slots of each prefix entry, −1: none) and prompt_len [P], the prefix of each slot is
     found through that table, as the grouped Triton kernel finds it (a slot listed nowhere has no prefix).
@@ -222,8 +248,9 @@ def decode_attention_reference(q, k_pre, v_pre, prefix_index, prefix_len, k_suf,
         prefix_index = entry.clamp(min=0)
         prefix_len = torch.where(entry >= 0, prompt_len[prefix_index], torch.zeros_like(prefix_index))
     Hkv, Lp, T = k_pre.shape[1], k_pre.shape[2], k_suf.shape[2]
-    k = torch.cat([k_pre[prefix_index], k_suf[:B]], dim=2).float()  # [B, Hkv, Lp + T, D]
-    v = torch.cat([v_pre[prefix_index], v_suf[:B]], dim=2).float()
+    rows = slice(0, B) if slots is None else slots
+    k = torch.cat([k_pre[prefix_index], k_suf[rows]], dim=2).float()  # [B, Hkv, Lp + T, D]
+    v = torch.cat([v_pre[prefix_index], v_suf[rows]], dim=2).float()
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bhrd,bhtd->bhrt", qg, k) * scale  # [B, Hkv, rep, Lp + T]
     pos_pre = torch.arange(Lp, device=q.device)
@@ -251,7 +278,7 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
         return out.transpose(1, 2), None
     if isinstance(meta, ExtendMeta):
         return extend_attention(query, key, value, layer, meta, scale), None
-    cache.write_decode(layer, key[:, :, 0], value[:, :, 0], meta.write_index, meta.use_triton)
+    cache.write_decode(layer, key[:, :, 0], value[:, :, 0], meta.write_index, meta.use_triton, meta.slots)
     out = decode_attend(query[:, :, 0], layer, meta, scale)
     return out.to(query.dtype)[:, None], None  # [B, 1, Hq, D]
 
@@ -266,8 +293,10 @@ def decode_attend(q: torch.Tensor, layer: int, meta: DecodeMeta, scale: float) -
     if meta.use_triton:
         from .decode_kernel import decode_attention_triton
 
-        return decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp)
-    return decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp)
+        return decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp,
+                                       slots=meta.slots)
+    return decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp,
+                                      slots=meta.slots)
 
 
 def register_sampler_attention() -> None:

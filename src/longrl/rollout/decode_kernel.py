@@ -310,7 +310,8 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
 
 
 @triton.jit
-def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, KPE, VPE, KSE, VSE, scale,
+def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, KPE, VPE, KSE, VSE, SLOTS,
+                  scale,
                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st,
                   stride_vpp, stride_vph, stride_vp, stride_vsb, stride_vsh, stride_vs,
                   stride_epp, stride_eph, stride_esb, stride_esh, NPART,
@@ -318,7 +319,7 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
                   CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  V_WHOLE: tl.constexpr):
+                  V_WHOLE: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -327,7 +328,10 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
     suffix chunk taking part even without keys — each add 1 to COUNT[b·Hkv + h] (from COUNT0) after their stores;
     the one that sees COUNT0 + n − 1 merges the REP rows (b, h·REP + r), together (RB ≥ REP), over all NPART
     columns into OUT [B, Hq, D] (the prefix launch's columns are visible by stream order) and puts the counter back
-    to COUNT0."""
+    to COUNT0.
+
+    HAS_SLOTS: row b's suffix is slot SLOTS[b]'s store (a verify step's virtual rows: several rows read one slot, each
+    to its own length); else slot b's."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -360,9 +364,13 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
         m, l, acc = _attend(q, KP + base, VP + vbase, KPE + ebase, VPE + ebase, stride_pt, stride_vp, start, end, m,
                             l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     else:
-        base = b.to(tl.int64) * stride_sb + h * stride_sh
-        vbase = b.to(tl.int64) * stride_vsb + h * stride_vsh
-        ebase = b.to(tl.int64) * stride_esb + h * stride_esh
+        if HAS_SLOTS:
+            slot = tl.load(SLOTS + b).to(tl.int64)
+        else:
+            slot = b.to(tl.int64)
+        base = slot * stride_sb + h * stride_sh
+        vbase = slot * stride_vsb + h * stride_vsh
+        ebase = slot * stride_esb + h * stride_esh
         m, l, acc = _attend(q, KS + base, VS + vbase, KSE + ebase, VSE + ebase, stride_st, stride_vs, start, end, m,
                             l, acc, scale, D, DP, BLOCK, CHUNK, PREC, DYNAMIC_STOP, FP8, PREFETCH, V_WHOLE)
     hq = stride_qb // stride_qh  # query heads (q is contiguous)
@@ -435,8 +443,9 @@ def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int =
 
 def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
                             members=None, prompt_len=None, launch: dict | None = None, fused_merge: bool = True,
-                            kv_exp=None):
-    """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D].
+                            kv_exp=None, slots=None):
+    """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D]; slots [B] (optional): row b reads
+    slot slots[b]'s suffix store instead of slot b's (a verify step's virtual rows).
 
     kv_exp (k_pre_e, v_pre_e, k_suf_e, v_suf_e): an FP8 cache (k_pre ... v_suf float8_e4m3fn, the values
     position-minor: v_pre [P, Hkv, D, Lp'], v_suf [S, Hkv, D, T'], Lp' ≥ Lp, T' ≥ T, kv_quant.quantize_values) and its
@@ -527,10 +536,12 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
-        kpe, vpe, kse, vse, float(scale), *strides, k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *v_strides,
+        kpe, vpe, kse, vse, slots if slots is not None else prefix_index, float(scale), *strides, k_suf.stride(0),
+        k_suf.stride(1), k_suf.stride(2), *v_strides,
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
-        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s), num_warps=warps,
+        COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s),
+        HAS_SLOTS=slots is not None, num_warps=warps,
         num_stages=stages, **regs)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)

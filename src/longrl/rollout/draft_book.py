@@ -44,6 +44,7 @@ class SpeculativeCounts:
     drafted: int = 0
     accepted: int = 0
     verify_s: float = 0.0
+    fast_steps: int = 0  # verify steps run on the decode path (virtual rows; the rest: the extend forward)
     plain_steps: int = 0
     plain_s: float = 0.0
 
@@ -58,7 +59,7 @@ class SpeculativeCounts:
         out = {"spec_verify_steps": self.verify_steps, "spec_verify_rows": self.verify_rows,
                "spec_drafted_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
                "spec_accepted_per_step": per_row, "spec_hit_rate": self.accepted / max(1, self.drafted),
-               "spec_verify_s": self.verify_s}
+               "spec_verify_s": self.verify_s, "spec_fast_verify_steps": self.fast_steps}
         if self.plain_steps:
             plain = self.plain_s / self.plain_steps
             out["spec_time_saved_s"] = self.verify_steps * (1 + per_row) * plain - self.verify_s

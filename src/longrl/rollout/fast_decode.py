@@ -161,7 +161,8 @@ def unsupported_reason(causal_lm) -> str | None:
 
 class FastDecoder:
     """``FastDecoder(causal_lm)(ids [B], positions [B], meta) → final hidden states [B, d]``; Triton kernels when
-    ``meta.use_triton``, their PyTorch twins otherwise."""
+    ``meta.use_triton``, their PyTorch twins otherwise. With ``meta.slots`` (attention.verify_meta) the B rows are a
+    verify step's virtual rows: row b's key/value go to slot slots[b] at write_index[b], and it attends there."""
 
     def __init__(self, causal_lm):
         self.body = language_model(causal_lm)
@@ -300,6 +301,7 @@ class FastDecoder:
         h = self.body.embed_tokens(ids)  # [B, d]
         cos, sin = self.rotary(h, positions)  # [B, D] each
         delta = None
+        stage = _fp8_stage(cache, ids.shape[0]) if cache.fp8 else None
         for i, layer in enumerate(self.layers):
             norm = layer.input_layernorm
             h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
@@ -307,14 +309,16 @@ class FastDecoder:
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
             qkv, lora = self._project_folded(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x)
             if cache.fp8:  # keys/values staged in the compute dtype, then quantized into the slot store
-                B = ids.shape[0]
-                k_at, v_at, idx = cache.k_stage[:B], cache.v_stage[:B], cache.stage_index[:B]
+                k_at, v_at, idx = stage
+                slots = None
             else:
                 k_at, v_at, idx = cache.k_suf[i], cache.v_suf[i], meta.write_index
+                slots = meta.slots
             q = rotary_kv(*qkv, cos, sin, k_at, v_at, idx, tri, *qk_norms,
-                          eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6, lora=lora)  # [B, Hq, D]
+                          eps=attn.q_norm.variance_epsilon if self.qk_norm else 1e-6, lora=lora,
+                          slots=slots)  # [B, Hq, D]
             if cache.fp8:
-                cache.write_decode(i, k_at[:, :, 0], v_at[:, :, 0], meta.write_index, tri)
+                cache.write_decode(i, k_at[:, :, 0], v_at[:, :, 0], meta.write_index, tri, meta.slots)
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
             delta = self._project_group(i, "o_proj", [attn.o_proj], out.reshape(out.shape[0], -1))[0]
             norm = layer.post_attention_layernorm
@@ -325,6 +329,18 @@ class FastDecoder:
             delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
         return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
+
+
+def _fp8_stage(cache, rows: int) -> tuple:
+    """(k, v [rows, Hkv, 1, D], index [rows] zeros): where rotary_kv puts an FP8 cache's new keys/values before they
+    are quantized into the slot store: the cache's stage, or for more rows than slots (a verify step's virtual rows)
+    a buffer of this step's own."""
+    if rows <= cache.k_stage.shape[0]:
+        return cache.k_stage[:rows], cache.v_stage[:rows], cache.stage_index[:rows]
+    shape = (rows, *cache.k_stage.shape[1:])
+    return (torch.empty(shape, dtype=cache.k_stage.dtype, device=cache.k_stage.device),
+            torch.empty(shape, dtype=cache.v_stage.dtype, device=cache.v_stage.device),
+            torch.zeros(rows, dtype=torch.long, device=cache.k_stage.device))
 
 
 def _shares_storage(t: torch.Tensor, buffer: torch.Tensor) -> bool:

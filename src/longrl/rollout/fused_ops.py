@@ -63,10 +63,11 @@ def _with_lora(t: torch.Tensor, fold: "LoraFold | None", j: int) -> torch.Tensor
 
 
 def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm=None, k_norm=None, eps=1e-6,
-                        lora: "LoraFold | None" = None):
+                        lora: "LoraFold | None" = None, slots=None):
     """q [B, Hq·D], k and v [B, Hkv·D] (projection outputs), cos and sin [B, D]; k_cache, v_cache [S, Hkv, T, D].
     Adds the LoRA deltas of ``lora`` (rounded once each, as a product adding into its output does), norms q/k per
-    head when weights are given, rotates q and k, writes k and v at write_index [B]; returns q [B, Hq, D]."""
+    head when weights are given, rotates q and k, writes row b's k and v at write_index[b] of slot b (of slot
+    slots[b] when slots [B] is given: a verify step's virtual rows); returns q [B, Hq, D]."""
     q, k, v = _with_lora(q, lora, 0), _with_lora(k, lora, 1), _with_lora(v, lora, 2)
     B, D = q.shape[0], cos.shape[-1]
     q, k, v = q.view(B, -1, D), k.view(B, -1, D), v.view(B, -1, D)
@@ -76,7 +77,7 @@ def rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm
     c, s = cos[:, None, :], sin[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    rows = torch.arange(B, device=q.device)
+    rows = torch.arange(B, device=q.device) if slots is None else slots
     k_cache[rows, :, write_index] = k.to(k_cache.dtype)
     v_cache[rows, :, write_index] = v.to(v_cache.dtype)
     return q
@@ -120,13 +121,14 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
-                          stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV,
+                          stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV, SLOTS,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, HAS_SLOTS: tl.constexpr):
         """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
         (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at their own strides (column
         blocks of one packed product's output, or separate tensors). R > 0: each head first gets its LoRA delta,
-        Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32 and rounded once."""
+        Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32 and rounded once. HAS_SLOTS:
+        row b's key/value go to slot SLOTS[b] (else slot b)."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -169,7 +171,11 @@ if triton is not None:
             tl.store(dst + HALF + i, out_hi)
         else:
             t = tl.load(WIDX + b)
-            off = b * stride_cs + kvh * stride_ch + t * stride_ct
+            if HAS_SLOTS:
+                slot = tl.load(SLOTS + b).to(tl.int64)
+            else:
+                slot = b
+            off = slot * stride_cs + kvh * stride_ch + t * stride_ct
             tl.store(KC + off + i, out_lo.to(KC.dtype.element_ty))
             tl.store(KC + off + HALF + i, out_hi.to(KC.dtype.element_ty))
             vsrc = V + b * stride_v + kvh * D
@@ -263,16 +269,16 @@ def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
 
 
 def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool, q_norm=None, k_norm=None,
-              eps: float = 1e-6, lora: "LoraFold | None" = None):
+              eps: float = 1e-6, lora: "LoraFold | None" = None, slots=None):
     """LoRA deltas (``lora``), rotary embedding of q and k (after the per-head norms, if any), k and v into the
-    slot store; q [B, Hq, D]."""
+    slot store (row b into slot b, or slots[b]); q [B, Hq, D]."""
     D = cos.shape[-1]
     odd_norm = q_norm is not None and (q_norm.dtype != q.dtype or k_norm.dtype != k.dtype)
     odd_lora = lora is not None and any(b.dtype != t.dtype or not b.is_contiguous()
                                         for b, t in zip(lora.b_t, (q, k, v)))
     if not use_triton or odd_norm or odd_lora or D % 2 or (D // 2) & (D // 2 - 1):  # the kernel: a power-of-two
         return rotary_kv_reference(q, k, v, cos, sin, k_cache, v_cache, write_index, q_norm, k_norm, eps,  # half
-                                   lora)
+                                   lora, slots)
     B = q.shape[0]
     hq, hkv = q.shape[-1] // D, k.shape[-1] // D
     out = torch.empty(B, hq, D, dtype=q.dtype, device=q.device)
@@ -286,9 +292,9 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
         q, k, v, cos, sin, k_cache, v_cache, write_index,
         q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, out, float(eps),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0),
-        xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v,
+        xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v, slots if slots is not None else write_index,
         HQ=hq, HKV=hkv, D=D, HALF=D // 2, R=r, RP=triton.next_power_of_2(max(r, 1)),
-        HAS_NORM=q_norm is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
+        HAS_NORM=q_norm is not None, HAS_SLOTS=slots is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
     return out
 
 

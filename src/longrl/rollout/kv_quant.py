@@ -126,35 +126,46 @@ if triton_available():
         return tl.where(tl.abs(y) >= 0.015625, normal, sub)
 
     @triton.jit
-    def _store_kernel(K, V, KC, VC, KE, VE, WIDX, stride_kb, stride_kh, stride_vb, stride_vh,
+    def _store_kernel(K, V, KC, VC, KE, VE, WIDX, SLOTS, stride_kb, stride_kh, stride_vb, stride_vh,
                       stride_cs, stride_ch, stride_ct, stride_vcs, stride_vch, stride_vcd, stride_es, stride_eh,
-                      D: tl.constexpr, DP: tl.constexpr, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr):
-        """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b (the
-        key store [S, Hkv, T, D], the value store position-minor [S, Hkv, D, T'])."""
+                      D: tl.constexpr, DP: tl.constexpr, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr,
+                      HAS_SLOTS: tl.constexpr):
+        """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b, or of slot
+        SLOTS[b] (HAS_SLOTS) (the key store [S, Hkv, T, D], the value store position-minor [S, Hkv, D, T'])."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dims = tl.arange(0, DP)
         ok = dims < D
         t = tl.load(WIDX + b)
+        if HAS_SLOTS:
+            s = tl.load(SLOTS + b).to(tl.int64)
+        else:
+            s = b
         k = tl.load(K + b * stride_kb + h * stride_kh + dims, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(V + b * stride_vb + h * stride_vh + dims, mask=ok, other=0.0).to(tl.float32)
         kq, ke = _quantize_row(k, FP8_MAX, EXP_LIMIT)
         vq, ve = _quantize_row(v, FP8_MAX, EXP_LIMIT)
-        tl.store(KC + b * stride_cs + h * stride_ch + t * stride_ct + dims, kq, mask=ok)
-        tl.store(VC + b * stride_vcs + h * stride_vch + dims * stride_vcd + t, vq, mask=ok)
-        tl.store(KE + b * stride_es + h * stride_eh + t, ke.to(tl.int8))
-        tl.store(VE + b * stride_es + h * stride_eh + t, ve.to(tl.int8))
+        tl.store(KC + s * stride_cs + h * stride_ch + t * stride_ct + dims, kq, mask=ok)
+        tl.store(VC + s * stride_vcs + h * stride_vch + dims * stride_vcd + t, vq, mask=ok)
+        tl.store(KE + s * stride_es + h * stride_eh + t, ke.to(tl.int8))
+        tl.store(VE + s * stride_es + h * stride_eh + t, ve.to(tl.int8))
 
 
-def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: bool) -> None:
-    """store_reference's result; through the Triton kernel when ``use_triton`` (one launch for k and v)."""
+def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: bool, slots=None) -> None:
+    """store_reference's result (slots [B]: row b into slot slots[b], store_rows'); through the Triton kernel when
+    ``use_triton`` (one launch for k and v)."""
     if not use_triton:
-        store_reference(k, v, k_cache, v_cache, k_exp, v_exp, write_index)
+        if slots is not None:
+            store_rows(k, v, k_cache, v_cache, k_exp, v_exp, slots, write_index)
+        else:
+            store_reference(k, v, k_cache, v_cache, k_exp, v_exp, write_index)
         return
     B, H, D = k.shape
     kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     assert kc.stride(3) == 1 and vc.stride(3) == 1, "key rows and value positions run contiguously"
-    _store_kernel[(B, H)](k, v, kc, vc, k_exp, v_exp, write_index, k.stride(0), k.stride(1), v.stride(0),
+    _store_kernel[(B, H)](k, v, kc, vc, k_exp, v_exp, write_index, slots if slots is not None else write_index,
+                          k.stride(0), k.stride(1), v.stride(0),
                           v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
                           vc.stride(2), k_exp.stride(0), k_exp.stride(1),
-                          D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT, num_warps=1)
+                          D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT,
+                          HAS_SLOTS=slots is not None, num_warps=1)

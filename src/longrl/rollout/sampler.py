@@ -36,7 +36,7 @@ from ..models.policy import pad_right
 from ..models.vision import FeatureCache, Placement, VisionPrompt, language_model_inputs, require_vision, vision_family
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
-                        unsupported_reason)
+                        unsupported_reason, verify_meta)
 from .draft_book import DraftBook, ProposerFactory, kept_counts
 from .drafts import DraftHistory, GroupProposer
 from .fast_decode import FP8_KERNEL, NF4_KERNEL, FastDecoder
@@ -113,13 +113,17 @@ class Sampler:
     nf4_kernel / fp8_kernel: with fast_decode and Triton, decode products over an NF4 / FP8 base read the quantized
     weights directly (ops/nf4_matmul.py, ops/fp8_matmul.py; FastDecoder.prepare_quantized); off, or where a
     shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
+    fast_verify: run speculative verify steps as decode steps over virtual rows (_Run._verify_forward: the fast
+    decode path or transformers' forward with DecodeMeta, the decode attention kernel, CUDA graphs per batch bucket
+    and draft count); None: where Triton runs; True: also with the PyTorch twins (tests); False: always the extend
+    forward (transformers' forward with ExtendMeta, the twin).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
-                 fp8_kernel: bool = True):
+                 fp8_kernel: bool = True, fast_verify: bool | None = None):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -135,6 +139,7 @@ class Sampler:
         self.device = self.head.weight.device
         self.use_triton = self.device.type == "cuda" and triton_available()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
+        self.fast_verify = self.use_triton if fast_verify is None else fast_verify
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.family = vision_family(base_model(model).config)  # None: a text-only model
         # (a vision-language model's fast decode steps run its language model: rollout/fast_decode.py language_model)
@@ -315,7 +320,10 @@ class _Run:
         self.entry_delta = torch.zeros(self.num_entries, dtype=torch.long, device=device)
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
         self.buckets = batch_buckets(self.num_slots)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch bucket → its captured decode forward
+        # batch bucket → its captured decode forward; ("verify", bucket, k) → its verify forward (_verify_forward)
+        self.graphs: dict = {}
+        self.verify_drafts: dict[int, torch.Tensor] = {}  # k → [slots, k] long: a fast verify step's drafts (input)
+        self.verify_logits: torch.Tensor | None = None  # [rows, V] float32: a fast verify step's logits (output)
         self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None
         # host bookkeeping beyond the slots
         self.waiting = deque(range(self.num_sequences))
@@ -527,22 +535,28 @@ class _Run:
         meta = DecodeMeta(self.cache, state.prefix_entry[:batch], state.prompt_len[:batch],
                           state.write_index[:batch], sampler.use_triton, self.members, self.entry_len)
         with sampler.compute_context():
-            hidden = self._fast_forward(batch, meta) if sampler.fast is not None else None
-            if hidden is None:
-                hidden = sampler.backbone(input_ids=state.last_token[:batch, None],
-                                          position_ids=state.position[:batch, None], use_cache=False,
-                                          longrl_kv=meta).last_hidden_state[:, 0]  # [batch, d]
+            hidden = self._decode_hidden(state.last_token[:batch], state.position[:batch], meta)  # [batch, d]
             self.step_logits[:batch] = sampler.logits(hidden)
 
-    def _fast_forward(self, batch: int, meta: DecodeMeta) -> torch.Tensor | None:
-        """The fast decode path's hidden states [batch, d]. Its first call (eager: before any graph capture) may
+    def _decode_hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMeta) -> torch.Tensor:
+        """Final hidden states [N, d] of one token a row (ids, positions [N]) on the decode path: the fast decode
+        step, or transformers' forward with ``meta``. Call inside compute_context."""
+        sampler = self.sampler
+        hidden = self._fast_forward(ids, positions, meta) if sampler.fast is not None else None
+        if hidden is None:
+            hidden = sampler.backbone(input_ids=ids[:, None], position_ids=positions[:, None], use_cache=False,
+                                      longrl_kv=meta).last_hidden_state[:, 0]
+        return hidden
+
+    def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMeta) -> torch.Tensor | None:
+        """The fast decode path's hidden states [N, d]. Its first call (eager: before any graph capture) may
         fail where its kernels cannot build; then the sampler warns and keeps transformers' forward (this step's
         keys/values are rewritten by it). Later failures raise."""
-        sampler, state = self.sampler, self.state
+        sampler = self.sampler
         if sampler.fast_proven:
-            return sampler.fast(state.last_token[:batch], state.position[:batch], meta)
+            return sampler.fast(ids, positions, meta)
         try:
-            hidden = sampler.fast(state.last_token[:batch], state.position[:batch], meta)
+            hidden = sampler.fast(ids, positions, meta)
         except Exception as e:  # noqa: BLE001 - any build failure of the fused kernels
             log.warning("the fast decode path failed (%s: %s); decoding with transformers' forward",
                         type(e).__name__, str(e)[:300])
@@ -552,20 +566,25 @@ class _Run:
         return hidden
 
     def _run_forward(self, batch: int) -> None:
+        self._run_graph(batch, lambda: self._forward(batch))
+
+    def _run_graph(self, key, forward) -> None:
+        """Run ``forward`` (a step's device work on fixed shapes), as the CUDA graph captured for ``key`` when the
+        sampler uses graphs (captured at its first call, after an eager warm-up)."""
         if not self.sampler.cuda_graphs:
-            self._forward(batch)
+            forward()
             return
-        graph = self.graphs.get(batch)
+        graph = self.graphs.get(key)
         if graph is None:
             side = torch.cuda.Stream(self.sampler.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside capture (rewrites this step's own K/V, harmless)
-                self._forward(batch)
+                forward()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._forward(batch)
-            self.graphs[batch] = graph
+                forward()
+            self.graphs[key] = graph
         graph.replay()
 
     def _decode_step(self, batch: int) -> None:
@@ -772,7 +791,7 @@ class _Run:
         drafts = [self.drafts.propose(host.sequence[i], self._turn_limit(i) - generated[i] - 1) for i in slots]
         counts, start = self.drafts.counts, time.perf_counter()
         if any(drafts):
-            self._verify(slots, drafts)
+            self._verify(batch, slots, drafts)
         else:
             self._decode_step(batch)
         if self.sampler.device.type == "cuda":  # (the next step reads the state anyway: this wait costs nothing)
@@ -799,36 +818,89 @@ class _Run:
         for i, n, tokens in zip(slots, new, rows.tolist()):
             self.drafts.feed(self.host.sequence[i], tokens[:max(0, n)])
 
-    def _verify(self, slots: list[int], drafts: list[list[int]]) -> None:
-        """One verify step: each slot's last token and drafts d_1..d_n (n ≤ k, padded to k) run in one extend
-        forward onto its own store from its write index (their keys/values written at write_index … write_index +
-        n); rollout/speculative.py's rule keeps a prefix of the drafts and samples one more token. The keys/values of
-        rejected drafts stay past the new write index, where nothing reads them and later tokens overwrite them."""
+    def _verify(self, batch: int, slots: list[int], drafts: list[list[int]]) -> None:
+        """One verify step over ``slots`` (decoding, active, all < batch): each slot's last token and drafts
+        d_1..d_n (n ≤ k, padded to k) run in one forward onto its own store from its write index (their keys/values
+        written at write_index … write_index + n); rollout/speculative.py's rule keeps a prefix of the drafts and
+        samples one more token. The keys/values of rejected drafts stay past the new write index, where nothing
+        reads them and later tokens overwrite them. The forward is a decode step over virtual rows
+        (_verify_forward) where the fast verify applies, else the extend forward (the twin), in row chunks."""
         sampler, state, device = self.sampler, self.state, self.sampler.device
         k = max(len(d) for d in drafts)
         vocab = sampler.head.weight.shape[0]
-        # rows a forward: its extend workspace, and its float32 logits [rows, k + 1, V] within the same cap
-        per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
-        per_draw = max(1, sampling_rows(vocab) // (k + 1))  # rows accepted at once: the sampling temporaries' budget
-        for first in range(0, len(slots), per_forward):
-            part, part_drafts = slots[first:first + per_forward], drafts[first:first + per_forward]
-            rows = torch.tensor(part, device=device)
-            padded = pad_right(part_drafts, 0, k).to(device)  # [b, k]
-            lengths = torch.tensor([len(d) for d in part_drafts], device=device)  # [b]
-            inputs = torch.cat([state.last_token[rows, None], padded], dim=1)  # [b, k + 1]
-            with sampler.compute_context():
-                hidden = self._extend_forward(rows, inputs, state.write_index[rows], lengths + 1)  # [b, k + 1, d]
-                logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
-            for a in range(0, len(part), per_draw):
-                sub, at = rows[a:a + per_draw], slice(a, a + per_draw)
-                seen = state.seen[sub] if state.seen is not None else None
-                result = speculative_step(logits[at], padded[at], self.params, state.sequence_id[sub],
-                                          state.generated[sub], seen, lengths[at])
-                self._keep(sub, result)
-                for slot, d, accepted in zip(part[at], part_drafts[at], result.accepted.tolist()):
-                    self.drafts.record(self.host.sequence[slot], len(d), accepted)
+        lengths = torch.tensor([len(d) for d in drafts], device=device)  # [n]
+        if sampler.fast_verify and batch * (k + 1) * vocab * 4 <= EXTEND_WORKSPACE_BYTES:
+            logits = self._fast_verify(batch, slots, drafts, k)  # [batch, k + 1, V]
+            rows = torch.tensor(slots, device=device)
+            self._accept(slots, drafts, self.verify_drafts[k][rows], lengths, logits, rows)
+            self.drafts.counts.fast_steps += 1
+        else:
+            # rows a forward: its extend workspace, and its float32 logits [rows, k + 1, V] within the same cap
+            per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+            for first in range(0, len(slots), per_forward):
+                part, part_drafts = slots[first:first + per_forward], drafts[first:first + per_forward]
+                rows = torch.tensor(part, device=device)
+                padded = pad_right(part_drafts, 0, k).to(device)  # [b, k]
+                at = lengths[first:first + per_forward]
+                inputs = torch.cat([state.last_token[rows, None], padded], dim=1)  # [b, k + 1]
+                with sampler.compute_context():
+                    hidden = self._extend_forward(rows, inputs, state.write_index[rows], at + 1)  # [b, k + 1, d]
+                    logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
+                self._accept(part, part_drafts, padded, at, logits, torch.arange(len(part), device=device))
         self.drafts.counts.verify_steps += 1
         self.drafts.counts.verify_rows += len(slots)
+
+    def _accept(self, slots: list[int], drafts: list[list[int]], padded: torch.Tensor, lengths: torch.Tensor,
+                logits: torch.Tensor, index: torch.Tensor) -> None:
+        """The acceptance rule over ``slots`` [n] (their drafts, padded [n, k], lengths [n]; row j's logits
+        [k + 1, V] at logits[index[j]]), in chunks within the sampling temporaries' budget: keep each row's tokens
+        and record its acceptance with its proposer."""
+        state, width = self.state, padded.shape[1] + 1
+        per_draw = max(1, sampling_rows(logits.shape[-1]) // width)  # rows accepted at once
+        rows = torch.tensor(slots, device=padded.device)
+        for a in range(0, len(slots), per_draw):
+            sub, at = rows[a:a + per_draw], slice(a, a + per_draw)
+            seen = state.seen[sub] if state.seen is not None else None
+            result = speculative_step(logits[index[at]], padded[at], self.params, state.sequence_id[sub],
+                                      state.generated[sub], seen, lengths[at])
+            self._keep(sub, result)
+            for slot, d, accepted in zip(slots[at], drafts[at], result.accepted.tolist()):
+                self.drafts.record(self.host.sequence[slot], len(d), accepted)
+
+    def _fast_verify(self, batch: int, slots: list[int], drafts: list[list[int]], k: int) -> torch.Tensor:
+        """Logits [batch, k + 1, V] of a verify forward over slots 0 … batch−1 on the decode path (a CUDA graph per
+        (batch, k) when the sampler uses graphs): the drafts of ``slots`` (others' rows: padding, never read) are
+        copied into the step's input buffer first (one host → device copy)."""
+        sampler, device = self.sampler, self.sampler.device
+        vocab, width = sampler.head.weight.shape[0], k + 1
+        if k not in self.verify_drafts:
+            self.verify_drafts[k] = torch.zeros(self.num_slots, k, dtype=torch.long, device=device)
+        rows = max(self.num_slots * width, 1)
+        if self.verify_logits is None or self.verify_logits.shape[0] < batch * width:  # (graphs keep the buffer:
+            self.graphs = {key: g for key, g in self.graphs.items() if not isinstance(key, tuple)}  # recapture)
+            cap = max(batch * width, EXTEND_WORKSPACE_BYTES // (vocab * 4))
+            self.verify_logits = torch.empty(min(rows, cap), vocab, dtype=torch.float32, device=device)
+        host = torch.zeros(batch, k, dtype=torch.long)
+        for slot, d in zip(slots, drafts):
+            host[slot, :len(d)] = torch.tensor(d, dtype=torch.long)
+        self.verify_drafts[k][:batch].copy_(host.to(device, non_blocking=True))
+        self._run_graph(("verify", batch, k), lambda: self._verify_forward(batch, k))
+        return self.verify_logits[:batch * width].view(batch, width, vocab)
+
+    def _verify_forward(self, batch: int, k: int) -> None:
+        """A verify step as a decode step of batch·(k + 1) virtual rows (attention.verify_meta): row b·(k+1) + i
+        runs token i of [last_token_b, d_b1 … d_bk] at position position_b + i, its key/value written into slot b's
+        store at write_index_b + i, attending over b's prompt and store up to there; logits into verify_logits.
+        Device work only (capturable)."""
+        sampler, state = self.sampler, self.state
+        width = k + 1
+        i = torch.arange(width, device=sampler.device)
+        ids = torch.cat([state.last_token[:batch, None], self.verify_drafts[k][:batch]], dim=1).flatten()  # [b·w]
+        positions = (state.position[:batch, None] + i).flatten()  # [b·w]
+        meta = verify_meta(self.cache, state.prefix_entry[:batch], state.prompt_len[:batch], state.write_index[:batch],
+                           width, sampler.use_triton, self.members, self.entry_len)
+        with sampler.compute_context():
+            self.verify_logits[:batch * width] = sampler.logits(self._decode_hidden(ids, positions, meta))
 
     def _keep(self, rows: torch.Tensor, result: SpeculativeResult) -> None:
         """Write a verify step's kept tokens (its accepted drafts and sampled token, cut after a stop token) and
