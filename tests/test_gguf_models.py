@@ -178,3 +178,17 @@ def test_a_gguf_without_the_gguf_package_names_the_extra(small_gguf, monkeypatch
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(ModelLoadError, match=r'needs the gguf package: pip install -e "\.\[export\]"'):
         load_model(str(small_gguf[0]), device="cpu")
+
+
+def test_special_tokens_follow_the_files_ids():
+    """The tokenizer's special tokens are the ones the file's metadata names, whatever transformers made of them
+    (transformers 5.17 gave SmolLM2's GGUF the EOS <|im_start|>; its file says id 2, <|im_end|>); ids outside the
+    vocabulary are left alone."""
+    from longrl.models import build_char_tokenizer
+    from longrl.models.gguf import _set_special_tokens
+
+    tok = build_char_tokenizer()
+    assert (tok.eos_token, tok.pad_token) == ("<eos>", "<pad>")
+    _set_special_tokens(tok, {"eos": tok.convert_tokens_to_ids("="), "pad": 1, "unk": 10_000})
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.unk_token) == ("=", tok.convert_tokens_to_ids("="),
+                                                                                  1, "<unk>")

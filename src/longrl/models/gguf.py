@@ -79,9 +79,37 @@ def load_gguf_tokenizer(path: str | Path):
     p = check_gguf_file(path)
     folder, name = _folder_and_name(p)
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as e:
         raise GgufError(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {str(e)[:300]}") from e
+    _set_special_tokens(tokenizer, _special_token_ids(p))
+    return tokenizer
+
+
+SPECIAL_TOKEN_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+                      "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
+
+
+def _special_token_ids(path: Path) -> dict[str, int]:
+    """The special token ids the file's metadata names (bos, eos, unk, pad; those present)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    found = {}
+    for role, key in SPECIAL_TOKEN_KEYS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            found[role] = int(field.parts[field.data[0]][0])
+    return found
+
+
+def _set_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    """Make the tokenizer's special tokens the ones the file names (transformers before 5.2x took the EOS of some
+    files from the wrong id: SmolLM2's <|im_start|> instead of <|im_end|>, so completions would never stop)."""
+    vocab = len(tokenizer)
+    for role, token_id in ids.items():
+        if 0 <= token_id < vocab and getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, attn_implementation: str | None = None):
