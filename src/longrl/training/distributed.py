@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..models import base_model
 from ..models.structure import decoder_layers
+from ..models.vision import vision_family
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +258,11 @@ def data_parallel(model, world: World, shard_weights: bool, wrapper: torch.nn.Mo
                 dist.broadcast(buf, 0)
                 p.data.copy_(buf)
     device_ids = [torch.device(world.comm_device).index] if world.comm_device.startswith("cuda") else None
-    ddp = DistributedDataParallel(wrapper, device_ids=device_ids, init_sync=False, broadcast_buffers=False)
+    # a vision-language model has trainable parameters a step may not use: those of the vision tower where no
+    # micro-batch of the rank holds an image, and those the model never reads (LLaVA's vision_feature_layer=-1
+    # skips the tower's post_layernorm): DDP marks each unused one ready (summing zeros for it) instead of waiting
+    ddp = DistributedDataParallel(wrapper, device_ids=device_ids, init_sync=False, broadcast_buffers=False,
+                                  find_unused_parameters=vision_family(base_model(model).config) is not None)
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
 
