@@ -220,6 +220,24 @@ def test_single_world_reductions_are_the_identity():
     assert w.gather_floats(4.0) == [4.0] and w.broadcast_text("x") == "x"
 
 
+def test_ddp_finds_unused_parameters_only_where_a_vision_part_trains():
+    """DDP's search for unused parameters (a walk of the autograd graph each step) only where a step may leave some
+    unused: a vision tower or projector parameter trains (full weights, or adapters in them)."""
+    from longrl.models.tiny import build_tiny_model
+    from longrl.models.tiny_vision import build_tiny_vision_model
+    from longrl.training.distributed import _vision_trains
+
+    model, _ = build_tiny_vision_model()
+    assert _vision_trains(model)  # full weights: LLaVA's post_layernorm is never read
+    for name, p in model.named_parameters():
+        p.requires_grad = "multi_modal_projector" in name
+    assert _vision_trains(model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "language_model" in name or "lm_head" in name
+    assert not _vision_trains(model)
+    assert not _vision_trains(build_tiny_model()[0])
+
+
 @pytest.fixture(scope="module")
 def spawned_runs(tmp_path_factory):
     """LoRA (DDP over the adapters), full weights (FSDP2 per decoder layer) and, where bitsandbytes runs on the
