@@ -1,7 +1,8 @@
 """Data-parallel GRPO on CPU process groups (gloo): N processes give the one-process run on the same global
 batch (per-step metrics and final weights), for LoRA, a 4-bit base and full weights sharded by FSDP2, and for
 each whole-step statistic (the batch reward std, GDPO's batch normalisation, the high-entropy quantile, the
-entropy bonus, several optimizer steps per rollout batch) and both rollout backends; a checkpoint made on 2
+entropy bonus, several optimizer steps per rollout batch) and both rollout backends, and with images (the vision
+demo's GRPO and SFT: each rank encodes its own prompts' images); a checkpoint made on 2
 processes resumes on 1 and on 3 with the uninterrupted trajectory; only rank 0 writes outputs; a failing rank
 ends the job with its error, quickly. The spawned jobs are few and shared by the assertions (they cost most of
 this file's time): one spawn of 3 processes serves every equality and resume assertion, and each run combines
@@ -85,16 +86,40 @@ def _train(jobs, results: Path, rank: int, suffix: str = "") -> None:
     """Each job (name, [config file,] overrides) trains a run; rank 0 saves its metrics and final trainable weights
     to results/NAME{suffix}.pt."""
     for name, *config, overrides in jobs:
-        if name == "sft":  # `longrl sft` (test_sft_two_processes_equal_one)
+        if name.endswith("sft"):  # `longrl sft` (test_sft_two_processes_equal_one)
             from longrl.compat.trl import SFTTrainer
 
             trainer = SFTTrainer(load_config(config[0] if config else None, overrides, recipe="sft"))
-        else:
-            trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=demo_config()))
+        else:  # the vision demo's config for the vision runs, else the arithmetic demo's
+            base = demo_config("vision" if name.startswith("vision") else "arithmetic")
+            trainer = GRPOTrainer(load_config(config[0] if config else None, overrides, base=base))
+        encoded = _record_encoded(trainer)
         history = trainer.train()
         weights = _trainable(trainer.model)
         if rank == 0:
-            torch.save({"history": history, "weights": weights}, results / f"{name}{suffix}.pt")
+            torch.save({"history": history, "weights": weights, "encoded": encoded}, results / f"{name}{suffix}.pt")
+
+
+def _record_encoded(trainer) -> list:
+    """What this process encodes images for, one entry a call (filled as it trains): a GRPO run's prompt rows
+    (``PromptImages.prompts``), an SFT run's number of examples (``example_prompts``); empty for a text run."""
+    from longrl.recipes import sft
+
+    encoded = []
+    if getattr(trainer, "images", None) is None:
+        return encoded
+    if isinstance(trainer, GRPOTrainer):
+        prompts = trainer.images.prompts
+        trainer.images.prompts = lambda data, rows: encoded.append(list(rows)) or prompts(data, rows)
+    else:
+        examples = getattr(sft.example_prompts, "__wrapped__", sft.example_prompts)  # (one wrap a process)
+
+        def example_prompts(encoder, chosen):
+            encoded.append(len(chosen))
+            return examples(encoder, chosen)
+        example_prompts.__wrapped__ = examples
+        sft.example_prompts = example_prompts
+    return encoded
 
 
 def _wait_for(*flags: Path, timeout_s: float = 900.0) -> None:
@@ -195,11 +220,30 @@ def test_single_world_reductions_are_the_identity():
     assert w.gather_floats(4.0) == [4.0] and w.broadcast_text("x") == "x"
 
 
+def test_ddp_finds_unused_parameters_only_where_a_vision_part_trains():
+    """DDP's search for unused parameters (a walk of the autograd graph each step) only where a step may leave some
+    unused: a vision tower or projector parameter trains (full weights, or adapters in them)."""
+    from longrl.models.tiny import build_tiny_model
+    from longrl.models.tiny_vision import build_tiny_vision_model
+    from longrl.training.distributed import _vision_trains
+
+    model, _ = build_tiny_vision_model()
+    assert _vision_trains(model)  # full weights: LLaVA's post_layernorm is never read
+    for name, p in model.named_parameters():
+        p.requires_grad = "multi_modal_projector" in name
+    assert _vision_trains(model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "language_model" in name or "lm_head" in name
+    assert not _vision_trains(model)
+    assert not _vision_trains(build_tiny_model()[0])
+
+
 @pytest.fixture(scope="module")
 def spawned_runs(tmp_path_factory):
     """LoRA (DDP over the adapters), full weights (FSDP2 per decoder layer) and, where bitsandbytes runs on the
-    CPU, a 4-bit base: each trained by one 2-process job and by one process alone; the LoRA and full-weight runs
-    cut after their first checkpoint and resumed by one 3-process job. One spawn of 3 processes for all."""
+    CPU, a 4-bit base, then `longrl sft` and the vision runs (``VISION``): each trained by one 2-process job and by
+    one process alone; the LoRA and full-weight runs cut after their first checkpoint and resumed by one 3-process
+    job. One spawn of 3 processes for all."""
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("spawned")
@@ -208,8 +252,9 @@ def spawned_runs(tmp_path_factory):
         runs["qlora"] = QLORA
     two = [(name, QUICK + extra + [f"output.output_dir={root / name}"]) for name, extra in runs.items()]
     single = [(name, QUICK + extra + [f"output.output_dir={root / 'single' / name}"]) for name, extra in runs.items()]
-    two.append(("sft", SFT + [f"output.output_dir={root / 'sft'}"]))  # supervised: one job each, no resume here
-    single.append(("sft", SFT + [f"output.output_dir={root / 'single' / 'sft'}"]))
+    for name, overrides in [("sft", SFT), *VISION.items()]:  # supervised and vision: one job each, no resume here
+        two.append((name, overrides + [f"output.output_dir={root / name}"]))
+        single.append((name, overrides + [f"output.output_dir={root / 'single' / name}"]))
     resumed = ["lora", "full"]
     cuts = [(str(root / name), str(root / ranks / name)) for name in resumed for ranks in ("three", "one")]
     three, one = ([(name, str(root / ranks / name / "config.yaml"), _resume(root / ranks / name)) for name in resumed]
@@ -220,7 +265,7 @@ def spawned_runs(tmp_path_factory):
     load = lambda stem: torch.load(root / "results" / f"{stem}.pt", weights_only=False)  # noqa: E731
     return root, runs, {name: {"two": load(name), "single": load(f"{name}-single"),
                                **({"three": load(f"{name}-three"), "one": load(f"{name}-one")} if name in resumed
-                                  else {})} for name in [*runs, "sft"]}
+                                  else {})} for name in [*runs, "sft", *VISION]}
 
 
 def test_two_processes_equal_one(spawned_runs):
@@ -272,6 +317,47 @@ def test_sft_two_processes_equal_one_and_resume_on_one(spawned_runs, tmp_path):
     resumed = SFTTrainer(load_config(None, SFT + [f"output.output_dir={cut}", "output.resume=true"],
                                      recipe="sft")).train()
     _assert_same_run(untimed(resumed), untimed(one["history"][1:]))
+
+
+# the vision demo's config (builtin:tiny-vision, task:shapes: each prompt a picture), made quick: GRPO with full
+# weights (FSDP2; a KL reference) and with LoRA on the vision tower and projector (DDP: the policy's forward takes
+# vision= through it); `longrl sft` on task:shapes_sft with full weights (DDP over every weight, the tower's among
+# them; 5 examples on 2 ranks, micro-batches of 2, 4 held-out examples)
+VISION = {
+    "vision": QUICK + ["generation.max_completion_length=3", "grpo.beta=0.05"],
+    "vision_lora": QUICK + ["generation.max_completion_length=3", "lora.enabled=true", "lora.r=4",
+                            "lora.vision_modules=tower_and_projector"],
+    "vision_sft": [o for o in SFT if not o.startswith(("lora.", "data.source="))]
+    + ["model.name_or_path=builtin:tiny-vision", "data.source=task:shapes_sft", "sft.eval_examples=4",
+       "lora.enabled=false"],
+}
+
+
+def test_vision_two_processes_equal_one(spawned_runs):
+    """GRPO and SFT with images on 2 processes: the 1-process run's per-step metrics and final trainable weights,
+    each rank encoding only its own prompts' (examples') images, whole groups on one rank."""
+    from longrl.models.tiny_vision import build_tiny_vision_model
+
+    _, _, got = spawned_runs
+    untimed = lambda ms: [{k: v for k, v in m.items() if not k.endswith("_per_s")} for m in ms]  # noqa: E731
+    for name in VISION:
+        two, one = got[name]["two"], got[name]["single"]
+        _assert_same_run(untimed(two["history"]), untimed(one["history"]), two["weights"], one["weights"])
+    assert got["vision"]["two"]["history"][-1]["kl"] > 0
+    # the vision tower trained: its adapters (B starts at 0), its weights (from the builtin model of seed 0)
+    tower = {k: w for k, w in got["vision_lora"]["two"]["weights"].items() if "vision_tower" in k and "lora_B" in k}
+    assert tower and all(w.abs().max() > 0 for w in tower.values())
+    initial, _ = build_tiny_vision_model(seed=0)
+    moved = [k for k, w in initial.state_dict().items()
+             if "vision_tower" in k and not torch.equal(got["vision_sft"]["two"]["weights"][k], w)]
+    assert "model.vision_tower.encoder.layers.0.mlp.fc1.weight" in moved
+    # GRPO: each step rank 0 encodes the first of the step's 3 prompts (3 prompts on 2 ranks: 1 and 2), those
+    # the one process draws first
+    for name in ("vision", "vision_lora"):
+        mine, every = got[name]["two"]["encoded"], got[name]["single"]["encoded"]
+        assert [len(rows) for rows in every] == [3, 3] and mine == [rows[:1] for rows in every]
+    # SFT: rank 0 encodes 2 of each step's 5 examples and 2 of the 4 held-out ones (after step 2)
+    assert got["vision_sft"]["two"]["encoded"] == [2, 2, 2] and got["vision_sft"]["single"]["encoded"] == [5, 5, 4]
 
 
 def _cut_after_first_checkpoint(src: Path, dst: Path) -> Path:

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..models import base_model
 from ..models.structure import decoder_layers
+from ..models.vision import vision_family
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +258,25 @@ def data_parallel(model, world: World, shard_weights: bool, wrapper: torch.nn.Mo
                 dist.broadcast(buf, 0)
                 p.data.copy_(buf)
     device_ids = [torch.device(world.comm_device).index] if world.comm_device.startswith("cuda") else None
-    ddp = DistributedDataParallel(wrapper, device_ids=device_ids, init_sync=False, broadcast_buffers=False)
+    ddp = DistributedDataParallel(wrapper, device_ids=device_ids, init_sync=False, broadcast_buffers=False,
+                                  find_unused_parameters=_vision_trains(model))
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
+
+
+def _vision_trains(model) -> bool:
+    """Whether a trainable parameter of ``model`` is in a vision-language model's vision tower or projector: a step
+    may leave those unused (the tower on a rank whose micro-batches hold no image; a part the model never reads,
+    such as LLaVA's post_layernorm with vision_feature_layer=-1), so DDP must find them (it then reduces zeros for
+    them) rather than wait for their gradients."""
+    from ..models.vision.adapters import vision_module_prefixes
+
+    family = vision_family(base_model(model).config)
+    if family is None:
+        return False
+    prefixes = vision_module_prefixes(model, family)
+    return any(p.requires_grad and any(name.startswith(f"{q}.") for q in prefixes)
+               for name, p in base_model(model).named_parameters())
 
 
 def gradient_sync(policy: torch.nn.Module, last: bool):
