@@ -147,6 +147,8 @@ def _worker(rank: int, ports: tuple[int, int], root: str, two: list, single: lis
     root = Path(root)
     results = root / "results"
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the trainers keep 1 thread (not the load-dependent automatic count): the
+    #                                      same floating-point sums in every process, so the runs compare exactly
     _no_plots()
     if rank < 2:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), WORLD_SIZE="2",
