@@ -141,3 +141,29 @@ def test_init_task_vision_config_trains(tmp_path, capsys):
                  "generation.max_completion_length=4", "grpo.num_generations=2", f"output.output_dir={tmp_path / 'o'}",
                  "output.progress_bar=false", "output.report_to=[none]"]) == 0
     assert len(read_metrics(tmp_path / "o")) == 1
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_a_dataset_mixing_rows_with_and_without_images_trains(tmp_path, shared_prompt):
+    """Rows without an image in a vision dataset are text prompts of the same model: a step mixing both samples,
+    scores and updates (grouped rows too), and the tower runs once per prompt that has an image."""
+    from longrl.tasks.shapes import make_shape_rows
+
+    rows = make_shape_rows(8, seed=5)
+    lines = []
+    for i, row in enumerate(rows):
+        line = {"prompt": row["prompt"], "answer": row["answer"]}
+        if i % 2 == 0:
+            row["image"].save(tmp_path / f"img{i}.png")
+            line["image"] = f"img{i}.png"
+        lines.append(json.dumps(line))
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = _cfg(tmp_path / "out", f"data.source={tmp_path / 'data.jsonl'}", "data.num_examples=null",
+               "lora.enabled=true", "train.prompts_per_step=4", "data.shuffle=false", "train.max_steps=1",
+               f"train.shared_prompt={str(shared_prompt).lower()}")
+    trainer = GRPOTrainer(cfg)
+    calls = _count_tower_calls(trainer)
+    trainer.train()
+    (metrics,) = read_metrics(tmp_path / "out")
+    assert metrics["reward"] == metrics["reward"]  # a number: every completion scored
+    assert len(calls) == 2  # the step's 4 prompts: rows 0 and 2 hold images (the tower frozen: once each)
