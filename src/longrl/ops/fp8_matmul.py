@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .fp8_blocks import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_reference, fp8_blocks
-from .nf4_matmul import MIN_BN, group_grid, launch_for, matrix_rows, split_target, sum_splits
+from .nf4_matmul import (MIN_BN, check_dense, group_grid, launch_for, matrix_rows, split_target, stacked_bias,
+                         sum_splits)
 
 try:
     import triton
@@ -97,16 +98,9 @@ def fp8_group(codes: list, scales: list, dense: torch.Tensor | None = None,
     if reason:
         raise ValueError(f"fp8_group: {reason}")
     K = codes[0].shape[1]
-    if dense is not None and (dense.dim() != 2 or dense.shape[1] != K):
-        raise ValueError(f"fp8_group: dense rows {tuple(dense.shape)} do not have the input width {K}")
+    check_dense(dense, K, "fp8_group")
     rows = [q.shape[0] for q in codes]
-    bias = None
-    if biases is not None and any(b is not None for b in biases):
-        device = codes[0].device
-        dtype = next(b.dtype for b in biases if b is not None)
-        parts = [b if b is not None else torch.zeros(n, device=device) for b, n in zip(biases, rows)]
-        tail = [torch.zeros(dense.shape[0], device=device)] if dense is not None else []
-        bias = torch.cat([p.to(dtype) for p in parts + tail])
+    bias = stacked_bias(biases, rows, dense, codes[0].device)
     return FP8Group(list(codes), list(scales), rows, K, dense.contiguous() if dense is not None else None, bias)
 
 

@@ -146,16 +146,27 @@ def nf4_group(weights: list, dense: torch.Tensor | None = None, biases: list | N
     ops = [nf4_operands(w) for w in weights]
     K = ops[0][4]
     scales = torch.cat([a.view(n, K // BLOCKSIZE) for _, a, _, n, _ in ops]).t().contiguous()  # [K/64, Σ N]
-    if dense is not None and (dense.dim() != 2 or dense.shape[1] != K):
-        raise ValueError(f"nf4_group: dense rows {tuple(dense.shape)} do not have the input width {K}")
-    bias = None
-    if biases is not None and any(b is not None for b in biases):
-        parts = [b if b is not None else torch.zeros(n, device=scales.device) for b, (*_, n, _) in zip(biases, ops)]
-        dtype = next(b.dtype for b in biases if b is not None)
-        tail = [torch.zeros(dense.shape[0], device=scales.device)] if dense is not None else []
-        bias = torch.cat([p.to(dtype) for p in parts + tail])
+    check_dense(dense, K, "nf4_group")
+    bias = stacked_bias(biases, [n for *_, n, _ in ops], dense, scales.device)
     return NF4Group([p for p, *_ in ops], [n for *_, n, _ in ops], scales, ops[0][2], K,
                     dense.contiguous() if dense is not None else None, bias)
+
+
+def check_dense(dense: torch.Tensor | None, K: int, what: str) -> None:
+    """Refuse a group's dense rows that are not [R, K]."""
+    if dense is not None and (dense.dim() != 2 or dense.shape[1] != K):
+        raise ValueError(f"{what}: dense rows {tuple(dense.shape)} do not have the input width {K}")
+
+
+def stacked_bias(biases: list | None, rows: list[int], dense: torch.Tensor | None, device) -> torch.Tensor | None:
+    """A group's bias [Σ N_i + R]: each weight's bias (zeros for one without), zeros for the dense rows; None when
+    no weight has one. In the dtype of the first bias given."""
+    if biases is None or all(b is None for b in biases):
+        return None
+    dtype = next(b.dtype for b in biases if b is not None)
+    parts = [b if b is not None else torch.zeros(n, device=device) for b, n in zip(biases, rows)]
+    tail = [torch.zeros(dense.shape[0], device=device)] if dense is not None else []
+    return torch.cat([p.to(dtype) for p in parts + tail])
 
 
 def nf4_group_weight(group: NF4Group, dtype: torch.dtype) -> torch.Tensor:
