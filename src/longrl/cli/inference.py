@@ -246,7 +246,7 @@ def eval_main(args) -> int:
     """``longrl eval CONFIG --from RUN_OR_MODEL``: mean reward and pass@k per reward function on held-out
     prompts."""
     from ..config.loading import load_config
-    from ..data.prompts import image_prompts
+    from ..data.prompts import is_vision_dataset
     from ..export.source import read_checkpoint
     from ..training.evaluation import eval_data_config, evaluate, load_eval_prompts, read_eval_rows
     from .inference_images import require_image_model
@@ -263,7 +263,7 @@ def eval_main(args) -> int:
     ckpt = read_checkpoint(args.checkpoint) if is_run(args.checkpoint) else None  # verified before the rest loads
     scorer = RewardScorer.from_specs(cfg.rewards)  # reward functions and data fail before the model loads
     rows = read_eval_rows(cfg, args.data)
-    if image_prompts(eval_data_config(cfg, args.data), rows) is not None:  # before the weights load
+    if is_vision_dataset(eval_data_config(cfg, args.data), rows):  # before the weights load
         require_image_model(args.checkpoint, ckpt, cfg.model, f"{args.data or cfg.data.eval_source} holds images")
     source = load_source(args.checkpoint, cfg.model, args.device or cfg.model.device, ckpt)
     model, tokenizer = source.model, source.tokenizer

@@ -180,12 +180,17 @@ def image_prompt(row: dict, column: str, where: str, base_dir: Path | None, max_
     return ImagePrompt(messages, sources)
 
 
+def is_vision_dataset(cfg, rows: list[dict]) -> bool:
+    """Whether any row holds images or image parts (the rows converted by :func:`image_prompts`)."""
+    return any(_has_images(row, cfg.prompt_column) for row in rows)
+
+
 def image_prompts(cfg, rows: list[dict]) -> list[ImagePrompt] | None:
     """Each row's :func:`image_prompt` (rows counted from 1 in errors) when any row holds images or image parts
     (a vision dataset; a row without images gets its prompt as messages and no images); None for a text dataset,
     which :func:`load_prompts` tokenizes as ever. Reads no image: :func:`read_prompt_rows` has."""
     column = cfg.prompt_column
-    if not any(_has_images(row, column) for row in rows):
+    if not is_vision_dataset(cfg, rows):
         return None
     base_dir = dataset_folder(cfg.source)
     return [image_prompt(row, column, f"dataset {cfg.source!r} row {i + 1}", base_dir, cfg.max_image_pixels)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
-from ..data.prompts import PromptDataset, PromptSampler, image_prompts, load_prompts, read_prompt_rows
+from ..data.prompts import PromptDataset, PromptSampler, is_vision_dataset, load_prompts, read_prompt_rows
 from ..training.vision_inputs import PromptImages, check_image_model, is_processor, pick, repeat_groups
 from ..memory import count_groups, token_budget_groups
 from ..memory.layout import budget_bytes
@@ -149,7 +149,7 @@ class GRPOTrainer:
         from ..agents.rollout import AgentSpec
 
         agent_spec = AgentSpec.resolve(cfg, environment_factory, tools)  # environment and tools: before the model
-        if image_prompts(cfg.data, rows) is not None:  # prompts with images: what they cannot run with, before the model
+        if is_vision_dataset(cfg.data, rows):  # prompts with images: what they cannot run with, before the model
             _check_image_run(cfg, agent_spec, model)
         self._model_source = ("the model passed in" if model is not None else
                               f"config key 'model.name_or_path': {cfg.model.name_or_path}")  # the reference's source
