@@ -105,12 +105,12 @@ class SFTTrainer:
         s = cfg.sft
         # the rows are read and checked (all that needs no tokenizer) before the model loads
         train_name = "train_dataset" if train_rows is not None else cfg.data.source
-        train_rows = (check_rows(train_rows, s, train_name) if train_rows is not None
+        train_rows = (check_rows(train_rows, s, train_name, cfg.data.max_image_pixels) if train_rows is not None
                       else read_sft_rows(cfg.data, s, seed=cfg.train.seed))
         eval_source = getattr(cfg.data, "eval_source", None)
         eval_name = "eval_dataset" if eval_rows is not None else eval_source
         if eval_rows is not None:
-            check_rows(eval_rows, s, eval_name)
+            check_rows(eval_rows, s, eval_name, cfg.data.max_image_pixels)
         elif eval_source:
             eval_rows = read_sft_rows(cfg.data, s, seed=cfg.train.seed, source=eval_source)
         self.run_dir.check_data(train_rows)  # a dataset file, and the image files its rows name
@@ -286,7 +286,8 @@ class SFTTrainer:
         if rows is None:
             source = str(dataset)
             return self._examples(read_sft_rows(self.cfg.data, self.cfg.sft, source=source), source)
-        return self._examples(check_rows(rows, self.cfg.sft, "eval_dataset"), "eval_dataset")
+        return self._examples(check_rows(rows, self.cfg.sft, "eval_dataset", self.cfg.data.max_image_pixels),
+                              "eval_dataset")
 
     def save_model(self, output_dir: str | Path | None = None, format: str | None = None) -> Path:
         """TRL's save_model: the model as it is now through ``longrl export`` (a PEFT adapter for LoRA runs, else a
