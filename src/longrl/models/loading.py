@@ -19,7 +19,7 @@ from .quantize import (QuantizationError, calibration_ids, choose_exceptions, di
 from .structure import base_model
 from .tiny import TINY_NAME, build_tiny_model
 from .tiny_vision import TINY_VISION_NAME, build_tiny_vision_model, build_vision_processor, build_vision_tokenizer
-from .vision.adapters import lora_targets, vision_module_prefixes
+from .vision.adapters import lora_targets
 from .vision.families import VisionModelError, vision_family
 
 log = logging.getLogger(__name__)
@@ -329,9 +329,8 @@ def _quantize_or_fail(fn, *args, **kwargs):
 
 def _quantize_built(model, tokenizer, dev, torch_dtype, *, keep_modules, exception_budget, calibration_text):
     ids = calibration_ids(tokenizer, calibration_text).to(dev)
-    family = vision_family(base_model(model).config)
     return quantize_model(model, ids, keep_modules=keep_modules, exception_budget=exception_budget,
-                          compute_dtype=torch_dtype, keep_under=vision_module_prefixes(model, family) if family else [])
+                          compute_dtype=torch_dtype)
 
 
 def _quantize_fp8(model, tokenizer, dev, torch_dtype, *, keep_modules, exception_budget, calibration_text):
@@ -351,7 +350,8 @@ def _load_pretrained_4bit(name, torch_dtype, dev, trust_remote_code, revision, a
     """
     from transformers import BitsAndBytesConfig
 
-    model16, tokenizer = _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation)
+    model16, tokenizer = _load_pretrained(name, torch_dtype, trust_remote_code, revision, attn_implementation,
+                                          image_text=image_text)  # (the same class, so the same module names)
     ids = calibration_ids(tokenizer, calibration_text)
     report = _quantize_or_fail(choose_exceptions, model16, ids, keep_modules=keep_modules,
                                exception_budget=exception_budget, compute_dtype=torch_dtype, device=dev)

@@ -34,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.fp8_blocks import fp8_bytes, fp8_roundtrip
+from .structure import base_model
+from .vision.adapters import vision_module_prefixes
+from .vision.families import vision_family
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +267,10 @@ def choose_exceptions(model, input_ids: torch.Tensor, *, keep_modules: list[str]
                       device: torch.device | None = None, keep_under: list[str] = (),
                       fmt: QuantFormat = NF4) -> QuantReport:
     """Score every candidate linear module of a 16-bit ``model`` in format ``fmt`` (none at a zero budget) and
-    choose the ones kept in 16-bit. ``keep_under``: qualified module names whose linear layers all stay 16-bit (a
-    vision tower and projector), outside the budget."""
+    choose the ones kept in 16-bit. ``keep_under``: qualified module names whose linear layers all stay 16-bit,
+    outside the budget; a vision-language model's tower and projector always do."""
+    family = vision_family(base_model(model).config)
+    keep_under = list(keep_under) + (vision_module_prefixes(model, family) if family is not None else [])
     head = _head_name(model)
     kept: dict[str, str] = {}
     candidates = []
