@@ -14,6 +14,7 @@ is refused: the images come from the row's ``image`` or ``images`` column.
 
 from __future__ import annotations
 
+from ..models.vision.prompt import count_image_parts
 from .errors import DataError
 
 
@@ -53,12 +54,6 @@ def content_parts(content, where: str) -> list[dict] | None:
     return parts
 
 
-def count_image_parts(messages) -> int:
-    """The ``{"type": "image"}`` parts of ``messages`` (0 for a string prompt or contents that are strings)."""
-    if not isinstance(messages, list):
-        return 0
-    return sum(isinstance(p, dict) and p.get("type") == "image"
-               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
 
 
 def place_images(messages: list[dict], num_images: int, where: str, columns: str, images_column: str | None) -> None:

@@ -83,10 +83,6 @@ class FP8Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Ŵ [out, in] in ``dtype`` (default: the compute dtype)."""
-        return dequantize_fp8(self.weight, self.weight_scale, dtype or self.compute_dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = _FP8LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,

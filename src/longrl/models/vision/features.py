@@ -82,9 +82,10 @@ class FeatureCache:
 
     def __init__(self, model, family):
         self.model, self.family = model, family
-        self.trains = vision_trains(model, family)
+        params = vision_parameters(model, family)
+        self.trains = any(p.requires_grad for p in params)  # (vision_trains)
         # whose features a prompt keeps: this model's tower (another model, e.g. a frozen reference copy, recomputes)
-        self.key = id(vision_parameters(model, family)[0])
+        self.key = id(params[0])
         self.features: dict[int, ImageFeatures] = {}
         self.tower_calls = 0
 

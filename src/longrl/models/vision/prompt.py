@@ -52,9 +52,11 @@ def build_prompt(config, input_ids: list[int], image_inputs: dict[str, torch.Ten
 
 
 def count_image_parts(messages) -> int:
-    """The ``{"type": "image"}`` parts in chat messages' content lists."""
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+    """The ``{"type": "image"}`` parts of ``messages`` (0 for a string prompt or contents that are strings)."""
+    if not isinstance(messages, list):
+        return 0
+    return sum(isinstance(p, dict) and p.get("type") == "image"
+               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
 
 
 def encode_text(processor, config, text: str, images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
