@@ -80,9 +80,10 @@ def real_text(args, device) -> list[dict]:
                                     stop_token_ids=(tok.eos_token_id,))
             for k in args.k:
                 plain = Sampler(model, tok)
-                spec = Sampler(model, tok, speculative="ngram", max_draft_tokens=k)
+                fast = dict(fast_verify=None if args.fast_verify == "auto" else False)
+                spec = Sampler(model, tok, speculative="ngram", max_draft_tokens=k, **fast)
                 plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
-                Sampler(model, tok, speculative="ngram", max_draft_tokens=k).generate(prompts, G, params)
+                Sampler(model, tok, speculative="ngram", max_draft_tokens=k, **fast).generate(prompts, G, params)
                 s_plain, _, n_plain = timed_call(plain, prompts, params)
                 for call in ("first step", "later step (+ history)"):
                     s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__,
@@ -170,14 +171,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--fast-verify", choices=["auto", "off"], default="auto",
+                    help="(i)'s verify steps: on the decode path where Triton runs (auto) or the extend forward (off)")
+    ap.add_argument("--parts", default="i,ii", help="which parts run: i (SmolLM2), ii (the 8B verify cost)")
     args = ap.parse_args()
     if args.smoke:
         args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
         args.rows, args.contexts, args.reps = [2], [32], 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     t0 = time.perf_counter()
-    real = real_text(args, device)
-    cost = verify_cost(args, device)
+    parts = set(args.parts.split(","))
+    real = real_text(args, device) if "i" in parts else []
+    cost = verify_cost(args, device) if "ii" in parts else []
     meta = run_meta(seconds=round(time.perf_counter() - t0))
     lines = report(args, real, cost, meta)
     if args.smoke:
@@ -185,7 +190,8 @@ def main() -> None:
         print("(smoke run: nothing written)")
         return
     gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
-    write_result(f"speculative_rollout_{gpu}", dict(meta=meta, real=real, verify=cost), lines)
+    tag = "" if parts == {"i", "ii"} else "_" + "_".join(sorted(parts))
+    write_result(f"speculative_rollout_{gpu}{tag}", dict(meta=meta, real=real, verify=cost), lines)
 
 
 def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
@@ -196,13 +202,17 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
     if real:
         lines += ["## (i) SmolLM2-135M-Instruct rollouts, plain and speculative in the same run", "",
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens, untrained policy. "
-                  "Accepted / step: accepted drafts per sequence and verify step.", "",
+                  "Accepted / step: accepted drafts per sequence and verify step. Verify steps: "
+                  + ("on the decode path where Triton runs (--fast-verify auto)." if args.fast_verify == "auto"
+                     else "the extend forward, the twin (--fast-verify off)."), "",
                   "| temperature | sequences | k_max | call | plain tokens/s | speculative tokens/s | speed-up | "
                   "accepted / step | hit rate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | {r['plain_tokens_s']:.0f} | "
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
                   f"{r['hit_rate']:.2f} |" for r in real]
         lines.append("")
+    if not cost:
+        return lines
     lines += ["## (ii) 8B shape (random weights): a verify step of k + 1 tokens against a one-token step", "",
               "One prompt of C tokens shared by R rows; wall ms a step (plain: CUDA graph and fast decode path; "
               "verify: virtual rows on the decode path, CUDA graph, + acceptance; twin: the eager extend forward + "

@@ -47,8 +47,8 @@ def _cfg(out, *overrides):
 
 
 def _logps(model, micro_batches, prompts=PROMPTS, completions=COMPLETIONS, width=5):
-    """The plain path: sequence_logprobs of ``model`` over the same micro-batches, in float32 on the CPU."""
-    out = torch.zeros(len(prompts), width)
+    """The plain path: sequence_logprobs of ``model`` over the same micro-batches, in float32 on its device."""
+    out = torch.zeros(len(prompts), width, device=next(model.parameters()).device)
     with torch.no_grad():
         for idx in micro_batches:
             lp, _ = sequence_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], width,
