@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--order", default="grouped,separate", help="which way runs first in each case")
     ap.add_argument("--longest-for-gib", default="22,139", help="GPU budgets of the planner's longest-prompt table "
                     "('' skips it)")
+    ap.add_argument("--repeat", type=int, default=2, help="steps a way and case, the last one timed (the earlier "
+                    "ones warm the host pool at these lengths, as a run's later steps find it)")
     ap.add_argument("--tag", default="", help="appended to the results' file names")
     args = ap.parse_args()
     cases = parse_cases(args.cases)
@@ -215,7 +217,8 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            out[way] = step(model, prompt_ids, completion_ids, adv, shared=way == "grouped", **run)
+            for _ in range(max(1, args.repeat)):
+                out[way] = step(model, prompt_ids, completion_ids, adv, shared=way == "grouped", **run)
         g, s = out["grouped"], out["separate"]
         diff = float((g["logps"] - s["logps"]).abs().max())
         ref_diff = float((g["ref_logps"] - s["ref_logps"]).abs().max())
@@ -231,14 +234,15 @@ def main() -> None:
                     f"{diff:.3g} / {ref_diff:.3g} |")
         print(rows[-1], flush=True)
 
-    meta = run_meta(shape=args.shape, G=args.G, prompts=args.prompts, lora_r=args.lora_r, beta=args.beta, layout=args.layout,
+    meta = run_meta(shape=args.shape, G=args.G, repeat=args.repeat, prompts=args.prompts,
+                    lora_r=args.lora_r, beta=args.beta, layout=args.layout,
                     budget=args.budget, fused_lora=fused_lora, dtype=str(dtype))
     lines = ["# Grouped rows (train.shared_prompt) vs separate sequences: reference + policy passes", "",
              f"{meta['gpu']}, torch {meta['torch']}, transformers {meta['transformers']}, {meta['date']}; "
              f"`{meta['command']}`", "",
              f"{args.shape}, LoRA r={args.lora_r} ({dtype} base), G={args.G}, {args.prompts} prompt(s) a step, "
              f"beta={args.beta}, "
-             f"layout {args.layout}, micro-batches: "
+             f"layout {args.layout}, each way's step {args.repeat} times a case (the last timed), micro-batches: "
              + (f"{args.budget:,} tokens" if args.budget else "one sequence / one group") + "; each cell separate / "
              "grouped.", "",
              "| prompt | completion | tokens a step | reference s | policy s | speed-up | peak GiB "

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from longrl.memory import (ActivationOffloader, enable_offloaded_checkpointing, keep_last_layers_whole,
                            token_budget_groups)
 from longrl.memory.attention_reuse import ATTENTION_OPS
+from longrl.memory.offload import PinnedPool
 from longrl.models import apply_lora
 from longrl.models.lora_training import fused_lora_training
 from longrl.models.policy import sequence_logprobs
@@ -262,9 +263,44 @@ def test_pool_reuses_host_buffers_and_stack_empties():
         lp.sum().backward()
         assert off.stack == []
     total = sum(len(p) + len(c) for p, c in zip(*batch))
-    one_layer_bytes = total * 32 * 4
+    one_layer_bytes = PinnedPool.class_bytes(total * 32 * 4)
     assert off.pool.allocated_bytes == 3 * one_layer_bytes  # 3 layers, buffers reused in later steps
     assert off.peak_host_bytes == 3 * one_layer_bytes
+
+
+def test_pool_serves_other_lengths_from_its_size_classes():
+    """Steps whose sequences change length (every GRPO step) reuse the pool's buffers: a request takes a free buffer
+    of its size class or one up to twice as large, so steps a few tokens apart pin nothing new, a much longer step
+    pins its own, and a shorter one after it reuses those; log-probs and gradients read back through the larger
+    buffers are plain checkpointing's, exactly."""
+    base = _base(2)
+    models = {mode: copy.deepcopy(base).train() for mode in ("offload", "plain")}
+    off = enable_offloaded_checkpointing(models["offload"])
+    models["plain"].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, completions = _batch(4)
+
+    def step(extra: int, mode: str = "offload"):
+        model = models[mode]
+        model.zero_grad()
+        lp, _ = sequence_logprobs(model, [p + [7] * extra for p in prompts], completions, 11, pad_id=0)
+        lp.sum().backward()
+        assert off.stack == [] and off.host_bytes_in_use == 0
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    step(3)
+    first = off.pool.allocated_bytes
+    for extra in (2, 1, 0, 3):  # up to 3 tokens shorter, of ~50: the same buffers
+        step(extra)
+        assert off.pool.allocated_bytes == first, extra
+    step(40)  # more than twice as long: buffers of its own
+    assert off.pool.allocated_bytes > first
+    grown = off.pool.allocated_bytes
+    lp, grads = step(25)  # between: served by the long step's buffers
+    assert off.pool.allocated_bytes == grown
+    lp_plain, grads_plain = step(25, "plain")
+    assert torch.equal(lp, lp_plain)
+    for n, g in grads_plain.items():
+        assert torch.equal(grads[n], g), n
 
 
 def test_gpu_resident_keeps_the_last_layers():

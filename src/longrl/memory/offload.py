@@ -33,19 +33,35 @@ from .attention_reuse import Record, RecordAttention, ReplayAttention
 
 class PinnedPool:
     """Host buffers reused across layers and steps: a buffer is lent for one saved tensor and returned when
-    backward has copied it back. Pinned (page-locked) when CUDA is present, so copies are asynchronous."""
+    backward has copied it back. Pinned (page-locked) when CUDA is present, so copies are asynchronous.
+
+    Buffers come in size classes, 8 a power of two (a class holds n bytes rounded up to a multiple of
+    2^(⌊log2 n⌋ − 3): at most 12.5% unused), and a request takes the smallest free buffer of its class or a larger
+    one up to twice its size. GRPO's sequences change length every step: exact sizes would miss every step, pin
+    fresh memory each time (page-locking runs at a few GB/s, on the host's critical path) and keep every buffer of
+    every earlier step."""
+
+    CLASS_BITS = 3  # 2³ classes a doubling
 
     def __init__(self, pin: bool):
         self.pin = pin
-        self.free: dict[int, list[torch.Tensor]] = {}  # bytes → uint8 buffers
+        self.free: dict[int, list[torch.Tensor]] = {}  # class bytes → uint8 buffers of that many bytes
         self.allocated_bytes = 0
 
+    @classmethod
+    def class_bytes(cls, nbytes: int) -> int:
+        """nbytes rounded up to its size class."""
+        step = 1 << max(0, nbytes.bit_length() - 1 - cls.CLASS_BITS)  # 2^(⌊log2 n⌋ − 3)
+        return -(-nbytes // step) * step
+
     def take(self, nbytes: int) -> torch.Tensor:
-        bucket = self.free.get(nbytes)
-        if bucket:
-            return bucket.pop()
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        """A uint8 buffer of at least ``nbytes`` (its first nbytes are the caller's)."""
+        want = self.class_bytes(nbytes)
+        fits = [size for size, bucket in self.free.items() if bucket and want <= size <= 2 * want]
+        if fits:
+            return self.free[min(fits)].pop()
+        self.allocated_bytes += want
+        return torch.empty(want, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         self.free.setdefault(buf.numel(), []).append(buf)
@@ -67,9 +83,10 @@ class _Copy:
         """(``t``, the host buffer) as two tensors for one ``copy_`` either way: flat in memory order when ``t`` has
         the kept strides (one contiguous transfer, as for a contiguous tensor), else elementwise into the host
         buffer viewed with the kept strides."""
+        host = self.host[:t.numel() * t.element_size()].view(self.dtype)  # the pool's buffer may be larger
         if t.stride() == self.stride:
-            return t.as_strided((t.numel(),), (1,)), self.host.view(self.dtype)
-        return t, self.host.view(self.dtype).as_strided(self.shape, self.stride)
+            return t.as_strided((t.numel(),), (1,)), host
+        return t, host.as_strided(self.shape, self.stride)
 
 
 def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
