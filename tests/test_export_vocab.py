@@ -66,6 +66,35 @@ def test_qwen2_split_and_gpt2_byte_level_are_told_apart():
                                                                  s["model"].update(ignore_merges=False)))).pre == "qwen2"
 
 
+def _as_read_by_transformers_5_17(state):
+    """A byte-level BPE as transformers 5.17 builds it from a GGUF's gpt2 vocabulary (SmolLM2's): byte fallback
+    on, an empty normalizer Sequence, ByteFallback/Fuse/▁ decoders before the byte-level one."""
+    state["model"]["byte_fallback"] = True
+    state["normalizer"] = {"type": "Sequence", "normalizers": []}
+    state["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+
+
+def test_a_byte_level_bpe_with_inert_byte_fallback_is_written_as_byte_level():
+    """Its fallback cannot act (no <0xNN> token in the vocabulary: an unknown character becomes the unknown token
+    either way), so it tokenizes as the byte-level BPE and gets the same llama.cpp plan; with byte tokens in the
+    vocabulary it is a byte-fallback BPE and is judged as one."""
+    original = TOKENIZERS["gpt2"]()
+    read = _edited(original, _as_read_by_transformers_5_17)
+    for text in FIXED_STRINGS + random_strings(40, seed=5) + ["\x04\x06 control bytes \U00050000"]:
+        assert read(text)["input_ids"] == original(text)["input_ids"], text
+    want, got = vocab_plan(original), vocab_plan(read)
+    assert (got.kind, got.model, got.pre, got.add_bos) == (want.kind, want.model, want.pre, want.add_bos)
+    assert got.kind == "byte_level_bpe"
+
+    def with_a_byte_token(state):
+        _as_read_by_transformers_5_17(state)
+        state["model"]["vocab"]["<0x41>"] = len(state["model"]["vocab"])
+    with pytest.raises(UnsupportedTokenizer, match="byte fallback without all 256 byte tokens"):
+        vocab_plan(_edited(original, with_a_byte_token))
+
+
 def test_byte_fallback_bpe_that_llama_cpp_cannot_reproduce_is_refused():
     from tokenizers import Tokenizer, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -64,11 +64,11 @@ def _tokenizer_json(tokenizer) -> dict:
 
 
 def _steps(node: dict | None) -> list[dict]:
-    """A normalizer / pre-tokenizer as a flat list of steps (``Sequence`` unrolled)."""
+    """A normalizer / pre-tokenizer / decoder as a flat list of steps (``Sequence`` unrolled)."""
     if not node:
         return []
-    key = "normalizers" if "normalizers" in node else "pretokenizers"
     if node.get("type") == "Sequence":
+        key = next((k for k in ("normalizers", "pretokenizers", "decoders") if k in node), None)
         return [s for sub in node.get(key, []) for s in _steps(sub)]
     return [node]
 
@@ -179,6 +179,8 @@ def _decide(tokenizer, tj: dict) -> VocabPlan:
             return VocabPlan("chars", "gpt2", "default", add_bos, add_eos, notes=[
                 "characters outside the vocabulary: Hugging Face gives <unk> for each, llama.cpp drops them"])
         raise UnsupportedTokenizer("a word-level vocabulary other than single characters split one by one")
+    if model.get("type") == "BPE" and model.get("byte_fallback") and _inert_byte_fallback(tj):
+        model = {**model, "byte_fallback": False}  # decided as the byte-level BPE it is
     if model.get("type") == "BPE" and model.get("byte_fallback"):
         _check_bpe_model(model, True)
         if model.get("ignore_merges"):
@@ -208,6 +210,16 @@ def _decide(tokenizer, tj: dict) -> VocabPlan:
     raise UnsupportedTokenizer(f"tokenizer model {model.get('type')!r} (decoder {decoder}) has no exact llama.cpp "
                                "equivalent here; supported: byte-level BPE, BPE with byte fallback, the builtin "
                                "character vocabulary")
+
+
+def _inert_byte_fallback(tj: dict) -> bool:
+    """A byte-level BPE whose byte fallback can never act: a character missing from the vocabulary falls back to
+    its <0xNN> tokens only when they are all tokens, else to the unknown token as without fallback, and this
+    vocabulary has none of them. transformers 5.17 reads byte-level GGUF vocabularies (SmolLM2's) that way:
+    byte_fallback on, ByteFallback and ▁ decoders that never match."""
+    vocab = tj.get("model", {}).get("vocab", {})
+    byte_level = any(p.get("type") == "ByteLevel" for p in _steps(tj.get("pre_tokenizer")))
+    return byte_level and not any(t in vocab for t in BYTE_TOKENS)
 
 
 def _all_tokens(tokenizer) -> dict[str, int]:
