@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -79,11 +80,76 @@ def load_gguf_tokenizer(path: str | Path):
     p = check_gguf_file(path)
     folder, name = _folder_and_name(p)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        ids = _special_token_ids(p)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except AttributeError as e:
+            # transformers 5.17 reads a Llama-family vocabulary's BOS id even where the file names none: read a
+            # copy of the metadata that names one (the EOS), then take it away again
+            if "bos_token_id" not in str(e) or "bos" in ids:
+                raise
+            with tempfile.TemporaryDirectory() as tmp:
+                _metadata_copy(p, Path(tmp) / name, {SPECIAL_TOKEN_KEYS["bos"]: ids.get("eos", 0)})
+                tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=name)
+            tokenizer.bos_token = None
     except Exception as e:
         raise GgufError(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {str(e)[:300]}") from e
-    _set_special_tokens(tokenizer, _special_token_ids(p))
+    _set_special_tokens(tokenizer, ids)
+    check_pre_tokenizer(str(path), _string_field(p, "tokenizer.ggml.model"), _string_field(p, "tokenizer.ggml.pre"),
+                        tokenizer)
     return tokenizer
+
+
+def _string_field(path: Path, key: str) -> str | None:
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get(key)
+    return None if field is None else str(field.contents())
+
+
+def check_pre_tokenizer(name: str, model: str | None, pre: str | None, tokenizer) -> None:
+    """Raise GgufError when a byte-level ("gpt2") vocabulary whose file names a known llama.cpp pre-tokenizer
+    (gpt-2, llama-bpe, qwen2) was read with another split or merge rule: transformers 5.17 reads a qwen2 vocabulary
+    with GPT-2's split and its texts tokenize differently from llama.cpp's and the model's training."""
+    from ..export.gguf_vocab import GPT2_PRE, SPLIT_PRE_TOKENIZERS, UnsupportedTokenizer, _byte_level_pre, \
+        _tokenizer_json
+
+    known = {GPT2_PRE[0]: GPT2_PRE, **{v[0]: v for v in SPLIT_PRE_TOKENIZERS.values()}}
+    if model != "gpt2" or pre not in known:
+        return
+    tj = _tokenizer_json(tokenizer)
+    try:
+        got = _byte_level_pre(tj)
+    except UnsupportedTokenizer as e:
+        got = (f"none of llama.cpp's ({e})", None)
+    got = (got[0], bool(tj.get("model", {}).get("ignore_merges")))
+    if got != known[pre]:
+        import transformers
+
+        raise GgufError(f"{name}: its vocabulary tokenizes with llama.cpp's {pre!r} pre-tokenizer (ignore_merges="
+                        f"{known[pre][1]}), but transformers {transformers.__version__} read it as {got[0]!r} "
+                        f"(ignore_merges={got[1]}): texts would tokenize differently from the model's training. "
+                        "transformers 5.25 reads it exactly (pip install -U transformers)")
+
+
+def _metadata_copy(path: Path, out: Path, set_ints: dict[str, int]) -> None:
+    """A GGUF at ``out`` with ``path``'s metadata (no tensors), the uint32 keys ``set_ints`` set."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in set_ints:
+            continue  # the header's own fields, written by the writer
+        vtype = field.types[0]
+        writer.add_key_value(key, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for key, value in set_ints.items():
+        writer.add_uint32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
 
 
 SPECIAL_TOKEN_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
