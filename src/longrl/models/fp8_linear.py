@@ -128,10 +128,8 @@ def quantize_fp8_linears_(model, names: list[str], compute_dtype: torch.dtype, d
     16-bit weight goes to ``device`` (default: where it is), is quantized there and freed, so the device never
     holds more than one 16-bit matrix beyond what is already on it."""
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        setattr(parent, child, FP8Linear.from_linear(old, compute_dtype, device))
+        old = model.get_submodule(name)
+        model.set_submodule(name, FP8Linear.from_linear(old, compute_dtype, device))
         old.weight = None  # the 16-bit weight's last reference (the caller may hold the module)
         del old
 

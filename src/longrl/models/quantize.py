@@ -330,9 +330,7 @@ def quantize_linears_(model, names: list[str], compute_dtype: torch.dtype) -> No
     import bitsandbytes as bnb
 
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
+        old = model.get_submodule(name)
         new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
                                 compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
                                 device="meta")
@@ -341,7 +339,7 @@ def quantize_linears_(model, names: list[str], compute_dtype: torch.dtype) -> No
         if old.bias is not None:
             new.bias = torch.nn.Parameter(old.bias.data.to(compute_dtype), requires_grad=False)
         new.train(old.training)
-        setattr(parent, child, new)
+        model.set_submodule(name, new)
         del old
     model.is_loaded_in_4bit = True  # the flag transformers' bnb quantizer sets; PEFT reads it to wrap Linear4bit
 

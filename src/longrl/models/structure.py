@@ -29,5 +29,4 @@ def put_frozen_linear(model, name: str, weight: torch.Tensor, bias: torch.Tensor
         if bias is not None:
             linear.bias.copy_(bias.to(dtype))
     linear.requires_grad_(False)
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+    model.set_submodule(name, linear)
