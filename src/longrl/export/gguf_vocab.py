@@ -22,23 +22,20 @@ BOS/EOS addition is read off the tokenizer itself (what ``tokenizer(text)`` adds
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
-# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp) in the form tokenizer.json spells them, with the
-# ignore_merges rule llama.cpp applies for each name
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_PRE_TOKENIZERS = {LLAMA3_SPLIT: ("llama-bpe", True), QWEN2_SPLIT: ("qwen2", False)}
-GPT2_PRE = ("gpt-2", False)  # ByteLevel's own regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# the split rules live with the models (the GGUF loader checks them too); LLAMA3_SPLIT, QWEN2_SPLIT re-exported
+from ..models.byte_level_splits import (  # noqa: F401
+    LLAMA3_SPLIT,
+    QWEN2_SPLIT,
+    UnsupportedTokenizer,
+    byte_level_pre,
+    tokenizer_json,
+    tokenizer_steps,
+)
+
 SPACE = "\u2581"  # ▁, SentencePiece's escaped space
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
-
-
-class UnsupportedTokenizer(ValueError):
-    """llama.cpp cannot tokenize exactly as this tokenizer does; the message says why."""
 
 
 @dataclass
@@ -53,24 +50,6 @@ class VocabPlan:
     add_space_prefix: bool | None = None  # llama model only
     notes: list[str] = field(default_factory=list)  # exactness caveats worth logging
     tokenizer_json: dict = field(default_factory=dict, repr=False)  # the tokenizer.json the plan was made from
-
-
-def _tokenizer_json(tokenizer) -> dict:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise UnsupportedTokenizer(f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer; GGUF export "
-                                   "reads tokenizer.json")
-    return json.loads(backend.to_str())
-
-
-def _steps(node: dict | None) -> list[dict]:
-    """A normalizer / pre-tokenizer / decoder as a flat list of steps (``Sequence`` unrolled)."""
-    if not node:
-        return []
-    if node.get("type") == "Sequence":
-        key = next((k for k in ("normalizers", "pretokenizers", "decoders") if k in node), None)
-        return [s for sub in node.get(key, []) for s in _steps(sub)]
-    return [node]
 
 
 def _added_tokens_check(tj: dict) -> None:
@@ -98,34 +77,9 @@ def _special_additions(tokenizer) -> tuple[bool, bool]:
     return bool(prefix), bool(suffix)
 
 
-def _byte_level_pre(tj: dict) -> tuple[str, bool]:
-    """llama.cpp's pre-tokenizer name (and its ignore_merges rule) for a byte-level BPE, or a refusal."""
-    norms = [n.get("type") for n in _steps(tj.get("normalizer"))]
-    if norms not in ([], ["NFC"]):
-        raise UnsupportedTokenizer(f"normalizer {norms} has no llama.cpp equivalent for byte-level BPE")
-    steps = _steps(tj.get("pre_tokenizer"))
-    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
-    if len(byte_level) != 1 or steps[-1] is not byte_level[0]:
-        raise UnsupportedTokenizer(f"pre-tokenizer {[s.get('type') for s in steps]} is not a byte-level one")
-    if byte_level[0].get("add_prefix_space"):
-        raise UnsupportedTokenizer("ByteLevel(add_prefix_space=true): llama.cpp adds no prefix space")
-    splits = steps[:-1]
-    if not splits and byte_level[0].get("use_regex", True):
-        return GPT2_PRE
-    if len(splits) == 1 and splits[0].get("type") == "Split" and not byte_level[0].get("use_regex", True):
-        s = splits[0]
-        regex = (s.get("pattern") or {}).get("Regex")
-        if s.get("behavior") == "Isolated" and not s.get("invert") and regex in SPLIT_PRE_TOKENIZERS:
-            return SPLIT_PRE_TOKENIZERS[regex]
-        raise UnsupportedTokenizer(f"pre-tokenizer split {regex!r} ({s.get('behavior')}) is none of llama.cpp's "
-                                   f"known ones (GPT-2, Llama 3, Qwen 2); refusing rather than guessing")
-    raise UnsupportedTokenizer(f"pre-tokenizer {[s.get('type') for s in steps]} is none of llama.cpp's known ones "
-                               "(GPT-2, Llama 3, Qwen 2); refusing rather than guessing")
-
-
 def _space_prefix(tj: dict) -> bool:
     """Whether a ▁-escaping byte-fallback BPE prepends ▁ (llama.cpp's add_space_prefix), or a refusal."""
-    norms, pres = _steps(tj.get("normalizer")), _steps(tj.get("pre_tokenizer"))
+    norms, pres = tokenizer_steps(tj.get("normalizer")), tokenizer_steps(tj.get("pre_tokenizer"))
     replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
     kinds = [n.get("type") for n in norms]
     if not pres and kinds == ["Prepend", "Replace"] and norms[0].get("prepend") == SPACE \
@@ -160,7 +114,7 @@ def _check_bpe_model(model: dict, byte_fallback: bool) -> None:
 
 def vocab_plan(tokenizer) -> VocabPlan:
     """Decide how ``tokenizer`` (a transformers fast tokenizer) is written, or raise UnsupportedTokenizer."""
-    tj = _tokenizer_json(tokenizer)
+    tj = tokenizer_json(tokenizer)
     plan = _decide(tokenizer, tj)
     plan.tokenizer_json = tj
     return plan
@@ -168,11 +122,11 @@ def vocab_plan(tokenizer) -> VocabPlan:
 
 def _decide(tokenizer, tj: dict) -> VocabPlan:
     model = tj.get("model", {})
-    decoder = [d.get("type") for d in _steps(tj.get("decoder"))]
+    decoder = [d.get("type") for d in tokenizer_steps(tj.get("decoder"))]
     _added_tokens_check(tj)
     if model.get("type") == "WordLevel":
         specials = {t["content"] for t in tj.get("added_tokens", [])}
-        pres = _steps(tj.get("pre_tokenizer"))
+        pres = tokenizer_steps(tj.get("pre_tokenizer"))
         one_char = [p.get("type") for p in pres] == ["Split"] and (pres[0].get("pattern") or {}).get("Regex") == "."
         if one_char and not tj.get("normalizer") and all(len(t) == 1 or t in specials for t in model.get("vocab", {})):
             add_bos, add_eos = _special_additions(tokenizer)
@@ -199,13 +153,13 @@ def _decide(tokenizer, tj: dict) -> VocabPlan:
         _check_bpe_model(model, False)
         if "ByteLevel" not in decoder:
             raise UnsupportedTokenizer(f"BPE with decoder {decoder}: neither byte-level nor byte fallback")
-        pre, ignore_merges = _byte_level_pre(tj)
+        pre, ignore_merges = byte_level_pre(tj)
         if bool(model.get("ignore_merges")) != ignore_merges:
             raise UnsupportedTokenizer(f"ignore_merges={bool(model.get('ignore_merges'))} with the {pre} split; "
                                        f"llama.cpp's {pre} pre-tokenizer uses ignore_merges={ignore_merges}")
         add_bos, add_eos = _special_additions(tokenizer)
         notes = ["NFC normalization: llama.cpp does not normalize, so text that is not in NFC tokenizes differently"] \
-            if [n.get("type") for n in _steps(tj.get("normalizer"))] == ["NFC"] else []
+            if [n.get("type") for n in tokenizer_steps(tj.get("normalizer"))] == ["NFC"] else []
         return VocabPlan("byte_level_bpe", "gpt2", pre, add_bos, add_eos, notes=notes)
     raise UnsupportedTokenizer(f"tokenizer model {model.get('type')!r} (decoder {decoder}) has no exact llama.cpp "
                                "equivalent here; supported: byte-level BPE, BPE with byte fallback, the builtin "
@@ -218,7 +172,7 @@ def _inert_byte_fallback(tj: dict) -> bool:
     vocabulary has none of them. transformers 5.17 reads byte-level GGUF vocabularies (SmolLM2's) that way:
     byte_fallback on, ByteFallback and ▁ decoders that never match."""
     vocab = tj.get("model", {}).get("vocab", {})
-    byte_level = any(p.get("type") == "ByteLevel" for p in _steps(tj.get("pre_tokenizer")))
+    byte_level = any(p.get("type") == "ByteLevel" for p in tokenizer_steps(tj.get("pre_tokenizer")))
     return byte_level and not any(t in vocab for t in BYTE_TOKENS)
 
 

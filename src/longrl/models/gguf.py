@@ -111,15 +111,20 @@ def check_pre_tokenizer(name: str, model: str | None, pre: str | None, tokenizer
     """Raise GgufError when a byte-level ("gpt2") vocabulary whose file names a known llama.cpp pre-tokenizer
     (gpt-2, llama-bpe, qwen2) was read with another split or merge rule: transformers 5.17 reads a qwen2 vocabulary
     with GPT-2's split and its texts tokenize differently from llama.cpp's and the model's training."""
-    from ..export.gguf_vocab import GPT2_PRE, SPLIT_PRE_TOKENIZERS, UnsupportedTokenizer, _byte_level_pre, \
-        _tokenizer_json
+    from .byte_level_splits import (
+        GPT2_PRE,
+        SPLIT_PRE_TOKENIZERS,
+        UnsupportedTokenizer,
+        byte_level_pre,
+        tokenizer_json,
+    )
 
     known = {GPT2_PRE[0]: GPT2_PRE, **{v[0]: v for v in SPLIT_PRE_TOKENIZERS.values()}}
     if model != "gpt2" or pre not in known:
         return
-    tj = _tokenizer_json(tokenizer)
+    tj = tokenizer_json(tokenizer)
     try:
-        got = _byte_level_pre(tj)
+        got = byte_level_pre(tj)
     except UnsupportedTokenizer as e:
         got = (f"none of llama.cpp's ({e})", None)
     got = (got[0], bool(tj.get("model", {}).get("ignore_merges")))
