@@ -830,44 +830,47 @@ class _Run:
         sampler, state, device = self.sampler, self.state, self.sampler.device
         k = max(len(d) for d in drafts)
         vocab = sampler.head.weight.shape[0]
+        # host → device copies before the forward is queued: a copy from pageable memory waits for the stream, and
+        # after the forward it would leave the GPU idle while the acceptance's launches are issued
         lengths = torch.tensor([len(d) for d in drafts], device=device)  # [n]
+        rows = torch.tensor(slots, device=device)  # [n]
         if sampler.fast_verify and batch * (k + 1) * vocab * 4 <= EXTEND_WORKSPACE_BYTES:
             logits = self._fast_verify(batch, slots, drafts, k)  # [batch, k + 1, V]
-            rows = torch.tensor(slots, device=device)
-            self._accept(slots, drafts, self.verify_drafts[k][rows], lengths, logits, rows)
+            self._accept(slots, drafts, self.verify_drafts[k][rows], lengths, logits, rows, rows)
             self.drafts.counts.fast_steps += 1
         else:
             # rows a forward: its extend workspace, and its float32 logits [rows, k + 1, V] within the same cap
             per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
             for first in range(0, len(slots), per_forward):
                 part, part_drafts = slots[first:first + per_forward], drafts[first:first + per_forward]
-                rows = torch.tensor(part, device=device)
+                part_rows = rows[first:first + per_forward]
                 padded = pad_right(part_drafts, 0, k).to(device)  # [b, k]
                 at = lengths[first:first + per_forward]
-                inputs = torch.cat([state.last_token[rows, None], padded], dim=1)  # [b, k + 1]
+                inputs = torch.cat([state.last_token[part_rows, None], padded], dim=1)  # [b, k + 1]
                 with sampler.compute_context():
-                    hidden = self._extend_forward(rows, inputs, state.write_index[rows], at + 1)  # [b, k + 1, d]
+                    hidden = self._extend_forward(part_rows, inputs, state.write_index[part_rows], at + 1)  # [b, k+1, d]
                     logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
-                self._accept(part, part_drafts, padded, at, logits, torch.arange(len(part), device=device))
+                self._accept(part, part_drafts, padded, at, logits, torch.arange(len(part), device=device), part_rows)
         self.drafts.counts.verify_steps += 1
         self.drafts.counts.verify_rows += len(slots)
 
     def _accept(self, slots: list[int], drafts: list[list[int]], padded: torch.Tensor, lengths: torch.Tensor,
-                logits: torch.Tensor, index: torch.Tensor) -> None:
-        """The acceptance rule over ``slots`` [n] (their drafts, padded [n, k], lengths [n]; row j's logits
-        [k + 1, V] at logits[index[j]]), in chunks within the sampling temporaries' budget: keep each row's tokens
-        and record its acceptance with its proposer."""
+                logits: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """The acceptance rule over ``slots`` [n] (on the device: ``rows``; their drafts, padded [n, k], lengths
+        [n]; row j's logits [k + 1, V] at logits[index[j]]), in chunks within the sampling temporaries' budget: keep
+        each row's tokens, then (one host synchronisation) record each row's acceptance with its proposer."""
         state, width = self.state, padded.shape[1] + 1
         per_draw = max(1, sampling_rows(logits.shape[-1]) // width)  # rows accepted at once
-        rows = torch.tensor(slots, device=padded.device)
+        accepted = []
         for a in range(0, len(slots), per_draw):
             sub, at = rows[a:a + per_draw], slice(a, a + per_draw)
             seen = state.seen[sub] if state.seen is not None else None
             result = speculative_step(logits[index[at]], padded[at], self.params, state.sequence_id[sub],
                                       state.generated[sub], seen, lengths[at])
             self._keep(sub, result)
-            for slot, d, accepted in zip(slots[at], drafts[at], result.accepted.tolist()):
-                self.drafts.record(self.host.sequence[slot], len(d), accepted)
+            accepted.append(result.accepted)
+        for slot, d, n in zip(slots, drafts, torch.cat(accepted).tolist()):
+            self.drafts.record(self.host.sequence[slot], len(d), n)
 
     def _fast_verify(self, batch: int, slots: list[int], drafts: list[list[int]], k: int) -> torch.Tensor:
         """Logits [batch, k + 1, V] of a verify forward over slots 0 … batch−1 on the decode path (a CUDA graph per
@@ -909,16 +912,22 @@ class _Run:
         their log-probs after each row's trajectory, and advance generated / write_index / position by their count."""
         state = self.state
         b, width = result.tokens.shape
-        keep = kept_counts(result.tokens, result.accepted + 1, self.stop_ids)  # [b]
+        keep = kept_counts(result.tokens, result.accepted + 1, self.stop_ids)  # [b], ≥ 1
         j = torch.arange(width, device=rows.device)[None]  # [1, k + 1]
         kept = j < keep[:, None]  # [b, k + 1]
         generated = state.generated[rows]
-        at_row, at_col = rows[:, None].expand(b, width)[kept], (generated[:, None] + j)[kept]
-        state.tokens[at_row, at_col] = result.tokens[kept]
-        state.logprobs[at_row, at_col] = result.logprobs[kept]
+        # every position writes (no host synchronisation for a masked count): those past a row's kept tokens write
+        # its last kept token and log-prob again, at its column, so the duplicate writes agree
+        last_j = (keep - 1)[:, None]  # [b, 1]
+        cols = generated[:, None] + torch.where(kept, j, last_j)  # [b, k + 1]
+        tokens = torch.where(kept, result.tokens, result.tokens.gather(1, last_j))
+        logprobs = torch.where(kept, result.logprobs, result.logprobs.gather(1, last_j))
+        at_row = rows[:, None].expand(b, width)
+        state.tokens[at_row, cols] = tokens
+        state.logprobs[at_row, cols] = logprobs
         if state.seen is not None:
-            state.seen[at_row, result.tokens[kept]] = True
-        last = result.tokens.gather(1, (keep - 1)[:, None])[:, 0]  # [b]
+            state.seen[at_row, tokens] = True
+        last = result.tokens.gather(1, last_j)[:, 0]  # [b]
         state.last_token[rows] = last
         state.generated[rows] = generated + keep
         state.write_index[rows] += keep

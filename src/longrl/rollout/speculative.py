@@ -49,7 +49,8 @@ def seen_with_drafts(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     B, k = drafts.shape
     out = seen[:, None, :].repeat(1, k + 1, 1)
     for i in range(k):
-        out[torch.arange(B), i + 1:, :] |= torch.nn.functional.one_hot(drafts[:, i], seen.shape[-1]).bool()[:, None]
+        out[torch.arange(B, device=seen.device), i + 1:, :] |= \
+            torch.nn.functional.one_hot(drafts[:, i], seen.shape[-1]).bool()[:, None]
     return out
 
 
