@@ -88,6 +88,11 @@
 #   fp8gpu     the FP8 KV and budget GPU tests, with the sampler's GPU tests (~1.5 min)
 #   fp8kern    the FP8 KV kernels against their twins on the GPU alone (~3 min, compiles every launch)
 #   fp8k128    the default FP8 launch (blocks of 128) against its twin on the GPU alone (~1 min)
+#   newgpu     the GPU tests of the grouped rows, KL reference, FP8 base, vision sampler, fast verify, compiled
+#              kernels and sampler (the 2026-12-05 list; ~3.5 min)
+#   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows (~1 min)
+#   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the four cases, each way's second step
+#              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   vlayout    benchmarks/value_layout_bandwidth.py: the FP8 kernel's loads alone, by value layout (~1 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
@@ -366,6 +371,12 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         scale1s) stage scale1s 300 python3 benchmarks/grpo_scale.py --layouts "${SCLAYOUT:-lora}" --gpus "" --with-single \
             --phases train --prompts-per-gpu 1 --completion 19968 --reps "${SCREPS:-2}" --timeout 280 --no-recompute "${SCNR:--1}" \
             --tag "${SCTAG:-_ws1_train}" ;;
+        newgpu) stage newgpu 300 python3 -m pytest -q tests/test_shared_prompt_gpu.py tests/test_kl_reference_gpu.py \
+            tests/test_fp8_gpu.py tests/test_vision_sampler_gpu.py tests/test_fast_verify.py tests/test_kernels_compile.py \
+            tests/test_fp8_matmul.py tests/test_sampler_gpu.py ;;
+        specverify) stage specverify 120 python3 benchmarks/speculative_rollout.py --parts ii --reps 5 ;;
+        sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
+            --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
         *) echo "unknown stage $s" ;;
     esac
 done
