@@ -119,8 +119,10 @@ class GenerationConfig:
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
     speculative: Literal["off", "ngram"] = "off"  # ngram: speculative rollouts (longrl backend): each step drafts up to
     #   max_draft_tokens tokens a sequence from its prompt, its group's completions and the prompt's earlier completions
-    #   (no draft model) and checks them in one forward; exact: plain sampling's distribution (docs/rollouts.md). Off
-    #   until measured on a GPU; verify forwards run eagerly (no CUDA graph, no fast decode path)
+    #   (no draft model) and checks them in one forward; exact: plain sampling's distribution (docs/rollouts.md). Off:
+    #   by its verify step's cost on an H200 (2026-12-05) and SmolLM2's acceptance it does not pay yet; verify forwards
+    #   run eagerly through transformers' forward (the decode-path verify, Sampler(fast_verify=True), is off until a
+    #   fault it met on a real model is found)
     max_draft_tokens: int = 4  # speculative: most drafted tokens a sequence checks in one verify step (1-16; each
     #                            sequence's draft length adapts below it to its acceptance)
 
@@ -189,8 +191,10 @@ class TrainConfig:
     logprob_chunk_size: int = 1024  # tokens per chunk of the LM-head log-prob op (no full logits tensor)
     mlp_tile_tokens: Optional[int] = None  # MLP in sequence tiles of this many tokens; 0: off, null: planner decides
     shared_prompt: Optional[bool] = None  # reference and policy passes on grouped rows: each prompt computed once for
-    #                                      its completions (exact; docs/memory.md); null: off for now (the CUDA
-    #                                      path is not yet measured; `longrl plan` names the saving), true opts in
+    #                                      its completions (exact; docs/memory.md); null: off for now (on an H200
+    #                                      1.97× faster at 16K-token prompts with 1K answers, 1.89× at 4K; the
+    #                                      planner's grouped-row memory not yet checked there; `longrl plan` names
+    #                                      the saving), true opts in
     gpu_memory_gib: float = 0.0  # CUDA: GPU memory the run may use (planner, KV cache, allocator cap); 0: all free
     max_nonfinite_steps: int = 3  # steps in a row whose loss or gradient norm is NaN/inf (each makes no update)
     #                               before the run stops with a checkpoint
