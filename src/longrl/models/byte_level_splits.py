@@ -14,6 +14,8 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPLIT_PRE_TOKENIZERS = {LLAMA3_SPLIT: ("llama-bpe", True), QWEN2_SPLIT: ("qwen2", False)}
 GPT2_PRE = ("gpt-2", False)  # ByteLevel's own regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# llama.cpp pre-tokenizer name → (the name, its ignore_merges rule)
+PRE_TOKENIZER_RULES = {GPT2_PRE[0]: GPT2_PRE, **{rule[0]: rule for rule in SPLIT_PRE_TOKENIZERS.values()}}
 
 
 class UnsupportedTokenizer(ValueError):

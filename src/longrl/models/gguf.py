@@ -80,7 +80,10 @@ def load_gguf_tokenizer(path: str | Path):
     p = check_gguf_file(path)
     folder, name = _folder_and_name(p)
     try:
-        ids = _special_token_ids(p)
+        import gguf
+
+        fields = gguf.GGUFReader(str(p)).fields  # the metadata, parsed once (token lists included)
+        ids = _special_token_ids(fields)
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         except AttributeError as e:
@@ -95,15 +98,13 @@ def load_gguf_tokenizer(path: str | Path):
     except Exception as e:
         raise GgufError(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {str(e)[:300]}") from e
     _set_special_tokens(tokenizer, ids)
-    check_pre_tokenizer(str(path), _string_field(p, "tokenizer.ggml.model"), _string_field(p, "tokenizer.ggml.pre"),
-                        tokenizer)
+    check_pre_tokenizer(str(path), _string_field(fields, "tokenizer.ggml.model"),
+                        _string_field(fields, "tokenizer.ggml.pre"), tokenizer)
     return tokenizer
 
 
-def _string_field(path: Path, key: str) -> str | None:
-    import gguf
-
-    field = gguf.GGUFReader(str(path)).fields.get(key)
+def _string_field(fields: dict, key: str) -> str | None:
+    field = fields.get(key)
     return None if field is None else str(field.contents())
 
 
@@ -111,16 +112,9 @@ def check_pre_tokenizer(name: str, model: str | None, pre: str | None, tokenizer
     """Raise GgufError when a byte-level ("gpt2") vocabulary whose file names a known llama.cpp pre-tokenizer
     (gpt-2, llama-bpe, qwen2) was read with another split or merge rule: transformers 5.17 reads a qwen2 vocabulary
     with GPT-2's split and its texts tokenize differently from llama.cpp's and the model's training."""
-    from .byte_level_splits import (
-        GPT2_PRE,
-        SPLIT_PRE_TOKENIZERS,
-        UnsupportedTokenizer,
-        byte_level_pre,
-        tokenizer_json,
-    )
+    from .byte_level_splits import PRE_TOKENIZER_RULES, UnsupportedTokenizer, byte_level_pre, tokenizer_json
 
-    known = {GPT2_PRE[0]: GPT2_PRE, **{v[0]: v for v in SPLIT_PRE_TOKENIZERS.values()}}
-    if model != "gpt2" or pre not in known:
+    if model != "gpt2" or pre not in PRE_TOKENIZER_RULES:
         return
     tj = tokenizer_json(tokenizer)
     try:
@@ -128,11 +122,12 @@ def check_pre_tokenizer(name: str, model: str | None, pre: str | None, tokenizer
     except UnsupportedTokenizer as e:
         got = (f"none of llama.cpp's ({e})", None)
     got = (got[0], bool(tj.get("model", {}).get("ignore_merges")))
-    if got != known[pre]:
+    want = PRE_TOKENIZER_RULES[pre]
+    if got != want:
         import transformers
 
         raise GgufError(f"{name}: its vocabulary tokenizes with llama.cpp's {pre!r} pre-tokenizer (ignore_merges="
-                        f"{known[pre][1]}), but transformers {transformers.__version__} read it as {got[0]!r} "
+                        f"{want[1]}), but transformers {transformers.__version__} read it as {got[0]!r} "
                         f"(ignore_merges={got[1]}): texts would tokenize differently from the model's training. "
                         "transformers 5.25 reads it exactly (pip install -U transformers)")
 
@@ -161,11 +156,9 @@ SPECIAL_TOKEN_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.gg
                       "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
 
 
-def _special_token_ids(path: Path) -> dict[str, int]:
-    """The special token ids the file's metadata names (bos, eos, unk, pad; those present)."""
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields
+def _special_token_ids(fields: dict) -> dict[str, int]:
+    """The special token ids a file's metadata ``fields`` (GGUFReader.fields) name (bos, eos, unk, pad; those
+    present)."""
     found = {}
     for role, key in SPECIAL_TOKEN_KEYS.items():
         field = fields.get(key)

@@ -880,14 +880,13 @@ class _Run:
         vocab, width = sampler.head.weight.shape[0], k + 1
         if k not in self.verify_drafts:
             self.verify_drafts[k] = torch.zeros(self.num_slots, k, dtype=torch.long, device=device)
-        rows = max(self.num_slots * width, 1)
         if self.verify_logits is None or self.verify_logits.shape[0] < batch * width:  # (graphs keep the buffer:
             self.graphs = {key: g for key, g in self.graphs.items() if not isinstance(key, tuple)}  # recapture)
-            cap = max(batch * width, EXTEND_WORKSPACE_BYTES // (vocab * 4))
-            self.verify_logits = torch.empty(min(rows, cap), vocab, dtype=torch.float32, device=device)
+            # every slot's rows, within the extend workspace (which _verify checked batch · width fits in)
+            rows = min(self.num_slots * width, EXTEND_WORKSPACE_BYTES // (vocab * 4))
+            self.verify_logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         host = torch.zeros(batch, k, dtype=torch.long)
-        for slot, d in zip(slots, drafts):
-            host[slot, :len(d)] = torch.tensor(d, dtype=torch.long)
+        host[slots] = pad_right(drafts, 0, k)  # [n, k] into the slots' rows
         self.verify_drafts[k][:batch].copy_(host.to(device, non_blocking=True))
         self._run_graph(("verify", batch, k), lambda: self._verify_forward(batch, k))
         return self.verify_logits[:batch * width].view(batch, width, vocab)

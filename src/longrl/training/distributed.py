@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..models import base_model
 from ..models.structure import decoder_layers
-from ..models.vision import vision_family
+from ..models.vision import vision_family, vision_trains
 
 log = logging.getLogger(__name__)
 
@@ -269,14 +269,8 @@ def _vision_trains(model) -> bool:
     may leave those unused (the tower on a rank whose micro-batches hold no image; a part the model never reads,
     such as LLaVA's post_layernorm with vision_feature_layer=-1), so DDP must find them (it then reduces zeros for
     them) rather than wait for their gradients."""
-    from ..models.vision.adapters import vision_module_prefixes
-
     family = vision_family(base_model(model).config)
-    if family is None:
-        return False
-    prefixes = vision_module_prefixes(model, family)
-    return any(p.requires_grad and any(name.startswith(f"{q}.") for q in prefixes)
-               for name, p in base_model(model).named_parameters())
+    return family is not None and vision_trains(model, family)
 
 
 def gradient_sync(policy: torch.nn.Module, last: bool):
