@@ -5,8 +5,10 @@ it; skipped with a message when missing) answers arithmetic word problems (draft
 of sequences per group (G = 8), at 8, 32 and 128 sequences. In one run, after a warm-up call of each: a plain call,
 then two speculative calls on one sampler (the second drafts from the first's completions too, as a later GRPO step
 of the same prompts does). Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
-draft hit rate. The policy is the untrained one; the issue's "after ~100 GRPO steps" figure needs a trained
-checkpoint (not made here).
+draft hit rate. The policy is the untrained one; with --train-steps N the same table follows for the policy after N
+GRPO steps on learning_real.py's arithmetic task (its hyper-parameters, LoRA r=16, trained in this process with
+``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy on the same prompts
+(the rollouts sample through the trained adapters, unmerged, as a run's next step does).
 
 (ii) The 8B Llama shape with random weights (benchmarks/trl_baseline.py's llama-3.1-8b, bf16): one prompt of C
 tokens (1K, 16K) shared by R rows (8, 16, 32), in the sampler as a rollout runs it; the wall time of a plain decode
@@ -19,6 +21,7 @@ verify step — a projection (random weights accept nothing; the acceptance come
 labelled as such.
 
     python benchmarks/speculative_rollout.py            # GPU; writes results/speculative_rollout_<gpu>.md/.json
+    python benchmarks/speculative_rollout.py --parts i --train-steps 100   # (i) before and after 100 GRPO steps
     python benchmarks/speculative_rollout.py --smoke    # CPU, tiny sizes: checks the program runs; writes nothing
 """
 
@@ -63,8 +66,41 @@ def timed_call(sampler, prompts, params) -> tuple[float, dict, int]:
     return time.perf_counter() - t, dict(sampler.last_stats), sum(len(c) for c in out.completion_ids)
 
 
+def task_prompts(tok, n: int) -> list[list[int]]:
+    """n held-out prompts of learning_real.py's arithmetic task (the task --train-steps trains on)."""
+    import learning_real as lr
+
+    out = []
+    for row in lr.problem_rows(n, seed=2):
+        ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append(list(ids["input_ids"]) if isinstance(ids, dict) else list(ids))
+    return out
+
+
+def trained_policy(args, device):
+    """SmolLM2 after ``args.train_steps`` GRPO steps of learning_real.py's task (its HP, LoRA r=16): (model, tok)."""
+    import tempfile
+
+    import learning_real as lr
+    import longrl
+
+    work = Path(tempfile.mkdtemp(prefix="spec_train_"))
+    model_dir = lr.model_directory(None, work / "smollm2")
+    rows = lr.splits(train=512, heldout=8, sft=0)["train"]
+    hp = {**lr.HP, "max_steps": args.train_steps}
+    if device.type == "cpu":  # (--smoke: a tiny run)
+        hp.update(bf16=False, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=8)
+    cfg = longrl.GRPOConfig(**hp, **lr.ENGINE_EXTRAS["longrl"], seed=0, output_dir=str(work / "run"))
+    trainer = longrl.GRPOTrainer(model=str(model_dir), reward_funcs=[lr.correct], args=cfg, train_dataset=rows,
+                                 peft_config=lr.peft_lora())
+    t = time.perf_counter()
+    trainer.train()
+    print(f"trained {args.train_steps} GRPO steps in {time.perf_counter() - t:.0f} s", flush=True)
+    return trainer.model.eval(), trainer.tokenizer
+
+
 def real_text(args, device) -> list[dict]:
-    """(i): plain and speculative rollouts of SmolLM2 in the same run."""
+    """(i): plain and speculative rollouts of SmolLM2 in the same run (and after --train-steps GRPO steps)."""
     path = smollm2_gguf()
     if path is None:
         print(f"(i) skipped: {SMOLLM2_MISSING}")
@@ -72,10 +108,20 @@ def real_text(args, device) -> list[dict]:
     from longrl.models import load_model
 
     model, tok = load_model(str(path), dtype="float32" if device.type == "cpu" else "bfloat16", device=str(device))
+    if not args.train_steps:
+        return rollouts(args, model, tok, chat_prompts, "untrained")
+    rows = rollouts(args, model, tok, task_prompts, "untrained")
+    del model
+    model, tok = trained_policy(args, device)
+    return rows + rollouts(args, model, tok, task_prompts, f"after {args.train_steps} steps")
+
+
+def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
+    """Plain and speculative rollouts of ``model`` on ``make_prompts``' prompts, each setting of args."""
     rows = []
     for T in args.temperatures:
         for n_seq in args.sequences:
-            prompts = chat_prompts(tok, max(1, n_seq // G))
+            prompts = make_prompts(tok, max(1, n_seq // G))
             params = SamplingParams(max_new_tokens=args.max_new, temperature=T, seed=1,
                                     stop_token_ids=(tok.eos_token_id,))
             for k in args.k:
@@ -88,7 +134,7 @@ def real_text(args, device) -> list[dict]:
                 for call in ("first step", "later step (+ history)"):
                     s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__,
                                                                               "seed": 2 + len(rows)}))
-                    rows.append(dict(temperature=T, sequences=len(prompts) * G, k=k, call=call,
+                    rows.append(dict(policy=policy, temperature=T, sequences=len(prompts) * G, k=k, call=call,
                                      plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
                                      speedup=(n / s) / (n_plain / s_plain),
                                      accepted_per_step=stats["spec_accepted_per_step"],
@@ -175,9 +221,12 @@ def main() -> None:
                     help="(i)'s verify steps: on the decode path (on) or the extend forward (off, the default of "
                          "Sampler)")
     ap.add_argument("--parts", default="i,ii", help="which parts run: i (SmolLM2), ii (the 8B verify cost)")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="(i) also after this many GRPO steps of learning_real.py's task (0: untrained only)")
     args = ap.parse_args()
     if args.smoke:
         args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
+        args.train_steps = min(args.train_steps, 1)
         args.rows, args.contexts, args.reps = [2], [32], 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     t0 = time.perf_counter()
@@ -202,13 +251,16 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
              f"transformers {meta['transformers']}, Python {meta['python']}; {seconds} s in all.", ""]
     if real:
         lines += ["## (i) SmolLM2-135M-Instruct rollouts, plain and speculative in the same run", "",
-                  f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens, untrained policy. "
+                  f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
+                  + (f"; the untrained policy and the policy after {args.train_steps} GRPO steps, on learning_real.py's "
+                     "held-out prompts. " if args.train_steps else ", untrained policy. ") +
                   "Accepted / step: accepted drafts per sequence and verify step. Verify steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",
-                  "| temperature | sequences | k_max | call | plain tokens/s | speculative tokens/s | speed-up | "
-                  "accepted / step | hit rate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | {r['plain_tokens_s']:.0f} | "
+                  "| policy | temperature | sequences | k_max | call | plain tokens/s | speculative tokens/s | speed-up | "
+                  "accepted / step | hit rate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | "
+                  f"{r['plain_tokens_s']:.0f} | "
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
                   f"{r['hit_rate']:.2f} |" for r in real]
         lines.append("")
@@ -226,8 +278,8 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
     for c in cost:
         cells = []
         for k in args.k:
-            a = next((r["accepted_per_step"] for r in real if r["k"] == k and r["temperature"] == 1.0
-                      and r["call"].startswith("later")), None)
+            a = next((r["accepted_per_step"] for r in reversed(real) if r["k"] == k and r["temperature"] == 1.0
+                      and r["call"].startswith("later")), None)  # (the trained policy's where it ran)
             proj = "–" if a is None else f"{(1 + a) * c['step_s'] / c[f'verify_k{k}_s']:.2f}"
             cells.append(f"{1e3 * c[f'verify_k{k}_s']:.2f} | {1e3 * c[f'verify_forward_k{k}_s']:.2f} | "
                          f"{1e3 * c[f'twin_k{k}_s']:.2f} | {proj}")
