@@ -7,7 +7,7 @@ import pytest
 import torch
 from vision_models import build, chat_prompts, full_forward_inputs
 
-from longrl.models import model_parts
+from longrl.models import base_model, model_parts
 from longrl.models.vision import FeatureCache, Placement, image_block_mask, language_model_inputs, layer_masks
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -102,3 +102,36 @@ def test_blocks_are_each_images_run_and_sequences_stay_apart():
     text = torch.tensor([i not in a for i in range(s)])
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     assert torch.equal(m[:s, :s][text], causal[text])
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_masks_under_offloaded_checkpointing(reuse):
+    """The masks reach every recomputed layer: log-probs and gradients (LoRA on the tower too) under offloaded
+    checkpointing, with the attention outputs replayed when ``reuse``, equal those without checkpointing."""
+    from vision_models import with_lora
+
+    from longrl.memory.offload import enable_offloaded_checkpointing
+    from longrl.models.policy import sequence_logprobs
+
+    model, processor = build("gemma3", seed=3, dtype=torch.float64, window=WINDOW)
+    model = with_lora(model, "tower_and_projector", seed=2)
+    base_model(model).get_decoder().set_attn_implementation("sdpa")
+    seqs = _sequences(model, processor, stacked=False)
+    prompt_ids = [enc["input_ids"][0].tolist() for enc, _, _ in seqs]
+    completions, vision = [c for _, _, c in seqs], [p for _, p, _ in seqs]
+    weights = torch.randn(len(seqs), 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logps, _ = sequence_logprobs(model, prompt_ids, completions, 5, pad_id=0, vision=vision)
+        (logps * weights).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    model.train()
+    enable_offloaded_checkpointing(model, reuse_attention=reuse)
+    got, grads = run()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert grads.keys() == want_grads.keys() and any("vision_tower" in n for n in grads)
+    for n in want_grads:
+        assert float((grads[n] - want_grads[n]).norm()) <= GRAD_TOL * float(want_grads[n].norm()) + 1e-14, n

@@ -176,7 +176,7 @@ def _gemma3(tok, window: int):
                 layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=7)
+                  num_attention_heads=2, image_size=28, patch_size=7, vision_use_head=False)  # (as the checkpoints)
     config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                              boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
                              image_token_index=ids["<image_soft_token>"])
