@@ -1,14 +1,15 @@
 """The fast decode path (rollout/fast_decode.py) on the language model of vision-language models, against
 transformers' forward: mRoPE at a decode token is the 1-D rotary (checked on the model's own rotary module, Qwen3-VL's
 interleaved layout and a scaling with attention_scaling ≠ 1 included); sampled tokens and log-probs equal the sampler
-on transformers' forward for every family (float32; bit for bit in bfloat16 with the projections unpacked); 4-bit
-bases; Qwen3-VL's deepstack reaches the prefill only; which models are refused; when decode steps may be graphs.
+on transformers' forward for every family but Gemma 3, whose decode keeps transformers' forward (float32; bit for bit
+in bfloat16 with the projections unpacked); 4-bit bases; Qwen3-VL's deepstack reaches the prefill only; which models
+are refused; when decode steps may be graphs.
 Greedy rollouts against transformers' full forward with the pixel values: tests/test_vision_sampler.py."""
 
 import pytest
 import torch
 from test_vision_sampler import G, _check_against_full_forward, _model, _prompts
-from vision_models import FAMILIES, build, with_lora
+from vision_models import FAMILIES, FAST_DECODE, build, with_lora
 
 from longrl.models import base_model
 from longrl.rollout.fast_decode import FastDecoder, unsupported_reason
@@ -81,7 +82,7 @@ def test_mrope_at_a_decode_token_is_the_1d_rotary(family, rope):
     assert layout == ([0, 1, 2, 0] if family == "qwen3_vl" else [0, 0, 1, 2])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAST_DECODE)
 def test_sampled_tokens_and_logprobs_equal_transformers_forward(family):
     """Temperature-1 sampling (LoRA fused, projections packed) takes the same tokens with the same log-probs through
     the fast path as through transformers' forward, for prompts with 2, 1 and no images."""
@@ -182,7 +183,8 @@ def test_deepstack_reaches_the_prefill_only(fast):
 
 
 def test_other_language_models_keep_transformers_forward():
-    """A LLaVA over a Gemma text model: refused by its language model's class (the vision side is fine)."""
+    """A LLaVA over a Gemma text model, and Gemma 3: refused by their language model's class (the vision side is
+    fine)."""
     import transformers as tf
 
     text = dict(model_type="gemma", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -192,8 +194,10 @@ def test_other_language_models_keep_transformers_forward():
     llava = tf.LlavaForConditionalGeneration(tf.LlavaConfig(vision_config=vision, text_config=text,
                                                             image_token_index=5))
     assert "language model GemmaModel" in unsupported_reason(llava) and FastDecoder.build(llava) is None
-    for family in FAMILIES:
+    for family in FAST_DECODE:
         assert unsupported_reason(build(family)[0]) is None, family
+    gemma3 = build("gemma3")[0]  # Gemma 3's decode steps keep transformers' forward (tests/test_vision_sampler.py)
+    assert "language model Gemma3TextModel" in unsupported_reason(gemma3) and FastDecoder.build(gemma3) is None
 
 
 @pytest.mark.parametrize("family", FAMILIES)

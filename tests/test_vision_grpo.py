@@ -1,6 +1,7 @@
 """GRPO with images through the recipe (CPU): the vision demo learns; the vision tower runs once per prompt in a
 step's rollout and passes (once per step when it is frozen); grouped rows (train.shared_prompt) give the step the
-repeated layout gives; a text model, environments and transformers' generate are refused before the model loads."""
+repeated layout gives; Gemma 3 samples through transformers' generate where the sampler cannot; a text model,
+environments and transformers' generate for other families are refused before the model loads."""
 
 import json
 
@@ -83,6 +84,25 @@ def test_grouped_rows_with_images_give_the_same_steps(tmp_path, overrides):
     assert len(runs["true"]) == 2 and tower_calls["true"] == tower_calls["false"]
     assert {"loss", "grad_norm", "reward", "kl"} <= runs["true"][0].keys()
     assert_same_metrics(runs["true"], runs["false"])
+
+
+@pytest.mark.parametrize("window, backend", [(6, "longrl"), (512, "hf")])
+def test_gemma3_steps_sample_through_generate_where_the_sampler_cannot(tmp_path, window, backend):
+    """A tiny Gemma 3 passed in with its processor (LoRA on the language model): a sliding window shorter than the
+    run makes longrl's sampler give way to transformers' generate, which takes the prompts' images (as
+    generation.backend=hf does); the step samples, scores and updates, the tower once per prompt."""
+    from vision_models import build
+
+    model, processor = build("gemma3", window=window)
+    cfg = _cfg(tmp_path, "lora.enabled=true", "train.max_steps=1", f"generation.backend={backend}",
+               "model.dtype=float32", "data.max_prompt_length=32")  # (its prompt: 29 tokens)
+    trainer = GRPOTrainer(cfg, model=model, tokenizer=processor)
+    assert trainer.sampler is None
+    calls = _count_tower_calls(trainer)
+    trainer.train()
+    (metrics,) = read_metrics(tmp_path)
+    assert metrics["reward"] == metrics["reward"] and metrics["loss"] == metrics["loss"]  # numbers
+    assert len(calls) == 3  # the step's 3 prompts, once each: the frozen tower's features serve every pass
 
 
 def _no_model_load(monkeypatch):

@@ -8,7 +8,7 @@ import torch
 from vision_models import FAMILIES, build, images
 
 from longrl.config.schema import LoraConfig
-from longrl.models import apply_lora, load_model, model_parts
+from longrl.models import LogitSpec, apply_lora, load_model, model_parts
 from longrl.models.loading import load_processor
 from longrl.models.quantize import choose_exceptions
 from longrl.models.structure import decoder_layers
@@ -18,6 +18,7 @@ from longrl.models.vision import (
     VisionModelError,
     encode_prompt,
     language_model_inputs,
+    layer_masks,
     mrope_positions,
     vision_family,
 )
@@ -43,13 +44,16 @@ def tiny():
 
 
 def test_family_detection_and_refusals():
-    from transformers import AutoConfig, Gemma3Config, LlamaConfig, PaliGemmaConfig
+    from transformers import AutoConfig, Gemma3Config, Gemma3nConfig, LlamaConfig, PaliGemmaConfig
 
     assert vision_family(LlamaConfig()) is None
     for model_type in FAMILIES:
         assert vision_family(AutoConfig.for_model(model_type)).name
-    with pytest.raises(VisionModelError, match="bidirectionally.*Qwen2-VL \\(qwen2_vl\\)"):
-        vision_family(Gemma3Config())
+    assert vision_family(Gemma3Config()).image_blocks
+    with pytest.raises(VisionModelError, match="'gemma3n' is not supported: Gemma 3n.*Qwen2-VL \\(qwen2_vl\\)"):
+        vision_family(Gemma3nConfig())
+    with pytest.raises(VisionModelError, match="use_bidirectional_attention"):
+        vision_family(Gemma3Config(text_config={"use_bidirectional_attention": True}))
     with pytest.raises(VisionModelError, match="'paligemma' is not supported.*LLaVA-1.5"):
         vision_family(PaliGemmaConfig())
 
@@ -148,12 +152,16 @@ def test_prompt_inputs_equal_transformers_forward(family, tiny):
     assert enc["input_ids"][0].tolist() == prompt.input_ids
     features = FeatureCache(model, prompt.family)
     with torch.no_grad():
-        expected = model(**enc).logits[0]  # [L, V]
+        expected = model(**enc).logits[0]  # [L, V] (Gemma 3: with token_type_ids, its image-block masks)
         ids = torch.tensor([prompt.input_ids])
-        inputs = language_model_inputs(model, ids, torch.arange(len(prompt))[None],
-                                       [Placement(0, 0, len(prompt), prompt)], features)
-        backbone, head, _ = model_parts(model)
+        placements = [Placement(0, 0, len(prompt), prompt)]
+        inputs = language_model_inputs(model, ids, torch.arange(len(prompt))[None], placements, features)
+        backbone, head, spec = model_parts(model)
+        if prompt.family.image_blocks:
+            inputs["attention_mask"] = layer_masks(backbone.config, placements, 1, len(prompt), "cpu", "eager",
+                                                   torch.float32)
         got = head(backbone(**inputs, use_cache=False).last_hidden_state[0])
+    assert spec == LogitSpec()  # a vision-language model's head neither scales nor caps its logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert features.tower_calls == 1
 
@@ -166,3 +174,27 @@ def test_image_count_mismatch_and_text_model_errors(tiny):
         encode_prompt(processor, model.config, _messages(2), images(1))
     with pytest.raises(VisionModelError, match="text-only"):
         encode_prompt(processor, build_tiny_model()[0].config, _messages(1), images(1))
+
+
+def test_gemma3_adapters_and_logits(tiny):
+    """Gemma 3: LoRA on the projector is refused with the reason (a bare weight matrix), the tower takes adapters;
+    the logits are lm_head(h) whatever final_logit_softcapping says, as Gemma3ForConditionalGeneration computes."""
+    model, processor = tiny("gemma3")
+    fam = vision_family(model.config)
+    with pytest.raises(ValueError, match="lora.vision_modules.*projector.*bare weight matrix.*lora.enabled: false"):
+        lora_targets(model, fam, ["all-linear"], "projector")
+    tower = lora_targets(model, fam, ["all-linear"], "tower_and_projector")
+    assert tower and all(n.startswith("model.vision_tower.") or n.startswith("model.language_model.") for n in tower)
+    prompt = encode_prompt(processor, model.config, _messages(1), images(1))
+    enc = processor(text=[processor.apply_chat_template(_messages(1), add_generation_prompt=True, tokenize=False)],
+                    images=images(1), add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        plain = model(**enc).logits
+        model.config.text_config.final_logit_softcapping = 0.1  # (real checkpoints: null)
+        try:
+            capped = model(**enc).logits
+            assert model_parts(model)[2] == LogitSpec()
+        finally:
+            model.config.text_config.final_logit_softcapping = None
+    assert torch.equal(plain, capped) and plain.abs().max() > 0.2  # a cap of 0.1 would have shown
+    assert enc["input_ids"][0].tolist() == prompt.input_ids

@@ -1,7 +1,9 @@
 """The memory planner counts a vision-language model's vision side (memory/vision.py): the tower and projector's
-weights, the image features once per prompt, the tower's activations; ``longrl plan`` prints the image row."""
+weights, the image features once per prompt (Gemma 3: its pooled soft tokens), the tower's activations; ``longrl plan``
+prints the image row."""
 
 import pytest
+from vision_models import build
 
 from longrl.cli.main import main
 from longrl.config import load_config
@@ -28,6 +30,14 @@ def test_the_tower_count_is_the_models_parameters_outside_the_language_model():
     assert (vision.patches, vision.image_tokens) == (4, 4)  # 28 px at 14 px patches, no merge
     assert vision.weight_bytes == outside * 2
     assert vision.feature_bytes == 3 * 4 * model.config.text_config.hidden_size * 2  # once per prompt, not per G
+
+
+def test_gemma3_image_tokens_are_its_pooled_count():
+    """Gemma 3 pools the tower's patches to mm_tokens_per_image soft tokens an image (the tiny one: 4×4 → 2×2)."""
+    config = build("gemma3")[0].config
+    vision = VisionMemory.of(config, prompts=3, compute_bytes=2, tower_trains=False, full_weights=False)
+    assert (vision.patches, vision.image_tokens) == (16, 4)
+    assert vision.feature_bytes == 3 * 4 * config.text_config.hidden_size * 2
 
 
 @pytest.mark.parametrize("overrides, trains", [(["lora.enabled=true"], False),

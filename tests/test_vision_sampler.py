@@ -1,12 +1,15 @@
 """The sampler with images (float32): greedy tokens and log-probs equal transformers' full forward (with the pixel
 values), for every supported family (mRoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL with deepstack; 1-D: LLaVA, LLaVA-NeXT,
 Idefics3, SmolVLM), decode steps on the fast path (rollout/fast_decode.py on the language model) and on transformers'
-forward, over single and multi-turn rollouts; the vision tower runs once per prompt, not once per completion."""
+forward, over single and multi-turn rollouts; the vision tower runs once per prompt, not once per completion. Gemma 3
+(image tokens attending both ways: the prefill's image-block mask; decode steps on transformers' forward) also with a
+sliding window shorter than the rollout, through transformers' generate (rollout/hf_generate.py)."""
 
 import pytest
 import torch
 from vision_models import (
     FAMILIES,
+    FAST_DECODE,
     build,
     chat_prompts,
     full_forward_inputs,
@@ -70,7 +73,8 @@ def test_greedy_and_logprobs_equal_full_forward_tower_once_per_prompt(family, fa
     model, processor = _model(family)
     prompts = _prompts(model, processor)
     sampler = Sampler(model, processor.tokenizer, sync_every=2, fast_decode=fast)
-    assert (sampler.fast is not None) is fast  # every supported family's language model takes the fast path
+    fast = fast and family in FAST_DECODE  # Gemma 3's decode steps run transformers' forward
+    assert (sampler.fast is not None) is fast  # every other family's language model takes the fast path
     calls = []
     hook = vision_tower(model).register_forward_hook(lambda *a: calls.append(1))
     rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=7, temperature=0),
@@ -95,16 +99,17 @@ class _OneReturn:
         return [41, 42] if self.turns[seq] == 1 else None
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3"])
 def test_multi_turn_resume_positions_equal_full_forward(family):
     model, processor = _model(family)
     prompts = _prompts(model, processor)
     sampler = Sampler(model, processor.tokenizer, sync_every=2)
-    assert sampler.fast is not None  # decode steps between the turns on the fast path, at the resumed positions
+    # decode steps between the turns on the fast path (Gemma 3: transformers' forward), at the resumed positions
+    assert (sampler.fast is not None) is (family in FAST_DECODE)
     rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=4, temperature=0),
                                multi_turn=MultiTurn(_OneReturn(), max_tokens=12, workers=1),
                                vision=[v for _, v, _ in prompts])
-    assert sampler.last_stats["fast_decode"]
+    assert sampler.last_stats["fast_decode"] is (family in FAST_DECODE)
     assert all(len(c) == 10 and c[4:6] == [41, 42] for c in rollout.completion_ids)
     _check_against_full_forward(model, prompts, rollout)
 
@@ -123,3 +128,41 @@ def test_request_errors():
     text_model, tok = build_tiny_model()
     with pytest.raises(VisionModelError, match="text-only"):
         Sampler(text_model, tok).generate([[5, 6]], 1, params, vision=[prompt])
+
+
+def test_gemma3_with_a_short_window_samples_through_generate_as_the_full_forward():
+    """A sliding window shorter than the rollout (real checkpoints': 1,024 tokens): the sampler refuses it and the
+    run samples with transformers' generate, which takes the prompts with images (each prompt's features computed once
+    for its G completions, given as mm_encoder_outputs; token_type_ids for the image blocks, left-padded): greedy
+    tokens and every step's logits equal transformers' full forward with the pixel values, for prompts with 1, 2 and
+    no images in one left-padded batch."""
+    from longrl.config.schema import GenerationConfig
+    from longrl.rollout.attention import unsupported_reason
+    from longrl.rollout.completions import build_sampler, sample
+
+    model, processor = build("gemma3", seed=4, window=6)
+    _never_greedy_image_token(model)
+    model = with_lora(model, seed=5, scale=0.2)
+    prompts = _prompts(model, processor)
+    assert "sliding-window attention (window 6" in unsupported_reason(base_model(model).config, 30)
+    gen = GenerationConfig(max_completion_length=6, temperature=0.0, ignore_eos=True)
+    assert build_sampler(model, processor.tokenizer, gen, max_length=40) is None
+    calls, steps = [], []
+    tower = vision_tower(model).register_forward_hook(lambda *a: calls.append(1))
+    head = base_model(model).lm_head.register_forward_hook(lambda m, i, out: steps.append(out[:, -1].detach()))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, seed=0)
+    rollout = sample(model, processor.tokenizer, [p for p, _, _ in prompts], G, gen, params, None, "cpu",
+                     vision=[v for _, v, _ in prompts])
+    tower.remove()
+    head.remove()
+    assert len(calls) == 2  # the two prompts with images, once each (not once a completion)
+    assert all(len(c) == 6 for c in rollout.completion_ids)
+    logits = torch.stack(steps, 1)  # [P·G, 6, V]: generate's logits of each step, row by row
+    for i, completion in enumerate(rollout.completion_ids):
+        want = _full_forward_logps(model, prompts[i // G][2], completion)  # [6, V] log softmax
+        assert completion == want.argmax(-1).tolist(), f"sequence {i}"
+        torch.testing.assert_close(torch.log_softmax(logits[i], -1), want, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="LLaVA-1.5 models are sampled by longrl's sampler only.*Gemma 3"):
+        llava, llava_processor = _model("llava")
+        (ids, prompt, _), *_ = _prompts(llava, llava_processor)
+        sample(llava, llava_processor.tokenizer, [ids], 1, gen, params, None, "cpu", vision=[prompt])

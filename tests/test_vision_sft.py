@@ -1,6 +1,6 @@
 """SFT on image-and-text conversations (issue 44, item 5): the processor's token ids and the loss mask (assistant
 turns or the completion; image tokens never trained), the loss against transformers' forward with pixel values and
-labels (float64, LLaVA and Qwen2-VL with mRoPE, packed and padded), `longrl sft` on a JSONL with image files and its
+labels (float64, LLaVA, Qwen2-VL with mRoPE and Gemma 3 with its image blocks, packed and padded), `longrl sft` on a JSONL with image files and its
 resume, the refusals, TRL's SFTTrainer with a processor, and `longrl demo --task vision --sft`."""
 
 import json
@@ -23,7 +23,8 @@ from longrl.training.vision_examples import conversation_example, example_prompt
 from longrl.training.vision_inputs import PromptImages
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-END = {"qwen2_vl": "<|im_end|>\n", "llava": ""}  # what each tiny template closes a turn with (jinja trims LLaVA's)
+END = {"qwen2_vl": "<|im_end|>\n", "llava": "", "gemma3": "<end_of_turn>\n"}  # what each tiny template closes a
+#                                                                                  turn with (jinja trims LLaVA's)
 GRAD_TOL = 1e-6  # relative, as tests/test_vision_training.py (float32 RMSNorm inside the float64 models)
 
 
@@ -50,7 +51,7 @@ def _rows():
 
 def _examples(family, settings=None, dtype=torch.float32, rows=None):
     settings = settings or SFTSettings()
-    model, processor = build(family, seed=1, dtype=dtype)
+    model, processor = build(family, seed=1, dtype=dtype, window=5)  # Gemma 3: a window shorter than the rows
     encoder = PromptImages(processor, model.config)
     rows = check_rows(rows or _rows(), settings, "d.jsonl")
     return model, encoder, vision_examples(encoder, image_rows(rows, settings, "d.jsonl"), settings, "d.jsonl")
@@ -60,14 +61,15 @@ def _trained_text(tokenizer, ex):
     return tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
 def test_loss_masks_train_assistant_tokens_and_never_image_tokens(family):
     model, encoder, examples = _examples(family)
     tok, end, image = encoder.processor.tokenizer, END[family], image_token_id(model.config)
     texts = [_trained_text(tok, e) for e in examples]
     assert texts[0] == f"A cat{end}Two{end}"  # both assistant turns and what closes them; system/user never
     assert texts[1] == f"no{end}"  # the completion only
-    markers = "<|vision_start|><|vision_end|>" if family == "qwen2_vl" else ""
+    markers = {"qwen2_vl": "<|vision_start|><|vision_end|>",  # (Gemma 3's processor writes "\n\n" around an
+               "gemma3": "<unk><start_of_image><end_of_image><unk>"}.get(family, "")  # image: <unk> to this tokenizer)
     assert texts[2] == f"See {markers}{end}"  # an image in the assistant's turn: its placeholders never train
     for e in examples:
         assert not any(m for t, m in zip(e.input_ids, e.loss_mask) if t == image)
@@ -91,8 +93,8 @@ def _hf_cross_entropy(model, processor, ex, family):
     else:
         pics = open_images(ex.images.sources)
         enc = processor(text=[ex.images.text], images=pics, add_special_tokens=False, return_tensors="pt")
-        inputs = {k: v[:, :len(ex.input_ids)] if k in ("input_ids", "mm_token_type_ids") else v  # (the cut row)
-                  for k, v in enc.items() if k != "attention_mask"}
+        cut = ("input_ids", "mm_token_type_ids", "token_type_ids")  # (the cut row)
+        inputs = {k: v[:, :len(ex.input_ids)] if k in cut else v for k, v in enc.items() if k != "attention_mask"}
         inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
         assert inputs["input_ids"][0].tolist() == ex.input_ids
     labels = torch.tensor([[t if m else -100 for t, m in zip(ex.input_ids, ex.loss_mask)]])
@@ -103,12 +105,13 @@ def _hf_cross_entropy(model, processor, ex, family):
     return ce.sum(), out.loss
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
 def test_sft_loss_equals_transformers_forward_with_pixel_values_float64(family):
     settings = SFTSettings(max_length=60, overlong="truncate")  # the two-turn row is cut after its image
     model, encoder, examples = _examples(family, settings, torch.float64)
     assert len(examples[0].input_ids) == 60 and examples[0].images.end < 60
-    model = with_lora(model, "projector", seed=2)
+    vision_modules = "tower_and_projector" if family == "gemma3" else "projector"  # (Gemma 3's: no nn.Linear)
+    model = with_lora(model, vision_modules, seed=2)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     n_tokens = sum(sum(e.loss_mask) for e in examples)
     results = []

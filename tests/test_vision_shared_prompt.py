@@ -125,3 +125,29 @@ def test_grouped_rows_with_images_under_offloaded_checkpointing(reuse):
     got, grads = _run(model, prompt_ids, completion_ids, vision, weights, shared_prompt=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     _assert_grads_close(grads, want_grads)
+
+
+def test_gemma3_grouped_rows_are_refused_with_the_reason():
+    """Gemma 3's image tokens attend both ways, which the grouped rows' causal attention does not compute: refused by
+    the policy pass and by the planner (a pinned train.shared_prompt=true; null falls back to separate sequences)."""
+    from longrl.config import ConfigError, load_config
+    from longrl.config.demo import vision_demo_config
+    from longrl.memory.planner import shared_prompt_applies
+
+    model, prompts, seqs = _setup("gemma3", "none")
+    prompt_ids, completion_ids, vision = _inputs(prompts, seqs)
+    reason = "Gemma 3's image tokens attend both ways"
+    assert reason in unsupported_reason(base_model(model).config)
+    with pytest.raises(ValueError, match=f"grouped rows \\(train.shared_prompt\\): {reason}"):
+        sequence_logprobs(model, prompt_ids, completion_ids, 9, pad_id=0, vision=vision, shared_prompt=True)
+
+    class Step:  # what shared_prompt_applies reads of a StepShape
+        shared_prompt, prompt_tokens, completion_tokens = True, 40, 8
+
+    def cfg(*overrides):
+        return load_config(None, ["output.output_dir=unused", *overrides], base=vision_demo_config())
+
+    with pytest.raises(ConfigError, match=f"train.shared_prompt.*{reason}"):
+        shared_prompt_applies(cfg("train.shared_prompt=true"), Step(), base_model(model).config)
+    assert not shared_prompt_applies(cfg("train.shared_prompt=null", "model.dtype=bfloat16"), Step(),
+                                     base_model(model).config)

@@ -1,6 +1,6 @@
 """Training passes with images (float64): log-probs, cross-entropies and gradients (LoRA parameters, and the vision
-tower's with LoRA on it) equal transformers' model run on each sequence with its pixel values; the vision tower runs
-once per distinct prompt per call."""
+tower's with LoRA on it) equal transformers' model run on each sequence with its pixel values (Gemma 3: and its
+token_type_ids, its image tokens attending both ways); the vision tower runs once per distinct prompt per call."""
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _setup(family: str, vision_modules: str):
-    model, processor = build(family, seed=1, dtype=torch.float64)
+    model, processor = build(family, seed=1, dtype=torch.float64, window=5)  # Gemma 3: a window inside a prompt
     return with_lora(model, vision_modules, seed=2), processor
 
 
@@ -38,7 +38,7 @@ def _grads(model, names):
 @pytest.mark.parametrize("family,vision_modules,packed", [
     ("qwen2_vl", "none", True), ("qwen2_vl", "tower_and_projector", False), ("qwen2_vl", "projector", True),
     ("llava", "none", False), ("llava", "tower_and_projector", True), ("qwen3_vl", "tower_and_projector", True),
-    ("idefics3", "projector", True)])
+    ("idefics3", "projector", True), ("gemma3", "tower_and_projector", True), ("gemma3", "none", False)])
 def test_logprobs_and_gradients_equal_per_sequence_forward(family, vision_modules, packed):
     model, processor = _setup(family, vision_modules)
     G, prompts = 2, chat_prompts(model, processor, [((56, 56),), ((56, 28), (28, 56)), ()])

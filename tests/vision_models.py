@@ -1,7 +1,7 @@
 """Tiny random vision-language models with their processors, built in code (no downloads), one per supported family.
 
 ``build(family, seed)`` → (model, processor): 2 decoder layers of hidden size 32, vision towers of 1 layer, images
-of 28–64 px. The tokenizer is character-level (every printable ASCII character one token) plus the family's special
+of 28–64 px (Gemma 3: a sliding-window layer, then a full-attention one; each image 4 soft tokens). The tokenizer is character-level (every printable ASCII character one token) plus the family's special
 tokens, its chat template renders ``{"type": "image"}`` parts where the family puts its image placeholder.
 ``images(n, seed)`` gives small RGB pictures of a few sizes.
 """
@@ -14,12 +14,16 @@ import torch
 
 from longrl.models.tiny_vision import pillow_image_processor
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "idefics3", "smolvlm")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "idefics3", "smolvlm", "gemma3")
+FAST_DECODE = tuple(f for f in FAMILIES if f != "gemma3")  # whose language model takes rollout/fast_decode.py
 QWEN_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                 "<|video_pad|>", "<|endoftext|>"]
 IDEFICS_SPECIAL = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+GEMMA_SPECIAL = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 # what a family's chat template writes for an image part, and its turn markers
-IMAGE_TEXT = {"qwen": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>", "idefics": "<image>"}
+IMAGE_TEXT = {"qwen": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>", "idefics": "<image>",
+              "gemma": "<start_of_image>"}
+GEMMA_WINDOW = 512  # the tiny Gemma 3's sliding window: longer than the tests' sequences (the sampler's rule)
 TEXT_LAYER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
@@ -35,8 +39,9 @@ def _template(image_text: str, user: str, assistant: str, end: str) -> str:
             "{% if add_generation_prompt %}" + assistant + "{% endif %}")
 
 
-def build_tokenizer(special: list[str], image_token: str | None = None):
-    """A character-level fast tokenizer: pad/bos/eos/unk, ``special`` tokens, then printable ASCII characters."""
+def build_tokenizer(special: list[str], image_token: str | None = None, **named: str):
+    """A character-level fast tokenizer: pad/bos/eos/unk, ``special`` tokens, then printable ASCII characters.
+    ``image_token`` and ``named`` (e.g. boi_token=...): the tokenizer's named special tokens, which processors read."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,7 +51,7 @@ def build_tokenizer(special: list[str], image_token: str | None = None):
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    extra = {"image_token": image_token} if image_token else {}
+    extra = {**({"image_token": image_token} if image_token else {}), **named}
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                   unk_token="<unk>", extra_special_tokens=extra)
     tok.add_special_tokens({"additional_special_tokens": special})
@@ -159,9 +164,34 @@ def _idefics(family: str, tok):
     return config, processor
 
 
-def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, rope: dict | None = None):
+def _gemma3(tok, window: int):
+    """Gemma 3: a SigLIP tower of 4×4 patches (28 px, patch 7) average-pooled to 2×2 = 4 soft tokens an image, which
+    the processor writes as ``\n\n<start_of_image>`` + 4 × ``<image_soft_token>`` + ``<end_of_image>\n\n``; a
+    sliding-window layer of ``window`` tokens, then a full-attention one. :func:`build` draws the projector and the
+    (1 + w) norms at random (transformers starts them at 0)."""
+    import transformers as tf
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL}
+    text = dict(TEXT_LAYER, vocab_size=len(tok), head_dim=8, query_pre_attn_scalar=8, sliding_window=window,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=7, vision_use_head=False)  # (as the checkpoints)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                             boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                             image_token_index=ids["<image_soft_token>"])
+    image_processor = pillow_image_processor("Gemma3ImageProcessor", size={"height": 28, "width": 28})
+    processor = tf.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
+                                   chat_template=_template(IMAGE_TEXT["gemma"], "<start_of_turn>user\n",
+                                                           "<start_of_turn>model\n", "<end_of_turn>\n"))
+    return config, processor
+
+
+def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, rope: dict | None = None,
+          window: int = GEMMA_WINDOW):
     """(model, processor): a tiny random ``family`` model (eager attention) and its processor. ``rope``: entries
-    over the text model's rope_parameters (Qwen and LLaVA families), e.g. a scaling type."""
+    over the text model's rope_parameters (Qwen and LLaVA families), e.g. a scaling type. ``window``: Gemma 3's
+    sliding window."""
     import transformers as tf
 
     if family.startswith("qwen"):
@@ -178,12 +208,21 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, rope: 
             import pytest
 
             pytest.skip(f"{family}: {e} (transformers {tf.__version__} without torchvision)")
+    elif family == "gemma3":
+        tok = build_tokenizer(GEMMA_SPECIAL, "<image_soft_token>", boi_token="<start_of_image>",
+                              eoi_token="<end_of_image>")
+        config, processor = _gemma3(tok, window)
     else:
         raise ValueError(f"no tiny {family!r}; families: {', '.join(FAMILIES)}")
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").to(dtype)
+        if family == "gemma3":  # its (1 + w) norms start at w = 0 and its projector matrix at 0 (image features 0)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ("norm" in name and not name.startswith("model.vision_tower")) or "mm_input_projection" in name:
+                        p.normal_(0.0, 0.5)
     model.eval()
     return model, processor
 
@@ -209,9 +248,9 @@ def full_forward_inputs(enc, tokens: list[int], dtype: torch.dtype | None = None
     """transformers' forward inputs for the prompt ``enc`` followed by ``tokens`` (text), pixel values in ``dtype``."""
     inputs = {k: v for k, v in enc.items() if k != "attention_mask"}
     inputs["input_ids"] = torch.cat([enc["input_ids"], torch.tensor([tokens])], dim=1)
-    if "mm_token_type_ids" in inputs:  # (transformers ≥ 5.2x: its mRoPE index reads the token types)
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"],
-                                                 torch.zeros(1, len(tokens), dtype=torch.long)], dim=1)
+    for key in ("mm_token_type_ids", "token_type_ids"):  # (transformers ≥ 5.2x: its mRoPE index reads the token
+        if key in inputs:  # types; Gemma 3's image-block masks are built from token_type_ids): completions are text
+            inputs[key] = torch.cat([inputs[key], torch.zeros(1, len(tokens), dtype=torch.long)], dim=1)
     if dtype is not None and "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
     return inputs

@@ -365,13 +365,15 @@ def enable_offloaded_checkpointing(model, gpu_resident: int = 0, reuse_attention
                                    no_recompute: int = 0) -> ActivationOffloader:
     """Checkpoint every decoder layer of ``model`` (a transformers or PEFT model), its inputs offloaded;
     ``reuse_attention``: its attention outputs kept with them instead of recomputed; ``no_recompute``: the last
-    that many layers not checkpointed at all (keep_last_layers_whole)."""
+    that many layers not checkpointed at all (keep_last_layers_whole). Only the language model's layers: a vision
+    tower's keep what they had (its layers take more than their input positionally, e.g. SigLIP's and CLIP's)."""
     base = base_model(model)
     device = next(base.parameters()).device
     num_layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)
     offloader = ActivationOffloader(device, gpu_resident=gpu_resident, num_layers=num_layers,
                                     reuse_attention=reuse_attention)
-    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offloaded_checkpoint(offloader))
+    base.get_decoder()._set_gradient_checkpointing(enable=True,
+                                                   gradient_checkpointing_func=offloaded_checkpoint(offloader))
     base.config.use_cache = False
     if no_recompute:  # the layers checkpointed per forward: the resident inputs are the last of these
         offloader.num_layers = keep_last_layers_whole(model, no_recompute)

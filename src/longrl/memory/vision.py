@@ -17,7 +17,8 @@ is built on the meta device to count its parameters exactly, no memory):
 
 Assumptions (stated in the plan's row): one image a prompt; an image of ``vision_config.image_size`` pixels a side,
 or ASSUMED_IMAGE_SIDE for the families that take any resolution (Qwen-VL: ``patches = (side / patch_size)²``,
-``image_tokens = patches / spatial_merge_size²``).
+``image_tokens = patches / spatial_merge_size²``; Gemma 3: ``image_tokens = mm_tokens_per_image``, its pooled
+count, without pan-and-scan crops).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class VisionMemory:
         side = _first(v, "image_size", default=ASSUMED_IMAGE_SIDE)
         side = side[0] if isinstance(side, (list, tuple)) else side
         patches = (int(side) // int(v.patch_size)) ** 2
-        image_tokens = patches // int(_first(v, "spatial_merge_size", default=1)) ** 2
+        image_tokens = int(_first(model_config, "mm_tokens_per_image",  # Gemma 3: the tower's patches pooled to it
+                                  default=patches // int(_first(v, "spatial_merge_size", default=1)) ** 2))
         params = tower_parameters(model_config)
         b = compute_bytes
         per_layer = patches * (6 * hidden + 2 * inner) * b

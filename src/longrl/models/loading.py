@@ -20,7 +20,7 @@ from .structure import base_model
 from .tiny import TINY_NAME, build_tiny_model
 from .tiny_vision import TINY_VISION_NAME, build_tiny_vision_model, build_vision_processor, build_vision_tokenizer
 from .vision.adapters import lora_targets
-from .vision.families import VisionModelError, vision_family
+from .vision.families import FAMILIES, VisionModelError, vision_family
 
 log = logging.getLogger(__name__)
 
@@ -215,16 +215,22 @@ def model_settings(model_cfg) -> dict:
 
 
 def is_image_text_model(name_or_path: str, trust_remote_code: bool, revision: str | None) -> bool:
-    """Whether a Hugging Face model directory or hub id is a supported vision-language model, read from its config
-    alone (no weights). Another model with a vision part raises :class:`VisionModelError` listing the supported
-    families. A longrl checkpoint is what its base is (down its chain of warm starts); builtin:tiny-arith and GGUF
-    files are text models."""
+    """Whether a Hugging Face model directory or hub id is a supported vision-language model (:func:`image_text_family`
+    is not None)."""
+    return image_text_family(name_or_path, trust_remote_code, revision) is not None
+
+
+def image_text_family(name_or_path: str, trust_remote_code: bool, revision: str | None):
+    """The VisionFamily of a Hugging Face model directory or hub id, read from its config alone (no weights); None
+    for a text model. Another model with a vision part raises :class:`VisionModelError` listing the supported
+    families. A longrl checkpoint is what its base is (down its chain of warm starts); builtin:tiny-vision is a
+    LLaVA, builtin:tiny-arith and GGUF files are text models."""
     if name_or_path == TINY_VISION_NAME:
-        return True
+        return FAMILIES["llava"]
     if (warm := read_warm_start(name_or_path)) is not None:
-        return is_image_text_model(warm.base, trust_remote_code, warm.model.get("revision"))
+        return image_text_family(warm.base, trust_remote_code, warm.model.get("revision"))
     if name_or_path == TINY_NAME or is_gguf(name_or_path):
-        return False
+        return None
     from transformers import AutoConfig
 
     try:
@@ -232,7 +238,7 @@ def is_image_text_model(name_or_path: str, trust_remote_code: bool, revision: st
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not read the config of {name_or_path!r}: {str(e)[:500]}") from e
     try:
-        return vision_family(config) is not None
+        return vision_family(config)
     except VisionModelError as e:
         raise VisionModelError(f"config key 'model.name_or_path': {name_or_path}: {e}") from None
 
@@ -438,9 +444,15 @@ class LogitSpec:
 
 
 def model_parts(model):
-    """(backbone, lm_head, LogitSpec) of a causal LM: the backbone returns the final (normed) hidden states."""
+    """(backbone, lm_head, LogitSpec) of a causal LM: the backbone returns the final (normed) hidden states.
+
+    A supported vision-language model's logits are lm_head(h) alone: its ...ForConditionalGeneration forward scales
+    and caps none, whatever its text config says (Gemma3ForCausalLM applies final_logit_softcapping,
+    Gemma3ForConditionalGeneration does not)."""
     base = base_model(model)
     cfg = base.config
+    if getattr(cfg, "model_type", None) in FAMILIES:
+        return base.get_decoder(), base.get_output_embeddings(), LogitSpec()
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     multiplier = 1.0
     if getattr(text_cfg, "logit_scale", None):  # Cohere: logits * logit_scale

@@ -13,9 +13,10 @@ import torch
 
 from . import model_parts
 from ..ops.logprobs import chunked_logprobs
-from .shared_prompt import GroupedRows, enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs
+from .shared_prompt import (GroupedRows, enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs,
+                            unsupported_reason)
 from .structure import base_model
-from .vision import FeatureCache, Placement, language_model_inputs, require_vision
+from .vision import FeatureCache, Placement, language_model_inputs, layer_masks, require_vision
 
 
 def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -118,7 +119,8 @@ def _vision_family(model, seqs: list[list[int]], vision: list):
 def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], vision: list) -> dict:
     """``inputs`` with the token ids replaced by embeddings holding each prompt's image features, and positions
     for them (mRoPE: the prompt's 3-D positions, then its completion at index + rope_delta in every section).
-    Each distinct prompt object's features are computed once for the call (models/vision/features.py)."""
+    Each distinct prompt object's features are computed once for the call (models/vision/features.py). A family
+    whose image tokens attend both ways (Gemma 3) gets the rows' masks per layer type (models/vision/masks.py)."""
     family = _vision_family(model, seqs, vision)
     ids = inputs["input_ids"]  # [rows, L]
     width = ids.shape[1]
@@ -128,6 +130,10 @@ def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], 
     if text_positions is None:
         text_positions = torch.arange(width, device=ids.device)[None].expand(ids.shape[0], -1)
     built = language_model_inputs(model, ids, text_positions, placements, FeatureCache(model, family))
+    if family.image_blocks:
+        decoder = model_parts(model)[0]
+        built["attention_mask"] = layer_masks(decoder.config, placements, ids.shape[0], width, ids.device,
+                                              decoder.config._attn_implementation, built["inputs_embeds"].dtype)
     return {**{k: v for k, v in inputs.items() if k not in ("input_ids", "position_ids")}, **built}
 
 
@@ -144,6 +150,8 @@ def grouped_backbone_hidden(model, prompt_ids: list[list[int]], completion_ids: 
     backbone, head, _ = model_parts(model)
     device = head.weight.device
     family = _vision_family(model, prompt_ids, vision) if _has_images(vision) else None
+    if family is not None and family.image_blocks:
+        raise ValueError(f"grouped rows (train.shared_prompt): {unsupported_reason(base_model(model).config)}")
     rows = grouped_rows(prompt_ids, completion_ids, pad_id, packed, keys=vision if family is not None else None)
     if attention == "kernel":
         enable_shared_prompt(model)  # (once) grouped rows, and the layer recomputes of their backward, attend by it

@@ -25,6 +25,7 @@ import torch
 
 from ..ops.shared_prompt_attention import LAYOUT_KWARG, PromptGroup, SharedPromptLayout, shared_prompt_sdpa
 from ..ops.unwrap import base_model
+from .vision.families import FAMILIES
 
 PREFIX = "longrl_shared_prompt_on_"  # the attention implementation's name: this, then the one it wraps
 # (text) model types whose attention is transformers' rotary self-attention through ALL_ATTENTION_FUNCTIONS with the
@@ -45,6 +46,10 @@ def group_by_prompt(prompt_ids: list[list[int]], keys: list | None = None) -> li
 def unsupported_reason(config, max_tokens: int | None = None) -> str | None:
     """Why grouped rows would not be exact for a model of this transformers config (None: they are);
     ``max_tokens``: the longest prompt + completion, against a sliding window."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is not None and family.image_blocks:
+        return (f"{family.name}'s image tokens attend both ways (models/vision/masks.py), which the grouped rows' "
+                "causal attention does not compute")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kind = getattr(text, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:

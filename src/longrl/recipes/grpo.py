@@ -38,6 +38,7 @@ from ..ops.rollout_correction import rollout_correction_weights
 from ..rewards import RewardScorer
 from ..rollout import Sampler, SamplingParams
 from ..rollout.completions import build_sampler, reward_inputs, sample, sampling_params
+from ..rollout.hf_generate import check_image_generate
 from ..rollout.sampling import logprob_temperature
 from ..training.callbacks import check_callbacks, notify
 from ..training.checkpoint import SHARDED_OPTIMIZER_DIR, load_newest, save_checkpoint, staging_dir, \
@@ -83,12 +84,14 @@ class RolloutBatch:
 def _check_image_run(cfg, agent_spec, model) -> None:
     """Refuse, before the model loads, a text model (named by the config, or passed in) and what prompts with images
     do not run with yet."""
-    check_image_model(cfg, model, "prompts")
+    family = check_image_model(cfg, model, "prompts")
     if agent_spec is not None:
         raise ConfigError("config key 'environment.factory': multi-turn episodes do not take prompts with images yet")
     if cfg.generation.backend != "longrl":
-        raise ConfigError("config key 'generation.backend': prompts with images are sampled by longrl's sampler "
-                          "only; set generation.backend=longrl")
+        try:
+            check_image_generate(family)
+        except ValueError as e:
+            raise ConfigError(f"config key 'generation.backend': {e}") from None
 
 
 def _warn_loss_choices(g) -> None:

@@ -10,8 +10,8 @@ the model's ``**kwargs``). The KV cache lives here, not in a transformers ``Cach
 
 (an FP8 cache keeps its values position-minor, V_pre [L, P, Hkv, D, Lp'] and V_suf [L, S, Hkv, D, T']: kv_quant.py)
 
-Prefill runs a right-padded batch of prompts with causal SDPA and writes their keys/values into the prefix
-store. A decode step writes each sequence's new key/value at its slot and attends over
+Prefill runs a right-padded batch of prompts with causal SDPA (with the prompts' image-block mask where a
+family's image tokens attend both ways, Gemma 3) and writes their keys/values into the prefix store. A decode step writes each sequence's new key/value at its slot and attends over
 prefix[:prefix_len] ++ suffix[:write_index + 1] (an extend step, between the turns of a multi-turn rollout, does the
 same for several new tokens of a slot at once, causally):
 
@@ -142,6 +142,9 @@ class KVCache:
 class PrefillMeta:
     cache: KVCache
     prompt_slots: torch.Tensor  # [Pn] long: prefix-store entry of each prompt of the batch
+    # [Pn, 1, W, W] bool: which keys each query attends to, where a family's image tokens attend both ways
+    # (models/vision/masks.py image_block_mask); None: causal
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -272,9 +275,10 @@ def sampler_attention(module, query, key, value, attention_mask, scaling=None, d
     cache = meta.cache
     if isinstance(meta, PrefillMeta):
         cache.write_prefix(layer, meta.prompt_slots, key, value)
-        # right-padded rows: causal attention is exact for every real position (padding only follows it)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                             enable_gqa=query.shape[1] != key.shape[1])
+        # right-padded rows: causal attention (or the image-block mask) is exact for every real position (padding
+        # only follows it)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=meta.mask, is_causal=meta.mask is None,
+                                             scale=scale, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2), None
     if isinstance(meta, ExtendMeta):
         return extend_attention(query, key, value, layer, meta, scale), None

@@ -44,17 +44,16 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, 
            sampler: Sampler | None, device, vision: list | None = None) -> Rollout:
     """``num_generations`` completions per prompt (contiguous per prompt) through ``sampler``, or through
     transformers' generate when it is None (with ``gen``'s settings; ``params`` then gives only the length, the
-    temperature, the seed and the sequence ids). ``vision``: per prompt its VisionPrompt or None (longrl's sampler
-    only)."""
+    temperature, the seed and the sequence ids). ``vision``: per prompt its VisionPrompt or None (transformers'
+    generate takes them for the families rollout/hf_generate.py names)."""
     if sampler is not None:
         return sampler.generate(prompt_ids, num_generations, params, vision=vision)
-    if vision is not None and any(v is not None for v in vision):
-        raise ValueError("prompts with images are sampled by longrl's sampler only (generation.backend: longrl)")
     if params.max_new_tokens != gen.max_completion_length or params.temperature != gen.temperature:
         from dataclasses import replace
 
         gen = replace(gen, max_completion_length=params.max_new_tokens, temperature=params.temperature)
-    return generate_completions(model, tokenizer, prompt_ids, num_generations, gen, device, params=params)
+    return generate_completions(model, tokenizer, prompt_ids, num_generations, gen, device, params=params,
+                                vision=vision)
 
 
 def reward_inputs(rows: list[dict], prompt_column: str, num_generations: int, tokenizer, rollout: Rollout):

@@ -5,6 +5,12 @@ top-p, min-p, then one uniform number keyed by (seed, global sequence id, positi
 that leaves only the drawn token possible, so that ``generate``'s greedy pick returns it. A completion therefore
 depends on its sequence id and not on its batch, its rank or its order: data-parallel ranks sample what one
 process samples, as with longrl's sampler.
+
+Prompts with images (families whose ``hf_generate`` is set: Gemma 3) go to ``generate`` as their token ids with the
+image features computed once per prompt (models/vision/features.py, the tower's one call for its G completions),
+through the forward's ``mm_encoder_outputs`` (transformers' pre-encoded image input), and, where the family's image
+tokens attend both ways, ``token_type_ids`` (1 at each image placeholder, left-padded as the ids), from which
+transformers builds the prefill's image-block masks; its decode steps are causal.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from ..models.loading import base_model
 from ..models.policy import compute_context
+from ..models.vision import FAMILIES, FeatureCache, VisionFamily, require_vision
 from .sampler import Rollout
 from .sampling import SamplingParams, next_tokens, sampling_params, stop_index, stop_token_ids
 
@@ -25,6 +33,34 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
         mask[i, width - len(s):] = 1
     return ids.to(device), mask.to(device)
+
+
+def check_image_generate(family) -> VisionFamily:
+    """``family`` (a VisionFamily), after a ValueError unless transformers' generate takes its prompts with images."""
+    if not family.hf_generate:
+        takes = ", ".join(f"{f.name} ({t})" for t, f in FAMILIES.items() if f.hf_generate)
+        raise ValueError(f"prompts with images of {family.name} models are sampled by longrl's sampler only "
+                         f"(generation.backend: longrl); transformers' generate takes them for {takes}")
+    return family
+
+
+def _image_inputs(features: FeatureCache, chunk_vision: list, ids: torch.Tensor) -> dict:
+    """generate's keyword arguments for a chunk of left-padded prompts ``ids`` [b, W] whose VisionPrompts (or None)
+    are ``chunk_vision``: ``mm_encoder_outputs`` (the features of every placeholder, row by row, [N, H]) and, for a
+    family whose image tokens attend both ways, ``token_type_ids`` [b, W] (1 at the placeholders)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    width = ids.shape[1]
+    types = torch.zeros_like(ids)
+    embeds = []
+    for row, prompt in enumerate(chunk_vision):
+        if prompt is not None:
+            types[row, width - len(prompt) + prompt.image_positions.to(ids.device)] = 1
+            embeds.append(features.get(prompt).embeds)
+    out = {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=torch.cat(embeds))}}
+    if features.family.image_blocks:
+        out["token_type_ids"] = types
+    return out
 
 
 class KeyedDraw(LogitsProcessor):
@@ -50,11 +86,13 @@ class KeyedDraw(LogitsProcessor):
 
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_generations: int, gen_cfg,
-                         device, batch_size: int = 256, params: SamplingParams | None = None) -> Rollout:
+                         device, batch_size: int = 256, params: SamplingParams | None = None,
+                         vision: list | None = None) -> Rollout:
     """``num_generations`` sampled completions per prompt (contiguous per prompt), in eval mode. Honours the
     same stop rules as longrl's sampler: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop_strings``.
     ``params``: the seed and the sequences' global ids (``sequence_ids``) that key the draws (None: ``gen_cfg``'s
-    settings with a seed drawn from torch's generator); the sampling settings are always ``gen_cfg``'s."""
+    settings with a seed drawn from torch's generator); the sampling settings are always ``gen_cfg``'s.
+    ``vision``: per prompt its VisionPrompt (whose input_ids are the prompt's) or None (module docstring)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     seed = params.seed if params is not None else int(torch.randint(2 ** 62, ()))
@@ -67,6 +105,13 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
     )  # [] (ignore_eos, no stop ids): no stop, not the model's EOS. The draw is KeyedDraw's; stop strings are cut
     # afterwards: transformers' StopStringCriteria cannot read every tokenizer's vocab
     expanded = [p for p in prompt_ids for _ in range(num_generations)]
+    features = None
+    if vision is not None and any(v is not None for v in vision):
+        family = check_image_generate(require_vision(base_model(model).config))
+        if any(v is not None and list(p) != v.input_ids for p, v in zip(prompt_ids, vision)):
+            raise ValueError("a prompt's token ids are not its VisionPrompt's input_ids")
+        features = FeatureCache(model, family)  # each prompt's features once, for its G completions
+        vision = [v for v in vision for _ in range(num_generations)]
     was_training = model.training
     model.eval()
     completions, truncated = [], []
@@ -77,8 +122,11 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], num_gene
             draw = KeyedDraw(keyed, [params.sequence_id(start + i) if params else start + i for i in range(len(chunk))],
                              [ids.shape[1] - len(p) for p in chunk], ids.shape[1], ids.device)
             with compute_context(model):
+                images = {}
+                if features is not None and any(v is not None for v in vision[start:start + batch_size]):
+                    images = _image_inputs(features, vision[start:start + batch_size], ids)
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
-                                     logits_processor=LogitsProcessorList([draw]))
+                                     logits_processor=LogitsProcessorList([draw]), **images)
             for row in out[:, ids.shape[1]:].tolist():
                 cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
                 j = stop_index(row[:cut], stop_strings, tokenizer.decode)

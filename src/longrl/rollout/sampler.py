@@ -33,7 +33,8 @@ from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tok
                               rollout_kv_bytes, sampler_workspace_bytes, sampling_rows)
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
-from ..models.vision import FeatureCache, Placement, VisionPrompt, language_model_inputs, require_vision, vision_family
+from ..models.vision import (FeatureCache, Placement, VisionPrompt, image_block_mask, language_model_inputs,
+                             require_vision, vision_family)
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason, verify_meta)
@@ -475,14 +476,16 @@ class _Run:
             positions = torch.arange(width, device=device)[None].expand(len(chunk), -1)
             self.entry_delta[entries] = torch.tensor([v.rope_delta if v is not None else 0
                                                       for v in (self.vision[q] for q in chunk)], device=device)
+            meta = PrefillMeta(self.cache, entries)
             with sampler.compute_context():
                 inputs = dict(input_ids=ids, position_ids=positions)
                 if any(self.vision[q] is not None for q in chunk):  # image features in place, mRoPE positions
                     placements = [Placement(row, 0, len(self.prompts[q]), self.vision[q])
                                   for row, q in enumerate(chunk)]
                     inputs = language_model_inputs(sampler.model, ids, positions, placements, self.features)
-                hidden = sampler.backbone(**inputs, use_cache=False,
-                                          longrl_kv=PrefillMeta(self.cache, entries)).last_hidden_state
+                    if sampler.family.image_blocks:  # each image's tokens attend both ways (Gemma 3)
+                        meta.mask = image_block_mask(placements, len(chunk), width, device)
+                hidden = sampler.backbone(**inputs, use_cache=False, longrl_kv=meta).last_hidden_state
                 self.prompt_logits[entries] = sampler.logits(hidden[torch.arange(len(chunk), device=device), last])
             self.stats["prefills"] += 1
 

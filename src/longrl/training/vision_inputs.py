@@ -12,21 +12,22 @@ from ..config import ConfigError
 from ..data.images import open_images
 from ..data.prompts import PromptDataset
 from ..models import base_model
-from ..models.loading import is_image_text_model, load_processor
-from ..models.vision import VisionPrompt, encode_prompt, encode_text, supported_families, vision_family
+from ..models.loading import image_text_family, load_processor
+from ..models.vision import VisionFamily, VisionPrompt, encode_prompt, encode_text, supported_families, vision_family
 
 
-def check_image_model(cfg, model, what: str) -> None:
-    """Refuse a text model for a dataset holding ``what`` (prompts, examples) with images: the model the config names
-    before its weights load (its config alone), or the model passed in."""
+def check_image_model(cfg, model, what: str) -> VisionFamily:
+    """The vision family of the model for a dataset holding ``what`` (prompts, examples) with images, read before its
+    weights load (the config's model, by its config alone) or from the model passed in; a text model is refused."""
     if model is None:
-        vision = is_image_text_model(cfg.model.name_or_path, cfg.model.trust_remote_code, cfg.model.revision)
+        family = image_text_family(cfg.model.name_or_path, cfg.model.trust_remote_code, cfg.model.revision)
         name = f"model.name_or_path={cfg.model.name_or_path!r}"
     else:
-        vision, name = vision_family(base_model(model).config) is not None, "the model passed in"
-    if not vision:
+        family, name = vision_family(base_model(model).config), "the model passed in"
+    if family is None:
         raise ConfigError(f"config key 'data.source': {cfg.data.source!r} holds {what} with images, but {name} reads "
                           f"text only; train a vision-language model on it ({supported_families()})")
+    return family
 
 
 def is_processor(obj) -> bool:

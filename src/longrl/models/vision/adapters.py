@@ -50,6 +50,8 @@ def lora_targets(model, family: VisionFamily, target_modules: list[str], vision_
                              "language model")
     vision = _linears_under(base, vision_module_prefixes(model, family, vision_modules))
     if vision_modules != "none" and not vision:
+        bare = (" (its projector holds no nn.Linear, Gemma 3's a bare weight matrix: train it with full weights, "
+                "lora.enabled: false)") if vision_modules == "projector" else ""
         raise ValueError(f"config key 'lora.vision_modules': {vision_modules} found no linear layer in the "
-                         f"{family.name} model's vision modules")
+                         f"{family.name} model's vision modules{bare}")
     return language + vision

@@ -2,8 +2,7 @@
 loads, and where each keeps its vision tower and projector.
 
 A config with a vision part (a ``vision_config``, or a known image-text ``model_type``) that is not listed here is
-refused with the list of supported families; Gemma 3 is refused with its reason (bidirectional attention among a
-prompt's image tokens, which the causal prefill and training passes do not compute).
+refused with the list of supported families; Gemma 3n is refused with its reason.
 """
 
 from __future__ import annotations
@@ -28,10 +27,16 @@ class VisionFamily:
     projector: tuple[str, ...]  # the modules mapping its output to the language model's width
     image_inputs: tuple[str, ...]  # the processor's outputs get_image_features reads, in its argument order
     deepstack: bool = False  # features of early tower layers added to the first decoder layers (Qwen3-VL)
+    feature_options: tuple[str, ...] = ()  # config keys get_image_features takes as keywords (the forward reads
+    #                                        them from the config; LLaVA: which tower layer and which of its tokens)
+    image_blocks: bool = False  # each image's run of placeholder tokens attends to itself both ways (Gemma 3):
+    #                             the prefill and training passes take the masks of models/vision/masks.py
+    hf_generate: bool = False  # transformers' generate takes its prompts with images (rollout/hf_generate.py)
 
 
 _QWEN_INPUTS = ("pixel_values", "image_grid_thw")
-_LLAVA = dict(tower=("vision_tower",), projector=("multi_modal_projector",))
+_LLAVA = dict(tower=("vision_tower",), projector=("multi_modal_projector",),
+              feature_options=("vision_feature_layer", "vision_feature_select_strategy"))
 _IDEFICS = dict(tower=("vision_model",), projector=("connector",), image_inputs=("pixel_values", "pixel_attention_mask"))
 
 FAMILIES: dict[str, VisionFamily] = {  # model_type → family
@@ -43,12 +48,13 @@ FAMILIES: dict[str, VisionFamily] = {  # model_type → family
     "llava_next": VisionFamily("LLaVA-NeXT", False, image_inputs=("pixel_values", "image_sizes"), **_LLAVA),
     "idefics3": VisionFamily("Idefics3", False, **_IDEFICS),
     "smolvlm": VisionFamily("SmolVLM", False, **_IDEFICS),
+    "gemma3": VisionFamily("Gemma 3", False, ("vision_tower",), ("multi_modal_projector",), ("pixel_values",),
+                           image_blocks=True, hf_generate=True),
 }
 
 REFUSED = {  # model_type → why it is not run
-    "gemma3": "Gemma 3 attends bidirectionally among a prompt's image tokens; longrl's prefill and training passes "
-              "are causal, so they would not compute the model exactly",
-    "gemma3n": "Gemma 3n attends bidirectionally among a prompt's image tokens (see gemma3)",
+    "gemma3n": "Gemma 3n's language model (per-layer embeddings, AltUp) is another architecture than Gemma 3's, "
+               "and longrl's passes have not been checked against it",
 }
 
 
@@ -69,8 +75,13 @@ def vision_family(config) -> VisionFamily | None:
     if not has_vision(config):
         return None
     model_type = config.model_type
-    if model_type in FAMILIES:
-        return FAMILIES[model_type]
+    family = FAMILIES.get(model_type)
+    if family is not None and family.image_blocks and getattr(config.get_text_config(), "use_bidirectional_attention",
+                                                              False):
+        raise VisionModelError(f"vision-language model type {model_type!r} with use_bidirectional_attention (every "
+                               "token attending both ways) is not supported: longrl runs it as a causal language model")
+    if family is not None:
+        return family
     why = REFUSED.get(model_type, "its family is not supported")
     raise VisionModelError(f"vision-language model type {model_type!r} is not supported: {why}. Supported "
                            f"families: {supported_families()}")

@@ -56,12 +56,8 @@ def compute_image_features(model, prompt: VisionPrompt) -> ImageFeatures:
     device = base.get_output_embeddings().weight.device
     inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
               for k, v in prompt.image_inputs.items()}
-    kwargs = {}
-    if family.tower == ("vision_tower",):  # LLaVA: which tower layer and tokens (the forward reads them from config)
-        cfg = base.config
-        kwargs = dict(vision_feature_layer=cfg.vision_feature_layer,
-                      vision_feature_select_strategy=cfg.vision_feature_select_strategy)
-    out = base.get_image_features(**inputs, **kwargs)
+    options = {k: getattr(base.config, k) for k in family.feature_options}  # (the forward reads them from config)
+    out = base.get_image_features(**inputs, **options)
     pooled = getattr(out, "pooler_output", out)
     embeds = _rows(pooled)
     if embeds.shape[0] != len(prompt.image_positions):
