@@ -24,7 +24,7 @@ def test_host_placement_streams_bit_identically_on_cuda(dtype):
                                                     for _, s in layer)
     _train_steps(model)
     for split in ([[0, 1, 2]], [[2], [0], [1]]):
-        want = _logps(initial, split)
+        want = _logps(initial, split).cpu()  # (ReferenceModel.logprobs returns CPU tensors)
         for placement, ref in refs.items():
             for _ in range(2):  # a second pass over the same buffers
                 assert torch.equal(ref.logprobs(PROMPTS, COMPLETIONS, 5, split, pad_id=0, packed=False), want), \

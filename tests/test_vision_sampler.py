@@ -130,15 +130,23 @@ def test_request_errors():
         Sampler(text_model, tok).generate([[5, 6]], 1, params, vision=[prompt])
 
 
-def test_gemma3_with_a_short_window_samples_through_generate_as_the_full_forward():
+@pytest.mark.parametrize("pre_encoded", [True, False])
+def test_gemma3_with_a_short_window_samples_through_generate_as_the_full_forward(pre_encoded, monkeypatch):
     """A sliding window shorter than the rollout (real checkpoints': 1,024 tokens): the sampler refuses it and the
     run samples with transformers' generate, which takes the prompts with images (each prompt's features computed once
     for its G completions, given as mm_encoder_outputs; token_type_ids for the image blocks, left-padded): greedy
     tokens and every step's logits equal transformers' full forward with the pixel values, for prompts with 1, 2 and
-    no images in one left-padded batch."""
+    no images in one left-padded batch. ``pre_encoded`` False: a transformers whose forward has no
+    mm_encoder_outputs (5.17) gets each row's pixel values instead, with the same result."""
     from longrl.config.schema import GenerationConfig
+    from longrl.rollout import hf_generate
     from longrl.rollout.attention import unsupported_reason
     from longrl.rollout.completions import build_sampler, sample
+
+    if pre_encoded and not hf_generate.takes_encoder_outputs(build("gemma3", seed=4, window=6)[0]):
+        pytest.skip("this transformers' Gemma 3 forward takes no mm_encoder_outputs")
+    if not pre_encoded:
+        monkeypatch.setattr(hf_generate, "takes_encoder_outputs", lambda model: False)
 
     model, processor = build("gemma3", seed=4, window=6)
     _never_greedy_image_token(model)
@@ -155,7 +163,8 @@ def test_gemma3_with_a_short_window_samples_through_generate_as_the_full_forward
                      vision=[v for _, v, _ in prompts])
     tower.remove()
     head.remove()
-    assert len(calls) == 2  # the two prompts with images, once each (not once a completion)
+    if pre_encoded:
+        assert len(calls) == 2  # the two prompts with images, once each (not once a completion)
     assert all(len(c) == 6 for c in rollout.completion_ids)
     logits = torch.stack(steps, 1)  # [P·G, 6, V]: generate's logits of each step, row by row
     for i, completion in enumerate(rollout.completion_ids):

@@ -191,10 +191,10 @@ class TrainConfig:
     logprob_chunk_size: int = 1024  # tokens per chunk of the LM-head log-prob op (no full logits tensor)
     mlp_tile_tokens: Optional[int] = None  # MLP in sequence tiles of this many tokens; 0: off, null: planner decides
     shared_prompt: Optional[bool] = None  # reference and policy passes on grouped rows: each prompt computed once for
-    #                                      its completions (exact; docs/memory.md); null: off for now (on an H200
-    #                                      1.97× faster at 16K-token prompts with 1K answers, 1.89× at 4K; the
-    #                                      planner's grouped-row memory not yet checked there; `longrl plan` names
-    #                                      the saving), true opts in
+    #                                      its completions (exact; docs/memory.md); null: the planner's choice on
+    #                                      CUDA, on where a group's P + G·R tokens are ≤ 0.35 of G·(P + R) (an H200:
+    #                                      4.04× faster at 16K-token prompts with 1K answers, 2.71× at 4K), off on
+    #                                      the CPU and with float32 compute; true or false pins it
     gpu_memory_gib: float = 0.0  # CUDA: GPU memory the run may use (planner, KV cache, allocator cap); 0: all free
     max_nonfinite_steps: int = 3  # steps in a row whose loss or gradient norm is NaN/inf (each makes no update)
     #                               before the run stops with a checkpoint

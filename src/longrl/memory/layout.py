@@ -99,7 +99,7 @@ def resolve_layout(cfg, model_config, device: torch.device, step: StepShape | No
                       gpu_resident_layers=m.gpu_resident_layers or 0, no_recompute_layers=m.no_recompute_layers or 0,
                       reuse_attention=offload if m.reuse_attention is None else bool(m.reuse_attention),
                       micro_batch_tokens=t.micro_batch_tokens, mlp_tile_tokens=t.mlp_tile_tokens or 0,
-                      shared_prompt=step is not None and step.shared_prompt
+                      shared_prompt=bool(t.shared_prompt) and step is not None and step.shared_prompt
                       and (model_config is None or shared_prompt_applies(cfg, step, model_config)))
     plan = plan_for_config(cfg, model_config, usable_gpu_bytes(cfg, device), world_size=world_size, step=step)
     log.info("memory plan:\n%s", plan.table())

@@ -83,8 +83,10 @@ F32 = 4  # bytes of a float32 element
 MAX_PACKED_TOKENS = 16384  # packing unequal sequences needs a [T, T] attention mask and slower kernels
 MLP_TILE_ALIGN = 1024  # MLP tiles are multiples of this (and at least this): smaller ones waste GEMM efficiency
 # grouped rows (train.shared_prompt null) are chosen when a group's P + G·R tokens are at most this share of the
-# G·(P + R) of G separate sequences: below that the saving outweighs the extra, smaller attention calls
-SHARED_PROMPT_MAX_SHARE = 0.75
+# G·(P + R) of G separate sequences. Measured on an H200 (8B, LoRA, G = 8, reference + policy passes, warmed): 4.04×
+# faster at share 0.18 (16K prompts, 1K answers), 2.71× at 0.30 (4K, 1K); shares above are not measured yet
+# (the default 512-token prompts with 256-token answers sit at 0.42), so they keep separate sequences
+SHARED_PROMPT_MAX_SHARE = 0.35
 # fraction of free GPU memory the plan may use (the planner's error, allocator fragmentation, CUDA workspaces):
 # with the allocator's fixed segments, which fragment, and with its expandable segments (longrl's default:
 # allocator.py), which reserve little above what is allocated
@@ -211,7 +213,6 @@ class Plan:
     shared_prompt: bool = False  # the passes run grouped rows: each prompt once, then its completions
     # a GRPO step's tokens on one GPU: (as planned, as G separate sequences, completions a row with grouped rows)
     step_tokens: tuple[int, int, int] | None = None
-    shared_prompt_would_save: bool = False  # off, where grouped rows would pay (shared_prompt_saves)
     reference: "ReferenceMemory | None" = None  # the KL reference copy of a full-weight run (counted in the parts)
     vision: "VisionMemory | None" = None  # a vision-language model's tower, features and activations (in the parts)
 
@@ -230,8 +231,7 @@ class Plan:
             rows += [("shared prompt (grouped rows)",
                       f"on: a prompt and up to {per_row} completions a row, {planned:,} tokens a step instead of "
                       f"{separate:,}" if self.shared_prompt else
-                      f"off: {separate:,} tokens a step" + (" (train.shared_prompt=true computes each prompt once)"
-                                                            if self.shared_prompt_would_save else ""))]
+                      f"off: {separate:,} tokens a step")]
         if self.reference is not None:
             rows += [("KL reference", self.reference.describe())]
         if self.vision is not None:
@@ -776,9 +776,8 @@ def layout_candidates(offload: bool | None, checkpointing: bool | None) -> list[
 
 
 def shared_prompt_saves(prompt_tokens: int, completion_tokens: int, generations: int) -> bool:
-    """Whether grouped rows pay for a step: G > 1 and P + G·R ≤ SHARED_PROMPT_MAX_SHARE × G·(P + R). The rule the
-    planner's null choice is to take once the grouped rows' CUDA path has been measured; until then null is off and
-    `longrl plan` names the saving where this holds."""
+    """Whether grouped rows pay for a step: G > 1 and P + G·R ≤ SHARED_PROMPT_MAX_SHARE × G·(P + R) (the
+    planner's choice when train.shared_prompt is null)."""
     grouped = prompt_tokens + generations * completion_tokens
     return generations > 1 and grouped <= SHARED_PROMPT_MAX_SHARE * generations * (prompt_tokens + completion_tokens)
 
@@ -922,7 +921,7 @@ class StepShape:
         P, G, pin = cfg.data.max_prompt_length, cfg.grpo.num_generations, cfg.train.shared_prompt
         return cls(P, completion_tokens, cfg.train.prompts_per_step, G, cfg.grpo.steps_per_generation,
                    rollouts=cfg.generation.backend == "longrl",
-                   shared_prompt=bool(pin),  # null: off until the CUDA path is measured (see shared_prompt_saves)
+                   shared_prompt=pin if pin is not None else shared_prompt_saves(P, completion_tokens, G),
                    reference=cfg.grpo.beta > 0 and not cfg.lora.enabled)
 
     @classmethod
@@ -996,8 +995,6 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
             rows = -(-step.generations // per_row)
             grouped = prompts * (rows * step.prompt_tokens + step.generations * step.completion_tokens)
             plan.step_tokens = (grouped if shared else n * length, n * length, per_row)
-            plan.shared_prompt_would_save = (cfg.train.shared_prompt is None and shared_prompt_saves(step.prompt_tokens,
-                                                                                step.completion_tokens, step.generations))
             plan.shared_prompt = shared
         if step.rollouts:
             gen = cfg.generation

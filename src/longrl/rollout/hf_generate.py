@@ -8,12 +8,15 @@ process samples, as with longrl's sampler.
 
 Prompts with images (families whose ``hf_generate`` is set: Gemma 3) go to ``generate`` as their token ids with the
 image features computed once per prompt (models/vision/features.py, the tower's one call for its G completions),
-through the forward's ``mm_encoder_outputs`` (transformers' pre-encoded image input), and, where the family's image
+through the forward's ``mm_encoder_outputs`` (transformers' pre-encoded image input; a transformers without it, such
+as 5.17, gets each row's pixel values instead and runs the tower once per completion), and, where the family's image
 tokens attend both ways, ``token_type_ids`` (1 at each image placeholder, left-padded as the ids), from which
 transformers builds the prefill's image-block masks; its decode steps are causal.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import LogitsProcessor
@@ -44,20 +47,32 @@ def check_image_generate(family) -> VisionFamily:
     return family
 
 
+def takes_encoder_outputs(model) -> bool:
+    """Whether the model's forward takes pre-encoded image features (``mm_encoder_outputs``: transformers ≥ 5.2x);
+    else generate gets each row's pixel values and runs the tower once per row."""
+    return "mm_encoder_outputs" in inspect.signature(base_model(model).forward).parameters
+
+
 def _image_inputs(features: FeatureCache, chunk_vision: list, ids: torch.Tensor) -> dict:
     """generate's keyword arguments for a chunk of left-padded prompts ``ids`` [b, W] whose VisionPrompts (or None)
-    are ``chunk_vision``: ``mm_encoder_outputs`` (the features of every placeholder, row by row, [N, H]) and, for a
-    family whose image tokens attend both ways, ``token_type_ids`` [b, W] (1 at the placeholders)."""
+    are ``chunk_vision``: ``mm_encoder_outputs`` (the features of every placeholder, row by row, [N, H]; on a
+    transformers without it, the rows' image tensors, concatenated in row order) and, for a family whose image
+    tokens attend both ways, ``token_type_ids`` [b, W] (1 at the placeholders)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     width = ids.shape[1]
     types = torch.zeros_like(ids)
-    embeds = []
+    prompts = [p for p in chunk_vision if p is not None]
     for row, prompt in enumerate(chunk_vision):
         if prompt is not None:
             types[row, width - len(prompt) + prompt.image_positions.to(ids.device)] = 1
-            embeds.append(features.get(prompt).embeds)
-    out = {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=torch.cat(embeds))}}
+    if takes_encoder_outputs(features.model):
+        embeds = torch.cat([features.get(p).embeds for p in prompts])  # [N, H]
+        out = {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=embeds)}}
+    else:
+        dtype = next(p.dtype for p in features.model.parameters() if p.is_floating_point())
+        out = {k: torch.cat([p.image_inputs[k] for p in prompts]) for k in prompts[0].image_inputs}
+        out = {k: v.to(ids.device, dtype) if v.is_floating_point() else v.to(ids.device) for k, v in out.items()}
     if features.family.image_blocks:
         out["token_type_ids"] = types
     return out
