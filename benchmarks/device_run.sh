@@ -93,6 +93,9 @@
 #   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows (~1 min)
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
+#   sharedlong shared_prompt_speed.py at 512:20480 in micro-batches of 82,432 tokens (a group cut into rows of 4
+#              completions: one whole group, 164K tokens, offloads more than the H200 host's 125 GiB) (~5 min)
+#   shared32k  shared_prompt_speed.py at 32,768:1024, each way's second step timed (~3 min)
 #   vlayout    benchmarks/value_layout_bandwidth.py: the FP8 kernel's loads alone, by value layout (~1 min)
 #   kvfp8      benchmarks/kv_fp8_speed.py --sweep: decode attention bf16 vs FP8 cache (2 x 8, to 16K; the FP8 kernel's
 #              variants: bf16 or float16 products, exponents loaded ahead or not; all under each launch choice of
@@ -377,6 +380,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         specverify) stage specverify 120 python3 benchmarks/speculative_rollout.py --parts ii --reps 5 ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
+        sharedlong) stage sharedlong 400 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _long --budget 82432 \
+            --longest-for-gib "" --cases 512:20480 ;;
+        shared32k) stage shared32k 300 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _32k \
+            --longest-for-gib "" --cases 32768:1024 ;;
         *) echo "unknown stage $s" ;;
     esac
 done

@@ -61,11 +61,14 @@ def make_case(P: int, R: int, G: int, vocab: int, prompts: int = 1, seed: int = 
 
 
 def micro_batches(prompt_ids, completion_ids, shared: bool, budget: int) -> list[list[int]]:
-    """One sequence (or one group) a micro-batch unless --budget packs more, as the trainer splits them."""
+    """One sequence (or one group) a micro-batch unless --budget packs more, as the trainer splits them; a budget
+    below a group's P + ΣR cuts the group into rows of the completions that fit with the prompt (as the planner
+    does where a whole group does not fit)."""
     lengths = [len(c) for c in completion_ids]
     if shared:
-        unit = max(len(p) for p in prompt_ids) + sum(lengths) // len({tuple(p) for p in prompt_ids})
-        return prompt_group_batches(prompt_ids, lengths, max(budget, unit), 0)
+        group = max(len(p) for p in prompt_ids) + sum(lengths) // len({tuple(p) for p in prompt_ids})
+        one = max(len(p) + r for p, r in zip(prompt_ids, lengths))  # a prompt and one completion
+        return prompt_group_batches(prompt_ids, lengths, max(budget, one) if budget else group, 0)
     unit = max(len(p) + r for p, r in zip(prompt_ids, lengths))
     return token_budget_groups([len(p) + r for p, r in zip(prompt_ids, lengths)], max(budget, unit))
 
