@@ -93,6 +93,9 @@
 #   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows (~1 min)
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the issue's four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
+#   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8), rows (8, 32, 128),
+#              context (1K, 16K) and KV cache (bf16, FP8), every pair in one run (issue 43's table; carry .whl_bnb,
+#              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it) (~10 min)
 #   sharedlong shared_prompt_speed.py at 512:20480 in micro-batches of 82,432 tokens (a group cut into rows of 4
 #              completions: one whole group, 164K tokens, offloads more than the H200 host's 125 GiB) (~5 min)
 #   shared32k  shared_prompt_speed.py at 32,768:1024, each way's second step timed (~3 min)
@@ -380,6 +383,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         specverify) stage specverify 120 python3 benchmarks/speculative_rollout.py --parts ii --reps 5 ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
+        matrix) [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index --no-deps \
+                --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+            stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
+                --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" ;;
         sharedlong) stage sharedlong 400 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _long --budget 82432 \
             --longest-for-gib "" --cases 512:20480 ;;
         shared32k) stage shared32k 300 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _32k \

@@ -1,0 +1,139 @@
+"""Rollout speed by base, rows, context and KV cache, in one run: the table of issue 43's measurement.
+
+For each base (bf16, NF4 with longrl's 4-bit decode product, FP8 with its e4m3 decode product; each built when the
+previous one is dropped, every decoder projection quantized, LoRA r = 32 unmerged), each prompt length C, each
+number of rows R (R / G prompts of C random tokens, G = 8 completions each) and each KV cache dtype: longrl's
+sampler (rollout_speed.run_longrl: a warm-up call, then prefill + first token, then the timed call of N new tokens).
+Reports tokens/s, the decode phase's bandwidth against the GPU's copy bandwidth (weights and their scales read
+once a step, plus every live KV byte: each prompt's prefix once, as the grouped kernel reads it; an FP8 cache's
+bytes are its codes and exponents), and each quantized base's tokens/s over the bf16 base's in the same cell.
+A cell whose KV cache cannot fit the GPU is reported as such (the sampler's own refusal), not skipped silently.
+
+    python benchmarks/rollout_matrix.py                       # GPU: the whole table (~10 min on an H200)
+    python benchmarks/rollout_matrix.py --bases bf16,fp8 --rows 8,32 --contexts 1024 --kv bf16
+    python benchmarks/rollout_matrix.py --smoke               # CPU, tiny shape: the program runs; nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import rollout_speed as rs  # noqa: E402
+from bench_setup import bench_lora, random_model, random_prompts  # noqa: E402
+from results_io import copy_bandwidth, run_meta, write_result  # noqa: E402
+
+from longrl.models import apply_lora  # noqa: E402
+from longrl.rollout.attention import KVCache  # noqa: E402
+
+G = 8
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def build(base: str, shape: str, dev):
+    """(model with LoRA, bytes a decode step reads of its weights and scales) for ``base``."""
+    if base == "bf16":
+        model = apply_lora(random_model(shape, dev), bench_lora())
+        model.config.use_cache = True
+        extra = 0
+    else:
+        model = rs.quantized_model(base, shape, dev)
+        extra = rs.nf4_state_bytes(model) if base == "nf4" else rs.fp8_scale_bytes(model)
+    return model, rs.model_bytes(model)[0] + extra
+
+
+def kv_token_bytes(cfg, kv: str) -> int:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVCache.nbytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim, tokens=1,
+                          dtype=KV_DTYPES[kv])
+
+
+def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N: int, bandwidth: float) -> dict:
+    """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic)."""
+    prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
+    out = dict(base=base, rows=len(prompts) * G, context=context, kv=kv)
+    try:
+        r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base == "nf4", fp8_kernel=base == "fp8",
+                          kv_cache_dtype=kv)
+    except Exception as e:  # noqa: BLE001 - a cell that cannot run (KV cache too large) is a result
+        return {**out, "error": f"{type(e).__name__}: {e}"[:240]}
+    results = {"copy_bandwidth_gbs": bandwidth / 1e9, "cell": {**r, "step_weight_bytes": step_bytes}}
+    rs.derive(results, len(prompts) * G, N, context, kv_token_bytes(model.config, kv), len(prompts))
+    r = results["cell"]
+    return {**out, **{k: r[k] for k in ("seconds", "prefill_s", "tokens_per_s", "peak_gib", "kv_gib")},
+            **({k: r[k] for k in ("decode_bandwidth_gbs", "roofline_fraction")} if "roofline_fraction" in r else {})}
+
+
+def report(meta: dict, rows: list[dict], args) -> list[str]:
+    lines = ["# Rollout speed by base, rows, context and KV cache", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; {meta['gpu']}; torch {meta['torch']}, "
+             f"transformers {meta['transformers']}; {meta['seconds']} s in all; copy bandwidth "
+             f"{meta['copy_bandwidth_gbs']:.0f} GB/s.", "",
+             f"{args.shape}, random weights, LoRA r = 32 unmerged, G = {G}, {args.new_tokens} new tokens a sequence "
+             "after a prompt of `context` tokens; × bf16: the base's tokens/s over the bf16 base's in the same cell.",
+             "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    bf16 = {(r["kv"], r["context"], r["rows"]): r.get("tokens_per_s") for r in rows if r["base"] == "bf16"}
+    for r in sorted(rows, key=lambda r: (r["kv"], r["context"], r["rows"], args.bases.index(r["base"]))):
+        if "error" in r:
+            lines.append(f"| {r['base']} | {r['kv']} | {r['context']:,} | {r['rows']} | – | – | – | – | "
+                         f"{r['error'][:90]} |")
+            continue
+        ref = bf16.get((r["kv"], r["context"], r["rows"]))
+        ratio = f"{r['tokens_per_s'] / ref:.2f}×" if ref else "–"
+        frac = (f"{r['decode_bandwidth_gbs']:,.0f} | {100 * r['roofline_fraction']:.0f}%"
+                if "roofline_fraction" in r else "– | –")
+        lines.append(f"| {r['base']} | {r['kv']} | {r['context']:,} | {r['rows']} | {r['tokens_per_s']:,.0f} | "
+                     f"{ratio} | {frac} | {r['peak_gib']:.2f} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--bases", default="bf16,nf4,fp8")
+    ap.add_argument("--rows", default="8,32,128")
+    ap.add_argument("--contexts", default="1024,16384")
+    ap.add_argument("--kv", default="bf16,fp8")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape and sizes: the program runs; writes nothing")
+    args = ap.parse_args()
+    if args.smoke:
+        args.shape, args.bases, args.rows, args.contexts, args.kv, args.new_tokens = "tiny", "bf16,fp8", "8", "16", \
+            "bf16,fp8", 4
+    args.bases = args.bases.split(",")
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
+    t0, rows = time.perf_counter(), []
+    for base in args.bases:
+        model, step_bytes = build(base, args.shape, dev)
+        for kv in args.kv.split(","):
+            for context in (int(c) for c in args.contexts.split(",")):
+                for n in (int(r) for r in args.rows.split(",")):
+                    rows.append(cell(model, base, step_bytes, n, context, kv, args.new_tokens, bandwidth))
+                    print({k: v for k, v in rows[-1].items()}, flush=True)
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9)
+    lines = report(meta, rows, args)
+    if args.smoke:
+        print("\n".join(lines))
+        print("(smoke run: nothing written)")
+        return
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    write_result(f"rollout_matrix_{args.shape}_{gpu}{args.tag}", dict(meta=meta, rows=rows), lines)
+
+
+if __name__ == "__main__":
+    main()
