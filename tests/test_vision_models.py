@@ -121,6 +121,35 @@ def test_4bit_keeps_vision_modules_16bit(tiny):
     assert any(n.startswith("model.language_model.") for n in report.quantized)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_fp8_base_keeps_vision_modules_16bit_and_runs_with_images(family):
+    """An FP8 base of a vision-language model: every linear layer of the tower and projector stays 16-bit ("always:
+    vision tower / projector"), the language model's become FP8 layers, and the full forward with the pixel
+    values stays close to the 16-bit model's (the FP8 round trip's error only)."""
+    from vision_models import chat_prompts, full_forward_inputs
+
+    from longrl.models.fp8 import quantize_model_fp8
+    from longrl.models.fp8_linear import FP8Linear
+
+    model, processor = build(family, seed=3)
+    (enc, _), = chat_prompts(model, processor, [((56, 56),)], seed=1)
+    inputs = full_forward_inputs(enc, [5, 6, 7])
+    with torch.no_grad():
+        want = model(**inputs).logits
+    prefixes = vision_module_prefixes(model, vision_family(model.config))
+    report = quantize_model_fp8(model, torch.randint(0, 90, (1, 8)), exception_budget=0.0)
+    vision = {n: m for n, m in model.named_modules() if any(n.startswith(p) for p in prefixes)}
+    vision_linears = [n for n, m in vision.items() if isinstance(m, torch.nn.Linear)]
+    assert vision_linears and all(report.kept[n].startswith("always: vision") for n in vision_linears)
+    assert not any(isinstance(m, FP8Linear) for m in vision.values())
+    assert report.quantized and all(isinstance(model.get_submodule(n), FP8Linear) for n in report.quantized)
+    with torch.no_grad():
+        got = model(**inputs).logits
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=0.1 * float(want.abs().max()), rtol=0)
+    assert not torch.equal(got, want)  # the language model's products did change
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_mrope_index_equals_get_rope_index(family, tiny):
     model, processor = tiny(family)
