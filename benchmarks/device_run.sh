@@ -24,6 +24,8 @@
 #   nf4sweep   the same, first the packed decode's NF4 groups under a sweep of launch choices (~2 min); rollout8b
 #              with NF4_FROM=benchmarks/results/nf4_matmul_h200_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
 #              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side)
+#   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
+#              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
@@ -210,6 +212,9 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         nf4sweep) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep ;;
+        fp8sweep) [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index --no-deps \
+                --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+            stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
