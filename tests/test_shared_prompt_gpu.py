@@ -91,3 +91,23 @@ def test_bf16_model_grouped_against_repeated(reuse):
     assert float((lp_a - lp_b).abs().max()) < 0.1  # bf16 activations, rounded in another order
     for a, b in zip(gr_a, gr_b):
         assert _rel(b, a) < 3e-2
+
+
+def test_grpo_run_on_cuda_takes_grouped_rows_where_prompts_dominate(tmp_path):
+    """train.shared_prompt null on CUDA: a prompt-heavy step (P = 512, R = 8, G = 4: P + G·R is 0.26 of G·(P + R))
+    is planned with grouped rows, and the trainer's steps run on them with finite losses."""
+    import math
+
+    from longrl.compat.trl import GRPOTrainer
+    from longrl.config import load_config
+    from longrl.config.demo import demo_config
+
+    cfg = load_config(None, [f"output.output_dir={tmp_path}", "model.device=cuda", "model.dtype=bfloat16",
+                             "train.max_steps=2", "train.prompts_per_step=4", "grpo.num_generations=4",
+                             "data.max_prompt_length=512", "generation.max_completion_length=8",
+                             "output.progress_bar=false", "output.tensorboard=false", "output.save_steps=0"],
+                      base=demo_config())
+    trainer = GRPOTrainer(cfg)
+    assert trainer.shared_prompt and trainer.layout.plan.shared_prompt
+    history = trainer.train()
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
