@@ -98,6 +98,9 @@
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8), rows (8, 32, 128),
 #              context (1K, 16K) and KV cache (bf16, FP8), every pair in one run (issue 43's table; carry .whl_bnb,
 #              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it) (~10 min)
+#   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
+#              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
+#              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each)
 #   sharedlong shared_prompt_speed.py at 512:20480 in micro-batches of 82,432 tokens (a group cut into rows of 4
 #              completions: one whole group, 164K tokens, offloads more than the H200 host's 125 GiB) (~5 min)
 #   shared32k  shared_prompt_speed.py at 32,768:1024, each way's second step timed (~3 min)
@@ -392,6 +395,15 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
             stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" ;;
+        visiona|visionb) [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index \
+                --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+            if [ "$s" = visiona ]; then
+                stage visiona 500 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048
+            else
+                stage visionb 560 python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe --deadline 540
+            fi ;;
+        visionc) stage visionc 560 python3 benchmarks/vision_grpo.py --arms "${VARMS:-longrl,per-completion,trl}" \
+                --prompts 4 --completion 2048 --deadline 540 ;;
         sharedlong) stage sharedlong 400 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _long --budget 82432 \
             --longest-for-gib "" --cases 512:20480 ;;
         shared32k) stage shared32k 300 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _32k \
