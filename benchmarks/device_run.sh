@@ -101,6 +101,9 @@
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each)
+#   exactpin   shared_prompt_speed.py at 16,384:1,024 with the offloader's buffers from torch's pinned allocator, then
+#              page-locked by whole pages (--exact-pinned): time and host bytes each (JSON `host`), and the exact
+#              pinning's GPU tests (~5 min)
 #   sharedlong shared_prompt_speed.py at 512:20480 in micro-batches of 82,432 tokens (a group cut into rows of 4
 #              completions: one whole group, 164K tokens, offloads more than the H200 host's 125 GiB) (~5 min)
 #   shared32k  shared_prompt_speed.py at 32,768:1024, each way's second step timed (~3 min)
@@ -404,6 +407,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             fi ;;
         visionc) stage visionc 560 python3 benchmarks/vision_grpo.py --arms "${VARMS:-longrl,per-completion,trl}" \
                 --prompts 4 --completion 2048 --deadline 540 ;;
+        exactpin) stage exactpin 400 bash -c 'for x in "" --exact-pinned; do python3 benchmarks/shared_prompt_speed.py \
+                --repeat 2 --longest-for-gib "" --cases 16384:1024 --tag "_pin${x:+exact}" $x; done; \
+                python3 -m pytest -q tests/test_memory_gpu.py -k exact' ;;
         sharedlong) stage sharedlong 400 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _long --budget 82432 \
             --longest-for-gib "" --cases 512:20480 ;;
         shared32k) stage shared32k 300 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _32k \

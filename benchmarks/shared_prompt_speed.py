@@ -115,6 +115,16 @@ def step(model, prompt_ids, completion_ids, adv, *, shared: bool, budget: int, b
             "logps": logps.cpu(), "ref_logps": ref.cpu()}
 
 
+def host_bytes(offloader) -> dict:
+    """Host memory so far: the offloader pool's buffers (the bytes it asked for) and, where torch reports them, its
+    pinned allocator's (which rounds each allocation up to a power of two)."""
+    out = {"pool_gib": offloader.pool.allocated_bytes / GIB if offloader is not None else 0.0}
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if torch.cuda.is_available() and stats is not None:
+        out.update({f"torch_pinned_{k}": v for k, v in stats().items() if "bytes" in k and "current" in k})
+    return out
+
+
 def longest_prompts(shape: str, G: int, R: int, budgets_gib: list[float]) -> list[str]:
     """The planner's longest prompt (a multiple of 1,024 tokens) whose step fits each budget, with and without
     grouped rows, for LoRA on a bf16 base and on a 4-bit base (predicted, not run)."""
@@ -167,6 +177,9 @@ def main() -> None:
                     "('' skips it)")
     ap.add_argument("--repeat", type=int, default=2, help="steps a way and case, the last one timed (the earlier "
                     "ones warm the host pool at these lengths, as a run's later steps find it)")
+    ap.add_argument("--exact-pinned", action="store_true",
+                    help="the offloader's host buffers page-locked by whole pages (PinnedPool.EXACT_PINNED), not by "
+                         "torch's pinned allocator (a power of two each)")
     ap.add_argument("--tag", default="", help="appended to the results' file names")
     args = ap.parse_args()
     cases = parse_cases(args.cases)
@@ -178,6 +191,10 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(min(4, torch.get_num_threads()))
 
+    if args.exact_pinned:
+        from longrl.memory.offload import PinnedPool
+
+        PinnedPool.EXACT_PINNED = True
     lora = bs.bench_lora()
     lora.r, lora.alpha = args.lora_r, 2.0 * args.lora_r
     import trl_baseline as tb
@@ -190,7 +207,7 @@ def main() -> None:
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     if args.layout != "plain":
-        enable_offloaded_checkpointing(model, reuse_attention=args.layout == "reuse")
+        offloader = enable_offloaded_checkpointing(model, reuse_attention=args.layout == "reuse")
     else:
         from torch.utils.checkpoint import checkpoint
         import functools
@@ -227,7 +244,9 @@ def main() -> None:
         ref_diff = float((g["ref_logps"] - s["ref_logps"]).abs().max())
         tokens = {"separate": args.prompts * args.G * (P + R), "grouped": args.prompts * (P + args.G * R)}
         total = {w: out[w]["reference_s"] + out[w]["policy_s"] for w in out}
-        record = dict(P=P, R=R, G=args.G, prompts=args.prompts, tokens=tokens, max_abs_logp_diff=diff, max_abs_ref_logp_diff=ref_diff,
+        host = host_bytes(offloader if args.layout != "plain" else None)
+        record = dict(P=P, R=R, G=args.G, prompts=args.prompts, tokens=tokens, host=host,
+                      max_abs_logp_diff=diff, max_abs_ref_logp_diff=ref_diff,
                       **{w: {k: v for k, v in out[w].items() if k not in ("logps", "ref_logps")} for w in out},
                       speedup=total["separate"] / total["grouped"])
         payload["cases"].append(record)

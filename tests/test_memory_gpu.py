@@ -210,3 +210,40 @@ def test_grouped_lora_products_on_cuda(mode, monkeypatch):
 
     assert g_g.keys() == g_m.keys() == ref.keys()
     assert error(g_g) <= 1.5 * error(g_m) + 1e-3, (error(g_g), error(g_m))
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4097, 3 * 2 ** 20 + 5])
+def test_exact_pinned_buffers_are_page_locked_and_round_trip(nbytes):
+    """memory/pinned.exact_pinned: the bytes asked for, page-locked (CUDA's pointer attributes), asynchronous
+    copies both ways equal to their source."""
+    from longrl.memory.pinned import exact_pinned
+
+    buf = exact_pinned(nbytes)
+    assert buf.numel() == nbytes and buf.dtype == torch.uint8 and buf.is_pinned()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    buf.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(buf, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+
+
+def test_offloaded_checkpointing_on_exact_pinned_buffers_equals_the_default_pool(monkeypatch):
+    """The offloader's pool on exactly pinned buffers (PinnedPool.EXACT_PINNED): log-probs bit for bit and
+    gradients within the run-to-run noise of the default pool's offloaded runs."""
+    from test_memory import _base, _batch, _grads
+
+    from longrl.memory.offload import PinnedPool
+
+    base = _base(layers=3).to("cuda", torch.bfloat16)
+    batch = _batch(5, n=4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp_a, g_a = _grads(base, "offload", True, 0.1, True, batch)
+        _, g_b = _grads(base, "offload", True, 0.1, True, batch)
+        monkeypatch.setattr(PinnedPool, "EXACT_PINNED", True)
+        lp, g = _grads(base, "offload", True, 0.1, True, batch)
+    assert torch.equal(lp, lp_a)
+    floor = max(float((g_b[k].float() - g_a[k].float()).abs().max()) for k in g_a)
+    assert g.keys() == g_a.keys() and len(g_a) > 0
+    for k in g_a:
+        assert float((g[k].float() - g_a[k].float()).abs().max()) <= 2 * floor, k

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 from ..models.structure import base_model, decoder_layers
 from ..models.tiled_mlp import layer_recompute
 from .attention_reuse import Record, RecordAttention, ReplayAttention
+from .pinned import exact_pinned
 
 
 class PinnedPool:
@@ -39,12 +40,18 @@ class PinnedPool:
     2^(⌊log2 n⌋ − 5): at most 3.1% unused, against the planner's exact host bytes), and a request takes the smallest
     free buffer of its class or a larger one up to twice its size. GRPO's sequences change length every step: exact
     sizes would miss every step, pin fresh memory each time (page-locking runs at a few GB/s, on the host's critical
-    path) and keep every buffer of every earlier step."""
+    path) and keep every buffer of every earlier step.
+
+    ``exact`` (with ``pin``): buffers page-locked by whole pages (memory/pinned.py) instead of by torch's pinned
+    allocator, which locks each one rounded up to a power of two (up to twice the bytes the planner counts). Off by
+    default (:data:`EXACT_PINNED`) until measured on a GPU."""
 
     CLASS_BITS = 5  # 2⁵ classes a doubling
+    EXACT_PINNED = False  # the default of ``exact``
 
-    def __init__(self, pin: bool):
+    def __init__(self, pin: bool, exact: bool | None = None):
         self.pin = pin
+        self.exact = self.EXACT_PINNED if exact is None else exact
         self.free: dict[int, list[torch.Tensor]] = {}  # class bytes → uint8 buffers of that many bytes
         self.allocated_bytes = 0
 
@@ -61,6 +68,8 @@ class PinnedPool:
         if fits:
             return self.free[min(fits)].pop()
         self.allocated_bytes += want
+        if self.pin and self.exact:
+            return exact_pinned(want)
         return torch.empty(want, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
