@@ -684,3 +684,44 @@ def test_offloaded_backward_releases_every_layers_recomputed_output(monkeypatch)
     base, batch = _base(layers=3), _batch(5)
     _grads(base, "offload", True, 0.0, True, batch)
     assert results == [True] * 3  # each decoder layer ends in its residual add
+
+
+class _FakeCudart:
+    """Test double of torch.cuda.cudart(): records registrations, succeeds."""
+
+    class cudaError:  # noqa: N801 - the name the real module gives it
+        success = 0
+
+    def __init__(self):
+        self.registered, self.unregistered = [], []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802
+        self.registered.append((ptr, size, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 3 * 2 ** 20 + 5])
+def test_exact_pinned_registers_whole_pages_around_the_buffer_and_unregisters_them(nbytes, monkeypatch):
+    """memory/pinned.exact_pinned (CUDA replaced by a recording double): the buffer is the bytes asked for, inside
+    the registered range, which starts on a page boundary and spans whole pages (not a power of two); the range is
+    unregistered when the buffer is collected."""
+    import gc
+
+    from longrl.memory import pinned
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    buf = pinned.exact_pinned(nbytes)
+    (ptr, size, flags), = fake.registered
+    assert buf.numel() == nbytes and buf.dtype == torch.uint8 and flags == 0
+    assert ptr % pinned.PAGE == 0 and size % pinned.PAGE == 0 and size == -(-nbytes // pinned.PAGE) * pinned.PAGE
+    assert ptr == buf.data_ptr() and buf.data_ptr() + nbytes <= ptr + size
+    buf[:] = 7  # the memory is the caller's
+    assert fake.unregistered == []
+    del buf
+    gc.collect()
+    assert fake.unregistered == [ptr]
