@@ -42,16 +42,15 @@ class PinnedPool:
     sizes would miss every step, pin fresh memory each time (page-locking runs at a few GB/s, on the host's critical
     path) and keep every buffer of every earlier step.
 
-    ``exact`` (with ``pin``): buffers page-locked by whole pages (memory/pinned.py) instead of by torch's pinned
-    allocator, which locks each one rounded up to a power of two (up to twice the bytes the planner counts). Off by
-    default (:data:`EXACT_PINNED`) until measured on a GPU."""
+    :data:`EXACT_PINNED` (with ``pin``): buffers page-locked by whole pages (memory/pinned.py) instead of by torch's
+    pinned allocator, which locks each one rounded up to a power of two (up to twice the bytes the planner counts).
+    Off until measured on a GPU."""
 
     CLASS_BITS = 5  # 2⁵ classes a doubling
-    EXACT_PINNED = False  # the default of ``exact``
+    EXACT_PINNED = False
 
-    def __init__(self, pin: bool, exact: bool | None = None):
+    def __init__(self, pin: bool):
         self.pin = pin
-        self.exact = self.EXACT_PINNED if exact is None else exact
         self.free: dict[int, list[torch.Tensor]] = {}  # class bytes → uint8 buffers of that many bytes
         self.allocated_bytes = 0
 
@@ -68,7 +67,7 @@ class PinnedPool:
         if fits:
             return self.free[min(fits)].pop()
         self.allocated_bytes += want
-        if self.pin and self.exact:
+        if self.pin and self.EXACT_PINNED:
             return exact_pinned(want)
         return torch.empty(want, dtype=torch.uint8, pin_memory=self.pin)
 

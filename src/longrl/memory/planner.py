@@ -713,12 +713,11 @@ def model_config_of(name_or_path: str, trust_remote_code: bool = False):
 
 def logprob_kernel_applies(cfg, model_config) -> bool:
     """Whether the run's log-probs take the row kernels (ops/logprobs.py decides the same at run time): a GPU run
-    (device auto counts as one: plans are for GPU jobs) of a model without a final logit softcap (a supported
-    vision-language model has none: models.loading.model_parts)."""
-    from ..models.vision import FAMILIES
+    (device auto counts as one: plans are for GPU jobs) of a model without a final logit softcap
+    (models.loading.logit_spec)."""
+    from ..models.loading import logit_spec
 
-    softcap = getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "final_logit_softcapping", None)
-    softcap = None if getattr(model_config, "model_type", None) in FAMILIES else softcap
+    softcap = logit_spec(model_config).softcap
     return str(cfg.model.device) != "cpu" and not softcap and cfg.model.dtype != "float64"
 
 

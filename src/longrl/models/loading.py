@@ -443,21 +443,23 @@ class LogitSpec:
     softcap: float | None = None
 
 
-def model_parts(model):
-    """(backbone, lm_head, LogitSpec) of a causal LM: the backbone returns the final (normed) hidden states.
-
-    A supported vision-language model's logits are lm_head(h) alone: its ...ForConditionalGeneration forward scales
-    and caps none, whatever its text config says (Gemma3ForCausalLM applies final_logit_softcapping,
-    Gemma3ForConditionalGeneration does not)."""
-    base = base_model(model)
-    cfg = base.config
-    if getattr(cfg, "model_type", None) in FAMILIES:
-        return base.get_decoder(), base.get_output_embeddings(), LogitSpec()
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+def logit_spec(config) -> LogitSpec:
+    """How a model of this transformers ``config`` makes its logits from lm_head(h). A supported vision-language
+    model's are lm_head(h) alone: its ...ForConditionalGeneration forward scales and caps none, whatever its text
+    config says (Gemma3ForCausalLM applies final_logit_softcapping, Gemma3ForConditionalGeneration does not)."""
+    if getattr(config, "model_type", None) in FAMILIES:
+        return LogitSpec()
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     multiplier = 1.0
     if getattr(text_cfg, "logit_scale", None):  # Cohere: logits * logit_scale
         multiplier = float(text_cfg.logit_scale)
     if getattr(text_cfg, "logits_scaling", None):  # Granite: logits / logits_scaling
         multiplier = 1.0 / float(text_cfg.logits_scaling)
     softcap = getattr(text_cfg, "final_logit_softcapping", None)
-    return base.get_decoder(), base.get_output_embeddings(), LogitSpec(multiplier, float(softcap) if softcap else None)
+    return LogitSpec(multiplier, float(softcap) if softcap else None)
+
+
+def model_parts(model):
+    """(backbone, lm_head, LogitSpec) of a causal LM: the backbone returns the final (normed) hidden states."""
+    base = base_model(model)
+    return base.get_decoder(), base.get_output_embeddings(), logit_spec(base.config)
