@@ -32,7 +32,6 @@ from bench_setup import bench_lora, random_model, random_prompts  # noqa: E402
 from results_io import copy_bandwidth, run_meta, write_result  # noqa: E402
 
 from longrl.models import apply_lora  # noqa: E402
-from longrl.rollout.attention import KVCache  # noqa: E402
 
 G = 8
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -50,12 +49,6 @@ def build(base: str, shape: str, dev):
     return model, rs.model_bytes(model)[0] + extra
 
 
-def kv_token_bytes(cfg, kv: str) -> int:
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return KVCache.nbytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim, tokens=1,
-                          dtype=KV_DTYPES[kv])
-
-
 def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N: int, bandwidth: float) -> dict:
     """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic)."""
     prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
@@ -66,7 +59,7 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (KV cache too large) is a result
         return {**out, "error": f"{type(e).__name__}: {e}"[:240]}
     results = {"copy_bandwidth_gbs": bandwidth / 1e9, "cell": {**r, "step_weight_bytes": step_bytes}}
-    rs.derive(results, len(prompts) * G, N, context, kv_token_bytes(model.config, kv), len(prompts))
+    rs.derive(results, len(prompts) * G, N, context, rs.kv_token_bytes(model.config, KV_DTYPES[kv]), len(prompts))
     r = results["cell"]
     return {**out, **{k: r[k] for k in ("seconds", "prefill_s", "tokens_per_s", "peak_gib", "kv_gib")},
             **({k: r[k] for k in ("decode_bandwidth_gbs", "roofline_fraction")} if "roofline_fraction" in r else {})}

@@ -102,6 +102,13 @@ def model_bytes(model) -> tuple[int, int]:
     return total - embed.numel() * embed.element_size(), total
 
 
+def kv_token_bytes(cfg, dtype=torch.bfloat16) -> int:
+    """Bytes of one token's keys and values over every layer in a ``dtype`` cache (an FP8 one with its exponents)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVCache.nbytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim, tokens=1,
+                          dtype=dtype)
+
+
 def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=True,
                nf4_kernel=False, fp8_kernel=False, kv_cache_dtype="bf16"):
     sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode,
@@ -328,10 +335,7 @@ def main() -> None:
                      "copy_bandwidth_gbs": copy_bandwidth(dev) / 1e9 if CUDA else float("nan")}
     print(f"decode kernel vs reference: max abs err {results['kernel_max_abs_err']:.3g}; "
           f"copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s", flush=True)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_token = KVCache.nbytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-                              tokens=1, dtype=torch.bfloat16)
+    kv_token = kv_token_bytes(model.config)
     n_seq, N, Lp = args.prompts * args.G, args.new_tokens, args.prompt_len
     if "longrl-nolora" in impls:
         step_bytes, _ = model_bytes(model)
