@@ -205,6 +205,11 @@ with_tf524() {  # run a command on transformers 5.24 (carried in .whl/tf524 with
 
 export -f with_tf524
 
+install_bnb() {  # the bitsandbytes wheel carried in .whl_bnb (for the NF4 base), once a machine
+    [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+}
+
 PLAN_LENGTHS=${PLAN_LENGTHS:-196608,202220,204800}
 export PLAN_LENGTHS
 
@@ -218,8 +223,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         nf4sweep) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep ;;
-        fp8sweep) [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index --no-deps \
-                --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+        fp8sweep) install_bnb
             stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
@@ -394,12 +398,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         specverify) stage specverify 120 python3 benchmarks/speculative_rollout.py --parts ii --reps 5 ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
-        matrix) [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index --no-deps \
-                --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+        matrix) install_bnb
             stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" ;;
-        visiona|visionb) [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index \
-                --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+        visiona|visionb) install_bnb
             if [ "$s" = visiona ]; then
                 stage visiona 500 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048
             else
