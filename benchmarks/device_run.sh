@@ -157,6 +157,14 @@
 #   scale1s    the training step of scale1 alone, one-process path only, SCREPS measured reps (default 2), SCNR layers
 #              not recomputed (model.no_recompute_layers; default -1: the planner's choice), SCLAYOUT=qlora for the
 #              4-bit base (~2 min)
+#   grpous     issue 43: longrl's default trainer step (grpo_memory --impls longrl) then Unsloth 2026.10.9's GRPO step
+#              (benchmarks/grpo_unsloth.py, its own process: reference + policy through its UnslothGRPOTrainer), 8B
+#              shape, 20,480 x 8, same ids, GUREPS (1) warmed reps each; ULAYOUTS (unsloth,frugal) the Unsloth layouts
+#              (its GRPOConfig defaults 4 x 2; 1 x 8), ULEN the lengths. Carry .whl (trl, dill, multiprocess) and .whl_us:
+#              unsloth (its wheel without the studio/ and unsloth_cli/ folders, which it never imports), unsloth_zoo,
+#              datasets 4.8.5 (unsloth wants < 5), and in .whl_us/opt pillow and requests (+ urllib3, idna, certifi,
+#              charset_normalizer), installed only where they do not import; with UARGS=--load-in-4bit also .whl_bnb
+#              (~7-9 min; files grpo_memory_llama-3.1-8b_side_unsloth.md and grpo_memory_llama-3.1-8b_unsloth.md)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -208,6 +216,18 @@ export -f with_tf524
 install_bnb() {  # the bitsandbytes wheel carried in .whl_bnb (for the NF4 base), once a machine
     [ -d /tmp/site/bitsandbytes ] || [ ! -d .whl_bnb ] || python3 -m pip install -q --no-index --no-deps --no-compile \
         --no-cache-dir --target /tmp/site .whl_bnb/*.whl
+}
+
+install_us() {  # Unsloth and what it imports that the GPU image lacks, into /tmp/site_us (ahead of /tmp/site), once
+    [ -d /tmp/site_us/unsloth ] && return
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_us .whl_us/*.whl \
+        .whl/trl-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl >/dev/null 2>&1 || echo "unsloth wheel install failed"
+    local w name
+    for w in .whl_us/opt/*.whl; do
+        name=${w##*/}; name=${name%%-*}; [ "$name" = pillow ] && name=PIL
+        python3 -c "import $name" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --target /tmp/site_us "$w" >/dev/null 2>&1 || echo "$name wheel install failed"
+    done
 }
 
 PLAN_LENGTHS=${PLAN_LENGTHS:-196608,202220,204800}
@@ -289,6 +309,13 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --check-equality --tag prof_20k ;;
         rope20k) stage rope20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse+fused+flora --mlp-tile "${RTILES:-4096,8192}" --reps 2 --tag "${RTAG:-target_rope_20k}" ;;
+        grpous) install_us
+            [[ "${UARGS:-}" == *4bit* ]] && install_bnb
+            stage grpous_longrl 200 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths "${ULEN:-20480}" \
+                --impls longrl --reps "${GUREPS:-1}" ${UARGS:-} --tag side_unsloth
+            PYTHONPATH=/tmp/site_us:$PYTHONPATH stage grpous_unsloth 360 python3 benchmarks/grpo_unsloth.py \
+                --shape llama-3.1-8b --lengths "${ULEN:-20480}" --layouts "${ULAYOUTS:-unsloth,frugal}" \
+                --reps "${GUREPS:-1}" ${UARGS:-} ;;
         side20k) stage side20k 420 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse+fused+flora,trl-frugal --mlp-tile 4096 --reps 1 --tag "${STAG:-side_20k}" ;;
         prof20kf) stage prof20kf 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
