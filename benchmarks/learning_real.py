@@ -340,6 +340,27 @@ def peft_lora():
     return LoraConfig(task_type="CAUSAL_LM", **LORA)
 
 
+def trained_policy(steps: int, hp: dict | None = None, work: Path | None = None):
+    """SmolLM2 after ``steps`` GRPO steps of this task (HP updated by ``hp``, LoRA r=16, seed 0), trained in this
+    process with ``longrl.GRPOTrainer``: (model with its adapters active, in eval mode; tokenizer). The benchmarks
+    that measure a trained policy's rollouts call this (speculative_rollout.py, draft_acceptance.py)."""
+    import tempfile
+
+    import longrl
+
+    work = work or Path(tempfile.mkdtemp(prefix="trained_policy_"))
+    model_dir = model_directory(None, work / "smollm2")
+    rows = splits(train=512, heldout=8, sft=0)["train"]
+    cfg = longrl.GRPOConfig(**{**HP, **(hp or {}), "max_steps": steps}, **ENGINE_EXTRAS["longrl"], seed=0,
+                            output_dir=str(work / "run"))
+    trainer = longrl.GRPOTrainer(model=str(model_dir), reward_funcs=[correct], args=cfg, train_dataset=rows,
+                                 peft_config=peft_lora())
+    t = time.perf_counter()
+    trainer.train()
+    print(f"trained {steps} GRPO steps in {time.perf_counter() - t:.0f} s", flush=True)
+    return trainer.model.eval(), trainer.tokenizer
+
+
 def longrl_grpo(spec: dict, model: str, rows: list[dict], probe: Probe, out: Path) -> None:
     import longrl
 

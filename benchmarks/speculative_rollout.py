@@ -77,28 +77,6 @@ def task_prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def trained_policy(args, device):
-    """SmolLM2 after ``args.train_steps`` GRPO steps of learning_real.py's task (its HP, LoRA r=16): (model, tok)."""
-    import tempfile
-
-    import learning_real as lr
-    import longrl
-
-    work = Path(tempfile.mkdtemp(prefix="spec_train_"))
-    model_dir = lr.model_directory(None, work / "smollm2")
-    rows = lr.splits(train=512, heldout=8, sft=0)["train"]
-    hp = {**lr.HP, "max_steps": args.train_steps}
-    if device.type == "cpu":  # (--smoke: a tiny run)
-        hp.update(bf16=False, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=8)
-    cfg = longrl.GRPOConfig(**hp, **lr.ENGINE_EXTRAS["longrl"], seed=0, output_dir=str(work / "run"))
-    trainer = longrl.GRPOTrainer(model=str(model_dir), reward_funcs=[lr.correct], args=cfg, train_dataset=rows,
-                                 peft_config=lr.peft_lora())
-    t = time.perf_counter()
-    trainer.train()
-    print(f"trained {args.train_steps} GRPO steps in {time.perf_counter() - t:.0f} s", flush=True)
-    return trainer.model.eval(), trainer.tokenizer
-
-
 def real_text(args, device) -> list[dict]:
     """(i): plain and speculative rollouts of SmolLM2 in the same run (and after --train-steps GRPO steps)."""
     path = smollm2_gguf()
@@ -112,7 +90,10 @@ def real_text(args, device) -> list[dict]:
         return rollouts(args, model, tok, chat_prompts, "untrained")
     rows = rollouts(args, model, tok, task_prompts, "untrained")
     del model
-    model, tok = trained_policy(args, device)
+    import learning_real as lr
+
+    cpu = dict(bf16=False, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=8)
+    model, tok = lr.trained_policy(args.train_steps, cpu if device.type == "cpu" else None)  # (cpu: --smoke)
     return rows + rollouts(args, model, tok, task_prompts, f"after {args.train_steps} steps")
 
 
