@@ -128,8 +128,8 @@
 #              (by its slope, 0.619 GiB per 1K tokens, about 39K) (~3 min)
 #   sftcap4_trl  sftcap4 for TRL: NF4 base, allocator capped at 24 GiB, lengths rising to past its limit (~2 min)
 #   sftslope   sft_memory 8B bf16, longrl (--offload-all: the longest lengths' layout) and TRL at 16K/32K/64K: peak
-#              slope per token predicts the longest sequence a budget holds (~3 min; needs .whl_us/site: unsloth,
-#              unsloth_zoo, trl 1.15, datasets 4.x and their pure-Python needs, unpacked)
+#              slope per token predicts the longest sequence a budget holds (~3 min; the sft*_us and sft*_trl stages,
+#              like grpous, carry .whl and .whl_us, which install_us installs into /tmp/site_us)
 #   sftslope_us  the same lengths through Unsloth (benchmarks/sft_unsloth.py, its own process) (~4 min)
 #   sftslope4 / sftslope4_us  the same with an NF4 base (longrl / Unsloth) (~2.5 / ~3.5 min)
 #   sftdefault longrl's SFT step in the planner's own layout (bf16; resident layer inputs where they fit), for time
@@ -330,38 +330,38 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             .whl_trl/*.whl >/dev/null 2>&1 || echo "trl wheel install failed"
             PYTHONPATH=/tmp/site_trl:$PYTHONPATH stage sft8b 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b \
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 ;;
-        sft8b4) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft8b4 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+        sft8b4) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft8b4 480 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
             --lengths "${SFT_LENGTHS:-32768,131072}" --impls longrl,trl --reps 1 --tag "${SFTTAG:-}" ;;
-        sft8b4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft8b4_us 330 python3 benchmarks/sft_unsloth.py \
+        sft8b4_us) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft8b4_us 330 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --lengths "${SFT_LENGTHS:-32768,131072}" --reps 1 --tag "${SFTTAG:-}" ;;
-        sftcap40_trl) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_trl 230 python3 benchmarks/sft_memory.py \
+        sftcap40_trl) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_cap40_trl 230 python3 benchmarks/sft_memory.py \
             --shape llama-3.1-8b --cap-gib 40 --lengths "${CAP40_LENGTHS_TRL:-12288,32768,36864,40960,49152}" \
             --impls trl --reps 0 --tag _cap40_trl ;;
-        sftcap4_trl) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_trl 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
+        sftcap4_trl) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_cap4_trl 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
             --cap-gib 24 --lengths "${CAP_LENGTHS_TRL:-12288,12288,24576,32768,40960,49152}" --impls trl --reps 0 \
             --tag _cap24_trl ;;
-        sftslope) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope 200 python3 benchmarks/sft_memory.py \
+        sftslope) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_slope 200 python3 benchmarks/sft_memory.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl,trl --offload-all \
             --reps 1 --tag _slope ;;
-        sftslope_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope_us 260 python3 benchmarks/sft_unsloth.py \
+        sftslope_us) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_slope_us 260 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-16384,32768,65536}" --reps 1 --tag _slope ;;
         sftslope4) stage sft_slope4 160 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit \
             --lengths "${SFT_LENGTHS:-16384,32768,65536}" --impls longrl --offload-all --reps 1 --tag _slope ;;
-        sftslope4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_slope4_us 220 python3 benchmarks/sft_unsloth.py \
+        sftslope4_us) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_slope4_us 220 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --lengths "${SFT_LENGTHS:-16384,32768,65536}" --reps 1 --tag _slope ;;
         sftdefault) stage sft_default 120 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
             --lengths "${SFT_LENGTHS:-12288,24576,49152}" --reps 1 --tag _default ;;
         sftprof) stage sft_prof 150 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
             --lengths "${SFT_LENGTHS:-24576}" --reps 1 --profile --tag _prof
-            PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_prof_us 200 python3 benchmarks/sft_unsloth.py \
+            install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_prof_us 200 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-24576}" --reps 1 --profile --tag _prof ;;
         sftcmp) stage sft_cmp 280 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl \
             --lengths "${SFT_LENGTHS:-12288,24576}" --reps 1 --tag "${SFTTAG:-_cmp}"
-            PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cmp_us 300 python3 benchmarks/sft_unsloth.py \
+            install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_cmp_us 300 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --lengths "${SFT_LENGTHS:-12288,24576}" --reps 1 --tag "${SFTTAG:-_cmp}" ;;
         sftcap4) stage sft_cap4 230 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --load-in-4bit --cap-gib 24 \
             --lengths "${CAP_LENGTHS:-12288,12288,49152,98304,131072,147456}" --impls longrl --reps 0 --tag "_cap24${CAPTAG:-}" ;;
-        sftcap4_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \
+        sftcap4_us) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_cap4_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --load-in-4bit --cap-gib 24 --reps 0 --tag _cap24 \
             --lengths "${CAP_LENGTHS_US:-12288,12288,24576,49152,65536,81920,98304}" ;;
         sftsnap) stage sft_snap 300 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --impls longrl --offload-all \
@@ -369,7 +369,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sftcap40) stage sft_cap40 330 python3 benchmarks/sft_memory.py --shape llama-3.1-8b --cap-gib 40 \
             --lengths "${CAP40_LENGTHS:-12288,131072,180224,196608}" --impls longrl --reps 0 --tag "_cap40${CAPTAG:-}" \
             ${SFT_ARGS:-} ;;
-        sftcap40_us) PYTHONPATH=$PWD/.whl_us/site:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
+        sftcap40_us) install_us; PYTHONPATH=/tmp/site_us:$PYTHONPATH stage sft_cap40_us 230 python3 benchmarks/sft_unsloth.py \
             --shape llama-3.1-8b --cap-gib 40 --reps 0 --tag _cap40 \
             --lengths "${CAP40_LENGTHS_US:-12288,12288,65536,81920,90112,98304,106496}" ;;
         memgpu) stage memgpu 150 python3 -m pytest -q tests/test_memory_gpu.py ;;
