@@ -121,8 +121,8 @@ class GenerationConfig:
     #   max_draft_tokens tokens a sequence from its prompt, its group's completions and the prompt's earlier completions
     #   (no draft model) and checks them in one forward; exact: plain sampling's distribution (docs/rollouts.md). Off:
     #   by its verify step's cost on an H200 (2026-12-05) and SmolLM2's acceptance it does not pay yet; verify forwards
-    #   run eagerly through transformers' forward (the decode-path verify, Sampler(fast_verify=True), is off until a
-    #   fault it met on a real model is found)
+    #   run eagerly through transformers' forward (the decode-path verify, Sampler(fast_verify=True), stays off until
+    #   its fix for the fault it met on a real model, one slot's index rows, is re-run on a GPU)
     max_draft_tokens: int = 4  # speculative: most drafted tokens a sequence checks in one verify step (1-16; each
     #                            sequence's draft length adapts below it to its acceptance)
 

@@ -178,7 +178,9 @@ def verify_meta(cache: KVCache, prefix_index: torch.Tensor, prefix_len: torch.Te
     B = len(write_index)
 
     def each(x):  # [B] → [B·width], each entry repeated width times (no host sync: capturable)
-        return x[:, None].expand(B, width).flatten()
+        # a copy with unit stride: at B = 1, flatten() would return a stride-0 view of x's one element, and the
+        # kernels read row b of an index tensor at base + b (past x's storage for b ≥ 1)
+        return x[:, None].expand(B, width).contiguous().view(-1)
     index = (write_index[:, None] + i[None]).clamp(max=T - 1).flatten()  # [B·width]
     if members is not None:
         members = torch.where(members[:, :, None] >= 0, members[:, :, None] * width + i, -1).flatten(1)

@@ -117,9 +117,9 @@ class Sampler:
     fast_verify: run speculative verify steps as decode steps over virtual rows (_Run._verify_forward: the fast
     decode path or transformers' forward with DecodeMeta, the decode attention kernel, CUDA graphs per batch bucket
     and draft count); True: where Triton runs, and with the PyTorch twins (tests); False (the default, None the
-    same): the extend forward (transformers' forward with ExtendMeta, the twin). Off by default: on an H200 the
-    decode-path verify of SmolLM2-135M (a real model's completions) stopped with an illegal memory access
-    (2026-12-05, docs/rollouts.md), which random-weight models of its shape did not reproduce.
+    same): the extend forward (transformers' forward with ExtendMeta, the twin). Off by default until re-run on a
+    GPU: on an H200 the decode-path verify of SmolLM2-135M (a real model's completions) stopped with an illegal
+    memory access (2026-12-05), since found on the CPU and fixed (docs/rollouts.md: a verify step with one slot).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
