@@ -26,10 +26,14 @@ assert y.tolist() == [3.0, 2.0, 1.0], y
 '''
 
 
+# every snippet's kernels run with their loads and stores checked against their arguments' storage (triton_bounds)
+BOUNDS_CHECKED = "import sys; sys.path.insert(0, 'tests'); import triton_bounds; triton_bounds.install()\n"
+
+
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=900)
+    return subprocess.run([sys.executable, "-c", BOUNDS_CHECKED + code, *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=900)
 
 
 @functools.cache
