@@ -212,12 +212,13 @@ def test_packing_and_release_hold_one_group_of_extra_memory_at_most():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("slots", [None, 3])
+@pytest.mark.parametrize("slots", [None, 3, 1])
 def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, slots):
     """Verify steps as decode steps over virtual rows (Sampler(fast_verify=True) on CUDA: graphs per batch bucket
     and draft count, the compiled kernels), random drafts of unequal counts and the n-gram proposer, continuous
-    batching: plain greedy's tokens and log-probs; then the verify forward's logits and writes against the extend
-    forward's (test_fast_verify's check, on the GPU's kernels)."""
+    batching (one slot: every verify step at batch 1, where the fault of 2026-12-05 was): plain greedy's tokens and
+    log-probs; then the verify forward's logits and writes against the extend forward's (test_fast_verify's check,
+    on the GPU's kernels), with several slots and with one."""
     from test_fast_verify import VERIFY_PROMPTS, check_verify_forward, random_drafts
     from test_speculative_sampler import peaked_model
 
@@ -237,3 +238,4 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
         stats = sampler.last_stats
         assert stats["spec_fast_verify_steps"] == stats["spec_verify_steps"] > 0 and stats["fast_decode"]
     assert check_verify_forward(True, kv_cache_dtype, device="cuda") == 8
+    assert check_verify_forward(True, kv_cache_dtype, device="cuda", prompts=VERIFY_PROMPTS[2:], G=1) == 1
