@@ -140,15 +140,16 @@ class GroupProposer:
         """Sequence i's sources in rank order."""
         return [self.group[i]] + [g for j, g in enumerate(self.group) if j != i] + [self.prompt_source] + self.past
 
-    def propose(self, i: int, k: int | None = None) -> list[int]:
-        k = self.ks[i].k if k is None else k
+    def matches(self, i: int):
+        """Sequence i's candidates as (L, source, e), sources in rank order and each one's most recent end first:
+        s[e-L:e] equals the query's last L tokens (min_match <= L <= max_match, the whole query at most) and a token
+        follows e. Lazily: a caller may stop at a match of the whole query, which nothing later can beat."""
         own = self.group[i]
         query = [own.at(j) for j in range(max(0, len(own) - self.max_match), len(own))]  # [≤ max_match]
         n = self.min_match
-        if len(query) < n or k < 1:
-            return []
+        if len(query) < n:
+            return
         key = tuple(query[-n:])
-        best = None  # (L, source, e)
         for s in self.sources(i):
             for e in reversed(s.index.get(key, ())):
                 if e >= len(s):  # nothing follows
@@ -156,10 +157,19 @@ class GroupProposer:
                 L = n
                 while L < len(query) and e - L - 1 >= 0 and s.at(e - L - 1) == query[-L - 1]:
                     L += 1
-                if best is None or L > best[0]:
-                    best = (L, s, e)
-                    if L == len(query):  # nothing later in the rank order can beat it
-                        return s.following(e, k)
+                yield L, s, e
+
+    def propose(self, i: int, k: int | None = None) -> list[int]:
+        k = self.ks[i].k if k is None else k
+        if k < 1:
+            return []
+        best = None  # (L, source, e)
+        whole = min(len(self.group[i]), self.max_match)  # the query's length
+        for L, s, e in self.matches(i):
+            if best is None or L > best[0]:
+                best = (L, s, e)
+                if L == whole:  # nothing later in the rank order can beat it
+                    break
         return [] if best is None else best[1].following(best[2], k)
 
     def record(self, i: int, drafted: int, accepted: int) -> None:
