@@ -34,7 +34,6 @@ os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import unsloth  # noqa: E402,F401  (first: it patches transformers and TRL on import)
-from unsloth import FastLanguageModel  # noqa: E402
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -51,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import results_io  # noqa: E402
 import trl_baseline as tb  # noqa: E402
-from sft_unsloth import save_random_model  # noqa: E402
+from sft_unsloth import unsloth_lora_model  # noqa: E402
 
 LAYOUTS = {"unsloth": None, "frugal": lambda G: (1, G), "default": lambda G: (G, 1)}  # None: the config's defaults
 
@@ -164,13 +163,7 @@ def main():
         results_io.RESULTS = Path(args.out)
     lengths = [int(x) for x in args.lengths.split(",")]
     model_dir = Path(args.model_dir or f"/tmp/unsloth_model_{args.shape}")
-    save_random_model(args.shape, model_dir, max(lengths))
-    model, tokenizer = FastLanguageModel.from_pretrained(model_name=str(model_dir), max_seq_length=max(lengths),
-                                                         dtype=torch.bfloat16, load_in_4bit=args.load_in_4bit,
-                                                         local_files_only=True)
-    model = FastLanguageModel.get_peft_model(model, r=32, lora_alpha=64, lora_dropout=0.0, bias="none",
-                                             target_modules=tb.LORA_TARGETS, use_gradient_checkpointing="unsloth",
-                                             random_state=0, max_seq_length=max(lengths))
+    model, tokenizer = unsloth_lora_model(args.shape, model_dir, max(lengths), args.load_in_4bit)
     import trl
 
     payload = {"meta": results_io.run_meta(unsloth=unsloth.__version__, trl=trl.__version__,

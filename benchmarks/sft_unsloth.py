@@ -48,6 +48,19 @@ def save_random_model(shape: str, model_dir: Path, max_length: int) -> None:
     torch.cuda.empty_cache()
 
 
+def unsloth_lora_model(shape: str, model_dir: Path, max_length: int, load_in_4bit: bool):
+    """(model, tokenizer): the shape's random-weight model saved once to ``model_dir``, loaded by Unsloth (NF4 with
+    ``load_in_4bit``) with LoRA r=32 on every linear projection and its offloaded checkpointing."""
+    save_random_model(shape, model_dir, max_length)
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name=str(model_dir), max_seq_length=max_length,
+                                                         dtype=torch.bfloat16, load_in_4bit=load_in_4bit,
+                                                         local_files_only=True)
+    model = FastLanguageModel.get_peft_model(model, r=32, lora_alpha=64, lora_dropout=0.0, bias="none",
+                                             target_modules=tb.LORA_TARGETS, use_gradient_checkpointing="unsloth",
+                                             random_state=0, max_seq_length=max_length)
+    return model, tokenizer
+
+
 def unsloth_step(model, ids: list[int]) -> dict:
     input_ids = torch.tensor([ids], device="cuda")
     sm._peak_reset()
@@ -72,14 +85,7 @@ def main():
     args = ap.parse_args()
     args.tag = ("_4bit" if args.load_in_4bit else "") + "_unsloth" + args.tag
     lengths = [int(x) for x in args.lengths.split(",")]
-    model_dir = Path(args.model_dir)
-    save_random_model(args.shape, model_dir, max(lengths))
-    model, _ = FastLanguageModel.from_pretrained(model_name=str(model_dir), max_seq_length=max(lengths),
-                                                 dtype=torch.bfloat16, load_in_4bit=args.load_in_4bit,
-                                                 local_files_only=True)
-    model = FastLanguageModel.get_peft_model(model, r=32, lora_alpha=64, lora_dropout=0.0, bias="none",
-                                             target_modules=tb.LORA_TARGETS, use_gradient_checkpointing="unsloth",
-                                             random_state=0, max_seq_length=max(lengths))
+    model, _ = unsloth_lora_model(args.shape, Path(args.model_dir), max(lengths), args.load_in_4bit)
     FastLanguageModel.for_training(model)
     sm.apply_cap(args.cap_gib)
     vocab = model.config.vocab_size
