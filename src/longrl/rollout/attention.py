@@ -161,8 +161,13 @@ class DecodeMeta:
     slots: torch.Tensor | None = None
     suffix_len: torch.Tensor = field(init=False)  # [B] valid slot-store keys after this step's write
 
-    def __post_init__(self):
-        self.suffix_len = self.write_index + 1  # once a step, not once a layer
+    def __post_init__(self):  # once a step, not once a layer
+        # the kernels read row b of each at base + b: unit stride (a no-op for the sampler's own rows; a verify
+        # step's rows of one slot, a flattened expand, would be a stride-0 view read past its one element)
+        for name in ("prefix_index", "prefix_len", "write_index", "slots"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).contiguous())
+        self.suffix_len = self.write_index + 1
 
 
 def verify_meta(cache: KVCache, prefix_index: torch.Tensor, prefix_len: torch.Tensor, write_index: torch.Tensor,
@@ -177,10 +182,8 @@ def verify_meta(cache: KVCache, prefix_index: torch.Tensor, prefix_len: torch.Te
     T = cache.k_suf.shape[3]
     B = len(write_index)
 
-    def each(x):  # [B] → [B·width], each entry repeated width times (no host sync: capturable)
-        # a copy with unit stride: at B = 1, flatten() would return a stride-0 view of x's one element, and the
-        # kernels read row b of an index tensor at base + b (past x's storage for b ≥ 1)
-        return x[:, None].expand(B, width).contiguous().view(-1)
+    def each(x):  # [B] → [B·width], each entry repeated width times (no host sync: capturable; DecodeMeta copies
+        return x[:, None].expand(B, width).flatten()  # it to unit stride where B = 1 leaves a stride-0 view)
     index = (write_index[:, None] + i[None]).clamp(max=T - 1).flatten()  # [B·width]
     if members is not None:
         members = torch.where(members[:, :, None] >= 0, members[:, :, None] * width + i, -1).flatten(1)

@@ -462,9 +462,6 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
     T = k_suf.shape[2]
     q = q.contiguous()
-    # the kernels read row b's entries at base + b: unit stride (a no-op for the sampler's own)
-    prefix_index, prefix_len, suffix_len = prefix_index.contiguous(), prefix_len.contiguous(), suffix_len.contiguous()
-    slots = slots.contiguous() if slots is not None else None
     fp8 = (3 if launch["fp8_mma"] else 2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
     prefetch = bool(fp8 and launch["fp8_prefetch"])
     if fp8 == 3 and max(16, triton.next_power_of_2(D)) < 32:  # (FP8_LAUNCH's comment)

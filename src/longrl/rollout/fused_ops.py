@@ -282,9 +282,6 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
     B = q.shape[0]
     hq, hkv = q.shape[-1] // D, k.shape[-1] // D
     out = torch.empty(B, hq, D, dtype=q.dtype, device=q.device)
-    # the kernel reads row b's write index and slot at base + b: unit stride (a no-op for the sampler's own)
-    write_index = write_index.contiguous()
-    slots = slots.contiguous() if slots is not None else None
     cos, sin = cos.reshape(B, D).contiguous(), sin.reshape(B, D).contiguous()
     q, k, v = (_rows(t) for t in (q, k, v))
     xa = _rows(lora.xa) if lora is not None else q

@@ -162,9 +162,6 @@ def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: 
         return
     B, H, D = k.shape
     kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    # the kernel reads row b's write index and slot at base + b: unit stride (a no-op for the sampler's own)
-    write_index = write_index.contiguous()
-    slots = slots.contiguous() if slots is not None else None
     assert kc.stride(3) == 1 and vc.stride(3) == 1, "key rows and value positions run contiguously"
     _store_kernel[(B, H)](k, v, kc, vc, k_exp, v_exp, write_index, slots if slots is not None else write_index,
                           k.stride(0), k.stride(1), v.stride(0),
