@@ -6,6 +6,8 @@
 #   bash benchmarks/learning_real_device.sh trl      # call 2, carry [".whl", ".smollm2_b"]: TRL, seeds 0,1,2
 #   bash benchmarks/learning_real_device.sh longrl   # call 3, carry [".whl", ".smollm2_b"]: longrl, seeds 0,1,2,
 #                                                    #   then the SFT-then-GRPO arm, seed 0
+#   bash benchmarks/learning_real_device.sh spec     # or call 2 thus: speculative_rollout.py's real-text part before
+#                                                    #   and after TRAIN_STEPS (100) GRPO steps (SPEC_ARGS: its options)
 #
 # SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds from the program's start, default 520) and TAG change what a call runs.
 # Each call writes learning_real_<TAG>.{json,md} and logs.tar.gz (the runs' logs and partial records) to $OUT.
@@ -31,9 +33,13 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)"
 
 case ${1:-} in
+    spec) LONGRL_SMOLLM2_GGUF=$GGUF LONGRL_RESULTS_DIR=$OUT timeout ${DEADLINE:-560} python3 \
+              benchmarks/speculative_rollout.py --parts i --train-steps "${TRAIN_STEPS:-100}" \
+              ${SPEC_ARGS:---sequences 8 32 128 --k 1 2 --temperatures 1.0 0.7}
+          exit $? ;;
     trl) ENGINE=trl; SFT=${SFT_SEEDS:-} ;;
     longrl) ENGINE=longrl; SFT=${SFT_SEEDS-0} ;;
-    *) echo "usage: $0 trl|longrl"; exit 2 ;;
+    *) echo "usage: $0 trl|longrl|spec"; exit 2 ;;
 esac
 STEPS_ARG=()
 [ -n "${STEPS:-}" ] && STEPS_ARG=(--steps "$STEPS")

@@ -130,42 +130,59 @@ def _wait_for(*flags: Path, timeout_s: float = 900.0) -> None:
         time.sleep(0.1)
 
 
+def _process_logs(root: Path, lines: int = 40) -> str:
+    """The last lines of each spawned process's stderr, for the failure's message."""
+    tails = []
+    for path in sorted(root.glob("process*.stderr")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(tails)
+
+
 def _alone() -> None:
     """This process outside any process group (as one started without torchrun)."""
     for key in TORCHRUN_ENV:
         os.environ.pop(key, None)
 
 
-def _worker(rank: int, ports: tuple[int, int], root: str, two: list, single: list, cuts: list, three: list,
-            one: list):
+def _worker(rank: int, port: int, root: str, two: list, single: list, cuts: list, three: list, one: list):
     """One of 3 spawned processes, in the environment torchrun sets. Ranks 0 and 1 train the ``two`` jobs as a
     2-process job while process 2 trains the ``single`` jobs alone (no process group); then rank 0 makes the
     ``cuts`` (copies of 2-process runs cut after their first checkpoint), all three resume some of them as the
-    3-process ``three`` jobs, and then the others alone, the ``one`` jobs shared among the processes."""
+    3-process ``three`` jobs, and then the others alone, the ``one`` jobs shared among the processes. Each
+    process's stderr (with a traceback on a fatal signal) goes to ``process{rank}.stderr`` (``_process_logs``)."""
+    import faulthandler
+
     import torch.distributed as dist
 
     root = Path(root)
+    log = open(root / f"process{rank}.stderr", "w", buffering=1)  # noqa: SIM115 (open while the process lives)
+    os.dup2(log.fileno(), 2)  # C++ messages (gloo, std::terminate) too
+    faulthandler.enable(log)
     results = root / "results"
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # the trainers keep 1 thread (not the load-dependent automatic count): the
     #                                      same floating-point sums in every process, so the runs compare exactly
     _no_plots()
     if rank < 2:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), WORLD_SIZE="2",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                           LOCAL_RANK=str(rank))
         _train(two, results, rank)
         dist.destroy_process_group()
         if rank == 0:
             for src, dst in cuts:
                 _cut_after_first_checkpoint(Path(src), Path(dst))
-            (root / "two.done").touch()
+            # the 3-process group's port, chosen now: one chosen at the start could since have been taken as a
+            # local port by the 2-process group's many connections
+            (root / "port.tmp").write_text(str(_free_port()))
+            (root / "port.tmp").rename(root / "two.done")
     else:
         _alone()
         _train(single, results, 0, suffix="-single")
         (root / "single.done").touch()
     _wait_for(root / "two.done", root / "single.done")  # then every rank joins the 3-process group promptly
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1]), RANK=str(rank), WORLD_SIZE="3",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=(root / "two.done").read_text(), RANK=str(rank),
+                      WORLD_SIZE="3", LOCAL_RANK=str(rank))
     _train(three, results, rank, suffix="-three")
     if dist.is_initialized():  # (no group without 3-process jobs)
         dist.destroy_process_group()
@@ -247,6 +264,7 @@ def spawned_runs(tmp_path_factory):
     one process alone; the LoRA and full-weight runs cut after their first checkpoint and resumed by one 3-process
     job. One spawn of 3 processes for all."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     root = tmp_path_factory.mktemp("spawned")
     runs = {"lora": LORA, "full": FULL}
@@ -262,8 +280,11 @@ def spawned_runs(tmp_path_factory):
     three, one = ([(name, str(root / ranks / name / "config.yaml"), _resume(root / ranks / name)) for name in resumed]
                   for ranks in ("three", "one"))
     (root / "results").mkdir()
-    mp.start_processes(_worker, args=((_free_port(), _free_port()), str(root), two, single, cuts, three, one),
-                       nprocs=3, start_method="spawn")
+    try:
+        mp.start_processes(_worker, args=(_free_port(), str(root), two, single, cuts, three, one), nprocs=3,
+                           start_method="spawn")
+    except ProcessException as e:  # a fatal signal or an exception in a process
+        raise AssertionError(f"{e}\n{_process_logs(root)}") from e
     load = lambda stem: torch.load(root / "results" / f"{stem}.pt", weights_only=False)  # noqa: E731
     return root, runs, {name: {"two": load(name), "single": load(f"{name}-single"),
                                **({"three": load(f"{name}-three"), "one": load(f"{name}-one")} if name in resumed
