@@ -158,7 +158,8 @@ def _worker(rank: int, port: int, root: str, two: list, single: list, cuts: list
     root = Path(root)
     log = open(root / f"process{rank}.stderr", "w", buffering=1)  # noqa: SIM115 (open while the process lives)
     os.dup2(log.fileno(), 2)  # C++ messages (gloo, std::terminate) too
-    faulthandler.enable(log)
+    faulthandler.enable(log, all_threads=True)
+    os.environ["TORCH_SHOW_CPP_STACKTRACES"] = "1"  # a C++ error's own stack in its message
     results = root / "results"
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # the trainers keep 1 thread (not the load-dependent automatic count): the
