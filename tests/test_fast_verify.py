@@ -153,12 +153,15 @@ def test_greedy_speculation_on_either_verify_path_equals_plain(kv_cache_dtype, f
         assert stats["spec_fast_verify_steps"] == (stats["spec_verify_steps"] if fast_verify else 0)
 
 
-def test_fast_verify_is_off_unless_asked():
-    """Off by default (the extend forward) until the fix of the decode-path verify's fault on a real model (index rows
-    of one slot read past their storage: test_verify_rows_are_copies_with_unit_stride) is re-run on a GPU."""
+def test_fast_verify_by_default_where_triton_runs():
+    """The decode-path verify is the default where the sampler runs Triton kernels on CUDA (its one-slot fault's fix,
+    test_verify_rows_are_copies_with_unit_stride, ran clean on an H200); on the CPU the extend forward is, unless
+    asked."""
     model, tok = peaked_model(seed=0)
-    assert Sampler(model, tok).fast_verify is False and Sampler(model, tok, fast_verify=None).fast_verify is False
+    sampler = Sampler(model, tok)
+    assert sampler.use_triton is False and sampler.fast_verify is False
     assert Sampler(model, tok, fast_verify=True).fast_verify is True
+    assert Sampler(model, tok, fast_verify=False).fast_verify is False
 
 
 # Under Triton's interpreter: the kernels with a slot per row against their twins (odd shapes, block-crossing

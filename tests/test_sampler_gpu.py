@@ -214,8 +214,8 @@ def test_packing_and_release_hold_one_group_of_extra_memory_at_most():
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("slots", [None, 3, 1])
 def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, slots):
-    """Verify steps as decode steps over virtual rows (Sampler(fast_verify=True) on CUDA: graphs per batch bucket
-    and draft count, the compiled kernels), random drafts of unequal counts and the n-gram proposer, continuous
+    """Verify steps as decode steps over virtual rows (the sampler's default on CUDA with Triton: graphs per batch
+    bucket and draft count, the compiled kernels), random drafts of unequal counts and the n-gram proposer, continuous
     batching (one slot: every verify step at batch 1, where the fault of 2026-12-05 was): plain greedy's tokens and
     log-probs; then the verify forward's logits and writes against the extend forward's (test_fast_verify's check,
     on the GPU's kernels), with several slots and with one."""
@@ -229,7 +229,7 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
     params = SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
     plain = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
     for speculative in (random_drafts(5, 1), "ngram"):
-        sampler = Sampler(model, tok, speculative=speculative, fast_verify=True, **kw)
+        sampler = Sampler(model, tok, speculative=speculative, **kw)  # the decode-path verify: the default on CUDA
         assert sampler.cuda_graphs and sampler.fast_verify
         spec = sampler.generate(VERIFY_PROMPTS, 3, params)
         assert spec.completion_ids == plain.completion_ids

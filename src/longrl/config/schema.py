@@ -120,9 +120,8 @@ class GenerationConfig:
     speculative: Literal["off", "ngram"] = "off"  # ngram: speculative rollouts (longrl backend): each step drafts up to
     #   max_draft_tokens tokens a sequence from its prompt, its group's completions and the prompt's earlier completions
     #   (no draft model) and checks them in one forward; exact: plain sampling's distribution (docs/rollouts.md). Off:
-    #   by its verify step's cost on an H200 (2026-12-05) and SmolLM2's acceptance it does not pay yet; verify forwards
-    #   run eagerly through transformers' forward (the decode-path verify, Sampler(fast_verify=True), stays off until
-    #   its fix for the fault it met on a real model, one slot's index rows, is re-run on a GPU)
+    #   measured on an H200 (2026-12-05) with SmolLM2-135M it is slower (0.19-0.93x: few accepted drafts, and a host
+    #   round trip every speculative step); on a GPU its verify forwards are decode steps (CUDA graphs, the fast path)
     max_draft_tokens: int = 4  # speculative: most drafted tokens a sequence checks in one verify step (1-16; each
     #                            sequence's draft length adapts below it to its acceptance)
 

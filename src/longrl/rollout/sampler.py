@@ -116,10 +116,9 @@ class Sampler:
     shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
     fast_verify: run speculative verify steps as decode steps over virtual rows (_Run._verify_forward: the fast
     decode path or transformers' forward with DecodeMeta, the decode attention kernel, CUDA graphs per batch bucket
-    and draft count); True: where Triton runs, and with the PyTorch twins (tests); False (the default, None the
-    same): the extend forward (transformers' forward with ExtendMeta, the twin). Off by default until re-run on a
-    GPU: on an H200 the decode-path verify of SmolLM2-135M (a real model's completions) stopped with an illegal
-    memory access (2026-12-05), since found on the CPU and fixed (docs/rollouts.md: a verify step with one slot).
+    and draft count); True: where Triton runs, and with the PyTorch twins (tests); False: the extend forward
+    (transformers' forward with ExtendMeta, the twin); None (the default): True where the sampler runs Triton
+    kernels on CUDA, else False (on the CPU the extend forward is the cheaper).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
@@ -142,7 +141,7 @@ class Sampler:
         self.device = self.head.weight.device
         self.use_triton = self.device.type == "cuda" and triton_available()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
-        self.fast_verify = bool(fast_verify)
+        self.fast_verify = self.use_triton if fast_verify is None else bool(fast_verify)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.family = vision_family(base_model(model).config)  # None: a text-only model
         # (a vision-language model's fast decode steps run its language model: rollout/fast_decode.py language_model)
