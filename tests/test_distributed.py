@@ -1,8 +1,8 @@
 """Data-parallel GRPO on CPU process groups (gloo): N processes give the one-process run on the same global
-batch (per-step metrics and final weights), for LoRA, a 4-bit base and full weights sharded by FSDP2, and for
-each whole-step statistic (the batch reward std, GDPO's batch normalisation, the high-entropy quantile, the
-entropy bonus, several optimizer steps per rollout batch) and both rollout backends, and with images (the vision
-demo's GRPO and SFT: each rank encodes its own prompts' images); a checkpoint made on 2
+batch (per-step metrics and final weights), for LoRA, a 4-bit base, grouped rows (train.shared_prompt) and full
+weights sharded by FSDP2, and for each whole-step statistic (the batch reward std, GDPO's batch normalisation, the
+high-entropy quantile, the entropy bonus, several optimizer steps per rollout batch) and both rollout backends, and
+with images (the vision demo's GRPO and SFT: each rank encodes its own prompts' images); a checkpoint made on 2
 processes resumes on 1 and on 3 with the uninterrupted trajectory; only rank 0 writes outputs; a failing rank
 ends the job with its error, quickly. The spawned jobs are few and shared by the assertions (they cost most of
 this file's time): one spawn of 3 processes serves every equality and resume assertion, and each run combines
@@ -40,6 +40,9 @@ LORA = ["lora.enabled=true", "lora.r=4", "grpo.loss_type=grpo", "grpo.scale_rewa
 FULL = ["lora.enabled=false", "grpo.loss_type=dapo", "grpo.steps_per_generation=2",
         "grpo.multi_objective_aggregation=normalize_then_sum", "train.max_steps=4", "output.save_steps=2",
         "grpo.beta=0.05", "grpo.reference_placement=host"]
+# grouped rows (a prompt once for its completions in the reference and policy passes): each rank's prompts whole on
+# that rank, so its groups are whole too
+GROUPED = ["lora.enabled=true", "lora.r=4", "train.shared_prompt=true", "grpo.loss_type=grpo", "grpo.beta=0.05"]
 # a 4-bit base (DDP over the adapters): a second iteration on the rollout batch (old log-probs)
 QLORA = ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "model.dtype=bfloat16", "grpo.loss_type=dr_grpo",
          "grpo.num_iterations=2"]
@@ -97,7 +100,8 @@ def _train(jobs, results: Path, rank: int, suffix: str = "") -> None:
         history = trainer.train()
         weights = _trainable(trainer.model)
         if rank == 0:
-            torch.save({"history": history, "weights": weights, "encoded": encoded}, results / f"{name}{suffix}.pt")
+            torch.save({"history": history, "weights": weights, "encoded": encoded,
+                        "shared_prompt": getattr(trainer, "shared_prompt", None)}, results / f"{name}{suffix}.pt")
 
 
 def _record_encoded(trainer) -> list:
@@ -268,7 +272,7 @@ def spawned_runs(tmp_path_factory):
     from torch.multiprocessing.spawn import ProcessException
 
     root = tmp_path_factory.mktemp("spawned")
-    runs = {"lora": LORA, "full": FULL}
+    runs = {"lora": LORA, "full": FULL, "grouped": GROUPED}
     if _bitsandbytes_cpu():
         runs["qlora"] = QLORA
     two = [(name, QUICK + extra + [f"output.output_dir={root / name}"]) for name, extra in runs.items()]
@@ -301,6 +305,7 @@ def test_two_processes_equal_one(spawned_runs):
         _assert_same_run(two["history"], one["history"], two["weights"], one["weights"],
                          tol=2e-2 if name == "qlora" else 1e-5)
     assert "high_entropy_ratio" in got["lora"]["two"]["history"][0]  # the options did run
+    assert got["grouped"]["two"]["shared_prompt"] is True and got["lora"]["two"]["shared_prompt"] is False
     assert got["full"]["two"]["history"][-1]["kl"] > 0  # each rank's own reference: the policy moved from it
     # rank 0 alone wrote the outputs, once
     out = root / "lora"

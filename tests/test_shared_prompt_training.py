@@ -146,6 +146,8 @@ def assert_same_metrics(got, want):
     ["lora.enabled=true", "lora.r=4", "grpo.beta=0.05", "grpo.loss_type=grpo", "grpo.num_iterations=2",
      "train.micro_batch_tokens=24", "train.padding_free=true", "grpo.top_entropy_quantile=0.5",
      "grpo.entropy_coef=0.01"],
+    # a 4-bit base (bitsandbytes' NF4 on the CPU, float32 compute) under LoRA, with the KL reference
+    ["lora.enabled=true", "lora.r=4", "model.load_in_4bit=true", "grpo.beta=0.05", "grpo.loss_type=dr_grpo"],
 ])
 def test_tiny_run_gives_the_same_metrics(tmp_path, overrides):
     """The demo's tiny GRPO run with train.shared_prompt=true and =false: the same rewards, losses, KL, entropies and
@@ -157,6 +159,8 @@ def test_tiny_run_gives_the_same_metrics(tmp_path, overrides):
     for shared in ("false", "true"):
         trainer = GRPOTrainer(_cfg(tmp_path / shared, f"train.shared_prompt={shared}", *overrides))
         assert trainer.shared_prompt == (shared == "true") and trainer.layout.shared_prompt == trainer.shared_prompt
+        if "model.load_in_4bit=true" in overrides:
+            assert any(type(m).__name__ == "Linear4bit" for m in trainer.model.modules())
         runs[shared] = trainer.train()
     assert len(runs["true"]) == 2
     assert_same_metrics(runs["true"], runs["false"])
