@@ -115,6 +115,18 @@ def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None, m
 
 
 CANDIDATES = (1, 2, 4, 8)  # first-token candidates tested one after another (the module docstring)
+STEPS = (("first step (prompt + group)", False), ("later step (+ history)", True))  # (label, later)
+
+
+def replayed(prompt: list[int], comps: list, logps: list, G: int,
+             later: bool) -> tuple[list, list, DraftHistory | None]:
+    """The completions a step replays and its proposer's history: the first G alone, or (``later``) the next G with
+    the first G as the prompt's history."""
+    if not later:
+        return comps[:G], logps[:G], None
+    history = DraftHistory()
+    history.add(prompt, comps[:G])
+    return comps[G:2 * G], logps[G:2 * G], history
 
 
 def candidate_tokens(prop: GroupProposer, i: int) -> list[int]:
@@ -126,17 +138,14 @@ def candidate_tokens(prop: GroupProposer, i: int) -> list[int]:
     return out
 
 
-def several_candidates(groups, history: bool, min_match: int = 2) -> dict:
+def several_candidates(groups, later: bool, min_match: int = 2) -> dict:
     """Mean over positions t ≥ 1 of each completion of Σ_{j ≤ m} p(c_j) (m in CANDIDATES), of max_v p(v), and of
-    [argmax among the candidates]; ``groups``: (prompt, 2G completions, their log-probs); history: replay the last G
-    with the first G as the prompt's history (else the first G alone)."""
+    [argmax among the candidates]; ``groups``: (prompt, 2G completions, their log-probs), replayed as ``replayed``
+    gives them."""
     sums, ceiling, covered, positions = dict.fromkeys(CANDIDATES, 0.0), 0.0, 0, 0
     for p, comps, logps in groups:
         G = len(comps) // 2
-        past = DraftHistory() if history else None
-        if past is not None:
-            past.add(p, comps[:G])
-        comps, logps = (comps[G:], logps[G:]) if history else (comps[:G], logps[:G])
+        comps, logps, past = replayed(p, comps, logps, G, later)
         prop = GroupProposer(p, G, k_max=1, history=past, min_match=min_match)
         for t in range(max(len(c) for c in comps)):  # one token a sequence a round
             for i, c in enumerate(comps):
@@ -177,22 +186,17 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
         ceiling = torch.cat([lp.exp().amax(-1) for _, _, logps in data for lp in logps])  # [positions]
         ceilings.append(dict(policy=policy, temperature=T, positions=len(ceiling), ceiling_k1=1 + float(ceiling.mean())))
         print(ceilings[-1], flush=True)
-        for label, history in (("first step (prompt + group)", False), ("later step (+ history)", True)):
+        for label, later in STEPS:
             several.append(dict(policy=policy, temperature=T, sources=label,
-                                **several_candidates(data, history, args.min_match)))
+                                **several_candidates(data, later, args.min_match)))
             print(several[-1], flush=True)
         for k_max in args.k_max:
-            for label in ("first step (prompt + group)", "later step (+ history)"):
+            for label, later in STEPS:
                 S = N = 0
                 lo = hi = 0.0
                 for p, comps, logps in data:
-                    G = args.group
-                    if label.startswith("first"):
-                        s, t, a, b, _ = replay(p, comps[:G], logps[:G], k_max, None, args.min_match)
-                    else:
-                        history = DraftHistory()
-                        history.add(p, comps[:G])
-                        s, t, a, b, _ = replay(p, comps[G:], logps[G:], k_max, history, args.min_match)
+                    step_comps, step_logps, history = replayed(p, comps, logps, args.group, later)
+                    s, t, a, b, _ = replay(p, step_comps, step_logps, k_max, history, args.min_match)
                     S, N, lo, hi = S + s, N + t, lo + a, hi + b
                 rows.append(dict(policy=policy, temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
                                  tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
