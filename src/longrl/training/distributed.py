@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -177,8 +178,13 @@ def unsupported_with_ranks(cfg, world: World) -> None:
 
 
 def shutdown() -> None:
+    """Ends this process's group. A finished trainer's DDP/FSDP wrappers (kept by reference cycles) are collected
+    first, so the group's C++ objects are freed now, while the interpreter is whole: freed later, during the
+    interpreter's finalization, gloo's threads can abort the process (std::terminate) after a run that succeeded."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 # ----------------------------------------------------------------------------------------------- gradients
