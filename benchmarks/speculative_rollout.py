@@ -12,8 +12,8 @@ GRPO steps on learning_real.py's arithmetic task (its hyper-parameters, LoRA r=1
 
 (ii) The 8B Llama shape with random weights (benchmarks/trl_baseline.py's llama-3.1-8b, bf16): one prompt of C
 tokens (1K, 16K) shared by R rows (8, 16, 32), in the sampler as a rollout runs it; the wall time of a plain decode
-step (CUDA graph, fast decode path) against a verify step of k + 1 tokens a row (k = 1, 2, 4; forward, acceptance,
-state updates) on the decode path (virtual rows: CUDA graph, fast decode path, the decode attention kernel;
+step (CUDA graph, fast decode path) against a verify step of k + 1 tokens a row (k = 1, 2, 4; device drafts,
+forward, acceptance, state updates) on the decode path (virtual rows: CUDA graph, fast decode path, the decode attention kernel;
 Sampler(fast_verify=True)) and on its twin (the eager extend forward), the slot state restored between repetitions;
 and the forwards alone (the decode step's graph against the fast verify's). With a: the accepted drafts per
 verify step measured in (i) at the same k, the projected speed-up is (1 + a) · t_step / t_verify(k) with the fast
@@ -169,18 +169,23 @@ def verify_cost(args, device) -> list[dict]:
                 def restore():
                     for t, s in zip(state.all(), saved):
                         t.copy_(s)
-                batch, slots = run._bucket(n_rows), list(range(n_rows))
+                batch = run._bucket(n_rows)
                 g = torch.Generator().manual_seed(0)
                 t_step = step_seconds(lambda: run._decode_step(batch), restore, args.reps)
                 row = dict(context=context, rows=n_rows, step_s=t_step)
                 row["step_forward_s"] = step_seconds(lambda: run._run_forward(batch), restore, args.reps)
                 for k in args.k:
-                    drafts = torch.randint(3, vocab, (n_rows, k), generator=g).tolist()
+                    # a verify step as rollouts run it: device drafts, verify forward, acceptance, state updates
+                    width = int(state.generated[:n_rows].max()) + k + 1
                     for name, fast in (("verify", True), ("twin", False)):  # the decode path; the extend forward
                         sampler.fast_verify = fast
-                        row[f"{name}_k{k}_s"] = step_seconds(lambda: run._verify(batch, slots, drafts), restore,
-                                                             args.reps)
-                    row[f"verify_forward_k{k}_s"] = step_seconds(lambda: run._fast_verify(batch, slots, drafts, k),
+                        row[f"{name}_k{k}_s"] = step_seconds(
+                            lambda: run._queued_verify(batch, k, width, run._fast_verify_fits(batch, k)), restore,
+                            args.reps)
+                    drafts = torch.zeros(batch, k, dtype=torch.long, device=state.tokens.device)
+                    drafts[:n_rows] = torch.randint(3, vocab, (n_rows, k), generator=g).to(drafts.device)
+                    sampler.fast_verify = True
+                    row[f"verify_forward_k{k}_s"] = step_seconds(lambda: run._fast_verify(batch, k, drafts),
                                                                  restore, args.reps)
                 rows.append(row)
                 print(row, flush=True)

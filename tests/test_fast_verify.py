@@ -58,16 +58,18 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
         drafts = [[rng.randrange(20) for _ in range(rng.randint(0, k))] for _ in slots]
         drafts[0] = [rng.randrange(20) for _ in range(k)]  # the longest: k
         width = max(map(len, drafts)) + 1
-        before = [t.clone() for t in cache.slot_tensors()]
-        fast = run._fast_verify(batch, slots, drafts, width - 1).clone()  # [batch, width, V]
-        after_fast = [t.clone() for t in cache.slot_tensors()]
-        for t, b in zip(cache.slot_tensors(), before):
-            t.copy_(b)
         rows = torch.tensor(slots, device=device)
         padded = torch.zeros(len(slots), width - 1, dtype=torch.long)
         for j, d in enumerate(drafts):
             padded[j, :len(d)] = torch.tensor(d, dtype=torch.long)
         padded = padded.to(device)
+        every = torch.zeros(batch, width - 1, dtype=torch.long, device=device)  # the unverified row's: padding
+        every[rows] = padded
+        before = [t.clone() for t in cache.slot_tensors()]
+        fast = run._fast_verify(batch, width - 1, every).clone()  # [batch, width, V]
+        after_fast = [t.clone() for t in cache.slot_tensors()]
+        for t, b in zip(cache.slot_tensors(), before):
+            t.copy_(b)
         lengths = torch.tensor([len(d) for d in drafts], device=device) + 1
         inputs = torch.cat([state.last_token[rows, None], padded], dim=1)
         with sampler.compute_context():

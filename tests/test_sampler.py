@@ -457,7 +457,7 @@ def test_compaction_moves_every_per_slot_field_and_frees_the_rest():
 
     from longrl.rollout.slot_state import FREE_SLOT, SlotBook, SlotTensors
 
-    state = SlotTensors.allocate(5, max_tokens=4, vocab=6, track_seen=True, device="cpu")
+    state = SlotTensors.allocate(5, max_tokens=4, vocab=6, track_seen=True, device="cpu", draft_k_max=3)  # every field
     before = {}
     for f in fields(state):
         t = getattr(state, f.name)

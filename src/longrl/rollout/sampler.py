@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -38,13 +39,15 @@ from ..models.vision import (FeatureCache, Placement, VisionPrompt, image_block_
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason, verify_meta)
-from .draft_book import DraftBook, ProposerFactory, kept_counts
-from .drafts import DraftHistory, GroupProposer
+from .device_drafts import DeviceDrafts
+from .draft_book import DraftBook, ProposerFactory, SpeculativeCounts, kept_counts
+from .drafts import DraftHistory
 from .fast_decode import FP8_KERNEL, NF4_KERNEL, FastDecoder
 from .kv_quant import FP8
 from .lora_fusion import fused_lora
 from .sampling import SamplingParams, next_tokens, stop_index, triton_available
 from .slot_state import SlotBook, SlotTensors
+from .spec_schedule import SpeculationSchedule, verify_cost_ratio
 from .speculative import SpeculativeResult, speculative_step
 
 log = logging.getLogger(__name__)
@@ -109,8 +112,11 @@ class Sampler:
     (train.gpu_memory_gib): the KV cache takes at most what it leaves. kv_cache_dtype: "bf16" keeps keys/values
     in the compute dtype, "fp8" in e4m3 with a scale per position and key head (rollout/kv_quant.py).
     speculative: "off"; "ngram", speculative decoding with drafts of up to ``max_draft_tokens`` tokens from the
-    prompt, the group's completions and the prompt's earlier completions (rollout/drafts.py; the history persists
-    across calls); or a factory (prompt ids, G) → a group's proposer (rollout/draft_book.py :class:`GroupDrafts`).
+    prompt, the group's completions and the prompt's earlier completions, drafted on the device
+    (rollout/device_drafts.py; the history persists across calls) so that speculative steps queue ``sync_every`` at
+    a time like plain ones; or a factory (prompt ids, G) → a group's proposer on the host
+    (rollout/draft_book.py :class:`GroupDrafts`), asked before every step. speculative_fallback: with "ngram",
+    chunks of plain steps while speculation does not pay (rollout/spec_schedule.py); False: every chunk speculates.
     nf4_kernel / fp8_kernel: with fast_decode and Triton, decode products over an NF4 / FP8 base read the quantized
     weights directly (ops/nf4_matmul.py, ops/fp8_matmul.py; FastDecoder.prepare_quantized); off, or where a
     shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
@@ -125,7 +131,7 @@ class Sampler:
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
-                 fp8_kernel: bool = True, fast_verify: bool | None = None):
+                 fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -148,17 +154,22 @@ class Sampler:
         self.fast = FastDecoder.build(base_model(model)) if fast_decode else None
         self.fast_proven = False  # set once a fast decode step ran (_Run._fast_forward)
         self.last_stats: dict = {}
-        self.draft_history = None
         self.new_draft_group: ProposerFactory | None = speculative if callable(speculative) else None
-        if speculative == "ngram":
-            self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS)
-            self.new_draft_group = lambda prompt, G: GroupProposer(prompt, G, k_max=max_draft_tokens,
-                                                                   history=self.draft_history)
+        self.device_drafting = speculative == "ngram"  # drafts on the device (queued speculative steps)
+        self.max_draft_tokens, self.speculative_fallback = max_draft_tokens, speculative_fallback
+        self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS) if self.device_drafting else None
 
     @property
     def speculative(self) -> bool:
         """Whether decode steps verify drafted tokens (speculative rollouts)."""
-        return self.new_draft_group is not None
+        return self.new_draft_group is not None or self.device_drafting
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads (the language model and its head; tied weights once)."""
+        sizes = {p.data_ptr(): p.numel() * p.element_size()
+                 for part in (self.backbone, self.head) for p in part.parameters()}
+        return sum(sizes.values())
 
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
@@ -310,7 +321,8 @@ class _Run:
                                       device=device, compute_dtype=sampler.compute_dtype)
         vocab = sampler.head.weight.shape[0]
         self.state = SlotTensors.allocate(self.num_slots, self.max_tokens, vocab,
-                                          track_seen=params.repetition_penalty != 1.0, device=device)
+                                          track_seen=params.repetition_penalty != 1.0, device=device,
+                                          draft_k_max=sampler.max_draft_tokens if sampler.device_drafting else 0)
         self.host = SlotBook.free(self.num_slots)
         self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], dtype=torch.long, device=device)
         self.step_logits = torch.zeros(self.num_slots, vocab, dtype=torch.float32, device=device)  # [slots, V]
@@ -336,8 +348,15 @@ class _Run:
         self.unfinished = [self.G] * len(self.prompts)  # completions of each prompt not yet finished
         self.free_entries = list(range(self.num_entries))
         self.results: list[tuple[list[int], list[float], bool] | None] = [None] * self.num_sequences
-        self.drafts = (DraftBook(sampler.new_draft_group, self.prompts, num_generations) if sampler.speculative
-                       else None)  # speculative rollouts: the proposers and their counts
+        self.drafts = (DraftBook(sampler.new_draft_group, self.prompts, num_generations)
+                       if sampler.new_draft_group is not None else None)  # host proposers and their counts
+        # device drafts: each entry's sources, the chunks' schedule, the call's counts, the next chunk's draft count
+        self.device_drafts = DeviceDrafts(self.num_entries, self.max_prompt_len, DRAFT_HISTORY_TOKENS,
+                                          device) if sampler.device_drafting else None
+        self.schedule = SpeculationSchedule(enabled=sampler.speculative_fallback)
+        self.spec_counts = SpeculativeCounts()
+        self.spec_k, self.spec_accepted = sampler.max_draft_tokens, 0.0
+        self.weight_bytes: int | None = None  # the sampler's, read at the first speculating chunk's end
         self.stats = {"slots": self.num_slots, "prefix_slots": self.num_entries, "decode_steps": 0, "prefills": 0,
                       "compactions": 0, "kv_cache_bytes": self.cache.nbytes_held()}
         if multi is not None:
@@ -404,8 +423,11 @@ class _Run:
                 else:
                     remaining = max(self._turn_limit(i) - self.host.generated[i] for i in self._decoding())
                     steps = max(1, min(self.sampler.sync_every, remaining))
-                    for _ in range(steps):
-                        self._decode_step(batch)
+                    if self.device_drafts is not None:
+                        steps = self._device_chunk(batch, remaining)
+                    else:
+                        for _ in range(steps):
+                            self._decode_step(batch)
                 self.stats["decode_steps"] += steps
                 self._sync(batch)
         finally:
@@ -413,6 +435,8 @@ class _Run:
                 self.pool.shutdown(wait=False, cancel_futures=True)
         if self.drafts is not None:
             self.stats.update(self.drafts.counts.summary())
+        if self.device_drafts is not None:
+            self.stats.update(self.spec_counts.summary(), spec_fallbacks=self.schedule.fallbacks)
         return self._rollout()
 
     def _rollout(self) -> Rollout:
@@ -465,6 +489,10 @@ class _Run:
     def _prefill(self, prompts: list[int]) -> None:
         """Run the prompts (right-padded, in chunks of ≤ prefill_tokens) and keep each one's last logits."""
         sampler, device = self.sampler, self.sampler.device
+        if self.device_drafts is not None:  # each entry's fixed draft sources: earlier completions, the prompt
+            for q in prompts:
+                self.device_drafts.open_entry(self.entry_of[q], self.prompts[q],
+                                              sampler.draft_history.completions(self.prompts[q]))
         per_forward = max(1, sampler.prefill_tokens // self.max_prompt_len)
         for first in range(0, len(prompts), per_forward):
             chunk = prompts[first:first + per_forward]
@@ -505,6 +533,8 @@ class _Run:
         if self.drafts is not None:
             for _, seq in admitted:
                 self.drafts.open(seq)
+        if state.draft_k is not None:
+            state.draft_k[slots] = self.sampler.max_draft_tokens
         self._begin_turn([slot for slot, _ in admitted], [0] * len(admitted), self.prompt_logits[entries])
         self.slots_changed = True
 
@@ -663,6 +693,11 @@ class _Run:
         self.unfinished[prompt] -= 1
         if self.drafts is not None:
             self.drafts.close(seq, self.results[seq][0], group_done=self.unfinished[prompt] == 0)
+        if self.device_drafts is not None:  # the group's later completions draft from this one
+            self.device_drafts.add_finished(self.entry_of[prompt], self.state.tokens[slot, :len(self.results[seq][0])])
+            if self.unfinished[prompt] == 0:  # the prompt's later calls draft from its group
+                group = range(prompt * self.G, (prompt + 1) * self.G)
+                self.sampler.draft_history.add(self.prompts[prompt], [self.results[q][0] for q in group])
         if self.unfinished[prompt] == 0:
             self.free_entries.append(self.entry_of.pop(prompt))
 
@@ -783,6 +818,101 @@ class _Run:
         return self.sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
                                      longrl_kv=meta).last_hidden_state
 
+    # ------------------------------------------------------------------------------------------ queued speculation
+    def _device_chunk(self, batch: int, remaining: int) -> int:
+        """A chunk of decode steps over slots 0 … batch−1 with device drafts (no host round trip between them), for
+        at most ``remaining`` more tokens a sequence: verify steps of at most ``spec_k`` drafts while the schedule
+        speculates (as many as the last chunk's acceptance needs for them, at most sync_every), else plain steps
+        (min(sync_every, remaining)); then (one host synchronisation) the chunk's counts, the schedule's next
+        choice and the next chunk's draft count. Returns the steps run."""
+        state, counts, start = self.state, self.spec_counts, time.perf_counter()
+        steps = max(1, min(self.sampler.sync_every, remaining))
+        if not self.schedule.speculate_next():
+            for _ in range(steps):
+                self._decode_step(batch)
+            if self.sampler.device.type == "cuda":  # (_sync reads the state next anyway: this wait costs nothing)
+                torch.cuda.synchronize(self.sampler.device)
+            counts.plain_steps, counts.plain_s = counts.plain_steps + steps, counts.plain_s + time.perf_counter() - start
+            return steps
+        k = self.spec_k
+        # a verify step emits 1 + a tokens a row (a: the last chunk's accepted drafts a row): no step past the need
+        steps = max(1, min(steps, math.ceil(remaining / (1.0 + self.spec_accepted))))
+        decoding = [i for i in self._decoding() if i < batch]
+        # the completion columns the drafts read: every token this chunk can reach
+        width = min(self.max_tokens, max(self.host.generated[i] for i in decoding) + steps * (k + 1))
+        fast = self._fast_verify_fits(batch, k)
+        for _ in range(steps):
+            self._queued_verify(batch, k, width, fast)
+        next_k = torch.where(state.active[:batch], state.draft_k[:batch], 1).amax()
+        rows, drafted, accepted, next_k = torch.cat([self.device_drafts.counts, next_k[None]]).tolist()
+        self.device_drafts.counts.zero_()
+        counts.verify_steps, counts.verify_rows = counts.verify_steps + steps, counts.verify_rows + rows
+        counts.drafted, counts.accepted = counts.drafted + drafted, counts.accepted + accepted
+        counts.fast_steps += steps if fast else 0
+        counts.verify_s += time.perf_counter() - start
+        if rows:
+            self.spec_accepted = accepted / rows
+            self.schedule.record(self.spec_accepted, self._verify_cost_ratio(k, decoding))
+        self.spec_k = max(1, next_k)
+        return steps
+
+    def _verify_cost_ratio(self, k: int, decoding: list[int]) -> float:
+        """spec_schedule.verify_cost_ratio for the decoding slots' sequences now (the host's token counts)."""
+        sampler = self.sampler
+        if self.weight_bytes is None:
+            self.weight_bytes = sampler.weight_bytes
+        kv_token = KVCache.nbytes(layers=sampler.layers, kv_heads=sampler.kv_heads, head_dim=sampler.head_dim,
+                                  tokens=1, dtype=sampler.cache_dtype)
+        prompts = {self.host.sequence[i] // self.G for i in decoding}
+        prompt_kv = kv_token * sum(len(self.prompts[p]) for p in prompts)
+        own_kv = kv_token * sum(self.host.generated[i] for i in decoding)
+        return verify_cost_ratio(self.weight_bytes, prompt_kv, own_kv, k)
+
+    def _queued_verify(self, batch: int, k: int, width: int, fast: bool) -> None:
+        """One verify step over slots 0 … batch−1 with the device's drafts (device_drafts.DeviceDrafts.propose):
+        row b checks its first min(found, draft_k, room) drafts, 0 where it does not decode (its state unchanged).
+        Device work only; the same forward as _verify (the decode path over virtual rows, or the extend forward)."""
+        sampler, state, device = self.sampler, self.state, self.sampler.device
+        rows = torch.arange(batch, device=device)
+        drafts, found = self.device_drafts.propose(state.tokens, state.generated, state.prompt_len,
+                                                   state.prefix_entry, self.members, rows, width, k)  # [batch, k]
+        act = state.active[:batch]
+        room = (state.turn_limit[:batch] - state.generated[:batch] - 1).clamp(min=0)  # after the one always sampled
+        lengths = torch.minimum(torch.minimum(found, state.draft_k[:batch]), room) * act  # [batch]
+        if fast:
+            self._accept_queued(rows, drafts, lengths, self._fast_verify(batch, k, drafts))
+            return
+        vocab = sampler.head.weight.shape[0]
+        per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+        for first in range(0, batch, per_forward):
+            part = rows[first:first + per_forward]
+            inputs = torch.cat([state.last_token[part, None], drafts[part]], dim=1)  # [b, k + 1]
+            real = torch.where(act[part], lengths[part] + 1, 0)  # a row that does not decode writes nothing
+            with sampler.compute_context():
+                hidden = self._extend_forward(part, inputs, state.write_index[part], real)  # [b, k + 1, d]
+                logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
+            self._accept_queued(part, drafts[part], lengths[part], logits)
+
+    def _accept_queued(self, rows: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,
+                       logits: torch.Tensor) -> None:
+        """The acceptance rule over slots ``rows`` [n] (drafts [n, k], lengths [n], logits [n, k + 1, V]) in chunks
+        within the sampling temporaries' budget; the decoding rows keep their tokens, count their drafts in the
+        device counters and move their draft count by drafts.AdaptiveK's rule. No host synchronisation."""
+        state, k_max = self.state, self.sampler.max_draft_tokens
+        per_draw = max(1, sampling_rows(logits.shape[-1]) // logits.shape[1])
+        for a in range(0, len(rows), per_draw):
+            sub, at = rows[a:a + per_draw], slice(a, a + per_draw)
+            act, tried = state.active[sub], lengths[at]
+            seen = state.seen[sub] if state.seen is not None else None
+            result = speculative_step(logits[at], drafts[at], self.params, state.sequence_id[sub],
+                                      state.generated[sub], seen, tried)
+            self._keep(sub, result, act)
+            accepted = result.accepted * act
+            self.device_drafts.counts += torch.stack([act.sum(), tried.sum(), accepted.sum()])
+            drafting = act & (tried > 0)
+            step = (drafting & (accepted >= tried)).long() - (drafting & (2 * accepted < tried)).long()
+            state.draft_k[sub] = (state.draft_k[sub] + step).clamp(1, k_max)
+
     # ------------------------------------------------------------------------------------------ speculative decoding
     def _speculative_step(self, batch: int) -> None:
         """A step of speculative decoding over slots 0 … batch−1: the proposers get the tokens emitted since they
@@ -836,8 +966,10 @@ class _Run:
         # after the forward it would leave the GPU idle while the acceptance's launches are issued
         lengths = torch.tensor([len(d) for d in drafts], device=device)  # [n]
         rows = torch.tensor(slots, device=device)  # [n]
-        if sampler.fast_verify and batch * (k + 1) * vocab * 4 <= EXTEND_WORKSPACE_BYTES:
-            logits = self._fast_verify(batch, slots, drafts, k)  # [batch, k + 1, V]
+        if self._fast_verify_fits(batch, k):
+            host = torch.zeros(batch, k, dtype=torch.long)
+            host[slots] = pad_right(drafts, 0, k)  # [n, k] into the slots' rows (others': padding, never read)
+            logits = self._fast_verify(batch, k, host.to(device, non_blocking=True))  # [batch, k + 1, V]
             self._accept(slots, drafts, self.verify_drafts[k][rows], lengths, logits, rows, rows)
             self.drafts.counts.fast_steps += 1
         else:
@@ -874,10 +1006,16 @@ class _Run:
         for slot, d, n in zip(slots, drafts, torch.cat(accepted).tolist()):
             self.drafts.record(self.host.sequence[slot], len(d), n)
 
-    def _fast_verify(self, batch: int, slots: list[int], drafts: list[list[int]], k: int) -> torch.Tensor:
+    def _fast_verify_fits(self, batch: int, k: int) -> bool:
+        """Whether a verify step of k drafts over slots 0 … batch−1 runs on the decode path (its float32 logits
+        within the extend workspace), else on the extend forward."""
+        vocab = self.sampler.head.weight.shape[0]
+        return self.sampler.fast_verify and batch * (k + 1) * vocab * 4 <= EXTEND_WORKSPACE_BYTES
+
+    def _fast_verify(self, batch: int, k: int, drafts: torch.Tensor) -> torch.Tensor:
         """Logits [batch, k + 1, V] of a verify forward over slots 0 … batch−1 on the decode path (a CUDA graph per
-        (batch, k) when the sampler uses graphs): the drafts of ``slots`` (others' rows: padding, never read) are
-        copied into the step's input buffer first (one host → device copy)."""
+        (batch, k) when the sampler uses graphs) of drafts [batch, k] (on the device), copied into the step's input
+        buffer first."""
         sampler, device = self.sampler, self.sampler.device
         vocab, width = sampler.head.weight.shape[0], k + 1
         if k not in self.verify_drafts:
@@ -887,9 +1025,7 @@ class _Run:
             # every slot's rows, within the extend workspace (which _verify checked batch · width fits in)
             rows = min(self.num_slots * width, EXTEND_WORKSPACE_BYTES // (vocab * 4))
             self.verify_logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        host = torch.zeros(batch, k, dtype=torch.long)
-        host[slots] = pad_right(drafts, 0, k)  # [n, k] into the slots' rows
-        self.verify_drafts[k][:batch].copy_(host.to(device, non_blocking=True))
+        self.verify_drafts[k][:batch].copy_(drafts)
         self._run_graph(("verify", batch, k), lambda: self._verify_forward(batch, k))
         return self.verify_logits[:batch * width].view(batch, width, vocab)
 
@@ -908,9 +1044,10 @@ class _Run:
         with sampler.compute_context():
             self.verify_logits[:batch * width] = sampler.logits(self._decode_hidden(ids, positions, meta))
 
-    def _keep(self, rows: torch.Tensor, result: SpeculativeResult) -> None:
+    def _keep(self, rows: torch.Tensor, result: SpeculativeResult, act: torch.Tensor | None = None) -> None:
         """Write a verify step's kept tokens (its accepted drafts and sampled token, cut after a stop token) and
-        their log-probs after each row's trajectory, and advance generated / write_index / position by their count."""
+        their log-probs after each row's trajectory, and advance generated / write_index / position by their count.
+        act [b] bool: the rows that decode (None: all); the others keep their state."""
         state = self.state
         b, width = result.tokens.shape
         keep = kept_counts(result.tokens, result.accepted + 1, self.stop_ids)  # [b], ≥ 1
@@ -918,19 +1055,29 @@ class _Run:
         kept = j < keep[:, None]  # [b, k + 1]
         generated = state.generated[rows]
         # every position writes (no host synchronisation for a masked count): those past a row's kept tokens write
-        # its last kept token and log-prob again, at its column, so the duplicate writes agree
+        # its last kept token and log-prob again, at its column, so the duplicate writes agree; a row that does not
+        # decode writes back what its column holds
         last_j = (keep - 1)[:, None]  # [b, 1]
         cols = generated[:, None] + torch.where(kept, j, last_j)  # [b, k + 1]
         tokens = torch.where(kept, result.tokens, result.tokens.gather(1, last_j))
         logprobs = torch.where(kept, result.logprobs, result.logprobs.gather(1, last_j))
         at_row = rows[:, None].expand(b, width)
+        if act is not None:
+            cols = torch.where(act[:, None], cols, generated[:, None].clamp(max=self.max_tokens - 1))
+            tokens = torch.where(act[:, None], tokens, state.tokens[at_row, cols])
+            logprobs = torch.where(act[:, None], logprobs, state.logprobs[at_row, cols])
+            keep = keep * act
         state.tokens[at_row, cols] = tokens
         state.logprobs[at_row, cols] = logprobs
         if state.seen is not None:
-            state.seen[at_row, tokens] = True
+            state.seen[at_row, tokens] = True if act is None else state.seen[at_row, tokens] | act[:, None]
         last = result.tokens.gather(1, last_j)[:, 0]  # [b]
+        ended = torch.isin(last, self.stop_ids) | (generated + keep >= state.turn_limit[rows])
+        if act is not None:
+            last = torch.where(act, last, state.last_token[rows])
+            ended = ended | ~act
         state.last_token[rows] = last
         state.generated[rows] = generated + keep
         state.write_index[rows] += keep
         state.position[rows] += keep
-        state.active[rows] = ~(torch.isin(last, self.stop_ids) | (generated + keep >= state.turn_limit[rows]))
+        state.active[rows] = ~ended

@@ -28,9 +28,11 @@ class SlotTensors:
     tokens: torch.Tensor  # [slots, max_tokens] long: the tokens after the prompt
     logprobs: torch.Tensor  # [slots, max_tokens] float32: the sampler's log-prob of each (0: environment tokens)
     seen: torch.Tensor | None  # [slots, vocab] bool: tokens of prompt and completion (repetition penalty only)
+    draft_k: torch.Tensor | None = None  # [slots] long: drafts a queued speculative step may check (device drafts)
 
     @classmethod
-    def allocate(cls, slots: int, max_tokens: int, vocab: int, track_seen: bool, device) -> SlotTensors:
+    def allocate(cls, slots: int, max_tokens: int, vocab: int, track_seen: bool, device,
+                 draft_k_max: int = 0) -> SlotTensors:
         long = dict(dtype=torch.long, device=device)
         return cls(last_token=torch.zeros(slots, **long), position=torch.zeros(slots, **long),
                    prefix_entry=torch.zeros(slots, **long), prompt_len=torch.zeros(slots, **long),
@@ -39,10 +41,11 @@ class SlotTensors:
                    active=torch.zeros(slots, dtype=torch.bool, device=device),
                    sequence_id=torch.zeros(slots, **long), tokens=torch.zeros(slots, max_tokens, **long),
                    logprobs=torch.zeros(slots, max_tokens, dtype=torch.float32, device=device),
-                   seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device) if track_seen else None)
+                   seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device) if track_seen else None,
+                   draft_k=torch.full((slots,), draft_k_max, **long) if draft_k_max else None)
 
     def all(self) -> list[torch.Tensor]:
-        """Every per-slot tensor held (``seen`` only with a repetition penalty)."""
+        """Every per-slot tensor held (``seen`` only with a repetition penalty, ``draft_k`` with device drafts)."""
         return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
 
     def compact(self, src: torch.Tensor) -> None:

@@ -1,0 +1,201 @@
+"""Drafts on the device (rollout/device_drafts.py) against their plain twin, the sources each entry reads, and the
+schedule that falls back to plain chunks (rollout/spec_schedule.py); the sampler's queued speculative steps keep
+plain sampling's distribution and greedy tokens, falling back or not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import longrl.rollout.device_drafts as device_drafts
+from longrl.rollout import Sampler, SamplingParams
+from longrl.rollout.device_drafts import NO_TOKEN, SEPARATOR, DeviceDrafts, match_drafts, match_drafts_reference
+from longrl.rollout.spec_schedule import SpeculationSchedule, verify_cost_ratio
+from test_sampler import PROMPTS, tiny_model
+from test_speculative_acceptance import chi_square, chi_square_limit
+from test_speculative_sampler import DRAWS, peaked_model, three_token_law
+
+
+def _random_case(rng: random.Random):
+    """Sources of E entries over a 3-token vocabulary (frequent matches) with separators, R rows' queries (some
+    starting before the context: NO_TOKEN), own ranges."""
+    E, S, R, M = rng.randint(1, 3), rng.randint(1, 90), rng.randint(1, 7), rng.randint(1, 9)
+    sources = [[SEPARATOR if rng.random() < 0.1 else rng.randrange(3) for _ in range(S)] for _ in range(E)]
+    entry = [rng.randrange(E) for _ in range(R)]
+    queries = []
+    for _ in range(R):
+        real = rng.randint(0, M)
+        queries.append([NO_TOKEN] * (M - real) + [rng.randrange(3) for _ in range(real)])
+    own = []
+    for _ in range(R):
+        a = rng.randint(0, S)
+        own.append((a, rng.randint(a, S)))
+    return sources, entry, queries, own
+
+
+@pytest.mark.parametrize("elements", [device_drafts.MATCH_ELEMENTS, 1, 100])
+def test_match_drafts_equals_its_twin(elements, monkeypatch):
+    """Random sources, queries and own ranges, k 1-5, min_match 1-3; rows matched in chunks that cross rows
+    (elements: positions compared at once; 1: a row a chunk)."""
+    monkeypatch.setattr(device_drafts, "MATCH_ELEMENTS", elements)
+    rng = random.Random(elements)
+    matched = 0
+    for _ in range(150):
+        sources, entry, queries, own = _random_case(rng)
+        k, min_match = rng.randint(1, 5), rng.randint(1, 3)
+        want = match_drafts_reference(sources, entry, queries, own, k, min_match)
+        drafts, found = match_drafts(torch.tensor(sources), torch.tensor(entry), torch.tensor(queries),
+                                     torch.tensor([a for a, _ in own]), torch.tensor([b for _, b in own]), k,
+                                     min_match)
+        got = [row[:n] for row, n in zip(drafts.tolist(), found.tolist())]
+        assert got == want
+        assert all(t == SEPARATOR for row, n in zip(drafts.tolist(), found.tolist()) for t in row[n:])
+        matched += sum(1 for w in want if w)
+    assert matched > 100  # the cases do draft
+
+
+def test_the_rule_prefers_the_longest_match_then_the_own_completion_then_the_latest():
+    #         0  1  2  3  4   5  6  7  8  9  10 11 12
+    source = [5, 6, 7, 1, -1, 5, 6, 8, 2, -1, 6, 9, 3]
+    query = [4, 5, 6]
+    run = lambda own: match_drafts_reference([source], [0], [query], [own], 2, 1)[0]  # noqa: E731
+    assert run((0, 0)) == [8, 2]  # L = 2 at x = 2 and x = 7: the latest
+    assert run((0, 4)) == [7, 1]  # … unless the other is in the row's own completion
+    assert match_drafts_reference([source], [0], [[4, 9, 6]], [(0, 0)], 3, 1)[0] == [9, 3]  # L = 1: the latest
+    assert match_drafts_reference([source], [0], [[4, 9, 6]], [(0, 0)], 3, 2)[0] == []  # below min_match
+
+
+def test_open_entry_keeps_the_newest_earlier_completions_that_fit_oldest_first():
+    drafts = DeviceDrafts(entries=2, max_prompt_len=3, history_tokens=8, device="cpu")
+    drafts.open_entry(1, [7, 8], [[1, 2], [3, 4, 5], [6]])  # newest first: [1, 2] and [3, 4, 5] fit (3 + 4 = 7)
+    assert drafts.fixed[1].tolist() == [3, 4, 5, -1, 1, 2, -1, -1, -1, 7, 8, -1, -1]
+    assert drafts.filled == [0, 7]
+    drafts.add_finished(1, torch.tensor([9]))  # a separator after it: 9 columns > 8, not kept
+    assert drafts.filled == [0, 7]
+    drafts.add_finished(0, torch.tensor([9, 9]))
+    assert drafts.fixed[0, :4].tolist() == [9, 9, -1, -1] and drafts.filled == [3, 7]
+    drafts.open_entry(0, [5], [])  # a new prompt in entry 0: its history goes
+    assert drafts.fixed[0].tolist() == [-1] * 9 + [5, -1, -1, -1] and drafts.filled == [0, 7]
+
+
+def test_propose_reads_the_entries_layout_and_the_slots_tokens():
+    """propose against the twin on the layout written by hand: each entry's kept history and prompt, then its
+    members' sections (the prompt's last max_match tokens, the member's first ``width`` tokens, a separator);
+    queries from prompt ++ completion."""
+    rng = random.Random(0)
+    for trial in range(30):
+        E, G, T, P, H, M = 2, 3, 12, 6, 10, rng.randint(2, 5)
+        slots = E * G
+        drafts = DeviceDrafts(E, P, H, "cpu", min_match=rng.randint(1, 2), max_match=M)
+        prompts = [[rng.randrange(4) for _ in range(rng.randint(1, P))] for _ in range(E)]
+        for e in range(E):
+            drafts.open_entry(e, prompts[e], [[rng.randrange(4) for _ in range(rng.randint(1, 3))]
+                                              for _ in range(rng.randint(0, 2))])
+        tokens = torch.randint(0, 4, (slots, T))
+        generated = torch.randint(0, T + 1, (slots,))
+        order = torch.randperm(slots)  # slot of each (entry, member)
+        members = order.view(E, G).clone()
+        if trial % 2:
+            members[1, 2] = -1  # a member without a slot
+        entry = torch.zeros(slots, dtype=torch.long)
+        for e in range(E):
+            entry[members[e][members[e] >= 0]] = e
+        prompt_len = torch.tensor([len(prompts[e]) for e in entry.tolist()])
+        rows = torch.tensor([s for s in range(slots) if (members == s).any()])
+        width, k = rng.randint(1, T), rng.randint(1, 4)
+        got, found = drafts.propose(tokens, generated, prompt_len, entry, members, rows, width, k)
+        used = max(drafts.filled)
+        sources, own, queries = [], [], []
+        for e in range(E):
+            row = drafts.fixed[e, :used].tolist() + drafts.fixed[e, H:].tolist()
+            tail = ([SEPARATOR] * M + prompts[e])[-M:]
+            for m in members[e].tolist():
+                section = tokens[m, :min(width, int(generated[m]))].tolist() if m >= 0 else []
+                row += tail + section + [SEPARATOR] * (width + 1 - len(section))
+            sources.append(row)
+        fixed_width = used + drafts.fixed.shape[1] - H
+        for s in rows.tolist():
+            e = int(entry[s])
+            j = members[e].tolist().index(s)
+            start = fixed_width + j * (M + width + 1) + M
+            own.append((start, start + min(width, int(generated[s]))))
+            context = prompts[e] + tokens[s, :int(generated[s])].tolist()
+            tail = context[-M:]
+            queries.append([NO_TOKEN] * (M - len(tail)) + tail)
+        want = match_drafts_reference(sources, entry[rows].tolist(), queries, own, k, drafts.min_match)
+        assert [r[:n] for r, n in zip(got.tolist(), found.tolist())] == want
+
+
+def test_the_schedule_backs_off_after_chunks_that_do_not_pay():
+    s = SpeculationSchedule(max_backoff=4)
+    assert s.speculate_next()
+    s.record(0.5, 1.2)  # 1.5 >= 1.1 · 1.2: pays
+    assert s.speculate_next() and s.fallbacks == 0
+    for wait in (1, 2, 4, 4):  # misses: 1, 2, 4, 4 plain chunks (the back-off doubles to its cap)
+        s.record(0.1, 1.5)
+        assert [s.speculate_next() for _ in range(wait + 1)] == [False] * wait + [True]
+    s.record(1.0, 1.5)  # pays: the back-off is 1 again
+    s.record(0.0, 1.5)
+    assert [s.speculate_next() for _ in range(2)] == [False, True]
+    off = SpeculationSchedule(enabled=False)
+    off.record(0.0, 9.0)
+    assert off.speculate_next() and off.fallbacks == 0
+
+
+def test_verify_cost_ratio_counts_the_own_keys_once_a_query():
+    assert verify_cost_ratio(100.0, 20.0, 0.0, 4) == 1.0  # nothing of its own: k + 1 queries cost one weight read
+    assert verify_cost_ratio(100.0, 20.0, 30.0, 1) == pytest.approx(180 / 150)
+    assert verify_cost_ratio(100.0, 20.0, 30.0, 4) == pytest.approx(270 / 150)
+
+
+@pytest.mark.parametrize("fast_verify", [False, True])
+def test_queued_speculation_keeps_plain_sampling_distribution(fast_verify):
+    """20,000 completions of one prompt (2,500 groups of 8, each its own prefix entry) at temperature 0.7, every
+    chunk speculating with device drafts (from the prompt and each group's completions); chi-square of the first
+    three tokens against plain sampling's law (test_speculative_sampler's check)."""
+    model, tok = peaked_model(seed=3)
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_new_tokens=4, seed=11, temperature=0.7)
+    law = three_token_law(model, prompt, params)
+    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=2, fast_verify=fast_verify,
+                      speculative_fallback=False)
+    r = sampler.generate([prompt] * (DRAWS // 8), 8, params)
+    stats = sampler.last_stats
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    got = torch.tensor([c[:3] for c in r.completion_ids])  # [DRAWS, 3]
+    V = law.shape[0]
+    counts = torch.zeros(V, V, V).index_put_((got[:, 0], got[:, 1], got[:, 2]), torch.ones(DRAWS), accumulate=True)
+    stat, df = chi_square(counts, law)
+    assert stat < chi_square_limit(df), stat
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_queued_speculation_with_plain_chunks_gives_plain_greedy_tokens(fallback):
+    """A model whose greedy text repeats less than the peaked one's (acceptance below the tiny model's
+    break-even): with the fallback, chunks alternate between speculating and plain; greedy tokens and log-probs
+    equal plain decoding's either way."""
+    model, tok = tiny_model(seed=5)
+    params = SamplingParams(max_new_tokens=60, temperature=0, stop_token_ids=(3,))
+    plain = Sampler(model, tok, sync_every=4).generate(PROMPTS, 3, params)
+    sampler = Sampler(model, tok, speculative="ngram", sync_every=4, speculative_fallback=fallback)
+    spec = sampler.generate(PROMPTS, 3, params)
+    assert spec.completion_ids == plain.completion_ids
+    torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
+                               atol=1e-5, rtol=1e-5)
+    stats = sampler.last_stats
+    assert stats["spec_verify_steps"] > 0
+    assert (stats["spec_fallbacks"] > 0 and "spec_time_saved_s" in stats) == fallback  # plain chunks ran
+
+
+def test_a_call_drafts_from_the_prompts_earlier_completions():
+    """The device drafts' history persists across calls: after one call, each prompt's G completions are kept and
+    the next call's entries open with them."""
+    model, tok = peaked_model(seed=1)
+    sampler = Sampler(model, tok, speculative="ngram")
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=2)
+    first = sampler.generate(PROMPTS[:2], 4, params)
+    for p, prompt in enumerate(PROMPTS[:2]):
+        kept = sampler.draft_history.completions(prompt)
+        assert sorted(map(tuple, kept)) == sorted(tuple(c) for c in first.completion_ids[4 * p:4 * p + 4] if c)
