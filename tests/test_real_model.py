@@ -194,3 +194,22 @@ def test_the_exported_real_model_continues_greedily_as_transformers(exported, sf
         got.append(nxt)
         llm.eval([nxt])
     assert got == want, (tok.decode(got), tok.decode(want))
+
+
+def test_speculative_rollouts_on_real_text_equal_plain_greedy(real):
+    """Device drafts on the real model's own text (greedy: a group's completions repeat each other, so drafts are
+    accepted): the same tokens and log-probs as plain greedy decoding, every chunk speculating."""
+    from longrl.data.prompts import tokenize_prompt
+    from longrl.rollout import Sampler, SamplingParams
+
+    model, tok = real
+    prompts = [tokenize_prompt(tok, [{"role": "user", "content": q}]) for q in ("What is 12*3?", "Name a color.")]
+    params = SamplingParams(max_new_tokens=40, temperature=0, stop_token_ids=(tok.eos_token_id,))
+    plain = Sampler(model, tok).generate(prompts, 3, params)
+    sampler = Sampler(model, tok, speculative="ngram", speculative_fallback=False)
+    spec = sampler.generate(prompts, 3, params)
+    assert spec.completion_ids == plain.completion_ids
+    torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
+                               atol=1e-4, rtol=1e-4)
+    stats = sampler.last_stats
+    assert stats["spec_accepted_tokens"] > 0 and stats["decode_steps"] < max(map(len, plain.completion_ids))

@@ -119,9 +119,9 @@ class GenerationConfig:
     sync_every: int = 16  # sampler decode steps between host checks for finished sequences
     speculative: Literal["off", "ngram"] = "off"  # ngram: speculative rollouts (longrl backend): each step drafts up to
     #   max_draft_tokens tokens a sequence from its prompt, its group's completions and the prompt's earlier completions
-    #   (no draft model) and checks them in one forward; exact: plain sampling's distribution (docs/rollouts.md). Off:
-    #   measured on an H200 (2026-12-05) with SmolLM2-135M it is slower (0.19-0.93x: few accepted drafts, and a host
-    #   round trip every speculative step); on a GPU its verify forwards are decode steps (CUDA graphs, the fast path)
+    #   (no draft model, on the device) and checks them in one forward; exact: plain sampling's distribution; chunks
+    #   of plain steps while acceptance misses the break-even (docs/rollouts.md). Off: measured on an H200
+    #   (2026-12-05) with SmolLM2-135M it was slower (0.19-0.93x) while drafts were built on the host every step
     max_draft_tokens: int = 4  # speculative: most drafted tokens a sequence checks in one verify step (1-16; each
     #                            sequence's draft length adapts below it to its acceptance)
 
