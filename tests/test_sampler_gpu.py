@@ -220,7 +220,7 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
     log-probs; then the verify forward's logits and writes against the extend forward's (test_fast_verify's check,
     on the GPU's kernels), with several slots and with one."""
     from test_fast_verify import VERIFY_PROMPTS, check_verify_forward, random_drafts
-    from test_speculative_sampler import peaked_model
+    from test_speculative_sampler import assert_same_rollout, peaked_model
 
     model, tok = peaked_model(seed=2)
     model = model.cuda()
@@ -232,9 +232,7 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
         sampler = Sampler(model, tok, speculative=speculative, **kw)  # the decode-path verify: the default on CUDA
         assert sampler.cuda_graphs and sampler.fast_verify
         spec = sampler.generate(VERIFY_PROMPTS, 3, params)
-        assert spec.completion_ids == plain.completion_ids
-        torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
-                                   atol=1e-4, rtol=1e-4)
+        assert_same_rollout(spec, plain, tol=1e-4)
         stats = sampler.last_stats
         assert stats["spec_fast_verify_steps"] == stats["spec_verify_steps"] > 0 and stats["fast_decode"]
     assert check_verify_forward(True, kv_cache_dtype, device="cuda") == 8

@@ -75,6 +75,14 @@ def greedy_targets(model, tok, prompts, n, **kw):
     return {tuple(p): c for p, c in zip(prompts, r.completion_ids)}
 
 
+def assert_same_rollout(spec, plain, tol: float = 1e-5) -> None:
+    """``spec`` has ``plain``'s tokens, truncation flags and environment masks, and its log-probs within ``tol``."""
+    assert spec.completion_ids == plain.completion_ids and spec.truncated == plain.truncated
+    assert spec.env_mask == plain.env_mask
+    torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
+                               atol=tol, rtol=tol)
+
+
 # ----------------------------------------------------------------------------------------------- (a) distribution
 PARAMS = {"t1": dict(temperature=1.0), "t07": dict(temperature=0.7), "topk": dict(temperature=1.0, top_k=4),
           "topp": dict(temperature=0.7, top_p=0.8)}
@@ -164,10 +172,7 @@ def test_greedy_speculation_gives_plain_greedy_tokens(case, fast_verify):
     spec = sampler.generate(prompts, 2, params)
     if case == "queued":
         assert sampler.last_stats["slots"] == 3
-    assert spec.completion_ids == plain.completion_ids
-    assert spec.truncated == plain.truncated
-    torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
-                               atol=1e-5, rtol=1e-5)
+    assert_same_rollout(spec, plain)
     assert sampler.last_stats["spec_accepted_tokens"] > 0
     assert sampler.last_stats["decode_steps"] < sum(map(len, plain.completion_ids)) / 2  # fewer steps than tokens
 
@@ -236,10 +241,8 @@ def test_multi_turn_greedy_speculation_equals_plain(kv_cache_dtype, fast_verify)
         runs.append(sampler.generate([[1, 5, 6, 7, 5, 6, 7], [1, 9, 4, 9, 4]], 2, params,
                                      MultiTurn(ScriptedHandler(turns=3), max_tokens=48)))
     plain, spec = runs
-    assert spec.completion_ids == plain.completion_ids and spec.env_mask == plain.env_mask
+    assert_same_rollout(spec, plain)
     assert 0 in sum(spec.env_mask, [])  # environment tokens were added
-    torch.testing.assert_close(torch.tensor(sum(spec.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
-                               atol=1e-5, rtol=1e-5)
     assert sampler.last_stats["spec_verify_steps"] > 0
 
 
