@@ -107,21 +107,27 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
                                     stop_token_ids=(tok.eos_token_id,))
             for k in args.k:
                 plain = Sampler(model, tok)
-                fast = dict(fast_verify=args.fast_verify == "on")
-                spec = Sampler(model, tok, speculative="ngram", max_draft_tokens=k, **fast)
+
+                def speculative(fallback: bool) -> Sampler:
+                    return Sampler(model, tok, speculative="ngram", max_draft_tokens=k, speculative_fallback=fallback,
+                                   fast_verify=args.fast_verify == "on")
+                # the schedule's plain chunks where speculation misses the break-even, and every chunk speculating
+                specs = {"fallback": speculative(True), "always": speculative(False)}
                 plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
-                Sampler(model, tok, speculative="ngram", max_draft_tokens=k, **fast).generate(prompts, G, params)
+                speculative(False).generate(prompts, G, params)
                 s_plain, _, n_plain = timed_call(plain, prompts, params)
                 for call in ("first step", "later step (+ history)"):
-                    s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__,
-                                                                              "seed": 2 + len(rows)}))
-                    rows.append(dict(policy=policy, temperature=T, sequences=len(prompts) * G, k=k, call=call,
-                                     plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
-                                     speedup=(n / s) / (n_plain / s_plain),
-                                     accepted_per_step=stats["spec_accepted_per_step"],
-                                     hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
-                                     decode_steps=stats["decode_steps"], tokens=n))
-                    print(rows[-1], flush=True)
+                    seed = 2 + len(rows)  # (the same for both schedules)
+                    for schedule, spec in specs.items():
+                        s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__, "seed": seed}))
+                        rows.append(dict(policy=policy, temperature=T, sequences=len(prompts) * G, k=k, call=call,
+                                         schedule=schedule, plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
+                                         speedup=(n / s) / (n_plain / s_plain),
+                                         accepted_per_step=stats["spec_accepted_per_step"],
+                                         hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
+                                         fallbacks=stats["spec_fallbacks"], decode_steps=stats["decode_steps"],
+                                         tokens=n))
+                        print(rows[-1], flush=True)
     return rows
 
 
@@ -240,15 +246,18 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
                   + (f"; the untrained policy and the policy after {args.train_steps} GRPO steps, on learning_real.py's "
                      "held-out prompts. " if args.train_steps else ", untrained policy. ") +
-                  "Accepted / step: accepted drafts per sequence and verify step. Verify steps: "
+                  "Accepted / step: accepted drafts per sequence and verify step. Schedule: fallback, plain chunks "
+                  "while speculation misses the break-even (the default; verify steps / decode steps shows the "
+                  "share speculating); always, every chunk speculating. Verify steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",
-                  "| policy | temperature | sequences | k_max | call | plain tokens/s | speculative tokens/s | speed-up | "
-                  "accepted / step | hit rate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| policy | temperature | sequences | k_max | call | schedule | plain tokens/s | speculative tokens/s "
+                  "| speed-up | accepted / step | hit rate | verify steps / decode steps |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | "
-                  f"{r['plain_tokens_s']:.0f} | "
+                  f"{r['schedule']} | {r['plain_tokens_s']:.0f} | "
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
-                  f"{r['hit_rate']:.2f} |" for r in real]
+                  f"{r['hit_rate']:.2f} | {r['verify_steps']} / {r['decode_steps']} |" for r in real]
         lines.append("")
     if not cost:
         return lines
@@ -265,7 +274,8 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
         cells = []
         for k in args.k:
             a = next((r["accepted_per_step"] for r in reversed(real) if r["k"] == k and r["temperature"] == 1.0
-                      and r["call"].startswith("later")), None)  # (the trained policy's where it ran)
+                      and r["call"].startswith("later") and r["schedule"] == "always"),
+                     None)  # (the trained policy's where it ran)
             proj = "–" if a is None else f"{(1 + a) * c['step_s'] / c[f'verify_k{k}_s']:.2f}"
             cells.append(f"{1e3 * c[f'verify_k{k}_s']:.2f} | {1e3 * c[f'verify_forward_k{k}_s']:.2f} | "
                          f"{1e3 * c[f'twin_k{k}_s']:.2f} | {proj}")
