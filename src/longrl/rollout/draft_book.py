@@ -36,8 +36,8 @@ ProposerFactory = Callable[[list[int], int], GroupDrafts]  # (prompt token ids, 
 @dataclass
 class SpeculativeCounts:
     """A call's verify steps (forwards over drafted tokens), their rows (sequences checked), the tokens drafted and
-    the drafts accepted; the seconds spent in verify steps and in the plain decode steps of the same call (steps
-    where no sequence had a draft)."""
+    the drafts accepted; the seconds spent in verify steps and in the plain decode steps of the same call (with host
+    proposers, steps where no sequence had a draft; with device drafts, the schedule's plain chunks)."""
 
     verify_steps: int = 0
     verify_rows: int = 0
