@@ -8,7 +8,10 @@ of the same prompts does). Tokens/s of each, the speed-up, accepted drafts per v
 draft hit rate. The policy is the untrained one; with --train-steps N the same table follows for the policy after N
 GRPO steps on learning_real.py's arithmetic task (its hyper-parameters, LoRA r=16, trained in this process with
 ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy on the same prompts
-(the rollouts sample through the trained adapters, unmerged, as a run's next step does).
+(the rollouts sample through the trained adapters, unmerged, as a run's next step does). Speculative calls run
+with the default schedule (plain chunks while speculation misses its break-even) and with every chunk speculating.
+(iii), with (i): each setting's step anatomy, the wall time a decode step beside the GPU's kernel time and the
+launches a step (torch.profiler, CUDA only), plain and speculating: whether steps wait on the host.
 
 (ii) The 8B Llama shape with random weights (benchmarks/trl_baseline.py's llama-3.1-8b, bf16): one prompt of C
 tokens (1K, 16K) shared by R rows (8, 16, 32), in the sampler as a rollout runs it; the wall time of a plain decode
@@ -66,6 +69,32 @@ def timed_call(sampler, prompts, params) -> tuple[float, dict, int]:
     return time.perf_counter() - t, dict(sampler.last_stats), sum(len(c) for c in out.completion_ids)
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def step_anatomy(sampler, prompts, params) -> dict:
+    """What a decode step of one call costs the GPU: the call's kernel time and launches (CUDA graph launches count
+    one) over its decode steps, from torch.profiler (CUDA only: {} on the CPU). Beside the unprofiled wall time a
+    step, a kernel time far below it says the steps wait on the host (launches, Python), not on the GPU. A
+    failure is recorded, not raised (a GPU session is not lost to the profiler)."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sampler.generate(prompts, G, params)
+            sync()
+        events = prof.key_averages()
+        steps = max(1, sampler.last_stats["decode_steps"])
+        kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+        launches = sum(e.count for e in events if e.key in LAUNCHES)
+        return dict(kernel_ms_step=kernel_us / 1e3 / steps, launches_step=launches / steps)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return dict(profile_error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
 def task_prompts(tok, n: int) -> list[list[int]]:
     """n held-out prompts of learning_real.py's arithmetic task (the task --train-steps trains on)."""
     import learning_real as lr
@@ -115,18 +144,26 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
                 specs = {"fallback": speculative(True), "always": speculative(False)}
                 plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
                 speculative(False).generate(prompts, G, params)
-                s_plain, _, n_plain = timed_call(plain, prompts, params)
+                s_plain, plain_stats, n_plain = timed_call(plain, prompts, params)
+                # the step anatomy (iii): kernel time and launches a step of a plain and a speculating call
+                anatomy = {"plain": dict(wall_ms_step=1e3 * s_plain / plain_stats["decode_steps"],
+                                         **step_anatomy(plain, prompts, params))}
                 for call in ("first step", "later step (+ history)"):
                     seed = 2 + len(rows)  # (the same for both schedules)
                     for schedule, spec in specs.items():
                         s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__, "seed": seed}))
+                        if call == "first step" and schedule == "always":
+                            anatomy["speculative"] = dict(
+                                wall_ms_step=1e3 * s / stats["decode_steps"],
+                                **step_anatomy(speculative(False), prompts,
+                                               SamplingParams(**{**params.__dict__, "seed": seed})))
                         rows.append(dict(policy=policy, temperature=T, sequences=len(prompts) * G, k=k, call=call,
                                          schedule=schedule, plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
                                          speedup=(n / s) / (n_plain / s_plain),
                                          accepted_per_step=stats["spec_accepted_per_step"],
                                          hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
                                          fallbacks=stats["spec_fallbacks"], decode_steps=stats["decode_steps"],
-                                         tokens=n))
+                                         tokens=n, anatomy=anatomy if call == "first step" else None))
                         print(rows[-1], flush=True)
     return rows
 
@@ -236,6 +273,33 @@ def main() -> None:
     write_result(f"speculative_rollout_{gpu}{tag}", dict(meta=meta, real=real, verify=cost), lines)
 
 
+def anatomy_table(real: list[dict]) -> list[str]:
+    """(iii): wall ms a decode step (unprofiled calls) beside the GPU's kernel ms and the launches a step
+    (profiled calls; step_anatomy), plain and every chunk speculating."""
+    def cells(a: dict | None) -> str:
+        if not a:
+            return "– | – | –"
+        if "profile_error" in a:
+            return f"{a['wall_ms_step']:.2f} | {a['profile_error']} | –"
+        if "kernel_ms_step" not in a:
+            return f"{a['wall_ms_step']:.2f} | – | –"
+        return f"{a['wall_ms_step']:.2f} | {a['kernel_ms_step']:.2f} | {a['launches_step']:.0f}"
+
+    rows = [r for r in real if r.get("anatomy") and r["schedule"] == "always"]
+    if not rows:
+        return []
+    out = ["### (iii) Step anatomy: where a decode step's time goes", "",
+           "Wall ms a step: an unprofiled call's seconds over its decode steps. Kernel ms a step: the GPU's kernel "
+           "time over the steps of a profiled call of the same setting (torch.profiler; a CUDA graph's kernels "
+           "counted one by one), launches a step: kernel and graph launches. Kernel time far below the wall "
+           "time: the step waits on the host. (– on the CPU.)", "",
+           "| policy | temperature | sequences | k_max | plain: wall ms | kernel ms | launches | speculating: wall ms "
+           "| kernel ms | launches |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | "
+            f"{cells(r['anatomy'].get('plain'))} | {cells(r['anatomy'].get('speculative'))} |" for r in rows]
+    return out + [""]
+
+
 def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
     seconds = meta["seconds"]
     lines = ["# Speculative rollouts: SmolLM2 rollouts and the 8B verify step's cost", "",
@@ -259,6 +323,7 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
                   f"{r['hit_rate']:.2f} | {r['verify_steps']} / {r['decode_steps']} |" for r in real]
         lines.append("")
+        lines += anatomy_table(real)
     if not cost:
         return lines
     lines += ["## (ii) 8B shape (random weights): a verify step of k + 1 tokens against a one-token step", "",
