@@ -237,3 +237,34 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
         assert stats["spec_fast_verify_steps"] == stats["spec_verify_steps"] > 0 and stats["fast_decode"]
     assert check_verify_forward(True, kv_cache_dtype, device="cuda") == 8
     assert check_verify_forward(True, kv_cache_dtype, device="cuda", prompts=VERIFY_PROMPTS[2:], G=1) == 1
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.2])
+def test_a_queued_verify_step_never_waits_for_the_host(penalty):
+    """A queued speculative step (device drafts, the verify forward's CUDA graph, acceptance, kept tokens, draft
+    counts; with a repetition penalty, its token sets) runs with CUDA's synchronisation check set to error: nothing
+    in it reads the device from the host, so the steps of a chunk queue like plain decode steps."""
+    from test_speculative_sampler import peaked_model
+    from test_sampler import PROMPTS
+
+    from longrl.rollout.sampler import _Run
+
+    model, tok = peaked_model(seed=4)
+    sampler = Sampler(model.cuda(), tok, speculative="ngram", max_draft_tokens=3)
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=1, repetition_penalty=penalty)
+    with sampler.prepared():
+        run = _Run(sampler, PROMPTS, 4, params)
+        run._admit()
+        run._refresh_members()
+        batch = run._bucket(len(PROMPTS) * 4)
+        run._queued_verify(batch, 3, 40, run._fast_verify_fits(batch, 3))  # (captures its verify graph)
+        torch.cuda.synchronize()
+        before = run.state.generated[:batch].clone()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(4):
+                run._queued_verify(batch, 3, 40, run._fast_verify_fits(batch, 3))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert bool((run.state.generated[:batch] > before).any())  # the steps emitted tokens

@@ -46,11 +46,10 @@ class SpeculativeResult:
 def seen_with_drafts(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """The repetition penalty's token sets at the k + 1 verify positions: position i has seen the context's tokens
     (seen [B, V] bool) and d_1..d_i (drafts [B, k]). [B, k + 1, V]."""
-    B, k = drafts.shape
+    k = drafts.shape[1]
     out = seen[:, None, :].repeat(1, k + 1, 1)
-    for i in range(k):
-        out[torch.arange(B, device=seen.device), i + 1:, :] |= \
-            torch.nn.functional.one_hot(drafts[:, i], seen.shape[-1]).bool()[:, None]
+    for i in range(k):  # (a scatter, not one_hot, whose range check reads the device from the host)
+        out[:, i + 1:, :] |= torch.zeros_like(seen).scatter_(1, drafts[:, i:i + 1], True)[:, None]
     return out
 
 
