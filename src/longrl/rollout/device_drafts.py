@@ -12,7 +12,7 @@ completion's newest tokens are sources as soon as they are sampled, and a match 
 (what a member sampled right after the prompt is a candidate).
 
 A sequence's query is the last ``max_match`` tokens of its context (prompt ++ completion; NO_TOKEN before the
-context's start). A candidate is a position x of its entry's row with a token (≥ 0) at x whose L tokens before x
+context's start); the sampler's matches are 1 to 8 tokens (MIN_MATCH, MAX_MATCH). A candidate is a position x of its entry's row with a token (≥ 0) at x whose L tokens before x
 equal the query's last L (min_match ≤ L ≤ max_match; a match stops at a separator). The chosen candidate has the
 largest L; among equals, one inside the sequence's own completion, then the largest x. The drafts are the tokens
 from x on, at most k, up to the end of x's section. (The sequence's own last tokens never propose themselves: the
@@ -31,6 +31,11 @@ import torch.nn.functional as F
 SEPARATOR = -1  # between sections and after a completion's last token
 NO_TOKEN = -2  # a query position before the context's start: equal to no source token, separators included
 MATCH_ELEMENTS = 1 << 22  # rows × source positions compared at once (bounds the matcher's temporaries)
+# the sampler's matches: 1 to 8 tokens. One-token matches draft more often at no cost here (the passes compare every
+# position whatever the match length): 1.17-1.21 tokens a verify step against 1.11-1.15 with two-token matches at
+# temperature 1, 1.28-1.60 against 1.21-1.52 at 0.7, on SmolLM2's completions (benchmarks/draft_acceptance.py
+# --rule device; benchmarks/results/draft_acceptance_smollm2_device*_cpu.md)
+MIN_MATCH, MAX_MATCH = 1, 8
 
 
 def match_drafts(sources: torch.Tensor, entry: torch.Tensor, queries: torch.Tensor, own_start: torch.Tensor,
@@ -109,8 +114,8 @@ class DeviceDrafts:
     prompt, a separator), and the draft counters of the call's queued speculative steps (verify rows, drafted
     tokens, accepted drafts), read by the host at its syncs."""
 
-    def __init__(self, entries: int, max_prompt_len: int, history_tokens: int, device, min_match: int = 2,
-                 max_match: int = 8):
+    def __init__(self, entries: int, max_prompt_len: int, history_tokens: int, device, min_match: int = MIN_MATCH,
+                 max_match: int = MAX_MATCH):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match; got {min_match}, {max_match}")
         self.min_match, self.max_match, self.history = min_match, max_match, history_tokens
@@ -185,4 +190,4 @@ class DeviceDrafts:
         return drafts.clamp(min=0), found
 
 
-__all__ = ["DeviceDrafts", "NO_TOKEN", "SEPARATOR", "match_drafts", "match_drafts_reference"]
+__all__ = ["DeviceDrafts", "MAX_MATCH", "MIN_MATCH", "NO_TOKEN", "SEPARATOR", "match_drafts", "match_drafts_reference"]
