@@ -197,3 +197,26 @@ def test_a_call_drafts_from_the_prompts_earlier_completions():
     for p, prompt in enumerate(PROMPTS[:2]):
         kept = sampler.draft_history.completions(prompt)
         assert sorted(map(tuple, kept)) == sorted(tuple(c) for c in first.completion_ids[4 * p:4 * p + 4] if c)
+
+
+@pytest.mark.parametrize("base", ["nf4", "fp8"])
+def test_queued_speculation_on_a_quantized_base_gives_plain_greedy_tokens(base):
+    """A 4-bit (bitsandbytes NF4, where it runs on the CPU) or FP8 base with LoRA adapters that matter, sampled
+    through the fused adapters: queued speculative steps give plain greedy's tokens and log-probs."""
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from test_lora_fusion import randomise_adapters
+
+    from longrl.config import LoraConfig
+    from longrl.models import load_model
+
+    quantized = {"nf4": dict(load_in_4bit=True), "fp8": dict(load_in_fp8=True)}[base]
+    model, tok = load_model("builtin:tiny-arith", lora=LoraConfig(r=4), device="cpu", **quantized)
+    randomise_adapters(model, 3)
+    prompts = [tok(s, add_special_tokens=False)["input_ids"] for s in ("3+4=", "12+9=", "7+7=")]
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    plain = Sampler(model, tok).generate(prompts, 3, params)
+    sampler = Sampler(model, tok, speculative="ngram", speculative_fallback=False)
+    spec = sampler.generate(prompts, 3, params)
+    assert_same_rollout(spec, plain, tol=1e-4)
+    assert sampler.last_stats["spec_accepted_tokens"] > 0
