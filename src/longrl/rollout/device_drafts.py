@@ -59,10 +59,9 @@ def match_drafts(sources: torch.Tensor, entry: torch.Tensor, queries: torch.Tens
         src = sources[entry[rows]]  # [r, S]
         alive = torch.ones(src.shape, dtype=torch.bool, device=device)
         length = torch.zeros(src.shape, dtype=torch.int32, device=device)  # [r, S]: L at each position
-        for back in range(1, M + 1):  # src[:, x − back] against the query's back-th last token
-            before = F.pad(src[:, :S - back], (back, 0), value=SEPARATOR) if back < S else torch.full_like(
-                src, SEPARATOR)
-            alive &= before == queries[rows, M - back, None]
+        for back in range(1, min(M, S) + 1):  # src[:, x − back] against the query's back-th last token
+            alive[:, back - 1] = False  # (x < back: nothing back there)
+            alive[:, back:] &= src[:, :S - back] == queries[rows, M - back, None]
             length += alive
         candidate = (src >= 0) & (length >= min_match)  # [r, S]
         best = torch.where(candidate, length, 0).amax(1, keepdim=True)  # [r, 1]
