@@ -20,6 +20,7 @@ draft length with its acceptance.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
@@ -51,18 +52,23 @@ class AdaptiveK:
 class DraftHistory:
     """Completions of earlier steps, per prompt (keyed by its token ids), with bounded memory: at most
     ``max_tokens`` tokens a prompt (the oldest completions dropped first; one longer than the cap keeps its first
-    ``max_tokens``) and ``max_prompts`` prompts (the least recently used dropped)."""
+    ``max_tokens``) and ``max_prompts`` prompts (the least recently used dropped). Tokens are kept as 8-byte
+    machine integers (a Python list of ints costs about 36 bytes a token)."""
 
     def __init__(self, max_tokens: int = 16384, max_prompts: int = 4096):
         if max_tokens < 1 or max_prompts < 1:
             raise ValueError(f"max_tokens and max_prompts must be >= 1; got {max_tokens}, {max_prompts}")
         self.max_tokens, self.max_prompts = max_tokens, max_prompts
-        self._store: OrderedDict[tuple[int, ...], list[list[int]]] = OrderedDict()  # oldest completion first
+        self._store: OrderedDict[bytes, list[array]] = OrderedDict()  # prompt's bytes → oldest completion first
+
+    @staticmethod
+    def _key(prompt: list[int]) -> bytes:
+        return array("q", prompt).tobytes()
 
     def add(self, prompt: list[int], completions: list[list[int]]) -> None:
-        key = tuple(prompt)
+        key = self._key(prompt)
         kept = self._store.pop(key, [])
-        kept.extend(list(c[:self.max_tokens]) for c in completions if c)
+        kept.extend(array("q", c[:self.max_tokens]) for c in completions if len(c))
         total = sum(len(c) for c in kept)
         while total > self.max_tokens:
             total -= len(kept.pop(0))
@@ -72,11 +78,11 @@ class DraftHistory:
 
     def completions(self, prompt: list[int]) -> list[list[int]]:
         """The kept completions of ``prompt``, newest first."""
-        key = tuple(prompt)
+        key = self._key(prompt)
         if key not in self._store:
             return []
         self._store.move_to_end(key)
-        return list(reversed(self._store[key]))
+        return [c.tolist() for c in reversed(self._store[key])]
 
     def stored_tokens(self) -> int:
         return sum(len(c) for kept in self._store.values() for c in kept)
