@@ -137,11 +137,13 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
             for k in args.k:
                 plain = Sampler(model, tok)
 
-                def speculative(fallback: bool) -> Sampler:
+                def speculative(fallback: bool, graphs: bool = False) -> Sampler:
                     return Sampler(model, tok, speculative="ngram", max_draft_tokens=k, speculative_fallback=fallback,
-                                   fast_verify=args.fast_verify == "on")
-                # the schedule's plain chunks where speculation misses the break-even, and every chunk speculating
-                specs = {"fallback": speculative(True), "always": speculative(False)}
+                                   fast_verify=args.fast_verify == "on", speculative_graphs=graphs)
+                # the schedule's plain chunks where speculation misses the break-even, every chunk speculating, and
+                # that with each whole queued step a CUDA graph
+                specs = {"fallback": speculative(True), "always": speculative(False),
+                         "always, step graphs": speculative(False, graphs=True)}
                 plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
                 speculative(False).generate(prompts, G, params)
                 s_plain, plain_stats, n_plain = timed_call(plain, prompts, params)
@@ -152,18 +154,21 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
                     seed = 2 + len(rows)  # (the same for both schedules)
                     for schedule, spec in specs.items():
                         s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__, "seed": seed}))
-                        if call == "first step" and schedule == "always":
-                            anatomy["speculative"] = dict(
+                        if call == "first step" and schedule.startswith("always"):
+                            graphs = schedule != "always"
+                            anatomy["graphed" if graphs else "speculative"] = dict(
                                 wall_ms_step=1e3 * s / stats["decode_steps"],
-                                **step_anatomy(speculative(False), prompts,
+                                **step_anatomy(speculative(False, graphs), prompts,
                                                SamplingParams(**{**params.__dict__, "seed": seed})))
                         rows.append(dict(policy=policy, temperature=T, sequences=len(prompts) * G, k=k, call=call,
-                                         schedule=schedule, plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
+                                         schedule=schedule, step_graphs=stats.get("spec_step_graphs", 0),
+                                         plain_tokens_s=n_plain / s_plain, spec_tokens_s=n / s,
                                          speedup=(n / s) / (n_plain / s_plain),
                                          accepted_per_step=stats["spec_accepted_per_step"],
                                          hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
                                          fallbacks=stats["spec_fallbacks"], decode_steps=stats["decode_steps"],
-                                         tokens=n, anatomy=anatomy if call == "first step" else None))
+                                         tokens=n, anatomy=anatomy if call == "first step" and schedule == "always, step graphs"
+                         else None))
                         print(rows[-1], flush=True)
     return rows
 
@@ -285,7 +290,7 @@ def anatomy_table(real: list[dict]) -> list[str]:
             return f"{a['wall_ms_step']:.2f} | – | –"
         return f"{a['wall_ms_step']:.2f} | {a['kernel_ms_step']:.2f} | {a['launches_step']:.0f}"
 
-    rows = [r for r in real if r.get("anatomy") and r["schedule"] == "always"]
+    rows = [r for r in real if r.get("anatomy")]
     if not rows:
         return []
     out = ["### (iii) Step anatomy: where a decode step's time goes", "",
@@ -294,9 +299,11 @@ def anatomy_table(real: list[dict]) -> list[str]:
            "counted one by one), launches a step: kernel and graph launches. Kernel time far below the wall "
            "time: the step waits on the host. (– on the CPU.)", "",
            "| policy | temperature | sequences | k_max | plain: wall ms | kernel ms | launches | speculating: wall ms "
-           "| kernel ms | launches |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| kernel ms | launches | with step graphs: wall ms | kernel ms | launches |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     out += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | "
-            f"{cells(r['anatomy'].get('plain'))} | {cells(r['anatomy'].get('speculative'))} |" for r in rows]
+            f"{cells(r['anatomy'].get('plain'))} | {cells(r['anatomy'].get('speculative'))} | "
+            f"{cells(r['anatomy'].get('graphed'))} |" for r in rows]
     return out + [""]
 
 
@@ -312,7 +319,8 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                      "held-out prompts. " if args.train_steps else ", untrained policy. ") +
                   "Accepted / step: accepted drafts per sequence and verify step. Schedule: fallback, plain chunks "
                   "while speculation misses the break-even (the default; verify steps / decode steps shows the "
-                  "share speculating); always, every chunk speculating. Verify steps: "
+                  "share speculating); always, every chunk speculating; always, step graphs: and each whole queued "
+                  "step a CUDA graph (Sampler(speculative_graphs=True); on CUDA only). Verify steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",
                   "| policy | temperature | sequences | k_max | call | schedule | plain tokens/s | speculative tokens/s "

@@ -216,8 +216,8 @@ def test_packing_and_release_hold_one_group_of_extra_memory_at_most():
 def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, slots):
     """Verify steps as decode steps over virtual rows (the sampler's default on CUDA with Triton: graphs per batch
     bucket and draft count, the compiled kernels), random drafts of unequal counts and the n-gram proposer, continuous
-    batching (one slot: every verify step at batch 1, where the fault of 2026-12-05 was): plain greedy's tokens and
-    log-probs; then the verify forward's logits and writes against the extend forward's (test_fast_verify's check,
+    batching (one slot: every verify step at batch 1, where the fault of 2026-12-05 was), and whole queued steps
+    captured as graphs: plain greedy's tokens and log-probs; then the verify forward's logits and writes against the extend forward's (test_fast_verify's check,
     on the GPU's kernels), with several slots and with one."""
     from test_fast_verify import VERIFY_PROMPTS, check_verify_forward, random_drafts
     from test_speculative_sampler import assert_same_rollout, peaked_model
@@ -228,13 +228,16 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
     kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=per * (slots * 40 + 3 * 11) if slots else None)
     params = SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
     plain = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
-    for speculative in (random_drafts(5, 1), "ngram"):
-        sampler = Sampler(model, tok, speculative=speculative, **kw)  # the decode-path verify: the default on CUDA
+    # host drafts; device drafts, the verify forward a graph; device drafts, each whole queued step a graph
+    for speculative, whole in ((random_drafts(5, 1), False), ("ngram", False), ("ngram", True)):
+        sampler = Sampler(model, tok, speculative=speculative, speculative_graphs=whole, speculative_fallback=False,
+                          **kw)  # the decode-path verify: the default on CUDA
         assert sampler.cuda_graphs and sampler.fast_verify
         spec = sampler.generate(VERIFY_PROMPTS, 3, params)
         assert_same_rollout(spec, plain, tol=1e-4)
         stats = sampler.last_stats
         assert stats["spec_fast_verify_steps"] == stats["spec_verify_steps"] > 0 and stats["fast_decode"]
+        assert (stats.get("spec_step_graphs", 0) > 0) == whole
     assert check_verify_forward(True, kv_cache_dtype, device="cuda") == 8
     assert check_verify_forward(True, kv_cache_dtype, device="cuda", prompts=VERIFY_PROMPTS[2:], G=1) == 1
 

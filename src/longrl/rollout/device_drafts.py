@@ -155,16 +155,18 @@ class DeviceDrafts:
 
     def propose(self, tokens: torch.Tensor, generated: torch.Tensor, prompt_len: torch.Tensor,
                 entry: torch.Tensor, members: torch.Tensor, rows: torch.Tensor,
-                width: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                width: int, k: int, every_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [B, k] (0 after the found ones) and their counts found [B] for slots ``rows`` [B]: the slots'
         token rows tokens [slots, T] with generated [slots] of them real, prompt_len and entry [slots]; members
         [E, G] (the slots of each entry's sequences, −1: none); a member's section holds the prompt's last
-        max_match tokens and the member's first ``width`` tokens (at least any slot's count when they are read)."""
+        max_match tokens and the member's first ``width`` tokens (at least any slot's count when they are read).
+        every_column: all H history columns are read (a CUDA graph's fixed shape), not only those in use."""
         E, G = members.shape
         device = tokens.device
         width = min(width, tokens.shape[1])
         # the fixed parts without the history columns no entry uses yet
-        fixed = torch.cat([self.fixed[:, :max(self.filled)], self.fixed[:, self.history:]], dim=1)  # [E, F]
+        used = self.history if every_column else max(self.filled)
+        fixed = torch.cat([self.fixed[:, :used], self.fixed[:, self.history:]], dim=1)  # [E, F]
         M = self.max_match
         back = torch.arange(M, device=device) - M  # [M]: −M … −1
         tail_at = self.prompt_len[:, None] + back  # [E, M]: the prompt's last M tokens (< 0: before its start)

@@ -115,6 +115,9 @@ class Sampler:
     a time like plain ones; or a factory (prompt ids, G) → a group's proposer on the host
     (rollout/draft_book.py :class:`GroupDrafts`), asked before every step. speculative_fallback: with "ngram",
     chunks of plain steps while speculation does not pay (rollout/spec_schedule.py); False: every chunk speculates.
+    speculative_graphs: with "ngram" and CUDA graphs, a whole queued verify step (drafts, forward, acceptance, kept
+    tokens) replays as one CUDA graph (rollout/verify_steps.py _queued_graph); off (the default until measured on a
+    GPU): the verify forward alone is a graph and the rest launches eagerly.
     nf4_kernel / fp8_kernel: with fast_decode and Triton, decode products over an NF4 / FP8 base read the quantized
     weights directly (ops/nf4_matmul.py, ops/fp8_matmul.py; FastDecoder.prepare_quantized); off, or where a
     shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
@@ -129,7 +132,8 @@ class Sampler:
                  sync_every: int = 16, prefill_tokens: int = 16384, fuse_lora: bool = True, fast_decode: bool = True,
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
-                 fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True):
+                 fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True,
+                 speculative_graphs: bool = False):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -155,6 +159,7 @@ class Sampler:
         self.new_draft_group: ProposerFactory | None = speculative if callable(speculative) else None
         self.device_drafting = speculative == "ngram"  # drafts on the device (queued speculative steps)
         self.max_draft_tokens, self.speculative_fallback = max_draft_tokens, speculative_fallback
+        self.speculative_graphs = speculative_graphs and self.cuda_graphs
         self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS) if self.device_drafting else None
 
     @property
@@ -333,8 +338,10 @@ class _Run(VerifySteps):
         self.entry_delta = torch.zeros(self.num_entries, dtype=torch.long, device=device)
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
         self.buckets = batch_buckets(self.num_slots)
-        # batch bucket → its captured decode forward; ("verify", bucket, k) → its verify forward (_verify_forward)
+        # batch bucket → its captured decode forward; ("verify", bucket, k) → its verify forward (_verify_forward);
+        # ("queued", bucket, k, width) → a whole queued verify step (verify_steps._queued_graph)
         self.graphs: dict = {}
+        self.graphs_seen: set = set()  # queued verify steps' keys run once eagerly (_queued_graph captures the next)
         self.verify_drafts: dict[int, torch.Tensor] = {}  # k → [slots, k] long: a fast verify step's drafts (input)
         self.verify_logits: torch.Tensor | None = None  # [rows, V] float32: a fast verify step's logits (output)
         self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None

@@ -52,8 +52,14 @@ class VerifySteps:
         # the completion columns the drafts read: every token this chunk can reach
         width = min(self.max_tokens, max(self.host.generated[i] for i in decoding) + steps * (k + 1))
         fast = self._fast_verify_fits(batch, k)
+        whole = fast and self.sampler.speculative_graphs
+        if whole:  # a graph's source width: the next power of two (few captures a call)
+            width = min(self.max_tokens, 1 << max(0, width - 1).bit_length())
         for _ in range(steps):
-            self._queued_verify(batch, k, width, fast)
+            if whole:
+                self._queued_graph(batch, k, width)
+            else:
+                self._queued_verify(batch, k, width, fast)
         next_k = torch.where(state.active[:batch], state.draft_k[:batch], 1).amax()
         rows, drafted, accepted, next_k = torch.cat([self.device_drafts.counts, next_k[None]]).tolist()
         self.device_drafts.counts.zero_()
@@ -67,6 +73,26 @@ class VerifySteps:
         self.spec_k = max(1, next_k)
         return steps
 
+    def _queued_graph(self, batch: int, k: int, width: int) -> None:
+        """A queued verify step replayed as one CUDA graph a (batch, k, width): its first step runs eagerly (kernels
+        built, the verify forward's own graph captured, buffers allocated), the second is captured whole and
+        replayed, the later ones replayed. The graph reads and writes only the call's persistent tensors (the slots'
+        state, the cache, the draft sources and counters), so a replay is the step on the state it finds."""
+        self._verify_buffers(batch, k)  # (outside the capture; a new logits buffer drops the graphs using the old)
+        key = ("queued", batch, k, width)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self.graphs_seen:
+                self.graphs_seen.add(key)
+                self._queued_verify(batch, k, width, True)
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._queued_verify(batch, k, width, True, whole_graph=True)
+            self.graphs[key] = graph
+            self.stats["spec_step_graphs"] = self.stats.get("spec_step_graphs", 0) + 1
+        graph.replay()
+
     def _verify_cost_ratio(self, k: int, decoding: list[int]) -> float:
         """spec_schedule.verify_cost_ratio for the decoding slots' sequences now (the host's token counts)."""
         sampler = self.sampler
@@ -79,19 +105,22 @@ class VerifySteps:
         own_kv = kv_token * sum(self.host.generated[i] for i in decoding)
         return verify_cost_ratio(self.weight_bytes, prompt_kv, own_kv, k)
 
-    def _queued_verify(self, batch: int, k: int, width: int, fast: bool) -> None:
+    def _queued_verify(self, batch: int, k: int, width: int, fast: bool, whole_graph: bool = False) -> None:
         """One verify step over slots 0 … batch−1 with the device's drafts (device_drafts.DeviceDrafts.propose):
         row b checks its first min(found, draft_k, room) drafts, 0 where it does not decode (its state unchanged).
-        Device work only; the same forward as _verify (the decode path over virtual rows, or the extend forward)."""
+        Device work only; the same forward as _verify (the decode path over virtual rows, or the extend forward).
+        whole_graph: the step is being captured whole (_queued_graph): the forward runs inline and the drafts read
+        every history column (a graph's shapes are fixed)."""
         sampler, state, device = self.sampler, self.state, self.sampler.device
         rows = torch.arange(batch, device=device)
         drafts, found = self.device_drafts.propose(state.tokens, state.generated, state.prompt_len,
-                                                   state.prefix_entry, self.members, rows, width, k)  # [batch, k]
+                                                   state.prefix_entry, self.members, rows, width, k,
+                                                   every_column=whole_graph)  # [batch, k]
         act = state.active[:batch]
         room = (state.turn_limit[:batch] - state.generated[:batch] - 1).clamp(min=0)  # after the one always sampled
         lengths = torch.minimum(torch.minimum(found, state.draft_k[:batch]), room) * act  # [batch]
         if fast:
-            self._accept_queued(rows, drafts, lengths, self._fast_verify(batch, k, drafts))
+            self._accept_queued(rows, drafts, lengths, self._fast_verify(batch, k, drafts, graph=not whole_graph))
             return
         vocab = sampler.head.weight.shape[0]
         per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
@@ -223,10 +252,9 @@ class VerifySteps:
         vocab = self.sampler.head.weight.shape[0]
         return self.sampler.fast_verify and batch * (k + 1) * vocab * 4 <= EXTEND_WORKSPACE_BYTES
 
-    def _fast_verify(self, batch: int, k: int, drafts: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, k + 1, V] of a verify forward over slots 0 … batch−1 on the decode path (a CUDA graph per
-        (batch, k) when the sampler uses graphs) of drafts [batch, k] (on the device), copied into the step's input
-        buffer first."""
+    def _verify_buffers(self, batch: int, k: int) -> None:
+        """The fast verify's input (drafts [slots, k]) and output (logits) buffers for batch rows of k drafts,
+        allocated outside any capture; a larger logits buffer drops the graphs that wrote the old one."""
         sampler, device = self.sampler, self.sampler.device
         vocab, width = sampler.head.weight.shape[0], k + 1
         if k not in self.verify_drafts:
@@ -236,8 +264,18 @@ class VerifySteps:
             # every slot's rows, within the extend workspace (which _verify checked batch · width fits in)
             rows = min(self.num_slots * width, EXTEND_WORKSPACE_BYTES // (vocab * 4))
             self.verify_logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+
+    def _fast_verify(self, batch: int, k: int, drafts: torch.Tensor, graph: bool = True) -> torch.Tensor:
+        """Logits [batch, k + 1, V] of a verify forward over slots 0 … batch−1 on the decode path of drafts
+        [batch, k] (on the device), copied into the step's input buffer first: a CUDA graph per (batch, k) when the
+        sampler uses graphs and ``graph`` (False: the forward inline, as inside a whole step's capture)."""
+        vocab, width = self.sampler.head.weight.shape[0], k + 1
+        self._verify_buffers(batch, k)
         self.verify_drafts[k][:batch].copy_(drafts)
-        self._run_graph(("verify", batch, k), lambda: self._verify_forward(batch, k))
+        if graph:
+            self._run_graph(("verify", batch, k), lambda: self._verify_forward(batch, k))
+        else:
+            self._verify_forward(batch, k)
         return self.verify_logits[:batch * width].view(batch, width, vocab)
 
     def _verify_forward(self, batch: int, k: int) -> None:
