@@ -241,11 +241,12 @@ SAMPLER_CHECK = textwrap.dedent('''
     model, tok = peaked_model(seed=2)
     params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(3,))
     plain = Sampler(model, tok).generate(VERIFY_PROMPTS, 2, params)
-    sampler = Sampler(model, tok, speculative=random_drafts(4, 3), fast_verify=True)
-    sampler.use_triton = True
-    spec = sampler.generate(VERIFY_PROMPTS, 2, params)
-    assert spec.completion_ids == plain.completion_ids, (spec.completion_ids, plain.completion_ids)
-    assert sampler.last_stats["spec_fast_verify_steps"] == sampler.last_stats["spec_verify_steps"] > 0
+    for speculative in (random_drafts(4, 3), "ngram"):  # host drafts; device drafts in queued chunks
+        sampler = Sampler(model, tok, speculative=speculative, fast_verify=True, speculative_fallback=False)
+        sampler.use_triton = True
+        spec = sampler.generate(VERIFY_PROMPTS, 2, params)
+        assert spec.completion_ids == plain.completion_ids, (spec.completion_ids, plain.completion_ids)
+        assert sampler.last_stats["spec_fast_verify_steps"] == sampler.last_stats["spec_verify_steps"] > 0
     print("sampler ok")
 ''')
 
