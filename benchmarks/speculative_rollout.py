@@ -167,7 +167,7 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
                                          accepted_per_step=stats["spec_accepted_per_step"],
                                          hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
                                          fallbacks=stats["spec_fallbacks"], decode_steps=stats["decode_steps"],
-                                         tokens=n, anatomy=anatomy if call == "first step" and schedule == "always, step graphs"
+                                         tokens=n, plain_tokens=n_plain, completions=len(prompts) * G, anatomy=anatomy if call == "first step" and schedule == "always, step graphs"
                          else None))
                         print(rows[-1], flush=True)
     return rows
@@ -317,19 +317,23 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
                   + (f"; the untrained policy and the policy after {args.train_steps} GRPO steps, on learning_real.py's "
                      "held-out prompts. " if args.train_steps else ", untrained policy. ") +
-                  "Accepted / step: accepted drafts per sequence and verify step. Schedule: fallback, plain chunks "
+                  "Accepted / step: accepted drafts per sequence and verify step. Mean length: tokens a completion "
+                  "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
+                  "fallback, plain chunks "
                   "while speculation misses the break-even (the default; verify steps / decode steps shows the "
                   "share speculating); always, every chunk speculating; always, step graphs: and each whole queued "
                   "step a CUDA graph (Sampler(speculative_graphs=True); on CUDA only). Verify steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",
                   "| policy | temperature | sequences | k_max | call | schedule | plain tokens/s | speculative tokens/s "
-                  "| speed-up | accepted / step | hit rate | verify steps / decode steps |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| speed-up | accepted / step | hit rate | verify steps / decode steps | mean length, plain / "
+                  "speculative |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | "
                   f"{r['schedule']} | {r['plain_tokens_s']:.0f} | "
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
-                  f"{r['hit_rate']:.2f} | {r['verify_steps']} / {r['decode_steps']} |" for r in real]
+                  f"{r['hit_rate']:.2f} | {r['verify_steps']} / {r['decode_steps']} | "
+                  f"{r['plain_tokens'] / r['completions']:.1f} / {r['tokens'] / r['completions']:.1f} |" for r in real]
         lines.append("")
         lines += anatomy_table(real)
     if not cost:
