@@ -51,7 +51,7 @@ from results_io import run_meta, write_result  # noqa: E402
 
 from longrl.rollout.device_drafts import MAX_MATCH, MIN_MATCH, DeviceDrafts  # noqa: E402
 from longrl.rollout.drafts import AdaptiveK, DraftHistory, GroupProposer  # noqa: E402
-from longrl.rollout.sampler import DRAFT_HISTORY_TOKENS  # noqa: E402
+from longrl.memory.planner import DRAFT_HISTORY_TOKENS  # noqa: E402
 from longrl.rollout.sampling import SamplingParams  # noqa: E402
 from longrl.rollout.speculative import processed_logprobs  # noqa: E402
 

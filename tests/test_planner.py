@@ -767,3 +767,49 @@ def test_saved_config_is_the_users_and_the_layout_is_saved_beside_it(tmp_path):
     trainer.train()
     saved = load_config(tmp_path / "sft" / "config.yaml")
     assert saved.to_dict() == asked.to_dict() and saved.train.max_steps == asked.train.max_steps
+
+
+def test_speculative_rollouts_count_their_verify_logits_and_drafts():
+    """Speculative rollouts add the verify step's float32 logits of k + 1 positions a sequence (capped by the extend
+    workspace), the device drafts' sources and the matcher's temporaries to the rollout's fixed memory, as the
+    sampler sizes its KV cache; the KV cache gets what is left; a config with generation.speculative plans them."""
+    from transformers import LlamaConfig
+
+    from longrl.config import load_config
+    from longrl.memory.planner import EXTEND_WORKSPACE_BYTES, plan_for_config, speculative_workspace_bytes
+
+    key = "speculative (verify logits, drafts)"
+    kw = dict(prompts=4, G=8, prompt_len=512, completion_len=4096, lora_r=32, weight_bytes=2, compute_bytes=2,
+              gpu_free_bytes=139 * GIB)
+    plain, spec = plan_rollout(LLAMA_8B, **kw), plan_rollout(LLAMA_8B, **kw, speculative_drafts=4)
+    assert key not in plain.parts_gpu_bytes and spec.parts_gpu_bytes[key] > 32 * 5 * LLAMA_8B.vocab * 4
+    assert (spec.predicted_gpu_bytes - spec.parts_gpu_bytes["KV cache"]
+            == plain.predicted_gpu_bytes - plain.parts_gpu_bytes["KV cache"] + spec.parts_gpu_bytes[key])
+    slots = [(plan_rollout(LLAMA_8B, **dict(kw, gpu_free_bytes=b * GIB // 8), speculative_drafts=4).slots,
+              plan_rollout(LLAMA_8B, **dict(kw, gpu_free_bytes=b * GIB // 8)).slots) for b in range(8 * 21, 8 * 25)]
+    assert all(a <= b for a, b in slots) and any(a < b for a, b in slots)  # tight budgets: fewer slots
+    few, many = (speculative_workspace_bytes(LLAMA_8B.vocab, n, 4, 1, 512, 1024, 8192) for n in (8, 4096))
+    assert few - speculative_workspace_bytes(LLAMA_8B.vocab, 8, 4, 1, 512, 1024, 0) == 8192 * 8  # the history
+    assert many - speculative_workspace_bytes(LLAMA_8B.vocab, 4096, 1, 1, 512, 1024, 8192) == 0  # logits capped
+    assert many >= EXTEND_WORKSPACE_BYTES
+    model = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+    for speculative, counted in (([], False), (["generation.speculative=ngram"], True)):  # (off: the default)
+        cfg = load_config(overrides=speculative + ["rewards=[{function: 'longrl.tasks.arithmetic:format_reward'}]"])
+        assert (key in plan_for_config(cfg, model, 139 * GIB, 500 * GIB).rollout.parts_gpu_bytes) == counted
+
+
+def test_the_sampler_sizes_its_kv_cache_after_the_speculative_workspace():
+    from test_sampler import PROMPTS, tiny_model
+
+    from longrl.memory.planner import DRAFT_HISTORY_TOKENS, speculative_workspace_bytes
+    from longrl.rollout import Sampler, SamplingParams
+    from longrl.rollout.sampler import _Run
+
+    model, tok = tiny_model(seed=0)
+    params = SamplingParams(max_new_tokens=12)
+    plain, spec = (_Run(Sampler(model, tok, speculative=s, max_draft_tokens=3), PROMPTS, 4, params)
+                   for s in ("off", "ngram"))
+    want = speculative_workspace_bytes(model.config.vocab_size, len(PROMPTS) * 4, 3, len(PROMPTS),
+                                       max(map(len, PROMPTS)), 12, DRAFT_HISTORY_TOKENS)
+    assert spec._workspace_bytes() - plain._workspace_bytes() == want > 0

@@ -282,6 +282,14 @@ def kv_bytes_per_token(shape: ModelShape, compute_bytes: int, fp8: bool = False)
     return 2 * shape.layers * shape.kv_dim * compute_bytes
 
 
+EXTEND_WORKSPACE_BYTES = 1 << 30  # transient memory of one extend forward (a layer's gathered K/V, scores; a verify
+#                                   step's float32 logits)
+# speculative rollouts' draft history (earlier completions of a prompt): tokens kept a prompt (also the device drafts'
+# history columns a prompt), prompts kept (host memory)
+DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS = 8192, 1024
+# speculative rollouts' device drafts (rollout/device_drafts.py): positions compared at once, and their temporaries
+# (the gathered sources, match masks and lengths, ranks: int64 and int32 tensors and their intermediates)
+MATCH_ELEMENTS, MATCH_BYTES_PER_ELEMENT = 1 << 22, 64
 SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, scaled logits, probabilities, logsumexp's temporary; top-p's sort
 # (values, int64 indices, cumulative sum)
 SAMPLING_CHUNK_BYTES = 512 << 20  # temporaries of the rows sampled together
@@ -304,6 +312,18 @@ def sampler_workspace_bytes(hidden: int, intermediate: int, vocab: int, sequence
     rows."""
     return (prefill_tokens * (6 * hidden + 3 * intermediate) * compute_bytes + sequences * vocab * 4
             + min(sequences, sampling_rows(vocab)) * vocab * SAMPLING_BYTES_PER_LOGIT + (256 << 20))
+
+
+def speculative_workspace_bytes(vocab: int, sequences: int, k: int, prompts: int, prompt_len: int,
+                                completion_len: int, history_tokens: int) -> int:
+    """Speculative rollouts' memory beside the plain sampler's: the verify step's float32 logits of every sequence's
+    k + 1 positions (within EXTEND_WORKSPACE_BYTES), the device drafts' fixed sources (each prompt's history and
+    prompt, int64), a step's sections of the members' completions (three int64 copies) and the matcher's
+    temporaries (MATCH_ELEMENTS positions). The acceptance's temporaries stay within the sampling chunk's."""
+    logits = min(sequences * (k + 1) * vocab * 4, EXTEND_WORKSPACE_BYTES)
+    fixed = prompts * (history_tokens + prompt_len + 2) * 8
+    sections = 3 * sequences * (completion_len + 9) * 8
+    return logits + fixed + sections + MATCH_ELEMENTS * MATCH_BYTES_PER_ELEMENT
 
 
 def prefix_entries(slots: int, prompts: int, G: int) -> int:
@@ -334,14 +354,16 @@ def max_rollout_slots(room: int, *, sequences: int, **kv) -> int:
 def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, completion_len: int, lora_r: int,
                  weight_bytes: float, compute_bytes: int, gpu_free_bytes: int,
                  prefill_tokens: int = 16384, nf4_scales: bool = False, trainable_base: bool = False,
-                 kv_fp8: bool = False, kv_cache_bytes: int = 0, weight_shards: int = 1) -> RolloutPlan:
+                 kv_fp8: bool = False, kv_cache_bytes: int = 0, weight_shards: int = 1,
+                 speculative_drafts: int = 0) -> RolloutPlan:
     """Predicted GPU memory of the rollout phase and how many sequences decode at once (see the module docstring).
     ``nf4_scales``: the NF4 decode product's float32 block scales (4 bytes per 64 base parameters, an upper bound:
     16-bit exceptions have none). ``trainable_base``: Adam's moments of every base weight stay through the rollout
     (gradients are freed). ``kv_fp8``: an FP8 KV cache (kv_bytes_per_token). ``kv_cache_bytes``: the KV budget the
     user set (generation.kv_cache_gib; 0: what is left), a PlanError when more than is left. ``weight_shards`` > 1
     (FSDP2 over that many ranks): the sampler reads the full weights, unsharded for the rollout beside each rank's
-    shards; the Adam moments are sharded."""
+    shards; the Adam moments are sharded. ``speculative_drafts`` k > 0: speculative rollouts of up to k drafts
+    (speculative_workspace_bytes)."""
     n = prompts * G
     kv = dict(prompts=prompts, G=G, prompt_len=prompt_len, completion_len=completion_len,
               kv_token=kv_bytes_per_token(shape, compute_bytes, kv_fp8),
@@ -352,6 +374,9 @@ def plan_rollout(shape: ModelShape, *, prompts: int, G: int, prompt_len: int, co
              "workspace": sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, n,
                                                   prefill_forward_tokens(prefill_tokens, prompts, prompt_len),
                                                   compute_bytes)}
+    if speculative_drafts:
+        fixed["speculative (verify logits, drafts)"] = speculative_workspace_bytes(
+            shape.vocab, n, speculative_drafts, prompts, prompt_len, completion_len, DRAFT_HISTORY_TOKENS)
     if nf4_scales:
         fixed["NF4 block scales"] = shape.base_params() * 4 // 64
     if trainable_base:
@@ -1004,7 +1029,8 @@ def plan_for_config(cfg, model_config, gpu_free_bytes: int, host_free_bytes: int
                                         compute_bytes=compute, gpu_free_bytes=gpu_free_bytes,
                                         nf4_scales=cfg.model.load_in_4bit and gen.nf4_kernel,
                                         trainable_base=not cfg.lora.enabled, kv_fp8=gen.kv_cache_dtype == "fp8",
-                                        kv_cache_bytes=int(gen.kv_cache_gib * GIB), weight_shards=shards)
+                                        kv_cache_bytes=int(gen.kv_cache_gib * GIB), weight_shards=shards,
+                                        speculative_drafts=gen.max_draft_tokens if gen.speculative != "off" else 0)
     except PlanError as e:
         text = f"{e}{reference.way_out() if reference is not None else ''}"
         if cfg.train.gpu_memory_gib > 0:

@@ -28,8 +28,6 @@ import torch.nn.functional as F
 from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, store_rows, value_capacity
 
 SAMPLER_ATTENTION = "longrl_sampler"
-EXTEND_WORKSPACE_BYTES = 1 << 30  # transient memory of one extend forward (a layer's gathered K/V, scores; a verify
-#                                   step's float32 logits)
 
 
 @dataclass

@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..memory.planner import MATCH_ELEMENTS  # rows × source positions compared at once (the planner counts them)
+
 SEPARATOR = -1  # between sections and after a completion's last token
 NO_TOKEN = -2  # a query position before the context's start: equal to no source token, separators included
-MATCH_ELEMENTS = 1 << 22  # rows × source positions compared at once (bounds the matcher's temporaries)
 # the sampler's matches: 1 to 8 tokens. One-token matches draft more often at no cost here (the passes compare every
 # position whatever the match length): 1.17-1.21 tokens a verify step against 1.11-1.15 with two-token matches at
 # temperature 1, 1.28-1.60 against 1.21-1.52 at 0.7, on SmolLM2's completions (benchmarks/draft_acceptance.py

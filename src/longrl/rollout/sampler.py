@@ -29,15 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.planner import (ModelShape, max_rollout_slots, prefill_forward_tokens, prefix_entries,
-                              rollout_kv_bytes, sampler_workspace_bytes)
+from ..memory.planner import (DRAFT_HISTORY_PROMPTS, DRAFT_HISTORY_TOKENS, EXTEND_WORKSPACE_BYTES, ModelShape,
+                              max_rollout_slots, prefill_forward_tokens, prefix_entries, rollout_kv_bytes,
+                              sampler_workspace_bytes, speculative_workspace_bytes)
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
 from ..models.vision import (FeatureCache, Placement, VisionPrompt, image_block_mask, language_model_inputs,
                              require_vision, vision_family)
 from ..ops.logprobs import head_logits
-from .attention import (EXTEND_WORKSPACE_BYTES, SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta,
-                        register_sampler_attention, unsupported_reason)
+from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
+                        unsupported_reason)
 from .device_drafts import DeviceDrafts
 from .draft_book import DraftBook, ProposerFactory, SpeculativeCounts
 from .drafts import DraftHistory
@@ -50,10 +51,6 @@ from .spec_schedule import SpeculationSchedule
 from .verify_steps import VerifySteps
 
 log = logging.getLogger(__name__)
-
-
-# speculative rollouts' draft history (earlier completions of a prompt, host memory): tokens kept a prompt, prompts kept
-DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS = 8192, 1024
 
 
 class SamplerUnsupported(RuntimeError):
@@ -400,8 +397,13 @@ class _Run(VerifySteps):
         shape = ModelShape.from_config(base_model(sampler.model).config)
         itemsize = torch.empty((), dtype=sampler.compute_dtype).element_size()
         prefill = prefill_forward_tokens(sampler.prefill_tokens, len(self.prompts), self.max_prompt_len)
-        return sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.num_sequences, prefill,
-                                       itemsize)
+        plain = sampler_workspace_bytes(shape.hidden, shape.intermediate, shape.vocab, self.num_sequences, prefill,
+                                        itemsize)
+        if not sampler.speculative:
+            return plain
+        return plain + speculative_workspace_bytes(shape.vocab, self.num_sequences, sampler.max_draft_tokens,
+                                                   len(self.prompts), self.max_prompt_len, self.max_tokens,
+                                                   DRAFT_HISTORY_TOKENS)
 
     def _bucket(self, slots: int) -> int:
         """The smallest decode batch size that covers slots 0 … ``slots``−1."""

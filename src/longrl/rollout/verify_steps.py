@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from ..memory.planner import sampling_rows
+from ..memory.planner import EXTEND_WORKSPACE_BYTES, sampling_rows
 from ..models.policy import pad_right
-from .attention import EXTEND_WORKSPACE_BYTES, KVCache, verify_meta
+from .attention import KVCache, verify_meta
 from .draft_book import kept_counts
 from .spec_schedule import verify_cost_ratio
 from .speculative import SpeculativeResult, speculative_step
