@@ -104,3 +104,21 @@ def test_k_adapts_within_bounds():
     assert a.k == 1
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(0)
+
+
+def test_device_draft_counts_adapt_as_adaptive_k():
+    """adapted_draft_counts (the queued steps' tensor form) against AdaptiveK.update on every (k, drafted, accepted)
+    with k_max 1-5, drafted 0-k and accepted 0-drafted."""
+    import torch
+
+    from longrl.rollout.drafts import adapted_draft_counts
+
+    for k_max in range(1, 6):
+        cases = [(k, d, a) for k in range(1, k_max + 1) for d in range(k + 1) for a in range(d + 1)]
+        want = []
+        for k, d, a in cases:
+            adaptive = AdaptiveK(k_max, start=k)
+            adaptive.update(d, a)
+            want.append(adaptive.k)
+        k, d, a = (torch.tensor(c) for c in zip(*cases))
+        assert adapted_draft_counts(k, d, a, k_max).tolist() == want

@@ -12,8 +12,8 @@ completion's newest tokens are sources as soon as they are sampled, and a match 
 (what a member sampled right after the prompt is a candidate).
 
 A sequence's query is the last ``max_match`` tokens of its context (prompt ++ completion; NO_TOKEN before the
-context's start); the sampler's matches are 1 to 8 tokens (MIN_MATCH, MAX_MATCH). A candidate is a position x of its entry's row with a token (≥ 0) at x whose L tokens before x
-equal the query's last L (min_match ≤ L ≤ max_match; a match stops at a separator). The chosen candidate has the
+context's start); the sampler's matches are 1 to 8 tokens (MIN_MATCH, MAX_MATCH). A candidate is a position x of its
+entry's row with a token (≥ 0) at x whose L tokens before x equal the query's last L (min_match ≤ L ≤ max_match; a match stops at a separator). The chosen candidate has the
 largest L; among equals, one inside the sequence's own completion, then the largest x. The drafts are the tokens
 from x on, at most k, up to the end of x's section. (The sequence's own last tokens never propose themselves: the
 position after its completion holds a separator.) :func:`match_drafts` is the rule in tensor operations over all
@@ -124,6 +124,8 @@ class DeviceDrafts:
                                 device=device)
         self.filled = [0] * entries  # history columns in use, per entry (host)
         self.prompt_len = torch.zeros(entries, dtype=torch.long, device=device)
+        # each entry's prompt's last max_match tokens (SEPARATOR before its start): every member section's head
+        self.tail = torch.full((entries, max_match), SEPARATOR, dtype=torch.long, device=device)
         self.counts = torch.zeros(3, dtype=torch.long, device=device)  # verify rows, drafted, accepted
 
     def open_entry(self, entry: int, prompt: list[int], earlier: list[list[int]]) -> None:
@@ -142,6 +144,8 @@ class DeviceDrafts:
         row[self.prompt_at:self.prompt_at + len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
         self.filled[entry] = used
         self.prompt_len[entry] = len(prompt)
+        tail = list(prompt)[-self.max_match:]
+        self.tail[entry] = torch.tensor([SEPARATOR] * (self.max_match - len(tail)) + tail, dtype=torch.long)
 
     def add_finished(self, entry: int, tokens: torch.Tensor) -> None:
         """A finished completion of the entry's group (tokens [n] on the device) joins its history section with a
@@ -169,20 +173,18 @@ class DeviceDrafts:
         used = self.history if every_column else max(self.filled)
         fixed = torch.cat([self.fixed[:, :used], self.fixed[:, self.history:]], dim=1)  # [E, F]
         M = self.max_match
-        back = torch.arange(M, device=device) - M  # [M]: −M … −1
-        tail_at = self.prompt_len[:, None] + back  # [E, M]: the prompt's last M tokens (< 0: before its start)
-        tail = torch.where(tail_at >= 0, self.fixed.gather(1, self.prompt_at + tail_at.clamp(min=0)), SEPARATOR)
         member = members.clamp(min=0)  # [E, G]
         column = torch.arange(width, device=device)
         real = (members >= 0)[:, :, None] & (column < generated[member][:, :, None])  # [E, G, width]
         completions = torch.where(real, tokens[member, :width], SEPARATOR)
-        sections = torch.cat([tail[:, None].expand(E, G, M), completions], dim=2)  # [E, G, M + width]
+        sections = torch.cat([self.tail[:, None].expand(E, G, M), completions], dim=2)  # [E, G, M + width]
         sections = F.pad(sections, (0, 1), value=SEPARATOR).flatten(1)  # [E, G·(M + width + 1)]
         sources = torch.cat([fixed, sections], dim=1)  # [E, S]
         row_entry = entry[rows]  # [B]
         own = (members[row_entry] == rows[:, None]).long().argmax(1)  # [B]: the slot's member index
         own_start = fixed.shape[1] + own * (M + width + 1) + M  # its completion's first column
         own_end = own_start + generated[rows].clamp(max=width)
+        back = torch.arange(M, device=device) - M  # [M]: −M … −1
         at = generated[rows, None] + back  # [B, M]: completion index of each query token (< 0: in the prompt)
         from_completion = tokens[rows[:, None], at.clamp(min=0)]
         in_prompt = prompt_len[rows, None] + at  # its prompt index there

@@ -24,6 +24,8 @@ from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class AdaptiveK:
@@ -47,6 +49,14 @@ class AdaptiveK:
             self.k = min(self.k_max, self.k + 1)
         elif 2 * accepted < drafted:
             self.k = max(1, self.k - 1)
+
+
+def adapted_draft_counts(k: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor, k_max: int) -> torch.Tensor:
+    """:meth:`AdaptiveK.update` on the device, for rows with draft counts k [B] after a verify step that checked
+    drafted [B] tokens (0: no change) and accepted the first accepted [B] of them. No host synchronisation."""
+    tried = drafted > 0
+    step = (tried & (accepted >= drafted)).long() - (tried & (2 * accepted < drafted)).long()
+    return (k + step).clamp(1, k_max)
 
 
 class DraftHistory:

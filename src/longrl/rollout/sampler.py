@@ -430,10 +430,10 @@ class _Run(VerifySteps):
                     self._speculative_step(batch)
                 else:
                     remaining = max(self._turn_limit(i) - self.host.generated[i] for i in self._decoding())
-                    steps = max(1, min(self.sampler.sync_every, remaining))
                     if self.device_drafts is not None:
                         steps = self._device_chunk(batch, remaining)
                     else:
+                        steps = max(1, min(self.sampler.sync_every, remaining))
                         for _ in range(steps):
                             self._decode_step(batch)
                 self.stats["decode_steps"] += steps

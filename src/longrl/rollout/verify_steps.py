@@ -22,6 +22,7 @@ from ..memory.planner import EXTEND_WORKSPACE_BYTES, sampling_rows
 from ..models.policy import pad_right
 from .attention import KVCache, verify_meta
 from .draft_book import kept_counts
+from .drafts import adapted_draft_counts
 from .spec_schedule import verify_cost_ratio
 from .speculative import SpeculativeResult, speculative_step
 
@@ -43,7 +44,8 @@ class VerifySteps:
                 self._decode_step(batch)
             if self.sampler.device.type == "cuda":  # (_sync reads the state next anyway: this wait costs nothing)
                 torch.cuda.synchronize(self.sampler.device)
-            counts.plain_steps, counts.plain_s = counts.plain_steps + steps, counts.plain_s + time.perf_counter() - start
+            counts.plain_steps += steps
+            counts.plain_s += time.perf_counter() - start
             return steps
         k = self.spec_k
         # a verify step emits 1 + a tokens a row (a: the last chunk's accepted drafts a row): no step past the need
@@ -111,8 +113,8 @@ class VerifySteps:
         Device work only; the same forward as _verify (the decode path over virtual rows, or the extend forward).
         whole_graph: the step is being captured whole (_queued_graph): the forward runs inline and the drafts read
         every history column (a graph's shapes are fixed)."""
-        sampler, state, device = self.sampler, self.state, self.sampler.device
-        rows = torch.arange(batch, device=device)
+        state = self.state
+        rows = torch.arange(batch, device=self.sampler.device)
         drafts, found = self.device_drafts.propose(state.tokens, state.generated, state.prompt_len,
                                                    state.prefix_entry, self.members, rows, width, k,
                                                    every_column=whole_graph)  # [batch, k]
@@ -122,16 +124,11 @@ class VerifySteps:
         if fast:
             self._accept_queued(rows, drafts, lengths, self._fast_verify(batch, k, drafts, graph=not whole_graph))
             return
-        vocab = sampler.head.weight.shape[0]
-        per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+        per_forward = self._extend_verify_rows(k)
         for first in range(0, batch, per_forward):
             part = rows[first:first + per_forward]
-            inputs = torch.cat([state.last_token[part, None], drafts[part]], dim=1)  # [b, k + 1]
             real = torch.where(act[part], lengths[part] + 1, 0)  # a row that does not decode writes nothing
-            with sampler.compute_context():
-                hidden = self._extend_forward(part, inputs, state.write_index[part], real)  # [b, k + 1, d]
-                logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
-            self._accept_queued(part, drafts[part], lengths[part], logits)
+            self._accept_queued(part, drafts[part], lengths[part], self._extend_verify(part, drafts[part], real))
 
     def _accept_queued(self, rows: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,
                        logits: torch.Tensor) -> None:
@@ -149,9 +146,7 @@ class VerifySteps:
             self._keep(sub, result, act)
             accepted = result.accepted * act
             self.device_drafts.counts += torch.stack([act.sum(), tried.sum(), accepted.sum()])
-            drafting = act & (tried > 0)
-            step = (drafting & (accepted >= tried)).long() - (drafting & (2 * accepted < tried)).long()
-            state.draft_k[sub] = (state.draft_k[sub] + step).clamp(1, k_max)
+            state.draft_k[sub] = adapted_draft_counts(state.draft_k[sub], tried * act, accepted, k_max)
 
     # ------------------------------------------------------------------------------------------ speculative decoding
     def _speculative_step(self, batch: int) -> None:
@@ -199,9 +194,8 @@ class VerifySteps:
         samples one more token. The keys/values of rejected drafts stay past the new write index, where nothing
         reads them and later tokens overwrite them. The forward is a decode step over virtual rows
         (_verify_forward) where the fast verify applies, else the extend forward (the twin), in row chunks."""
-        sampler, state, device = self.sampler, self.state, self.sampler.device
+        device = self.sampler.device
         k = max(len(d) for d in drafts)
-        vocab = sampler.head.weight.shape[0]
         # host → device copies before the forward is queued: a copy from pageable memory waits for the stream, and
         # after the forward it would leave the GPU idle while the acceptance's launches are issued
         lengths = torch.tensor([len(d) for d in drafts], device=device)  # [n]
@@ -213,20 +207,32 @@ class VerifySteps:
             self._accept(slots, drafts, self.verify_drafts[k][rows], lengths, logits, rows, rows)
             self.drafts.counts.fast_steps += 1
         else:
-            # rows a forward: its extend workspace, and its float32 logits [rows, k + 1, V] within the same cap
-            per_forward = min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+            per_forward = self._extend_verify_rows(k)
             for first in range(0, len(slots), per_forward):
                 part, part_drafts = slots[first:first + per_forward], drafts[first:first + per_forward]
                 part_rows = rows[first:first + per_forward]
                 padded = pad_right(part_drafts, 0, k).to(device)  # [b, k]
                 at = lengths[first:first + per_forward]
-                inputs = torch.cat([state.last_token[part_rows, None], padded], dim=1)  # [b, k + 1]
-                with sampler.compute_context():
-                    hidden = self._extend_forward(part_rows, inputs, state.write_index[part_rows], at + 1)  # [b, k+1, d]
-                    logits = sampler.logits(hidden.flatten(0, 1)).view(len(part), k + 1, -1)  # [b, k + 1, V]
+                logits = self._extend_verify(part_rows, padded, at + 1)  # [b, k + 1, V]
                 self._accept(part, part_drafts, padded, at, logits, torch.arange(len(part), device=device), part_rows)
         self.drafts.counts.verify_steps += 1
         self.drafts.counts.verify_rows += len(slots)
+
+    def _extend_verify_rows(self, k: int) -> int:
+        """Rows one extend verify forward of k drafts holds: within its extend workspace, and its float32 logits
+        [rows, k + 1, V] within the same cap."""
+        vocab = self.sampler.head.weight.shape[0]
+        return min(self._extend_rows(k + 1), max(1, EXTEND_WORKSPACE_BYTES // ((k + 1) * vocab * 4)))
+
+    def _extend_verify(self, rows: torch.Tensor, drafts: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Logits [b, k + 1, V] of a verify forward on the extend path (the twin of _fast_verify): slots ``rows``
+        [b] run their last token and drafts [b, k] from their write index, the first real [b] of them real (their
+        keys/values written; 0: nothing written)."""
+        sampler, state = self.sampler, self.state
+        inputs = torch.cat([state.last_token[rows, None], drafts], dim=1)  # [b, k + 1]
+        with sampler.compute_context():
+            hidden = self._extend_forward(rows, inputs, state.write_index[rows], real)  # [b, k + 1, d]
+            return sampler.logits(hidden.flatten(0, 1)).view(len(rows), inputs.shape[1], -1)
 
     def _accept(self, slots: list[int], drafts: list[list[int]], padded: torch.Tensor, lengths: torch.Tensor,
                 logits: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
