@@ -169,9 +169,7 @@ class DeviceDrafts:
         E, G = members.shape
         device = tokens.device
         width = min(width, tokens.shape[1])
-        # the fixed parts without the history columns no entry uses yet
-        used = self.history if every_column else max(self.filled)
-        fixed = torch.cat([self.fixed[:, :used], self.fixed[:, self.history:]], dim=1)  # [E, F]
+        used = self.history if every_column else max(self.filled)  # history columns read
         M = self.max_match
         member = members.clamp(min=0)  # [E, G]
         column = torch.arange(width, device=device)
@@ -179,10 +177,12 @@ class DeviceDrafts:
         completions = torch.where(real, tokens[member, :width], SEPARATOR)
         sections = torch.cat([self.tail[:, None].expand(E, G, M), completions], dim=2)  # [E, G, M + width]
         sections = F.pad(sections, (0, 1), value=SEPARATOR).flatten(1)  # [E, G·(M + width + 1)]
-        sources = torch.cat([fixed, sections], dim=1)  # [E, S]
+        # the fixed parts without the history columns no entry uses yet, then the members' sections: [E, S]
+        sources = torch.cat([self.fixed[:, :used], self.fixed[:, self.history:], sections], dim=1)
         row_entry = entry[rows]  # [B]
         own = (members[row_entry] == rows[:, None]).long().argmax(1)  # [B]: the slot's member index
-        own_start = fixed.shape[1] + own * (M + width + 1) + M  # its completion's first column
+        fixed_width = used + self.fixed.shape[1] - self.history  # the fixed parts' columns in the sources
+        own_start = fixed_width + own * (M + width + 1) + M  # its completion's first column
         own_end = own_start + generated[rows].clamp(max=width)
         back = torch.arange(M, device=device) - M  # [M]: −M … −1
         at = generated[rows, None] + back  # [B, M]: completion index of each query token (< 0: in the prompt)
