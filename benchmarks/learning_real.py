@@ -47,6 +47,8 @@ Device call 2, at once after it (carry [".whl", ".smollm2_b"]; timeout_s 600): T
     bash benchmarks/learning_real_device.sh trl
 Device call 3, at once after it (the same carry): longrl, seeds 0,1,2 side by side, then the SFT-then-GRPO arm
     bash benchmarks/learning_real_device.sh longrl
+Or calls 2 and 3 as one (the same carry): every arm at once, seven runs sharing the GPU alike
+    bash benchmarks/learning_real_device.sh both
 A call that finds a fresh machine says so at once (no /tmp/smollm2.part00): make call 1 again, then that call.
 Each call stops its arms at DEADLINE (520 s) and keeps their curves so far (with a constant learning rate and no
 warm-up, a run stopped at step k is a k-step run). On a machine of 4 GPUs (if `status` lends nvidia-h200-x4) each arm

@@ -6,6 +6,8 @@
 #   bash benchmarks/learning_real_device.sh trl      # call 2, carry [".whl", ".smollm2_b"]: TRL, seeds 0,1,2
 #   bash benchmarks/learning_real_device.sh longrl   # call 3, carry [".whl", ".smollm2_b"]: longrl, seeds 0,1,2,
 #                                                    #   then the SFT-then-GRPO arm, seed 0
+#   bash benchmarks/learning_real_device.sh both     # or calls 2 and 3 in one: TRL and longrl seeds 0,1,2 and the SFT
+#                                                    #   arm side by side on one GPU (JOBS=7: seven runs share it)
 #   bash benchmarks/learning_real_device.sh spec     # or call 2 thus: speculative_rollout.py's real-text part before
 #                                                    #   and after TRAIN_STEPS (100) GRPO steps (SPEC_ARGS: its options)
 #
@@ -30,6 +32,7 @@ if [ ! -f $GGUF ]; then
 fi
 echo "$SHA  $GGUF" | sha256sum -c - || { rm -f $GGUF; exit 3; }
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i 'h[0-9]\{3\}' | tr A-Z a-z)
 python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)"
 
 case ${1:-} in
@@ -39,14 +42,15 @@ case ${1:-} in
           exit $? ;;
     trl) ENGINE=trl; SFT=${SFT_SEEDS:-} ;;
     longrl) ENGINE=longrl; SFT=${SFT_SEEDS-0} ;;
-    *) echo "usage: $0 trl|longrl|spec"; exit 2 ;;
+    both) ENGINE=both; SFT=${SFT_SEEDS-0}; JOBS=${JOBS:-7} ;;
+    *) echo "usage: $0 trl|longrl|both|spec"; exit 2 ;;
 esac
 STEPS_ARG=()
 [ -n "${STEPS:-}" ] && STEPS_ARG=(--steps "$STEPS")
 # --jobs 3: the three seeds side by side on the GPU(s); the SFT arm starts when the first of them ends
 timeout $(( ${DEADLINE:-520} + 50 )) python3 benchmarks/learning_real.py --engine $ENGINE --seeds "${SEEDS:-0,1,2}" \
     --sft-seeds "$SFT" --jobs "${JOBS:-3}" --deadline "${DEADLINE:-520}" --gguf $GGUF --out "$OUT" \
-    --tag "${TAG:-h200_$ENGINE}" "${STEPS_ARG[@]}"
+    --tag "${TAG:-${CARD:-gpu}_$ENGINE}" "${STEPS_ARG[@]}"
 rc=$?
 (cd /tmp/learning_real/work && tar czf "$OUT/logs.tar.gz" */*.log */*.json) 2>/dev/null  # not the run directories
 exit $rc
