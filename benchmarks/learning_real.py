@@ -251,6 +251,8 @@ class HeldOut:
         import torch
         from transformers import GenerationConfig
 
+        from longrl.models.policy import compute_context
+
         start = time.perf_counter()
         device = next(model.parameters()).device
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -260,7 +262,9 @@ class HeldOut:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            # bf16 autocast over a bf16 base for both engines, as each trains: longrl's fp32 adapters take bf16
+            # inputs only under it (its LoRA layers skip PEFT's input up-cast); TRL's up-cast is then lossless
+            with torch.no_grad(), compute_context(model):
                 for i in range(0, len(ids), self.batch_size):
                     chunk = ids[i:i + self.batch_size]
                     width = max(map(len, chunk))
