@@ -292,7 +292,7 @@ def main():
                         r = tb.trl_step(model, tokenizer, batch, layout=impl.split("-", 1)[1], beta=args.beta,
                                         reps=1)
                         tb.release_trl(model)
-                        set_lora_input_casting(model, False)
+                        set_lora_input_casting(model, None)
                 except torch.OutOfMemoryError:
                     r = {"oom": True}
                     disable_mlp_tiling(model)

@@ -217,7 +217,7 @@ def trl_step_cast(model, tokenizer, ids: list[int]) -> dict:
     try:
         return trl_step(model, tokenizer, ids)
     finally:
-        set_lora_input_casting(model, False)
+        set_lora_input_casting(model, None)
 
 
 def write_profile(args, impl: str, table: str) -> None:

@@ -99,3 +99,50 @@ def test_reference_mode_disables_adapters(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     base_lp, _ = sequence_logprobs(base, *args, pad_id=0)
     assert torch.allclose(ref, base_lp, atol=1e-6) and not torch.allclose(pol, ref, atol=1e-3)
+
+
+def test_lora_on_a_bf16_base_casts_inputs_only_outside_autocast(tmp_path):
+    """float32 adapters on a bf16 base: under autocast (longrl's forwards) PEFT's float32 copy of each LoRA input is
+    skipped; outside it (a user's model.generate after training) the cast is on, as a plain PEFT model has it."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from longrl.models import set_lora_input_casting
+    from longrl.models.policy import compute_context
+
+    path = _save_tiny(tmp_path, "llama", _configs()["llama"])
+    model, tok = load_model(str(path), lora=LoraConfig(r=4, alpha=8), dtype="bfloat16", device="cpu")
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    ids = torch.tensor([[5, 6, 14, 7, 8, 9]])
+    # outside autocast: runs, and equals PEFT's own model (its cast always on) exactly
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    plain = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 9)
+    # under autocast: the adapters' A products receive the bf16 input itself (no float32 copy), as with the cast
+    # always off; with PEFT's default (always on) they receive float32 copies
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+             for n, m in model.named_modules() if n.endswith("lora_A.default")]
+    assert len(hooks) == 14  # 7 projections x 2 decoder layers
+    dtypes, logits = {}, {}
+    for mode in (None, False, True):
+        set_lora_input_casting(model, mode)
+        seen.clear()
+        with torch.no_grad(), compute_context(model):
+            logits[mode] = model(input_ids=ids).logits
+        dtypes[mode] = set(seen)
+    assert dtypes == {None: {torch.bfloat16}, False: {torch.bfloat16}, True: {torch.float32}}
+    assert torch.equal(logits[None], logits[False])
+    set_lora_input_casting(model, None)
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert set(seen) == {torch.float32}  # outside autocast again: cast

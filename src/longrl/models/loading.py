@@ -407,8 +407,9 @@ def apply_lora(model, lora):
     if model.get_output_embeddings().weight.dtype in (torch.bfloat16, torch.float16):
         # longrl runs 16-bit bases under autocast (policy.compute_context). A 4-bit base qualifies too: its LM head
         # stays in the compute dtype, its NF4 layers dequantize to it, and PEFT's Linear4bit LoRA skips its float32
-        # cast under autocast; this turns the cast off for the 16-bit exceptions' plain LoRA Linear layers as well.
-        set_lora_input_casting(wrapped, False)
+        # cast under autocast; this skips the cast under autocast for the 16-bit exceptions' plain LoRA Linear
+        # layers as well, and keeps it outside (a user's model.generate after training: 16-bit inputs, float32 A).
+        set_lora_input_casting(wrapped, None)
     return wrapped
 
 
@@ -427,12 +428,29 @@ def ensure_adapters(model, lora):
     return model
 
 
-def set_lora_input_casting(model, enabled: bool) -> None:
+def set_lora_input_casting(model, enabled: bool | None) -> None:
     """PEFT up-casts each LoRA layer's input to the (float32) adapter dtype, a float32 copy of every activation
-    that autograd then saves. Under autocast the copy is unnecessary; this turns it off (or back on)."""
+    that autograd then saves. Under autocast the copy is unnecessary (autocast runs the adapters' products in the
+    16-bit dtype anyway); outside it a 16-bit input cannot meet float32 adapters without it. ``None``: cast only
+    outside autocast, decided at each call by a forward pre-hook on each LoRA layer (PEFT's
+    ``cast_input_dtype_enabled``); ``True`` / ``False``: always / never (PEFT's default is always)."""
     for module in model.modules():
         if hasattr(module, "lora_A"):
-            module.cast_input_dtype_enabled = enabled
+            module.longrl_input_casting = enabled
+            if not hasattr(module, "longrl_casting_hook"):
+                module.longrl_casting_hook = module.register_forward_pre_hook(_decide_input_casting)
+            module.cast_input_dtype_enabled = True if enabled is None else enabled
+
+
+def _decide_input_casting(module, args) -> None:
+    """Forward pre-hook of a LoRA layer: PEFT's input cast on unless ``longrl_input_casting`` says otherwise, or is
+    None and autocast is on for the layer's device."""
+    mode = module.longrl_input_casting
+    if mode is None:
+        weight = next(iter(module.lora_A.values()), None)
+        device = weight.weight.device.type if weight is not None else "cpu"
+        mode = not torch.is_autocast_enabled(device)
+    module.cast_input_dtype_enabled = mode
 
 
 @dataclass(frozen=True)

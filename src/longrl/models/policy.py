@@ -36,8 +36,8 @@ def completion_mask(completion_ids: list[list[int]], width: int) -> torch.Tensor
 
 def compute_context(model):
     """Mixed precision for 16-bit base weights with float32 LoRA weights: autocast to the base dtype (PEFT's
-    input up-casting is off for such models, see ``models.set_lora_input_casting``), so that no float32 copy of
-    an activation is made and saved for backward. Every forward of the model runs under it, recomputes too
+    input up-casting is skipped under it for such models, see ``models.set_lora_input_casting``), so that no
+    float32 copy of an activation is made. Every forward of the model runs under it, recomputes too
     (checkpointing restores the autocast state)."""
     head = model_parts(model)[1].weight
     if head.dtype not in (torch.bfloat16, torch.float16):
