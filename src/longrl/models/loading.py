@@ -429,9 +429,9 @@ def ensure_adapters(model, lora):
 
 
 def set_lora_input_casting(model, enabled: bool | None) -> None:
-    """PEFT up-casts each LoRA layer's input to the (float32) adapter dtype, a float32 copy of every activation
-    that autograd then saves. Under autocast the copy is unnecessary (autocast runs the adapters' products in the
-    16-bit dtype anyway); outside it a 16-bit input cannot meet float32 adapters without it. ``None``: cast only
+    """PEFT up-casts each LoRA layer's input to the (float32) adapter dtype: a float32 copy of every such
+    activation. Under autocast the copy is unnecessary (autocast runs the adapters' products in the 16-bit dtype
+    anyway); outside it a 16-bit input cannot meet float32 adapters without it. ``None``: cast only
     outside autocast, decided at each call by a forward pre-hook on each LoRA layer (PEFT's
     ``cast_input_dtype_enabled``); ``True`` / ``False``: always / never (PEFT's default is always)."""
     for module in model.modules():
