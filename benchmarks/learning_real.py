@@ -503,8 +503,9 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             out[name] = None
     try:
-        out["longrl_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                              text=True, timeout=10).stdout.strip() or None
+        # "-dirty" when the tracked files differ from the commit (the device machine's copy can carry a stale HEAD)
+        out["longrl_commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                                              capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         out["longrl_commit"] = None
     return out
