@@ -232,6 +232,16 @@ def model_directory(gguf: str | None, model_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- held-out accuracy
+def left_padded(ids: list[list[int]], pad: int, device=None):
+    """Prompts as generate takes them: (input ids, attention mask), each [len(ids), longest], padded on the left."""
+    import torch
+
+    width = max(map(len, ids))
+    x = torch.tensor([[pad] * (width - len(c)) + c for c in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in ids], device=device)
+    return x, mask
+
+
 class HeldOut:
     """Greedy held-out accuracy through transformers' ``generate`` (the same for every engine): all prompts in
     left-padded batches of ``batch_size``, at most ``max_new_tokens`` new tokens, the model's mode restored."""
@@ -262,16 +272,13 @@ class HeldOut:
         was_training = model.training
         model.eval()
         try:
-            # bf16 autocast over a bf16 base for both engines, as each trains: longrl's fp32 adapters take bf16
-            # inputs only under it (its LoRA layers skip PEFT's input up-cast); TRL's up-cast is then lossless
+            # bf16 autocast over a bf16 base for both engines, as each trains (both skip or undo PEFT's float32
+            # up-cast of LoRA inputs under it)
             with torch.no_grad(), compute_context(model):
                 for i in range(0, len(ids), self.batch_size):
-                    chunk = ids[i:i + self.batch_size]
-                    width = max(map(len, chunk))
-                    x = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=device)
-                    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
+                    x, mask = left_padded(ids[i:i + self.batch_size], pad, device)
                     out = model.generate(input_ids=x, attention_mask=mask, generation_config=gen)
-                    texts += tok.batch_decode(out[:, width:], skip_special_tokens=True)
+                    texts += tok.batch_decode(out[:, x.shape[1]:], skip_special_tokens=True)
         finally:
             model.train(was_training)
         scores = correct(None, texts, [r["answer"] for r in self.rows])

@@ -51,9 +51,8 @@ def main() -> None:
     held = lr.HeldOut(rows, max(args.lengths), len(rows))
     ids = held.prompt_ids(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    width = max(map(len, ids))
-    x = torch.tensor([[pad] * (width - len(c)) + c for c in ids]).repeat_interleave(args.group, 0)
-    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in ids]).repeat_interleave(args.group, 0)
+    x, mask = (t.repeat_interleave(args.group, 0) for t in lr.left_padded(ids, pad))
+    width = x.shape[1]
     answers = [r["answer"] for r in rows for _ in range(args.group)]
     lines = []
     for temp in args.temperatures:

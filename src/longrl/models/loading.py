@@ -439,7 +439,6 @@ def set_lora_input_casting(model, enabled: bool | None) -> None:
             module.longrl_input_casting = enabled
             if not hasattr(module, "longrl_casting_hook"):
                 module.longrl_casting_hook = module.register_forward_pre_hook(_decide_input_casting)
-            module.cast_input_dtype_enabled = True if enabled is None else enabled
 
 
 def _decide_input_casting(module, args) -> None:
