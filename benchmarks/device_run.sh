@@ -432,7 +432,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" ;;
         visiona|visionb) install_bnb
             if [ "$s" = visiona ]; then
-                stage visiona 500 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048
+                stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
+                    --deadline 540
             else
                 stage visionb 560 python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe --deadline 540
             fi ;;

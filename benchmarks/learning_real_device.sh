@@ -9,7 +9,8 @@
 #   bash benchmarks/learning_real_device.sh both     # or calls 2 and 3 in one: TRL and longrl seeds 0,1,2 and the SFT
 #                                                    #   arm side by side on one GPU (JOBS=7: seven runs share it)
 #   bash benchmarks/learning_real_device.sh spec     # or call 2 thus: speculative_rollout.py's real-text part before
-#                                                    #   and after TRAIN_STEPS (100) GRPO steps (SPEC_ARGS: its options)
+#                                                    #   and after TRAIN_STEPS (100) GRPO steps (SPEC_ARGS: its options;
+#                                                    #   no new setting starts in the last 90 s before DEADLINE)
 #
 # SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds from the program's start, default 520) and TAG change what a call runs.
 # Each call writes learning_real_<TAG>.{json,md} and logs.tar.gz (the runs' logs and partial records) to $OUT.
@@ -38,8 +39,9 @@ python3 -c "import torch, transformers, peft, trl; print(torch.__version__, tran
 case ${1:-} in
     spec) LONGRL_SMOLLM2_GGUF=$GGUF LONGRL_RESULTS_DIR=$OUT timeout ${DEADLINE:-560} python3 \
               benchmarks/speculative_rollout.py --parts i --train-steps "${TRAIN_STEPS:-100}" \
-              ${SPEC_ARGS:---sequences 8 32 128 --k 1 2 --temperatures 1.0 0.7}
-          exit $? ;;
+              --deadline $(( ${DEADLINE:-560} - 90 )) ${SPEC_ARGS:---sequences 8 32 128 --k 2 --temperatures 1.0} \
+              2>&1 | tee "$OUT/spec.log"
+          exit "${PIPESTATUS[0]}" ;;
     trl) ENGINE=trl; SFT=${SFT_SEEDS:-} ;;
     longrl) ENGINE=longrl; SFT=${SFT_SEEDS-0} ;;
     both) ENGINE=both; SFT=${SFT_SEEDS-0}; JOBS=${JOBS:-7} ;;

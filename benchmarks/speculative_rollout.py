@@ -6,8 +6,8 @@ of sequences per group (G = 8), at 8, 32 and 128 sequences. In one run, after a 
 then two speculative calls on one sampler (the second drafts from the first's completions too, as a later GRPO step
 of the same prompts does). Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
 draft hit rate. The policy is the untrained one; with --train-steps N the same table follows for the policy after N
-GRPO steps on learning_real.py's arithmetic task (its hyper-parameters, LoRA r=16, trained in this process with
-``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy on the same prompts
+GRPO steps on learning_real.py's arithmetic task (learning_real.TASK; its hyper-parameters, LoRA r=16, trained in
+this process with ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy on the same prompts
 (the rollouts sample through the trained adapters, unmerged, as a run's next step does). Speculative calls run
 with the default schedule (plain chunks while speculation misses its break-even) and with every chunk speculating.
 (iii), with (i): each setting's step anatomy, the wall time a decode step beside the GPU's kernel time and the
@@ -49,6 +49,7 @@ from longrl.rollout import Sampler, SamplingParams  # noqa: E402
 from longrl.rollout.sampler import _Run  # noqa: E402
 
 G = 8
+T0 = time.perf_counter()  # --deadline counts from here
 
 
 def chat_prompts(tok, n: int) -> list[list[int]]:
@@ -119,11 +120,22 @@ def real_text(args, device) -> list[dict]:
         return rollouts(args, model, tok, chat_prompts, "untrained")
     rows = rollouts(args, model, tok, task_prompts, "untrained")
     del model
+    if past_deadline(args, f"the policy after {args.train_steps} steps"):
+        return rows
     import learning_real as lr
 
     cpu = dict(bf16=False, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=8)
     model, tok = lr.trained_policy(args.train_steps, cpu if device.type == "cpu" else None)  # (cpu: --smoke)
     return rows + rollouts(args, model, tok, task_prompts, f"after {args.train_steps} steps")
+
+
+def past_deadline(args, what: str) -> bool:
+    """Whether --deadline (seconds from the start) has passed; if so, ``what`` is recorded as left out."""
+    if not args.deadline or time.perf_counter() - T0 < args.deadline:
+        return False
+    args.left_out.append(what)
+    print(f"deadline: {what} left out", flush=True)
+    return True
 
 
 def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
@@ -135,6 +147,8 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
             params = SamplingParams(max_new_tokens=args.max_new, temperature=T, seed=1,
                                     stop_token_ids=(tok.eos_token_id,))
             for k in args.k:
+                if past_deadline(args, f"{policy}, temperature {T}, {n_seq} sequences, k {k}"):
+                    return rows
                 plain = Sampler(model, tok)
 
                 def speculative(fallback: bool, graphs: bool = False) -> Sampler:
@@ -254,10 +268,14 @@ def main() -> None:
     ap.add_argument("--fast-verify", choices=["on", "off"], default="on",
                     help="(i)'s verify steps: on the decode path (on) or the extend forward (off, the default of "
                          "Sampler)")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds from the start after which (i) starts no new setting (0: none); the result file "
+                         "lists what was left out")
     ap.add_argument("--parts", default="i,ii", help="which parts run: i (SmolLM2), ii (the 8B verify cost)")
     ap.add_argument("--train-steps", type=int, default=0,
                     help="(i) also after this many GRPO steps of learning_real.py's task (0: untrained only)")
     args = ap.parse_args()
+    args.left_out = []
     if args.smoke:
         args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
         args.train_steps = min(args.train_steps, 1)
@@ -267,7 +285,8 @@ def main() -> None:
     parts = set(args.parts.split(","))
     real = real_text(args, device) if "i" in parts else []
     cost = verify_cost(args, device) if "ii" in parts else []
-    meta = run_meta(seconds=round(time.perf_counter() - t0))
+    task = __import__("learning_real").TASK if "i" in parts and args.train_steps else None
+    meta = run_meta(seconds=round(time.perf_counter() - t0), left_out=args.left_out, task=task)
     lines = report(args, real, cost, meta)
     if args.smoke:
         print("\n".join(lines))
@@ -316,7 +335,8 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
         lines += ["## (i) SmolLM2-135M-Instruct rollouts, plain and speculative in the same run", "",
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
                   + (f"; the untrained policy and the policy after {args.train_steps} GRPO steps, on learning_real.py's "
-                     "held-out prompts. " if args.train_steps else ", untrained policy. ") +
+                     f"held-out prompts (task {meta.get('task', 'multistep')}). " if args.train_steps
+                     else ", untrained policy. ") +
                   "Accepted / step: accepted drafts per sequence and verify step. Mean length: tokens a completion "
                   "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
                   "fallback, plain chunks "
@@ -336,6 +356,8 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"{r['plain_tokens'] / r['completions']:.1f} / {r['tokens'] / r['completions']:.1f} |" for r in real]
         lines.append("")
         lines += anatomy_table(real)
+    if meta.get("left_out"):
+        lines += ["(i) not run, --deadline passed first: " + "; ".join(meta["left_out"]) + ".", ""]
     if not cost:
         return lines
     lines += ["## (ii) 8B shape (random weights): a verify step of k + 1 tokens against a one-token step", "",
