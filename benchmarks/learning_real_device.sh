@@ -10,7 +10,10 @@
 #                                                    #   arm side by side on one GPU (JOBS=7: seven runs share it)
 #   bash benchmarks/learning_real_device.sh spec     # or call 2 thus: speculative_rollout.py's real-text part before
 #                                                    #   and after TRAIN_STEPS (100) GRPO steps (SPEC_ARGS: its options;
-#                                                    #   no new setting starts in the last 90 s before DEADLINE)
+#                                                    #   no new setting starts in the last 90 s before DEADLINE; the
+#                                                    #   result file is rewritten after every setting), e.g. the
+#                                                    #   trained policy alone: SPEC_ARGS="--policies trained --tag
+#                                                    #   _trained --sequences 8 32 128 --k 2 --temperatures 1.0 0.7"
 #
 # SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds from the program's start, default 520) and TAG change what a call runs.
 # Each call writes learning_real_<TAG>.{json,md} and logs.tar.gz (the runs' logs and partial records) to $OUT.

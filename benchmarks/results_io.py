@@ -27,12 +27,13 @@ def run_meta(**extra) -> dict:
                 command="python " + " ".join(sys.argv), **extra)
 
 
-def write_result(stem: str, payload: dict, lines: list[str]) -> None:
-    """results/STEM.json (``payload``) and results/STEM.md (``lines``), and the markdown on stdout."""
+def write_result(stem: str, payload: dict, lines: list[str], echo: bool = True) -> None:
+    """results/STEM.json (``payload``) and results/STEM.md (``lines``), and with ``echo`` the markdown on stdout."""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if echo:
+        print("\n".join(lines))
 
 
 def gpu_seconds(fn, reps: int = 50) -> float:

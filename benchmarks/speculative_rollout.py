@@ -7,9 +7,12 @@ then two speculative calls on one sampler (the second drafts from the first's co
 of the same prompts does). Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
 draft hit rate. The policy is the untrained one; with --train-steps N the same table follows for the policy after N
 GRPO steps on learning_real.py's arithmetic task (learning_real.TASK; its hyper-parameters, LoRA r=16, trained in
-this process with ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy on the same prompts
-(the rollouts sample through the trained adapters, unmerged, as a run's next step does). Speculative calls run
+this process with ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy
+on the same prompts (--policies picks either; the rollouts sample through the trained adapters, unmerged, as a run's
+next step does). Speculative calls run
 with the default schedule (plain chunks while speculation misses its break-even) and with every chunk speculating.
+The result file is written after each setting of (i) too, marked partial until the program ends, so a run stopped
+from outside (a call's time limit) keeps what it measured; --deadline starts no new setting after its time.
 (iii), with (i): each setting's step anatomy, the wall time a decode step beside the GPU's kernel time and the
 launches a step (torch.profiler, CUDA only), plain and speculating: whether steps wait on the host.
 
@@ -25,6 +28,7 @@ labelled as such.
 
     python benchmarks/speculative_rollout.py            # GPU; writes results/speculative_rollout_<gpu>.md/.json
     python benchmarks/speculative_rollout.py --parts i --train-steps 100   # (i) before and after 100 GRPO steps
+    python benchmarks/speculative_rollout.py --parts i --train-steps 100 --policies trained --tag _trained  # after only
     python benchmarks/speculative_rollout.py --smoke    # CPU, tiny sizes: checks the program runs; writes nothing
 """
 
@@ -118,15 +122,15 @@ def real_text(args, device) -> list[dict]:
     model, tok = load_model(str(path), dtype="float32" if device.type == "cpu" else "bfloat16", device=str(device))
     if not args.train_steps:
         return rollouts(args, model, tok, chat_prompts, "untrained")
-    rows = rollouts(args, model, tok, task_prompts, "untrained")
+    rows = rollouts(args, model, tok, task_prompts, "untrained") if "untrained" in args.policies else []
     del model
-    if past_deadline(args, f"the policy after {args.train_steps} steps"):
+    if "trained" not in args.policies or past_deadline(args, f"the policy after {args.train_steps} steps"):
         return rows
     import learning_real as lr
 
     cpu = dict(bf16=False, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=8)
     model, tok = lr.trained_policy(args.train_steps, cpu if device.type == "cpu" else None)  # (cpu: --smoke)
-    return rows + rollouts(args, model, tok, task_prompts, f"after {args.train_steps} steps")
+    return rows + rollouts(args, model, tok, task_prompts, f"after {args.train_steps} steps", prior=rows)
 
 
 def past_deadline(args, what: str) -> bool:
@@ -138,8 +142,9 @@ def past_deadline(args, what: str) -> bool:
     return True
 
 
-def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
-    """Plain and speculative rollouts of ``model`` on ``make_prompts``' prompts, each setting of args."""
+def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()) -> list[dict]:
+    """Plain and speculative rollouts of ``model`` on ``make_prompts``' prompts, each setting of args; after each
+    setting the rows so far (``prior``'s, then these) go to ``args.checkpoint`` (a partial result file)."""
     rows = []
     for T in args.temperatures:
         for n_seq in args.sequences:
@@ -184,6 +189,7 @@ def rollouts(args, model, tok, make_prompts, policy: str) -> list[dict]:
                                          tokens=n, plain_tokens=n_plain, completions=len(prompts) * G, anatomy=anatomy if call == "first step" and schedule == "always, step graphs"
                          else None))
                         print(rows[-1], flush=True)
+                args.checkpoint([*prior, *rows])
     return rows
 
 
@@ -274,8 +280,13 @@ def main() -> None:
     ap.add_argument("--parts", default="i,ii", help="which parts run: i (SmolLM2), ii (the 8B verify cost)")
     ap.add_argument("--train-steps", type=int, default=0,
                     help="(i) also after this many GRPO steps of learning_real.py's task (0: untrained only)")
+    ap.add_argument("--tag", default="", help="appended to the result file's name (an earlier file is not replaced)")
+    ap.add_argument("--policies", default="untrained,trained",
+                    help="with --train-steps, which policies (i) rolls out: untrained, trained or both")
     args = ap.parse_args()
-    args.left_out = []
+    args.left_out, args.policies = [], set(args.policies.split(","))
+    if not args.policies or args.policies - {"untrained", "trained"}:
+        ap.error(f"--policies: untrained, trained or both, not {sorted(args.policies)}")
     if args.smoke:
         args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
         args.train_steps = min(args.train_steps, 1)
@@ -283,18 +294,32 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     t0 = time.perf_counter()
     parts = set(args.parts.split(","))
+    task = __import__("learning_real").TASK if "i" in parts and args.train_steps else None
+    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    tag = ("" if parts == {"i", "ii"} else "_" + "_".join(sorted(parts))) + args.tag
+
+    def write(real: list[dict], cost: list[dict], partial: bool) -> None:
+        """The result file; ``partial``: written after a setting of (i), before the program's end."""
+        meta = run_meta(seconds=round(time.perf_counter() - t0), left_out=args.left_out, task=task, partial=partial)
+        lines = report(args, real, cost, meta)
+        if args.smoke:
+            if not partial:
+                print("\n".join(lines) + "\n(smoke run: nothing written)")
+            return
+        payload = dict(meta=meta, real=real, verify=cost)
+        write_result(f"speculative_rollout_{gpu}{tag}", payload, lines, echo=not partial)
+
+    args.checkpoint = lambda rows: write(rows, [], partial=True)  # a run stopped from outside keeps these
     real = real_text(args, device) if "i" in parts else []
     cost = verify_cost(args, device) if "ii" in parts else []
-    task = __import__("learning_real").TASK if "i" in parts and args.train_steps else None
-    meta = run_meta(seconds=round(time.perf_counter() - t0), left_out=args.left_out, task=task)
-    lines = report(args, real, cost, meta)
-    if args.smoke:
-        print("\n".join(lines))
-        print("(smoke run: nothing written)")
-        return
-    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
-    tag = "" if parts == {"i", "ii"} else "_" + "_".join(sorted(parts))
-    write_result(f"speculative_rollout_{gpu}{tag}", dict(meta=meta, real=real, verify=cost), lines)
+    write(real, cost, partial=False)
+
+
+def policies_rolled(args) -> str:
+    """What (i) rolled out with --train-steps, in words."""
+    trained = f"the policy after {args.train_steps} GRPO steps"
+    return {frozenset({"untrained"}): "the untrained policy", frozenset({"trained"}): trained}.get(
+        frozenset(args.policies), f"the untrained policy and {trained}")
 
 
 def anatomy_table(real: list[dict]) -> list[str]:
@@ -331,12 +356,14 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
     lines = ["# Speculative rollouts: SmolLM2 rollouts and the 8B verify step's cost", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; {meta['gpu']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}, Python {meta['python']}; {seconds} s in all.", ""]
+    if meta.get("partial"):
+        lines += ["**Partial: written after the last setting below finished; the program had not ended (a run "
+                  "stopped from outside leaves this file).**", ""]
     if real:
         lines += ["## (i) SmolLM2-135M-Instruct rollouts, plain and speculative in the same run", "",
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
-                  + (f"; the untrained policy and the policy after {args.train_steps} GRPO steps, on learning_real.py's "
-                     f"held-out prompts (task {meta.get('task', 'multistep')}). " if args.train_steps
-                     else ", untrained policy. ") +
+                  + (f"; {policies_rolled(args)}, on learning_real.py's held-out prompts (task "
+                     f"{meta.get('task', 'multistep')}). " if args.train_steps else ", untrained policy. ") +
                   "Accepted / step: accepted drafts per sequence and verify step. Mean length: tokens a completion "
                   "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
                   "fallback, plain chunks "
