@@ -9,8 +9,8 @@ draft hit rate. The policy is the untrained one; with --train-steps N the same t
 GRPO steps on learning_real.py's arithmetic task (learning_real.TASK; its hyper-parameters, LoRA r=16, trained in
 this process with ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy
 on the same prompts (--policies picks either; the rollouts sample through the trained adapters, unmerged, as a run's
-next step does). Speculative calls run
-with the default schedule (plain chunks while speculation misses its break-even) and with every chunk speculating.
+next step does). Speculative calls run with the default schedule (plain chunks while speculation misses its
+break-even) and with every chunk speculating.
 The result file is written after each setting of (i) too, marked partial until the program ends, so a run stopped
 from outside (a call's time limit) keeps what it measured; --deadline starts no new setting after its time.
 (iii), with (i): each setting's step anatomy, the wall time a decode step beside the GPU's kernel time and the
@@ -287,12 +287,13 @@ def main() -> None:
     args.left_out, args.policies = [], set(args.policies.split(","))
     if not args.policies or args.policies - {"untrained", "trained"}:
         ap.error(f"--policies: untrained, trained or both, not {sorted(args.policies)}")
+    if "trained" in args.policies and args.policies != {"untrained", "trained"} and not args.train_steps:
+        ap.error("--policies trained needs --train-steps")
     if args.smoke:
         args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
         args.train_steps = min(args.train_steps, 1)
         args.rows, args.contexts, args.reps = [2], [32], 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    t0 = time.perf_counter()
     parts = set(args.parts.split(","))
     task = __import__("learning_real").TASK if "i" in parts and args.train_steps else None
     gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
@@ -300,7 +301,7 @@ def main() -> None:
 
     def write(real: list[dict], cost: list[dict], partial: bool) -> None:
         """The result file; ``partial``: written after a setting of (i), before the program's end."""
-        meta = run_meta(seconds=round(time.perf_counter() - t0), left_out=args.left_out, task=task, partial=partial)
+        meta = run_meta(seconds=round(time.perf_counter() - T0), left_out=args.left_out, task=task, partial=partial)
         lines = report(args, real, cost, meta)
         if args.smoke:
             if not partial:
