@@ -466,8 +466,8 @@ def trl_grpo(spec: dict, model: str, rows: list[dict], probe: Probe, out: Path) 
     if not reuses and not spec["allow_no_kv_cache"]:
         raise SystemExit("TRL's generate does not reuse its KV cache on this transformers "
                          "(benchmarks/grpo_e2e.py generate_reuses_kv_cache); --allow-no-kv-cache runs anyway")
+    probe.record["rewards"] = logged  # filled by on_log as the run goes: a run stopped by the deadline keeps its own
     trainer.train()
-    probe.record["rewards"] = logged
 
 
 def longrl_sft(spec: dict, model: str, rows: list[dict], probe: Probe, out: Path) -> None:
