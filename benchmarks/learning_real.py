@@ -55,8 +55,8 @@ A call that finds a fresh machine says so at once (no /tmp/smollm2.part00): make
 Each call stops its arms at DEADLINE (520 s) and keeps their curves so far (with a constant learning rate and no
 warm-up, a run stopped at step k is a k-step run). On a machine of 4 GPUs (if `status` lends nvidia-h200-x4) each arm
 gets a GPU of its own: the same calls, call 3 with JOBS=4. Then here, from the files each call brought back:
-    python benchmarks/learning_real.py --merge .../learning_real_h200_trl.json .../learning_real_h200_longrl.json \\
-        --tag h200
+    python benchmarks/learning_real.py --merge .../learning_real_h200_onestep_trl.json \\
+        .../learning_real_h200_onestep_longrl.json --tag h200_onestep
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@
 #                                                    #   trained policy alone: SPEC_ARGS="--policies trained --tag
 #                                                    #   _trained --sequences 8 32 128 --k 2 --temperatures 1.0 0.7"
 #
-# SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds from the program's start, default 520) and TAG change what a call runs.
-# Each call writes learning_real_<TAG>.{json,md} and logs.tar.gz (the runs' logs and partial records) to $OUT.
+# SEEDS, SFT_SEEDS, STEPS, JOBS, DEADLINE (seconds from the program's start, default 520), TASK (learning_real.py's
+# --task, default onestep) and TAG change what a call runs. Each call writes learning_real_<TAG>.{json,md} (TAG:
+# <card>_<task>_<engine> unless given) and logs.tar.gz (the runs' logs and partial records) to $OUT.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -55,7 +56,7 @@ STEPS_ARG=()
 # --jobs 3: the three seeds side by side on the GPU(s); the SFT arm starts when the first of them ends
 timeout $(( ${DEADLINE:-520} + 50 )) python3 benchmarks/learning_real.py --engine $ENGINE --seeds "${SEEDS:-0,1,2}" \
     --sft-seeds "$SFT" --jobs "${JOBS:-3}" --deadline "${DEADLINE:-520}" --gguf $GGUF --out "$OUT" \
-    --tag "${TAG:-${CARD:-gpu}_$ENGINE}" "${STEPS_ARG[@]}"
+    --task "${TASK:-onestep}" --tag "${TAG:-${CARD:-gpu}_${TASK:-onestep}_$ENGINE}" "${STEPS_ARG[@]}"
 rc=$?
 (cd /tmp/learning_real/work && tar czf "$OUT/logs.tar.gz" */*.log */*.json) 2>/dev/null  # not the run directories
 exit $rc
