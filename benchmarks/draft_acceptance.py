@@ -286,7 +286,8 @@ def main() -> None:
         model, tok = lr.trained_policy(args.train_steps, CPU_TRAINING)
         more = measure(model, tok, prompts, args, f"after {args.train_steps} GRPO steps")
         rows, ceilings, several = rows + more[0], ceilings + more[1], several + more[2]
-        what = (f"{len(prompts)} held-out problems of learning_real.py's task (chat template); the untrained policy, "
+        what = (f"{len(prompts)} held-out problems of learning_real.py's task {lr.TASK} (chat template); the "
+                "untrained policy, "
                 f"then the policy after {args.train_steps} GRPO steps of that task trained here (learning_real.HP "
                 f"with {CPU_TRAINING}: 2 prompts × 8 completions a step, LoRA r=16; its GPU runs take 8 × 8 of up to "
                 "128 tokens)")
@@ -335,7 +336,8 @@ def main() -> None:
         lines += [f"| {c['policy']} | {c['temperature']} | {c['sources']} | {c['positions']} | "
                   + " | ".join(f"{c[f'm{m}']:.3f}" for m in CANDIDATES) + f" | {c['ceiling']:.3f} | "
                   f"{c['argmax_covered']:.3f} |" for c in several]
-    stem = ("draft_acceptance_smollm2" + (f"_trained{args.train_steps}" if args.train_steps else "")
+    # the trained policy's task in the name (files from before the task had a name were of "multistep")
+    stem = ("draft_acceptance_smollm2" + (f"_trained{args.train_steps}_{lr.TASK}" if args.train_steps else "")
             + (f"_minmatch{args.min_match}" if args.min_match != own_min else "")
             + (f"_maxmatch{args.max_match}" if args.max_match not in (None, own_max) else "")
             + ("_device" if args.rule == "device" else "") + "_cpu")
