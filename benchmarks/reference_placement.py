@@ -52,7 +52,7 @@ def _seconds(fn, reps: int) -> float:
 
 def main() -> None:
     from bench_setup import random_model, random_prompts
-    from results_io import run_meta, write_result
+    from results_io import card_tag, run_meta, write_result
 
     from longrl.memory.microbatch import token_budget_groups
     from longrl.models.policy import sequence_logprobs
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[16384, 4096])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--tag", default=torch.cuda.get_device_name().split()[-1].lower() if CUDA else "cpu",
+    ap.add_argument("--tag", default=card_tag(),
                     help="the result files' suffix (default: the GPU's model, or cpu)")
     args = ap.parse_args()
     if not CUDA and args.shape != "tiny":

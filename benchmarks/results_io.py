@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,15 @@ def run_meta(**extra) -> dict:
     return dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
                 transformers=transformers.__version__, python=platform.python_version(),
                 command="python " + " ".join(sys.argv), **extra)
+
+
+def card_tag() -> str:
+    """The GPU's model in a file name ("h100", "h200", "a100"; "cpu" without CUDA): the device name's first word
+    shaped like a letter and three digits, else its last word ("NVIDIA H100 80GB HBM3" → "h100")."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    words = torch.cuda.get_device_name().lower().split()
+    return next((w for w in words if re.fullmatch(r"[a-z]+\d{2,4}[a-z]*", w) and not w.endswith("gb")), words[-1])
 
 
 def write_result(stem: str, payload: dict, lines: list[str], echo: bool = True) -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import rollout_speed as rs  # noqa: E402
 from bench_setup import bench_lora, random_model, random_prompts  # noqa: E402
-from results_io import copy_bandwidth, run_meta, write_result  # noqa: E402
+from results_io import card_tag, copy_bandwidth, run_meta, write_result  # noqa: E402
 
 from longrl.models import apply_lora  # noqa: E402
 
@@ -124,7 +124,7 @@ def main() -> None:
         print("\n".join(lines))
         print("(smoke run: nothing written)")
         return
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = card_tag()
     write_result(f"rollout_matrix_{args.shape}_{gpu}{args.tag}", dict(meta=meta, rows=rows), lines)
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_setup as bs  # noqa: E402
-from results_io import run_meta, write_result  # noqa: E402
+from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.memory import enable_offloaded_checkpointing, token_budget_groups  # noqa: E402
 from longrl.memory.microbatch import prompt_group_batches  # noqa: E402
@@ -275,7 +275,7 @@ def main() -> None:
         lines += ["", f"The planner's longest prompt at G={args.G} with 1,024-token completions (predicted):", "",
                   *longest_prompts(args.shape, args.G, 1024, budgets)]
     payload["meta"] = meta
-    gpu = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
+    gpu = "cpu" if device.type == "cpu" else card_tag()
     write_result(f"shared_prompt_speed_{args.shape}_{gpu}{args.tag}", payload, lines)
 
 

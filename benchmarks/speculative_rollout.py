@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import random_model, random_prompts, sync  # noqa: E402
 from draft_acceptance import PROBLEMS  # noqa: E402
 from real_models import SMOLLM2_MISSING, smollm2_gguf  # noqa: E402
-from results_io import run_meta, write_result  # noqa: E402
+from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
 from longrl.rollout.sampler import _Run  # noqa: E402
@@ -298,7 +298,7 @@ def main() -> None:
     import learning_real as lr
 
     task = lr.TASK if "i" in parts and args.train_steps else None
-    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    gpu = card_tag()
     tag = ("" if parts == {"i", "ii"} else "_" + "_".join(sorted(parts))) + args.tag
 
     def write(real: list[dict], cost: list[dict], partial: bool) -> None:

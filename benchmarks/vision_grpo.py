@@ -560,9 +560,9 @@ def cuda_available() -> bool:
 
 def stem_of(args, suffix: str = "", length: str | None = None) -> str:
     """vision_grpo_<shape>_<P>x<G>x<length>_<h200|cpu>[_4bit][_capN]<suffix><tag>."""
-    import torch
+    from results_io import card_tag
 
-    gpu = "h200" if torch.cuda.is_available() else "cpu"
+    gpu = card_tag()
     base = "_4bit" if args.load_in_4bit else ""
     cap = f"_cap{args.budget_gib:g}" if args.budget_gib else ""
     length = str(args.completion) if length is None else length
