@@ -438,7 +438,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 stage visionb 560 python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe --deadline 500
             fi ;;
         visionc) stage visionc 560 python3 benchmarks/vision_grpo.py --arms "${VARMS:-longrl,per-completion,trl}" \
-                --prompts 4 --completion 2048 --deadline 500 ;;
+                --prompts 4 --completion 2048 --deadline "${VDEADLINE:-500}" ;;
         exactpin) stage exactpin 400 bash -c 'for x in "" --exact-pinned; do python3 benchmarks/shared_prompt_speed.py \
                 --repeat 2 --longest-for-gib "" --cases 16384:1024 --tag "_pin${x:+exact}" $x; done; \
                 python3 -m pytest -q tests/test_memory_gpu.py -k exact' ;;
