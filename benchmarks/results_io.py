@@ -28,12 +28,15 @@ def run_meta(**extra) -> dict:
                 command="python " + " ".join(sys.argv), **extra)
 
 
-def card_tag() -> str:
-    """The GPU's model in a file name ("h100", "h200", "a100"; "cpu" without CUDA): the device name's first word
-    shaped like a letter and three digits, else its last word ("NVIDIA H100 80GB HBM3" → "h100")."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    words = torch.cuda.get_device_name().lower().split()
+def card_tag(device_name: str | None = None) -> str:
+    """A GPU's model for a file name ("h100", "h200", "a100"; "cpu"): the first word of its device name shaped like
+    letters and digits ("NVIDIA H100 80GB HBM3" → "h100"), else the last word. device_name: this machine's when None
+    ("cpu" without CUDA; a name of "CPU" is "cpu")."""
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return "cpu"
+        device_name = torch.cuda.get_device_name()
+    words = device_name.lower().split()
     return next((w for w in words if re.fullmatch(r"[a-z]+\d{2,4}[a-z]*", w) and not w.endswith("gb")), words[-1])
 
 

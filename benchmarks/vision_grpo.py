@@ -71,7 +71,8 @@ then:
       installed with --target /tmp/site_tf524 and PYTHONPATH=/tmp/site_tf524:... before the rest), as
       device_run.sh's with_tf524 does for grpo_e2e's TRL anchor.
 --deadline (seconds from the program's start) bounds every arm and probe: each process gets the time left, and one
-cut short is recorded as stopped by the deadline, never as a figure. Nothing here has been measured on a GPU yet.
+cut short is recorded as stopped by the deadline, never as a figure. Measured on one H100 on 2026-12-06
+(benchmarks/results/gpu_session_2026-12-06b.md): the program's deadline must end inside the call's own limit.
 """
 
 from __future__ import annotations
@@ -558,11 +559,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def stem_of(args, suffix: str = "", length: str | None = None) -> str:
-    """vision_grpo_<shape>_<P>x<G>x<length>_<h200|cpu>[_4bit][_capN]<suffix><tag>."""
+def stem_of(args, suffix: str = "", length: str | None = None, gpu: str | None = None) -> str:
+    """vision_grpo_<shape>_<P>x<G>x<length>_<gpu>[_4bit][_capN]<suffix><tag>; gpu: this machine's card (h100, h200,
+    cpu) unless given."""
     from results_io import card_tag
 
-    gpu = card_tag()
+    gpu = gpu or card_tag()
     base = "_4bit" if args.load_in_4bit else ""
     cap = f"_cap{args.budget_gib:g}" if args.budget_gib else ""
     length = str(args.completion) if length is None else length
@@ -579,10 +581,11 @@ def _f(x, fmt="{:.2f}"):
     return "–" if x is None else fmt.format(x)
 
 
-def write_arms(args, records: list[dict], stem: str) -> None:
+def write_arms(args, records: list[dict], stem: str, meta: dict | None = None) -> None:
+    """The arms' table; ``meta``: the run's (date, GPU, versions, command), this process's when None."""
     from results_io import run_meta, write_result
 
-    meta = run_meta(**trl_version())
+    meta = meta or run_meta(**trl_version())
     ok = [r for r in records if r.get("status") == "ok"]
     first = ok[0]["result"] if ok else {}
     enc = (first.get("prompts_encoded") or [{}])[0]
@@ -666,7 +669,7 @@ def trl_version() -> dict:
 def probe_main(args) -> Path:
     """Doubling from --probe-start while the step fits, then bisecting between the longest length that fits and the
     shortest that does not, to --probe-resolution tokens; each probe a fresh process; the state saved after each."""
-    from results_io import RESULTS
+    from results_io import RESULTS, run_meta
 
     state_path = Path(args.probe_state) if args.probe_state else None
     probes: list[dict] = json.loads(state_path.read_text())["probes"] if state_path else []
@@ -683,7 +686,8 @@ def probe_main(args) -> Path:
                                error=r.get("error"), step_seconds=res.get("step_seconds"),
                                step_peak_gib=res.get("step_peak_gib"),
                                phases=res.get("phases"), cap=res.get("cap")))
-            out_state.write_text(json.dumps(dict(args=vars(args), probes=probes), indent=2, default=str))
+            out_state.write_text(json.dumps(dict(args=vars(args), meta=run_meta(), probes=probes), indent=2,
+                                            default=str))
             if r["status"] not in ("ok", "out_of_memory", "refused"):
                 break  # a timeout or an error settles nothing: stop here (a later call may continue)
     write_probe(args, probes, out_state)
@@ -712,10 +716,11 @@ def next_probe(probes: list[dict], start: int, resolution: int, most: int) -> in
     return mid - mid % resolution if mid - mid % resolution > lo else mid
 
 
-def write_probe(args, probes: list[dict], state_path: Path) -> None:
-    from results_io import run_meta, write_result
+def write_probe(args, probes: list[dict], state_path: Path, meta: dict | None = None) -> None:
+    """The probe's table; ``meta``: the run's (date, GPU, versions, command), this process's when None."""
+    from results_io import card_tag, run_meta, write_result
 
-    meta = run_meta()
+    meta = meta or run_meta()
     fits = [p["completion"] for p in probes if p["status"] == "ok"]
     fails = [p["completion"] for p in probes if p["status"] in ("out_of_memory", "refused")]
     longest = max(fits, default=None)
@@ -739,7 +744,7 @@ def write_probe(args, probes: list[dict], state_path: Path) -> None:
               + (f"; shortest longer one that does not: {shortest_fail}" if shortest_fail else
                  "; no longer length failed (the search ended on time or --probe-max)") + ". "
               + f"Probe state (for --probe-state): {state_path.name}."]
-    write_result(stem_of(args, "_probe", "L"),
+    write_result(stem_of(args, "_probe", "L", gpu=card_tag(meta["gpu"])),
                  {**meta, **vars(args), "probes": probes, "longest_fit": longest, "shortest_fail": shortest_fail},
                  lines)
 
@@ -747,17 +752,26 @@ def write_probe(args, probes: list[dict], state_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- merge, smoke
 def merge_main(args) -> None:
     """One table from the arms of several result files (an arm given twice: the later file's)."""
+    from results_io import card_tag, run_meta
+
     by_arm: dict[str, dict] = {}
-    payload = None
-    for f in args.merge:
-        payload = json.loads(Path(f).read_text())
+    payloads = [json.loads(Path(f).read_text()) for f in args.merge]
+    setting = ("shape", "prompts", "G", "prompt_len", "completion", "steps", "budget_gib", "load_in_4bit")
+    for f, payload in zip(args.merge, payloads):
+        for k in (*setting, "gpu"):
+            if payload.get(k) != payloads[0].get(k):
+                raise SystemExit(f"--merge: {f} has {k}={payload.get(k)!r}, {args.merge[0]} {payloads[0].get(k)!r}")
         for r in payload["records"]:
             by_arm[r["arm"]] = r
-    for k in ("shape", "prompts", "G", "prompt_len", "completion", "steps", "budget_gib", "load_in_4bit", "tag"):
-        setattr(args, k, payload[k])
+    for k in (*setting, "tag"):
+        setattr(args, k, payloads[-1][k])
     records = [by_arm[a] for a in ARMS if a in by_arm]
     args.arms = [r["arm"] for r in records]
-    write_arms(args, records, stem_of(args, "_merged"))
+    # the runs' own date, GPU and versions (not this machine's); the command: each run's, then the merge
+    meta = {k: payloads[-1].get(k) for k in ("date", "gpu", "torch", "transformers", "python", "trl")}
+    meta["date"] = ", ".join(sorted({p["date"] for p in payloads}))
+    meta["command"] = "`; `".join([*(p["command"] for p in payloads), run_meta()["command"]])
+    write_arms(args, records, stem_of(args, "_merged", gpu=card_tag(meta["gpu"])), meta)
 
 
 def smoke_main(args) -> None:
