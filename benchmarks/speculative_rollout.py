@@ -156,12 +156,15 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                     return rows
                 plain = Sampler(model, tok)
 
-                def speculative(fallback: bool, graphs: bool = False) -> Sampler:
+                def speculative(fallback: bool, graphs: bool = False, schedule: str = "measured") -> Sampler:
                     return Sampler(model, tok, speculative="ngram", max_draft_tokens=k, speculative_fallback=fallback,
-                                   fast_verify=args.fast_verify == "on", speculative_graphs=graphs)
-                # the schedule's plain chunks where speculation misses the break-even, every chunk speculating, and
-                # that with each whole queued step a CUDA graph
-                specs = {"fallback": speculative(True), "always": speculative(False),
+                                   fast_verify=args.fast_verify == "on", speculative_graphs=graphs,
+                                   speculative_schedule=schedule)
+                # the schedule's plain chunks where speculation misses the break-even (priced by the call's step
+                # times, the default, or by bytes), every chunk speculating, and that with each whole queued step a
+                # CUDA graph
+                specs = {"measured": speculative(True), "bytes": speculative(True, schedule="bytes"),
+                         "always": speculative(False),
                          "always, step graphs": speculative(False, graphs=True)}
                 plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
                 speculative(False).generate(prompts, G, params)
@@ -369,9 +372,9 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                      f"{meta['task']}). " if args.train_steps else ", untrained policy. ") +
                   "Accepted / step: accepted drafts per sequence and verify step. Mean length: tokens a completion "
                   "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
-                  "fallback, plain chunks "
-                  "while speculation misses the break-even (the default; verify steps / decode steps shows the "
-                  "share speculating); always, every chunk speculating; always, step graphs: and each whole queued "
+                  "measured (the default) and bytes, plain chunks "
+                  "while speculation misses the break-even, a verify step priced by the call's own step times or "
+                  "by a byte model (verify steps / decode steps shows the share speculating); always, every chunk speculating; always, step graphs: and each whole queued "
                   "step a CUDA graph (Sampler(speculative_graphs=True); on CUDA only). Verify steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",

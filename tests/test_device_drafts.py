@@ -129,7 +129,7 @@ def test_propose_reads_the_entries_layout_and_the_slots_tokens():
 
 
 def test_the_schedule_backs_off_after_chunks_that_do_not_pay():
-    s = SpeculationSchedule(max_backoff=4)
+    s = SpeculationSchedule(max_backoff=4, measured=False)
     assert s.speculate_next()
     s.record(0.5, 1.2)  # 1.5 >= 1.1 · 1.2: pays
     assert s.speculate_next() and s.fallbacks == 0
@@ -144,42 +144,84 @@ def test_the_schedule_backs_off_after_chunks_that_do_not_pay():
     assert off.speculate_next() and off.fallbacks == 0
 
 
-def test_verify_cost_ratio_counts_the_own_keys_once_a_query():
-    assert verify_cost_ratio(100.0, 20.0, 0.0, 4) == 1.0  # nothing of its own: k + 1 queries cost one weight read
-    assert verify_cost_ratio(100.0, 20.0, 30.0, 1) == pytest.approx(180 / 150)
-    assert verify_cost_ratio(100.0, 20.0, 30.0, 4) == pytest.approx(270 / 150)
+def test_the_measured_schedule_prices_a_verify_step_by_the_calls_own_step_times():
+    """Until a plain chunk is timed, r is the byte model's and a plain chunk follows the first speculating one; then
+    r = t_verify / t_plain; after refresh_every paying chunks in a row one plain chunk re-times plain steps."""
+    s = SpeculationSchedule(max_backoff=4, refresh_every=3)
+    assert s.cost_ratio(1.2, 0.5) == 1.2  # nothing timed yet: the byte model's ratio
+    assert s.speculate_next()
+    s.record(0.5, s.cost_ratio(1.2, 0.5))  # pays by bytes, but plain steps are still to be timed
+    assert [s.speculate_next() for _ in range(2)] == [False, True]
+    s.record_plain(0.02)
+    assert s.cost_ratio(1.2, 0.05) == pytest.approx(2.5)
+    s.record(0.5, s.cost_ratio(1.2, 0.05))  # 1.5 < 1.1 · 2.5: a miss, although the bytes say it pays
+    assert s.fallbacks == 1 and s.last_ratio == pytest.approx(2.5)
+    assert [s.speculate_next() for _ in range(2)] == [False, True]
+    s.record_plain(0.02)
+    for _ in range(2):  # 1 + 0.5 >= 1.1 · 1.25: pays, no plain chunk before the third in a row
+        s.record(0.5, s.cost_ratio(1.2, 0.025))
+        assert s.speculate_next()
+    s.record(0.5, s.cost_ratio(1.2, 0.025))
+    assert [s.speculate_next() for _ in range(2)] == [False, True] and s.fallbacks == 1
 
 
-@pytest.mark.parametrize("fast_verify", [False, True])
-def test_queued_speculation_keeps_plain_sampling_distribution(fast_verify):
-    """20,000 completions of one prompt (2,500 groups of 8, each its own prefix entry) at temperature 0.7, every
-    chunk speculating with device drafts (from the prompt and each group's completions); chi-square of the first
-    three tokens against plain sampling's law (test_speculative_sampler's check)."""
+class ChargedClock:
+    """A clock that advances only by what the model's forwards are charged: ``plain`` for a forward of one token a
+    row, ``verify`` for one of several (a verify step's forward; the extend forward on the CPU)."""
+
+    def __init__(self, backbone, plain: float, verify: float):
+        self.now, self.plain, self.verify = 0.0, plain, verify
+        self.handle = backbone.register_forward_pre_hook(self._charge, with_kwargs=True)
+
+    def _charge(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        width = (ids if ids is not None else embeds).shape[1]
+        self.now += self.plain if width == 1 else self.verify
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("schedule", ["bytes", "measured"])
+def test_speculation_falls_back_where_its_measured_steps_cost_more_than_they_gain(schedule):
+    """The peaked model's greedy drafts of one token are mostly accepted (about 0.8 a verify row), above the byte
+    model's break-even (r at most about 1.3 here), so the byte schedule speculates at every step. A clock charging a
+    verify forward 8 plain ones (measured r = 8: no acceptance of one draft pays) sends the measured schedule to
+    plain chunks after its first speculating one; greedy tokens equal plain decoding's either way."""
+    from longrl.models.loading import model_parts
+
     model, tok = peaked_model(seed=3)
-    prompt = PROMPTS[0]
-    params = SamplingParams(max_new_tokens=4, seed=11, temperature=0.7)
-    law = three_token_law(model, prompt, params)
-    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=2, fast_verify=fast_verify,
-                      speculative_fallback=False)
-    r = sampler.generate([prompt] * (DRAWS // 8), 8, params)
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    plain = Sampler(model, tok, fast_decode=False, sync_every=4).generate(PROMPTS, 2, params)
+    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=1, fast_decode=False, fast_verify=False,
+                      sync_every=4, speculative_schedule=schedule)
+    sampler.clock = ChargedClock(model_parts(model)[0], plain=1.0, verify=8.0)
+    try:
+        spec = sampler.generate(PROMPTS, 2, params)
+    finally:
+        sampler.clock.handle.remove()
+    assert_same_rollout(spec, plain)
     stats = sampler.last_stats
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
-    got = torch.tensor([c[:3] for c in r.completion_ids])  # [DRAWS, 3]
-    V = law.shape[0]
-    counts = torch.zeros(V, V, V).index_put_((got[:, 0], got[:, 1], got[:, 2]), torch.ones(DRAWS), accumulate=True)
-    stat, df = chi_square(counts, law)
-    assert stat < chi_square_limit(df), stat
+    assert stats["spec_accepted_per_step"] > 0.5
+    if schedule == "bytes":
+        assert stats["spec_fallbacks"] == 0 and stats["spec_cost_ratio"] < 1.5
+        assert stats["spec_verify_steps"] == stats["decode_steps"]  # every step a verify step
+    else:
+        assert stats["spec_fallbacks"] > 0 and stats["spec_cost_ratio"] == pytest.approx(8.0)
+        assert stats["decode_steps"] - stats["spec_verify_steps"] >= 2 * 4  # plain chunks of 4 steps ran
 
 
 @pytest.mark.parametrize("fallback", [True, False])
 def test_queued_speculation_with_plain_chunks_gives_plain_greedy_tokens(fallback):
     """A model whose greedy text repeats less than the peaked one's (acceptance below the tiny model's
     break-even): with the fallback, chunks alternate between speculating and plain; greedy tokens and log-probs
-    equal plain decoding's either way."""
+    equal plain decoding's either way (the byte schedule: the measured one's choices follow the CPU's timings)."""
     model, tok = tiny_model(seed=5)
     params = SamplingParams(max_new_tokens=60, temperature=0, stop_token_ids=(3,))
     plain = Sampler(model, tok, sync_every=4).generate(PROMPTS, 3, params)
-    sampler = Sampler(model, tok, speculative="ngram", sync_every=4, speculative_fallback=fallback)
+    sampler = Sampler(model, tok, speculative="ngram", sync_every=4, speculative_fallback=fallback,
+                      speculative_schedule="bytes")
     spec = sampler.generate(PROMPTS, 3, params)
     assert_same_rollout(spec, plain)
     stats = sampler.last_stats

@@ -23,7 +23,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "gene
                      "generation.cuda_graphs", "generation.kv_cache_gib", "generation.kv_cache_dtype",
                      "generation.sync_every", "train.gpu_memory_gib", "train.cpu_threads", "generation.fast_decode",
                      "generation.fuse_lora", "generation.nf4_kernel", "generation.pack_projections",
-                     "generation.speculative", "generation.max_draft_tokens",
+                     "generation.speculative", "generation.max_draft_tokens", "generation.speculative_schedule",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",
                      "train.mlp_tile_tokens", "model.device", "model.offload_activations",
                      "model.gpu_resident_layers", "model.no_recompute_layers", "model.sdpa_backends",

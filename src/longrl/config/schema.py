@@ -124,6 +124,11 @@ class GenerationConfig:
     #   (2026-12-05) with SmolLM2-135M it was slower (0.19-0.93x) while drafts were built on the host every step
     max_draft_tokens: int = 4  # speculative: most drafted tokens a sequence checks in one verify step (1-16; each
     #                            sequence's draft length adapts below it to its acceptance)
+    speculative_schedule: Literal["measured", "bytes"] = "measured"  # speculative: how a verify step's cost is
+    #   judged against the tokens it gains: measured, the run's own verify and plain step times (plain chunks run
+    #   where speculation is slower on this GPU and model; the choices follow timings, so a seed's tokens can differ
+    #   between runs, their distribution exact either way); bytes, a byte model (the same tokens on every run with a
+    #   seed; it leaves out launches and host work, which set small models' steps)
 
 
 @dataclass

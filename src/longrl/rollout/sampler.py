@@ -112,6 +112,8 @@ class Sampler:
     a time like plain ones; or a factory (prompt ids, G) → a group's proposer on the host
     (rollout/draft_book.py :class:`GroupDrafts`), asked before every step. speculative_fallback: with "ngram",
     chunks of plain steps while speculation does not pay (rollout/spec_schedule.py); False: every chunk speculates.
+    speculative_schedule: how the fallback prices a verify step: "measured" (the call's own step times, read through
+    ``Sampler.clock``) or "bytes" (a byte model: the same choices, and tokens, on every run with a seed).
     speculative_graphs: with "ngram" and CUDA graphs, a whole queued verify step (drafts, forward, acceptance, kept
     tokens) replays as one CUDA graph (rollout/verify_steps.py _queued_graph); off (the default until measured on a
     GPU): the verify forward alone is a graph and the rest launches eagerly.
@@ -130,13 +132,15 @@ class Sampler:
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
                  fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True,
-                 speculative_graphs: bool = False):
+                 speculative_graphs: bool = False, speculative_schedule: str = "measured"):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
             raise ValueError(f"speculative must be off, ngram or a proposer factory; got {speculative!r}")
         if max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1; got {max_draft_tokens}")
+        if speculative_schedule not in ("measured", "bytes"):
+            raise ValueError(f"speculative_schedule must be measured or bytes; got {speculative_schedule!r}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.fp8_kernel = fp8_kernel
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
@@ -156,8 +160,11 @@ class Sampler:
         self.new_draft_group: ProposerFactory | None = speculative if callable(speculative) else None
         self.device_drafting = speculative == "ngram"  # drafts on the device (queued speculative steps)
         self.max_draft_tokens, self.speculative_fallback = max_draft_tokens, speculative_fallback
+        self.speculative_schedule = speculative_schedule
         self.speculative_graphs = speculative_graphs and self.cuda_graphs
         self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS) if self.device_drafting else None
+
+    clock = staticmethod(time.perf_counter)  # seconds, for the measured speculation schedule and the spec_* timings
 
     @property
     def speculative(self) -> bool:
@@ -356,7 +363,8 @@ class _Run(VerifySteps):
         # device drafts: each entry's sources, the chunks' schedule, the call's counts, the next chunk's draft count
         self.device_drafts = DeviceDrafts(self.num_entries, self.max_prompt_len, DRAFT_HISTORY_TOKENS,
                                           device) if sampler.device_drafting else None
-        self.schedule = SpeculationSchedule(enabled=sampler.speculative_fallback)
+        self.schedule = SpeculationSchedule(enabled=sampler.speculative_fallback,
+                                            measured=sampler.speculative_schedule == "measured")
         self.spec_counts = SpeculativeCounts()
         self.spec_k, self.spec_accepted = sampler.max_draft_tokens, 0.0
         self.weight_bytes: int | None = None  # the sampler's, read at the first speculating chunk's end
@@ -445,6 +453,8 @@ class _Run(VerifySteps):
             self.stats.update(self.drafts.counts.summary())
         if self.device_drafts is not None:
             self.stats.update(self.spec_counts.summary(), spec_fallbacks=self.schedule.fallbacks)
+            if self.schedule.last_ratio is not None:
+                self.stats["spec_cost_ratio"] = self.schedule.last_ratio  # r of the last speculating chunk
         return self._rollout()
 
     def _rollout(self) -> Rollout:

@@ -37,15 +37,18 @@ class VerifySteps:
         speculates (as many as the last chunk's acceptance needs for them, at most sync_every), else plain steps
         (min(sync_every, remaining)); then (one host synchronisation) the chunk's counts, the schedule's next
         choice and the next chunk's draft count. Returns the steps run."""
-        state, counts, start = self.state, self.spec_counts, time.perf_counter()
+        clock = self.sampler.clock
+        state, counts, start = self.state, self.spec_counts, clock()
         steps = max(1, min(self.sampler.sync_every, remaining))
         if not self.schedule.speculate_next():
             for _ in range(steps):
                 self._decode_step(batch)
             if self.sampler.device.type == "cuda":  # (_sync reads the state next anyway: this wait costs nothing)
                 torch.cuda.synchronize(self.sampler.device)
+            seconds = clock() - start
             counts.plain_steps += steps
-            counts.plain_s += time.perf_counter() - start
+            counts.plain_s += seconds
+            self.schedule.record_plain(seconds / steps)
             return steps
         k = self.spec_k
         # a verify step emits 1 + a tokens a row (a: the last chunk's accepted drafts a row): no step past the need
@@ -68,10 +71,12 @@ class VerifySteps:
         counts.verify_steps, counts.verify_rows = counts.verify_steps + steps, counts.verify_rows + rows
         counts.drafted, counts.accepted = counts.drafted + drafted, counts.accepted + accepted
         counts.fast_steps += steps if fast else 0
-        counts.verify_s += time.perf_counter() - start
+        seconds = clock() - start  # (the counts' read above waited for the chunk's last step)
+        counts.verify_s += seconds
         if rows:
             self.spec_accepted = accepted / rows
-            self.schedule.record(self.spec_accepted, self._verify_cost_ratio(k, decoding))
+            ratio = self.schedule.cost_ratio(self._verify_cost_ratio(k, decoding), seconds / steps)
+            self.schedule.record(self.spec_accepted, ratio)
         self.spec_k = max(1, next_k)
         return steps
 
@@ -158,14 +163,14 @@ class VerifySteps:
         slots = [i for i in self._decoding() if i < batch and active[i]]
         self._feed_drafts(slots, generated)
         drafts = [self.drafts.propose(host.sequence[i], self._turn_limit(i) - generated[i] - 1) for i in slots]
-        counts, start = self.drafts.counts, time.perf_counter()
+        counts, start = self.drafts.counts, self.sampler.clock()
         if any(drafts):
             self._verify(batch, slots, drafts)
         else:
             self._decode_step(batch)
         if self.sampler.device.type == "cuda":  # (the next step reads the state anyway: this wait costs nothing)
             torch.cuda.synchronize(self.sampler.device)
-        seconds = time.perf_counter() - start
+        seconds = self.sampler.clock() - start
         if any(drafts):
             counts.verify_s += seconds
         else:
