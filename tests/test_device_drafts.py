@@ -11,6 +11,7 @@ import torch
 
 import longrl.rollout.device_drafts as device_drafts
 from longrl.rollout import Sampler, SamplingParams
+from longrl.rollout.attention import KVCache
 from longrl.rollout.device_drafts import NO_TOKEN, SEPARATOR, DeviceDrafts, match_drafts, match_drafts_reference
 from longrl.rollout.spec_schedule import SpeculationSchedule, verify_cost_ratio
 from test_sampler import PROMPTS, tiny_model
@@ -163,6 +164,53 @@ def test_the_measured_schedule_prices_a_verify_step_by_the_calls_own_step_times(
         assert s.speculate_next()
     s.record(0.5, s.cost_ratio(1.2, 0.025))
     assert [s.speculate_next() for _ in range(2)] == [False, True] and s.fallbacks == 1
+
+
+def test_verify_cost_ratio_counts_the_own_keys_once_a_query():
+    assert verify_cost_ratio(100.0, 20.0, 0.0, 4) == 1.0  # nothing of its own: k + 1 queries cost one weight read
+    assert verify_cost_ratio(100.0, 20.0, 30.0, 1) == pytest.approx(180 / 150)
+    assert verify_cost_ratio(100.0, 20.0, 30.0, 4) == pytest.approx(270 / 150)
+
+
+class RandomClock:
+    """Step timings drawn at random (its own generator, apart from the sampler's): the measured schedule's choices
+    between plain and speculating chunks become random, as a real GPU's timings may make them."""
+
+    def __init__(self, seed: int):
+        self.now, self.rng = 0.0, random.Random(seed)
+
+    def __call__(self) -> float:
+        self.now += self.rng.expovariate(1.0)
+        return self.now
+
+
+@pytest.mark.parametrize("fast_verify, schedule", [(False, "always"), (True, "always"), (False, "random timings")])
+def test_queued_speculation_keeps_plain_sampling_distribution(fast_verify, schedule):
+    """20,000 completions of one prompt (2,500 groups of 8, each its own prefix entry) at temperature 0.7 with device
+    drafts (from the prompt and each group's completions): every chunk speculating, or the measured schedule under
+    random step timings (chunks speculating or plain at random); chi-square of the first three tokens against plain
+    sampling's law (test_speculative_sampler's check)."""
+    model, tok = peaked_model(seed=3)
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_new_tokens=4, seed=11, temperature=0.7)
+    law = three_token_law(model, prompt, params)
+    # random timings: slots for 13 groups at a time, so that the call runs hundreds of chunks
+    kv = (KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32) * 8 * (len(prompt) + 8 * 6)
+          if schedule == "random timings" else None)
+    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=2, fast_verify=fast_verify,
+                      speculative_fallback=schedule != "always", sync_every=2, kv_cache_bytes=kv)
+    if schedule == "random timings":
+        sampler.clock = RandomClock(seed=5)
+    r = sampler.generate([prompt] * (DRAWS // 8), 8, params)
+    stats = sampler.last_stats
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    if schedule == "random timings":  # both kinds of chunk ran, many times
+        assert stats["spec_fallbacks"] > 20 and stats["decode_steps"] - stats["spec_verify_steps"] > 100
+    got = torch.tensor([c[:3] for c in r.completion_ids])  # [DRAWS, 3]
+    V = law.shape[0]
+    counts = torch.zeros(V, V, V).index_put_((got[:, 0], got[:, 1], got[:, 2]), torch.ones(DRAWS), accumulate=True)
+    stat, df = chi_square(counts, law)
+    assert stat < chi_square_limit(df), stat
 
 
 class ChargedClock:
