@@ -14,7 +14,6 @@ The mixin reads the call's state as ``_Run`` holds it (``state``, ``host``, ``ca
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
