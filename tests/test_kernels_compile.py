@@ -292,6 +292,36 @@ def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
     assert nm.permutes_packed(kernel) != spread  # (8B shapes: every pointer, width, row boundary a multiple of 16)
 
 
+def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3):
+    from longrl.ops import nf4_matmul as nm
+
+    ptrs = dict(X="*bf16", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D="*bf16", BIAS="*bf16", Y="*fp32")
+    ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
+                               "n_chunks", "chunks_per_split", "dense_tiles")}
+    return compile_for_sm90(nm._nf4_group_kernel, {**ptrs, **ints},
+                            dict(HAS_BIAS=False, BM=rows, BN=bn, SWAP=True, JOIN=True, LUT=lut, EVEN_K=True, ASM=True),
+                            num_warps=warps, num_stages=stages,
+                            aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
+
+
+@pytest.mark.parametrize("rows, bn, warps", [(16, 64, 4), (16, 128, 4), (32, 128, 8), (128, 128, 8)])
+def test_nf4_lut4_builds_its_table_once_outside_the_loop(rows, bn, warps):
+    """lut 4 (one table of the 16 unscaled codes; each block's product scaled after): its loop over K builds no
+    table (no float multiply or bf16 conversion there, where lut 3 builds a table a row and block), spills nothing,
+    and runs fewer instructions per code than lut 3's build of the same launch (the SASS, counted statically;
+    benchmarks/results/nf4_lut4_sass.md)."""
+    per_code = {}
+    for lut in (3, 4):
+        kernel = _nf4_build(rows, lut, bn, warps)
+        body = max(_sass_loops(kernel), key=len)
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
+        table_work = sum(op in ("FMUL", "F2FP") for op in ops)
+        assert (table_work == 0) == (lut == 4), (lut, table_work)
+        assert not {"STL", "LDL"} & set(ops), lut  # no register spills in the loop
+        per_code[lut] = len(body) * 32 * warps / (bn * 128)  # a loop iteration: one chunk of 128 codes a row
+    assert per_code[4] < per_code[3], per_code
+
+
 @pytest.mark.parametrize("vocab", [128_256, 151_936, 3001])
 def test_sampling_kernel_builds(vocab):
     from longrl.rollout import sampling_kernel as sk

@@ -67,18 +67,22 @@ KERNEL_CHECK = textwrap.dedent('''
     # groups: q/k/v-like (three weights), gate/up-like (two), with 16-bit rows after them and biases; row tiles that
     # shrink to the weights' boundaries (48 rows), K splits (programs), both operand orders, each code lookup (the
     # default's permutes replaced by the table in memory here: tests below replay them), the tile interleaved in
-    # registers (join) or read as even and odd k, M from 1 to 65
+    # registers (join) or read as even and odd k, M from 1 to 65; lut 4 (the scale after each block's product)
+    # against its own exact product (nf4_group_weight(scale_after=True)), K whole chunks or not
     for rows, K, M, R, bias, launch in [([128, 64, 70], 320, 17, 5, True, dict(swap=False)),
                                         ([48, 80], 1280, 1, 3, False, dict(programs=64, join=False, lut=1)),
                                         ([96], 576, 33, 0, True, dict(bn=32, programs=8, swap=False, join=False, lut=0)),
-                                        ([64, 64], 128, 65, 7, False, None)]:
+                                        ([64, 64], 128, 65, 7, False, None),
+                                        ([128, 64, 70], 320, 17, 5, True, dict(lut=4)),
+                                        ([48, 80], 1280, 3, 3, False, dict(lut=4, programs=64, swap=False)),
+                                        ([96], 576, 33, 0, True, dict(lut=4, bn=32, programs=8))]:
         ws = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
         dense = torch.randn(R, K, dtype=torch.float16) if R else None
         biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
         g = nm.nf4_group(ws, dense, biases)
         x = torch.randn(M, K, dtype=torch.float16)
         got = nm.nf4_group_linear(x, g, launch=launch)
-        W = nm.nf4_group_weight(g, torch.float16).double()
+        W = nm.nf4_group_weight(g, torch.float16, scale_after=(launch or {}).get("lut") == 4).double()
         assert got.shape == (M, sum(rows) + R)
         check(got, x.double() @ W.t() + (g.bias.double() if bias else 0), (rows, K, M, R))
         assert torch.equal(W[sum(rows):], dense.double()) if R else True  # the 16-bit rows are read as they are
@@ -88,6 +92,24 @@ KERNEL_CHECK = textwrap.dedent('''
 
 def test_triton_kernel_equals_the_exact_product():
     assert "kernel ok" in run_interpreted(KERNEL_CHECK)
+
+
+def test_scale_after_twin_differs_from_bitsandbytes_by_one_rounding_a_weight():
+    """lut 4's twin: x · (cast(code[q]) · absmax)ᵀ in float32. Each of its weights differs from bitsandbytes'
+    cast(code[q] · absmax) by at most the two bfloat16 roundings (half a unit, 2⁻⁸ relative, each), the 16-bit rows
+    not at all."""
+    from longrl.ops.nf4_matmul import nf4_group, nf4_group_reference, nf4_group_weight
+
+    params = [_quantized(n, 320, seed=n)[0] for n in (48, 32)]
+    dense = torch.randn(3, 320, dtype=torch.bfloat16)
+    g = nf4_group(params, dense, None)
+    exact, after = nf4_group_weight(g, torch.bfloat16), nf4_group_weight(g, torch.bfloat16, scale_after=True)
+    assert after.dtype == torch.float32 and torch.equal(after[80:], dense.float())
+    rel = ((after - exact.float()).abs() / exact.float().abs().clamp_min(1e-30))[exact != 0]
+    assert 0 < rel.max() <= 2 ** -7  # (they do differ: a rounding before the scale, or after it)
+    x = torch.randn(5, 320, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), after).to(torch.bfloat16)
+    assert torch.equal(nf4_group_reference(x, g, scale_after=True), want)
 
 
 def test_group_twin_stacks_bitsandbytes_weights():

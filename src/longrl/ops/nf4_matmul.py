@@ -48,8 +48,11 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 
 # launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128):
 # bn rows of the group a program owns, whether the NF4 tile is the left operand (swap), whether it is interleaved
-# into k order in registers so that x is read contiguously (join; else two products on even and odd k; lut 3
-# always joins), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 1 a register
+# into k order in registers so that x is read contiguously (join; else two products on even and odd k; lut 3 and 4
+# always join), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 4 the same
+# permutes on one table of the 16 unscaled values, built once, each block's product then scaled by its row's
+# absmax: no per-block table, but the weights are cast(code)·absmax rather than bitsandbytes' cast(code·absmax),
+# nf4_group_reference(scale_after=True) its twin, so it is a tuning choice, not a default; 1 a register
 # gather from them, tl.gather; 2 a tree of selects; 0 a load from the 16-entry table in memory, which Triton's
 # pipeliner stages through shared memory one element at a time: far slower), warps, pipeline stages, and the
 # programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
@@ -169,20 +172,30 @@ def stacked_bias(biases: list | None, rows: list[int], dense: torch.Tensor | Non
     return torch.cat([p.to(dtype) for p in parts + tail])
 
 
-def nf4_group_weight(group: NF4Group, dtype: torch.dtype) -> torch.Tensor:
-    """The group's stacked weight [Σ N_i + R, K] in ``dtype``, each NF4 weight dequantized as bitsandbytes does."""
+def nf4_group_weight(group: NF4Group, dtype: torch.dtype, scale_after: bool = False) -> torch.Tensor:
+    """The group's stacked weight [Σ N_i + R, K] in ``dtype``, each NF4 weight dequantized as bitsandbytes does.
+    scale_after: W[n, k] = cast(code[q]) · absmax in float32 (the kernel's lut 4, which scales after the product;
+    the 16-bit rows in float32 too)."""
     parts, start = [], 0
     for packed, n in zip(group.packed, group.rows):
         absmax = group.scales[:, start:start + n].t().reshape(-1)  # [n·K/64], row-major blocks
-        parts.append(dequantize_nf4(packed, absmax, group.code, n, group.K, dtype))
+        if scale_after:
+            unscaled = dequantize_nf4(packed, torch.ones_like(absmax), group.code, n, group.K, dtype).float()
+            parts.append(unscaled * absmax.view(n, -1).repeat_interleave(BLOCKSIZE, dim=1)[:, :group.K])
+        else:
+            parts.append(dequantize_nf4(packed, absmax, group.code, n, group.K, dtype))
         start += n
     if group.dense is not None:
-        parts.append(group.dense.to(dtype))
+        parts.append(group.dense.to(torch.float32 if scale_after else dtype))
     return torch.cat(parts)
 
 
-def nf4_group_reference(x: torch.Tensor, group: NF4Group) -> torch.Tensor:
-    """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin)."""
+def nf4_group_reference(x: torch.Tensor, group: NF4Group, scale_after: bool = False) -> torch.Tensor:
+    """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin).
+    scale_after: the twin of lut 4, x · (cast(code[q]) · absmax)ᵀ summed in float32, then cast."""
+    if scale_after:
+        bias = group.bias.float() if group.bias is not None else None
+        return torch.nn.functional.linear(x.float(), nf4_group_weight(group, x.dtype, True), bias).to(x.dtype)
     bias = group.bias.to(x.dtype) if group.bias is not None else None
     return torch.nn.functional.linear(x, nf4_group_weight(group, x.dtype), bias)
 
@@ -237,18 +250,28 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _prmt_lookup(byte, s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15,
-                     BN: tl.constexpr):
-        """(bf16(code[hi nibble] · s), bf16(code[lo nibble] · s)) of a block's bytes [BN, 32] (PRMT_ASM)."""
+    def _prmt_tables(s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15):
+        """The byte planes (L0..L3, H0..H3) of the table bf16(code[i] · s), i = 0..15 (s: float32, any shape)."""
         L0, H0 = _planes(_bf16_bits(c00, s), _bf16_bits(c01, s), _bf16_bits(c02, s), _bf16_bits(c03, s))
         L1, H1 = _planes(_bf16_bits(c04, s), _bf16_bits(c05, s), _bf16_bits(c06, s), _bf16_bits(c07, s))
         L2, H2 = _planes(_bf16_bits(c08, s), _bf16_bits(c09, s), _bf16_bits(c10, s), _bf16_bits(c11, s))
         L3, H3 = _planes(_bf16_bits(c12, s), _bf16_bits(c13, s), _bf16_bits(c14, s), _bf16_bits(c15, s))
-        z = tl.zeros([BN, 32], tl.int32)
+        return L0, L1, L2, L3, H0, H1, H2, H3
+
+    @triton.jit
+    def _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3):
+        """(table[hi nibble], table[lo nibble]) in bf16 of bytes [BN, 32] (PRMT_ASM), the planes broadcast to them."""
+        z = tl.zeros(byte.shape, tl.int32)
         return tl.inline_asm_elementwise(PRMT_ASM, PRMT_CONSTRAINTS,
-                                         [byte, L0[:, None] + z, L1[:, None] + z, L2[:, None] + z, L3[:, None] + z,
-                                          H0[:, None] + z, H1[:, None] + z, H2[:, None] + z, H3[:, None] + z],
+                                         [byte, L0 + z, L1 + z, L2 + z, L3 + z, H0 + z, H1 + z, H2 + z, H3 + z],
                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
+    def _prmt_lookup(byte, s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15):
+        """(bf16(code[hi nibble] · s), bf16(code[lo nibble] · s)) of a block's bytes [BN, 32], s [BN] a row."""
+        L0, L1, L2, L3, H0, H1, H2, H3 = _prmt_tables(s[:, None], c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
+                                                      c10, c11, c12, c13, c14, c15)
+        return _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3)
 
     @triton.jit
     def _nf4_group_kernel(X, P0, P1, P2, S, CODE, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
@@ -304,7 +327,10 @@ if triton is not None:
             c08, c09, c10, c11 = tl.load(CODE + 8), tl.load(CODE + 9), tl.load(CODE + 10), tl.load(CODE + 11)
             c12, c13, c14, c15 = tl.load(CODE + 12), tl.load(CODE + 13), tl.load(CODE + 14), tl.load(CODE + 15)
             j32 = tl.arange(0, 32)
-            if LUT == 3:  # a block at a time, looked up by byte permutes (GPU only)
+            if LUT == 4:  # one table for every row and block (the scale comes after the product): built once
+                U0, U1, U2, U3, V0, V1, V2, V3 = _prmt_tables(1.0, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
+                                                              c10, c11, c12, c13, c14, c15)
+            if LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only)
                 for c in range(c_start, c_stop):
                     k = c * 128 + tl.arange(0, 64)
                     for blk in tl.static_range(2):
@@ -321,14 +347,24 @@ if triton is not None:
                                          other=0.0)
                         sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
                                      other=0.0)  # [BN] this block's scales
-                        if ASM:
+                        if ASM and LUT == 4:
+                            w_hi, w_lo = _prmt_apply(byte, U0, U1, U2, U3, V0, V1, V2, V3)
+                        elif ASM:
                             w_hi, w_lo = _prmt_lookup(byte, sb, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10,
-                                                      c11, c12, c13, c14, c15, BN)
-                        else:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
+                                                      c11, c12, c13, c14, c15)
+                        elif LUT == 4:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
+                            w_hi = tl.load(CODE + (byte >> 4).to(tl.int32)).to(x_dtype)
+                            w_lo = tl.load(CODE + (byte & 15).to(tl.int32)).to(x_dtype)
+                        else:
                             w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * sb[:, None]).to(x_dtype)
                             w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * sb[:, None]).to(x_dtype)
-                        w = tl.reshape(tl.join(w_hi, w_lo), [BN, 64])  # W[n, k0 + 64 blk + i]
-                        if SWAP:
+                        w = tl.reshape(tl.join(w_hi, w_lo), [BN, 64])  # W[n, k0 + 64 blk + i] (LUT 4: unscaled)
+                        if LUT == 4:  # Σ_k cast(code)·x of the block, times the block's scale of each row
+                            if SWAP:
+                                acc += tl.dot(w, xt, out_dtype=tl.float32) * sb[:, None]
+                            else:
+                                acc += tl.dot(tl.trans(xt), tl.trans(w), out_dtype=tl.float32) * sb[None, :]
+                        elif SWAP:
                             acc += tl.dot(w, xt, out_dtype=tl.float32)
                         else:
                             acc += tl.dot(tl.trans(xt), tl.trans(w), out_dtype=tl.float32)
