@@ -135,6 +135,24 @@ def test_group_twin_stacks_bitsandbytes_weights():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M, launch", [(1, dict(lut=4)), (16, dict(lut=4)), (16, dict(lut=4, bn=128)),
+                                       (128, dict(lut=4, bn=128, warps=4)), (128, dict(lut=4))])
+def test_lut4_kernel_on_the_gpu_equals_its_twin(M, launch):
+    """lut 4's byte permutes on the GPU (one table for every row: any layout of the bytes, the 4-warp 128-row tile
+    included), against its twin x · (cast(code) · absmax)ᵀ summed in float32."""
+    from longrl.ops.nf4_matmul import nf4_group, nf4_group_linear, nf4_group_reference, nf4_group_weight
+
+    params = [_quantized(n, 4096, seed=M + n, device="cuda")[0] for n in (1024, 512)]
+    g = nf4_group(params, torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
+    got = nf4_group_linear(x, g, launch=launch).float()
+    want = nf4_group_reference(x, g, scale_after=True).float()
+    scale = x.float().abs() @ nf4_group_weight(g, torch.bfloat16, scale_after=True).abs().t()
+    assert ((got - want).abs() <= 2 ** -10 * scale + 2 ** -8 * want.abs()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 16, 128])
 def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
     from longrl.ops.nf4_matmul import nf4_linear, nf4_operands
