@@ -234,6 +234,8 @@ install_us() {  # Unsloth and what it imports that the GPU image lacks, into /tm
 PLAN_LENGTHS=${PLAN_LENGTHS:-196608,202220,204800}
 export PLAN_LENGTHS
 
+install_bnb  # whatever the stages: a carried .whl_bnb means the call wants bitsandbytes (the 4-bit stages, NF4 tests)
+
 for s in "$@"; do
     case $s in
         kernel) stage kernel 60 python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import rollout_speed as r; \
