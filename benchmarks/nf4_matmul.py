@@ -68,7 +68,8 @@ def sweep_choices(M: int) -> list[dict]:
     if M >= 128:
         return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1),
                 c(128, 8, 3, lut=4), c(128, 8, 2, lut=4)]
-    return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1), c(128, 4, 3, lut=4), c(64, 4, 3, lut=4)]
+    return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1), c(128, 4, 3, lut=4), c(64, 4, 3, lut=4),
+            c(128, 4, 2, lut=4), c(256, 8, 3, lut=4)]
 
 
 def table(dev, bw: float) -> list[dict]:
