@@ -164,6 +164,10 @@ def test_the_measured_schedule_prices_a_verify_step_by_the_calls_own_step_times(
         assert s.speculate_next()
     s.record(0.5, s.cost_ratio(1.2, 0.025))
     assert [s.speculate_next() for _ in range(2)] == [False, True] and s.fallbacks == 1
+    for k, wait in ((1, 8), (2, 1)):  # 1 + 1 < 1.1 · 2: no acceptance could pay, the longest back-off at once;
+        fresh = SpeculationSchedule(max_backoff=8, measured=False)  # 1 + 2 >= 1.1 · 2: the back-off starts at 1
+        fresh.record(0.5, 2.0, max_drafts=k)
+        assert [fresh.speculate_next() for _ in range(wait + 1)] == [False] * wait + [True]
 
 
 def test_verify_cost_ratio_counts_the_own_keys_once_a_query():

@@ -66,8 +66,10 @@ class SpeculationSchedule:
             return verify_step_s / self.plain_step_s
         return byte_ratio
 
-    def record(self, accepted_per_row: float, cost_ratio: float) -> None:
-        """A speculating chunk's acceptance and its cost ratio r (:meth:`cost_ratio`)."""
+    def record(self, accepted_per_row: float, cost_ratio: float, max_drafts: int | None = None) -> None:
+        """A speculating chunk's acceptance and its cost ratio r (:meth:`cost_ratio`); ``max_drafts``: the most drafts
+        a row could have had accepted (k). A miss where even k accepted drafts a row would not pay (1 + k < margin ·
+        r) backs off the longest at once: more acceptance cannot help there, only a cheaper verify step."""
         self.last_ratio = cost_ratio
         if not self.enabled:
             return
@@ -79,6 +81,8 @@ class SpeculationSchedule:
             return
         self.streak = 0
         self.fallbacks += 1
+        if max_drafts is not None and 1.0 + max_drafts < self.margin * cost_ratio:
+            self.backoff = self.max_backoff
         self.wait = self.backoff
         self.backoff = min(self.max_backoff, 2 * self.backoff)
 

@@ -75,7 +75,7 @@ class VerifySteps:
         if rows:
             self.spec_accepted = accepted / rows
             ratio = self.schedule.cost_ratio(self._verify_cost_ratio(k, decoding), seconds / steps)
-            self.schedule.record(self.spec_accepted, ratio)
+            self.schedule.record(self.spec_accepted, ratio, k)
         self.spec_k = max(1, next_k)
         return steps
 
