@@ -64,7 +64,7 @@ def sweep_choices(M: int) -> list[dict]:
         return dict(bn=bn, swap=swap, join=True, lut=lut, warps=w, stages=st, programs=264)
 
     # lut 4 (one unscaled table, the scale after each block's product; 25-42% fewer instructions a code in the
-    # sm_90 SASS at 16-64 rows, nf4_lut4_sass.md) beside the default lut 3
+    # sm_90 SASS at 16-64 rows, decode_product_sass.md) beside the default lut 3
     if M >= 128:
         return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1),
                 c(128, 8, 3, lut=4), c(128, 8, 2, lut=4)]
@@ -195,8 +195,11 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
         bf16 = sum(graph_seconds(lambda: torch.nn.functional.linear(xs[n], W)) for n, (_, W) in groups.items())
         totals = []
-        for bn, warps, stages, programs in [(b, w, 3, p) for b in (64, 128) for w in (4, 8) for p in (264, 528)]:
-            cfg = dict(bn=bn, warps=warps, stages=stages, programs=programs)
+        # f16 (float16 codes, the scale after each block's product: about half the instructions a weight in the
+        # SASS, decode_product_sass.md) on each choice beside the default
+        for bn, warps, stages, programs, f16 in [(b, w, 3, p, f) for b in (64, 128) for w in (4, 8) for p in (264, 528)
+                                                 for f in ((False, True) if p == 528 else (False,))]:
+            cfg = dict(bn=bn, warps=warps, stages=stages, programs=programs, f16=f16)
             try:
                 total = 0.0
                 for name, (g, W) in groups.items():
@@ -230,10 +233,10 @@ def fp8_lines(rows: list[dict], sweep_rows: list[dict], best: dict) -> list[str]
                      f"{r['bf16_us'] / r['fp8_us']:.2f} | {r['max_rel_err']:.4f} |")
     if sweep_rows:
         lines += ["", f"FP8 launch sweep over a layer's four packed groups (µs summed); fastest: {best}", "",
-                  "| rows | bn | warps | stages | programs | layer µs | bf16 layer µs | × bf16 |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| rows | bn | warps | stages | programs | f16 | layer µs | bf16 layer µs | × bf16 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in sweep_rows:
-            head = f"| {r['M']} | {r['bn']} | {r['warps']} | {r['stages']} | {r['programs']} | "
+            head = f"| {r['M']} | {r['bn']} | {r['warps']} | {r['stages']} | {r['programs']} | {r.get('f16', False)} | "
             lines.append(head + (f"failed: {r['error']} | | |" if "error" in r else
                                  f"{r['layer_us']:.1f} | {r['bf16_layer_us']:.1f} | "
                                  f"{r['bf16_layer_us'] / r['layer_us']:.2f} |"))

@@ -29,6 +29,30 @@ def test_dequantize_and_group_product_in_bfloat16():
         assert ((got - exact).abs() <= 2 ** -8 * exact.abs() + 2 ** -12 * scale + 1e-3).all(), (rows, K, M)
 
 
+def test_f16_group_product_with_activations_far_outside_float16():
+    """The f16 launch choice on float16 tensor cores: rows of x up to 3·10⁶ and down to 10⁻⁶ (float16's range is
+    6·10⁻⁵ … 65504) give the product with the unrounded weights q · s, within float32 summation order and one bf16
+    rounding, as the default does with its rounded ones."""
+    from longrl.ops import fp8_blocks as fb
+    from longrl.ops import fp8_matmul as fm
+
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    for rows, K, M, R in [([4096, 1024, 1024], 4096, 8, 96), ([4096], 14336, 32, 0), ([130], 129, 3, 5)]:
+        ws = [fb.quantize_fp8_blocks(torch.randn(n, K, device=dev) * 0.02) for n in rows]
+        dense = torch.randn(R, K, device=dev, dtype=torch.bfloat16) if R else None
+        g = fm.fp8_group([q for q, _ in ws], [s for _, s in ws], dense)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        x[0] *= 1e6
+        x[-1] *= 1e-6
+        got = fm.fp8_group_linear(x, g, launch=dict(f16=True)).float()
+        assert torch.isfinite(got).all()
+        W = fm.fp8_group_weight(g, torch.float32).double()
+        exact = x.double() @ W.t()
+        scale = x.double().abs() @ W.abs().t()
+        assert ((got - exact).abs() <= 2 ** -8 * exact.abs() + 2 ** -12 * scale).all(), (rows, K, M)
+
+
 def test_fp8_linear_forward_and_backward_on_cuda():
     from longrl.models.fp8_linear import FP8Linear, fp8_linear_reference
 

@@ -51,7 +51,11 @@ PRODUCT_CHECK = textwrap.dedent('''
              ([64, 64], 1280, 1, 3, False, dict(programs=4)),
              ([96], 700, 33, 0, True, dict(bn=32, programs=64)),
              ([128, 16, 16], 257, 17, 7, True, dict(bn=128, programs=1000)),
-             ([200], 384, 1, 0, False, None)]
+             ([200], 384, 1, 0, False, None),
+             # f16: float16 codes times float16(x · p), the scales after: the product with the unrounded weights
+             ([48, 32, 70], 300, 3, 5, True, dict(f16=True)),
+             ([64, 64], 1280, 17, 3, False, dict(f16=True, programs=4)),
+             ([200], 384, 1, 0, False, dict(f16=True, bn=32))]
     for rows, K, M, R, bias, launch in cases:
         torch.manual_seed(K + M)
         ws = [fb.quantize_fp8_blocks(torch.randn(n, K) * 0.1) for n in rows]
@@ -59,12 +63,19 @@ PRODUCT_CHECK = textwrap.dedent('''
         biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
         g = fm.fp8_group([q for q, _ in ws], [s for _, s in ws], dense, biases)
         x = torch.randn(2, M, K, dtype=torch.float16)
+        f16 = bool(launch and launch.get("f16"))
+        if f16:
+            x[0, 0] *= 2 ** -8  # a row far below the others: its own power of two
         got = fm.fp8_group_linear(x, g, launch=launch)
         assert got.shape == (2, M, sum(rows) + R) and got.dtype == torch.float16
-        exact = x.double() @ fm.fp8_group_weight(g, torch.float16).double().t()
+        weights = torch.float32 if f16 else torch.float16  # f16: the weights unrounded
+        exact = x.double() @ fm.fp8_group_weight(g, weights).double().t()
         if bias:
             exact += g.bias.double()
-        err = ((got.double() - exact).abs() / (exact.abs() + 1e-2)).max().item()
+        floor = torch.full_like(exact, 1e-2)
+        if f16 and not bias:
+            floor[0, 0] *= 2 ** -8  # the small row to its own scale
+        err = ((got.double() - exact).abs() / (exact.abs() + floor)).max().item()
         worst = max(worst, err)
         assert err <= 2 ** -9, (rows, K, M, err)  # float32 sums, one float16 rounding at the end
         twin = fm.fp8_group_reference(x.float(), g)  # the twin itself in float32 (weights not rounded to float16)
@@ -78,6 +89,33 @@ PRODUCT_CHECK = textwrap.dedent('''
 
 def test_group_product_equals_its_twin_on_odd_and_block_crossing_shapes():
     assert "product ok" in run_interpreted(PRODUCT_CHECK)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_float16_rows_keep_every_value_a_row_holds_above_2_to_the_minus_28_of_its_largest(dtype):
+    """float16(x · p) with p a power of two a row: no overflow for rows up to 10³⁰ (bf16, float32), rows of zeros
+    and of 10⁻³⁰ kept, and x · p / p = x exactly for every value ≥ 2⁻²⁸ of its row's largest (bf16 and float16
+    values have at most 11 significant bits; the float32 row's values are rounded to 11, as float16 does)."""
+    from longrl.ops.fp8_matmul import float16_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 300).to(dtype)
+    big = 1e30 if dtype != torch.float16 else 1e4
+    x[0] *= big
+    x[1] = 0
+    x[2] *= 1e-30 if dtype != torch.float16 else 1e-3
+    x[3, :5] = torch.tensor([1.0, 2.0 ** -28, 1.25 * 2.0 ** -28, 1.234375 * 2.0 ** -35, -3.0]).to(dtype)
+    x16, inv_p = float16_rows(x)
+    assert x16.dtype == torch.float16 and torch.isfinite(x16).all() and x16.abs().max() < 2 ** 15
+    back = x16.double() * inv_p.double()[:, None]
+    keep = x.double().abs() >= 2.0 ** -28 * x.double().abs().amax(1, keepdim=True)
+    want = x.to(torch.float16).double() if dtype == torch.float32 else x.double()  # (float32: 11 bits kept)
+    if dtype == torch.float32:  # its values rounded to float16's significand at their row's scale
+        want = (x.double() / inv_p.double()[:, None]).to(torch.float16).double() * inv_p.double()[:, None]
+    assert torch.equal(back[keep], want[keep])
+    assert torch.equal(back[1], torch.zeros(300, dtype=torch.float64))
+    if dtype != torch.float16:  # (in float16 itself that value is 0)
+        assert back[3, 3] != x[3, 3].double()  # 8 significant bits at 2⁻³⁶ of the row's largest: some lost
 
 
 def test_groupable_reasons_and_the_twin_without_triton():

@@ -309,7 +309,7 @@ def test_nf4_lut4_builds_its_table_once_outside_the_loop(rows, bn, warps):
     """lut 4 (one table of the 16 unscaled codes; each block's product scaled after): its loop over K builds no
     table (no float multiply or bf16 conversion there, where lut 3 builds a table a row and block), spills nothing,
     and runs fewer instructions per code than lut 3's build of the same launch (the SASS, counted statically;
-    benchmarks/results/nf4_lut4_sass.md)."""
+    benchmarks/results/decode_product_sass.md)."""
     per_code = {}
     for lut in (3, 4):
         kernel = _nf4_build(rows, lut, bn, warps)
@@ -320,6 +320,43 @@ def test_nf4_lut4_builds_its_table_once_outside_the_loop(rows, bn, warps):
         assert not {"STL", "LDL"} & set(ops), lut  # no register spills in the loop
         per_code[lut] = len(body) * 32 * warps / (bn * 128)  # a loop iteration: one chunk of 128 codes a row
     assert per_code[4] < per_code[3], per_code
+
+
+def _fp8_build(rows: int, f16: bool, bn: int, warps: int, stages: int = 3):
+    from longrl.ops import fp8_matmul as fm
+
+    ptrs = dict(X="*bf16", P0="*fp8e4nv", P1="*fp8e4nv", P2="*fp8e4nv", S0="*fp32", S1="*fp32", S2="*fp32",
+                D="*bf16", BIAS="*bf16", Y="*fp32", X16="*fp16", INV_P="*fp32")
+    ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
+                               "n_chunks", "chunks_per_split", "dense_tiles")}
+    signature = {name: {**ptrs, **ints}[name] for name in fm._fp8_group_kernel.arg_names if name in {**ptrs, **ints}}
+    return compile_for_sm90(fm._fp8_group_kernel, signature,
+                            dict(HAS_BIAS=False, BM=rows, BN=bn, EVEN_K=True, F16=f16), num_warps=warps,
+                            num_stages=stages,
+                            aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
+
+
+@pytest.mark.parametrize("rows", [16, 32, 128])
+def test_fp8_f16_product_converts_each_pair_of_codes_once(rows):
+    """The FP8 product's launch of each row count, as built (the default) and with f16: f16's loop over K converts
+    two codes an instruction (F2FP) and does no per-weight float32 work (no HADD2 widening, no FMUL scaling: the
+    scale comes after each block's product), so it runs fewer instructions per weight, spilling nothing
+    (benchmarks/results/decode_product_sass.md)."""
+    from longrl.ops import fp8_matmul as fm
+
+    cfg = fm.LAUNCH[rows]
+    per_weight = {}
+    for f16 in (False, True):
+        body = max(_sass_loops(_fp8_build(rows, f16, cfg["bn"], cfg["warps"], cfg["stages"])), key=len)
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
+        weights = cfg["bn"] * 128 / (32 * cfg["warps"])  # a thread's share of one chunk
+        widening = sum(op in ("HADD2", "FMUL") for op in ops)
+        assert (widening == 0) == f16, (f16, widening)
+        if f16:
+            assert ops.count("F2FP") == weights / 2
+        assert not {"STL", "LDL"} & set(ops), f16
+        per_weight[f16] = len(body) / weights
+    assert per_weight[True] < per_weight[False], per_weight
 
 
 @pytest.mark.parametrize("vocab", [128_256, 151_936, 3001])

@@ -42,7 +42,11 @@ CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
 
 # launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128): bn rows
 # a program owns, warps, pipeline stages, and the programs the K split aims at (split = ⌈programs / row tiles⌉,
-# each split ≥ 4 chunks). Not yet measured on a GPU: benchmarks/nf4_matmul.py --fp8 --sweep times the choices.
+# each split ≥ 4 chunks); f16 (absent: off): the codes enter float16 tensor cores as they are (e4m3 ⊂ float16, one
+# conversion per two codes) with x as float16(x · p) (float16_rows), each block's scale applied after its product;
+# its result is the product with the unrounded weights q · s (fp8_group_reference(f16=True)), not with their bf16
+# rounding that the FP8 layer's forward multiplies, so it is a tuning choice, not a default. Not yet measured on a
+# GPU: benchmarks/nf4_matmul.py --fp8 --sweep times the choices.
 LAUNCH = {16: dict(bn=64, warps=4, stages=3, programs=528),
           32: dict(bn=64, warps=4, stages=3, programs=528),
           64: dict(bn=128, warps=8, stages=3, programs=264),
@@ -112,21 +116,38 @@ def fp8_group_weight(group: FP8Group, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def fp8_group_reference(x: torch.Tensor, group: FP8Group) -> torch.Tensor:
-    """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin)."""
+def fp8_group_reference(x: torch.Tensor, group: FP8Group, f16: bool = False) -> torch.Tensor:
+    """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin).
+    f16: the twin of the f16 launch choice, the product with the weights q · s unrounded, in float32, then cast."""
+    if f16:
+        bias = group.bias.float() if group.bias is not None else None
+        return torch.nn.functional.linear(x.float(), fp8_group_weight(group, torch.float32), bias).to(x.dtype)
     bias = group.bias.to(x.dtype) if group.bias is not None else None
     return torch.nn.functional.linear(x, fp8_group_weight(group, x.dtype), bias)
 
 
+def float16_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float16(x · p) [M, K], 1/p [M] float32) for rows x2 [M, K]: p = 2^(15 − e) a row, e the exponent with
+    max|x_row| < 2^e, so that the scaled row lies below 2^15 (no overflow) and every value from 2^-28 of the row's
+    largest up lands in float16's normal range and converts exactly (a bf16 or float16 value has at most 11
+    significant bits: float16 holds them)."""
+    amax = x2.abs().amax(dim=1).float()
+    e = torch.frexp(amax).exponent.clamp(-100, 128)  # amax = mantissa · 2^e, mantissa in [0.5, 1) (0: e = 0)
+    p = torch.ldexp(torch.ones_like(amax), 15 - e)
+    return (x2.float() * p[:, None]).to(torch.float16), 1.0 / p
+
+
 if triton is not None:
     @triton.jit
-    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm, stride_ym,
-                          stride_ys, n_chunks, chunks_per_split, dense_tiles, HAS_BIAS: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr):
+    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, X16, INV_P, M, K, KB, N0, N01, NQ, R, stride_xm,
+                          stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles, HAS_BIAS: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, F16: tl.constexpr):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D, the rest the FP8
         rows; an FP8 tile lies inside one weight (P0 rows [0, N0), P1 [N0, N01), P2 [N01, NQ)), whose scales are
         S0, S1, S2. acc [BN, BM] (weight tile on the left) goes to split ps's float32 slice of Y, or (one split)
-        to Y itself with the bias, cast."""
+        to Y itself with the bias, cast. F16: the FP8 rows multiply float16 codes (exact) by X16 [M, K] = float16(x ·
+        p), p a power of two a row of x, on float16 tensor cores, each chunk's product times its rows' scales and
+        the sum times INV_P = 1/p (fp8_group_linear's f16 choice)."""
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -156,18 +177,27 @@ if triton is not None:
             local = tl.where(row0 >= N01, row0 - N01, tl.where(row0 >= N0, row0 - N0, row0)) + tl.arange(0, BN)
             w_rows = codes + local.to(tl.int64) * K  # [BN] first code of each row
             s_rows = scales + (local // 128) * KB  # [BN] each row's block row of scales
+            x16_rows = X16 + m.to(tl.int64) * K  # [BM] rows of float16(x · p) (read with F16 only)
             for c in range(c_start, c_stop):
                 k = c * 128 + kk
+                k_ok = k < K
                 if EVEN_K:  # no mask along k: the loads stay 16-byte vectors
                     w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 128] e4m3
-                    xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :], other=0.0)  # [128, BM]
                 else:
-                    k_ok = k < K
                     w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                    xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                x_ok = m_ok[None, :] & (k_ok[:, None] | EVEN_K)
+                if F16:
+                    xt = tl.load(x16_rows[None, :] + k[:, None], mask=x_ok, other=0.0)  # [128, BM] float16
+                else:
+                    xt = tl.load(x_rows[None, :] + k[:, None], mask=x_ok, other=0.0)  # [128, BM]
                 s = tl.load(s_rows + c, mask=n_ok, other=0.0)  # [BN] float32
-                tile = (w.to(tl.float32) * s[:, None]).to(xt.dtype)  # the dequantized weights, as the twin's
-                acc += tl.dot(tile, xt, out_dtype=tl.float32)
+                if F16:  # e4m3 ⊂ float16: the codes as they are, the block's scale after the product
+                    acc += tl.dot(w.to(tl.float16), xt, out_dtype=tl.float32) * s[:, None]
+                else:
+                    tile = (w.to(tl.float32) * s[:, None]).to(xt.dtype)  # the dequantized weights, as the twin's
+                    acc += tl.dot(tile, xt, out_dtype=tl.float32)
+            if F16:
+                acc = acc * tl.load(INV_P + m, mask=m_ok, other=1.0)[None, :]
         ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
         if HAS_BIAS:
             acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[:, None]
@@ -193,10 +223,12 @@ def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
     scales = group.scales + [group.scales[0]] * (MAX_FP8 - len(group.scales))
     dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
     bias = group.bias if group.bias is not None else out
+    f16 = cfg.get("f16", False)
+    x16, inv_p = float16_rows(x2) if f16 else (x2, out)  # (unused pointers without f16)
     _fp8_group_kernel[g.grid](
-        x2, *codes, *scales, dense, bias, target, M, K, g.n_chunks, g.N0, g.N01, NQ, R, x2.stride(0), NT, M * NT,
-        g.n_chunks, g.per_split, g.dense_tiles, HAS_BIAS=group.bias is not None and g.split == 1, BM=BM, BN=g.BN,
-        EVEN_K=K % CHUNK == 0, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        x2, *codes, *scales, dense, bias, target, x16, inv_p, M, K, g.n_chunks, g.N0, g.N01, NQ, R, x2.stride(0), NT,
+        M * NT, g.n_chunks, g.per_split, g.dense_tiles, HAS_BIAS=group.bias is not None and g.split == 1, BM=BM,
+        BN=g.BN, EVEN_K=K % CHUNK == 0, F16=f16, num_warps=cfg["warps"], num_stages=cfg["stages"])
     sum_splits(target, group.bias, out)
     return out.view(*lead, NT)
 

@@ -1,0 +1,105 @@
+"""Instructions per weight of the quantized decode products' loop over K for sm_90, compiled ahead of time (no GPU):
+the SASS of each launch's loop body (per thread, one chunk of 128 weights a row of its BN-row tile).
+
+- NF4 (ops/nf4_matmul.py): the default lookup (lut 3: a bf16 table a row and block, built inside the loop, then
+  byte permutes) against lut 4 (one table of the 16 unscaled codes built before the loop, the same permutes, each
+  block's product then scaled by its rows' absmax).
+- FP8 (ops/fp8_matmul.py): the default (each weight converted to float32, scaled, rounded to bf16) against f16 (the
+  e4m3 codes converted to float16 as they are, two a conversion, multiplied on float16 tensor cores by float16(x · p),
+  the block's scale after the product).
+
+At decode row counts these products are bound by instructions more than by bytes: reading weights at the copy
+bandwidth (~4 TB/s: 8·10¹² NF4 codes/s, 4·10¹² FP8 weights/s) leaves an H100/H200 (132 SMs × 128 lanes × ~1.9 GHz ≈
+3.2·10¹³ instructions/s) about 4 instructions an NF4 code and 8 an FP8 weight, latencies not counted.
+
+    python benchmarks/product_sass.py            # writes results/decode_product_sass.{md,json}
+
+Needs Triton's CUDA backend with its ptxas and nvdisasm (the CPU wheel of Triton ships them); no GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT / "src")]
+
+from results_io import run_meta, write_result  # noqa: E402
+from test_kernels_compile import _fp8_build, _nf4_build, _registers, _sass_loops  # noqa: E402
+
+# (rows of x, row tile BN, warps): the launch tables' choices (NF4 16: 64/4, 32-128: 128/8; FP8 16-32: 64/4,
+# 64-128: 128/8) and the sweeps' others
+NF4_BUILDS = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 8), (64, 128, 8), (128, 128, 8), (128, 64, 4)]
+FP8_BUILDS = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8), (128, 128, 8)]
+
+
+def loop_mix(kernel, bn: int, warps: int) -> dict:
+    body = max(_sass_loops(kernel), key=len)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body)
+    return dict(body=len(body), per_weight=len(body) * 32 * warps / (bn * 128), registers=_registers(kernel),
+                shared=kernel.metadata.shared, spills=ops["STL"] + ops["LDL"], mix=dict(ops))
+
+
+def nf4_rows() -> list[dict]:
+    from longrl.ops.nf4_matmul import permutes_packed
+
+    rows = []
+    for m, bn, w in NF4_BUILDS:
+        for lut in (3, 4):
+            kernel = _nf4_build(m, lut, bn, w)
+            rows.append(dict(rows=m, bn=bn, warps=w, lut=lut, packed=permutes_packed(kernel),
+                             **loop_mix(kernel, bn, w)))
+    return rows
+
+
+def fp8_rows() -> list[dict]:
+    return [dict(rows=m, bn=bn, warps=w, f16=f16, **loop_mix(_fp8_build(m, f16, bn, w), bn, w))
+            for m, bn, w in FP8_BUILDS for f16 in (False, True)]
+
+
+def count(row: dict, *ops: str) -> int:
+    return sum(row["mix"].get(op, 0) for op in ops)
+
+
+def main() -> None:
+    nf4, fp8 = nf4_rows(), fp8_rows()
+    meta = run_meta()
+    lines = ["# Quantized decode products: instructions per weight in their loop over K (sm_90 SASS, compiled on "
+             "the CPU)", "",
+             f"{meta['date']}; torch {meta['torch']}; `{meta['command']}`. Static counts of one loop iteration (a "
+             "chunk of 128 weights of each of the tile's BN rows), per thread × threads / weights; not a timing. "
+             "bf16 activations, K a multiple of the chunk.", "",
+             "## NF4 (ops/nf4_matmul.py; swap and join on)", "",
+             "Table work: FMUL + F2FP (a bf16 table built a row and block); scale: FFMA (lut 4's scale after each "
+             "block's product, BM/64 a code). lut 3 layout: whether the build hands each thread four bytes of one row "
+             "(permutes_packed; where not, the product runs the register gather instead, lut 1); lut 4 needs no such "
+             "layout (one table for every row).", "",
+             "| rows | BN | warps | lut 3 layout | lut 3 instr / code | lut 4 instr / code | lut 4 / lut 3 | "
+             "table work (3 / 4) | PRMT (3 / 4) | scale FFMA (4) | registers (3 / 4) | spills (3 / 4) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for a, b in zip(nf4[::2], nf4[1::2]):
+        lines.append(f"| {a['rows']} | {a['bn']} | {a['warps']} | {'ok' if a['packed'] else 'refused'} | "
+                     f"{a['per_weight']:.2f} | {b['per_weight']:.2f} | {b['per_weight'] / a['per_weight']:.2f} | "
+                     f"{count(a, 'FMUL', 'F2FP')} / {count(b, 'FMUL', 'F2FP')} | {count(a, 'PRMT')} / "
+                     f"{count(b, 'PRMT')} | {count(b, 'FFMA')} | {a['registers']} / {b['registers']} | "
+                     f"{a['spills']} / {b['spills']} |")
+    lines += ["", "## FP8 (ops/fp8_matmul.py)", "",
+              "Conversion work: F2FP + HADD2 + FMUL (e4m3 → float16 pairs, float16 → float32, the scale, float32 → "
+              "bf16 pairs); f16 keeps only the first (F2FP, one per two weights) and scales each block's product "
+              "(FFMA, BM/128 a weight).", "",
+              "| rows | BN | warps | default instr / weight | f16 instr / weight | f16 / default | conversion work "
+              "(default / f16) | registers (default / f16) | spills (default / f16) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for a, b in zip(fp8[::2], fp8[1::2]):
+        lines.append(f"| {a['rows']} | {a['bn']} | {a['warps']} | {a['per_weight']:.2f} | {b['per_weight']:.2f} | "
+                     f"{b['per_weight'] / a['per_weight']:.2f} | {count(a, 'F2FP', 'HADD2', 'FMUL')} / "
+                     f"{count(b, 'F2FP', 'HADD2', 'FMUL')} | {a['registers']} / {b['registers']} | "
+                     f"{a['spills']} / {b['spills']} |")
+    write_result("decode_product_sass", {**meta, "nf4": nf4, "fp8": fp8}, lines)
+
+
+if __name__ == "__main__":
+    main()
