@@ -1,13 +1,15 @@
 """GRPO with images through the recipe (CPU): the vision demo learns; the vision tower runs once per prompt in a
 step's rollout and passes (once per step when it is frozen); grouped rows (train.shared_prompt) give the step the
-repeated layout gives; Gemma 3 samples through transformers' generate where the sampler cannot; a text model,
-environments and transformers' generate for other families are refused before the model loads."""
+repeated layout gives; Gemma 3 samples through transformers' generate where the sampler cannot; multi-turn
+environments open each episode with its row's images; a text model and transformers' generate for other families are
+refused before the model loads."""
 
 import json
 
 import pytest
 from test_shared_prompt_training import assert_same_metrics
 
+from longrl.agents.environment import Environment
 from longrl.config import ConfigError, load_config
 from longrl.config.demo import demo_config
 from longrl.models import base_model
@@ -114,12 +116,74 @@ def _no_model_load(monkeypatch):
 @pytest.mark.parametrize("overrides, message", [
     (["model.name_or_path=builtin:tiny-arith"], "holds prompts with images, but model.name_or_path"),
     (["generation.backend=hf"], "generation.backend"),
-    (["environment.factory=longrl.tasks.tools:LookupEnvironment", "environment.max_turns=2"], "environment.factory"),
 ])
 def test_image_runs_refuse_what_they_cannot_do_before_the_model_loads(tmp_path, monkeypatch, overrides, message):
     _no_model_load(monkeypatch)
     with pytest.raises(ConfigError, match=message):
         GRPOTrainer(_cfg(tmp_path, *overrides))
+
+
+class AgainEnvironment(Environment):
+    """Answers the model's first turn with a user message asking again; the second turn ends the episode."""
+
+    def step(self, assistant_message):
+        self.turns = getattr(self, "turns", 0) + 1
+        return [{"role": "user", "content": "again?"}] if self.turns == 1 else [], None, self.turns > 1
+
+
+class TRLAgainEnvironment:
+    """TRL's kind: reset(**row) adds text to the row's last user message (here a list of image and text parts)."""
+
+    def reset(self, **row):
+        return " Look closely."
+
+    def check(self, answer: str) -> str:
+        """Says whether an answer looks like a colour.
+
+        Args:
+            answer: the colour named
+        """
+        return "ok"
+
+
+@pytest.mark.parametrize("factory", [AgainEnvironment, TRLAgainEnvironment])
+def test_multi_turn_episodes_open_with_the_rows_images(tmp_path, factory):
+    """Environments over prompts with images (the vision demo's tiny LLaVA, LoRA): each episode opens with its row's
+    image, the G episodes of a row share one VisionPrompt (the frozen tower once per prompt in all), the second turn
+    continues on the kept cache, and the training passes, given the same features, score the sampled tokens as the
+    sampler did (float32)."""
+    cfg = _cfg(tmp_path, "lora.enabled=true", "train.max_steps=1", "environment.max_turns=2",
+               "environment.max_tokens=48", "generation.max_completion_length=16")
+    trainer = GRPOTrainer(cfg, environment_factory=factory)
+    calls = _count_tower_calls(trainer)
+    trainer.train()
+    (metrics,) = read_metrics(tmp_path)
+    assert len(calls) == 3  # the step's 3 prompts
+    assert metrics["sampler/logp_abs_diff"] < 1e-4
+    b = trainer.batch
+    assert b.vision is not None and all(v is b.vision[i - i % 4] for i, v in enumerate(b.vision))
+    opening = b.prompts[0]
+    assert sum(p.get("type") == "image" for m in opening for p in m["content"] if isinstance(m["content"], list)) == 1
+    if factory is TRLAgainEnvironment:
+        assert opening[-1]["content"][-1] == {"type": "text", "text": " Look closely."}
+    else:
+        assert metrics["agent/turns"] > 1 and any(m["role"] == "user" for c in b.completions for m in c)
+
+
+def test_an_opening_whose_image_parts_the_row_cannot_fill_skips_the_row(tmp_path):
+    """An environment whose reset opens the episode with two image parts for a row of one image: the row is skipped
+    as a failed reset, the reason named (every row here, with the failure share allowed to be all)."""
+    class TwoImages(AgainEnvironment):
+        def reset(self, row):
+            prompt = row["prompt"]
+            return [{**prompt[0], "content": [{"type": "image"}, *prompt[0]["content"]]}, *prompt[1:]]
+
+    cfg = _cfg(tmp_path, "lora.enabled=true", "train.max_steps=1", "environment.max_turns=2",
+               "environment.max_reset_failure_share=1.0")
+    trainer = GRPOTrainer(cfg, environment_factory=TwoImages)
+    b = trainer._rollout_batch()
+    assert all(ep.truncated == "reset_error" for ep in b.episodes)
+    assert "2 image part(s) in its messages, but the row holds 1 image(s)" in b.episodes[0].error
 
 
 def test_image_file_dataset_trains(tmp_path):

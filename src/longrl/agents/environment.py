@@ -129,7 +129,10 @@ class TRLEnvironment(ToolEnvironment):
         if not isinstance(prompt, list) or not prompt:
             return [{"role": "user", "content": str(observation)}]
         last = prompt[-1]
-        return list(prompt[:-1]) + [{**last, "content": (last.get("content") or "") + str(observation)}]
+        content = last.get("content") or ""
+        if isinstance(content, list):  # content parts (text, images): the observation as one more text part
+            return list(prompt[:-1]) + [{**last, "content": [*content, {"type": "text", "text": str(observation)}]}]
+        return list(prompt[:-1]) + [{**last, "content": content + str(observation)}]
 
     def final_reward(self) -> float | None:
         get = getattr(self.instance, "get_reward", None)

@@ -25,6 +25,7 @@ from ..config.errors import ConfigError
 from ..config.schema import trajectory_tokens
 from ..rollout.sampler import MultiTurn, Rollout
 from .bounded_text import cap_messages, cap_text
+from .episode_images import EpisodeImages
 from .environment import EnvironmentSetupError, TRLEnvironment, build_environment, check_callable, \
     load_environment_factory
 from .tool_calls import detect_format
@@ -91,6 +92,8 @@ class AgentBatch:
     episodes: list[Episode]
     columns: dict = field(default_factory=dict)  # extra reward-function columns
     metrics: dict = field(default_factory=dict)
+    vision: list | None = None  # [N] each episode's VisionPrompt (one object for episodes of a row that open
+    #                             alike) or None; None: no episode opened with images
 
     @property
     def ran(self) -> list[int]:
@@ -149,12 +152,25 @@ class AgentRollouts:
                                  self.settings.max_message_chars)
 
     # ------------------------------------------------------------------------------------------ one batch
-    def generate(self, sampler, rows: list[dict], G: int, params) -> AgentBatch:
+    def generate(self, sampler, rows: list[dict], G: int, params, images: EpisodeImages | None = None) -> AgentBatch:
+        """The episodes of ``rows`` (G a row) through ``sampler``; ``images``: the rows' images (a vision-language
+        model's run; agents.episode_images), else None."""
+        if images is not None:
+            rows = images.rows_for_reset(rows, self.prompt_column)
         envs, prompts, failed = self._start_episodes(rows, G)
+        if images is not None:  # openings whose image parts the row's images cannot fill: unusable resets
+            for i, p in enumerate(prompts):
+                why = images.unusable(i // G, p) if i // G not in failed else None
+                if why is not None:
+                    failed[i // G] = why
         schemas = next((env.tool_schemas() for env in envs if env is not None), None) or None
         skipped = self._reset_failures(rows, failed)
         ran = [i for i in range(len(envs)) if i // G not in failed]
-        prompt_ids = [self._prompt_ids(p, schemas) for p in prompts]  # a skipped row's: its placeholders'
+        vision = [images.prompt(i // G, p, schemas) if images is not None and i // G not in failed else None
+                  for i, p in enumerate(prompts)]
+        # a skipped row's: its placeholders' (text: out of the loss, without the images)
+        prompt_ids = [self._checked_length(v.input_ids) if v is not None else self._prompt_ids(p, schemas)
+                      for p, v in zip(prompts, vision)]
         episodes = [Episode(env, p if isinstance(p, list) else [{"role": "user", "content": p}])
                     for env, p in zip(envs, prompts)]
         for p, why in failed.items():
@@ -162,7 +178,7 @@ class AgentRollouts:
                 ep.truncated, ep.error = RESET_ERROR, why
         running = [episodes[i] for i in ran]
         rollout, stats = self._sample(sampler, running, [prompt_ids[i] for i in ran], ran, G, params, schemas,
-                                      prompt_ids[0])
+                                      prompt_ids[0], [vision[i] for i in ran])
         # truncated: an episode a budget ended (its last turn may well end without a stop token: the environment
         # said done, or max_turns came)
         rollout.truncated = [ep.truncated in BUDGET_STOPS for ep in running]
@@ -177,7 +193,8 @@ class AgentRollouts:
                         "sees '... [truncated N characters]'); agent/messages_truncated counts them per episode",
                         self.settings.max_message_chars)
         return AgentBatch(self._with_placeholders(rollout, ran, prompt_ids), prompts,
-                          [ep.messages for ep in episodes], episodes, self._columns(episodes), metrics)
+                          [ep.messages for ep in episodes], episodes, self._columns(episodes), metrics,
+                          vision if any(v is not None for v in vision) else None)
 
     def _start_episodes(self, rows: list[dict], G: int) -> tuple[list, list, dict[int, str]]:
         """An environment for each of the rows' G sequences, built and reset: (environments [N] (None where none
@@ -236,9 +253,9 @@ class AgentRollouts:
         return int(total["failed"])
 
     def _sample(self, sampler, episodes: list[Episode], prompt_ids: list[list[int]], ran: list[int], G: int, params,
-                schemas, idle_prompt: list[int]) -> tuple[Rollout, dict]:
+                schemas, idle_prompt: list[int], vision: list) -> tuple[Rollout, dict]:
         """The sampler's multi-turn rollout of ``episodes`` (whole groups of G: the rows not skipped, at positions
-        ``ran`` of the batch) and its statistics."""
+        ``ran`` of the batch; ``vision`` each one's VisionPrompt or None) and its statistics."""
         if not episodes:
             # every row skipped on this rank: one token of a placeholder is still sampled, since under FSDP2 the
             # sampler's forwards leave the sharded layers in the state the policy update's collectives expect on
@@ -249,9 +266,13 @@ class AgentRollouts:
         multi = MultiTurn(runner, self.settings.max_tokens, self.settings.workers)
         if params.sequence_ids and len(ran) < len(params.sequence_ids):  # each sequence keeps its own draws
             params = dataclasses.replace(params, sequence_ids=tuple(params.sequence_ids[i] for i in ran))
-        if all(prompt_ids[k] == prompt_ids[k - k % G] for k in range(len(prompt_ids))):  # a row's G share a prompt
-            return sampler.generate(prompt_ids[::G], G, params, multi), sampler.last_stats
-        return sampler.generate(prompt_ids, 1, params, multi), sampler.last_stats
+        with_images = any(v is not None for v in vision)
+        if all(prompt_ids[k] == prompt_ids[k - k % G] and vision[k] is vision[k - k % G]
+               for k in range(len(prompt_ids))):  # a row's G share a prompt (and its images)
+            return (sampler.generate(prompt_ids[::G], G, params, multi, vision=vision[::G] if with_images else None),
+                    sampler.last_stats)
+        rollout = sampler.generate(prompt_ids, 1, params, multi, vision=vision if with_images else None)
+        return rollout, sampler.last_stats
 
     def _with_placeholders(self, rollout: Rollout, ran: list[int], prompt_ids: list[list[int]]) -> Rollout:
         """The rollout of every sequence: those in ``ran`` as sampled, each other one a placeholder out of the loss
@@ -277,6 +298,10 @@ class AgentRollouts:
         else:
             out = self.tokenizer.apply_chat_template(prompt, tools=schemas, add_generation_prompt=True, tokenize=True)
             ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+        return self._checked_length(ids)
+
+    def _checked_length(self, ids: list[int]) -> list[int]:
+        """``ids``, an episode's prompt, refused when longer than data.max_prompt_length or empty."""
         if self.max_prompt_length and len(ids) > self.max_prompt_length:
             raise ValueError(f"an episode's prompt has {len(ids)} tokens (its tools' schemas included), more than "
                              f"data.max_prompt_length={self.max_prompt_length}: raise it")

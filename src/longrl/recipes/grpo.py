@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..agents.episode_images import EpisodeImages
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, is_vision_dataset, load_prompts, read_prompt_rows
 from ..training.vision_inputs import PromptImages, check_image_model, is_processor, pick, repeat_groups
@@ -81,12 +82,10 @@ class RolloutBatch:
     #                             None: no images in the batch
 
 
-def _check_image_run(cfg, agent_spec, model) -> None:
+def _check_image_run(cfg, model) -> None:
     """Refuse, before the model loads, a text model (named by the config, or passed in) and what prompts with images
     do not run with yet."""
     family = check_image_model(cfg, model, "prompts")
-    if agent_spec is not None:
-        raise ConfigError("config key 'environment.factory': multi-turn episodes do not take prompts with images yet")
     if cfg.generation.backend != "longrl":
         try:
             check_image_generate(family)
@@ -153,7 +152,7 @@ class GRPOTrainer:
 
         agent_spec = AgentSpec.resolve(cfg, environment_factory, tools)  # environment and tools: before the model
         if is_vision_dataset(cfg.data, rows):  # prompts with images: what they cannot run with, before the model
-            _check_image_run(cfg, agent_spec, model)
+            _check_image_run(cfg, model)
         self._model_source = ("the model passed in" if model is not None else
                               f"config key 'model.name_or_path': {cfg.model.name_or_path}")  # the reference's source
         processor = tokenizer if is_processor(tokenizer) else None  # TRL's processing_class may be a processor
@@ -369,16 +368,18 @@ class GRPOTrainer:
         params = self._sampling_params(tuple(p * G + k for p in mine for k in range(G)))
         rows = [self.data.rows[i] for i in rows_idx]
         prompt_ids = [self.data.prompt_ids[i] for i in rows_idx]
-        vision = self.images.prompts(self.data, rows_idx) if self.images is not None else None  # [P] or None
         agent = None
         with self._phase("generation"), full_weights(self.policy):
-            if self.agents is not None:  # multi-turn episodes (agents/rollout.py)
-                agent = self.agents.generate(self.sampler, rows, G, params)
-                rollout = agent.rollout
+            if self.agents is not None:  # multi-turn episodes (agents/rollout.py), each opening with its row's images
+                sources = self.images.sources(self.data, rows_idx) if self.images is not None else None
+                agent = self.agents.generate(self.sampler, rows, G, params,
+                                             EpisodeImages(self.images, sources) if sources is not None else None)
+                rollout, vision = agent.rollout, agent.vision  # [P·G]
             else:
+                vision = self.images.prompts(self.data, rows_idx) if self.images is not None else None  # [P]
                 rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, params,
                                  self.sampler, self.device, vision=vision)
-        vision = repeat_groups(vision, G)  # [P·G]: a completion's prompt's (the same object for the group)
+                vision = repeat_groups(vision, G)  # [P·G]: a completion's prompt's (the same object for the group)
         if self.sampler is not None and self.sampler.speculative:  # verify steps, drafts, accepted (the sampler's)
             self.phase_stats.update({f"speculative/{k[5:]}": float(v) for k, v in self.sampler.last_stats.items()
                                      if k.startswith("spec_")})

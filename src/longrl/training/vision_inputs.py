@@ -62,6 +62,17 @@ class PromptImages:
             return encode_text(self.processor, self.config, text, [])[0]
         return encode_prompt(self.processor, self.config, messages, images).input_ids
 
+    def encode(self, messages: list[dict], images: list, tools: list | None = None) -> VisionPrompt:
+        """One chat prompt with its (opened) images, ``tools``' schemas rendered (models.vision.encode_prompt)."""
+        return encode_prompt(self.processor, self.config, messages, images, tools)
+
+    def sources(self, data: PromptDataset, rows: list[int]) -> list[tuple[list[dict], list] | None] | None:
+        """Each of ``rows``' (messages with image parts, opened images), None for a row without images; None when
+        ``data`` holds no images (what a multi-turn episode of the row opens with: agents.episode_images)."""
+        if data.images is None:
+            return None
+        return [(data.messages[i], open_images(data.images[i])) if data.images[i] else None for i in rows]
+
     def prompts(self, data: PromptDataset, rows: list[int]) -> list[VisionPrompt | None] | None:
         """Each of ``rows``' VisionPrompt (None for a row without images); None when ``data`` holds no images.
         Raises when the processor now gives other token ids than when the dataset was read."""

@@ -72,12 +72,14 @@ def encode_text(processor, config, text: str, images: list) -> tuple[list[int], 
     return enc["input_ids"][0].tolist(), {k: enc[k] for k in family.image_inputs if k in enc}
 
 
-def encode_prompt(processor, config, messages: list[dict], images: list) -> VisionPrompt:
+def encode_prompt(processor, config, messages: list[dict], images: list, tools: list | None = None) -> VisionPrompt:
     """Encode one chat prompt with images: ``processor.apply_chat_template(messages, add_generation_prompt=True)``
-    renders the text (an image part where each image goes), then :func:`encode_text` expands each image's
-    placeholder and makes the image tensors. ``images``: one RGB PIL image per image part, in order."""
+    renders the text (an image part where each image goes; ``tools``' schemas where the template puts them), then
+    :func:`encode_text` expands each image's placeholder and makes the image tensors. ``images``: one RGB PIL image
+    per image part, in order."""
     parts = count_image_parts(messages)
     if parts != len(images):
         raise ValueError(f"the messages hold {parts} image part(s) but {len(images)} image(s) were given")
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     return build_prompt(config, *encode_text(processor, config, text, images))
