@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import copy_bandwidth, graph_kernel_times, graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import card_tag, copy_bandwidth, graph_kernel_times, graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 
@@ -126,7 +126,7 @@ def main() -> None:
         r["longrl_of_copy_bw"] = r["longrl_gbs"] * 1e9 / bw
         print(r, flush=True)
     meta = run_meta(copy_bandwidth_gbs=bw / 1e9)
-    stem = f"decode_attention_{args.prompts}x{args.G}_T{args.max_suffix}_h200{args.tag}"
+    stem = f"decode_attention_{args.prompts}x{args.G}_T{args.max_suffix}_{card_tag()}{args.tag}"
     lines = [f"# Decode attention, one layer, {args.prompts} prompts × {args.G}, heads {Hq}/{Hkv}×{D}, bf16, "
              f"{meta['gpu']}", "", f"{meta['date']}; torch {meta['torch']}.  ", f"`{meta['command']}`", "",
              f"Prefix {args.prompt_len} tokens shared by each prompt's {args.G} sequences; slot store of "

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import card_tag, graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout import fused_ops  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> None:
         lines += [f"| {r['silu_lora_bm']} | {r['silu_lora_bn']} | {r['silu_lora_warps']} | {r['error']} | |"
                   for r in sweep if "error" in r]
         lines += ["", "| shape | kernel | µs | max err |", "|---|---|---|---|"]
-    write_result(f"decode_glue_h200{args.tag}", payload, lines[:-3])
+    write_result(f"decode_glue_{card_tag()}{args.tag}", payload, lines[:-3])
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@
 #              with GLUE_FROM=benchmarks/results/decode_glue_h200<GTAG>.json run its fastest choice)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   nf4sweep   the same, first the packed decode's NF4 groups under a sweep of launch choices (~2 min); rollout8b
-#              with NF4_FROM=benchmarks/results/nf4_matmul_h200_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
+#              with NF4_FROM=benchmarks/results/nf4_matmul_<card>_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
 #              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side)
+#   nf4fast    nf4sweep (lut 3 and lut 4 choices), then the 8B rollout bf16 beside 4-bit on the sweep's fastest (~7 min;
+#              carry .whl_bnb)
+#   fp8fast    fp8sweep (default and f16 choices), then the 8B rollout bf16 beside the FP8 base, 4 x 8 x 512 after 512,
+#              on the sweep's fastest (FP8_FROM does the same for rollout8b) (~8 min; carry .whl_bnb)
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
@@ -235,6 +239,7 @@ PLAN_LENGTHS=${PLAN_LENGTHS:-196608,202220,204800}
 export PLAN_LENGTHS
 
 install_bnb  # whatever the stages: a carried .whl_bnb means the call wants bitsandbytes (the 4-bit stages, NF4 tests)
+CARD=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import results_io; print(results_io.card_tag())")
 
 for s in "$@"; do
     case $s in
@@ -262,7 +267,14 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         rollout8b) stage rollout8b 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
             ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} \
-            ${NF4_FROM:+--nf4-launch "$NF4_FROM"} ;;
+            ${NF4_FROM:+--nf4-launch "$NF4_FROM"} ${FP8_FROM:+--fp8-launch "$FP8_FROM"} ;;
+        nf4fast) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep
+            stage rollout8b_nf4 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls longrl,longrl-4bit \
+                --tag "${TAG:-_nf4fast}" --nf4-launch "benchmarks/results/nf4_matmul_${CARD}_sweep.json" ;;
+        fp8fast) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep
+            stage rollout8b_fp8 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls longrl,longrl-fp8 \
+                --prompts 4 --new-tokens 512 --tag "${TAG:-_fp8fast}" \
+                --fp8-launch "benchmarks/results/fp8_matmul_${CARD}_sweep.json" ;;
         rollout15) stage rollout15 300 python3 benchmarks/rollout_speed.py --shape qwen2.5-1.5b --prompts 64 \
             --impls "${IMPLS:-longrl,longrl-hf,longrl-nolora,hf-generate}" --tag "${TAG:-_fast}" \
             ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} ;;

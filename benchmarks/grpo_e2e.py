@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import trl_baseline as tb  # noqa: E402
 from bench_setup import REWARD_FILE, bench_lora, random_model, whitespace_tokenizer, write_grpo_inputs  # noqa: E402
-from results_io import run_meta, write_result  # noqa: E402
+from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.config import Config, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
@@ -329,7 +329,7 @@ def write_trl(args, r: dict) -> None:
 
     meta = run_meta(trl=trl.__version__)
     gpu = meta["gpu"]
-    stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{'h200' if gpu != 'CPU' else 'cpu'}_trl{args.tag}"
+    stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{card_tag(gpu)}_trl{args.tag}"
     cache = ("reuses its KV cache" if r["generate_reuses_kv_cache"] else
              "runs WITHOUT a KV cache (each new token re-runs the whole sequence)")
     cache += (f"; inside train() {r['one_token_forwards']:,} forwards fed one token a sequence (a cached "
@@ -349,7 +349,7 @@ def write_trl(args, r: dict) -> None:
 
 def write(args, r: dict, smoke: dict) -> None:
     meta = run_meta()
-    stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_h200{args.tag}"
+    stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{card_tag()}{args.tag}"
     base = ("NF4 4-bit base with 16-bit exceptions" + (", decode products on the NF4 kernel" if args.nf4_kernel else "")
             if args.load_in_4bit else "bf16")
     lines = [f"# Whole GRPO step, {args.shape} shape (random weights, {base}, LoRA r=32), {meta['gpu']}", "",

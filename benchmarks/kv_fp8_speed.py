@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import card_tag, graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.attention import decode_attention_reference  # noqa: E402
 from longrl.rollout.kv_quant import quantize_cache  # noqa: E402
@@ -318,7 +318,7 @@ def main() -> None:
         lines += ["", f"Fastest: bf16 {bf:.1f} µs; " + "; ".join(
             f"{FP8_TITLES[v]} {best[v][f'{v}_us']:.1f} µs ({bf / best[v][f'{v}_us']:.2f} × bf16's speed)"
             if best[v] else f"{FP8_TITLES[v]}: no launch built" for v in SWEEP_VARIANTS) + "."]
-    write_result(f"kv_fp8_speed_h200{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decodes,
+    write_result(f"kv_fp8_speed_{card_tag()}{args.tag}", dict(meta=meta, attention=rows, errors=small, decode=decodes,
                                                       sweep=swept), lines)
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_setup import add_shape_args, random_model, random_prompts, sync  # noqa: E402
-from results_io import run_meta, write_result  # noqa: E402
+from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
 from longrl.rollout.sampler import MultiTurn  # noqa: E402
@@ -119,7 +119,7 @@ def main() -> None:
 def write_tables(args, results, total) -> None:
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len, turns=args.turns,
                     tool_tokens=args.tool_tokens, new_tokens=args.new_tokens, trajectory_tokens=total)
-    stem = f"multiturn_speed_{args.shape}_{'h200' if torch.cuda.is_available() else 'cpu'}{args.tag}"
+    stem = f"multiturn_speed_{args.shape}_{card_tag()}{args.tag}"
     m, s, b = results["multi-turn"], results["single-turn"], results["re-prefill baseline"]
     lines = [f"# Multi-turn rollout speed, {args.shape} shape (random weights, bf16, LoRA r=32 unmerged), {meta['gpu']}",
              "", f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`",

@@ -11,14 +11,14 @@ replayed from a CUDA graph of 20 calls (as a captured decode step runs them: no 
 
     python benchmarks/nf4_matmul.py            # the table
     python benchmarks/nf4_matmul.py --sweep    # and the groups' sweep; its fastest choice per row count goes to
-                                               # results/nf4_matmul_h200.json "best" (rollout_speed.py --nf4-launch)
+                                               # results/nf4_matmul_<card>_sweep.json "best" (rollout_speed.py --nf4-launch)
     python benchmarks/nf4_matmul.py --fp8 [--sweep]   # and, in the same run, an FP8 base's products (below)
 
 --fp8: the same shapes and groups with FP8 e4m3 weights in 128 × 128 blocks (src/longrl/ops/fp8_matmul.py): longrl's
 FP8 kernel (reads 1 byte a weight + 4 bytes a block: floor 1.0002 B/param) against the FP8 layer's own forward
 (dequantize the whole weight to bf16, then the bf16 product: the rollout's fallback and the training product) and
 bf16, at 1, 8, 16, 32 and 128 rows; with --sweep its launch choices on the packed groups (results
-fp8_matmul_h200_sweep: "best", for rollout_speed.py --fp8-launch).
+fp8_matmul_<card>_sweep: "best", for rollout_speed.py --fp8-launch; <card>: h100, h200, ...).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import copy_bandwidth, graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import card_tag, copy_bandwidth, graph_seconds, run_meta, write_result  # noqa: E402
 
 from longrl.ops import nf4_matmul as nm  # noqa: E402
 
@@ -258,14 +258,14 @@ def main() -> None:
     sweep_rows, best = sweep(dev) if args.sweep else ([], {})
     if best:  # each bucket takes the fastest choice of the nearest swept row count at or above it
         nm.LAUNCH.update({b: best[min((m for m in best if m >= b), default=max(best))] for b in nm.LAUNCH})
-        write_result("nf4_matmul_h200_sweep", {"best": {str(b): c for b, c in nm.LAUNCH.items()}, "sweep": sweep_rows},
+        write_result(f"nf4_matmul_{card_tag()}_sweep", {"best": {str(b): c for b, c in nm.LAUNCH.items()}, "sweep": sweep_rows},
                      [f"NF4 launch sweep (fastest per row count): {best}"])  # (rollout_speed --nf4-launch, at once)
     fp8_sweep_rows, fp8_best = fp8_sweep(dev) if args.fp8 and args.sweep else ([], {})
     if fp8_best:
         from longrl.ops import fp8_matmul as fm
 
         fm.LAUNCH.update({b: fp8_best[min((m for m in fp8_best if m >= b), default=max(fp8_best))] for b in fm.LAUNCH})
-        write_result("fp8_matmul_h200_sweep", {"best": {str(b): c for b, c in fm.LAUNCH.items()},
+        write_result(f"fp8_matmul_{card_tag()}_sweep", {"best": {str(b): c for b, c in fm.LAUNCH.items()},
                                                "sweep": fp8_sweep_rows}, [f"FP8 launch sweep: {fp8_best}"])
     rows = table(dev, bw)
     fp8_rows = fp8_table(dev) if args.fp8 else []
@@ -299,7 +299,7 @@ def main() -> None:
                          f"{r['bf16_layer_us'] / r['layer_us']:.2f} |")
     if args.fp8:
         lines += fp8_lines(fp8_rows, fp8_sweep_rows, fp8_best)
-    write_result("nf4_matmul_h200" + ("_fp8" if args.fp8 else ""),
+    write_result(f"nf4_matmul_{card_tag()}" + ("_fp8" if args.fp8 else ""),
                  {**meta, "rows": rows, "sweep": sweep_rows, "best": {str(m): c for m, c in best.items()},
                   "fp8_rows": fp8_rows, "fp8_sweep": fp8_sweep_rows}, lines)
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_setup import add_shape_args, bench_lora, random_model, random_prompts, sync  # noqa: E402
-from results_io import RESULTS, copy_bandwidth, kernel_times, run_meta, write_result  # noqa: E402
+from results_io import RESULTS, card_tag, copy_bandwidth, kernel_times, run_meta, write_result  # noqa: E402
 
 from longrl.models import apply_lora, base_model  # noqa: E402
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
@@ -291,7 +291,7 @@ def main() -> None:
                     "benchmarks/nf4_matmul.py --sweep result whose 'best' is taken")
     ap.add_argument("--fp8-launch", default="", metavar="JSON|PATH",
                     help="launch table of the FP8 product (ops/fp8_matmul.LAUNCH, by rows), as a JSON object or a "
-                    "benchmarks/nf4_matmul.py --fp8 --sweep result (fp8_matmul_h200_sweep.json) whose 'best' is taken")
+                    "benchmarks/nf4_matmul.py --fp8 --sweep result (fp8_matmul_<card>_sweep.json) whose 'best' is taken")
     ap.add_argument("--glue-launch", default="", metavar="JSON|PATH",
                     help="launch choices of the LoRA-folding SiLU·up kernel (fused_ops.LAUNCH entries), as a JSON "
                     "object or a decode_glue_speed.py result whose fastest choice at this shape is taken")
@@ -487,7 +487,7 @@ def write_tables(args, results, weight_bytes) -> None:
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH),
                     glue_launch=dict(GLUE_LAUNCH), nf4_launch=_nf4_launch(), fp8_launch=_fp8_launch())
-    stem = f"rollout_speed_{args.shape}_{'h200' if CUDA else 'cpu'}{args.tag}"
+    stem = f"rollout_speed_{args.shape}_{card_tag()}{args.tag}"
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
     lines = [f"# Rollout speed, {args.shape} shape (random weights, bf16, LoRA r=32 unmerged), {meta['gpu']}",

@@ -22,7 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from results_io import graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import card_tag, graph_seconds, run_meta, write_result  # noqa: E402
 
 LAYOUTS = {"minor": 0, "tiled": 1, "keys": 2}
 
@@ -101,7 +101,7 @@ def main() -> None:
     for r in rows:
         cells = " | ".join(f"{r[n + '_us']:.1f} ({r[n + '_tb_s']:.2f})" for n in stores)
         lines.append(f"| {r['block']} | {r['warps']} | {r['stages']} | {cells} | {r['sums_agree']} |")
-    write_result(f"value_layout_bandwidth_h200{args.tag}", dict(meta=meta, rows=rows), lines)
+    write_result(f"value_layout_bandwidth_{card_tag()}{args.tag}", dict(meta=meta, rows=rows), lines)
 
 
 if __name__ == "__main__":
