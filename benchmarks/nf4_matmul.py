@@ -195,8 +195,8 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
         bf16 = sum(graph_seconds(lambda: torch.nn.functional.linear(xs[n], W)) for n, (_, W) in groups.items())
         totals = []
-        # f16 (float16 codes, the scale after each block's product: about half the instructions a weight in the
-        # SASS, decode_product_sass.md) on each choice beside the default
+        # f16 (float16 codes, the scale after each block's product: 0.53-0.85x the instructions a weight at 16-64
+        # rows in the SASS, more at 128, decode_product_sass.md) on each choice beside the default
         for bn, warps, stages, programs, f16 in [(b, w, 3, p, f) for b in (64, 128) for w in (4, 8) for p in (264, 528)
                                                  for f in ((False, True) if p == 528 else (False,))]:
             cfg = dict(bn=bn, warps=warps, stages=stages, programs=programs, f16=f16)

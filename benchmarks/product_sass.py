@@ -6,7 +6,8 @@ the SASS of each launch's loop body (per thread, one chunk of 128 weights a row 
   block's product then scaled by its rows' absmax).
 - FP8 (ops/fp8_matmul.py): the default (each weight converted to float32, scaled, rounded to bf16) against f16 (the
   e4m3 codes converted to float16 as they are, two a conversion, multiplied on float16 tensor cores by float16(x · p),
-  the block's scale after the product).
+  the block's scale after the product; each program scales and converts its x chunks itself, a cost that grows with
+  the rows of x).
 
 At decode row counts these products are bound by instructions more than by bytes: reading weights at the copy
 bandwidth (~4 TB/s: 8·10¹² NF4 codes/s, 4·10¹² FP8 weights/s) leaves an H100/H200 (132 SMs × 128 lanes × ~1.9 GHz ≈
@@ -88,8 +89,9 @@ def main() -> None:
                      f"{a['spills']} / {b['spills']} |")
     lines += ["", "## FP8 (ops/fp8_matmul.py)", "",
               "Conversion work: F2FP + HADD2 + FMUL (e4m3 → float16 pairs, float16 → float32, the scale, float32 → "
-              "bf16 pairs); f16 keeps only the first (F2FP, one per two weights) and scales each block's product "
-              "(FFMA, BM/128 a weight).", "",
+              "bf16 pairs); f16 keeps only the first for the weights (F2FP, one per two) and scales each block's "
+              "product (FFMA, BM/128 a weight), and adds x's scaling and conversion (FMUL, F2FP: 128·BM per chunk "
+              "over the program's threads, so x's share grows with the rows).", "",
               "| rows | BN | warps | default instr / weight | f16 instr / weight | f16 / default | conversion work "
               "(default / f16) | registers (default / f16) | spills (default / f16) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -93,10 +93,11 @@ def test_group_product_equals_its_twin_on_odd_and_block_crossing_shapes():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_float16_rows_keep_every_value_a_row_holds_above_2_to_the_minus_28_of_its_largest(dtype):
-    """float16(x · p) with p a power of two a row: no overflow for rows up to 10³⁰ (bf16, float32), rows of zeros
-    and of 10⁻³⁰ kept, and x · p / p = x exactly for every value ≥ 2⁻²⁸ of its row's largest (bf16 and float16
-    values have at most 11 significant bits; the float32 row's values are rounded to 11, as float16 does)."""
-    from longrl.ops.fp8_matmul import float16_rows
+    """The f16 choice's x: float16(x · p) with p a power of two a row (pow2_scale_reference): no overflow for rows up
+    to 10³⁰ (bf16, float32), rows of zeros and of 10⁻³⁰ kept, and x · p / p = x exactly for every value ≥ 2⁻²⁸ of
+    its row's largest (bf16 and float16 values have at most 11 significant bits; the float32 row's values are
+    rounded to 11, as float16 does)."""
+    from longrl.ops.fp8_matmul import float16_rows_reference
 
     torch.manual_seed(0)
     x = torch.randn(6, 300).to(dtype)
@@ -105,17 +106,44 @@ def test_float16_rows_keep_every_value_a_row_holds_above_2_to_the_minus_28_of_it
     x[1] = 0
     x[2] *= 1e-30 if dtype != torch.float16 else 1e-3
     x[3, :5] = torch.tensor([1.0, 2.0 ** -28, 1.25 * 2.0 ** -28, 1.234375 * 2.0 ** -35, -3.0]).to(dtype)
-    x16, inv_p = float16_rows(x)
+    x16, inv_p = float16_rows_reference(x)
     assert x16.dtype == torch.float16 and torch.isfinite(x16).all() and x16.abs().max() < 2 ** 15
     back = x16.double() * inv_p.double()[:, None]
     keep = x.double().abs() >= 2.0 ** -28 * x.double().abs().amax(1, keepdim=True)
-    want = x.to(torch.float16).double() if dtype == torch.float32 else x.double()  # (float32: 11 bits kept)
+    want = x.double()
     if dtype == torch.float32:  # its values rounded to float16's significand at their row's scale
         want = (x.double() / inv_p.double()[:, None]).to(torch.float16).double() * inv_p.double()[:, None]
     assert torch.equal(back[keep], want[keep])
     assert torch.equal(back[1], torch.zeros(300, dtype=torch.float64))
     if dtype != torch.float16:  # (in float16 itself that value is 0)
         assert back[3, 3] != x[3, 3].double()  # 8 significant bits at 2⁻³⁶ of the row's largest: some lost
+
+
+POW2_CHECK = textwrap.dedent('''
+    import torch, triton, triton.language as tl
+    from longrl.ops import fp8_matmul as fm
+
+    @triton.jit
+    def scale_kernel(A, P, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(P + i, fm._pow2_scale(tl.load(A + i, mask=i < n, other=0.0)), mask=i < n)
+
+    torch.manual_seed(0)
+    amax = torch.cat([torch.tensor([0.0, 1e-45, 1e-40, 2.0 ** -126, 2.0 ** -100, 0.5, 0.75, 1.0, 2.0, 65504.0, 1e30,
+                                    3.4e38]), torch.rand(100) * 10.0 ** torch.randint(-30, 30, (100,)).float()])
+    got = torch.empty_like(amax)
+    scale_kernel[(1,)](amax, got, amax.numel(), BLOCK=128)
+    want = fm.pow2_scale_reference(amax)
+    assert torch.equal(got, want), (amax[got != want], got[got != want], want[got != want])
+    assert ((amax * want) < 2 ** 15).all() and ((1 / want) > 0).all()
+    print("pow2 ok")
+''')
+
+
+def test_in_kernel_power_of_two_equals_its_twin():
+    """The f16 choice's p from the float's bits in the kernel equals pow2_scale_reference, for 0, subnormals, the
+    ends of float32's range and random magnitudes (Triton's interpreter)."""
+    assert "pow2 ok" in run_interpreted(POW2_CHECK)
 
 
 def test_groupable_reasons_and_the_twin_without_triton():

@@ -326,7 +326,7 @@ def _fp8_build(rows: int, f16: bool, bn: int, warps: int, stages: int = 3):
     from longrl.ops import fp8_matmul as fm
 
     ptrs = dict(X="*bf16", P0="*fp8e4nv", P1="*fp8e4nv", P2="*fp8e4nv", S0="*fp32", S1="*fp32", S2="*fp32",
-                D="*bf16", BIAS="*bf16", Y="*fp32", X16="*fp16", INV_P="*fp32")
+                D="*bf16", BIAS="*bf16", Y="*fp32")
     ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
                                "n_chunks", "chunks_per_split", "dense_tiles")}
     signature = {name: {**ptrs, **ints}[name] for name in fm._fp8_group_kernel.arg_names if name in {**ptrs, **ints}}
@@ -336,24 +336,24 @@ def _fp8_build(rows: int, f16: bool, bn: int, warps: int, stages: int = 3):
                             aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
 
 
-@pytest.mark.parametrize("rows", [16, 32, 128])
-def test_fp8_f16_product_converts_each_pair_of_codes_once(rows):
-    """The FP8 product's launch of each row count, as built (the default) and with f16: f16's loop over K converts
-    two codes an instruction (F2FP) and does no per-weight float32 work (no HADD2 widening, no FMUL scaling: the
-    scale comes after each block's product), so it runs fewer instructions per weight, spilling nothing
-    (benchmarks/results/decode_product_sass.md)."""
-    from longrl.ops import fp8_matmul as fm
-
-    cfg = fm.LAUNCH[rows]
+@pytest.mark.parametrize("bn, warps", [(64, 4), (128, 4)])
+def test_fp8_f16_product_converts_each_pair_of_codes_once(bn, warps):
+    """The FP8 product at 16 rows of x (LAUNCH's tile, and 128-row tiles), as built (the default) and with f16. f16's
+    loop over K converts two codes an instruction (F2FP), with no float32 work a weight (no HADD2 widening, no
+    multiply: the scale comes after each block's product); its float32 multiplies and the other conversions are
+    x's (x · p, then to float16 in pairs). So it runs fewer instructions a weight, spilling nothing
+    (benchmarks/results/decode_product_sass.md; above 32 rows x's share grows and the default is leaner)."""
+    rows, threads = 16, 32 * warps
     per_weight = {}
     for f16 in (False, True):
-        body = max(_sass_loops(_fp8_build(rows, f16, cfg["bn"], cfg["warps"], cfg["stages"])), key=len)
+        body = max(_sass_loops(_fp8_build(rows, f16, bn, warps)), key=len)
         ops = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
-        weights = cfg["bn"] * 128 / (32 * cfg["warps"])  # a thread's share of one chunk
-        widening = sum(op in ("HADD2", "FMUL") for op in ops)
-        assert (widening == 0) == f16, (f16, widening)
+        weights, xs = bn * 128 / threads, 128 * rows / threads  # a thread's share of one chunk's weights and x
         if f16:
-            assert ops.count("F2FP") == weights / 2
+            assert ops.count("HADD2") == 0 and ops.count("FMUL") == xs
+            assert ops.count("F2FP") == weights / 2 + xs / 2
+        else:
+            assert ops.count("HADD2") == ops.count("FMUL") == weights
         assert not {"STL", "LDL"} & set(ops), f16
         per_weight[f16] = len(body) / weights
     assert per_weight[True] < per_weight[False], per_weight

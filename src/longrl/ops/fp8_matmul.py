@@ -43,7 +43,7 @@ CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
 # launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128): bn rows
 # a program owns, warps, pipeline stages, and the programs the K split aims at (split = ⌈programs / row tiles⌉,
 # each split ≥ 4 chunks); f16 (absent: off): the codes enter float16 tensor cores as they are (e4m3 ⊂ float16, one
-# conversion per two codes) with x as float16(x · p) (float16_rows), each block's scale applied after its product;
+# conversion per two codes) with x as float16(x · p) (pow2_scale_reference), each block's scale after its product;
 # its result is the product with the unrounded weights q · s (fp8_group_reference(f16=True)), not with their bf16
 # rounding that the FP8 layer's forward multiplies, so it is a tuning choice, not a default. Not yet measured on a
 # GPU: benchmarks/nf4_matmul.py --fp8 --sweep times the choices.
@@ -126,28 +126,44 @@ def fp8_group_reference(x: torch.Tensor, group: FP8Group, f16: bool = False) -> 
     return torch.nn.functional.linear(x, fp8_group_weight(group, x.dtype), bias)
 
 
-def float16_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float16(x · p) [M, K], 1/p [M] float32) for rows x2 [M, K]: p = 2^(15 − e) a row, e the exponent with
-    max|x_row| < 2^e, so that the scaled row lies below 2^15 (no overflow) and every value from 2^-28 of the row's
-    largest up lands in float16's normal range and converts exactly (a bf16 or float16 value has at most 11
-    significant bits: float16 holds them)."""
-    amax = x2.abs().amax(dim=1).float()
-    e = torch.frexp(amax).exponent.clamp(-100, 128)  # amax = mantissa · 2^e, mantissa in [0.5, 1) (0: e = 0)
-    p = torch.ldexp(torch.ones_like(amax), 15 - e)
+def pow2_scale_reference(amax: torch.Tensor) -> torch.Tensor:
+    """p = 2^(15 − e) for float32 amax = m · 2^e (m in [0.5, 1)), its exponent kept within [2^-126, 2^126] (so 1/p
+    is a normal float32 too): the f16 choice's scale of a row of x, whose largest |x| is amax. x · p then lies below
+    2^15 (no float16 overflow), and every value from 2^-28 of amax up lands in float16's normal range, where it
+    converts exactly (a bf16 or float16 value has at most 11 significant bits). The kernel's _pow2_scale is its
+    twin, on the float's bits."""
+    amax = amax.float()  # finite, ≥ 0
+    e = torch.frexp(amax).exponent  # (subnormals: their true exponent, below −125)
+    e = torch.where(amax > 0, e, -200)  # 0 as the smallest: the largest p
+    return torch.ldexp(torch.ones_like(amax), (15 - e).clamp(-126, 126))
+
+
+def float16_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float16(x · p) [M, K], 1/p [M]) with p = pow2_scale_reference of each row's largest |x| (the f16 choice
+    computes p over each program's range of K instead: the same exactness)."""
+    p = pow2_scale_reference(x2.abs().amax(dim=1).float())
     return (x2.float() * p[:, None]).to(torch.float16), 1.0 / p
 
 
 if triton is not None:
     @triton.jit
-    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, X16, INV_P, M, K, KB, N0, N01, NQ, R, stride_xm,
+    def _pow2_scale(amax):
+        """pow2_scale_reference on the bits of finite float32 amax ≥ 0: its biased exponent b (amax = m · 2^(b − 126),
+        m in [0.5, 1), for b ≥ 1; 0 and subnormals: b = 0) gives p's biased exponent 127 + 15 − (b − 126) = 268 − b,
+        kept in [1, 253]."""
+        b = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        return (tl.minimum(tl.maximum(268 - b, 1), 253) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles, HAS_BIAS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, F16: tl.constexpr):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D, the rest the FP8
         rows; an FP8 tile lies inside one weight (P0 rows [0, N0), P1 [N0, N01), P2 [N01, NQ)), whose scales are
         S0, S1, S2. acc [BN, BM] (weight tile on the left) goes to split ps's float32 slice of Y, or (one split)
-        to Y itself with the bias, cast. F16: the FP8 rows multiply float16 codes (exact) by X16 [M, K] = float16(x ·
-        p), p a power of two a row of x, on float16 tensor cores, each chunk's product times its rows' scales and
-        the sum times INV_P = 1/p (fp8_group_linear's f16 choice)."""
+        to Y itself with the bias, cast. F16: the FP8 rows multiply float16 codes (exact) by float16(x · p) on
+        float16 tensor cores, p a power of two a row of x from its largest |x| in this program's range of K
+        (_pow2_scale), each chunk's product times its rows' scales and the sum times 1/p (the f16 choice)."""
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -177,7 +193,13 @@ if triton is not None:
             local = tl.where(row0 >= N01, row0 - N01, tl.where(row0 >= N0, row0 - N0, row0)) + tl.arange(0, BN)
             w_rows = codes + local.to(tl.int64) * K  # [BN] first code of each row
             s_rows = scales + (local // 128) * KB  # [BN] each row's block row of scales
-            x16_rows = X16 + m.to(tl.int64) * K  # [BM] rows of float16(x · p) (read with F16 only)
+            if F16:  # p a row of x over this program's range of K (x is small: a second read hits the cache)
+                xmax = tl.zeros([BM], tl.float32)
+                for c in range(c_start, c_stop):
+                    k = c * 128 + kk
+                    xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
+                    xmax = tl.maximum(xmax, tl.max(tl.abs(xt.to(tl.float32)), axis=0))
+                p = _pow2_scale(xmax)  # [BM]
             for c in range(c_start, c_stop):
                 k = c * 128 + kk
                 k_ok = k < K
@@ -186,10 +208,9 @@ if triton is not None:
                 else:
                     w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x_ok = m_ok[None, :] & (k_ok[:, None] | EVEN_K)
+                xt = tl.load(x_rows[None, :] + k[:, None], mask=x_ok, other=0.0)  # [128, BM]
                 if F16:
-                    xt = tl.load(x16_rows[None, :] + k[:, None], mask=x_ok, other=0.0)  # [128, BM] float16
-                else:
-                    xt = tl.load(x_rows[None, :] + k[:, None], mask=x_ok, other=0.0)  # [128, BM]
+                    xt = (xt.to(tl.float32) * p[None, :]).to(tl.float16)  # exact from 2^-28 of the row's largest
                 s = tl.load(s_rows + c, mask=n_ok, other=0.0)  # [BN] float32
                 if F16:  # e4m3 ⊂ float16: the codes as they are, the block's scale after the product
                     acc += tl.dot(w.to(tl.float16), xt, out_dtype=tl.float32) * s[:, None]
@@ -197,7 +218,7 @@ if triton is not None:
                     tile = (w.to(tl.float32) * s[:, None]).to(xt.dtype)  # the dequantized weights, as the twin's
                     acc += tl.dot(tile, xt, out_dtype=tl.float32)
             if F16:
-                acc = acc * tl.load(INV_P + m, mask=m_ok, other=1.0)[None, :]
+                acc = acc * (1.0 / p)[None, :]  # (a power of two: exact)
         ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
         if HAS_BIAS:
             acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[:, None]
@@ -223,12 +244,10 @@ def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
     scales = group.scales + [group.scales[0]] * (MAX_FP8 - len(group.scales))
     dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
     bias = group.bias if group.bias is not None else out
-    f16 = cfg.get("f16", False)
-    x16, inv_p = float16_rows(x2) if f16 else (x2, out)  # (unused pointers without f16)
     _fp8_group_kernel[g.grid](
-        x2, *codes, *scales, dense, bias, target, x16, inv_p, M, K, g.n_chunks, g.N0, g.N01, NQ, R, x2.stride(0), NT,
-        M * NT, g.n_chunks, g.per_split, g.dense_tiles, HAS_BIAS=group.bias is not None and g.split == 1, BM=BM,
-        BN=g.BN, EVEN_K=K % CHUNK == 0, F16=f16, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        x2, *codes, *scales, dense, bias, target, M, K, g.n_chunks, g.N0, g.N01, NQ, R, x2.stride(0), NT, M * NT,
+        g.n_chunks, g.per_split, g.dense_tiles, HAS_BIAS=group.bias is not None and g.split == 1, BM=BM, BN=g.BN,
+        EVEN_K=K % CHUNK == 0, F16=cfg.get("f16", False), num_warps=cfg["warps"], num_stages=cfg["stages"])
     sum_splits(target, group.bias, out)
     return out.view(*lead, NT)
 
