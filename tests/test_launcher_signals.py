@@ -160,9 +160,10 @@ def test_killing_the_launcher_sends_sigterm_to_torchrun(tmp_path):
     """The launcher SIGKILLed (nothing to forward with): torchrun's process gets SIGTERM, which its agent passes on
     to the ranks. Here a stand-in for torchrun records the signal."""
     agent = textwrap.dedent(f"""
-        import signal, sys, time
-        def record(signum, frame):
-            open({str(tmp_path / 'agent-got')!r}, 'w').write(signal.Signals(signum).name)
+        import os, signal, sys, time
+        def record(signum, frame):  # written whole, then renamed: the test never reads a half-written file
+            open({str(tmp_path / 'agent-got.part')!r}, 'w').write(signal.Signals(signum).name)
+            os.replace({str(tmp_path / 'agent-got.part')!r}, {str(tmp_path / 'agent-got')!r})
             sys.exit(0)
         signal.signal(signal.SIGTERM, record)
         open({str(tmp_path / 'agent-ready')!r}, 'w').close()
