@@ -105,7 +105,9 @@
 #              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
-#              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each)
+#              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
+#              VDEADLINE the program's deadline (500 s; (b) and (c)), VSTATE an earlier probe's _probes.json for (b) to
+#              go on from (e.g. DEADLINE=590 VDEADLINE=560 VSTATE=benchmarks/results/<its file> ... visionb)
 #   exactpin   shared_prompt_speed.py at 16,384:1,024 with the offloader's buffers from torch's pinned allocator, then
 #              page-locked by whole pages (--exact-pinned): time and host bytes each (JSON `host`), and the exact
 #              pinning's GPU tests (~5 min)
@@ -449,7 +451,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
                     --deadline 500
             else
-                stage visionb 560 python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe --deadline 500
+                stage visionb 580 python3 benchmarks/vision_grpo.py --budget-gib 22 --load-in-4bit --probe \
+                    --deadline "${VDEADLINE:-500}" ${VSTATE:+--probe-state "$VSTATE"}
             fi ;;
         visionc) stage visionc 560 python3 benchmarks/vision_grpo.py --arms "${VARMS:-longrl,per-completion,trl}" \
                 --prompts 4 --completion 2048 --deadline "${VDEADLINE:-500}" ;;
