@@ -106,8 +106,8 @@
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
-#              VDEADLINE the program's deadline (500 s; (b) and (c)), VSTATE an earlier probe's _probes.json for (b) to
-#              go on from (e.g. DEADLINE=590 VDEADLINE=560 VSTATE=benchmarks/results/<its file> ... visionb)
+#              VDEADLINE the program's deadline (500 s; (b) and (c); it must end inside the stage's limit, DEADLINE
+#              less the install and 20 s), VSTATE an earlier probe's _probes.json for (b) to go on from
 #   exactpin   shared_prompt_speed.py at 16,384:1,024 with the offloader's buffers from torch's pinned allocator, then
 #              page-locked by whole pages (--exact-pinned): time and host bytes each (JSON `host`), and the exact
 #              pinning's GPU tests (~5 min)
