@@ -253,8 +253,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
         nf4sweep) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep ;;
-        fp8sweep) install_bnb
-            stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
+        fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
@@ -327,7 +326,6 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         rope20k) stage rope20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse+fused+flora --mlp-tile "${RTILES:-4096,8192}" --reps 2 --tag "${RTAG:-target_rope_20k}" ;;
         grpous) install_us
-            [[ "${UARGS:-}" == *4bit* ]] && install_bnb
             stage grpous_longrl 200 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths "${ULEN:-20480}" \
                 --impls longrl --reps "${GUREPS:-1}" ${UARGS:-} --tag side_unsloth
             PYTHONPATH=/tmp/site_us:$PYTHONPATH stage grpous_unsloth 360 python3 benchmarks/grpo_unsloth.py \
@@ -443,11 +441,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
-        matrix) install_bnb
-            stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
+        matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" ;;
-        visiona|visionb) install_bnb
-            if [ "$s" = visiona ]; then
+        visiona|visionb) if [ "$s" = visiona ]; then
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
                     --deadline 500
             else

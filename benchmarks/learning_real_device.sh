@@ -37,7 +37,7 @@ if [ ! -f $GGUF ]; then
 fi
 echo "$SHA  $GGUF" | sha256sum -c - || { rm -f $GGUF; exit 3; }
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i 'h[0-9]\{3\}' | tr A-Z a-z)
+CARD=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import results_io; print(results_io.card_tag())")
 python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)"
 
 case ${1:-} in

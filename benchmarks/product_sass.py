@@ -21,7 +21,6 @@ Needs Triton's CUDA backend with its ptxas and nvdisasm (the CPU wheel of Triton
 from __future__ import annotations
 
 import collections
-import re
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT / "src")]
 
 from results_io import run_meta, write_result  # noqa: E402
-from test_kernels_compile import _fp8_build, _nf4_build, _registers, _sass_loops  # noqa: E402
+from test_kernels_compile import _fp8_build, _nf4_build, _opcodes, _registers, _sass_loops  # noqa: E402
 
 # (rows of x, row tile BN, warps): the launch tables' choices (NF4 16: 64/4, 32-128: 128/8; FP8 16-32: 64/4,
 # 64-128: 128/8) and the sweeps' others
@@ -39,7 +38,7 @@ FP8_BUILDS = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8), (128, 128, 8
 
 def loop_mix(kernel, bn: int, warps: int) -> dict:
     body = max(_sass_loops(kernel), key=len)
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body)
+    ops = collections.Counter(_opcodes(body))
     return dict(body=len(body), per_weight=len(body) * 32 * warps / (bn * 128), registers=_registers(kernel),
                 shared=kernel.metadata.shared, spills=ops["STL"] + ops["LDL"], mix=dict(ops))
 

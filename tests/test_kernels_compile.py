@@ -176,6 +176,11 @@ def _sass_loops(kernel) -> list[list[str]]:
     return bodies
 
 
+def _opcodes(body: list[str]) -> list[str]:
+    """Each instruction's opcode without its predicate and modifiers ("@!P0 FFMA.FTZ R1, ..." → "FFMA")."""
+    return [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
+
+
 def _loads_waited_on_mid_block(body: list[str]) -> int:
     """Plain global loads (not cp.async) of a loop body whose register is read before the last tenth of the body's
     instructions (where a load for the next iteration is only packed into the loop's carried registers): a stall
@@ -281,25 +286,19 @@ def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
     from longrl.ops import nf4_matmul as nm
 
     cfg = {**nm.LAUNCH[rows], **(dict(bn=128, warps=4) if spread else {})}
-    ptrs = dict(X="*bf16", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D="*bf16", BIAS="*bf16", Y="*fp32")
-    ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
-                               "n_chunks", "chunks_per_split", "dense_tiles")}
-    kernel = compile_for_sm90(nm._nf4_group_kernel, {**ptrs, **ints},
-                              dict(HAS_BIAS=False, BM=rows, BN=cfg["bn"], SWAP=cfg["swap"], JOIN=cfg["join"],
-                                   LUT=cfg["lut"], EVEN_K=True, ASM=True),
-                              num_warps=cfg["warps"], num_stages=cfg["stages"],
-                              aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
+    kernel = _nf4_build(rows, cfg["lut"], cfg["bn"], cfg["warps"], cfg["stages"], cfg["swap"], cfg["join"])
     assert nm.permutes_packed(kernel) != spread  # (8B shapes: every pointer, width, row boundary a multiple of 16)
 
 
-def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3):
+def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3, swap: bool = True, join: bool = True):
+    """The NF4 group product compiled for sm_90 at ``rows`` rows of x, with the 8B shapes' alignments."""
     from longrl.ops import nf4_matmul as nm
 
     ptrs = dict(X="*bf16", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D="*bf16", BIAS="*bf16", Y="*fp32")
     ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
                                "n_chunks", "chunks_per_split", "dense_tiles")}
     return compile_for_sm90(nm._nf4_group_kernel, {**ptrs, **ints},
-                            dict(HAS_BIAS=False, BM=rows, BN=bn, SWAP=True, JOIN=True, LUT=lut, EVEN_K=True, ASM=True),
+                            dict(HAS_BIAS=False, BM=rows, BN=bn, SWAP=swap, JOIN=join, LUT=lut, EVEN_K=True, ASM=True),
                             num_warps=warps, num_stages=stages,
                             aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
 
@@ -314,7 +313,7 @@ def test_nf4_lut4_builds_its_table_once_outside_the_loop(rows, bn, warps):
     for lut in (3, 4):
         kernel = _nf4_build(rows, lut, bn, warps)
         body = max(_sass_loops(kernel), key=len)
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
+        ops = _opcodes(body)
         table_work = sum(op in ("FMUL", "F2FP") for op in ops)
         assert (table_work == 0) == (lut == 4), (lut, table_work)
         assert not {"STL", "LDL"} & set(ops), lut  # no register spills in the loop
@@ -323,6 +322,7 @@ def test_nf4_lut4_builds_its_table_once_outside_the_loop(rows, bn, warps):
 
 
 def _fp8_build(rows: int, f16: bool, bn: int, warps: int, stages: int = 3):
+    """The FP8 group product compiled for sm_90 at ``rows`` rows of x, with the 8B shapes' alignments."""
     from longrl.ops import fp8_matmul as fm
 
     ptrs = dict(X="*bf16", P0="*fp8e4nv", P1="*fp8e4nv", P2="*fp8e4nv", S0="*fp32", S1="*fp32", S2="*fp32",
@@ -347,7 +347,7 @@ def test_fp8_f16_product_converts_each_pair_of_codes_once(bn, warps):
     per_weight = {}
     for f16 in (False, True):
         body = max(_sass_loops(_fp8_build(rows, f16, bn, warps)), key=len)
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
+        ops = _opcodes(body)
         weights, xs = bn * 128 / threads, 128 * rows / threads  # a thread's share of one chunk's weights and x
         if f16:
             assert ops.count("HADD2") == 0 and ops.count("FMUL") == xs
