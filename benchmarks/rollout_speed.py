@@ -119,9 +119,11 @@ def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_d
     # and the batch) and CUDA-graph captures happen here, not in the timed run (an earlier 2-prompt, 4-token warm-up
     # left them in it)
     sampler.generate(prompts, G, params)
+    one = SamplingParams(max_new_tokens=1, seed=0)
+    sampler.generate(prompts, G, one)  # the one-token call's own compiles (an FP8 cache's prefill stores) likewise
     base = _start_peak()
     t = time.perf_counter()
-    first = sampler.generate(prompts, G, SamplingParams(max_new_tokens=1, seed=0))  # prefill + first token
+    first = sampler.generate(prompts, G, one)  # prefill + first token
     sync()
     prefill_s = time.perf_counter() - t
     t = time.perf_counter()
@@ -408,7 +410,7 @@ def profile_decode(args, model, prompts) -> None:
     """GPU time per kernel of the decode steps alone (decode graphs replayed; the profiler sees their kernels): a
     rollout of N new tokens minus one of 1 (prefill + first token), per step, for the fast path (fast decode +
     fused LoRA, optionally with packed projections) and transformers' forward + PEFT's LoRA (--profile-variants); to
-    results/rollout_profile_<shape><tag>.md."""
+    results/rollout_profile_<shape>_<card><tag>.md."""
     from torch.profiler import ProfilerActivity, profile
 
     N = args.profile
@@ -446,7 +448,7 @@ def profile_decode(args, model, prompts) -> None:
                   for name, (us, c) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:45]]
         lines.append("")
         print("\n".join(lines[-48:]), flush=True)
-    out = RESULTS / f"rollout_profile_{args.shape}{args.tag}.md"
+    out = RESULTS / f"rollout_profile_{args.shape}_{card_tag()}{args.tag}.md"
     out.write_text("\n".join([f"`{run_meta(shape=args.shape)['command']}`", ""] + lines))
 
 
@@ -461,6 +463,9 @@ def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: i
         r["tokens_per_s"] = n_seq * N / r["seconds"]
         if "prefill_s" in r:
             decode_s = r["seconds"] - r["prefill_s"]
+            if decode_s <= 0:  # the prefill call took longer than the whole call: one of them was not warm
+                raise RuntimeError(f"prefill {r['prefill_s']:.2f} s >= the whole call's {r['seconds']:.2f} s: "
+                                   "the timings are not comparable (a compile in one of them?)")
             moved = (N - 1) * r["step_weight_bytes"] + kv_bytes
             r["decode_s"] = decode_s
             r["decode_bandwidth_gbs"] = moved / decode_s / 1e9

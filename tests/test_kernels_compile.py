@@ -278,14 +278,14 @@ def test_fp8_mma_products_run_on_e4m3_tensor_cores():
 
 @pytest.mark.parametrize("rows, spread", [(16, False), (128, False), (16, True)])
 def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
-    """The NF4 product's build of each row count's launch choice fits the shared memory, and hands its byte
-    permutes four consecutive code bytes of one row a thread (what PRMT_ASM assumes; nf4_matmul.permutes_packed,
-    the check the product itself makes on the GPU before trusting a build). 32 and 64 rows share 128's choice.
-    spread: 128-row tiles with 4 warps, whose build gave wrong results on the H200 (nf4_matmul_h200.md): the check
-    refuses it."""
+    """lut 3's build of each row count's launch choice fits the shared memory, and hands its byte permutes four
+    consecutive code bytes of one row a thread (what lut 3's per-row tables assume; nf4_matmul.permutes_packed,
+    the check the product itself makes on the GPU before trusting a lut 3 build; lut 4's one table serves any
+    layout). 32 and 64 rows share 128's choice. spread: 128-row tiles with 4 warps, whose build gave wrong results
+    on the H200 (nf4_matmul_h200.md): the check refuses it."""
     from longrl.ops import nf4_matmul as nm
 
-    cfg = {**nm.LAUNCH[rows], **(dict(bn=128, warps=4) if spread else {})}
+    cfg = {**nm.LAUNCH[rows], "lut": 3, **(dict(bn=128, warps=4) if spread else {})}
     kernel = _nf4_build(rows, cfg["lut"], cfg["bn"], cfg["warps"], cfg["stages"], cfg["swap"], cfg["join"])
     assert nm.permutes_packed(kernel) != spread  # (8B shapes: every pointer, width, row boundary a multiple of 16)
 

@@ -61,7 +61,8 @@ KERNEL_CHECK = textwrap.dedent('''
         x = torch.randn(2, M, K, dtype=torch.float16)
         b = torch.randn(N, dtype=torch.float16) if bias else None
         got = nm.nf4_linear(x, *ops, bias=b, use_triton=True)
-        W = nm.dequantize_nf4(*ops, torch.float16).double()
+        after = nm.launch_for(2 * M)[1]["lut"] == 4  # the default launch's weights (lut 4: scaled after)
+        W = nm.nf4_group_weight(nm.nf4_group([param]), torch.float16, scale_after=after).double()
         assert got.shape == (2, M, N) and got.dtype == torch.float16
         check(got, x.double() @ W.t() + (b.double() if bias else 0), (N, K, M))
     # groups: q/k/v-like (three weights), gate/up-like (two), with 16-bit rows after them and biases; row tiles that
@@ -82,7 +83,7 @@ KERNEL_CHECK = textwrap.dedent('''
         g = nm.nf4_group(ws, dense, biases)
         x = torch.randn(M, K, dtype=torch.float16)
         got = nm.nf4_group_linear(x, g, launch=launch)
-        W = nm.nf4_group_weight(g, torch.float16, scale_after=(launch or {}).get("lut") == 4).double()
+        W = nm.nf4_group_weight(g, torch.float16, scale_after=nm.launch_for(M, launch)[1]["lut"] == 4).double()
         assert got.shape == (M, sum(rows) + R)
         check(got, x.double() @ W.t() + (g.bias.double() if bias else 0), (rows, K, M, R))
         assert torch.equal(W[sum(rows):], dense.double()) if R else True  # the 16-bit rows are read as they are

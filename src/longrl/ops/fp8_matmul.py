@@ -45,12 +45,13 @@ CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
 # each split ≥ 4 chunks); f16 (absent: off): the codes enter float16 tensor cores as they are (e4m3 ⊂ float16, one
 # conversion per two codes) with x as float16(x · p) (pow2_scale_reference), each block's scale after its product;
 # its result is the product with the unrounded weights q · s (fp8_group_reference(f16=True)), not with their bf16
-# rounding that the FP8 layer's forward multiplies, so it is a tuning choice, not a default. Not yet measured on a
-# GPU: benchmarks/nf4_matmul.py --fp8 --sweep times the choices.
+# rounding that the FP8 layer's forward multiplies, so it is a tuning choice, not a default (and slower at every
+# row count measured). The table: benchmarks/nf4_matmul.py --fp8 --sweep's fastest on an H100 (2026-12-06,
+# fp8_matmul_h100_sweep.md), the 64-row entry taking the 128-row choice.
 LAUNCH = {16: dict(bn=64, warps=4, stages=3, programs=528),
           32: dict(bn=64, warps=4, stages=3, programs=528),
-          64: dict(bn=128, warps=8, stages=3, programs=264),
-          128: dict(bn=128, warps=8, stages=3, programs=264)}
+          64: dict(bn=64, warps=4, stages=3, programs=264),
+          128: dict(bn=64, warps=4, stages=3, programs=264)}
 
 
 @dataclass

@@ -7,6 +7,10 @@ kernel dequantizes in registers instead, reading 0.5 byte per parameter plus its
     W[n, k] = cast(code[q[n, k]] · absmax[n, k // 64])          (exactly bitsandbytes' dequantized value)
     y = x · [W_0; W_1; W_2; D]ᵀ (+ bias)                         (float32 sums, split over K, one rounding)
 
+or, the default launch (lut 4), each 64-wide block's product with the unscaled codes scaled afterwards:
+
+    y[m, n] = Σ_b absmax[n, b] · Σ_{k in b} x[m, k] · cast(code[q[n, k]])      (one bf16 rounding of W fewer)
+
 A product reads a *group*: up to three NF4 weights of the same input width stacked by rows (q/k/v, gate/up), and
 optionally 16-bit rows D after them (the stacked LoRA A rows of the packed decode, rollout/fast_decode.py), so a
 layer's q/k/v + A is one launch, as in the 16-bit packed decode. The NF4 codes stay where bitsandbytes keeps them
@@ -21,7 +25,8 @@ decode, are the narrow side). Each code is looked up in the 16-entry table (one 
 K is split over programs so that a small group still fills the GPU; the splits' float32 partial sums are added in
 a fixed order by a second kernel (the same result every call).
 
-:func:`nf4_group_reference` is the plain twin (bitsandbytes' dequantized weights stacked, then ``F.linear``);
+:func:`nf4_group_reference` is the plain twin (bitsandbytes' dequantized weights stacked, then ``F.linear``;
+``scale_after=True``: the default launch's, lut 4's, code values scaled after each block's product);
 tests/test_nf4_matmul.py checks both against bitsandbytes, the kernel through Triton's interpreter and on the GPU;
 benchmarks/nf4_matmul.py times them and sweeps :data:`LAUNCH`.
 """
@@ -52,16 +57,20 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # always join), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 4 the same
 # permutes on one table of the 16 unscaled values, built once, each block's product then scaled by its row's
 # absmax: no per-block table, but the weights are cast(code)·absmax rather than bitsandbytes' cast(code·absmax),
-# nf4_group_reference(scale_after=True) its twin, so it is a tuning choice, not a default; 1 a register
-# gather from them, tl.gather; 2 a tree of selects; 0 a load from the 16-entry table in memory, which Triton's
-# pipeliner stages through shared memory one element at a time: far slower), warps, pipeline stages, and the
-# programs the K split aims at (split = ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py
-# --sweep times the alternatives; the table below is its fastest at 16 and 128 rows, 32 and 64 rows taking the
-# 128-row choice. permutes_packed guards lut 3's assumption.
-LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=3, warps=4, stages=3, programs=528),
-          32: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132),
-          64: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132),
-          128: dict(bn=128, swap=True, join=True, lut=3, warps=8, stages=3, programs=132)}
+# nf4_group_reference(scale_after=True) its twin; 1 a register gather from them, tl.gather; 2 a tree of selects;
+# 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared memory one element at
+# a time: far slower), warps, pipeline stages, and the programs the K split aims at (split = ⌈programs / row
+# tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the table below is its
+# fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_sweep.md: lut 4 a layer's products in 119 µs
+# at 16 rows against lut 3's best 153, 253 against 289 at 128), 32 and 64 rows taking the 128-row choice. lut 4's
+# weights differ from the trainer's by a bf16 rounding; on SmolLM2-135M that moves the sampled tokens' log-probs
+# from the trainer's by 0.041 on average against 0.036 for lut 3's float32 sums of the trainer's own weights
+# (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
+# permutes_packed guards lut 3's assumption.
+LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528),
+          32: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
+          64: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
+          128: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
@@ -552,8 +561,9 @@ def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
 def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
                      launch: dict | None = None) -> torch.Tensor:
     """x [..., K] → [..., Σ N_i + R] = x · [W_0; …; D]ᵀ (+ bias) for the group (module docstring); the twin when
-    Triton is off or x is not 16-bit. ``launch`` overrides :data:`LAUNCH`'s entry (for tuning; the result does not
-    depend on it beyond float32 summation order)."""
+    Triton is off or x is not 16-bit (bitsandbytes' weights). ``launch`` overrides :data:`LAUNCH`'s entry (for
+    tuning; the result depends on it through float32 summation order, and lut 4 against the others through where
+    the block scale is applied: nf4_group_reference(scale_after=True))."""
     K = group.K
     if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
         return nf4_group_reference(x, group)
