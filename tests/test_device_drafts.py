@@ -235,20 +235,27 @@ class ChargedClock:
         return self.now
 
 
+def _charged_sampler(schedule: str, max_new_tokens: int):
+    """(a speculating sampler of the peaked model, one draft, its clock charging a verify forward 8 plain ones; plain
+    greedy decoding's rollout of PROMPTS × 2; the greedy params)."""
+    from longrl.models.loading import model_parts
+
+    model, tok = peaked_model(seed=3)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+    plain = Sampler(model, tok, fast_decode=False, sync_every=4).generate(PROMPTS, 2, params)
+    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=1, fast_decode=False, fast_verify=False,
+                      sync_every=4, speculative_schedule=schedule)
+    sampler.clock = ChargedClock(model_parts(model)[0], plain=1.0, verify=8.0)
+    return sampler, plain, params
+
+
 @pytest.mark.parametrize("schedule", ["bytes", "measured"])
 def test_speculation_falls_back_where_its_measured_steps_cost_more_than_they_gain(schedule):
     """The peaked model's greedy drafts of one token are mostly accepted (about 0.8 a verify row), above the byte
     model's break-even (r at most about 1.3 here), so the byte schedule speculates at every step. A clock charging a
     verify forward 8 plain ones (measured r = 8: no acceptance of one draft pays) sends the measured schedule to
     plain chunks after its first speculating one; greedy tokens equal plain decoding's either way."""
-    from longrl.models.loading import model_parts
-
-    model, tok = peaked_model(seed=3)
-    params = SamplingParams(max_new_tokens=32, temperature=0)
-    plain = Sampler(model, tok, fast_decode=False, sync_every=4).generate(PROMPTS, 2, params)
-    sampler = Sampler(model, tok, speculative="ngram", max_draft_tokens=1, fast_decode=False, fast_verify=False,
-                      sync_every=4, speculative_schedule=schedule)
-    sampler.clock = ChargedClock(model_parts(model)[0], plain=1.0, verify=8.0)
+    sampler, plain, params = _charged_sampler(schedule, max_new_tokens=32)
     try:
         spec = sampler.generate(PROMPTS, 2, params)
     finally:
@@ -262,6 +269,44 @@ def test_speculation_falls_back_where_its_measured_steps_cost_more_than_they_gai
     else:
         assert stats["spec_fallbacks"] > 0 and stats["spec_cost_ratio"] == pytest.approx(8.0)
         assert stats["decode_steps"] - stats["spec_verify_steps"] >= 2 * 4  # plain chunks of 4 steps ran
+
+
+def test_a_new_call_keeps_the_back_off_and_times_its_own_plain_steps():
+    s = SpeculationSchedule(max_backoff=8)
+    s.record_plain(0.01)
+    s.record(0.5, s.cost_ratio(1.2, 0.05), max_drafts=2)  # r = 5: hopeless with 2 drafts, the longest back-off
+    assert s.fallbacks == 1 and s.wait == 8 and s.last_ratio == pytest.approx(5.0)
+    assert s.next_call() is s
+    assert (s.wait, s.backoff) == (8, 8)  # carried over
+    assert s.plain_step_s is None and s.last_ratio is None and s.fallbacks == 0 and s.streak == 0  # the call's own
+    assert s.cost_ratio(1.2, 0.05) == 1.2  # no plain chunk of this call timed yet: the byte model's
+
+
+@pytest.mark.parametrize("schedule", ["bytes", "measured"])
+def test_the_measured_schedule_carries_its_back_off_to_the_next_call(schedule):
+    """A verify forward charged 8 plain ones (one draft can never pay): the measured schedule's first call probes and
+    backs off the longest; its next call of as many sequences starts in that back-off and runs plain chunks only.
+    The byte schedule (every verify step paying by bytes) starts each call afresh. Greedy tokens equal plain
+    decoding's in every call; the sampler keeps at most MAX_CARRIED_SCHEDULES schedules."""
+    from longrl.rollout.sampler import MAX_CARRIED_SCHEDULES
+
+    sampler, plain, params = _charged_sampler(schedule, max_new_tokens=24)
+    try:
+        calls = []
+        for _ in range(2):
+            assert_same_rollout(sampler.generate(PROMPTS, 2, params), plain)
+            calls.append(dict(sampler.last_stats))
+        if schedule == "measured":
+            assert calls[0]["spec_verify_steps"] > 0 and calls[0]["spec_fallbacks"] > 0
+            assert calls[1]["spec_verify_steps"] == 0 and calls[1]["decode_steps"] > 0  # plain chunks only
+            for n in range(9, MAX_CARRIED_SCHEDULES + 11):  # calls of other sizes: the least recent schedules go
+                sampler.generate(PROMPTS[:1], n, SamplingParams(max_new_tokens=2, temperature=0))
+            assert len(sampler._schedules) == MAX_CARRIED_SCHEDULES and 2 * len(PROMPTS) not in sampler._schedules
+        else:
+            assert all(c["spec_verify_steps"] == c["decode_steps"] > 0 for c in calls)  # every step verifies
+            assert not sampler._schedules
+    finally:
+        sampler.clock.handle.remove()
 
 
 @pytest.mark.parametrize("fallback", [True, False])

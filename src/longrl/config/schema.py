@@ -126,7 +126,8 @@ class GenerationConfig:
     #                            sequence's draft length adapts below it to its acceptance)
     speculative_schedule: Literal["measured", "bytes"] = "measured"  # speculative: how a verify step's cost is
     #   judged against the tokens it gains: measured, the run's own verify and plain step times (plain chunks run
-    #   where speculation is slower on this GPU and model; the choices follow timings, so a seed's tokens can differ
+    #   where speculation is slower on this GPU and model, the back-off carried from call to call; the choices
+    #   follow timings, so a seed's tokens can differ
     #   between runs, their distribution exact either way); bytes, a byte model (the same tokens on every run with a
     #   seed; it leaves out launches and host work, which set small models' steps)
 

@@ -52,6 +52,8 @@ from .verify_steps import VerifySteps
 
 log = logging.getLogger(__name__)
 
+MAX_CARRIED_SCHEDULES = 16  # measured speculation schedules a sampler keeps between calls (one per call size)
+
 
 class SamplerUnsupported(RuntimeError):
     """The sampler cannot run this model exactly; the message says why (use the ``hf`` backend)."""
@@ -161,10 +163,25 @@ class Sampler:
         self.device_drafting = speculative == "ngram"  # drafts on the device (queued speculative steps)
         self.max_draft_tokens, self.speculative_fallback = max_draft_tokens, speculative_fallback
         self.speculative_schedule = speculative_schedule
+        self._schedules: dict[int, SpeculationSchedule] = {}  # number of sequences → the measured schedule it left
         self.speculative_graphs = speculative_graphs and self.cuda_graphs
         self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS) if self.device_drafting else None
 
     clock = staticmethod(time.perf_counter)  # seconds, for the measured speculation schedule and the spec_* timings
+
+    def schedule_for(self, num_sequences: int) -> SpeculationSchedule:
+        """A call's speculation schedule: with the measured price, the one the last call of as many sequences left
+        (its back-off carried over: rollout/spec_schedule.py), at most MAX_CARRIED_SCHEDULES kept, the least recent
+        dropped; with the byte model, without the fallback or without speculation, a fresh one (a seed's tokens then
+        do not depend on earlier calls)."""
+        measured = self.speculative_schedule == "measured"
+        if not (self.speculative and measured and self.speculative_fallback):
+            return SpeculationSchedule(enabled=self.speculative_fallback, measured=measured)
+        schedule = self._schedules.pop(num_sequences, None) or SpeculationSchedule()
+        self._schedules[num_sequences] = schedule  # the most recent last
+        while len(self._schedules) > MAX_CARRIED_SCHEDULES:
+            self._schedules.pop(next(iter(self._schedules)))
+        return schedule.next_call()
 
     @property
     def speculative(self) -> bool:
@@ -363,8 +380,7 @@ class _Run(VerifySteps):
         # device drafts: each entry's sources, the chunks' schedule, the call's counts, the next chunk's draft count
         self.device_drafts = DeviceDrafts(self.num_entries, self.max_prompt_len, DRAFT_HISTORY_TOKENS,
                                           device) if sampler.device_drafting else None
-        self.schedule = SpeculationSchedule(enabled=sampler.speculative_fallback,
-                                            measured=sampler.speculative_schedule == "measured")
+        self.schedule = sampler.schedule_for(self.num_sequences)
         self.spec_counts = SpeculativeCounts()
         self.spec_k, self.spec_accepted = sampler.max_draft_tokens, 0.0
         self.weight_bytes: int | None = None  # the sampler's, read at the first speculating chunk's end

@@ -9,7 +9,10 @@ back-off. A verify step emits 1 + a tokens a sequence (a: the accepted drafts a 
   and the chunk after a speculating one is plain; after ``refresh_every`` paying chunks in a row one plain chunk
   times plain steps again, as the contexts grow. The choices follow the machine's timings, so a seed's tokens can
   differ between runs; their distribution is plain sampling's either way (a choice never reads the random numbers
-  of the step it picks).
+  of the step it picks). The sampler keeps a measured schedule from call to call (one per number of sequences,
+  :meth:`SpeculationSchedule.next_call`): the back-off carries over, so where speculation does not pay, calls of a
+  few chunks (short completions) settle at one speculating chunk in max_backoff + 1 instead of paying a probe and
+  a timing chunk every call; each call times its own plain steps.
 - bytes: a byte model of a bandwidth-bound step. A plain step reads the weights W, the prompts' keys/values K_p (each
   prompt once, for its group) and each sequence's own keys/values K_o; a verify step of k drafts runs k + 1 queries
   a sequence, each reading the sequence's own store: r = (W + K_p + (k + 1)·K_o) / (W + K_p + K_o). Every input is a
@@ -47,6 +50,13 @@ class SpeculationSchedule:
     streak: int = 0  # speculating chunks in a row that paid
     plain_step_s: float | None = None  # measured: seconds a step of the last plain chunk
     last_ratio: float | None = None  # the r of the last speculating chunk
+
+    def next_call(self) -> "SpeculationSchedule":
+        """This schedule for a new call of the sampler: the back-off (wait, backoff) carries over; the plain step time,
+        the streak, the last ratio and the fallback count are the new call's own."""
+        self.plain_step_s = self.last_ratio = None
+        self.streak = self.fallbacks = 0
+        return self
 
     def speculate_next(self) -> bool:
         """Whether the next chunk speculates (a plain chunk counts down the back-off)."""
