@@ -49,6 +49,8 @@
 #   e2e8b_a    grpo_e2e 8B, 4 prompts x 8 x 4,096, 2 steps + CLI smoke (~4 min)
 #   e2e8b_a1   e2e8b_a with 1 step (+ CLI smoke), files tagged ETAG (default _fused) (~2.5 min)
 #   e2e8b_a1kv e2e8b_a1 without the CLI smoke, generation.kv_cache_dtype from E2E_KV (bf16 | fp8), tag ETAG
+#   e2e8b_a8   the same with an FP8 base (e4m3, 128 x 128 block scales, the 16-bit exceptions), 1 step: beside
+#              e2e8b_a1kv in one call, issue 43's FP8 training step against bf16's (~2.5 min each)
 #   e2e8b_a4   the same with an NF4 4-bit base, 1 step (decode products on longrl's NF4 kernel, the default since
 #              2026-12-01; e2e8b_a4b: through bitsandbytes' call, as before)
 #   e2e8b_b    grpo_e2e 8B, 2 prompts x 8 x 16,384, 1 step (~5 min)
@@ -289,6 +291,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --completion 4096 --steps 1 --no-cli-smoke --kv-cache-dtype "${E2E_KV:-bf16}" --tag "${ETAG:-}" ;;
         e2e8b_a4) stage e2e8b_a4 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --load-in-4bit --tag "${ETAG:-}" ;;
+        e2e8b_a8) stage e2e8b_a8 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
+            --steps 1 --no-cli-smoke --load-in-fp8 --tag "${ETAG:-}" ;;
         e2e8b_a4b) stage e2e8b_a4b 420 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 4 --completion 4096 \
             --steps 1 --no-cli-smoke --load-in-4bit --bnb-decode ;;
         e2e8b_b) stage e2e8b_b 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \

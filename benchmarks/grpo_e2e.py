@@ -35,6 +35,7 @@ from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.config import Config, RewardSpec, validate  # noqa: E402
 from longrl.models import apply_lora, calibration_ids, quantize_model  # noqa: E402
+from longrl.models.fp8 import quantize_model_fp8  # noqa: E402
 from longrl.models.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSwiGLU  # noqa: E402
 from longrl.compat.trl import GRPOTrainer  # noqa: E402
 
@@ -51,6 +52,10 @@ def run_loop(args, root: Path) -> dict:
         quant = quantize_model(model, calibration_ids(vocab_size=model.config.vocab_size).to(dev)).lines()
         print("\n".join(quant), flush=True)
         torch.cuda.empty_cache()
+    if args.load_in_fp8:  # FP8 e4m3 (128 x 128 block scales) with the same dynamic 16-bit exceptions
+        quant = quantize_model_fp8(model, calibration_ids(vocab_size=model.config.vocab_size).to(dev)).lines()
+        print("\n".join(quant), flush=True)
+        torch.cuda.empty_cache()
     lora = bench_lora()
     model = apply_lora(model, lora)
     cfg = Config()
@@ -58,6 +63,7 @@ def run_loop(args, root: Path) -> dict:
     cfg.model.device = "cuda"
     cfg.train.gpu_memory_gib, cfg.generation.kv_cache_dtype = args.gpu_memory_gib, args.kv_cache_dtype
     cfg.model.load_in_4bit = args.load_in_4bit  # the planner counts NF4 bytes
+    cfg.model.load_in_fp8 = args.load_in_fp8  # and FP8 bytes
     cfg.generation.nf4_kernel = args.nf4_kernel
     cfg.lora = lora
     cfg.data.source, cfg.data.max_prompt_length, cfg.data.shuffle = str(data), args.prompt_len, False
@@ -284,6 +290,8 @@ def main() -> None:
                     "commands); files get _nf4k")
     ap.add_argument("--bnb-decode", action="store_true", help="with --load-in-4bit: generation.nf4_kernel off "
                     "(decode products through bitsandbytes' own call, as before 2026-12-01); files keep _4bit alone")
+    ap.add_argument("--load-in-fp8", action="store_true", help="FP8 e4m3 base (128 x 128 block scales) with dynamic "
+                    "16-bit exceptions, decode products on longrl's FP8 kernel (longrl only); files get _fp8")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0, help="train.gpu_memory_gib: the run's budget (the "
                     "planner, the KV cache and the allocator's cap); files get _capN")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="generation.kv_cache_dtype; "
@@ -298,8 +306,12 @@ def main() -> None:
     if args.nf4_kernel and args.bnb_decode:
         ap.error("--nf4-kernel and --bnb-decode exclude each other")
     args.nf4_kernel = args.load_in_4bit and not args.bnb_decode
+    if args.load_in_4bit and args.load_in_fp8:
+        ap.error("--load-in-4bit and --load-in-fp8 exclude each other")
     if args.load_in_4bit:
         args.tag = "_4bit" + ("_nf4k" if args.nf4_kernel else "") + args.tag
+    if args.load_in_fp8:
+        args.tag = "_fp8" + args.tag
     import logging
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
@@ -351,7 +363,8 @@ def write(args, r: dict, smoke: dict) -> None:
     meta = run_meta()
     stem = f"grpo_e2e_{args.shape}_{args.prompts}x{args.G}x{args.completion}_{card_tag()}{args.tag}"
     base = ("NF4 4-bit base with 16-bit exceptions" + (", decode products on the NF4 kernel" if args.nf4_kernel else "")
-            if args.load_in_4bit else "bf16")
+            if args.load_in_4bit else "FP8 e4m3 base with 16-bit exceptions, decode products on the FP8 kernel"
+            if args.load_in_fp8 else "bf16")
     lines = [f"# Whole GRPO step, {args.shape} shape (random weights, {base}, LoRA r=32), {meta['gpu']}", "",
              f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.  ", f"`{meta['command']}`", "",
              f"{args.prompts} prompts × {args.G} completions of exactly {args.completion} tokens after a {args.prompt_len}-"
