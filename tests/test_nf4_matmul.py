@@ -4,6 +4,7 @@ on odd shapes, K splits and partial tiles, against the exact product of the dequ
 bfloat16 products are wrong (it runs them on raw bits), so it checks float16 activations; bfloat16 runs on the GPU
 (test below, and benchmarks/nf4_matmul.py)."""
 
+import dataclasses
 import sys
 import textwrap
 
@@ -95,6 +96,60 @@ def test_triton_kernel_equals_the_exact_product():
     assert "kernel ok" in run_interpreted(KERNEL_CHECK)
 
 
+FIXUP_CHECK = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import torch
+    from test_nf4_matmul import _quantized
+    from longrl.ops import fp8_blocks as fb, fp8_matmul as fm, nf4_matmul as nm
+
+    # (rows of each weight, K, rows of x, 16-bit rows, biases, launch): several K splits each (programs), K that ends
+    # inside a chunk, tiles shrunk to the weights' bounds, one row of x and 65; lut 3 and 4, both operand orders
+    cases = [([128, 64, 70], 2048 + 64, 17, 5, True, dict(programs=1000)),
+             ([48, 80], 1280, 1, 3, False, dict(programs=1000, lut=4)),
+             ([96], 1600, 65, 0, True, dict(bn=32, programs=1000, swap=False, lut=1))]
+    for rows, K, M, R, bias, launch in cases:
+        torch.manual_seed(K + M)
+        dense = torch.randn(R, K, dtype=torch.float16) if R else None
+        biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
+        x = torch.randn(M, K, dtype=torch.float16)
+        ws = [fb.quantize_fp8_blocks(torch.randn(n, K) * 0.1) for n in rows]
+        groups = [(nm, nm.nf4_group([_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)], dense, biases),
+                   nm.nf4_group_linear, nm.LAUNCH, nm.CHUNK),
+                  (fm, fm.fp8_group([q for q, _ in ws], [sc for _, sc in ws], dense, biases), fm.fp8_group_linear,
+                   fm.LAUNCH, fm.CHUNK)]
+        for mod, g, linear, table, chunk in groups:
+            cfg = {k: v for k, v in launch.items() if mod is nm or k in ("bn", "programs")}
+            BM, entry = nm.launch_for(M, {**cfg, "fixup": True}, table)
+            grid = nm.group_grid(M, g.rows, R, K, chunk, BM, entry)
+            assert grid.split > 1 and nm.fixes_up(entry, grid, g.locks), (rows, K, M)  # the fixup runs
+            plain = linear(x, g, launch=cfg)
+            fixed = linear(x, g, launch={**cfg, "fixup": True})
+            assert torch.equal(fixed.view(torch.int16), plain.view(torch.int16)), (mod.__name__, rows, K, M)
+            assert not g.locks.any()  # every count back to zero for the next launch
+    print("fixup ok")
+''')
+
+
+def test_splits_summed_by_their_last_program_equal_the_split_sum_launch_bit_for_bit():
+    """The fixup launch choice (each tile's last K split adds the splits' partials in order, no second launch)
+    against _split_sum_kernel's launch, NF4 and FP8 groups, under the interpreter (programs run one at a time: the
+    counts, not the GPU's order, are what is checked here; tests/test_nf4_matmul.py's GPU test runs it there)."""
+    assert "fixup ok" in run_interpreted(FIXUP_CHECK)
+
+
+def test_fixup_only_where_one_m_tile_has_several_splits():
+    from longrl.ops.nf4_matmul import GroupGrid, fixes_up
+
+    locks = torch.zeros(10, dtype=torch.int32)
+    grid = GroupGrid(BM=16, BN=64, dense_tiles=1, row_tiles=8, m_tiles=1, n_chunks=32, split=4, per_split=8, N0=64,
+                     N01=128)
+    assert fixes_up({"fixup": True}, grid, locks) and not fixes_up({}, grid, locks)
+    assert not fixes_up({"fixup": True}, dataclasses.replace(grid, split=1), locks)  # nothing to sum
+    assert not fixes_up({"fixup": True}, dataclasses.replace(grid, m_tiles=2), locks)  # a count a row tile only
+    assert not fixes_up({"fixup": True}, dataclasses.replace(grid, row_tiles=11), locks)  # more tiles than counts
+
+
 def test_scale_after_twin_differs_from_bitsandbytes_by_one_rounding_a_weight():
     """lut 4's twin: x · (cast(code[q]) · absmax)ᵀ in float32. Each of its weights differs from bitsandbytes'
     cast(code[q] · absmax) by at most the two bfloat16 roundings (half a unit, 2⁻⁸ relative, each), the 16-bit rows
@@ -150,6 +205,39 @@ def test_lut4_kernel_on_the_gpu_equals_its_twin(M, launch):
     want = nf4_group_reference(x, g, scale_after=True).float()
     scale = x.float().abs() @ nf4_group_weight(g, torch.bfloat16, scale_after=True).abs().t()
     assert ((got - want).abs() <= 2 ** -10 * scale + 2 ** -8 * want.abs()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 8, 16, 128])
+def test_fixup_on_the_gpu_equals_the_split_sum_launch(M):
+    """Splits summed by each tile's last program (the fixup launch choice: arrival counts, acquire/release) on the
+    GPU, NF4 and FP8 groups of the 8B q/k/v shape with LoRA A rows and a bias: bit for bit the split-sum launch's,
+    eagerly and on 20 replays of a CUDA graph of 3 calls (every count back at zero after each)."""
+    from longrl.ops import fp8_blocks as fb
+    from longrl.ops import fp8_matmul as fm
+    from longrl.ops import nf4_matmul as nm
+
+    dense = torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
+    biases = [torch.randn(n, dtype=torch.bfloat16, device="cuda") for n in (4096, 1024, 1024)]
+    ws = [fb.quantize_fp8_blocks(torch.randn(n, 4096, device="cuda") * 0.02) for n in (4096, 1024, 1024)]
+    cases = [(nm.nf4_group([_quantized(n, 4096, seed=n + i, device="cuda")[0] for i, n in enumerate((4096, 1024, 1024))],
+                           dense, biases), nm.nf4_group_linear),
+             (fm.fp8_group([q for q, _ in ws], [s for _, s in ws], dense, biases), fm.fp8_group_linear)]
+    x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
+    for g, linear in cases:
+        want = linear(x, g, launch=dict(programs=528))
+        fixup = dict(programs=528, fixup=True)
+        assert torch.equal(linear(x, g, launch=fixup).view(torch.int16), want.view(torch.int16))
+        linear(x, g, launch=fixup)  # (warm before the capture)
+        graph, outs = torch.cuda.CUDAGraph(), []
+        with torch.cuda.graph(graph):
+            outs = [linear(x, g, launch=fixup) for _ in range(3)]
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(o.view(torch.int16), want.view(torch.int16)) for o in outs)
+            assert not g.locks.any()
 
 
 @pytest.mark.gpu

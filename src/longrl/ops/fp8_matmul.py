@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .fp8_blocks import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_reference, fp8_blocks
-from .nf4_matmul import (MIN_BN, check_dense, group_grid, launch_for, matrix_rows, split_target, stacked_bias,
-                         sum_splits)
+from .nf4_matmul import (MIN_BN, check_dense, fixes_up, group_grid, launch_for, matrix_rows, split_locks,
+                         split_target, stacked_bias, sum_splits)
 
 try:
     import triton
@@ -47,7 +47,8 @@ CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
 # its result is the product with the unrounded weights q · s (fp8_group_reference(f16=True)), not with their bf16
 # rounding that the FP8 layer's forward multiplies, so it is a tuning choice, not a default (and slower at every
 # row count measured). The table: benchmarks/nf4_matmul.py --fp8 --sweep's fastest on an H100 (2026-12-06,
-# fp8_matmul_h100_sweep.md), the 64-row entry taking the 128-row choice.
+# fp8_matmul_h100_sweep.md), the 64-row entry taking the 128-row choice. fixup: as nf4_matmul.LAUNCH's (a sweep
+# choice, not yet timed).
 LAUNCH = {16: dict(bn=64, warps=4, stages=3, programs=528),
           32: dict(bn=64, warps=4, stages=3, programs=528),
           64: dict(bn=64, warps=4, stages=3, programs=264),
@@ -64,6 +65,11 @@ class FP8Group:
     K: int
     dense: torch.Tensor | None = None  # [R, K] 16-bit rows after the FP8 ones (LoRA A), or None
     bias: torch.Tensor | None = None  # [Σ N_i + R] (zeros on the dense rows), or None
+    locks: torch.Tensor | None = None  # int32 [row tiles]: split_locks, the fixup launch choice's counts
+
+    def __post_init__(self):
+        if self.locks is None:
+            self.locks = split_locks(self.out_features, self.codes[0].device)
 
     @property
     def fp8_rows(self) -> int:
@@ -147,6 +153,8 @@ def float16_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 if triton is not None:
+    from .nf4_matmul import _last_split_sums  # (a jitted epilogue the FP8 kernel shares)
+
     @triton.jit
     def _pow2_scale(amax):
         """pow2_scale_reference on the bits of finite float32 amax ≥ 0: its biased exponent b (amax = m · 2^(b − 126),
@@ -156,15 +164,17 @@ if triton is not None:
         return (tl.minimum(tl.maximum(268 - b, 1), 253) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
+    def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, OUT, LOCK, M, K, KB, N0, N01, NQ, R, stride_xm,
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles, HAS_BIAS: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, F16: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, F16: tl.constexpr,
+                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D, the rest the FP8
         rows; an FP8 tile lies inside one weight (P0 rows [0, N0), P1 [N0, N01), P2 [N01, NQ)), whose scales are
         S0, S1, S2. acc [BN, BM] (weight tile on the left) goes to split ps's float32 slice of Y, or (one split)
         to Y itself with the bias, cast. F16: the FP8 rows multiply float16 codes (exact) by float16(x · p) on
         float16 tensor cores, p a power of two a row of x from its largest |x| in this program's range of K
-        (_pow2_scale), each chunk's product times its rows' scales and the sum times 1/p (the f16 choice)."""
+        (_pow2_scale), each chunk's product times its rows' scales and the sum times 1/p (the f16 choice). FIXUP:
+        the tile's last program sums the splits into OUT (nf4_matmul._last_split_sums)."""
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -220,10 +230,13 @@ if triton is not None:
                     acc += tl.dot(tile, xt, out_dtype=tl.float32)
             if F16:
                 acc = acc * (1.0 / p)[None, :]  # (a power of two: exact)
-        ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
+        offs = m[None, :].to(tl.int64) * stride_ym + col[:, None]
+        mask = c_ok[:, None] & m_ok[None, :]
         if HAS_BIAS:
             acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(ptr, acc.to(Y.dtype.element_ty), mask=c_ok[:, None] & m_ok[None, :])
+        tl.store(Y + ps * stride_ys + offs, acc.to(Y.dtype.element_ty), mask=mask)
+        if FIXUP:
+            _last_split_sums(Y, OUT, BIAS, LOCK + pn, stride_ys, offs, mask, col, c_ok, True, SUM_BIAS)
 
 
 def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
@@ -245,11 +258,15 @@ def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
     scales = group.scales + [group.scales[0]] * (MAX_FP8 - len(group.scales))
     dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
     bias = group.bias if group.bias is not None else out
+    fixup = fixes_up(cfg, g, group.locks)
     _fp8_group_kernel[g.grid](
-        x2, *codes, *scales, dense, bias, target, M, K, g.n_chunks, g.N0, g.N01, NQ, R, x2.stride(0), NT, M * NT,
-        g.n_chunks, g.per_split, g.dense_tiles, HAS_BIAS=group.bias is not None and g.split == 1, BM=BM, BN=g.BN,
-        EVEN_K=K % CHUNK == 0, F16=cfg.get("f16", False), num_warps=cfg["warps"], num_stages=cfg["stages"])
-    sum_splits(target, group.bias, out)
+        x2, *codes, *scales, dense, bias, target, out, group.locks, M, K, g.n_chunks, g.N0, g.N01, NQ, R,
+        x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
+        HAS_BIAS=group.bias is not None and g.split == 1, BM=BM, BN=g.BN, EVEN_K=K % CHUNK == 0,
+        F16=cfg.get("f16", False), FIXUP=fixup, SUM_BIAS=group.bias is not None, num_warps=cfg["warps"],
+        num_stages=cfg["stages"])
+    if not fixup:
+        sum_splits(target, group.bias, out)
     return out.view(*lead, NT)
 
 

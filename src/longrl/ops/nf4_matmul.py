@@ -66,7 +66,10 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # weights differ from the trainer's by a bf16 rounding; on SmolLM2-135M that moves the sampled tokens' log-probs
 # from the trainer's by 0.041 on average against 0.036 for lut 3's float32 sums of the trainer's own weights
 # (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
-# permutes_packed guards lut 3's assumption.
+# permutes_packed guards lut 3's assumption. fixup (absent: off): with several K splits and one m tile, each row
+# tile's last program to finish sums the splits' partials (an arrival count a tile, NF4Group.locks) instead of
+# _split_sum_kernel's launch after the product (127 launches, ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an
+# H100); the same sums in the same order, so bit for bit the same result. Not yet timed on a GPU: a sweep choice.
 LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528),
           32: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
           64: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
@@ -117,6 +120,11 @@ class NF4Group:
     K: int
     dense: torch.Tensor | None = None  # [R, K] 16-bit rows after the NF4 ones (LoRA A), or None
     bias: torch.Tensor | None = None  # [Σ N_i + R] (zeros on the dense rows), or None
+    locks: torch.Tensor | None = None  # int32 [row tiles]: split_locks, the fixup launch choice's counts
+
+    def __post_init__(self):
+        if self.locks is None:
+            self.locks = split_locks(self.out_features, self.scales.device)
 
     @property
     def nf4_rows(self) -> int:
@@ -283,14 +291,38 @@ if triton is not None:
         return _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3)
 
     @triton.jit
-    def _nf4_group_kernel(X, P0, P1, P2, S, CODE, D, BIAS, Y, M, K, KB, N0, N01, NQ, R, stride_xm,
+    def _last_split_sums(Y, OUT, BIAS, LOCK, stride_ys, offs, mask, col, c_ok, SWAP: tl.constexpr,
+                         ADD_BIAS: tl.constexpr):
+        """After a program stored its K split's partial sums of a tile (at ``offs`` of each split's slice of Y): the
+        tile's program that arrives last (LOCK: the tile's count of arrivals, back to 0 after) adds the splits'
+        partials in split order (+ bias) and writes OUT, cast: _split_sum_kernel's result, without its launch."""
+        tl.debug_barrier()  # every thread's partials stored before the count (released with it)
+        arrived = tl.atomic_add(LOCK, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            total = tl.zeros(offs.shape, tl.float32)
+            for s in range(0, tl.num_programs(1)):  # (.cg: from L2, never a stale L1 line)
+                total += tl.load(Y + s * stride_ys + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if ADD_BIAS:
+                b = tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)
+                if SWAP:
+                    total += b[:, None]
+                else:
+                    total += b[None, :]
+            tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(LOCK, 0)
+
+    @triton.jit
+    def _nf4_group_kernel(X, P0, P1, P2, S, CODE, D, BIAS, Y, OUT, LOCK, M, K, KB, N0, N01, NQ, R, stride_xm,
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles,
                           HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
-                          JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                          JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
-        to split ps's float32 slice of Y, or (one split) to Y itself with the bias, cast."""
+        to split ps's float32 slice of Y, or (one split) to Y itself with the bias, cast. FIXUP (one m tile, several
+        splits): the tile's last program sums the splits into OUT (_last_split_sums; LOCK: a count a row tile,
+        SUM_BIAS: with the bias)."""
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -428,16 +460,18 @@ if triton is not None:
                         acc += tl.dot(xe, tl.trans(w_hi), out_dtype=tl.float32)
                         acc += tl.dot(xo, tl.trans(w_lo), out_dtype=tl.float32)
         if SWAP:
-            ptr = Y + ps * stride_ys + m[None, :].to(tl.int64) * stride_ym + col[:, None]
+            offs = m[None, :].to(tl.int64) * stride_ym + col[:, None]
             mask = c_ok[:, None] & m_ok[None, :]
             if HAS_BIAS:
                 acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[:, None]
         else:
-            ptr = Y + ps * stride_ys + m[:, None].to(tl.int64) * stride_ym + col[None, :]
+            offs = m[:, None].to(tl.int64) * stride_ym + col[None, :]
             mask = m_ok[:, None] & c_ok[None, :]
             if HAS_BIAS:
                 acc += tl.load(BIAS + col, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(ptr, acc.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + ps * stride_ys + offs, acc.to(Y.dtype.element_ty), mask=mask)
+        if FIXUP:
+            _last_split_sums(Y, OUT, BIAS, LOCK + pn, stride_ys, offs, mask, col, c_ok, SWAP, SUM_BIAS)
 
     @triton.jit
     def _split_sum_kernel(PART, BIAS, Y, total, NT, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -549,6 +583,18 @@ def split_target(out: torch.Tensor, split: int) -> torch.Tensor:
     return out if split == 1 else torch.empty(split, *out.shape, dtype=torch.float32, device=out.device)
 
 
+def split_locks(out_features: int, device) -> torch.Tensor:
+    """A group's arrival counts for the ``fixup`` launch choice: one int32 a row tile of the smallest width (zeros;
+    each launch leaves them zero)."""
+    return torch.zeros(-(-out_features // MIN_BN) + 2, dtype=torch.int32, device=device)
+
+
+def fixes_up(cfg: dict, g: "GroupGrid", locks: torch.Tensor) -> bool:
+    """Whether a launch sums its K splits in its own last programs (launch choice ``fixup``: several splits, one
+    m tile, a count for every row tile) rather than by _split_sum_kernel's launch after it."""
+    return bool(cfg.get("fixup")) and g.split > 1 and g.m_tiles == 1 and g.row_tiles <= locks.numel()
+
+
 def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [M, NT] = cast(Σ_s target[s] (+ bias)), the splits added in order (nothing when target is out)."""
     if target is out:
@@ -582,12 +628,14 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     key = (BM, BN, cfg["swap"], cfg["warps"], cfg["stages"], K % CHUNK == 0, x.dtype)
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
+    fixup = fixes_up(cfg, g, group.locks)
     for _ in range(2):
         kernel = _nf4_group_kernel[g.grid](
-            x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, M, K, K // 2, g.N0, g.N01, NQ, R,
-            x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
+            x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, out, group.locks, M, K, K // 2, g.N0,
+            g.N01, NQ, R, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
-            LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, num_warps=cfg["warps"], num_stages=cfg["stages"])
+            LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None,
+            num_warps=cfg["warps"], num_stages=cfg["stages"])
         if lut != 3 or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
@@ -596,7 +644,8 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
         log.warning("nf4_matmul: the byte-permute lookup does not fit this build's layout (rows %d, tile %d, %d "
                     "warps); using the register gather for it", BM, BN, cfg["warps"])
         lut = 1
-    sum_splits(target, group.bias, out)
+    if not fixup:
+        sum_splits(target, group.bias, out)
     return out.view(*lead, NT)
 
 
