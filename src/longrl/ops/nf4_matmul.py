@@ -23,7 +23,8 @@ scales); the byte j of a chunk holds k0 + 2j (high) and k0 + 2j + 1 (low), so a 
 W_hi · x[:, even k]ᵀ + W_lo · x[:, odd k]ᵀ, with the dequantized tile as the left operand (the rows of x, few at
 decode, are the narrow side). Each code is looked up in the 16-entry table (one cached line) and scaled in float32.
 K is split over programs so that a small group still fills the GPU; the splits' float32 partial sums are added in
-a fixed order by a second kernel (the same result every call).
+a fixed order by a second kernel, or (launch choice ``fixup``) by each tile's last program (the same result every
+call, and either way).
 
 :func:`nf4_group_reference` is the plain twin (bitsandbytes' dequantized weights stacked, then ``F.linear``;
 ``scale_after=True``: the default launch's, lut 4's, code values scaled after each block's product);
