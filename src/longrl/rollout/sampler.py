@@ -183,6 +183,13 @@ class Sampler:
             self._schedules.pop(next(iter(self._schedules)))
         return schedule.next_call()
 
+    def forget_history(self) -> None:
+        """Forget what earlier calls left for speculation: the prompts' earlier completions the drafts come from and
+        the measured schedules' back-off (the next call speculates as a sampler's first does)."""
+        if self.draft_history is not None:
+            self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS)
+        self._schedules.clear()
+
     @property
     def speculative(self) -> bool:
         """Whether decode steps verify drafted tokens (speculative rollouts)."""
