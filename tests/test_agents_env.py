@@ -8,7 +8,7 @@ import time
 import pytest
 
 from longrl.agents.environment import (Environment, EnvironmentSetupError, StepResult, ToolEnvironment,
-                                       TRLEnvironment, build_environment)
+                                       TRLEnvironment, as_step_result, build_environment)
 from longrl.agents.tool_calls import ToolCall, detect_format, parse_tool_calls
 from longrl.agents.tools import ToolError, ToolSet
 from longrl.agents.trajectory import Episode, EpisodeRunner, EpisodeSettings, continuation_ids
@@ -291,6 +291,21 @@ def test_runner_steps_until_done_with_per_turn_rewards():
     assert runner.step(0, [7], room=10) is None
     assert ep.turn_rewards == [0.5, 1.0] and ep.truncated is None and ep.turns == 2
     assert [m["role"] for m in ep.messages] == ["assistant", "user", "assistant"]
+
+
+class ImageReply(Environment):
+    """Answers with a message holding an image part (images from tools: not supported yet)."""
+
+    def step(self, assistant_message):
+        return [{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "a chart"}]}], 0.0, False
+
+
+def test_a_step_that_returns_an_image_part_ends_the_episode_naming_it():
+    runner, ep = _runner(ImageReply())
+    assert runner.step(0, [5], room=10) is None
+    assert ep.truncated == "env_error" and "ImageReply.step returned a tool message with a 'image' part" in ep.error
+    text_parts = StepResult([{"role": "user", "content": [{"type": "text", "text": "1"}]}], None, False)
+    assert as_step_result(text_parts, "E").messages == text_parts.messages  # text parts stay as they are
 
 
 @pytest.mark.parametrize("env, settings, room, reason", [

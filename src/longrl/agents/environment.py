@@ -75,6 +75,13 @@ def as_step_result(value, where: str) -> StepResult:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise EnvironmentSetupError(f"{where}.step returned message {cap_text(repr(m), 200)}; a message is a dict "
                                         "with role and content")
+        for part in m["content"] if isinstance(m["content"], list) else ():
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise EnvironmentSetupError(
+                    f"{where}.step returned a {m['role']} message with a {kind!r} part; environments and tools "
+                    "answer in text (a string, or parts of type 'text'): images from tools are not supported yet, "
+                    "and the model would see an image placeholder without its image")
     if result.reward is not None:
         result.reward = float(result.reward)
     return result
