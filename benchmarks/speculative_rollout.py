@@ -5,11 +5,12 @@ it; skipped with a message when missing) answers arithmetic word problems (draft
 of sequences per group (G = 8), at 8, 32 and 128 sequences. In one run, after an untimed warm-up call of each
 sampler (which it then forgets: Sampler.forget_history): plain calls, then speculative first steps (each after
 forgetting the earlier calls) and later steps (drafting from the earlier calls' completions too, as a later GRPO
-step of the same prompts does); each figure the call of median tokens/s of --calls timed calls. Tokens/s of each, the speed-up, accepted drafts per verify step (per sequence) and the
-draft hit rate. The policy is the untrained one; with --train-steps N the same table follows for the policy after N
-GRPO steps on learning_real.py's arithmetic task (learning_real.TASK; its hyper-parameters, LoRA r=16, trained in
-this process with ``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy
-on the same prompts (--policies picks either; the rollouts sample through the trained adapters, unmerged, as a run's
+step of the same prompts does); each figure the call of median tokens/s of --calls timed calls. Tokens/s of each,
+the speed-up, accepted drafts per verify step (per sequence) and the draft hit rate. The policy is the untrained
+one; with --train-steps N the same table follows for the policy after N GRPO steps on learning_real.py's
+arithmetic task (learning_real.TASK; its hyper-parameters, LoRA r=16, trained in this process with
+``longrl.GRPOTrainer``), rolled out on the task's own held-out prompts beside the untrained policy on the same
+prompts (--policies picks either; the rollouts sample through the trained adapters, unmerged, as a run's
 next step does). Speculative calls run with the default schedule (plain chunks while speculation misses its
 break-even) and with every chunk speculating.
 The result file is written after each setting of (i) too, marked partial until the program ends, so a run stopped

@@ -221,8 +221,8 @@ def test_fixup_on_the_gpu_equals_the_split_sum_launch(M):
     dense = torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
     biases = [torch.randn(n, dtype=torch.bfloat16, device="cuda") for n in (4096, 1024, 1024)]
     ws = [fb.quantize_fp8_blocks(torch.randn(n, 4096, device="cuda") * 0.02) for n in (4096, 1024, 1024)]
-    cases = [(nm.nf4_group([_quantized(n, 4096, seed=n + i, device="cuda")[0] for i, n in enumerate((4096, 1024, 1024))],
-                           dense, biases), nm.nf4_group_linear),
+    nf4 = [_quantized(n, 4096, seed=n + i, device="cuda")[0] for i, n in enumerate((4096, 1024, 1024))]
+    cases = [(nm.nf4_group(nf4, dense, biases), nm.nf4_group_linear),
              (fm.fp8_group([q for q, _ in ws], [s for _, s in ws], dense, biases), fm.fp8_group_linear)]
     x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
     for g, linear in cases:
