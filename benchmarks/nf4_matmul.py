@@ -124,42 +124,39 @@ def sweep(dev) -> tuple[list[dict], dict]:
     for M in SWEEP_ROWS:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
         bf16 = {name: graph_seconds(lambda: torch.nn.functional.linear(xs[name], W)) for name, (_, W) in groups.items()}
-        choices = sweep_choices(M)
         totals = []
-        for cfg in choices:
+
+        def record(cfg: dict, per: dict) -> None:  # a timed launch choice: a row, and a candidate for 'best'
+            totals.append((sum(per.values()), cfg))
+            rows.append(dict(M=M, **cfg, us={k: v * 1e6 for k, v in per.items()}, layer_us=sum(per.values()) * 1e6,
+                             bf16_us={k: v * 1e6 for k, v in bf16.items()}, bf16_layer_us=sum(bf16.values()) * 1e6))
+            print(rows[-1], flush=True)
+
+        def timed(cfg: dict) -> dict:
+            return {name: graph_seconds(lambda: nm.nf4_group_linear(xs[name], g, launch=cfg))
+                    for name, (g, _) in groups.items()}
+
+        for cfg in sweep_choices(M):
             try:
-                per = {}
                 for name, (g, W) in groups.items():
                     got = nm.nf4_group_linear(xs[name], g, launch=cfg).float()
                     want = torch.nn.functional.linear(xs[name].float(), W.float())
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
                         raise RuntimeError(f"{name}: result off by {float((got - want).abs().max()):.3g}")
-                    per[name] = graph_seconds(lambda: nm.nf4_group_linear(xs[name], g, launch=cfg))
+                per = timed(cfg)
             except Exception as e:  # a launch choice that fails to build or is wrong is reported, not hidden
                 rows.append(dict(M=M, **cfg, error=f"{type(e).__name__}: {e}"[:200]))
                 print(rows[-1], flush=True)
                 continue
-            total = sum(per.values())
-            totals.append((total, cfg))
-            rows.append(dict(M=M, **cfg, us={k: v * 1e6 for k, v in per.items()}, layer_us=total * 1e6,
-                             bf16_us={k: v * 1e6 for k, v in bf16.items()}, bf16_layer_us=sum(bf16.values()) * 1e6))
-            print(rows[-1], flush=True)
+            record(cfg, per)
         if not totals:
             continue
         top = min(totals, key=lambda t: t[0])[1]
-        # the K split's target for the fastest build; then the fastest with its splits summed by their last
-        # programs (fixup) rather than a second launch
-        for cfg in [{**top, "programs": p} for p in (132, 396, 528)] + [None]:
-            if cfg is None:
-                cfg = {**min(totals, key=lambda t: t[0])[1], "fixup": True}
-                if not same_with_fixup(nm.nf4_group_linear, xs, groups, cfg, rows, M):
-                    continue
-            per = {name: graph_seconds(lambda: nm.nf4_group_linear(xs[name], g, launch=cfg))
-                   for name, (g, _) in groups.items()}
-            totals.append((sum(per.values()), cfg))
-            rows.append(dict(M=M, **cfg, us={k: v * 1e6 for k, v in per.items()}, layer_us=sum(per.values()) * 1e6,
-                             bf16_us={k: v * 1e6 for k, v in bf16.items()}, bf16_layer_us=sum(bf16.values()) * 1e6))
-            print(rows[-1], flush=True)
+        for programs in (132, 396, 528):  # the K split's target, for the fastest build
+            record({**top, "programs": programs}, timed({**top, "programs": programs}))
+        fixup = {**min(totals, key=lambda t: t[0])[1], "fixup": True}  # the fastest, its splits summed by their last
+        if same_with_fixup(nm.nf4_group_linear, xs, groups, fixup, rows, M):  # programs rather than a second launch
+            record(fixup, timed(fixup))
         best[M] = min(totals, key=lambda t: t[0])[1]
     return rows, best
 

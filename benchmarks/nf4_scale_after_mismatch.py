@@ -36,23 +36,17 @@ VARIANTS = ("trainer", "lut 3", "lut 4")
 
 
 class NF4Product(torch.nn.Module):
-    """One quantized projection, its product taken one of VARIANTS' ways (set ``variant`` before a forward)."""
+    """One quantized projection (a bitsandbytes ``Linear4bit``), its product taken one of VARIANTS' ways (set
+    ``variant`` before a forward); both weights made once (a decode step would otherwise dequantize them again)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, quantized):
         super().__init__()
-        import bitsandbytes as bnb
-        import bitsandbytes.functional as bnbf
-
         from longrl.ops.nf4_matmul import nf4_group, nf4_group_weight
 
-        packed, state = bnbf.quantize_4bit(linear.weight.data.to(torch.bfloat16), blocksize=64, quant_type="nf4",
-                                           compress_statistics=True)
-        param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", blocksize=64,
-                                  bnb_quantized=True)
-        group = nf4_group([param])
+        group = nf4_group([quantized.weight])
         self.weight = nf4_group_weight(group, torch.bfloat16)  # [N, K] bitsandbytes' dequantized weight
         self.scaled_after = nf4_group_weight(group, torch.bfloat16, scale_after=True)  # [N, K] float32
-        self.bias = linear.bias
+        self.bias = quantized.bias
         self.variant = "trainer"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,15 +58,15 @@ class NF4Product(torch.nn.Module):
 
 
 def quantize_projections(model) -> list[NF4Product]:
-    """Every decoder projection replaced by an NF4Product (the model's own module tree, set by name)."""
-    products = []
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                if isinstance(getattr(parent, name, None), torch.nn.Linear):
-                    product = NF4Product(getattr(parent, name))
-                    setattr(parent, name, product)
-                    products.append(product)
+    """Every decoder projection quantized to NF4 as longrl quantizes an in-memory model (models.quantize_linears_),
+    then replaced by an NF4Product of it."""
+    from longrl.models.quantize import quantize_linears_
+
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in PROJECTIONS]
+    quantize_linears_(model, names, torch.bfloat16)
+    products = [NF4Product(model.get_submodule(n)) for n in names]
+    for name, product in zip(names, products):
+        model.set_submodule(name, product)
     return products
 
 
@@ -136,9 +130,9 @@ def main() -> None:
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['date']}; {meta['gpu']}; torch {meta['torch']}, transformers {meta['transformers']}.", "",
              f"{args.sequences} sequences × {args.new_tokens} tokens sampled (temperature 1) by the NF4 model, "
-             f"{len(products)} decoder projections in NF4 (bitsandbytes quantize_4bit, blocks of 64, nested "
-             "absmax). Trainer: bf16 `F.linear` with bitsandbytes' dequantized weight. lut 3: the same weights, "
-             "float32 sums (the decode kernel's), cast to bf16. lut 4: x · (bf16(code) · absmax) in float32, cast "
+             f"{len(products)} decoder projections in NF4 (models.quantize_linears_: bitsandbytes Linear4bit, "
+             "blocks of 64, nested absmax). Trainer: bf16 `F.linear` with bitsandbytes' dequantized weight. "
+             "lut 3: the same weights, float32 sums (the decode kernel's), cast to bf16. lut 4: x · (bf16(code) · absmax) in float32, cast "
              "(the scale-after twin). |Δ log p|: per sampled token, against the trainer's; KL: mean over positions "
              "of KL(trainer ‖ variant).", "",
              "| product | mean abs Δ log p | 99th percentile | max | mean KL |", "| --- | --- | --- | --- | --- |"]

@@ -242,8 +242,8 @@ if triton is not None:
 def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
                      launch: dict | None = None) -> torch.Tensor:
     """x [..., K] → [..., Σ N_i + R] = x · [W_0; …; D]ᵀ (+ bias) for the group (module docstring); the twin when
-    Triton is off or x is not 16-bit. ``launch`` overrides :data:`LAUNCH`'s entry (for tuning; the result does not
-    depend on it beyond float32 summation order)."""
+    Triton is off or x is not 16-bit. ``launch`` overrides :data:`LAUNCH`'s entry (for tuning; the result depends
+    on it through float32 summation order, and f16 through the unrounded weights: fp8_group_reference(f16=True))."""
     K = group.K
     if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
         return fp8_group_reference(x, group)
