@@ -12,12 +12,19 @@ A cell whose KV cache cannot fit the GPU is reported as such (the sampler's own 
     python benchmarks/rollout_matrix.py                       # GPU: the whole table (~10 min on an H200)
     python benchmarks/rollout_matrix.py --bases bf16,fp8 --rows 8,32 --contexts 1024 --kv bf16
     python benchmarks/rollout_matrix.py --smoke               # CPU, tiny shape: the program runs; nothing written
+
+The table is rewritten after every cell, so a run cut off by a time limit leaves the cells it finished (its header
+says how many of how many). A log of such a run (the cells it printed) makes the table afterwards:
+
+    python benchmarks/rollout_matrix.py --from-log matrix.log --log-meta '{"gpu": "NVIDIA H100 80GB HBM3"}' --tag _cut
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -69,7 +76,7 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
     lines = ["# Rollout speed by base, rows, context and KV cache", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; {meta['gpu']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}; {meta['seconds']} s in all; copy bandwidth "
-             f"{meta['copy_bandwidth_gbs']:.0f} GB/s.", "",
+             f"{meta['copy_bandwidth_gbs']:.0f} GB/s; cells {meta.get('cells', '?')}.", "",
              f"{args.shape}, random weights, LoRA r = 32 unmerged, G = {G}, {args.new_tokens} new tokens a sequence "
              "after a prompt of `context` tokens; × bf16: the base's tokens/s over the bf16 base's in the same cell.",
              "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB |",
@@ -99,33 +106,61 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape and sizes: the program runs; writes nothing")
+    ap.add_argument("--from-log", default="", metavar="PATH",
+                    help="write the table of the cells a run printed (its log), without measuring")
+    ap.add_argument("--log-meta", default="{}", metavar="JSON",
+                    help="with --from-log: what the log does not say (date, gpu, torch, transformers, command)")
     args = ap.parse_args()
+    if args.from_log:
+        return table_from_log(args)
     if args.smoke:
         args.shape, args.bases, args.rows, args.contexts, args.kv, args.new_tokens = "tiny", "bf16,fp8", "8", "16", \
             "bf16,fp8", 4
     args.bases = args.bases.split(",")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
+    kvs, contexts, row_counts = args.kv.split(","), [int(c) for c in args.contexts.split(",")], \
+        [int(r) for r in args.rows.split(",")]
+    cells = len(args.bases) * len(kvs) * len(contexts) * len(row_counts)
+    stem = f"rollout_matrix_{args.shape}_{card_tag()}{args.tag}"
     t0, rows = time.perf_counter(), []
     for base in args.bases:
         model, step_bytes = build(base, args.shape, dev)
-        for kv in args.kv.split(","):
-            for context in (int(c) for c in args.contexts.split(",")):
-                for n in (int(r) for r in args.rows.split(",")):
+        for kv in kvs:
+            for context in contexts:
+                for n in row_counts:
                     rows.append(cell(model, base, step_bytes, n, context, kv, args.new_tokens, bandwidth))
                     print({k: v for k, v in rows[-1].items()}, flush=True)
+                    meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
+                                    cells=f"{len(rows)} of {cells}")
+                    if not args.smoke:  # after every cell: a run cut off keeps what it measured
+                        write_result(stem, dict(meta=meta, rows=rows), report(meta, rows, args),
+                                     echo=len(rows) == cells)
         del model
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9)
-    lines = report(meta, rows, args)
     if args.smoke:
-        print("\n".join(lines))
+        print("\n".join(report(meta, rows, args)))
         print("(smoke run: nothing written)")
-        return
-    gpu = card_tag()
-    write_result(f"rollout_matrix_{args.shape}_{gpu}{args.tag}", dict(meta=meta, rows=rows), lines)
+
+
+def table_from_log(args) -> None:
+    """The table of the cells a run's log printed (one dict a line, read as literals: nothing in it runs), the
+    run's facts the log lacks from --log-meta ("?" where not given)."""
+    rows = [ast.literal_eval(line) for line in Path(args.from_log).read_text().splitlines()
+            if line.startswith("{'base': ")]
+    if not rows:
+        raise SystemExit(f"{args.from_log}: no printed cells (lines starting with {{'base': ...}})")
+    given = json.loads(args.log_meta)
+    if not isinstance(given, dict):
+        raise SystemExit(f"--log-meta: a JSON object expected, got {args.log_meta!r}")
+    args.bases = list(dict.fromkeys(r["base"] for r in rows))
+    meta = {**dict(date="?", gpu="?", torch="?", transformers="?", command="?"), **given,
+            "seconds": "?", "copy_bandwidth_gbs": float("nan"), "cells": f"{len(rows)}, from {args.from_log}"}
+    meta["command"] = f"{meta['command']} (cells from its log: rollout_matrix.py --from-log)"
+    write_result(f"rollout_matrix_{args.shape}_from_log{args.tag}", dict(meta=meta, rows=rows),
+                 report(meta, rows, args))
 
 
 if __name__ == "__main__":

