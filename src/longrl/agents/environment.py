@@ -6,6 +6,9 @@ longrl's interface (subclass :class:`Environment`; either method may be ``async`
                                              (None: the row's prompt column)
     step(assistant_message) -> (new_messages, reward | None, done)
 
+A message's content is a string or a list of parts: ``{"type": "text", "text": ...}``, and for a vision-language
+model ``{"type": "image", "image": <Pillow image | bytes | file path>}`` (:mod:`.tool_images`).
+
 Two shorthands build one:
 
 - ``tools=[fn, ...]``: :class:`ToolEnvironment`, which parses the tool calls of each assistant message (the
@@ -77,11 +80,16 @@ def as_step_result(value, where: str) -> StepResult:
                                         "with role and content")
         for part in m["content"] if isinstance(m["content"], list) else ():
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise EnvironmentSetupError(
-                    f"{where}.step returned a {m['role']} message with a {kind!r} part; environments and tools "
-                    "answer in text (a string, or parts of type 'text'): images from tools are not supported yet, "
-                    "and the model would see an image placeholder without its image")
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind == "image" and part.get("image") is not None:  # (a vision-language model's: agents/tool_images)
+                continue
+            raise EnvironmentSetupError(
+                f"{where}.step returned a {m['role']} message with a {kind!r} part"
+                + (" without its image (the part's 'image': a Pillow image, bytes or a file path)"
+                   if kind == "image" else "")
+                + "; environments answer in parts of type 'text' ({'type': 'text', 'text': ...}) and 'image' "
+                "({'type': 'image', 'image': ...}, for a vision-language model)")
     if result.reward is not None:
         result.reward = float(result.reward)
     return result

@@ -25,10 +25,12 @@ from ..config.errors import ConfigError
 from ..config.schema import trajectory_tokens
 from ..rollout.sampler import MultiTurn, Rollout
 from .bounded_text import cap_messages, cap_text
+from ..models.vision import SequenceImages
 from .episode_images import EpisodeImages
 from .environment import EnvironmentSetupError, TRLEnvironment, build_environment, check_callable, \
     load_environment_factory
 from .tool_calls import detect_format
+from .tool_images import ToolImages
 from .tools import ToolError, call_with_timeout
 from .trajectory import Episode, EpisodeRunner, EpisodeSettings
 
@@ -93,7 +95,8 @@ class AgentBatch:
     columns: dict = field(default_factory=dict)  # extra reward-function columns
     metrics: dict = field(default_factory=dict)
     vision: list | None = None  # [N] each episode's VisionPrompt (one object for episodes of a row that open
-    #                             alike) or None; None: no episode opened with images
+    #                             alike) or None, or a SequenceImages where the environment answered with images;
+    #                             None: no episode has images
 
     @property
     def ran(self) -> list[int]:
@@ -152,9 +155,11 @@ class AgentRollouts:
                                  self.settings.max_message_chars)
 
     # ------------------------------------------------------------------------------------------ one batch
-    def generate(self, sampler, rows: list[dict], G: int, params, images: EpisodeImages | None = None) -> AgentBatch:
+    def generate(self, sampler, rows: list[dict], G: int, params, images: EpisodeImages | None = None,
+                 tool_images: ToolImages | None = None) -> AgentBatch:
         """The episodes of ``rows`` (G a row) through ``sampler``; ``images``: the rows' images (a vision-language
-        model's run; agents.episode_images), else None."""
+        model's run; agents.episode_images), else None; ``tool_images``: a vision-language model's encoder of
+        environment messages holding images (agents.tool_images), else None (such a message ends its episode)."""
         if images is not None:
             rows = images.rows_for_reset(rows, self.prompt_column)
         envs, prompts, failed = self._start_episodes(rows, G)
@@ -178,7 +183,7 @@ class AgentRollouts:
                 ep.truncated, ep.error = RESET_ERROR, why
         running = [episodes[i] for i in ran]
         rollout, stats = self._sample(sampler, running, [prompt_ids[i] for i in ran], ran, G, params, schemas,
-                                      prompt_ids[0], [vision[i] for i in ran])
+                                      prompt_ids[0], [vision[i] for i in ran], tool_images)
         # truncated: an episode a budget ended (its last turn may well end without a stop token: the environment
         # said done, or max_turns came)
         rollout.truncated = [ep.truncated in BUDGET_STOPS for ep in running]
@@ -192,9 +197,12 @@ class AgentRollouts:
             log.warning("environment messages were cut to environment.max_message_chars=%d characters (the model "
                         "sees '... [truncated N characters]'); agent/messages_truncated counts them per episode",
                         self.settings.max_message_chars)
-        return AgentBatch(self._with_placeholders(rollout, ran, prompt_ids), prompts,
-                          [ep.messages for ep in episodes], episodes, self._columns(episodes), metrics,
-                          vision if any(v is not None for v in vision) else None)
+        rollout = self._with_placeholders(rollout, ran, prompt_ids)
+        if rollout.completion_images is not None:  # images inside completions: each such sequence's all
+            vision = [SequenceImages(v, tuple(blocks)) if blocks else v
+                      for v, blocks in zip(vision, rollout.completion_images)]
+        return AgentBatch(rollout, prompts, [ep.messages for ep in episodes], episodes, self._columns(episodes),
+                          metrics, vision if any(v is not None for v in vision) else None)
 
     def _start_episodes(self, rows: list[dict], G: int) -> tuple[list, list, dict[int, str]]:
         """An environment for each of the rows' G sequences, built and reset: (environments [N] (None where none
@@ -253,7 +261,7 @@ class AgentRollouts:
         return int(total["failed"])
 
     def _sample(self, sampler, episodes: list[Episode], prompt_ids: list[list[int]], ran: list[int], G: int, params,
-                schemas, idle_prompt: list[int], vision: list) -> tuple[Rollout, dict]:
+                schemas, idle_prompt: list[int], vision: list, tool_images=None) -> tuple[Rollout, dict]:
         """The sampler's multi-turn rollout of ``episodes`` (whole groups of G: the rows not skipped, at positions
         ``ran`` of the batch; ``vision`` each one's VisionPrompt or None) and its statistics."""
         if not episodes:
@@ -262,7 +270,7 @@ class AgentRollouts:
             # every rank; log-probs come back a list, as the sampler's, so that every rank reports alike
             sampler.generate([idle_prompt], 1, dataclasses.replace(params, max_new_tokens=1, sequence_ids=()))
             return Rollout([], [], [], [], []), {}
-        runner = EpisodeRunner(episodes, self.tokenizer, self.settings, schemas, params.stop_token_ids)
+        runner = EpisodeRunner(episodes, self.tokenizer, self.settings, schemas, params.stop_token_ids, tool_images)
         multi = MultiTurn(runner, self.settings.max_tokens, self.settings.workers)
         if params.sequence_ids and len(ran) < len(params.sequence_ids):  # each sequence keeps its own draws
             params = dataclasses.replace(params, sequence_ids=tuple(params.sequence_ids[i] for i in ran))
@@ -290,7 +298,8 @@ class AgentRollouts:
                                    completion_ids=spliced(rollout.completion_ids, lambda: [filler]),
                                    truncated=spliced(rollout.truncated, lambda: False),
                                    logprobs=spliced(rollout.logprobs, lambda: [0.0]),
-                                   env_mask=spliced(rollout.env_mask, lambda: [0]))
+                                   env_mask=spliced(rollout.env_mask, lambda: [0]),
+                                   completion_images=spliced(rollout.completion_images, list))
 
     def _prompt_ids(self, prompt, schemas) -> list[int]:
         if isinstance(prompt, str):

@@ -24,8 +24,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..data.errors import DataError
+from ..rollout.sampler import EnvTokens
 from .bounded_text import DEFAULT_MAX_CHARS, cap_messages, cap_text, is_capped
 from .environment import Environment, as_step_result
+from .tool_images import ToolImages, as_parts, image_values
 from .tools import call_with_timeout
 
 log = logging.getLogger(__name__)
@@ -37,14 +40,17 @@ class TemplateError(ValueError):
     """The chat template cannot append messages to a conversation without re-rendering it."""
 
 
-def continuation_ids(tokenizer, new_messages: list[dict], tools: list[dict] | None = None,
-                     stop_text: str | None = None, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids that follow a sampled assistant turn (ending with ``stop_text``, its stop token's text) when the
-    environment answers ``new_messages``; the next assistant turn's generation prompt included."""
+def continuation_text(template, new_messages: list[dict], tools: list[dict] | None = None,
+                      stop_text: str | None = None, add_generation_prompt: bool = True, parts: bool = False) -> str:
+    """The text that follows a sampled assistant turn (ending with ``stop_text``, its stop token's text) when the
+    environment answers ``new_messages``; the next assistant turn's generation prompt included. ``template``: a
+    tokenizer or processor (its ``apply_chat_template``); ``parts``: the stand-in conversation's contents as text
+    parts (a vision processor's template)."""
     kwargs = dict(tokenize=False, tools=tools or None)
-    base = tokenizer.apply_chat_template(_STAND_IN, **kwargs)
-    full = tokenizer.apply_chat_template(_STAND_IN + list(new_messages), add_generation_prompt=add_generation_prompt,
-                                         **kwargs)
+    stand_in = as_parts(_STAND_IN) if parts else _STAND_IN
+    base = template.apply_chat_template(stand_in, **kwargs)
+    full = template.apply_chat_template(stand_in + list(new_messages), add_generation_prompt=add_generation_prompt,
+                                        **kwargs)
     if not full.startswith(base):
         raise TemplateError("the chat template renders a conversation differently once messages follow it (the "
                             f"first {len(base)} characters changed), so environment messages cannot be appended "
@@ -57,7 +63,13 @@ def continuation_ids(tokenizer, new_messages: list[dict], tools: list[dict] | No
         after = after[after.index(stop_text) + len(stop_text):]
     else:
         after = ""  # a template that writes no stop text (or another one): the env block follows at once
-    text = after + full[len(base):]
+    return after + full[len(base):]
+
+
+def continuation_ids(tokenizer, new_messages: list[dict], tools: list[dict] | None = None,
+                     stop_text: str | None = None, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of :func:`continuation_text` (text messages)."""
+    text = continuation_text(tokenizer, new_messages, tools, stop_text, add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
@@ -86,12 +98,13 @@ class Episode:
 
 
 class EpisodeRunner:
-    """The sampler's turn handler for a batch of episodes (one environment instance per sequence)."""
+    """The sampler's turn handler for a batch of episodes (one environment instance per sequence). ``images``: a
+    vision-language model's encoder of environment messages holding images (:mod:`.tool_images`), else None."""
 
     def __init__(self, episodes: list[Episode], tokenizer, settings: EpisodeSettings, tools: list[dict] | None,
-                 stop_ids=()):
+                 stop_ids=(), images: ToolImages | None = None):
         self.episodes, self.tokenizer, self.settings = episodes, tokenizer, settings
-        self.tools, self.stop_ids = tools, set(stop_ids)
+        self.tools, self.stop_ids, self.images = tools, set(stop_ids), images
         self._lock = threading.Lock()  # tokenizers are not guaranteed thread-safe
 
     def _assistant(self, seq: int, tokens: list[int]) -> dict:
@@ -103,8 +116,9 @@ class EpisodeRunner:
         ep.turns += 1
         return msg
 
-    def step(self, seq: int, tokens: list[int], room: int) -> list[int] | None:
-        """Tokens to append after this turn (``room``: tokens left in the trajectory), or None: the episode is over."""
+    def step(self, seq: int, tokens: list[int], room: int) -> list[int] | EnvTokens | None:
+        """Tokens to append after this turn (``room``: tokens left in the trajectory; EnvTokens: with their images),
+        or None: the episode is over."""
         ep, st = self.episodes[seq], self.settings
         if ep.started_s is None:
             ep.started_s = time.perf_counter()
@@ -141,15 +155,34 @@ class EpisodeRunner:
         if ep.turns >= st.max_turns:
             ep.truncated = "max_turns"
             return None
+        values = image_values(result.messages)
+        why = ("the model has no vision tower" if self.images is None else self.images.unsupported()) \
+            if values else None
+        if why is not None:
+            return self._env_error(seq, ep, f"{type(ep.env).__name__}.step returned {len(values)} image(s): {why}")
+        try:
+            images = self.images.open(values, f"{type(ep.env).__name__}.step (turn {ep.turns})") if values else []
+        except DataError as e:
+            return self._env_error(seq, ep, str(e))
         with self._lock:  # the text of the stop token the turn ended with, if it did: the template's turn end
             stop_text = self.tokenizer.convert_ids_to_tokens(tokens[-1]) if tokens and tokens[-1] in self.stop_ids \
                 else None
-            ids = continuation_ids(self.tokenizer, result.messages, self.tools, stop_text)
-        if len(ids) + 1 > room:  # no room for the messages and one more sampled token
+            if images:  # the processor renders the image parts and expands their placeholders
+                out = self.images.encode(continuation_text(self.images.processor, as_parts(result.messages),
+                                                           self.tools, stop_text, parts=True), images)
+            else:
+                out = continuation_ids(self.tokenizer, result.messages, self.tools, stop_text)
+        if len(out.ids if images else out) + 1 > room:  # no room for the messages and one more sampled token
             ep.truncated = "max_tokens"
             return None
         ep.messages.extend(result.messages)
-        return ids
+        return out
+
+    @staticmethod
+    def _env_error(seq: int, ep: Episode, why: str) -> None:
+        ep.error, ep.truncated = why, "env_error"
+        log.warning("environment step ended its episode (sequence %d, turn %d): %s", seq, ep.turns, why)
+        return None
 
 
 def turn_spans(env_mask: list[int]) -> list[tuple[int, int]]:

@@ -16,7 +16,8 @@ from ..ops.logprobs import chunked_logprobs
 from .shared_prompt import (GroupedRows, enable_shared_prompt, grouped_rows, kernel_inputs, mask_inputs,
                             unsupported_reason)
 from .structure import base_model
-from .vision import FeatureCache, Placement, language_model_inputs, layer_masks, require_vision
+from .vision import (FeatureCache, Placement, SequenceImages, language_model_inputs, layer_masks, placements_of,
+                     require_vision, tool_images_unsupported)
 
 
 def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -104,15 +105,26 @@ def _has_images(vision) -> bool:
     return vision is not None and any(v is not None for v in vision)
 
 
+def _has_completion_images(vision) -> bool:
+    return vision is not None and any(isinstance(v, SequenceImages) and v.blocks for v in vision)
+
+
 def _vision_family(model, seqs: list[list[int]], vision: list):
-    """The model's vision family, after checking that sequence i begins with vision[i]'s tokens (where not None)."""
+    """The model's vision family, after checking that sequence i begins with vision[i]'s tokens (where not None)
+    and, for a :class:`SequenceImages` entry, holds each block's tokens where the block says."""
     if len(vision) != len(seqs):
         raise ValueError(f"vision has {len(vision)} entries for {len(seqs)} sequences (one VisionPrompt or None each)")
     family = require_vision(base_model(model).config, "sequences with images")
-    for i, (seq, prompt) in enumerate(zip(seqs, vision)):
+    for i, (seq, entry) in enumerate(zip(seqs, vision)):
+        prompt, blocks = (entry.prompt, entry.blocks) if isinstance(entry, SequenceImages) else (entry, ())
         if prompt is not None and seq[:len(prompt)] != prompt.input_ids:
             raise ValueError(f"sequence {i} does not begin with its VisionPrompt's input_ids (the prompt's tokens with "
                              "the image placeholders expanded)")
+        for at, block in blocks:
+            if seq[at:at + len(block)] != block.input_ids:
+                raise ValueError(f"sequence {i} does not hold its image block's tokens at index {at}")
+        if blocks and tool_images_unsupported(family):
+            raise ValueError(f"sequence {i}: {tool_images_unsupported(family)}")
     return family
 
 
@@ -124,8 +136,8 @@ def _with_images(model, inputs: dict, seqs: list[list[int]], starts: list[int], 
     family = _vision_family(model, seqs, vision)
     ids = inputs["input_ids"]  # [rows, L]
     width = ids.shape[1]
-    placements = [Placement(start // width, start % width, len(seq), prompt)
-                  for start, seq, prompt in zip(starts, seqs, vision)]
+    placements = [p for start, seq, entry in zip(starts, seqs, vision)
+                  for p in placements_of(start // width, start % width, len(seq), entry)]
     text_positions = inputs.get("position_ids")
     if text_positions is None:
         text_positions = torch.arange(width, device=ids.device)[None].expand(ids.shape[0], -1)
@@ -196,7 +208,8 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
     ``packed``: the layout of :func:`backbone_hidden`. ``shared_prompt``: sequences with equal prompts run as
     grouped rows, each prompt computed once (:func:`grouped_backbone_hidden`; True is its "kernel" attention,
     "mask" its plain twin; with images too: each group's features in its prompt part); the same numbers as the
-    repeated layout up to rounding. ``vision``: per sequence its prompt's VisionPrompt (prompt_ids[i] begins with its
+    repeated layout up to rounding; sequences with images inside their completions (SequenceImages) take the
+    repeated layout). ``vision``: per sequence its prompt's VisionPrompt (prompt_ids[i] begins with its
     input_ids) or None; the sequences of one prompt share the object, whose image features are computed once
     for the call. Differentiable with respect to the model's
     trainable parameters when grad is enabled (with LoRA on the vision tower, its gradient summed over a prompt's
@@ -204,7 +217,7 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
     """
     _, head, spec = model_parts(model)
     device = head.weight.device
-    if shared_prompt:
+    if shared_prompt and not _has_completion_images(vision):  # (images inside completions: the repeated layout)
         attention = "kernel" if shared_prompt is True else shared_prompt
         hidden, predictors = grouped_backbone_hidden(model, prompt_ids, completion_ids, pad_id, packed, attention,
                                                      vision)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..agents.episode_images import EpisodeImages
+from ..agents.tool_images import ToolImages
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, is_vision_dataset, load_prompts, read_prompt_rows
 from ..training.vision_inputs import PromptImages, check_image_model, is_processor, pick, repeat_groups
@@ -373,7 +374,9 @@ class GRPOTrainer:
             if self.agents is not None:  # multi-turn episodes (agents/rollout.py), each opening with its row's images
                 sources = self.images.sources(self.data, rows_idx) if self.images is not None else None
                 agent = self.agents.generate(self.sampler, rows, G, params,
-                                             EpisodeImages(self.images, sources) if sources is not None else None)
+                                             EpisodeImages(self.images, sources) if sources is not None else None,
+                                             ToolImages(self.images, cfg.data.max_image_pixels)
+                                             if self.images is not None else None)
                 rollout, vision = agent.rollout, agent.vision  # [P·G]
             else:
                 vision = self.images.prompts(self.data, rows_idx) if self.images is not None else None  # [P]

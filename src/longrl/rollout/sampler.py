@@ -35,7 +35,7 @@ from ..memory.planner import (DRAFT_HISTORY_PROMPTS, DRAFT_HISTORY_TOKENS, EXTEN
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
 from ..models.vision import (FeatureCache, Placement, VisionPrompt, image_block_mask, language_model_inputs,
-                             require_vision, vision_family)
+                             require_vision, tool_images_unsupported, vision_family)
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
@@ -67,6 +67,8 @@ class Rollout:
     logprobs: list[list[float]] | None = None  # [P·G][len] sampler's log softmax(z / T) of each sampled token
     env_mask: list[list[int]] | None = None  # [P·G][len] multi-turn: 1 for sampled tokens, 0 for environment tokens
     #                                          (their log-probs are 0)
+    completion_images: list[list[tuple[int, VisionPrompt]]] | None = None  # [P·G] multi-turn with images from the
+    #   environment: each block's (index in the sequence, prompt + completion, where its tokens start; its block)
 
 
 @dataclass
@@ -74,11 +76,20 @@ class MultiTurn:
     """Multi-turn rollouts. At the end of each turn (a stop token, a stop string or max_new_tokens), the sequence
     parks in its slot (its KV cache kept, out of the decode batch's updates) while ``handler.step(seq, turn_tokens,
     room)`` runs in a pool of ``workers`` threads (room: tokens left of the trajectory budget ``max_tokens``, the
-    tokens after the prompt); it returns the tokens to append (prefilled onto the slot's own cache, then the next
+    tokens after the prompt); it returns the tokens to append (or an :class:`EnvTokens`: tokens with images) (prefilled onto the slot's own cache, then the next
     turn is sampled) or None to end the episode. Tokens that leave no room for one more sampled token end it too."""
     handler: object
     max_tokens: int
     workers: int = 8
+
+
+@dataclass
+class EnvTokens:
+    """What a multi-turn handler may return instead of a token list: the tokens to append and, when the
+    environment's messages hold images, their :class:`VisionPrompt` block (its input_ids the same tokens, its
+    image inputs the images): the resume prefill places the block's image features at its placeholders."""
+    ids: list[int]
+    images: VisionPrompt | None = None
 
 
 def _model_dims(model) -> tuple[int, int, int]:
@@ -377,6 +388,7 @@ class _Run(VerifySteps):
         self.waiting = deque(range(self.num_sequences))
         self.pending: dict = {}  # multi-turn: sequence → (future of its environment step, tokens so far, stopped)
         self.env_spans: dict[int, list[tuple[int, int]]] = {}  # sequence → [start, end) of its environment tokens
+        self.env_images: dict[int, list[tuple[int, VisionPrompt]]] = {}  # sequence → (index in it, image block)
         self.pool = ThreadPoolExecutor(multi.workers, thread_name_prefix="longrl-env") if multi is not None else None
         self.entry_of: dict[int, int] = {}  # prompt → its prefix-store entry
         self.unfinished = [self.G] * len(self.prompts)  # completions of each prompt not yet finished
@@ -490,7 +502,9 @@ class _Run(VerifySteps):
             for seq, spans in self.env_spans.items():
                 for a, b in spans:
                     env_mask[seq][a:b] = [0] * (b - a)
-        return Rollout(prompt_ids, [r[0] for r in done], [r[2] for r in done], [r[1] for r in done], env_mask)
+        images = ([self.env_images.get(seq, []) for seq in range(self.num_sequences)] if self.env_images else None)
+        return Rollout(prompt_ids, [r[0] for r in done], [r[2] for r in done], [r[1] for r in done], env_mask,
+                       images)
 
     # ------------------------------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -779,8 +793,11 @@ class _Run(VerifySteps):
         for seq in [q for q, (f, _, _) in self.pending.items() if f.done()]:
             future, n, stopped = self.pending.pop(seq)
             slot = self.host.sequence.index(seq)
+            block = None
             try:
                 ids = future.result()
+                if isinstance(ids, EnvTokens):
+                    ids, block = ids.ids, ids.images
             except Exception as e:  # noqa: BLE001 - a failing handler ends its episode, not the rollout
                 log.warning("multi-turn handler failed for sequence %d: %s: %s", seq, type(e).__name__, e)
                 ids = None
@@ -791,7 +808,7 @@ class _Run(VerifySteps):
             if ids is None:
                 self._finish_episode(slot, n, truncated=not stopped)
             else:
-                returns.append((slot, [int(t) for t in ids], n))
+                returns.append((slot, [int(t) for t in ids], n, block))
         if returns:
             start = time.perf_counter()
             self._resume(returns)
@@ -799,42 +816,63 @@ class _Run(VerifySteps):
         if self.waiting:
             self._admit()
 
-    def _resume(self, returns: list[tuple[int, list[int], int]]) -> None:
-        """For each (slot, environment tokens, n: tokens so far) returning: prefill the slot's last sampled token +
-        the environment tokens onto its own cache (ExtendMeta: slot-store indices n − 1 … n − 1 + len(ids)), then
-        begin its next turn from the last logits."""
+    def _resume(self, returns: list[tuple[int, list[int], int, VisionPrompt | None]]) -> None:
+        """For each (slot, environment tokens, n: tokens so far, their image block or None) returning: prefill the
+        slot's last sampled token + the environment tokens onto its own cache (ExtendMeta: slot-store indices
+        n − 1 … n − 1 + len(ids)), the block's image features at its placeholders, then begin its next turn from
+        the last logits."""
         sampler, state, device = self.sampler, self.state, self.sampler.device
         vocab = sampler.head.weight.shape[0]
-        for slot, ids, n in returns:
+        for slot, ids, n, block in returns:
+            seq = self.host.sequence[slot]
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ValueError(f"environment tokens of sequence {self.host.sequence[slot]} hold id {bad}, outside "
-                                 f"the model's vocabulary [0, {vocab})")
-        per_forward = self._extend_rows(1 + max(len(ids) for _, ids, _ in returns))
+                raise ValueError(f"environment tokens of sequence {seq} hold id {bad}, outside the model's vocabulary "
+                                 f"[0, {vocab})")
+            if block is not None:
+                self._check_block(seq, ids, block)
+        per_forward = self._extend_rows(1 + max(len(ids) for _, ids, _, _ in returns))
         for first in range(0, len(returns), per_forward):
             chunk = returns[first:first + per_forward]
-            slots = torch.tensor([slot for slot, _, _ in chunk], device=device)
-            start = torch.tensor([n - 1 for _, _, n in chunk], device=device)  # slot-store index of the last token
+            slots = torch.tensor([slot for slot, _, _, _ in chunk], device=device)
+            start = torch.tensor([n - 1 for _, _, n, _ in chunk], device=device)  # slot-store index of the last token
             last_tok = state.tokens[slots, start]  # [b]
-            width = 1 + max(len(ids) for _, ids, _ in chunk)
-            new = pad_right([ids for _, ids, _ in chunk], 0, width - 1).to(device) if width > 1 else \
+            width = 1 + max(len(ids) for _, ids, _, _ in chunk)
+            new = pad_right([ids for _, ids, _, _ in chunk], 0, width - 1).to(device) if width > 1 else \
                 torch.zeros(len(chunk), 0, dtype=torch.long, device=device)
             inputs = torch.cat([last_tok[:, None], new], dim=1)  # [b, width]
-            lengths = torch.tensor([1 + len(ids) for _, ids, _ in chunk], device=device)
+            lengths = torch.tensor([1 + len(ids) for _, ids, _, _ in chunk], device=device)
+            # a block's tokens start at column 1 of its row (after the last sampled token)
+            placements = [Placement(row, 1, len(ids), block) for row, (_, ids, _, block) in enumerate(chunk)
+                          if block is not None]
             with sampler.compute_context():
-                hidden = self._extend_forward(slots, inputs, start, lengths)  # [b, width, d]
+                hidden = self._extend_forward(slots, inputs, start, lengths, placements)  # [b, width, d]
                 logits = sampler.logits(hidden[torch.arange(len(chunk), device=device), lengths - 1])
-            for slot, ids, n in chunk:
+            for slot, ids, n, block in chunk:
+                seq = self.host.sequence[slot]
                 if ids:
                     if state.seen is not None:
                         state.seen[slot, torch.tensor(ids, device=device)] = True
                     state.tokens[slot, n:n + len(ids)] = torch.tensor(ids, device=device)
                     state.logprobs[slot, n:n + len(ids)] = 0.0
-                self.env_spans.setdefault(self.host.sequence[slot], []).append((n, n + len(ids)))
-            self._begin_turn([slot for slot, _, _ in chunk], [n + len(ids) for _, ids, n in chunk], logits)
+                self.env_spans.setdefault(seq, []).append((n, n + len(ids)))
+                if block is not None:
+                    self.env_images.setdefault(seq, []).append((len(self.prompts[seq // self.G]) + n, block))
+            self._begin_turn([slot for slot, _, _, _ in chunk], [n + len(ids) for _, ids, n, _ in chunk], logits)
             self.stats["resumes"] += len(chunk)
             self.stats["resume_forwards"] += 1
             self.stats["resume_tokens"] += int(lengths.sum())
+
+    def _check_block(self, seq: int, ids: list[int], block: VisionPrompt) -> None:
+        """Refuse an image block the model cannot place: a text model's, a family's whose positions or masks
+        inside a completion are not built, or one whose tokens are not the tokens returned."""
+        family = self.sampler.family
+        why = ("the model has no vision tower" if family is None else tool_images_unsupported(family)) or (
+            None if block.input_ids == ids else "its VisionPrompt's input_ids are not the tokens returned")
+        if why is not None:
+            raise ValueError(f"environment tokens of sequence {seq} come with images: {why}")
+        if self.features is None:  # a call whose prompts had no images
+            self.features = FeatureCache(self.sampler.model, family)
 
     # ------------------------------------------------------------------------------------------ extend forwards
     def _extend_rows(self, width: int) -> int:
@@ -847,14 +885,19 @@ class _Run(VerifySteps):
         return max(1, min(sampler.prefill_tokens // width, EXTEND_WORKSPACE_BYTES // row_bytes))
 
     def _extend_forward(self, slots: torch.Tensor, inputs: torch.Tensor, start: torch.Tensor,
-                        lengths: torch.Tensor) -> torch.Tensor:
+                        lengths: torch.Tensor, placements: list[Placement] = ()) -> torch.Tensor:
         """Final hidden states [b, w, d] of inputs [b, w] (row r: its first lengths[r] tokens real, the rest padding)
         run onto slots [b]' own stores from slot-store index start [b]: their keys/values written there, each token
-        attending causally over its prompt's prefix entry and its store (ExtendMeta). Call inside compute_context."""
+        attending causally over its prompt's prefix entry and its store (ExtendMeta). ``placements``: image blocks
+        among the inputs (1-D families: their features replace the placeholders' embeddings, positions unchanged).
+        Call inside compute_context."""
         state, device = self.state, self.sampler.device
         prompt_len = state.prompt_len[slots]
         delta = self.entry_delta[state.prefix_entry[slots]]  # mRoPE: the prompt's rope delta (else 0)
         positions = (prompt_len + start + delta)[:, None] + torch.arange(inputs.shape[1], device=device)[None]
         meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
+        if placements:
+            built = language_model_inputs(self.sampler.model, inputs, positions, list(placements), self.features)
+            return self.sampler.backbone(**built, use_cache=False, longrl_kv=meta).last_hidden_state
         return self.sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
                                      longrl_kv=meta).last_hidden_state

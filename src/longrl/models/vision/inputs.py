@@ -16,7 +16,7 @@ import torch
 
 from ..structure import base_model
 from .features import FeatureCache
-from .prompt import VisionPrompt
+from .prompt import SequenceImages, VisionPrompt
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,16 @@ class Placement:
     start: int  # its first column
     length: int  # its token count (prompt + completion)
     prompt: VisionPrompt | None  # its prompt's images (None: a text-only sequence)
+
+
+def placements_of(row: int, start: int, length: int, entry) -> list[Placement]:
+    """The placements of one sequence at ``row``, columns ``start`` … ``start + length``: ``entry`` its prompt's
+    VisionPrompt (or None), or a :class:`SequenceImages` whose blocks inside the completion get a placement each
+    (1-D families only: mRoPE positions take the first placement of a sequence as its whole)."""
+    if not isinstance(entry, SequenceImages):
+        return [Placement(row, start, length, entry)]
+    first = [Placement(row, start, length, entry.prompt)] if entry.prompt is not None else []
+    return first + [Placement(row, start + at, len(block), block) for at, block in entry.blocks]
 
 
 def language_model_inputs(model, input_ids: torch.Tensor, text_positions: torch.Tensor, placements: list[Placement],

@@ -35,6 +35,30 @@ class VisionPrompt:
         return continued_positions(self.mrope, self.rope_delta, length)
 
 
+@dataclass(eq=False)
+class SequenceImages:
+    """A trajectory's images: its prompt's (None: a text prompt) and the blocks an environment's messages put
+    after it (a tool that answers with an image). Each block is a :class:`VisionPrompt` of the environment's
+    tokens (their placeholders expanded), with the index in the sequence (prompt + completion) where its tokens
+    start; its image features sit at that index + its ``image_positions``."""
+
+    prompt: VisionPrompt | None
+    blocks: tuple[tuple[int, VisionPrompt], ...]  # (index in the sequence, block), ascending
+
+
+def tool_images_unsupported(family: VisionFamily) -> str | None:
+    """Why images cannot follow a sampled turn in ``family``'s sequences (None: they can). Images inside a
+    completion need their features in the resume prefill and the training passes; 1-D, causal families (LLaVA,
+    LLaVA-NeXT, Idefics3/SmolVLM) take them as they are."""
+    if family.mrope:
+        return (f"{family.name} places tokens after an image at 3-D rotary positions (mRoPE); positions for images "
+                "inside a completion are not built yet")
+    if family.image_blocks:
+        return (f"{family.name}'s image tokens attend to each other both ways; that mask inside a completion's "
+                "resume prefill is not built yet")
+    return None
+
+
 def build_prompt(config, input_ids: list[int], image_inputs: dict[str, torch.Tensor]) -> VisionPrompt:
     """A :class:`VisionPrompt` from a processor's output for one prompt (``input_ids`` a list, the image tensors
     as returned). Raises ValueError when the placeholders do not match the image grids (mRoPE families)."""

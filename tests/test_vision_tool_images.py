@@ -1,0 +1,143 @@
+"""Images from environments and tools inside a trajectory (CPU, float32): the sampler's resume prefill places an
+image block's features at its placeholders, so that greedy tokens and log-probs after it equal transformers' full
+forward of the whole sequence with every image (1-D families: LLaVA, LLaVA-NeXT, Idefics3); the training passes
+place them at the index the rollout recorded; episodes over the vision demo's tiny LLaVA train with tool images;
+a text model, Qwen-VL (mRoPE) and Gemma 3 (both-way image attention) end such an episode naming why."""
+
+import pytest
+import torch
+from test_vision_sampler import _model, _prompts
+from vision_models import IMAGE_TEXT, full_forward_inputs, images
+
+from longrl.agents.environment import Environment
+from longrl.models.policy import sequence_logprobs
+from longrl.models.vision import (FAMILIES, SequenceImages, build_prompt, encode_text, image_token_id,
+                                  tool_images_unsupported)
+from longrl.rollout.sampler import EnvTokens, MultiTurn, Sampler
+from longrl.rollout.sampling import SamplingParams
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+G = 2
+TEXT_OF = {"llava": "llava", "llava_next": "llava", "idefics3": "idefics"}
+
+
+class _ImageReturn:
+    """Answers each sequence's first turn with a short text around one image (its own picture a sequence), then
+    ends the episode; ``blocks``: what it returned, by sequence."""
+
+    def __init__(self, processor, config, family):
+        self.processor, self.config, self.family = processor, config, family
+        self.turns, self.blocks = {}, {}
+
+    def step(self, seq, tokens, room):
+        self.turns[seq] = self.turns.get(seq, 0) + 1
+        if self.turns[seq] > 1:
+            return None
+        (pic,) = images(1, seed=100 + seq, sizes=((56, 28),) if seq % 2 else ((28, 56),))
+        ids, tensors = encode_text(self.processor, self.config, "T:" + IMAGE_TEXT[TEXT_OF[self.family]] + "ok\n",
+                                   [pic])
+        self.blocks[seq] = build_prompt(self.config, ids, tensors)
+        return EnvTokens(ids, self.blocks[seq])
+
+
+def _merged(family, enc, block):
+    """transformers' inputs with the block's image tensors after the prompt's (Idefics3: one more image of the
+    sample, dim 1; else more images, dim 0; LLaVA-NeXT's patches padded to the most of either, as its processor
+    pads a batch's: image_sizes says which are real)."""
+    out = dict(enc)
+    dim = 1 if family == "idefics3" else 0
+    for key, value in block.image_inputs.items():
+        if key not in out:
+            out[key] = value
+            continue
+        pair = [out[key], value]
+        if family == "llava_next" and key == "pixel_values":
+            most = max(t.shape[1] for t in pair)
+            pair = [torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 0, 0, most - t.shape[1])) for t in pair]
+        out[key] = torch.cat(pair, dim=dim)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "idefics3"])
+def test_resume_with_an_image_block_equals_full_forward(family):
+    model, processor = _model(family)
+    prompts = _prompts(model, processor)  # 1 image, 2 images, a text prompt
+    handler = _ImageReturn(processor, model.config, family)
+    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=4, temperature=0),
+                               multi_turn=MultiTurn(handler, max_tokens=40, workers=1),
+                               vision=[v for _, v, _ in prompts])
+    image_id = image_token_id(model.config)
+    assert rollout.completion_images is not None and len(rollout.completion_images) == len(prompts) * G
+    for i, completion in enumerate(rollout.completion_ids):
+        prompt_ids, _, enc = prompts[i // G]
+        ((at, block),) = rollout.completion_images[i]
+        assert block is handler.blocks[i] and at == len(prompt_ids) + 4  # after the 4 sampled tokens
+        assert completion[4:4 + len(block)] == block.input_ids and image_id in block.input_ids
+        with torch.no_grad():
+            logits = model(**full_forward_inputs(_merged(family, enc, block), completion)).logits
+        logps = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1].float(), -1)  # [n, V]
+        sampled = [j for j in range(len(completion)) if rollout.env_mask[i][j]]
+        assert len(sampled) == 8  # two turns of 4
+        assert [completion[j] for j in sampled] == logps.argmax(-1)[sampled].tolist(), f"sequence {i}"
+        expected = logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs[i])[sampled], expected[sampled], rtol=0, atol=2e-5)
+    # the prompts' towers once each (2 with images), and each block's once
+    assert sampler.last_stats["vision_tower_calls"] == 2 + len(rollout.completion_ids)
+
+
+def test_training_passes_place_the_blocks_where_the_rollout_recorded_them():
+    """sequence_logprobs with SequenceImages entries give the sampler's log-probs; without the blocks (their
+    placeholders read as text) they do not; a block whose tokens are not where it says is refused."""
+    model, processor = _model("llava")
+    prompts = _prompts(model, processor)
+    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=4, temperature=0),
+                               multi_turn=MultiTurn(_ImageReturn(processor, model.config, "llava"), max_tokens=40,
+                                                    workers=1),
+                               vision=[v for _, v, _ in prompts])
+    vision = [prompts[i // G][1] for i in range(len(rollout.completion_ids))]
+    entries = [SequenceImages(v, tuple(b)) for v, b in zip(vision, rollout.completion_images)]
+    width = max(len(c) for c in rollout.completion_ids)
+    pad = processor.tokenizer.pad_token_id
+    mask = torch.zeros(len(entries), width, dtype=torch.bool)
+    sampler_logps = torch.zeros(len(entries), width)
+    for i, (m, lp) in enumerate(zip(rollout.env_mask, rollout.logprobs)):
+        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
+        sampler_logps[i, :len(lp)] = torch.tensor(lp)
+    for packed, shared in [(True, False), (False, False), (True, True)]:
+        with torch.no_grad():
+            logps, _ = sequence_logprobs(model, rollout.prompt_ids, rollout.completion_ids, width, pad_id=pad,
+                                         packed=packed, shared_prompt=shared, vision=entries)
+        torch.testing.assert_close(logps[mask], sampler_logps[mask], rtol=0, atol=2e-5)
+    with torch.no_grad():
+        without, _ = sequence_logprobs(model, rollout.prompt_ids, rollout.completion_ids, width, pad_id=pad,
+                                       vision=vision)
+    assert (without[mask] - sampler_logps[mask]).abs().max() > 1e-3
+    moved = [SequenceImages(e.prompt, tuple((at + 1, b) for at, b in e.blocks)) for e in entries]
+    with pytest.raises(ValueError, match="does not hold its image block's tokens at index"):
+        sequence_logprobs(model, rollout.prompt_ids, rollout.completion_ids, width, pad_id=pad, vision=moved)
+
+
+def test_families_that_cannot_place_images_inside_a_completion_say_why():
+    assert tool_images_unsupported(FAMILIES["llava"]) is None
+    assert tool_images_unsupported(FAMILIES["idefics3"]) is None
+    assert "mRoPE" in tool_images_unsupported(FAMILIES["qwen2_5_vl"])
+    assert "both ways" in tool_images_unsupported(FAMILIES["gemma3"])
+
+
+def test_the_sampler_refuses_a_block_it_cannot_place():
+    """A handler returning images to a text model's sampler, or a block whose tokens are not those returned."""
+    model, processor = _model("llava")
+    prompts = _prompts(model, processor)
+
+    class Mismatch(_ImageReturn):
+        def step(self, seq, tokens, room):
+            out = super().step(seq, tokens, room)
+            return out if out is None else EnvTokens(out.ids[:-1], out.images)
+
+    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    with pytest.raises(ValueError, match="input_ids are not the tokens returned"):
+        sampler.generate([prompts[0][0]], 1, SamplingParams(max_new_tokens=2, temperature=0),
+                         multi_turn=MultiTurn(Mismatch(processor, model.config, "llava"), max_tokens=30, workers=1),
+                         vision=[prompts[0][1]])
