@@ -18,7 +18,8 @@ from longrl.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 G = 2
-TEXT_OF = {"llava": "llava", "llava_next": "llava", "idefics3": "idefics"}
+TEXT_OF = {"llava": "llava", "llava_next": "llava", "idefics3": "idefics", "qwen2_vl": "qwen", "qwen2_5_vl": "qwen",
+           "qwen3_vl": "qwen"}
 
 
 class _ImageReturn:
@@ -58,7 +59,19 @@ def _merged(family, enc, block):
     return out
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next", "idefics3"])
+def _full_forward(family, model, enc, block, completion, at):
+    """transformers' forward of the prompt ``enc`` + ``completion`` holding ``block`` at completion index ``at``,
+    with every image (Qwen-VL: the block's placeholders typed as image tokens, from which transformers computes
+    the mRoPE positions of the whole sequence itself)."""
+    inputs = full_forward_inputs(_merged(family, enc, block), completion)
+    if "mm_token_type_ids" in inputs:
+        prompt_len = enc["input_ids"].shape[1]
+        inputs["mm_token_type_ids"][0, prompt_len + at + block.image_positions] = 1
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_resume_with_an_image_block_equals_full_forward(family):
     model, processor = _model(family)
     prompts = _prompts(model, processor)  # 1 image, 2 images, a text prompt
@@ -74,8 +87,7 @@ def test_resume_with_an_image_block_equals_full_forward(family):
         ((at, block),) = rollout.completion_images[i]
         assert block is handler.blocks[i] and at == len(prompt_ids) + 4  # after the 4 sampled tokens
         assert completion[4:4 + len(block)] == block.input_ids and image_id in block.input_ids
-        with torch.no_grad():
-            logits = model(**full_forward_inputs(_merged(family, enc, block), completion)).logits
+        logits = _full_forward(family, model, enc, block, completion, 4)
         logps = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1].float(), -1)  # [n, V]
         sampled = [j for j in range(len(completion)) if rollout.env_mask[i][j]]
         assert len(sampled) == 8  # two turns of 4
@@ -120,9 +132,7 @@ def test_training_passes_place_the_blocks_where_the_rollout_recorded_them():
 
 
 def test_families_that_cannot_place_images_inside_a_completion_say_why():
-    assert tool_images_unsupported(FAMILIES["llava"]) is None
-    assert tool_images_unsupported(FAMILIES["idefics3"]) is None
-    assert "mRoPE" in tool_images_unsupported(FAMILIES["qwen2_5_vl"])
+    assert all(tool_images_unsupported(FAMILIES[f]) is None for f in ("llava", "idefics3", "qwen2_5_vl", "qwen3_vl"))
     assert "both ways" in tool_images_unsupported(FAMILIES["gemma3"])
 
 
@@ -141,3 +151,82 @@ def test_the_sampler_refuses_a_block_it_cannot_place():
         sampler.generate([prompts[0][0]], 1, SamplingParams(max_new_tokens=2, temperature=0),
                          multi_turn=MultiTurn(Mismatch(processor, model.config, "llava"), max_tokens=30, workers=1),
                          vision=[prompts[0][1]])
+
+
+class ChartEnvironment(Environment):
+    """Answers the first turn with a user message holding a picture (a Pillow image) and a question; the second
+    turn ends the episode."""
+
+    def step(self, assistant_message):
+        from PIL import Image
+
+        self.turns = getattr(self, "turns", 0) + 1
+        if self.turns > 1:
+            return [], 1.0, True
+        picture = Image.new("RGB", (28, 28), (0, 0, 255))
+        return [{"role": "user", "content": [{"type": "image", "image": picture},
+                                             {"type": "text", "text": "what colour ?"}]}], None, False
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_grpo_episodes_with_images_from_the_environment(tmp_path, shared_prompt):
+    """The vision demo's tiny LLaVA (LoRA, the tower frozen) over episodes whose environment answers with a
+    picture: the tower runs once per prompt and once per returned picture in all (the rollout's features kept for
+    the passes), the passes score the sampled tokens as the sampler did, and the batch's entries hold the blocks."""
+    from test_vision_grpo import _cfg, _count_tower_calls
+
+    from longrl.recipes.grpo import GRPOTrainer
+    from longrl.training.reporting import read_metrics
+
+    cfg = _cfg(tmp_path, "lora.enabled=true", "train.max_steps=1", "environment.max_turns=2",
+               "environment.max_tokens=48", "generation.max_completion_length=16",
+               f"train.shared_prompt={str(shared_prompt).lower()}")
+    trainer = GRPOTrainer(cfg, environment_factory=ChartEnvironment)
+    calls = _count_tower_calls(trainer)
+    trainer.train()
+    (metrics,) = read_metrics(tmp_path)
+    b = trainer.batch
+    returned = [e for e in b.vision if isinstance(e, SequenceImages)]
+    assert metrics["agent/env_errors"] == 0 and returned  # (an episode whose first turn left no room has none)
+    assert len(calls) == 3 + sum(len(e.blocks) for e in returned)
+    assert metrics["sampler/logp_abs_diff"] < 1e-4
+    for e, completion in zip(b.vision, b.completion_ids):
+        if isinstance(e, SequenceImages):
+            (at, block), = e.blocks
+            start = at - len(e.prompt)
+            assert completion[start:start + len(block)] == block.input_ids
+
+
+def test_a_text_model_ends_an_episode_whose_environment_answers_with_an_image():
+    from test_agents_env import _runner
+
+    runner, ep = _runner(ChartEnvironment())
+    assert runner.step(0, [5], room=10) is None
+    assert ep.truncated == "env_error"
+    assert ep.error == "ChartEnvironment.step returned 1 image(s): the model has no vision tower"
+
+
+def test_a_tool_that_returns_a_pillow_image_answers_with_an_image_part():
+    from PIL import Image
+
+    from longrl.agents.tool_calls import ToolCall
+    from longrl.agents.tools import ToolSet
+
+    def look(name: str):
+        """Shows a picture.
+
+        Args:
+            name: what to show
+        """
+        return Image.new("RGB", (8, 8))
+
+    content, failed = ToolSet([look], timeout_s=None).call(ToolCall("look", {"name": "x"}))
+    assert not failed and len(content) == 1 and content[0]["type"] == "image"
+    assert content[0]["image"].size == (8, 8)
+    from longrl.agents.environment import ToolEnvironment, as_step_result
+
+    env = ToolEnvironment(ToolSet([look], timeout_s=None), "qwen")
+    reply = env.step({"role": "assistant",
+                      "content": '<tool_call>{"name": "look", "arguments": {"name": "x"}}</tool_call>'})
+    (message,) = as_step_result(reply, "ToolEnvironment").messages  # (image parts with their image pass the check)
+    assert message["role"] == "tool" and message["content"][0]["type"] == "image"

@@ -116,10 +116,10 @@ class ToolEnvironment(Environment):
             replies.append({"role": "tool", "name": "error", "content": f"Error: {err}"})
             self.stats["tool_errors"] += 1
         for call in parsed.calls:
-            text, failed = self.toolset.call(call)
+            content, failed = self.toolset.call(call)
             self.stats["tool_calls"] += 1
             self.stats["tool_errors"] += int(failed)
-            replies.append({"role": "tool", "name": call.name, "content": text})
+            replies.append({"role": "tool", "name": call.name, "content": content})
         return replies, None, False
 
 

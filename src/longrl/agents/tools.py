@@ -123,8 +123,9 @@ def result_text(value) -> str:
 
 
 class ToolSet:
-    """Named tools with their schemas; ``call`` returns (text, is_error), the text at most ``max_chars``
-    characters."""
+    """Named tools with their schemas; ``call`` returns (content, is_error): the result's text, at most
+    ``max_chars`` characters, or for a tool that returns a Pillow image one image part ``[{"type": "image",
+    "image": ...}]`` (a vision-language model sees it: agents/tool_images.py)."""
 
     def __init__(self, functions: list[Callable], timeout_s: float | None = 30.0, max_chars: int = DEFAULT_MAX_CHARS):
         self.functions: dict[str, Callable] = {}
@@ -143,11 +144,11 @@ class ToolSet:
     def __bool__(self) -> bool:
         return bool(self.functions)
 
-    def call(self, call: ToolCall) -> tuple[str, bool]:
-        text, failed = self._call(call)
-        return cap_text(text, self.max_chars), failed
+    def call(self, call: ToolCall) -> tuple[str | list[dict], bool]:
+        content, failed = self._call(call)
+        return (cap_text(content, self.max_chars) if isinstance(content, str) else content), failed
 
-    def _call(self, call: ToolCall) -> tuple[str, bool]:
+    def _call(self, call: ToolCall) -> tuple[str | list[dict], bool]:
         fn = self.functions.get(call.name)
         if fn is None:
             known = ", ".join(self.functions) or "none"
@@ -161,4 +162,8 @@ class ToolSet:
             return f"Error: tool {call.name} timed out after {self.timeout_s:g} s", True
         if error is not None:
             return f"Error: {call.name} raised {type(error).__name__}{f': {error}' if str(error) else ''}", True
+        from ..data.images import is_pil_image  # (here: longrl.data imports the tasks, which import agents)
+
+        if is_pil_image(value):
+            return [{"type": "image", "image": value}], False
         return result_text(value), False

@@ -389,6 +389,7 @@ class _Run(VerifySteps):
         self.pending: dict = {}  # multi-turn: sequence → (future of its environment step, tokens so far, stopped)
         self.env_spans: dict[int, list[tuple[int, int]]] = {}  # sequence → [start, end) of its environment tokens
         self.env_images: dict[int, list[tuple[int, VisionPrompt]]] = {}  # sequence → (index in it, image block)
+        self.rope_shift: dict[int, int] = {}  # sequence → its blocks' mRoPE rope deltas summed (tokens after them)
         self.pool = ThreadPoolExecutor(multi.workers, thread_name_prefix="longrl-env") if multi is not None else None
         self.entry_of: dict[int, int] = {}  # prompt → its prefix-store entry
         self.unfinished = [self.G] * len(self.prompts)  # completions of each prompt not yet finished
@@ -606,7 +607,8 @@ class _Run(VerifySteps):
         if state.seen is not None:
             state.seen[rows, tok] = True
         state.last_token[rows] = tok
-        state.position[rows] = state.prompt_len[rows] + index + self.entry_delta[state.prefix_entry[rows]]
+        shift = torch.tensor([self.rope_shift.get(self.host.sequence[slot], 0) for slot in slots], device=device)
+        state.position[rows] = state.prompt_len[rows] + index + self.entry_delta[state.prefix_entry[rows]] + shift
         state.write_index[rows], state.generated[rows] = index, index + 1
         state.turn_limit[rows] = torch.clamp(index + params.max_new_tokens, max=self.max_tokens)
         state.active[rows] = ~(torch.isin(tok, self.stop_ids) | (state.generated[rows] >= state.turn_limit[rows]))
@@ -858,6 +860,7 @@ class _Run(VerifySteps):
                 self.env_spans.setdefault(seq, []).append((n, n + len(ids)))
                 if block is not None:
                     self.env_images.setdefault(seq, []).append((len(self.prompts[seq // self.G]) + n, block))
+                    self.rope_shift[seq] = self.rope_shift.get(seq, 0) + block.rope_delta  # (0: 1-D positions)
             self._begin_turn([slot for slot, _, _, _ in chunk], [n + len(ids) for _, ids, n, _ in chunk], logits)
             self.stats["resumes"] += len(chunk)
             self.stats["resume_forwards"] += 1
@@ -893,11 +896,20 @@ class _Run(VerifySteps):
         Call inside compute_context."""
         state, device = self.state, self.sampler.device
         prompt_len = state.prompt_len[slots]
-        delta = self.entry_delta[state.prefix_entry[slots]]  # mRoPE: the prompt's rope delta (else 0)
+        # mRoPE: the prompt's rope delta and the sequence's earlier blocks' (else 0)
+        delta = self.entry_delta[state.prefix_entry[slots]] + torch.tensor(
+            [self.rope_shift.get(self.host.sequence[slot], 0) for slot in slots.tolist()], device=device)
         positions = (prompt_len + start + delta)[:, None] + torch.arange(inputs.shape[1], device=device)[None]
         meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
         if placements:
-            built = language_model_inputs(self.sampler.model, inputs, positions, list(placements), self.features)
+            mrope = None
+            if self.sampler.family.mrope:  # [3, b, w]: a block's tokens at the position after the text before it
+                mrope = positions[None].repeat(3, 1, 1)  # + its own mRoPE positions (relative to where they start)
+                for p in placements:
+                    mrope[:, p.row, p.start:p.start + p.length] = \
+                        p.prompt.mrope.to(device) + positions[p.row, p.start - 1] + 1
+            built = language_model_inputs(self.sampler.model, inputs, positions, list(placements), self.features,
+                                          positions=mrope)
             return self.sampler.backbone(**built, use_cache=False, longrl_kv=meta).last_hidden_state
         return self.sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
                                      longrl_kv=meta).last_hidden_state

@@ -25,16 +25,19 @@ class Placement:
     start: int  # its first column
     length: int  # its token count (prompt + completion)
     prompt: VisionPrompt | None  # its prompt's images (None: a text-only sequence)
+    positions: torch.Tensor | None = None  # [3, length] mRoPE: the sequence's, where not its prompt's own
+    block: bool = False  # an image block inside the sequence (its features only; the sequence's placement says
+    #                      the positions)
 
 
 def placements_of(row: int, start: int, length: int, entry) -> list[Placement]:
     """The placements of one sequence at ``row``, columns ``start`` … ``start + length``: ``entry`` its prompt's
-    VisionPrompt (or None), or a :class:`SequenceImages` whose blocks inside the completion get a placement each
-    (1-D families only: mRoPE positions take the first placement of a sequence as its whole)."""
+    VisionPrompt (or None), or a :class:`SequenceImages`: the sequence's placement (with its mRoPE positions),
+    then one a block inside the completion."""
     if not isinstance(entry, SequenceImages):
         return [Placement(row, start, length, entry)]
-    first = [Placement(row, start, length, entry.prompt)] if entry.prompt is not None else []
-    return first + [Placement(row, start + at, len(block), block) for at, block in entry.blocks]
+    whole = Placement(row, start, length, entry.prompt, entry.positions(length) if entry.mrope else None)
+    return [whole] + [Placement(row, start + at, len(block), block, block=True) for at, block in entry.blocks]
 
 
 def language_model_inputs(model, input_ids: torch.Tensor, text_positions: torch.Tensor, placements: list[Placement],
@@ -80,11 +83,13 @@ def _positions(family, text_positions: torch.Tensor, placements: list[Placement]
     if not family.mrope:
         return text_positions
     pos = text_positions[None].repeat(3, 1, 1)  # [3, rows, L]: text-only sequences and padding
-    for p in placements:
-        if p.prompt is not None:
-            pos[:, p.row, p.start:p.start + p.length] = p.prompt.positions(p.length).to(pos.device)
+    sequences = [p for p in placements if not p.block]
+    for p in sequences:
+        if p.positions is not None or p.prompt is not None:
+            own = p.positions if p.positions is not None else p.prompt.positions(p.length)
+            pos[:, p.row, p.start:p.start + p.length] = own.to(pos.device)
     per_row = {}
-    for p in placements:
+    for p in sequences:
         per_row[p.row] = per_row.get(p.row, 0) + 1
     if max(per_row.values(), default=1) > 1:
         return torch.cat([text_positions[None], pos])  # [4, rows, L]: the packed form

@@ -45,14 +45,27 @@ class SequenceImages:
     prompt: VisionPrompt | None
     blocks: tuple[tuple[int, VisionPrompt], ...]  # (index in the sequence, block), ascending
 
+    @property
+    def mrope(self) -> bool:
+        return any(block.mrope is not None for _, block in self.blocks)
+
+    def positions(self, length: int) -> torch.Tensor:
+        """[3, length] mRoPE positions of the sequence (prompt, then its completion with the blocks). mRoPE
+        positions are relative to where they start: a block at index a after text at position p has its tokens at
+        p + 1 + the block's own positions, and every token after it moves by the block's rope delta."""
+        pos = (self.prompt.positions(length) if self.prompt is not None
+               else torch.arange(length)[None].repeat(3, 1)).clone()
+        for at, block in self.blocks:
+            n = len(block)
+            pos[:, at:at + n] = block.mrope + (pos[0, at - 1] + 1)  # (the token before a block is text)
+            pos[:, at + n:] += block.rope_delta
+        return pos
+
 
 def tool_images_unsupported(family: VisionFamily) -> str | None:
     """Why images cannot follow a sampled turn in ``family``'s sequences (None: they can). Images inside a
-    completion need their features in the resume prefill and the training passes; 1-D, causal families (LLaVA,
-    LLaVA-NeXT, Idefics3/SmolVLM) take them as they are."""
-    if family.mrope:
-        return (f"{family.name} places tokens after an image at 3-D rotary positions (mRoPE); positions for images "
-                "inside a completion are not built yet")
+    completion need their features in the resume prefill and the training passes, and mRoPE families their
+    positions (:meth:`SequenceImages.positions`)."""
     if family.image_blocks:
         return (f"{family.name}'s image tokens attend to each other both ways; that mask inside a completion's "
                 "resume prefill is not built yet")
