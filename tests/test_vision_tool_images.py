@@ -34,7 +34,7 @@ class _ImageReturn:
         self.turns[seq] = self.turns.get(seq, 0) + 1
         if self.turns[seq] > 1:
             return None
-        (pic,) = images(1, seed=100 + seq, sizes=((56, 28),) if seq % 2 else ((28, 56),))
+        (pic,) = images(1, seed=100 + seq, sizes=((56, 56),) if seq % 2 else ((28, 56),))  # (Qwen: rope delta -2, 0)
         ids, tensors = encode_text(self.processor, self.config, "T:" + IMAGE_TEXT[TEXT_OF[self.family]] + "ok\n",
                                    [pic])
         self.blocks[seq] = build_prompt(self.config, ids, tensors)
@@ -98,14 +98,16 @@ def test_resume_with_an_image_block_equals_full_forward(family):
     assert sampler.last_stats["vision_tower_calls"] == 2 + len(rollout.completion_ids)
 
 
-def test_training_passes_place_the_blocks_where_the_rollout_recorded_them():
-    """sequence_logprobs with SequenceImages entries give the sampler's log-probs; without the blocks (their
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_training_passes_place_the_blocks_where_the_rollout_recorded_them(family):
+    """sequence_logprobs with SequenceImages entries give the sampler's log-probs (packed rows, padded rows, and
+    with train.shared_prompt's option on, which takes the repeated layout for them); without the blocks (their
     placeholders read as text) they do not; a block whose tokens are not where it says is refused."""
-    model, processor = _model("llava")
+    model, processor = _model(family)
     prompts = _prompts(model, processor)
     sampler = Sampler(model, processor.tokenizer, sync_every=2)
     rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=4, temperature=0),
-                               multi_turn=MultiTurn(_ImageReturn(processor, model.config, "llava"), max_tokens=40,
+                               multi_turn=MultiTurn(_ImageReturn(processor, model.config, family), max_tokens=40,
                                                     workers=1),
                                vision=[v for _, v, _ in prompts])
     vision = [prompts[i // G][1] for i in range(len(rollout.completion_ids))]
