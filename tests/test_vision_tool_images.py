@@ -1,8 +1,9 @@
 """Images from environments and tools inside a trajectory (CPU, float32): the sampler's resume prefill places an
-image block's features at its placeholders, so that greedy tokens and log-probs after it equal transformers' full
-forward of the whole sequence with every image (1-D families: LLaVA, LLaVA-NeXT, Idefics3); the training passes
-place them at the index the rollout recorded; episodes over the vision demo's tiny LLaVA train with tool images;
-a text model, Qwen-VL (mRoPE) and Gemma 3 (both-way image attention) end such an episode naming why."""
+image block's features at its placeholders (Qwen-VL: at mRoPE positions after the text before it; Gemma 3: its
+image tokens attending each other both ways), so that greedy tokens and log-probs after it equal transformers' full
+forward of the whole sequence with every image; the training passes place them at the index the rollout recorded;
+episodes over the vision demo's tiny LLaVA train with images from their environment; a text model ends such an
+episode naming why; a tool returning a Pillow image answers with an image part."""
 
 import pytest
 import torch
@@ -11,15 +12,14 @@ from vision_models import IMAGE_TEXT, full_forward_inputs, images
 
 from longrl.agents.environment import Environment
 from longrl.models.policy import sequence_logprobs
-from longrl.models.vision import (FAMILIES, SequenceImages, build_prompt, encode_text, image_token_id,
-                                  tool_images_unsupported)
+from longrl.models.vision import SequenceImages, build_prompt, encode_text, image_token_id
 from longrl.rollout.sampler import EnvTokens, MultiTurn, Sampler
 from longrl.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 G = 2
 TEXT_OF = {"llava": "llava", "llava_next": "llava", "idefics3": "idefics", "qwen2_vl": "qwen", "qwen2_5_vl": "qwen",
-           "qwen3_vl": "qwen"}
+           "qwen3_vl": "qwen", "gemma3": "gemma"}
 
 
 class _ImageReturn:
@@ -64,14 +64,14 @@ def _full_forward(family, model, enc, block, completion, at):
     with every image (Qwen-VL: the block's placeholders typed as image tokens, from which transformers computes
     the mRoPE positions of the whole sequence itself)."""
     inputs = full_forward_inputs(_merged(family, enc, block), completion)
-    if "mm_token_type_ids" in inputs:
-        prompt_len = enc["input_ids"].shape[1]
-        inputs["mm_token_type_ids"][0, prompt_len + at + block.image_positions] = 1
+    for key in ("mm_token_type_ids", "token_type_ids"):  # (Gemma 3's image-block masks are built from the latter)
+        if key in inputs:
+            inputs[key][0, enc["input_ids"].shape[1] + at + block.image_positions] = 1
     with torch.no_grad():
         return model(**inputs).logits
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_resume_with_an_image_block_equals_full_forward(family):
     model, processor = _model(family)
     prompts = _prompts(model, processor)  # 1 image, 2 images, a text prompt
@@ -98,7 +98,7 @@ def test_resume_with_an_image_block_equals_full_forward(family):
     assert sampler.last_stats["vision_tower_calls"] == 2 + len(rollout.completion_ids)
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "gemma3"])
 def test_training_passes_place_the_blocks_where_the_rollout_recorded_them(family):
     """sequence_logprobs with SequenceImages entries give the sampler's log-probs (packed rows, padded rows, and
     with train.shared_prompt's option on, which takes the repeated layout for them); without the blocks (their
@@ -131,11 +131,6 @@ def test_training_passes_place_the_blocks_where_the_rollout_recorded_them(family
     moved = [SequenceImages(e.prompt, tuple((at + 1, b) for at, b in e.blocks)) for e in entries]
     with pytest.raises(ValueError, match="does not hold its image block's tokens at index"):
         sequence_logprobs(model, rollout.prompt_ids, rollout.completion_ids, width, pad_id=pad, vision=moved)
-
-
-def test_families_that_cannot_place_images_inside_a_completion_say_why():
-    assert all(tool_images_unsupported(FAMILIES[f]) is None for f in ("llava", "idefics3", "qwen2_5_vl", "qwen3_vl"))
-    assert "both ways" in tool_images_unsupported(FAMILIES["gemma3"])
 
 
 def test_the_sampler_refuses_a_block_it_cannot_place():

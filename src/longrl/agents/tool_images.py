@@ -9,15 +9,15 @@ processor expands each image part's placeholder and makes the image tensors: one
 its image features at its placeholders (rollout/sampler.py ``EnvTokens``), and the training passes do the same at
 the index the rollout recorded (``SequenceImages``): what is trained is what was sampled.
 
-The families with 1-D positions and causal image tokens take them (LLaVA, LLaVA-NeXT, Idefics3/SmolVLM). Qwen-VL's
-mRoPE and Gemma 3's both-way image attention inside a completion are not built: such a step ends its episode as
-``env_error`` naming the reason, as a text model's does.
+Every supported family takes them: Qwen-VL's block at mRoPE positions relative to the text before it
+(``SequenceImages.positions``), Gemma 3's with its image tokens attending each other both ways in the resume
+prefill (``ExtendMeta.blocks``) and the passes. A text model's episode ends as ``env_error`` naming why.
 """
 
 from __future__ import annotations
 
 from ..data.images import image_source, open_images
-from ..models.vision import build_prompt, encode_text, tool_images_unsupported, vision_family
+from ..models.vision import build_prompt, encode_text
 from ..rollout.sampler import EnvTokens
 
 
@@ -40,11 +40,6 @@ class ToolImages:
 
     def __init__(self, encoder, max_pixels: int):
         self.processor, self.config, self.max_pixels = encoder.processor, encoder.config, max_pixels
-        self.family = vision_family(self.config)
-
-    def unsupported(self) -> str | None:
-        """Why this model's sequences cannot hold images after a sampled turn (None: they can)."""
-        return tool_images_unsupported(self.family)
 
     def open(self, values: list, where: str) -> list:
         """The images of ``values`` as RGB Pillow images; DataError naming ``where`` and the image otherwise."""

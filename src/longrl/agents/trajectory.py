@@ -156,10 +156,9 @@ class EpisodeRunner:
             ep.truncated = "max_turns"
             return None
         values = image_values(result.messages)
-        why = ("the model has no vision tower" if self.images is None else self.images.unsupported()) \
-            if values else None
-        if why is not None:
-            return self._env_error(seq, ep, f"{type(ep.env).__name__}.step returned {len(values)} image(s): {why}")
+        if values and self.images is None:
+            return self._env_error(seq, ep, f"{type(ep.env).__name__}.step returned {len(values)} image(s): the "
+                                   "model has no vision tower")
         try:
             images = self.images.open(values, f"{type(ep.env).__name__}.step (turn {ep.turns})") if values else []
         except DataError as e:

@@ -17,7 +17,7 @@ from .shared_prompt import (GroupedRows, enable_shared_prompt, grouped_rows, ker
                             unsupported_reason)
 from .structure import base_model
 from .vision import (FeatureCache, Placement, SequenceImages, language_model_inputs, layer_masks, placements_of,
-                     require_vision, tool_images_unsupported)
+                     require_vision)
 
 
 def pad_right(seqs: list[list], pad_id, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -123,8 +123,6 @@ def _vision_family(model, seqs: list[list[int]], vision: list):
         for at, block in blocks:
             if seq[at:at + len(block)] != block.input_ids:
                 raise ValueError(f"sequence {i} does not hold its image block's tokens at index {at}")
-        if blocks and tool_images_unsupported(family):
-            raise ValueError(f"sequence {i}: {tool_images_unsupported(family)}")
     return family
 
 

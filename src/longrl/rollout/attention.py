@@ -200,11 +200,15 @@ class ExtendMeta:
     prefix_len: torch.Tensor  # [B] long
     start: torch.Tensor  # [B] long: slot-store index of each row's first new token
     lengths: torch.Tensor  # [B] long: new tokens of each row (the rest of the row is padding)
+    # [B, n] long: the image block of each new token (−1: text), where a family's image tokens attend to the
+    # others of their block both ways (Gemma 3; models/vision/masks.py); None: causal
+    blocks: torch.Tensor | None = None
 
 
 def extend_attention(query, key, value, layer: int, meta: ExtendMeta, scale: float) -> torch.Tensor:
     """Write the rows' new keys/values at slot-store indices start .. start + lengths − 1 and attend each new query
-    over its prompt prefix and the slot store up to its own index (causal). query [B, Hq, n, D], key/value
+    over its prompt prefix and the slot store up to its own index (causal; with ``meta.blocks``, and the rest of its
+    image block). query [B, Hq, n, D], key/value
     [B, Hkv, n, D] → [B, n, Hq, D]. Padding queries attend too (their outputs are never read; nothing is written)."""
     cache = meta.cache
     B, _, n, _ = query.shape
@@ -226,6 +230,10 @@ def extend_attention(query, key, value, layer: int, meta: ExtendMeta, scale: flo
     Lp, T = cache.k_pre.shape[3], k_suf.shape[2]
     in_prefix = (torch.arange(Lp, device=query.device)[None] < meta.prefix_len[:, None])[:, None].expand(B, n, Lp)
     in_suffix = torch.arange(T, device=query.device)[None, None] <= q_index[:, :, None]  # [B, n, T]
+    if meta.blocks is not None:  # a new token also sees the later new tokens of its image block
+        new = torch.arange(T, device=query.device)[None] - meta.start[:, None]  # [B, T]: new-token index of a key
+        key_block = torch.where((new >= 0) & (new < n), meta.blocks.gather(1, new.clamp(0, n - 1)), -1)  # [B, T]
+        in_suffix = in_suffix | ((key_block[:, None, :] == meta.blocks[:, :, None]) & (meta.blocks[:, :, None] >= 0))
     mask = torch.cat([in_prefix, in_suffix], dim=-1)[:, None]  # [B, 1, n, Lp + T]
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])

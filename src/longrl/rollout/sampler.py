@@ -35,7 +35,8 @@ from ..memory.planner import (DRAFT_HISTORY_PROMPTS, DRAFT_HISTORY_TOKENS, EXTEN
 from ..models.loading import base_model, model_parts
 from ..models.policy import pad_right
 from ..models.vision import (FeatureCache, Placement, VisionPrompt, image_block_mask, language_model_inputs,
-                             require_vision, tool_images_unsupported, vision_family)
+                             require_vision, vision_family)
+from ..models.vision.masks import column_ids
 from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
@@ -867,10 +868,10 @@ class _Run(VerifySteps):
             self.stats["resume_tokens"] += int(lengths.sum())
 
     def _check_block(self, seq: int, ids: list[int], block: VisionPrompt) -> None:
-        """Refuse an image block the model cannot place: a text model's, a family's whose positions or masks
-        inside a completion are not built, or one whose tokens are not the tokens returned."""
+        """Refuse an image block the model cannot place: a text model's, or one whose tokens are not the tokens
+        returned."""
         family = self.sampler.family
-        why = ("the model has no vision tower" if family is None else tool_images_unsupported(family)) or (
+        why = "the model has no vision tower" if family is None else (
             None if block.input_ids == ids else "its VisionPrompt's input_ids are not the tokens returned")
         if why is not None:
             raise ValueError(f"environment tokens of sequence {seq} come with images: {why}")
@@ -901,6 +902,8 @@ class _Run(VerifySteps):
             [self.rope_shift.get(self.host.sequence[slot], 0) for slot in slots.tolist()], device=device)
         positions = (prompt_len + start + delta)[:, None] + torch.arange(inputs.shape[1], device=device)[None]
         meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
+        if placements and self.sampler.family.image_blocks:  # each image's tokens attend both ways (Gemma 3)
+            meta.blocks = column_ids(placements, inputs.shape[0], inputs.shape[1], device)[1]  # [b, w]
         if placements:
             mrope = None
             if self.sampler.family.mrope:  # [3, b, w]: a block's tokens at the position after the text before it

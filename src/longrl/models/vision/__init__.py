@@ -23,10 +23,10 @@ from .features import (
 from .inputs import Placement, language_model_inputs, placements_of
 from .masks import image_block_mask, layer_masks
 from .mrope import continued_positions, mrope_positions
-from .prompt import SequenceImages, VisionPrompt, build_prompt, encode_prompt, encode_text, tool_images_unsupported
+from .prompt import SequenceImages, VisionPrompt, build_prompt, encode_prompt, encode_text
 
 __all__ = ["FAMILIES", "FeatureCache", "ImageFeatures", "Placement", "VisionFamily", "VisionModelError",
            "VisionPrompt", "build_prompt", "compute_image_features", "continued_positions", "encode_prompt",
            "encode_text", "has_vision", "image_block_mask", "image_token_id", "language_model_inputs", "layer_masks",
            "mrope_positions", "placements_of", "require_vision", "SequenceImages", "supported_families",
-           "tool_images_unsupported", "vision_family", "vision_parameters", "vision_trains"]
+           "vision_family", "vision_parameters", "vision_trains"]

@@ -27,14 +27,16 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def column_ids(placements, rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence [rows, L] long, block [rows, L] long) of every column: the index of its placement (a padding
-    column: −1 − its column, distinct from every other), and its image block (−1: text or padding; blocks numbered
-    from 0 across the call, one per contiguous run of a prompt's placeholder positions)."""
+    """(sequence [rows, L] long, block [rows, L] long) of every column: the index of its sequence's placement (a
+    padding column: −1 − its column, distinct from every other), and its image block (−1: text or padding; blocks
+    numbered from 0 across the call, one per contiguous run of a prompt's or an image block's placeholder
+    positions)."""
     sequence = (-1 - torch.arange(width)).repeat(rows, 1)  # [rows, L]
     block = torch.full((rows, width), -1, dtype=torch.long)  # [rows, L]
     blocks = 0
     for i, p in enumerate(placements):
-        sequence[p.row, p.start:p.start + p.length] = i
+        if not p.block:  # (an image block inside a sequence: its columns are the sequence's)
+            sequence[p.row, p.start:p.start + p.length] = i
         if p.prompt is not None:
             at = p.prompt.image_positions.cpu()  # [N] ascending
             starts = torch.ones_like(at, dtype=torch.bool)  # [N] whether a placeholder begins a run

@@ -62,16 +62,6 @@ class SequenceImages:
         return pos
 
 
-def tool_images_unsupported(family: VisionFamily) -> str | None:
-    """Why images cannot follow a sampled turn in ``family``'s sequences (None: they can). Images inside a
-    completion need their features in the resume prefill and the training passes, and mRoPE families their
-    positions (:meth:`SequenceImages.positions`)."""
-    if family.image_blocks:
-        return (f"{family.name}'s image tokens attend to each other both ways; that mask inside a completion's "
-                "resume prefill is not built yet")
-    return None
-
-
 def build_prompt(config, input_ids: list[int], image_inputs: dict[str, torch.Tensor]) -> VisionPrompt:
     """A :class:`VisionPrompt` from a processor's output for one prompt (``input_ids`` a list, the image tensors
     as returned). Raises ValueError when the placeholders do not match the image grids (mRoPE families)."""
