@@ -294,7 +294,7 @@ def test_runner_steps_until_done_with_per_turn_rewards():
 
 
 class ImageReply(Environment):
-    """Answers with a message holding an image part (images from tools: not supported yet)."""
+    """Answers with a message holding an image part without its image."""
 
     def step(self, assistant_message):
         return [{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "a chart"}]}], 0.0, False
@@ -303,7 +303,8 @@ class ImageReply(Environment):
 def test_a_step_that_returns_an_image_part_ends_the_episode_naming_it():
     runner, ep = _runner(ImageReply())
     assert runner.step(0, [5], room=10) is None
-    assert ep.truncated == "env_error" and "ImageReply.step returned a tool message with a 'image' part" in ep.error
+    assert ep.truncated == "env_error"
+    assert "ImageReply.step returned a tool message with a 'image' part without its image" in ep.error
     text_parts = StepResult([{"role": "user", "content": [{"type": "text", "text": "1"}]}], None, False)
     assert as_step_result(text_parts, "E").messages == text_parts.messages  # text parts stay as they are
 

@@ -227,3 +227,48 @@ def test_a_tool_that_returns_a_pillow_image_answers_with_an_image_part():
                       "content": '<tool_call>{"name": "look", "arguments": {"name": "x"}}</tool_call>'})
     (message,) = as_step_result(reply, "ToolEnvironment").messages  # (image parts with their image pass the check)
     assert message["role"] == "tool" and message["content"][0]["type"] == "image"
+
+
+def _vision_runner(env, max_pixels: int = 1_000_000):
+    from longrl.agents.tool_images import ToolImages
+    from longrl.agents.trajectory import Episode, EpisodeRunner, EpisodeSettings
+    from longrl.models.tiny_vision import build_tiny_vision_model
+    from longrl.training.vision_inputs import PromptImages
+
+    model, processor = build_tiny_vision_model()
+    tok = processor.tokenizer
+    ep = Episode(env, [{"role": "user", "content": "what ?"}])
+    images = ToolImages(PromptImages(processor, model.config), max_pixels)
+    return EpisodeRunner([ep], tok, EpisodeSettings(), None, (tok.eos_token_id,), images), ep, model
+
+
+def test_the_runner_encodes_an_environment_picture_as_a_block():
+    runner, ep, model = _vision_runner(ChartEnvironment())
+    out = runner.step(0, [5, 2], room=40)  # a turn ending with <eos>
+    assert isinstance(out, EnvTokens) and out.images.input_ids == out.ids
+    assert out.ids.count(image_token_id(model.config)) == 4  # the tiny LLaVA's 4 tokens an image
+    assert tuple(out.images.image_inputs["pixel_values"].shape) == (1, 3, 28, 28)
+    assert ep.truncated is None and ep.messages[-1]["content"][0]["type"] == "image"
+
+
+class MissingPicture(Environment):
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def step(self, assistant_message):
+        return [{"role": "user", "content": [{"type": "image", "image": self.path}]}], None, False
+
+
+def test_an_unreadable_or_oversized_picture_ends_its_episode_naming_it(tmp_path):
+    runner, ep, _ = _vision_runner(MissingPicture(str(tmp_path / "gone.png")))
+    assert runner.step(0, [5, 2], room=40) is None
+    assert ep.truncated == "env_error" and "MissingPicture.step (turn 1), image 1" in ep.error
+    assert "gone.png" in ep.error
+    from PIL import Image
+
+    big = tmp_path / "big.png"
+    Image.new("RGB", (40, 40)).save(big)
+    runner, ep, _ = _vision_runner(MissingPicture(str(big)), max_pixels=100)
+    assert runner.step(0, [5, 2], room=40) is None
+    assert ep.truncated == "env_error" and "big.png" in ep.error and "more than data.max_image_pixels=100" in ep.error

@@ -137,16 +137,11 @@ class EpisodeRunner:
             ep.truncated = "turn_timeout" if limit == st.turn_timeout_s else "episode_timeout"
             return None
         if error is not None:
-            ep.error = f"{type(error).__name__}: {cap_text(str(error), 500)}"
-            ep.truncated = "env_error"
-            log.warning("environment step failed (sequence %d, turn %d): %s", seq, ep.turns, ep.error)
-            return None
+            return self._env_error(seq, ep, f"{type(error).__name__}: {cap_text(str(error), 500)}")
         try:
             result = as_step_result(value, type(ep.env).__name__)
         except ValueError as e:
-            ep.error, ep.truncated = str(e), "env_error"
-            log.warning("%s", e)
-            return None
+            return self._env_error(seq, ep, str(e))
         result.messages = cap_messages(result.messages, st.max_message_chars)  # before any tokenization
         ep.messages_truncated += sum(is_capped(m.get("content")) for m in result.messages)
         ep.turn_rewards.append(result.reward)
@@ -179,8 +174,9 @@ class EpisodeRunner:
 
     @staticmethod
     def _env_error(seq: int, ep: Episode, why: str) -> None:
+        """End ``ep`` as an environment error (``why``: its message), with a warning; None (the episode is over)."""
         ep.error, ep.truncated = why, "env_error"
-        log.warning("environment step ended its episode (sequence %d, turn %d): %s", seq, ep.turns, why)
+        log.warning("environment step failed (sequence %d, turn %d): %s", seq, ep.turns, why)
         return None
 
 

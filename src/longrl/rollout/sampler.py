@@ -77,8 +77,9 @@ class MultiTurn:
     """Multi-turn rollouts. At the end of each turn (a stop token, a stop string or max_new_tokens), the sequence
     parks in its slot (its KV cache kept, out of the decode batch's updates) while ``handler.step(seq, turn_tokens,
     room)`` runs in a pool of ``workers`` threads (room: tokens left of the trajectory budget ``max_tokens``, the
-    tokens after the prompt); it returns the tokens to append (or an :class:`EnvTokens`: tokens with images) (prefilled onto the slot's own cache, then the next
-    turn is sampled) or None to end the episode. Tokens that leave no room for one more sampled token end it too."""
+    tokens after the prompt); it returns the tokens to append (a list, or an :class:`EnvTokens` with their images),
+    prefilled onto the slot's own cache before the next turn is sampled, or None to end the episode. Tokens that
+    leave no room for one more sampled token end it too."""
     handler: object
     max_tokens: int
     workers: int = 8
@@ -893,8 +894,9 @@ class _Run(VerifySteps):
         """Final hidden states [b, w, d] of inputs [b, w] (row r: its first lengths[r] tokens real, the rest padding)
         run onto slots [b]' own stores from slot-store index start [b]: their keys/values written there, each token
         attending causally over its prompt's prefix entry and its store (ExtendMeta). ``placements``: image blocks
-        among the inputs (1-D families: their features replace the placeholders' embeddings, positions unchanged).
-        Call inside compute_context."""
+        among the inputs, their features in place of the placeholders' embeddings (mRoPE: a block's tokens at the
+        position after the token before it plus the block's own positions; Gemma 3: each image's tokens attending
+        each other both ways). Call inside compute_context."""
         state, device = self.state, self.sampler.device
         prompt_len = state.prompt_len[slots]
         # mRoPE: the prompt's rope delta and the sequence's earlier blocks' (else 0)
