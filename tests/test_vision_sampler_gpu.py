@@ -67,3 +67,30 @@ def test_graph_replay_equals_the_eager_steps(family):
         torch.testing.assert_close(torch.tensor(sum(graphed.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
                                    rtol=1e-4, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3"])
+def test_graphed_decode_after_an_environment_picture_equals_full_forward(family):
+    """A multi-turn rollout whose environment answers with a picture (tests/test_vision_tool_images.py's): the
+    resume prefill places the block's features (Qwen2.5-VL: its mRoPE positions and the shift after it; Gemma 3:
+    its image tokens both ways), and the decode steps after it, replayed as CUDA graphs, give transformers' full
+    forward's greedy tokens and log-probs with every image."""
+    from test_vision_tool_images import _full_forward, _ImageReturn
+
+    model, processor = _cuda_model(family)
+    prompts = _prompts(model, processor)
+    handler = _ImageReturn(processor, model.config, family)
+    sampler = Sampler(model, processor.tokenizer, sync_every=2)
+    assert sampler.cuda_graphs
+    rollout = sampler.generate([p for p, _, _ in prompts], G, SamplingParams(max_new_tokens=6, temperature=0),
+                               multi_turn=MultiTurn(handler, max_tokens=60, workers=1),
+                               vision=[v for _, v, _ in prompts])
+    model.cpu()
+    for i, completion in enumerate(rollout.completion_ids):
+        ((at, block),) = rollout.completion_images[i]
+        logits = _full_forward(family, model, prompts[i // G][2], block, completion, 6)
+        logps = torch.log_softmax(logits[0, len(prompts[i // G][0]) - 1:-1].float(), -1)
+        sampled = [j for j in range(len(completion)) if rollout.env_mask[i][j]]
+        assert len(sampled) == 12 and [completion[j] for j in sampled] == logps.argmax(-1)[sampled].tolist()
+        expected = logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs[i])[sampled], expected[sampled], rtol=0, atol=1e-4)
