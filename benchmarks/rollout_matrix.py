@@ -66,7 +66,11 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (KV cache too large) is a result
         return {**out, "error": f"{type(e).__name__}: {e}"[:240]}
     results = {"copy_bandwidth_gbs": bandwidth / 1e9, "cell": {**r, "step_weight_bytes": step_bytes}}
-    rs.derive(results, len(prompts) * G, N, context, rs.kv_token_bytes(model.config, KV_DTYPES[kv]), len(prompts))
+    try:
+        rs.derive(results, len(prompts) * G, N, context, rs.kv_token_bytes(model.config, KV_DTYPES[kv]),
+                  len(prompts))
+    except RuntimeError as e:  # timings that cannot be compared (rollout_speed.derive says why): the cell's result
+        return {**out, "error": str(e)[:240]}
     r = results["cell"]
     return {**out, **{k: r[k] for k in ("seconds", "prefill_s", "tokens_per_s", "peak_gib", "kv_gib")},
             **({k: r[k] for k in ("decode_bandwidth_gbs", "roofline_fraction")} if "roofline_fraction" in r else {})}
