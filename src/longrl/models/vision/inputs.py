@@ -33,7 +33,7 @@ class Placement:
 def placements_of(row: int, start: int, length: int, entry) -> list[Placement]:
     """The placements of one sequence at ``row``, columns ``start`` … ``start + length``: ``entry`` its prompt's
     VisionPrompt (or None), or a :class:`SequenceImages`: the sequence's placement (with its mRoPE positions),
-    then one a block inside the completion."""
+    then one for each image block inside its completion."""
     if not isinstance(entry, SequenceImages):
         return [Placement(row, start, length, entry)]
     whole = Placement(row, start, length, entry.prompt, entry.positions(length) if entry.mrope else None)
