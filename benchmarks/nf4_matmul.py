@@ -152,7 +152,8 @@ def sweep(dev) -> tuple[list[dict], dict]:
         if not totals:
             continue
         top = min(totals, key=lambda t: t[0])[1]
-        for programs in (132, 396, 528):  # the K split's target, for the fastest build
+        for programs in (132, 396, 528, 792, 1056):  # the K split's target, for the fastest build (528 was the most
+            # tried until 2026-12-06, and the fastest at 16 rows: more splits may still help the few-row products)
             record({**top, "programs": programs}, timed({**top, "programs": programs}))
         fixup = {**min(totals, key=lambda t: t[0])[1], "fixup": True}  # the fastest, its splits summed by their last
         if same_with_fixup(nm.nf4_group_linear, xs, groups, fixup, rows, M):  # programs rather than a second launch
@@ -212,7 +213,8 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
         totals = []
         # f16 (float16 codes, the scale after each block's product: 0.53-0.85x the instructions a weight at 16-64
         # rows in the SASS, more at 128, decode_product_sass.md) on each choice beside the default
-        for bn, warps, stages, programs, f16 in [(b, w, 3, p, f) for b in (64, 128) for w in (4, 8) for p in (264, 528)
+        for bn, warps, stages, programs, f16 in [(b, w, 3, p, f) for b in (64, 128) for w in (4, 8)
+                                                 for p in (264, 528, 792, 1056)
                                                  for f in ((False, True) if p == 528 else (False,))]:
             cfg = dict(bn=bn, warps=warps, stages=stages, programs=programs, f16=f16)
             try:
