@@ -5,6 +5,8 @@ forward of the whole sequence with every image; the training passes place them a
 episodes over the vision demo's tiny LLaVA train with images from their environment; a text model ends such an
 episode naming why; a tool returning a Pillow image answers with an image part."""
 
+import json
+
 import pytest
 import torch
 from test_vision_sampler import _model, _prompts
@@ -192,6 +194,11 @@ def test_grpo_episodes_with_images_from_the_environment(tmp_path, shared_prompt)
             (at, block), = e.blocks
             start = at - len(e.prompt)
             assert completion[start:start + len(block)] == block.input_ids
+    # completions.jsonl names the pictures rather than writing an object's repr
+    logged = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    parts = [p for s in logged for m in s["completion"] if isinstance(m["content"], list) for p in m["content"]
+             if p["type"] == "image"]
+    assert parts and all(p["image"] == "a Pillow image given in memory" for p in parts)
 
 
 def test_a_text_model_ends_an_episode_whose_environment_answers_with_an_image():

@@ -27,6 +27,25 @@ def image_values(messages: list[dict]) -> list:
             if isinstance(p, dict) and p.get("type") == "image"]
 
 
+def loggable(messages):
+    """``messages`` (a list of chat messages; anything else is returned as it is) with each image part's image
+    replaced by what it was (``"a Pillow image given in memory"``, ``"file /data/p.png"``, ``"2048 bytes"``): what
+    completions.jsonl writes, rather than an object's repr."""
+    if not isinstance(messages, list):
+        return messages
+
+    def part(p):
+        if not (isinstance(p, dict) and p.get("type") == "image" and p.get("image") is not None):
+            return p
+        try:
+            return {**p, "image": image_source(p["image"], "", None, 1).describe()}
+        except ValueError:  # (not an image value: its type)
+            return {**p, "image": type(p["image"]).__name__}
+
+    return [{**m, "content": [part(p) for p in m["content"]]}
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
+
+
 def as_parts(messages: list[dict]) -> list[dict]:
     """Copies of ``messages`` whose string contents are one text part: the form every vision processor's chat
     template renders (some iterate over the content)."""
@@ -53,4 +72,4 @@ class ToolImages:
         return EnvTokens(ids, build_prompt(self.config, ids, tensors))
 
 
-__all__ = ["ToolImages", "as_parts", "image_values"]
+__all__ = ["ToolImages", "as_parts", "image_values", "loggable"]

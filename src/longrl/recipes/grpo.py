@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..agents.episode_images import EpisodeImages
-from ..agents.tool_images import ToolImages
+from ..agents.tool_images import ToolImages, loggable
 from ..config import Config, ConfigError, RewardSpec, trajectory_tokens
 from ..data.prompts import PromptDataset, PromptSampler, is_vision_dataset, load_prompts, read_prompt_rows
 from ..training.vision_inputs import PromptImages, check_image_model, is_processor, pick, repeat_groups
@@ -621,7 +621,7 @@ class GRPOTrainer:
         b = self.batch
         episode = (lambda i: {"turn_rewards": b.episodes[i].turn_rewards, "stop_reason": b.episodes[i].truncated
                               or "done"}) if b.episodes else (lambda i: {})
-        return [{"prompt": b.prompts[i], "completion": b.completions[i],
+        return [{"prompt": loggable(b.prompts[i]), "completion": loggable(b.completions[i]),
                  "reward": None if math.isnan(float(b.rewards[i])) else float(b.rewards[i]), **episode(i)}
                 for i in range(min(k, len(b.prompts)))]
 
