@@ -44,10 +44,10 @@ def continuation_text(template, new_messages: list[dict], tools: list[dict] | No
                       stop_text: str | None = None, add_generation_prompt: bool = True, parts: bool = False) -> str:
     """The text that follows a sampled assistant turn (ending with ``stop_text``, its stop token's text) when the
     environment answers ``new_messages``; the next assistant turn's generation prompt included. ``template``: a
-    tokenizer or processor (its ``apply_chat_template``); ``parts``: the stand-in conversation's contents as text
-    parts (a vision processor's template)."""
+    tokenizer or processor (its ``apply_chat_template``); ``parts``: every string content rendered as one text part
+    (a vision processor's template)."""
     kwargs = dict(tokenize=False, tools=tools or None)
-    stand_in = as_parts(_STAND_IN) if parts else _STAND_IN
+    stand_in, new_messages = (as_parts(_STAND_IN), as_parts(new_messages)) if parts else (_STAND_IN, new_messages)
     base = template.apply_chat_template(stand_in, **kwargs)
     full = template.apply_chat_template(stand_in + list(new_messages), add_generation_prompt=add_generation_prompt,
                                         **kwargs)
@@ -162,11 +162,12 @@ class EpisodeRunner:
             stop_text = self.tokenizer.convert_ids_to_tokens(tokens[-1]) if tokens and tokens[-1] in self.stop_ids \
                 else None
             if images:  # the processor renders the image parts and expands their placeholders
-                out = self.images.encode(continuation_text(self.images.processor, as_parts(result.messages),
-                                                           self.tools, stop_text, parts=True), images)
+                out = self.images.encode(continuation_text(self.images.processor, result.messages, self.tools,
+                                                           stop_text, parts=True), images)
             else:
                 out = continuation_ids(self.tokenizer, result.messages, self.tools, stop_text)
-        if len(out.ids if images else out) + 1 > room:  # no room for the messages and one more sampled token
+        ids = out.ids if images else out
+        if len(ids) + 1 > room:  # no room for the messages and one more sampled token
             ep.truncated = "max_tokens"
             return None
         ep.messages.extend(result.messages)

@@ -609,8 +609,8 @@ class _Run(VerifySteps):
         if state.seen is not None:
             state.seen[rows, tok] = True
         state.last_token[rows] = tok
-        shift = torch.tensor([self.rope_shift.get(self.host.sequence[slot], 0) for slot in slots], device=device)
-        state.position[rows] = state.prompt_len[rows] + index + self.entry_delta[state.prefix_entry[rows]] + shift
+        state.position[rows] = (state.prompt_len[rows] + index + self.entry_delta[state.prefix_entry[rows]]
+                                + self._rope_shift(slots))
         state.write_index[rows], state.generated[rows] = index, index + 1
         state.turn_limit[rows] = torch.clamp(index + params.max_new_tokens, max=self.max_tokens)
         state.active[rows] = ~(torch.isin(tok, self.stop_ids) | (state.generated[rows] >= state.turn_limit[rows]))
@@ -868,6 +868,14 @@ class _Run(VerifySteps):
             self.stats["resume_forwards"] += 1
             self.stats["resume_tokens"] += int(lengths.sum())
 
+    def _rope_shift(self, slots: list[int]):
+        """[n] long: the summed rope deltas of the image blocks of the sequences in ``slots`` (mRoPE), or 0 while no
+        sequence of the call holds a block (no host list, copy or sync on the turn starts and verify steps)."""
+        if not self.rope_shift:
+            return 0
+        return torch.tensor([self.rope_shift.get(self.host.sequence[slot], 0) for slot in slots],
+                            device=self.sampler.device)
+
     def _check_block(self, seq: int, ids: list[int], block: VisionPrompt) -> None:
         """Refuse an image block the model cannot place: a text model's, or one whose tokens are not the tokens
         returned."""
@@ -900,8 +908,8 @@ class _Run(VerifySteps):
         state, device = self.state, self.sampler.device
         prompt_len = state.prompt_len[slots]
         # mRoPE: the prompt's rope delta and the sequence's earlier blocks' (else 0)
-        delta = self.entry_delta[state.prefix_entry[slots]] + torch.tensor(
-            [self.rope_shift.get(self.host.sequence[slot], 0) for slot in slots.tolist()], device=device)
+        delta = self.entry_delta[state.prefix_entry[slots]] + (self._rope_shift(slots.tolist()) if self.rope_shift
+                                                               else 0)
         positions = (prompt_len + start + delta)[:, None] + torch.arange(inputs.shape[1], device=device)[None]
         meta = ExtendMeta(self.cache, slots, state.prefix_entry[slots], prompt_len, start, lengths)
         if placements and self.sampler.family.image_blocks:  # each image's tokens attend both ways (Gemma 3)
