@@ -254,7 +254,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
-        nf4sweep) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep ;;
+        nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
@@ -271,7 +271,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --impls "${IMPLS:-longrl,longrl-hf,longrl-peft,longrl-nolora}" --tag "${TAG:-_fast}" \
             ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} ${GLUE_FROM:+--glue-launch "$GLUE_FROM"} \
             ${NF4_FROM:+--nf4-launch "$NF4_FROM"} ${FP8_FROM:+--fp8-launch "$FP8_FROM"} ;;
-        nf4fast) stage nf4sweep 150 python3 benchmarks/nf4_matmul.py --sweep
+        nf4fast) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep
             stage rollout8b_nf4 300 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --impls longrl,longrl-4bit \
                 --tag "${TAG:-_nf4fast}" --nf4-launch "benchmarks/results/nf4_matmul_${CARD}_sweep.json" ;;
         fp8fast) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep

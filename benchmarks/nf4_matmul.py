@@ -65,11 +65,14 @@ def sweep_choices(M: int) -> list[dict]:
 
     # lut 4 (one unscaled table, the scale after each block's product; 25-42% fewer instructions a code in the
     # sm_90 SASS at 16-64 rows, decode_product_sass.md) beside the default lut 3
+    # and luts 5 and 6 (lut 4's table, the values scaled before the product: the block products chain in the
+    # tensor cores' sum), and a 32-row tile (too small for the warpgroup products: the smaller tensor-core op)
     if M >= 128:
         return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1),
-                c(128, 8, 3, lut=4), c(128, 8, 2, lut=4)]
+                c(128, 8, 3, lut=4), c(128, 8, 2, lut=4), c(128, 8, 3, lut=5), c(128, 8, 3, lut=6)]
     return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1), c(128, 4, 3, lut=4), c(64, 4, 3, lut=4),
-            c(128, 4, 2, lut=4), c(256, 8, 3, lut=4)]
+            c(128, 4, 2, lut=4), c(256, 8, 3, lut=4), c(64, 4, 3, lut=5), c(64, 4, 3, lut=6), c(128, 4, 3, lut=5),
+            c(32, 4, 3, lut=4), c(32, 2, 3, lut=4), c(32, 4, 3, lut=5)]
 
 
 def table(dev, bw: float) -> list[dict]:

@@ -62,29 +62,34 @@ KERNEL_CHECK = textwrap.dedent('''
         x = torch.randn(2, M, K, dtype=torch.float16)
         b = torch.randn(N, dtype=torch.float16) if bias else None
         got = nm.nf4_linear(x, *ops, bias=b, use_triton=True)
-        after = nm.launch_for(2 * M)[1]["lut"] == 4  # the default launch's weights (lut 4: scaled after)
-        W = nm.nf4_group_weight(nm.nf4_group([param]), torch.float16, scale_after=after).double()
+        twin = nm.twin_options(nm.launch_for(2 * M)[1]["lut"])  # the default launch's weights (lut 4: scaled after)
+        W = nm.nf4_group_weight(nm.nf4_group([param]), torch.float16, **twin).double()
         assert got.shape == (2, M, N) and got.dtype == torch.float16
         check(got, x.double() @ W.t() + (b.double() if bias else 0), (N, K, M))
     # groups: q/k/v-like (three weights), gate/up-like (two), with 16-bit rows after them and biases; row tiles that
     # shrink to the weights' boundaries (48 rows), K splits (programs), both operand orders, each code lookup (the
     # default's permutes replaced by the table in memory here: tests below replay them), the tile interleaved in
-    # registers (join) or read as even and odd k, M from 1 to 65; lut 4 (the scale after each block's product)
-    # against its own exact product (nf4_group_weight(scale_after=True)), K whole chunks or not
+    # registers (join) or read as even and odd k, M from 1 to 65; lut 4 (the scale after each block's product), 5
+    # and 6 (the looked-up values scaled in 16 bits or float32) against their own exact products (twin_options),
+    # K whole chunks or not
     for rows, K, M, R, bias, launch in [([128, 64, 70], 320, 17, 5, True, dict(swap=False)),
                                         ([48, 80], 1280, 1, 3, False, dict(programs=64, join=False, lut=1)),
                                         ([96], 576, 33, 0, True, dict(bn=32, programs=8, swap=False, join=False, lut=0)),
                                         ([64, 64], 128, 65, 7, False, None),
                                         ([128, 64, 70], 320, 17, 5, True, dict(lut=4)),
                                         ([48, 80], 1280, 3, 3, False, dict(lut=4, programs=64, swap=False)),
-                                        ([96], 576, 33, 0, True, dict(lut=4, bn=32, programs=8))]:
+                                        ([96], 576, 33, 0, True, dict(lut=4, bn=32, programs=8)),
+                                        ([128, 64, 70], 320, 17, 5, True, dict(lut=5)),
+                                        ([48, 80], 1280, 3, 3, False, dict(lut=6, programs=64, swap=False)),
+                                        ([96], 576, 33, 0, True, dict(lut=5, bn=32, programs=8)),
+                                        ([64, 64], 128, 65, 7, False, dict(lut=6))]:
         ws = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
         dense = torch.randn(R, K, dtype=torch.float16) if R else None
         biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
         g = nm.nf4_group(ws, dense, biases)
         x = torch.randn(M, K, dtype=torch.float16)
         got = nm.nf4_group_linear(x, g, launch=launch)
-        W = nm.nf4_group_weight(g, torch.float16, scale_after=nm.launch_for(M, launch)[1]["lut"] == 4).double()
+        W = nm.nf4_group_weight(g, torch.float16, **nm.twin_options(nm.launch_for(M, launch)[1]["lut"])).double()
         assert got.shape == (M, sum(rows) + R)
         check(got, x.double() @ W.t() + (g.bias.double() if bias else 0), (rows, K, M, R))
         assert torch.equal(W[sum(rows):], dense.double()) if R else True  # the 16-bit rows are read as they are
@@ -168,6 +173,36 @@ def test_scale_after_twin_differs_from_bitsandbytes_by_one_rounding_a_weight():
     assert torch.equal(nf4_group_reference(x, g, scale_after=True), want)
 
 
+def test_rounded_twins_are_the_looked_up_values_scaled_then_cast():
+    """lut 6's weights are cast(cast(code[q]) · absmax), lut 5's cast(cast(code[q]) · cast(absmax)): each within
+    two bf16 roundings of bitsandbytes' cast(code[q] · absmax) (lut 5 three), equal to it for most weights, the
+    16-bit rows as they are; an unknown rounding or lut is refused."""
+    from longrl.ops import nf4_matmul as nm
+    from longrl.ops.nf4_matmul import nf4_group, nf4_group_linear, nf4_group_reference, nf4_group_weight, twin_options
+
+    params = [_quantized(n, 320, seed=n)[0] for n in (48, 32)]
+    dense = torch.randn(3, 320, dtype=torch.bfloat16)
+    g = nf4_group(params, dense, None)
+    exact = nf4_group_weight(g, torch.bfloat16).float()
+    absmax = torch.cat([g.scales[:, :48].t(), g.scales[:, 48:].t()]).repeat_interleave(64, dim=1)  # [80, 320]
+    code = nf4_group_weight(g, torch.bfloat16, scale_after=True)[:80] / absmax  # cast(code[q]) (exact quotient)
+    for lut, rounded_scale, bound in [(6, absmax, 2 ** -7), (5, absmax.bfloat16().float(), 3 * 2 ** -8)]:
+        W = nf4_group_weight(g, torch.bfloat16, **twin_options(lut))
+        assert W.dtype == torch.bfloat16 and torch.equal(W[80:], dense)
+        assert torch.equal(W[:80], (code * rounded_scale).bfloat16())
+        rel = ((W.float() - exact).abs() / exact.abs().clamp_min(1e-30))[exact != 0]
+        assert 0 < rel.max() <= bound and (rel == 0).float().mean() > 0.5
+        x = torch.randn(5, 320, dtype=torch.bfloat16)
+        assert torch.equal(nf4_group_reference(x, g, **twin_options(lut)), torch.nn.functional.linear(x, W))
+    assert not torch.equal(nf4_group_weight(g, torch.bfloat16, rounded="code"),
+                           nf4_group_weight(g, torch.bfloat16, rounded="code+scale"))
+    with pytest.raises(ValueError, match="rounded"):
+        nf4_group_weight(g, torch.bfloat16, rounded="scale")
+    if nm.triton is not None:  # (without Triton the product is its twin, whatever the launch)
+        with pytest.raises(ValueError, match="lut is 0 to 6"):
+            nf4_group_linear(torch.randn(2, 320, dtype=torch.float16), g, launch=dict(lut=7))
+
+
 def test_group_twin_stacks_bitsandbytes_weights():
     """The group's twin is bitsandbytes' dequantized weights stacked (scales read back from the group's
     transposed form), then the 16-bit rows, then the bias; shapes the kernel cannot tile are refused by name."""
@@ -192,18 +227,22 @@ def test_group_twin_stacks_bitsandbytes_weights():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M, launch", [(1, dict(lut=4)), (16, dict(lut=4)), (16, dict(lut=4, bn=128)),
-                                       (128, dict(lut=4, bn=128, warps=4)), (128, dict(lut=4))])
+                                       (128, dict(lut=4, bn=128, warps=4)), (128, dict(lut=4)),
+                                       (1, dict(lut=5)), (16, dict(lut=5)), (16, dict(lut=6, bn=32)),
+                                       (128, dict(lut=5, bn=128, warps=8)), (128, dict(lut=6))])
 def test_lut4_kernel_on_the_gpu_equals_its_twin(M, launch):
-    """lut 4's byte permutes on the GPU (one table for every row: any layout of the bytes, the 4-warp 128-row tile
-    included), against its twin x · (cast(code) · absmax)ᵀ summed in float32."""
-    from longrl.ops.nf4_matmul import nf4_group, nf4_group_linear, nf4_group_reference, nf4_group_weight
+    """The one-table byte permutes on the GPU (any layout of the bytes, the 4-warp 128-row tile included): lut 4
+    against its twin x · (cast(code) · absmax)ᵀ summed in float32, luts 5 and 6 (the values scaled before the
+    product) against theirs (twin_options)."""
+    from longrl.ops.nf4_matmul import nf4_group, nf4_group_linear, nf4_group_reference, nf4_group_weight, twin_options
 
     params = [_quantized(n, 4096, seed=M + n, device="cuda")[0] for n in (1024, 512)]
     g = nf4_group(params, torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda"))
     x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
     got = nf4_group_linear(x, g, launch=launch).float()
-    want = nf4_group_reference(x, g, scale_after=True).float()
-    scale = x.float().abs() @ nf4_group_weight(g, torch.bfloat16, scale_after=True).abs().t()
+    twin = twin_options(launch["lut"])
+    want = nf4_group_reference(x, g, **twin).float()
+    scale = x.float().abs() @ nf4_group_weight(g, torch.bfloat16, **twin).float().abs().t()
     assert ((got - want).abs() <= 2 ** -10 * scale + 2 ** -8 * want.abs()).all()
 
 

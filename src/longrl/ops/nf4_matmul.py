@@ -58,8 +58,11 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # always join), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 4 the same
 # permutes on one table of the 16 unscaled values, built once, each block's product then scaled by its row's
 # absmax: no per-block table, but the weights are cast(code)·absmax rather than bitsandbytes' cast(code·absmax),
-# nf4_group_reference(scale_after=True) its twin; 1 a register gather from them, tl.gather; 2 a tree of selects;
-# 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared memory one element at
+# nf4_group_reference(scale_after=True) its twin; 5 and 6 lut 4's lookup with each value then scaled by its row's
+# block absmax before the product, so that the block products accumulate in the tensor cores' sum with no float32
+# multiply of the accumulator between them: 5 in 16 bits, cast(cast(code)·cast(absmax)), 6 in float32,
+# cast(cast(code)·absmax) (twin_options gives each one's twin); 1 a register gather from them, tl.gather; 2 a
+# tree of selects; 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared memory one element at
 # a time: far slower), warps, pipeline stages, and the programs the K split aims at (split = ⌈programs / row
 # tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the table below is its
 # fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_sweep.md: lut 4 a layer's products in 119 µs
@@ -191,16 +194,26 @@ def stacked_bias(biases: list | None, rows: list[int], dense: torch.Tensor | Non
     return torch.cat([p.to(dtype) for p in parts + tail])
 
 
-def nf4_group_weight(group: NF4Group, dtype: torch.dtype, scale_after: bool = False) -> torch.Tensor:
-    """The group's stacked weight [Σ N_i + R, K] in ``dtype``, each NF4 weight dequantized as bitsandbytes does.
-    scale_after: W[n, k] = cast(code[q]) · absmax in float32 (the kernel's lut 4, which scales after the product;
-    the 16-bit rows in float32 too)."""
+ROUNDINGS = ("", "code", "code+scale")  # how a weight's value is formed: bitsandbytes', lut 6's, lut 5's
+
+
+def nf4_group_weight(group: NF4Group, dtype: torch.dtype, scale_after: bool = False,
+                     rounded: str = "") -> torch.Tensor:
+    """The group's stacked weight [Σ N_i + R, K] in ``dtype``, each NF4 weight dequantized as bitsandbytes does,
+    cast(code[q] · absmax). scale_after: W[n, k] = cast(code[q]) · absmax in float32 (the kernel's lut 4, which
+    scales after the product; the 16-bit rows in float32 too). rounded "code": cast(cast(code[q]) · absmax) (lut 6);
+    "code+scale": cast(cast(code[q]) · cast(absmax)) (lut 5)."""
+    if rounded not in ROUNDINGS:
+        raise ValueError(f"nf4_group_weight: rounded is one of {ROUNDINGS}, not {rounded!r}")
     parts, start = [], 0
     for packed, n in zip(group.packed, group.rows):
         absmax = group.scales[:, start:start + n].t().reshape(-1)  # [n·K/64], row-major blocks
-        if scale_after:
+        if scale_after or rounded:
             unscaled = dequantize_nf4(packed, torch.ones_like(absmax), group.code, n, group.K, dtype).float()
-            parts.append(unscaled * absmax.view(n, -1).repeat_interleave(BLOCKSIZE, dim=1)[:, :group.K])
+            if rounded == "code+scale":  # (exact in float32: both factors have at most 11 significant bits)
+                absmax = absmax.to(dtype).float()
+            scaled = unscaled * absmax.view(n, -1).repeat_interleave(BLOCKSIZE, dim=1)[:, :group.K]
+            parts.append(scaled.to(dtype) if rounded else scaled)
         else:
             parts.append(dequantize_nf4(packed, absmax, group.code, n, group.K, dtype))
         start += n
@@ -209,14 +222,22 @@ def nf4_group_weight(group: NF4Group, dtype: torch.dtype, scale_after: bool = Fa
     return torch.cat(parts)
 
 
-def nf4_group_reference(x: torch.Tensor, group: NF4Group, scale_after: bool = False) -> torch.Tensor:
+def nf4_group_reference(x: torch.Tensor, group: NF4Group, scale_after: bool = False,
+                        rounded: str = "") -> torch.Tensor:
     """x [..., K] → [..., Σ N_i + R]: the stacked dequantized weight, then ``F.linear`` (the kernel's twin).
-    scale_after: the twin of lut 4, x · (cast(code[q]) · absmax)ᵀ summed in float32, then cast."""
+    scale_after: the twin of lut 4, x · (cast(code[q]) · absmax)ᵀ summed in float32, then cast; rounded: the
+    weights of lut 6 or 5 (:func:`nf4_group_weight`)."""
     if scale_after:
         bias = group.bias.float() if group.bias is not None else None
         return torch.nn.functional.linear(x.float(), nf4_group_weight(group, x.dtype, True), bias).to(x.dtype)
     bias = group.bias.to(x.dtype) if group.bias is not None else None
-    return torch.nn.functional.linear(x, nf4_group_weight(group, x.dtype), bias)
+    return torch.nn.functional.linear(x, nf4_group_weight(group, x.dtype, rounded=rounded), bias)
+
+
+def twin_options(lut: int) -> dict:
+    """The keywords of :func:`nf4_group_weight` / :func:`nf4_group_reference` whose weights launch choice ``lut``
+    multiplies: lut 4 scales after each block's product, 5 and 6 scale the looked-up values before it."""
+    return {4: dict(scale_after=True), 5: dict(rounded="code+scale"), 6: dict(rounded="code")}.get(lut, {})
 
 
 if triton is not None:
@@ -370,7 +391,7 @@ if triton is not None:
             c08, c09, c10, c11 = tl.load(CODE + 8), tl.load(CODE + 9), tl.load(CODE + 10), tl.load(CODE + 11)
             c12, c13, c14, c15 = tl.load(CODE + 12), tl.load(CODE + 13), tl.load(CODE + 14), tl.load(CODE + 15)
             j32 = tl.arange(0, 32)
-            if LUT == 4:  # one table for every row and block (the scale comes after the product): built once
+            if LUT >= 4:  # one table for every row and block (the scale comes after the lookup): built once
                 U0, U1, U2, U3, V0, V1, V2, V3 = _prmt_tables(1.0, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
                                                               c10, c11, c12, c13, c14, c15)
             if LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only)
@@ -390,17 +411,23 @@ if triton is not None:
                                          other=0.0)
                         sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
                                      other=0.0)  # [BN] this block's scales
-                        if ASM and LUT == 4:
+                        if ASM and LUT >= 4:
                             w_hi, w_lo = _prmt_apply(byte, U0, U1, U2, U3, V0, V1, V2, V3)
                         elif ASM:
                             w_hi, w_lo = _prmt_lookup(byte, sb, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10,
                                                       c11, c12, c13, c14, c15)
-                        elif LUT == 4:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
+                        elif LUT >= 4:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
                             w_hi = tl.load(CODE + (byte >> 4).to(tl.int32)).to(x_dtype)
                             w_lo = tl.load(CODE + (byte & 15).to(tl.int32)).to(x_dtype)
                         else:
                             w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * sb[:, None]).to(x_dtype)
                             w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * sb[:, None]).to(x_dtype)
+                        if LUT == 5:  # cast(cast(code) · cast(absmax)): one 16-bit multiply a value pair
+                            sw = sb.to(w_hi.dtype)[:, None]
+                            w_hi, w_lo = (w_hi * sw).to(x_dtype), (w_lo * sw).to(x_dtype)
+                        elif LUT == 6:  # cast(cast(code) · absmax), the product in float32
+                            w_hi = (w_hi.to(tl.float32) * sb[:, None]).to(x_dtype)
+                            w_lo = (w_lo.to(tl.float32) * sb[:, None]).to(x_dtype)
                         w = tl.reshape(tl.join(w_hi, w_lo), [BN, 64])  # W[n, k0 + 64 blk + i] (LUT 4: unscaled)
                         if LUT == 4:  # Σ_k cast(code)·x of the block, times the block's scale of each row
                             if SWAP:
@@ -610,8 +637,8 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
                      launch: dict | None = None) -> torch.Tensor:
     """x [..., K] → [..., Σ N_i + R] = x · [W_0; …; D]ᵀ (+ bias) for the group (module docstring); the twin when
     Triton is off or x is not 16-bit (bitsandbytes' weights). ``launch`` overrides :data:`LAUNCH`'s entry (for
-    tuning; the result depends on it through float32 summation order, and lut 4 against the others through where
-    the block scale is applied: nf4_group_reference(scale_after=True))."""
+    tuning; the result depends on it through float32 summation order, and luts 4 to 6 against the others through
+    how the block scale is applied: twin_options)."""
     K = group.K
     if not use_triton or triton is None or x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float16):
         return nf4_group_reference(x, group)
@@ -627,6 +654,8 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     dense = group.dense if group.dense is not None else x2  # (an unused pointer without dense rows)
     bias = group.bias if group.bias is not None else out
     lut, asm = cfg["lut"], not _interpreting()
+    if lut not in range(7):
+        raise ValueError(f"nf4_group_linear: launch choice lut is 0 to 6, not {lut!r}")
     key = (BM, BN, cfg["swap"], cfg["warps"], cfg["stages"], K % CHUNK == 0, x.dtype)
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
