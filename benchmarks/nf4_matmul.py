@@ -60,19 +60,25 @@ def quantized(N: int, K: int, dev, seed: int = 0):
 
 def sweep_choices(M: int) -> list[dict]:
     """Launch choices tried at M rows (where the rollout benchmark runs: 128 rows; and 16)."""
-    def c(bn, w, st, lut=3, swap=True):
-        return dict(bn=bn, swap=swap, join=True, lut=lut, warps=w, stages=st, programs=264)
+    def c(bn, w, st, lut=3, swap=True, **more):
+        return dict(bn=bn, swap=swap, join=True, lut=lut, warps=w, stages=st, programs=264, **more)
 
     # lut 4 (one unscaled table, the scale after each block's product; 25-42% fewer instructions a code in the
     # sm_90 SASS at 16-64 rows, decode_product_sass.md) beside the default lut 3
     # and luts 5 and 6 (lut 4's table, the values scaled before the product: the block products chain in the
-    # tensor cores' sum), and a 32-row tile (too small for the warpgroup products: the smaller tensor-core op)
+    # tensor cores' sum), and a 32-row tile (too small for the warpgroup products: the smaller tensor-core op).
+    # Nsight Compute (2026-12-06, logs/gpu_2026-12-06e/ncu_*.txt): at 128 rows the 128-row tile of 8 warps holds
+    # one program an SM (168 registers a thread, 133 KB of staged tiles) in 1.7 waves; at 16 rows 6 programs (80
+    # registers, 29 KB), half the issue slots used: hence fewer stages, smaller tiles and a register cap (maxnreg)
     if M >= 128:
         return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1),
-                c(128, 8, 3, lut=4), c(128, 8, 2, lut=4), c(128, 8, 3, lut=5), c(128, 8, 3, lut=6)]
+                c(128, 8, 3, lut=4), c(128, 8, 2, lut=4), c(128, 8, 3, lut=5), c(128, 8, 3, lut=6),
+                c(128, 8, 2, lut=5), c(64, 4, 2, lut=5), c(64, 4, 3, lut=5), c(64, 8, 2, lut=5),
+                c(128, 8, 2, lut=5, maxnreg=128)]
     return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1), c(128, 4, 3, lut=4), c(64, 4, 3, lut=4),
             c(128, 4, 2, lut=4), c(256, 8, 3, lut=4), c(64, 4, 3, lut=5), c(64, 4, 3, lut=6), c(128, 4, 3, lut=5),
-            c(32, 4, 3, lut=4), c(32, 2, 3, lut=4), c(32, 4, 3, lut=5)]
+            c(32, 4, 3, lut=4), c(32, 2, 3, lut=4), c(32, 4, 3, lut=5), c(64, 4, 3, lut=4, maxnreg=64),
+            c(64, 4, 2, lut=4), c(64, 4, 2, lut=4, maxnreg=64), c(64, 4, 4, lut=4), c(64, 4, 3, lut=4, maxnreg=72)]
 
 
 def table(dev, bw: float) -> list[dict]:
@@ -318,8 +324,9 @@ def main() -> None:
                   "| rows | bn | lut | warps | stages | programs | " + " | ".join(names) +
                   " | layer µs | bf16 layer µs | × bf16 |", "|---" * (9 + len(names)) + "|"]
         for r in sweep_rows:
-            head = (f"| {r['M']} | {r['bn']} | {r['lut']} | {r['warps']} | {r['stages']} | {r['programs']}"
-                    f"{' + fixup' if r.get('fixup') else ''} | ")
+            head = (f"| {r['M']} | {r['bn']} | {r['lut']} | {r['warps']}"
+                    f"{' (maxnreg ' + str(r['maxnreg']) + ')' if r.get('maxnreg') else ''} | {r['stages']} | "
+                    f"{r['programs']}{' + fixup' if r.get('fixup') else ''} | ")
             if "error" in r:
                 lines.append(head + f"failed: {r['error']} |" + " |" * (len(names) + 2))
                 continue

@@ -1,18 +1,21 @@
-"""How far the NF4 decode product's two ways of scaling move the sampler's log-probs from the trainer's, on a real
+"""How far the NF4 decode product's ways of scaling move the sampler's log-probs from the trainer's, on a real
 pretrained model (SmolLM2-135M-Instruct, every decoder projection quantized to NF4), CPU.
 
 The trainer's passes multiply by bitsandbytes' dequantized weight, W = bf16(code[q] · absmax). The decode product
 (ops/nf4_matmul.py) either builds that same weight (lut 3: per-block bf16 tables) and sums x · W in float32, or
 multiplies by the unscaled code and scales each block's product afterwards (lut 4: x · (bf16(code[q]) · absmax),
-summed in float32; nf4_group_reference(scale_after=True)). Three forwards of the same sampled tokens:
+summed in float32; nf4_group_reference(scale_after=True)), or scales the looked-up values before the product (lut 5:
+W = bf16(bf16(code[q]) · bf16(absmax)); lut 6: W = bf16(bf16(code[q]) · absmax); nf4_matmul.twin_options). Forwards
+of the same sampled tokens:
 
 - trainer: every projection through ``F.linear`` in bf16 with bitsandbytes' dequantized weight;
 - lut 3: ``F.linear(x.float(), W.float())`` cast to bf16 (the same weights, the kernel's float32 sum);
-- lut 4: the twin of the scale-after product.
+- lut 4: the twin of the scale-after product;
+- lut 5, lut 6: ``F.linear(x.float(), W.float())`` with their weights, cast to bf16.
 
 Reported: per sampled token, |log p_variant − log p_trainer| (mean, 99th percentile, max) and the mean KL of the
-next-token distributions. lut 3's figure is the floor any fused product has (a different summation order); lut 4's
-adds the weight rounding's difference.
+next-token distributions. lut 3's figure is the floor any fused product has (a different summation order); the
+others add their weight rounding's difference.
 
     python benchmarks/nf4_scale_after_mismatch.py --model-dir /tmp/learning_real/smollm2-135m-instruct-bf16
     python benchmarks/nf4_scale_after_mismatch.py --smoke        # a tiny random model: the program runs
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import run_meta, write_result  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VARIANTS = ("trainer", "lut 3", "lut 4")
+VARIANTS = ("trainer", "lut 3", "lut 4", "lut 5", "lut 6")
 
 
 class NF4Product(torch.nn.Module):
@@ -41,18 +44,19 @@ class NF4Product(torch.nn.Module):
 
     def __init__(self, quantized):
         super().__init__()
-        from longrl.ops.nf4_matmul import nf4_group, nf4_group_weight
+        from longrl.ops.nf4_matmul import nf4_group, nf4_group_weight, twin_options
 
         group = nf4_group([quantized.weight])
         self.weight = nf4_group_weight(group, torch.bfloat16)  # [N, K] bitsandbytes' dequantized weight
-        self.scaled_after = nf4_group_weight(group, torch.bfloat16, scale_after=True)  # [N, K] float32
+        self.lut_weights = {f"lut {lut}": nf4_group_weight(group, torch.bfloat16, **twin_options(lut)).float()
+                            for lut in (4, 5, 6)}  # [N, K] float32 each (lut 4: scaled after, unrounded)
         self.bias = quantized.bias
         self.variant = "trainer"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.variant == "trainer":
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        W = self.weight.float() if self.variant == "lut 3" else self.scaled_after
+        W = self.weight.float() if self.variant == "lut 3" else self.lut_weights[self.variant]
         bias = self.bias.float() if self.bias is not None else None
         return torch.nn.functional.linear(x.float(), W, bias).to(x.dtype)
 
@@ -126,14 +130,15 @@ def main() -> None:
         return
     meta = run_meta(model=args.model_dir, sequences=args.sequences, new_tokens=args.new_tokens,
                     projections=len(products))
-    lines = ["# NF4 decode product: lut 3 and lut 4 log-probs against the trainer's, SmolLM2-135M-Instruct", "",
+    lines = ["# NF4 decode product: luts 3 to 6, log-probs against the trainer's, SmolLM2-135M-Instruct", "",
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['date']}; {meta['gpu']}; torch {meta['torch']}, transformers {meta['transformers']}.", "",
              f"{args.sequences} sequences × {args.new_tokens} tokens sampled (temperature 1) by the NF4 model, "
              f"{len(products)} decoder projections in NF4 (models.quantize_linears_: bitsandbytes Linear4bit, "
              "blocks of 64, nested absmax). Trainer: bf16 `F.linear` with bitsandbytes' dequantized weight. "
              "lut 3: the same weights, float32 sums (the decode kernel's), cast to bf16. lut 4: x · (bf16(code) · absmax) in float32, cast "
-             "(the scale-after twin). |Δ log p|: per sampled token, against the trainer's; KL: mean over positions "
+             "(the scale-after twin). lut 5: W = bf16(bf16(code) · bf16(absmax)), lut 6: W = bf16(bf16(code) · "
+             "absmax), float32 sums, cast. |Δ log p|: per sampled token, against the trainer's; KL: mean over positions "
              "of KL(trainer ‖ variant).", "",
              "| product | mean abs Δ log p | 99th percentile | max | mean KL |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['variant']} | {r['mean_abs']:.2e} | {r['p99_abs']:.2e} | {r['max_abs']:.2e} | "

@@ -65,20 +65,22 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # tree of selects; 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared memory one element at
 # a time: far slower), warps, pipeline stages, and the programs the K split aims at (split = ⌈programs / row
 # tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the table below is its
-# fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_sweep.md: lut 4 a layer's products in 119 µs
-# at 16 rows against lut 3's best 153, 253 against 289 at 128), 32 and 64 rows taking the 128-row choice. lut 4's
-# weights differ from the trainer's by a bf16 rounding; on SmolLM2-135M that moves the sampled tokens' log-probs
-# from the trainer's by 0.041 on average against 0.036 for lut 3's float32 sums of the trainer's own weights
-# (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
-# permutes_packed guards lut 3's assumption. fixup (absent: off): with several K splits and one m tile, each row
+# fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_sweep.md: at 16 rows lut 4 a layer's products
+# in 111 µs, lut 5 129 against lut 4's 128 at 264 programs, lut 3's best 150; at 128 rows lut 5 225 µs, lut 4 253
+# in the sweep before, 276 at 264 programs in the same run), 32 and 64 rows taking the 128-row choice. Their weights
+# differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs move from the trainer's
+# by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums of the trainer's own
+# weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
+# permutes_packed guards lut 3's assumption. maxnreg (absent: the compiler's choice): registers a thread at most, so
+# that more programs share an SM. fixup (absent: off): with several K splits and one m tile, each row
 # tile's last program to finish sums the splits' partials (an arrival count a tile, NF4Group.locks) instead of
 # _split_sum_kernel's launch after the product (127 launches, ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an
 # H100); the same sums in the same order, so bit for bit the same result. On at 16 rows, where the sweep found it
 # fastest (H100, 2026-12-06: a layer's products 112.4 µs against 116.6 without); at 128 rows it was slower.
 LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True),
-          32: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
-          64: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132),
-          128: dict(bn=128, swap=True, join=True, lut=4, warps=8, stages=3, programs=132)}
+          32: dict(bn=128, swap=True, join=True, lut=5, warps=8, stages=3, programs=132),
+          64: dict(bn=128, swap=True, join=True, lut=5, warps=8, stages=3, programs=132),
+          128: dict(bn=128, swap=True, join=True, lut=5, warps=8, stages=3, programs=132)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
@@ -660,13 +662,14 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
     fixup = fixes_up(cfg, g, group.locks)
+    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and asm else {}  # registers a thread, at most
     for _ in range(2):
         kernel = _nf4_group_kernel[g.grid](
             x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, out, group.locks, M, K, K // 2, g.N0,
             g.N01, NQ, R, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
             LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None,
-            num_warps=cfg["warps"], num_stages=cfg["stages"])
+            num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
         if lut != 3 or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
