@@ -1,9 +1,10 @@
 """Instructions per weight of the quantized decode products' loop over K for sm_90, compiled ahead of time (no GPU):
 the SASS of each launch's loop body (per thread, one chunk of 128 weights a row of its BN-row tile).
 
-- NF4 (ops/nf4_matmul.py): the default lookup (lut 3: a bf16 table a row and block, built inside the loop, then
-  byte permutes) against lut 4 (one table of the 16 unscaled codes built before the loop, the same permutes, each
-  block's product then scaled by its rows' absmax).
+- NF4 (ops/nf4_matmul.py): lut 3 (a bf16 table a row and block, built inside the loop, then byte permutes)
+  against lut 4 (one table of the 16 unscaled codes built before the loop, the same permutes, each block's product
+  then scaled by its rows' absmax); then luts 4 and 5 (the looked-up values scaled instead) with the values paired
+  by nibble or in k order (kord).
 - FP8 (ops/fp8_matmul.py): the default (each weight converted to float32, scaled, rounded to bf16) against f16 (the
   e4m3 codes converted to float16 as they are, two a conversion, multiplied on float16 tensor cores by float16(x · p),
   the block's scale after the product; each program scales and converts its x chunks itself, a cost that grows with
@@ -55,6 +56,20 @@ def nf4_rows() -> list[dict]:
     return rows
 
 
+def nf4_kord_rows() -> list[dict]:
+    """luts 4 and 5, the values paired by nibble (then interleaved) or in k order (kord), at each build."""
+    from longrl.ops.nf4_matmul import permutes_packed
+
+    rows = []
+    for m, bn, w in NF4_BUILDS:
+        for lut in (4, 5):
+            for kord in (False, True):
+                kernel = _nf4_build(m, lut, bn, w, kord=kord)
+                rows.append(dict(rows=m, bn=bn, warps=w, lut=lut, kord=kord, packed=permutes_packed(kernel),
+                                 **loop_mix(kernel, bn, w)))
+    return rows
+
+
 def fp8_rows() -> list[dict]:
     return [dict(rows=m, bn=bn, warps=w, f16=f16, **loop_mix(_fp8_build(m, f16, bn, w), bn, w))
             for m, bn, w in FP8_BUILDS for f16 in (False, True)]
@@ -65,7 +80,7 @@ def count(row: dict, *ops: str) -> int:
 
 
 def main() -> None:
-    nf4, fp8 = nf4_rows(), fp8_rows()
+    nf4, kord, fp8 = nf4_rows(), nf4_kord_rows(), fp8_rows()
     meta = run_meta()
     lines = ["# Quantized decode products: instructions per weight in their loop over K (sm_90 SASS, compiled on "
              "the CPU)", "",
@@ -86,6 +101,19 @@ def main() -> None:
                      f"{count(a, 'FMUL', 'F2FP')} / {count(b, 'FMUL', 'F2FP')} | {count(a, 'PRMT')} / "
                      f"{count(b, 'PRMT')} | {count(b, 'FFMA')} | {a['registers']} / {b['registers']} | "
                      f"{a['spills']} / {b['spills']} |")
+    lines += ["", "### The values in k order (kord)", "",
+              "PRMT_ASM_K pairs each byte's two values in k order (its selectors made once for four bytes), so the "
+              "tile needs no interleaving after the lookup; it needs each thread's four bytes consecutive in one row "
+              "(layout: permutes_packed, as lut 3). lut 5 scales the looked-up values (HMUL2) instead of each "
+              "block's product (lut 4's FFMA). Instructions / code, PRMT / code in brackets.", "",
+              "| rows | BN | warps | layout | lut 4 | lut 4, kord | lut 5 | lut 5, kord | registers (lut 5 / kord) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in range(0, len(kord), 4):
+        a, ak, b, bk = kord[r:r + 4]
+        codes = a["bn"] * 128 / (32 * a["warps"])
+        cell = (lambda x: f"{x['per_weight']:.2f} ({count(x, 'PRMT') / codes:.2f})")
+        lines.append(f"| {a['rows']} | {a['bn']} | {a['warps']} | {'ok' if ak['packed'] else 'refused'} | "
+                     f"{cell(a)} | {cell(ak)} | {cell(b)} | {cell(bk)} | {b['registers']} / {bk['registers']} |")
     lines += ["", "## FP8 (ops/fp8_matmul.py)", "",
               "Conversion work: F2FP + HADD2 + FMUL (e4m3 → float16 pairs, float16 → float32, the scale, float32 → "
               "bf16 pairs); f16 keeps only the first for the weights (F2FP, one per two) and scales each block's "
@@ -99,7 +127,7 @@ def main() -> None:
                      f"{b['per_weight'] / a['per_weight']:.2f} | {count(a, 'F2FP', 'HADD2', 'FMUL')} / "
                      f"{count(b, 'F2FP', 'HADD2', 'FMUL')} | {a['registers']} / {b['registers']} | "
                      f"{a['spills']} / {b['spills']} |")
-    write_result("decode_product_sass", {**meta, "nf4": nf4, "fp8": fp8}, lines)
+    write_result("decode_product_sass", {**meta, "nf4": nf4, "nf4_kord": kord, "fp8": fp8}, lines)
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
 
 
 def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3, swap: bool = True, join: bool = True,
-               fixup: bool = False):
+               fixup: bool = False, kord: bool = False):
     """The NF4 group product compiled for sm_90 at ``rows`` rows of x, with the 8B shapes' alignments."""
     from longrl.ops import nf4_matmul as nm
 
@@ -303,7 +303,7 @@ def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3, swap: 
     signature = {name: {**ptrs, **ints}[name] for name in nm._nf4_group_kernel.arg_names if name in {**ptrs, **ints}}
     return compile_for_sm90(nm._nf4_group_kernel, signature,
                             dict(HAS_BIAS=False, BM=rows, BN=bn, SWAP=swap, JOIN=join, LUT=lut, EVEN_K=True, ASM=True,
-                                 FIXUP=fixup, SUM_BIAS=fixup),
+                                 FIXUP=fixup, SUM_BIAS=fixup, KORD=kord),
                             num_warps=warps, num_stages=stages,
                             aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
 
@@ -324,6 +324,28 @@ def test_nf4_lut4_builds_its_table_once_outside_the_loop(rows, bn, warps):
         assert not {"STL", "LDL"} & set(ops), lut  # no register spills in the loop
         per_code[lut] = len(body) * 32 * warps / (bn * 128)  # a loop iteration: one chunk of 128 codes a row
     assert per_code[4] < per_code[3], per_code
+
+
+@pytest.mark.parametrize("rows, lut, bn, warps", [(16, 4, 64, 4), (16, 5, 64, 4), (32, 5, 128, 8), (128, 5, 128, 8),
+                                                 (128, 5, 64, 4)])
+def test_nf4_values_paired_in_k_order_need_no_interleaving(rows, lut, bn, warps):
+    """kord (PRMT_ASM_K: the permutes pair each byte's two values in k order, selectors made once for four bytes):
+    the build gives each thread four consecutive bytes of a row (permutes_packed, which the pairing needs), its loop
+    runs 2 permutes a code where the nibble-paired lookup runs 2.5 (the interleaving after it gone), fewer
+    instructions in all, and no spills (benchmarks/results/decode_product_sass.md)."""
+    from longrl.ops.nf4_matmul import permutes_packed
+
+    per_code, permutes = {}, {}
+    for kord in (False, True):
+        kernel = _nf4_build(rows, lut, bn, warps, kord=kord)
+        body = max(_sass_loops(kernel), key=len)
+        ops = _opcodes(body)
+        assert not {"STL", "LDL"} & set(ops), kord
+        codes = bn * 128 / (32 * warps)  # a thread's codes in one loop iteration (a chunk of 128 a row)
+        per_code[kord], permutes[kord] = len(body) / codes, ops.count("PRMT") / codes
+    assert permutes_packed(kernel)
+    assert permutes == {False: 2.5, True: 2.0}, permutes
+    assert per_code[True] < per_code[False] - 0.3, per_code
 
 
 @pytest.mark.parametrize("product", ["nf4", "fp8"])

@@ -71,6 +71,7 @@ KERNEL_CHECK = textwrap.dedent('''
     # default's permutes replaced by the table in memory here: tests below replay them), the tile interleaved in
     # registers (join) or read as even and odd k, M from 1 to 65; lut 4 (the scale after each block's product), 5
     # and 6 (the looked-up values scaled in 16 bits or float32) against their own exact products (twin_options),
+    # with the values in k order (kord: here the pairing PRMT_ASM_K makes, _kord_pairs, put in order by _kord_tile),
     # K whole chunks or not
     for rows, K, M, R, bias, launch in [([128, 64, 70], 320, 17, 5, True, dict(swap=False)),
                                         ([48, 80], 1280, 1, 3, False, dict(programs=64, join=False, lut=1)),
@@ -82,7 +83,10 @@ KERNEL_CHECK = textwrap.dedent('''
                                         ([128, 64, 70], 320, 17, 5, True, dict(lut=5)),
                                         ([48, 80], 1280, 3, 3, False, dict(lut=6, programs=64, swap=False)),
                                         ([96], 576, 33, 0, True, dict(lut=5, bn=32, programs=8)),
-                                        ([64, 64], 128, 65, 7, False, dict(lut=6))]:
+                                        ([64, 64], 128, 65, 7, False, dict(lut=6)),
+                                        ([128, 64, 70], 320, 17, 5, True, dict(lut=4, kord=True)),
+                                        ([48, 80], 1280, 3, 3, False, dict(lut=5, kord=True, programs=64, swap=False)),
+                                        ([96], 576, 33, 0, True, dict(lut=6, kord=True, bn=32, programs=8))]:
         ws = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
         dense = torch.randn(R, K, dtype=torch.float16) if R else None
         biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
@@ -229,17 +233,24 @@ def test_group_twin_stacks_bitsandbytes_weights():
 @pytest.mark.parametrize("M, launch", [(1, dict(lut=4)), (16, dict(lut=4)), (16, dict(lut=4, bn=128)),
                                        (128, dict(lut=4, bn=128, warps=4)), (128, dict(lut=4)),
                                        (1, dict(lut=5)), (16, dict(lut=5)), (16, dict(lut=6, bn=32)),
-                                       (128, dict(lut=5, bn=128, warps=8)), (128, dict(lut=6))])
+                                       (128, dict(lut=5, bn=128, warps=8)), (128, dict(lut=6)),
+                                       (1, dict(lut=4, kord=True)), (16, dict(lut=4, kord=True)),
+                                       (16, dict(lut=5, kord=True, bn=128)), (128, dict(lut=5, kord=True)),
+                                       (128, dict(lut=6, kord=True, bn=64, warps=4))])
 def test_lut4_kernel_on_the_gpu_equals_its_twin(M, launch):
     """The one-table byte permutes on the GPU (any layout of the bytes, the 4-warp 128-row tile included): lut 4
     against its twin x · (cast(code) · absmax)ᵀ summed in float32, luts 5 and 6 (the values scaled before the
-    product) against theirs (twin_options)."""
+    product) against theirs (twin_options); with the values paired in k order (kord) the build kept it (its layout
+    gives each thread four bytes of a row) and the result is the same."""
+    from longrl.ops.nf4_matmul import PERMUTE_FALLBACKS
     from longrl.ops.nf4_matmul import nf4_group, nf4_group_linear, nf4_group_reference, nf4_group_weight, twin_options
 
     params = [_quantized(n, 4096, seed=M + n, device="cuda")[0] for n in (1024, 512)]
     g = nf4_group(params, torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda"))
     x = torch.randn(M, 4096, dtype=torch.bfloat16, device="cuda")
+    PERMUTE_FALLBACKS.clear()
     got = nf4_group_linear(x, g, launch=launch).float()
+    assert not PERMUTE_FALLBACKS
     twin = twin_options(launch["lut"])
     want = nf4_group_reference(x, g, **twin).float()
     scale = x.float().abs() @ nf4_group_weight(g, torch.bfloat16, **twin).float().abs().t()
@@ -310,6 +321,22 @@ def _prmt(a: int, b: int, c: int) -> int:
     return out
 
 
+def _run_asm(asm: str, w: int, planes: list[int]) -> dict:
+    """The registers after running a lookup's PTX (and, or, shr, prmt) with its code bytes w in $4 and the table's
+    planes L0..L3, H0..H3 in $5.. (each four times: pack=4)."""
+    regs = {"$4": w, **{f"${5 + 4 * i + r}": p for i, p in enumerate(planes) for r in range(4)}}
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}.":
+            continue
+        op, rest = line.split(None, 1)
+        d, *args = [a.strip() for a in rest.split(",")]
+        v = [int(a, 16) if a.startswith("0x") else int(a) if a.isdigit() else regs[a] for a in args]
+        regs[d] = {"and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1],
+                   "shr.b32": lambda: v[0] >> v[1], "prmt.b32": lambda: _prmt(*v)}[op]() & 0xFFFFFFFF
+    return regs
+
+
 def test_prmt_lookup_asm_replayed_on_the_cpu():
     """The GPU's code lookup (PRMT_ASM, inline PTX the interpreter cannot run), executed line by line by an emulator
     of its four opcodes: for random 16-entry tables of bf16 bits (as two byte planes of four registers) and random
@@ -326,21 +353,36 @@ def test_prmt_lookup_asm_replayed_on_the_cpu():
         planes = [sum((vals[4 * q + t] >> shift & 0xFF) << 8 * t for t in range(4))
                   for shift in (0, 8) for q in range(4)]  # L0..L3, H0..H3
         w = rng.getrandbits(32)
-        regs = {"$4": w, **{f"${5 + 4 * i + r}": p for i, p in enumerate(planes) for r in range(4)}}
-        for line in asm.splitlines():
-            line = line.strip().rstrip(";")
-            if not line or line[0] in "{}.":
-                continue
-            op, rest = line.split(None, 1)
-            d, *args = [a.strip() for a in rest.split(",")]
-            v = [int(a, 16) if a.startswith("0x") else int(a) if a.isdigit() else regs[a] for a in args]
-            regs[d] = {"and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1],
-                       "shr.b32": lambda: v[0] >> v[1], "prmt.b32": lambda: _prmt(*v)}[op]() & 0xFFFFFFFF
+        regs = _run_asm(asm, w, planes)
         got_hi = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
         got_lo = [regs["$2"] & 0xFFFF, regs["$2"] >> 16, regs["$3"] & 0xFFFF, regs["$3"] >> 16]
         code_bytes = [(w >> 8 * i) & 0xFF for i in range(4)]
         assert got_hi == [vals[b >> 4] for b in code_bytes]
         assert got_lo == [vals[b & 15] for b in code_bytes]
+
+
+def test_k_ordered_prmt_lookup_asm_replayed_on_the_cpu():
+    """PRMT_ASM_K (the kord launch choice's lookup) run by the same emulator: for random tables and code bytes its
+    four outputs are the values of bytes 0, 1, 2, 3 in k order, each byte's high-nibble entry first; the values
+    are PRMT_ASM's, paired differently, in fewer instructions (22 against 25 a four bytes)."""
+    import random
+
+    nm = pytest.importorskip("longrl.ops.nf4_matmul")
+    if nm.triton is None:
+        pytest.skip("needs Triton")
+    rng = random.Random(1)
+    for _ in range(300):
+        vals = [rng.getrandbits(16) for _ in range(16)]
+        planes = [sum((vals[4 * q + t] >> shift & 0xFF) << 8 * t for t in range(4))
+                  for shift in (0, 8) for q in range(4)]
+        w = rng.getrandbits(32)
+        regs = _run_asm(nm.PRMT_ASM_K.value, w, planes)
+        got = [r >> 16 * half & 0xFFFF for r in (regs["$0"], regs["$1"], regs["$2"], regs["$3"]) for half in (0, 1)]
+        code_bytes = [(w >> 8 * i) & 0xFF for i in range(4)]
+        assert got == [vals[b >> 4 if h == 0 else b & 15] for b in code_bytes for h in (0, 1)]
+    count = [len([ln for ln in asm.splitlines() if ln.strip() and ln.strip()[0] not in "{}."])
+             for asm in (nm.PRMT_ASM.value, nm.PRMT_ASM_K.value)]
+    assert count == [25, 22]
 
 
 @pytest.mark.gpu

@@ -71,9 +71,13 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs move from the trainer's
 # by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums of the trainer's own
 # weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
-# permutes_packed guards lut 3's assumption. maxnreg (absent: the compiler's choice): registers a thread at most, so
-# that more programs share an SM. fixup (absent: off): with several K splits and one m tile, each row
-# tile's last program to finish sums the splits' partials (an arrival count a tile, NF4Group.locks) instead of
+# permutes_packed guards lut 3's assumption. kord (absent: off; luts 4 to 6): the permutes pair the values in k
+# order (PRMT_ASM_K, its selectors made once for four bytes), so the tile needs no interleaving of the high- and
+# low-nibble values after them: 5.3 instructions a code in the sm_90 SASS at 16 rows against 6.1 (6.83 → 5.95 at
+# 128 rows with lut 5; decode_product_sass.md); it assumes each thread's four bytes consecutive in one row, as lut 3
+# does (permutes_packed; where not, the build runs without it). maxnreg (absent: the compiler's choice): registers
+# a thread at most, so that more programs share an SM. fixup (absent: off): with several K splits and one m tile,
+# each row tile's last program to finish sums the splits' partials (an arrival count a tile, NF4Group.locks) instead of
 # _split_sum_kernel's launch after the product (127 launches, ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an
 # H100); the same sums in the same order, so bit for bit the same result. On at 16 rows, where the sweep found it
 # fastest (H100, 2026-12-06: a layer's products 112.4 µs against 116.6 without); at 128 rows it was slower.
@@ -277,6 +281,24 @@ if triton is not None:
     # planes L0..L3, H0..H3 (each 4 times: pack=4 gives every element of an int32 input its own register)
     PRMT_ASM = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh, w;" + _PRMT_PAIR.format(w="$4", hi="$0", lo="$2")
                             + "\nshr.b32 w, $4, 16;" + _PRMT_PAIR.format(w="w", hi="$1", lo="$3") + "\n}")
+    # The same lookups with the values paired in k order, (hi, lo) of byte 0 and of byte 1 (the first output), of
+    # bytes 2 and 3 (the second), so the eight values of four bytes in k order are the first output's four, then
+    # the second's (no interleaving after it); the selectors made once for the four bytes (a permute reads the low
+    # 16 bits of its selector), then shifted for bytes 2 and 3. 9 instructions per two bytes.
+    _PRMT_LOOKUP_K = """
+    prmt.b32 a, $5, $9, s;
+    prmt.b32 b, $13, $17, s;
+    prmt.b32 rl, a, b, t;
+    prmt.b32 a, $21, $25, s;
+    prmt.b32 b, $29, $33, s;
+    prmt.b32 rh, a, b, t;
+    prmt.b32 {first}, rl, rh, 0x4051;
+    prmt.b32 {second}, rl, rh, 0x6273;"""
+    PRMT_ASM_K = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh;\n    and.b32 s, $4, 0x77777777;\n"
+                              "    shr.b32 t, $4, 1;\n    and.b32 t, t, 0x44444444;\n    or.b32 t, t, 0x32103210;"
+                              + _PRMT_LOOKUP_K.format(first="$0", second="$1")
+                              + "\n    shr.b32 s, s, 16;\n    shr.b32 t, t, 16;"
+                              + _PRMT_LOOKUP_K.format(first="$2", second="$3") + "\n}")
     PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
 
     @triton.jit
@@ -307,6 +329,31 @@ if triton is not None:
         return tl.inline_asm_elementwise(PRMT_ASM, PRMT_CONSTRAINTS,
                                          [byte, L0 + z, L1 + z, L2 + z, L3 + z, H0 + z, H1 + z, H2 + z, H3 + z],
                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
+    def _prmt_apply_k(byte, L0, L1, L2, L3, H0, H1, H2, H3):
+        """PRMT_ASM_K's two outputs [BN, 32] of bytes [BN, 32] (each thread's four bytes consecutive in one row, as
+        permutes_packed checks; _kord_tile puts them in k order)."""
+        z = tl.zeros(byte.shape, tl.int32)
+        return tl.inline_asm_elementwise(PRMT_ASM_K, PRMT_CONSTRAINTS,
+                                         [byte, L0 + z, L1 + z, L2 + z, L3 + z, H0 + z, H1 + z, H2 + z, H3 + z],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
+    def _kord_pairs(w_hi, w_lo, BN: tl.constexpr):
+        """What PRMT_ASM_K gives for bytes whose high- and low-nibble values are w_hi, w_lo [BN, 32] (Triton's
+        interpreter runs no PTX): the first output holds at 4g + 2r + h the value (h: 0 high, 1 low nibble) of byte
+        4g + r, the second that of byte 4g + 2 + r."""
+        t = tl.reshape(tl.join(w_hi, w_lo), [BN, 8, 2, 2, 2])  # [row, group g, pair q, byte r, nibble h]
+        first, second = tl.split(tl.permute(t, (0, 1, 3, 4, 2)))  # q last: q = 0, q = 1
+        return tl.reshape(first, [BN, 32]), tl.reshape(second, [BN, 32])
+
+    @triton.jit
+    def _kord_tile(first, second, BN: tl.constexpr):
+        """The block's values in k order [BN, 64] from PRMT_ASM_K's outputs [BN, 32]: the 8 values of bytes
+        4g..4g+3 are first's 4g..4g+3, then second's (a relabelling of each thread's registers)."""
+        w = tl.join(tl.reshape(first, [BN, 8, 4]), tl.reshape(second, [BN, 8, 4]))  # [BN, 8, 4, 2]
+        return tl.reshape(tl.permute(w, (0, 1, 3, 2)), [BN, 64])
 
     @triton.jit
     def _prmt_lookup(byte, s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15):
@@ -341,7 +388,7 @@ if triton is not None:
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles,
                           HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
                           JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False):
+                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False, KORD: tl.constexpr = False):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
@@ -413,7 +460,9 @@ if triton is not None:
                                          other=0.0)
                         sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
                                      other=0.0)  # [BN] this block's scales
-                        if ASM and LUT >= 4:
+                        if ASM and LUT >= 4 and KORD:
+                            first, second = _prmt_apply_k(byte, U0, U1, U2, U3, V0, V1, V2, V3)
+                        elif ASM and LUT >= 4:
                             w_hi, w_lo = _prmt_apply(byte, U0, U1, U2, U3, V0, V1, V2, V3)
                         elif ASM:
                             w_hi, w_lo = _prmt_lookup(byte, sb, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10,
@@ -424,13 +473,16 @@ if triton is not None:
                         else:
                             w_hi = (tl.load(CODE + (byte >> 4).to(tl.int32)) * sb[:, None]).to(x_dtype)
                             w_lo = (tl.load(CODE + (byte & 15).to(tl.int32)) * sb[:, None]).to(x_dtype)
+                        if LUT >= 4 and KORD:  # W[n, k0 + 64 blk + i] (unscaled), the permutes' values in k order
+                            if not ASM:
+                                first, second = _kord_pairs(w_hi, w_lo, BN)
+                            w = _kord_tile(first, second, BN)
+                        else:
+                            w = tl.reshape(tl.join(w_hi, w_lo), [BN, 64])  # W[n, k0 + 64 blk + i] (LUT 4: unscaled)
                         if LUT == 5:  # cast(cast(code) · cast(absmax)): one 16-bit multiply a value pair
-                            sw = sb.to(w_hi.dtype)[:, None]
-                            w_hi, w_lo = (w_hi * sw).to(x_dtype), (w_lo * sw).to(x_dtype)
+                            w = (w * sb.to(w.dtype)[:, None]).to(x_dtype)
                         elif LUT == 6:  # cast(cast(code) · absmax), the product in float32
-                            w_hi = (w_hi.to(tl.float32) * sb[:, None]).to(x_dtype)
-                            w_lo = (w_lo.to(tl.float32) * sb[:, None]).to(x_dtype)
-                        w = tl.reshape(tl.join(w_hi, w_lo), [BN, 64])  # W[n, k0 + 64 blk + i] (LUT 4: unscaled)
+                            w = (w.to(tl.float32) * sb[:, None]).to(x_dtype)
                         if LUT == 4:  # Σ_k cast(code)·x of the block, times the block's scale of each row
                             if SWAP:
                                 acc += tl.dot(w, xt, out_dtype=tl.float32) * sb[:, None]
@@ -661,6 +713,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     key = (BM, BN, cfg["swap"], cfg["warps"], cfg["stages"], K % CHUNK == 0, x.dtype)
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
+    kord = bool(cfg.get("kord")) and lut >= 4 and not (asm and ("kord", *key) in PERMUTE_FALLBACKS)
     fixup = fixes_up(cfg, g, group.locks)
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and asm else {}  # registers a thread, at most
     for _ in range(2):
@@ -668,12 +721,18 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
             x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, out, group.locks, M, K, K // 2, g.N0,
             g.N01, NQ, R, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
-            LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None,
+            LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None, KORD=kord,
             num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
-        if lut != 3 or not asm or _checked(kernel):
+        if not (lut == 3 or kord) or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
-        # the launch again with the register gather rewrites every output)
+        # the launch again with the register gather, or the values paired by nibble, rewrites every output)
+        if kord:
+            PERMUTE_FALLBACKS.add(("kord", *key))
+            log.warning("nf4_matmul: the k-ordered lookup does not fit this build's layout (rows %d, tile %d, %d "
+                        "warps); pairing the values by nibble for it", BM, BN, cfg["warps"])
+            kord = False
+            continue
         PERMUTE_FALLBACKS.add(key)
         log.warning("nf4_matmul: the byte-permute lookup does not fit this build's layout (rows %d, tile %d, %d "
                     "warps); using the register gather for it", BM, BN, cfg["warps"])
