@@ -69,14 +69,15 @@ def sweep_choices(M: int) -> list[dict]:
     # tensor cores' sum), and a 32-row tile (too small for the warpgroup products: the smaller tensor-core op).
     # Nsight Compute (2026-12-06, logs/gpu_2026-12-06e/ncu_*.txt): at 128 rows the 128-row tile of 8 warps holds
     # one program an SM (168 registers a thread, 133 KB of staged tiles) in 1.7 waves; at 16 rows 6 programs (80
-    # registers, 29 KB), half the issue slots used: hence fewer stages, smaller tiles and a register cap (maxnreg);
+    # registers, 29 KB), half the issue slots used: hence fewer stages, smaller tiles and a register cap (maxnreg:
+    # 64 and 72 let 7 programs share an SM at 16 rows, spilling 15 and 3 registers a loop in the CPU's sm_90 build;
+    # at 128 rows 128 registers spill 16 and a 64-row tile of 4 warps at 2 stages fits 2 programs without a cap);
     # kord: the values paired in k order by the permutes, 0.8-0.9 fewer instructions a code (decode_product_sass.md)
     if M >= 128:
         return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1),
                 c(128, 8, 3, lut=4), c(128, 8, 2, lut=4), c(128, 8, 3, lut=5), c(128, 8, 3, lut=6),
                 c(128, 8, 2, lut=5), c(64, 4, 2, lut=5), c(64, 4, 3, lut=5), c(64, 8, 2, lut=5),
-                c(128, 8, 2, lut=5, maxnreg=128), c(128, 8, 3, lut=5, kord=True), c(128, 8, 2, lut=5, kord=True),
-                c(64, 4, 2, lut=5, kord=True)]
+                c(128, 8, 3, lut=5, kord=True), c(128, 8, 2, lut=5, kord=True), c(64, 4, 2, lut=5, kord=True)]
     return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1), c(128, 4, 3, lut=4), c(64, 4, 3, lut=4),
             c(128, 4, 2, lut=4), c(256, 8, 3, lut=4), c(64, 4, 3, lut=5), c(64, 4, 3, lut=6), c(128, 4, 3, lut=5),
             c(32, 4, 3, lut=4), c(32, 2, 3, lut=4), c(32, 4, 3, lut=5), c(64, 4, 3, lut=4, maxnreg=64),
