@@ -292,12 +292,13 @@ def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
 
 
 def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3, swap: bool = True, join: bool = True,
-               fixup: bool = False, kord: bool = False):
-    """The NF4 group product compiled for sm_90 at ``rows`` rows of x, with the 8B shapes' alignments."""
+               fixup: bool = False, kord: bool = False, dtype: str = "bf16"):
+    """The NF4 group product compiled for sm_90 at ``rows`` rows of x (activations ``dtype``), with the 8B shapes'
+    alignments."""
     from longrl.ops import nf4_matmul as nm
 
-    ptrs = dict(X="*bf16", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D="*bf16", BIAS="*bf16", Y="*fp32",
-                OUT="*bf16", LOCK="*i32")
+    ptrs = dict(X=f"*{dtype}", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D=f"*{dtype}", BIAS=f"*{dtype}",
+                Y="*fp32", OUT=f"*{dtype}", LOCK="*i32")
     ints = {n: "i32" for n in ("M", "K", "KB", "N0", "N01", "NQ", "R", "stride_xm", "stride_ym", "stride_ys",
                                "n_chunks", "chunks_per_split", "dense_tiles")}
     signature = {name: {**ptrs, **ints}[name] for name in nm._nf4_group_kernel.arg_names if name in {**ptrs, **ints}}
@@ -346,6 +347,16 @@ def test_nf4_values_paired_in_k_order_need_no_interleaving(rows, lut, bn, warps)
     assert permutes_packed(kernel)
     assert permutes == {False: 2.5, True: 2.0}, permutes
     assert per_code[True] < per_code[False] - 0.3, per_code
+
+
+@pytest.mark.parametrize("lut, kord", [(3, False), (4, False), (5, False), (6, False), (4, True)])
+def test_nf4_permute_tables_take_the_activations_16_bit_type(lut, kord):
+    """The byte permutes' tables are built in x's 16-bit type, so float16 activations (a model in float16) build
+    and multiply on float16 tensor cores; before, their tables were bf16 whatever x was and luts 3 and 4 did not
+    build for float16 ("Both operands must be same dtype")."""
+    for dtype, mma in (("fp16", ".f16.f16"), ("bf16", ".bf16.bf16")):
+        ptx = _nf4_build(16, lut, 64, 4, kord=kord, dtype=dtype).asm["ptx"]
+        assert {m[-len(mma):] for m in re.findall(r"wgmma\.mma_async\S*", ptx)} == {mma}, dtype
 
 
 @pytest.mark.parametrize("product", ["nf4", "fp8"])

@@ -259,6 +259,26 @@ def test_lut4_kernel_on_the_gpu_equals_its_twin(M, launch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lut, kord", [(3, False), (4, False), (5, False), (6, True)])
+@pytest.mark.parametrize("M", [1, 16, 128])
+def test_float16_activations_on_the_gpu_equal_the_twin(M, lut, kord):
+    """A float16 model's decode products (tables built in float16) against the twin of the same lookup with
+    float16 weights."""
+    from longrl.ops.nf4_matmul import nf4_group, nf4_group_linear, nf4_group_reference, nf4_group_weight, twin_options
+
+    params = [_quantized(n, 4096, seed=M + n, device="cuda")[0] for n in (1024, 512)]
+    g = nf4_group(params, torch.randn(32, 4096, dtype=torch.float16, device="cuda"))
+    x = torch.randn(M, 4096, dtype=torch.float16, device="cuda")
+    got = nf4_group_linear(x, g, launch=dict(lut=lut, kord=kord)).float()
+    assert got.isfinite().all()
+    twin = twin_options(lut)
+    want = nf4_group_reference(x, g, **twin).float()
+    scale = x.float().abs() @ nf4_group_weight(g, torch.float16, **twin).float().abs().t()
+    assert ((got - want).abs() <= 2 ** -10 * scale + 2 ** -8 * want.abs()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 8, 16, 128])
 def test_fixup_on_the_gpu_equals_the_split_sum_launch(M):
     """Splits summed by each tile's last program (the fixup launch choice: arrival counts, acquire/release) on the

@@ -55,7 +55,7 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # launch choice by rows of x (the smallest bucket ≥ M; above 128 rows, the 128 entry in row tiles of 128):
 # bn rows of the group a program owns, whether the NF4 tile is the left operand (swap), whether it is interleaved
 # into k order in registers so that x is read contiguously (join; else two products on even and odd k; lut 3 and 4
-# always join), how a code becomes its value (lut: 3 byte permutes on per-block bf16 tables, PRMT_ASM; 4 the same
+# always join), how a code becomes its value (lut: 3 byte permutes on per-block 16-bit tables, PRMT_ASM; 4 the same
 # permutes on one table of the 16 unscaled values, built once, each block's product then scaled by its row's
 # absmax: no per-block table, but the weights are cast(code)·absmax rather than bitsandbytes' cast(code·absmax),
 # nf4_group_reference(scale_after=True) its twin; 5 and 6 lut 4's lookup with each value then scaled by its row's
@@ -260,10 +260,11 @@ if triton is not None:
 
     # PRMT selects 4 bytes of an 8-byte pair of registers by the 4 nibbles of its selector: the 16 bits of two code
     # bytes are already such nibbles (element order 1, 0, 3, 2), so one permute looks up four 4-bit codes in an 8-entry
-    # byte table. A 16-entry table of bf16 values is two byte planes (low, high) of four registers each: per plane,
-    # entries 0-7 and 8-15 are looked up with the nibbles' low 3 bits, and a third permute picks between them by
-    # bit 3 (selector 0x3210 + 4 · bit3 a nibble); two more interleave the planes into the bf16 pairs of the high-
-    # and low-nibble elements. 11 instructions per two bytes. (tests/test_nf4_matmul.py replays it on the CPU.)
+    # byte table. A 16-entry table of 16-bit values (the activations' bf16 or float16) is two byte planes (low,
+    # high) of four registers each: per plane, entries 0-7 and 8-15 are looked up with the nibbles' low 3 bits, and
+    # a third permute picks between them by bit 3 (selector 0x3210 + 4 · bit3 a nibble); two more interleave the
+    # planes into the 16-bit pairs of the high- and low-nibble elements. 11 instructions per two bytes.
+    # (tests/test_nf4_matmul.py replays it on the CPU.)
     _PRMT_PAIR = """
     and.b32 s, {w}, 0x7777;
     shr.b32 t, {w}, 1;
@@ -276,7 +277,7 @@ if triton is not None:
     prmt.b32 b, $29, $33, s;
     prmt.b32 rh, a, b, t;
     prmt.b32 {hi}, rl, rh, 0x7351;
-    prmt.b32 {lo}, rl, rh, 0x6240;"""  # two code bytes (the low 16 bits of {w}) → bf16 pairs {hi}, {lo}
+    prmt.b32 {lo}, rl, rh, 0x6240;"""  # two code bytes (the low 16 bits of {w}) → 16-bit pairs {hi}, {lo}
     # operands: $0 $1 the high-nibble values, $2 $3 the low-nibble ones (2 bf16 each), $4 four code bytes, then the
     # planes L0..L3, H0..H3 (each 4 times: pack=4 gives every element of an int32 input its own register)
     PRMT_ASM = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh, w;" + _PRMT_PAIR.format(w="$4", hi="$0", lo="$2")
@@ -302,42 +303,44 @@ if triton is not None:
     PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
 
     @triton.jit
-    def _bf16_bits(c, s):
-        """The 16 bits of bf16(c · s) (s float32 [BN]) as int32."""
-        return (c * s).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    def _bits16(c, s, DT: tl.constexpr):
+        """The 16 bits of DT(c · s) (DT bf16 or float16, s float32 [BN]) as int32."""
+        return (c * s).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
     @triton.jit
     def _planes(v0, v1, v2, v3):
-        """(low bytes, high bytes) of four bf16 bit patterns, each packed into an int32 (entry t in byte t)."""
+        """(low bytes, high bytes) of four 16-bit patterns, each packed into an int32 (entry t in byte t)."""
         lo = (v0 & 0xFF) | ((v1 & 0xFF) << 8) | ((v2 & 0xFF) << 16) | ((v3 & 0xFF) << 24)
         hi = (v0 >> 8) | ((v1 >> 8) << 8) | ((v2 >> 8) << 16) | ((v3 >> 8) << 24)
         return lo, hi
 
     @triton.jit
-    def _prmt_tables(s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15):
-        """The byte planes (L0..L3, H0..H3) of the table bf16(code[i] · s), i = 0..15 (s: float32, any shape)."""
-        L0, H0 = _planes(_bf16_bits(c00, s), _bf16_bits(c01, s), _bf16_bits(c02, s), _bf16_bits(c03, s))
-        L1, H1 = _planes(_bf16_bits(c04, s), _bf16_bits(c05, s), _bf16_bits(c06, s), _bf16_bits(c07, s))
-        L2, H2 = _planes(_bf16_bits(c08, s), _bf16_bits(c09, s), _bf16_bits(c10, s), _bf16_bits(c11, s))
-        L3, H3 = _planes(_bf16_bits(c12, s), _bf16_bits(c13, s), _bf16_bits(c14, s), _bf16_bits(c15, s))
+    def _prmt_tables(s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15,
+                     DT: tl.constexpr):
+        """The byte planes (L0..L3, H0..H3) of the table DT(code[i] · s), i = 0..15 (s: float32, any shape; DT the
+        activations' 16-bit type, which the tensor-core product takes)."""
+        L0, H0 = _planes(_bits16(c00, s, DT), _bits16(c01, s, DT), _bits16(c02, s, DT), _bits16(c03, s, DT))
+        L1, H1 = _planes(_bits16(c04, s, DT), _bits16(c05, s, DT), _bits16(c06, s, DT), _bits16(c07, s, DT))
+        L2, H2 = _planes(_bits16(c08, s, DT), _bits16(c09, s, DT), _bits16(c10, s, DT), _bits16(c11, s, DT))
+        L3, H3 = _planes(_bits16(c12, s, DT), _bits16(c13, s, DT), _bits16(c14, s, DT), _bits16(c15, s, DT))
         return L0, L1, L2, L3, H0, H1, H2, H3
 
     @triton.jit
-    def _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3):
-        """(table[hi nibble], table[lo nibble]) in bf16 of bytes [BN, 32] (PRMT_ASM), the planes broadcast to them."""
+    def _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3, DT: tl.constexpr):
+        """(table[hi nibble], table[lo nibble]) in DT of bytes [BN, 32] (PRMT_ASM), the planes broadcast to them."""
         z = tl.zeros(byte.shape, tl.int32)
         return tl.inline_asm_elementwise(PRMT_ASM, PRMT_CONSTRAINTS,
                                          [byte, L0 + z, L1 + z, L2 + z, L3 + z, H0 + z, H1 + z, H2 + z, H3 + z],
-                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+                                         dtype=(DT.value, DT.value), is_pure=True, pack=4)
 
     @triton.jit
-    def _prmt_apply_k(byte, L0, L1, L2, L3, H0, H1, H2, H3):
+    def _prmt_apply_k(byte, L0, L1, L2, L3, H0, H1, H2, H3, DT: tl.constexpr):
         """PRMT_ASM_K's two outputs [BN, 32] of bytes [BN, 32] (each thread's four bytes consecutive in one row, as
         permutes_packed checks; _kord_tile puts them in k order)."""
         z = tl.zeros(byte.shape, tl.int32)
         return tl.inline_asm_elementwise(PRMT_ASM_K, PRMT_CONSTRAINTS,
                                          [byte, L0 + z, L1 + z, L2 + z, L3 + z, H0 + z, H1 + z, H2 + z, H3 + z],
-                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+                                         dtype=(DT.value, DT.value), is_pure=True, pack=4)
 
     @triton.jit
     def _kord_pairs(w_hi, w_lo, BN: tl.constexpr):
@@ -356,11 +359,12 @@ if triton is not None:
         return tl.reshape(tl.permute(w, (0, 1, 3, 2)), [BN, 64])
 
     @triton.jit
-    def _prmt_lookup(byte, s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15):
-        """(bf16(code[hi nibble] · s), bf16(code[lo nibble] · s)) of a block's bytes [BN, 32], s [BN] a row."""
+    def _prmt_lookup(byte, s, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10, c11, c12, c13, c14, c15,
+                     DT: tl.constexpr):
+        """(DT(code[hi nibble] · s), DT(code[lo nibble] · s)) of a block's bytes [BN, 32], s [BN] a row."""
         L0, L1, L2, L3, H0, H1, H2, H3 = _prmt_tables(s[:, None], c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
-                                                      c10, c11, c12, c13, c14, c15)
-        return _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3)
+                                                      c10, c11, c12, c13, c14, c15, DT)
+        return _prmt_apply(byte, L0, L1, L2, L3, H0, H1, H2, H3, DT)
 
     @triton.jit
     def _last_split_sums(Y, OUT, BIAS, LOCK, stride_ys, offs, mask, col, c_ok, SWAP: tl.constexpr,
@@ -442,7 +446,7 @@ if triton is not None:
             j32 = tl.arange(0, 32)
             if LUT >= 4:  # one table for every row and block (the scale comes after the lookup): built once
                 U0, U1, U2, U3, V0, V1, V2, V3 = _prmt_tables(1.0, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
-                                                              c10, c11, c12, c13, c14, c15)
+                                                              c10, c11, c12, c13, c14, c15, x_dtype)
             if LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only)
                 for c in range(c_start, c_stop):
                     k = c * 128 + tl.arange(0, 64)
@@ -461,12 +465,12 @@ if triton is not None:
                         sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
                                      other=0.0)  # [BN] this block's scales
                         if ASM and LUT >= 4 and KORD:
-                            first, second = _prmt_apply_k(byte, U0, U1, U2, U3, V0, V1, V2, V3)
+                            first, second = _prmt_apply_k(byte, U0, U1, U2, U3, V0, V1, V2, V3, x_dtype)
                         elif ASM and LUT >= 4:
-                            w_hi, w_lo = _prmt_apply(byte, U0, U1, U2, U3, V0, V1, V2, V3)
+                            w_hi, w_lo = _prmt_apply(byte, U0, U1, U2, U3, V0, V1, V2, V3, x_dtype)
                         elif ASM:
                             w_hi, w_lo = _prmt_lookup(byte, sb, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09, c10,
-                                                      c11, c12, c13, c14, c15)
+                                                      c11, c12, c13, c14, c15, x_dtype)
                         elif LUT >= 4:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
                             w_hi = tl.load(CODE + (byte >> 4).to(tl.int32)).to(x_dtype)
                             w_lo = tl.load(CODE + (byte & 15).to(tl.int32)).to(x_dtype)
