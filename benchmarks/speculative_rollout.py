@@ -186,7 +186,7 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                 s_plain, plain_stats, n_plain = median_call(plain, prompts, params, args.calls)
                 # the step anatomy (iii): kernel time and launches a step of a plain and a speculating call
                 anatomy = {"plain": dict(wall_ms_step=1e3 * s_plain / plain_stats["decode_steps"],
-                                         **step_anatomy(plain, prompts, params))}
+                                         **captures(plain_stats, s_plain), **step_anatomy(plain, prompts, params))}
                 for call in ("first step", "later step (+ history)"):
                     seed = 2 + len(rows)  # (the same for both schedules)
                     for schedule, spec in specs.items():  # a first step forgets every earlier call; later steps
@@ -196,7 +196,7 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                         if call == "first step" and schedule.startswith("always"):
                             graphs = schedule != "always"
                             anatomy["graphed" if graphs else "speculative"] = dict(
-                                wall_ms_step=1e3 * s / stats["decode_steps"],
+                                wall_ms_step=1e3 * s / stats["decode_steps"], **captures(stats, s),
                                 **step_anatomy(speculative(False, graphs), prompts,
                                                SamplingParams(**{**params.__dict__, "seed": seed})))
                         rows.append(dict(policy=policy, temperature=T, sequences=len(prompts) * G, k=k, call=call,
@@ -347,17 +347,25 @@ def policies_rolled(args) -> str:
         frozenset(args.policies), f"the untrained policy and {trained}")
 
 
+def captures(stats: dict, seconds: float) -> dict:
+    """A timed call's CUDA-graph captures (a call captures its own: its cache and slots are its own), their host
+    seconds and the call's seconds."""
+    return dict(captures=stats.get("graph_captures", 0), capture_s=stats.get("graph_capture_s", 0.0),
+                call_s=seconds)
+
+
 def anatomy_table(real: list[dict]) -> list[str]:
     """(iii): wall ms a decode step (unprofiled calls) beside the GPU's kernel ms and the launches a step
     (profiled calls; step_anatomy), plain and every chunk speculating."""
     def cells(a: dict | None) -> str:
         if not a:
-            return "– | – | –"
+            return "– | – | – | –"
         if "profile_error" in a:
-            return f"{a['wall_ms_step']:.2f} | {a['profile_error']} | –"
+            return f"{a['wall_ms_step']:.2f} | {a['profile_error']} | – | –"
+        graphs = (f"{a['captures']} ({a['capture_s']:.2f} of {a['call_s']:.2f} s)" if "captures" in a else "–")
         if "kernel_ms_step" not in a:
-            return f"{a['wall_ms_step']:.2f} | – | –"
-        return f"{a['wall_ms_step']:.2f} | {a['kernel_ms_step']:.2f} | {a['launches_step']:.0f}"
+            return f"{a['wall_ms_step']:.2f} | – | – | {graphs}"
+        return f"{a['wall_ms_step']:.2f} | {a['kernel_ms_step']:.2f} | {a['launches_step']:.0f} | {graphs}"
 
     rows = [r for r in real if r.get("anatomy")]
     if not rows:
@@ -366,10 +374,12 @@ def anatomy_table(real: list[dict]) -> list[str]:
            "Wall ms a step: an unprofiled call's seconds over its decode steps. Kernel ms a step: the GPU's kernel "
            "time over the steps of a profiled call of the same setting (torch.profiler; a CUDA graph's kernels "
            "counted one by one), launches a step: kernel and graph launches. Kernel time far below the wall "
-           "time: the step waits on the host. (– on the CPU.)", "",
-           "| policy | temperature | sequences | k_max | plain: wall ms | kernel ms | launches | speculating: wall ms "
-           "| kernel ms | launches | with step graphs: wall ms | kernel ms | launches |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "time: the step waits on the host. Graphs: the timed call's CUDA-graph captures (each call captures its "
+           "own), with their host seconds of the call's. (– on the CPU.)", "",
+           "| policy | temperature | sequences | k_max | plain: wall ms | kernel ms | launches | graphs | "
+           "speculating: wall ms | kernel ms | launches | graphs | with step graphs: wall ms | kernel ms | launches "
+           "| graphs |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     out += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | "
             f"{cells(r['anatomy'].get('plain'))} | {cells(r['anatomy'].get('speculative'))} | "
             f"{cells(r['anatomy'].get('graphed'))} |" for r in rows]

@@ -32,6 +32,11 @@ def test_cuda_graph_sampler_equals_transformers_greedy(lora, slots):
     r = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=(stop,)))
     assert sampler.last_stats["fast_decode"]  # the fused kernels built and ran (no fallback)
     assert r.completion_ids == [c for c in cut for _ in range(2)]
+    # the call's graphs: one a decode batch size it ran, each timed; the next call captures its own again
+    stats = sampler.last_stats
+    assert 1 <= stats["graph_captures"] <= stats["decode_steps"] and stats["graph_capture_s"] > 0
+    sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=(stop,)))
+    assert sampler.last_stats["graph_captures"] == stats["graph_captures"]
 
 
 def test_fused_lora_equals_peft_on_cuda_graphs():

@@ -669,6 +669,7 @@ class _Run(VerifySteps):
             return
         graph = self.graphs.get(key)
         if graph is None:
+            start = time.perf_counter()
             side = torch.cuda.Stream(self.sampler.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside capture (rewrites this step's own K/V, harmless)
@@ -678,7 +679,14 @@ class _Run(VerifySteps):
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 forward()
             self.graphs[key] = graph
+            self._count_capture(start)
         graph.replay()
+
+    def _count_capture(self, start: float) -> None:
+        """A graph captured (this call's graphs die with it): the call's count and the host seconds since
+        ``start`` (its warm-up forward's launches and the capture), stats graph_captures / graph_capture_s."""
+        self.stats["graph_captures"] = self.stats.get("graph_captures", 0) + 1
+        self.stats["graph_capture_s"] = self.stats.get("graph_capture_s", 0.0) + time.perf_counter() - start
 
     def _decode_step(self, batch: int) -> None:
         """One token for each active slot of slots 0 … batch−1, on the device (inactive rows keep their state)."""

@@ -14,6 +14,7 @@ The mixin reads the call's state as ``_Run`` holds it (``state``, ``host``, ``ca
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -92,11 +93,13 @@ class VerifySteps:
                 self.graphs_seen.add(key)
                 self._queued_verify(batch, k, width, True)
                 return
+            start = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 self._queued_verify(batch, k, width, True, whole_graph=True)
             self.graphs[key] = graph
             self.stats["spec_step_graphs"] = self.stats.get("spec_step_graphs", 0) + 1
+            self._count_capture(start)
         graph.replay()
 
     def _verify_cost_ratio(self, k: int, decoding: list[int]) -> float:
