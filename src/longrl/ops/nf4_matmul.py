@@ -265,41 +265,37 @@ if triton is not None:
     # a third permute picks between them by bit 3 (selector 0x3210 + 4 · bit3 a nibble); two more interleave the
     # planes into the 16-bit pairs of the high- and low-nibble elements. 11 instructions per two bytes.
     # (tests/test_nf4_matmul.py replays it on the CPU.)
-    _PRMT_PAIR = """
+    _PRMT_SELECTORS = """
     and.b32 s, {w}, 0x7777;
     shr.b32 t, {w}, 1;
     and.b32 t, t, 0x4444;
-    or.b32 t, t, 0x3210;
+    or.b32 t, t, 0x3210;"""  # the permutes' selectors of two code bytes (the low 16 bits of {w})
+    _PRMT_LOOKUP = """
     prmt.b32 a, $5, $9, s;
     prmt.b32 b, $13, $17, s;
     prmt.b32 rl, a, b, t;
     prmt.b32 a, $21, $25, s;
     prmt.b32 b, $29, $33, s;
     prmt.b32 rh, a, b, t;
-    prmt.b32 {hi}, rl, rh, 0x7351;
-    prmt.b32 {lo}, rl, rh, 0x6240;"""  # two code bytes (the low 16 bits of {w}) → 16-bit pairs {hi}, {lo}
+    prmt.b32 {first}, rl, rh, {first_order};
+    prmt.b32 {second}, rl, rh, {second_order};"""  # two code bytes' values (low plane rl, high rh) → 16-bit pairs
+    _BY_NIBBLE = dict(first_order="0x7351", second_order="0x6240")  # (hi of byte 0, hi of byte 1), (lo 0, lo 1)
+    _K_ORDER = dict(first_order="0x4051", second_order="0x6273")  # (hi 0, lo 0), (hi 1, lo 1)
     # operands: $0 $1 the high-nibble values, $2 $3 the low-nibble ones (2 bf16 each), $4 four code bytes, then the
     # planes L0..L3, H0..H3 (each 4 times: pack=4 gives every element of an int32 input its own register)
-    PRMT_ASM = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh, w;" + _PRMT_PAIR.format(w="$4", hi="$0", lo="$2")
-                            + "\nshr.b32 w, $4, 16;" + _PRMT_PAIR.format(w="w", hi="$1", lo="$3") + "\n}")
+    PRMT_ASM = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh, w;" + _PRMT_SELECTORS.format(w="$4")
+                            + _PRMT_LOOKUP.format(first="$0", second="$2", **_BY_NIBBLE)
+                            + "\nshr.b32 w, $4, 16;" + _PRMT_SELECTORS.format(w="w")
+                            + _PRMT_LOOKUP.format(first="$1", second="$3", **_BY_NIBBLE) + "\n}")
     # The same lookups with the values paired in k order, (hi, lo) of byte 0 and of byte 1 (the first output), of
     # bytes 2 and 3 (the second), so the eight values of four bytes in k order are the first output's four, then
     # the second's (no interleaving after it); the selectors made once for the four bytes (a permute reads the low
     # 16 bits of its selector), then shifted for bytes 2 and 3. 9 instructions per two bytes.
-    _PRMT_LOOKUP_K = """
-    prmt.b32 a, $5, $9, s;
-    prmt.b32 b, $13, $17, s;
-    prmt.b32 rl, a, b, t;
-    prmt.b32 a, $21, $25, s;
-    prmt.b32 b, $29, $33, s;
-    prmt.b32 rh, a, b, t;
-    prmt.b32 {first}, rl, rh, 0x4051;
-    prmt.b32 {second}, rl, rh, 0x6273;"""
     PRMT_ASM_K = tl.constexpr("{\n.reg .b32 s, t, a, b, rl, rh;\n    and.b32 s, $4, 0x77777777;\n"
                               "    shr.b32 t, $4, 1;\n    and.b32 t, t, 0x44444444;\n    or.b32 t, t, 0x32103210;"
-                              + _PRMT_LOOKUP_K.format(first="$0", second="$1")
+                              + _PRMT_LOOKUP.format(first="$0", second="$1", **_K_ORDER)
                               + "\n    shr.b32 s, s, 16;\n    shr.b32 t, t, 16;"
-                              + _PRMT_LOOKUP_K.format(first="$2", second="$3") + "\n}")
+                              + _PRMT_LOOKUP.format(first="$2", second="$3", **_K_ORDER) + "\n}")
     PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
 
     @triton.jit
