@@ -138,8 +138,8 @@ def main() -> None:
              "blocks of 64, nested absmax). Trainer: bf16 `F.linear` with bitsandbytes' dequantized weight. "
              "lut 3: the same weights, float32 sums (the decode kernel's), cast to bf16. lut 4: x · (bf16(code) · absmax) in float32, cast "
              "(the scale-after twin). lut 5: W = bf16(bf16(code) · bf16(absmax)), lut 6: W = bf16(bf16(code) · "
-             "absmax), float32 sums, cast. |Δ log p|: per sampled token, against the trainer's; KL: mean over positions "
-             "of KL(trainer ‖ variant).", "",
+             "absmax), float32 sums, cast. |Δ log p|: per sampled token, against the trainer's; KL: mean over "
+             "positions of KL(trainer ‖ variant).", "",
              "| product | mean abs Δ log p | 99th percentile | max | mean KL |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['variant']} | {r['mean_abs']:.2e} | {r['p99_abs']:.2e} | {r['max_abs']:.2e} | "
               f"{r['mean_kl']:.2e} |" for r in rows]

@@ -7,9 +7,14 @@ kernel dequantizes in registers instead, reading 0.5 byte per parameter plus its
     W[n, k] = cast(code[q[n, k]] · absmax[n, k // 64])          (exactly bitsandbytes' dequantized value)
     y = x · [W_0; W_1; W_2; D]ᵀ (+ bias)                         (float32 sums, split over K, one rounding)
 
-or, the default launch (lut 4), each 64-wide block's product with the unscaled codes scaled afterwards:
+or, the default launch at ≤ 16 rows (lut 4), each 64-wide block's product with the unscaled codes scaled afterwards:
 
     y[m, n] = Σ_b absmax[n, b] · Σ_{k in b} x[m, k] · cast(code[q[n, k]])      (one bf16 rounding of W fewer)
+
+or, at 32–128 rows (lut 5), the looked-up values scaled before the product, so that the block products accumulate
+in the tensor cores' sum:
+
+    W[n, k] = cast(cast(code[q[n, k]]) · cast(absmax[n, k // 64]))             (three roundings of W)
 
 A product reads a *group*: up to three NF4 weights of the same input width stacked by rows (q/k/v, gate/up), and
 optionally 16-bit rows D after them (the stacked LoRA A rows of the packed decode, rollout/fast_decode.py), so a
@@ -27,7 +32,8 @@ a fixed order by a second kernel, or (launch choice ``fixup``) by each tile's la
 call, and either way).
 
 :func:`nf4_group_reference` is the plain twin (bitsandbytes' dequantized weights stacked, then ``F.linear``;
-``scale_after=True``: the default launch's, lut 4's, code values scaled after each block's product);
+``scale_after=True``: lut 4's code values scaled after each block's product; :func:`twin_options` gives each
+lookup's);
 tests/test_nf4_matmul.py checks both against bitsandbytes, the kernel through Triton's interpreter and on the GPU;
 benchmarks/nf4_matmul.py times them and sweeps :data:`LAUNCH`.
 """
