@@ -104,7 +104,8 @@
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8), rows (8, 32, 128),
 #              context (1K, 16K) and KV cache (bf16, FP8), every pair in one run (issue 43's table; carry .whl_bnb,
-#              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it) (~10 min)
+#              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an
+#              NF4 launch table, e.g. benchmarks/results/nf4_matmul_${CARD}_sweep.json; MTAG the file's tag) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
@@ -446,7 +447,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
-                --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" ;;
+                --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
+                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" ;;
         visiona|visionb) if [ "$s" = visiona ]; then
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
                     --deadline 500

@@ -11,6 +11,7 @@ A cell whose KV cache cannot fit the GPU is reported as such (the sampler's own 
 
     python benchmarks/rollout_matrix.py                       # GPU: the whole table (~10 min on an H200)
     python benchmarks/rollout_matrix.py --bases bf16,fp8 --rows 8,32 --contexts 1024 --kv bf16
+    python benchmarks/rollout_matrix.py --bases bf16,nf4 --nf4-launch benchmarks/results/nf4_matmul_h100_sweep.json
     python benchmarks/rollout_matrix.py --smoke               # CPU, tiny shape: the program runs; nothing written
 
 The table is rewritten after every cell, so a run cut off by a time limit leaves the cells it finished (its header
@@ -82,7 +83,9 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              f"transformers {meta['transformers']}; {meta['seconds']} s in all; copy bandwidth "
              f"{meta['copy_bandwidth_gbs']:.0f} GB/s; cells {meta.get('cells', '?')}.", "",
              f"{args.shape}, random weights, LoRA r = 32 unmerged, G = {G}, {args.new_tokens} new tokens a sequence "
-             "after a prompt of `context` tokens; × bf16: the base's tokens/s over the bf16 base's in the same cell.",
+             "after a prompt of `context` tokens; × bf16: the base's tokens/s over the bf16 base's in the same cell."
+             + (f" NF4 launch table: {meta['nf4_launch']}." if "nf4" in args.bases and meta.get("nf4_launch") else "")
+             + (f" FP8 launch table: {meta['fp8_launch']}." if "fp8" in args.bases and meta.get("fp8_launch") else ""),
              "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     bf16 = {(r["kv"], r["context"], r["rows"]): r.get("tokens_per_s") for r in rows if r["base"] == "bf16"}
@@ -114,9 +117,14 @@ def main() -> None:
                     help="write the table of the cells a run printed (its log), without measuring")
     ap.add_argument("--log-meta", default="{}", metavar="JSON",
                     help="with --from-log: what the log does not say (date, gpu, torch, transformers, command)")
+    ap.add_argument("--nf4-launch", default="", metavar="JSON|PATH",
+                    help="the NF4 product's launch table (rollout_speed.py's option: a JSON object or a "
+                    "benchmarks/nf4_matmul.py --sweep result whose 'best' is taken)")
+    ap.add_argument("--fp8-launch", default="", metavar="JSON|PATH", help="the FP8 product's, likewise")
     args = ap.parse_args()
     if args.from_log:
         return table_from_log(args)
+    rs.use_product_launches(args.nf4_launch, args.fp8_launch)
     if args.smoke:
         args.shape, args.bases, args.rows, args.contexts, args.kv, args.new_tokens = "tiny", "bf16,fp8", "8", "16", \
             "bf16,fp8", 4
@@ -136,7 +144,8 @@ def main() -> None:
                     rows.append(cell(model, base, step_bytes, n, context, kv, args.new_tokens, bandwidth))
                     print({k: v for k, v in rows[-1].items()}, flush=True)
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
-                                    cells=f"{len(rows)} of {cells}")
+                                    cells=f"{len(rows)} of {cells}", nf4_launch=rs.nf4_launch_table(),
+                                    fp8_launch=rs.fp8_launch_table())
                     if not args.smoke:  # after every cell: a run cut off keeps what it measured
                         write_result(stem, dict(meta=meta, rows=rows), report(meta, rows, args),
                                      echo=len(rows) == cells)

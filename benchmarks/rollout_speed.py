@@ -308,20 +308,7 @@ def main() -> None:
 
         fused_ops.LAUNCH.update(glue_launch(args.glue_launch, args.shape))
         print("glue launch:", fused_ops.LAUNCH, flush=True)
-    if args.nf4_launch:
-        from longrl.ops import nf4_matmul
-
-        spec = args.nf4_launch
-        chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
-        nf4_matmul.LAUNCH.update({int(k): v for k, v in chosen.items()})
-        print("NF4 launch:", nf4_matmul.LAUNCH, flush=True)
-    if args.fp8_launch:
-        from longrl.ops import fp8_matmul
-
-        spec = args.fp8_launch
-        chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
-        fp8_matmul.LAUNCH.update({int(k): v for k, v in chosen.items()})
-        print("FP8 launch:", fp8_matmul.LAUNCH, flush=True)
+    use_product_launches(args.nf4_launch, args.fp8_launch)
     dev = torch.device("cuda" if CUDA else "cpu")  # CPU: a smoke run of the script (--shape tiny)
     impls = args.impls.split(",")
     if args.profile and (args.profile_4bit or args.profile_fp8):  # a quantized model with its adapters, decode
@@ -473,13 +460,26 @@ def derive(results: dict, n_seq: int, N: int, Lp: int, kv_token: int, prompts: i
             r["roofline_floor_s"] = moved / bw
 
 
-def _nf4_launch() -> dict:
+def use_product_launches(nf4: str, fp8: str) -> None:
+    """Replace the NF4 / FP8 products' launch tables (ops/nf4_matmul.LAUNCH, ops/fp8_matmul.LAUNCH, by rows) with
+    --nf4-launch / --fp8-launch: a JSON object, or a benchmarks/nf4_matmul.py sweep result whose 'best' is taken
+    (empty: keep the table)."""
+    from longrl.ops import fp8_matmul, nf4_matmul
+
+    for spec, module, name in ((nf4, nf4_matmul, "NF4"), (fp8, fp8_matmul, "FP8")):
+        if spec:
+            chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
+            module.LAUNCH.update({int(k): v for k, v in chosen.items()})
+            print(f"{name} launch:", module.LAUNCH, flush=True)
+
+
+def nf4_launch_table() -> dict:
     from longrl.ops.nf4_matmul import LAUNCH
 
     return dict(LAUNCH)
 
 
-def _fp8_launch() -> dict:
+def fp8_launch_table() -> dict:
     from longrl.ops.fp8_matmul import LAUNCH
 
     return dict(LAUNCH)
@@ -491,7 +491,7 @@ def write_tables(args, results, weight_bytes) -> None:
 
     meta = run_meta(shape=args.shape, prompts=args.prompts, G=args.G, prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens, weight_gib=weight_bytes / GIB, decode_launch=dict(LAUNCH),
-                    glue_launch=dict(GLUE_LAUNCH), nf4_launch=_nf4_launch(), fp8_launch=_fp8_launch())
+                    glue_launch=dict(GLUE_LAUNCH), nf4_launch=nf4_launch_table(), fp8_launch=fp8_launch_table())
     stem = f"rollout_speed_{args.shape}_{card_tag()}{args.tag}"
     hf = results.get("hf-generate", {}).get("tokens_per_s")
     cb = results.get("hf-continuous", {}).get("tokens_per_s")
@@ -530,12 +530,12 @@ def write_tables(args, results, weight_bytes) -> None:
                       f"packed groups {results[name]['stats'].get('packed_groups')}, projections on the "
                       f"{kind.upper()} kernel {results[name]['stats'].get(kind + '_projections')}."]
     lines += ["", "longrl-4bit: every decoder projection in bitsandbytes NF4 (head bf16), decode products on "
-              "longrl's NF4 kernel (generation.nf4_kernel; NF4 launch table " + str(_nf4_launch()) + "); "
+              "longrl's NF4 kernel (generation.nf4_kernel; NF4 launch table " + str(nf4_launch_table()) + "); "
               "longrl-4bit-bnb: the same model through bitsandbytes' own call. Their weights column: the 4-bit "
               "model's parameters; roofline bytes: its codes + bitsandbytes' stored scales + the bf16 rest."]
     if any(base_of(n) == "fp8" for n in results):
         lines += ["", "longrl-fp8: every decoder projection in FP8 e4m3 with 128x128 block scales (head bf16), decode "
-                  "products on longrl's FP8 kernel (ops/fp8_matmul.py; launch table " + str(_fp8_launch()) + "); "
+                  "products on longrl's FP8 kernel (ops/fp8_matmul.py; launch table " + str(fp8_launch_table()) + "); "
                   "longrl-fp8-dequant: the same model through the FP8 layers' forward (dequantize, then bf16). "
                   "Roofline bytes: the codes + the block scales + the bf16 rest."]
     lines += ["", "longrl: the sampler's defaults: decode steps through rollout/fast_decode.py (fused glue kernels), "
