@@ -79,8 +79,8 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
 # permutes_packed guards lut 3's assumption. kord (absent: off; luts 4 to 6): the permutes pair the values in k
 # order (PRMT_ASM_K, its selectors made once for four bytes), so the tile needs no interleaving of the high- and
-# low-nibble values after them: 5.3 instructions a code in the sm_90 SASS at 16 rows against 6.1 (6.83 → 5.95 at
-# 128 rows with lut 5; decode_product_sass.md); it assumes each thread's four bytes consecutive in one row, as lut 3
+# low-nibble values after them: 5.2 instructions a code in the sm_90 SASS at 16 rows against 6.1 (lut 4), 5.7
+# against 6.6 at 128 rows (lut 5; decode_product_sass.md); it assumes each thread's four bytes consecutive in one row, as lut 3
 # does (permutes_packed; where not, the build runs without it). maxnreg (absent: the compiler's choice): registers
 # a thread at most, so that more programs share an SM. fixup (absent: off): with several K splits and one m tile,
 # each row tile's last program to finish sums the splits' partials (an arrival count a tile, NF4Group.locks) instead of
@@ -464,8 +464,11 @@ if triton is not None:
                                            mask=n_ok[:, None] & kb_ok[None, :], other=0)
                             xt = tl.load(x_rows[None, :] + kb[:, None], mask=m_ok[None, :] & (kb < K)[:, None],
                                          other=0.0)
-                        sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
-                                     other=0.0)  # [BN] this block's scales
+                        if EVEN_K:  # [BN] this block's scales (every block of a whole chunk exists)
+                            sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok, other=0.0)
+                        else:
+                            sb = tl.load(S + (2 * c + blk) * NQ + n, mask=n_ok & (n * 0 + c * 128 + 64 * blk < K),
+                                         other=0.0)
                         if ASM and LUT >= 4 and KORD:
                             first, second = _prmt_apply_k(byte, U0, U1, U2, U3, V0, V1, V2, V3, x_dtype)
                         elif ASM and LUT >= 4:
