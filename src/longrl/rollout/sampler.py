@@ -928,7 +928,7 @@ class _Run(VerifySteps):
                 mrope = positions[None].repeat(3, 1, 1)  # + its own mRoPE positions (relative to where they start)
                 for p in placements:
                     mrope[:, p.row, p.start:p.start + p.length] = \
-                        p.prompt.mrope.to(device) + positions[p.row, p.start - 1] + 1
+                        p.prompt.positions_after(positions[p.row, p.start - 1])
             built = language_model_inputs(self.sampler.model, inputs, positions, list(placements), self.features,
                                           positions=mrope)
             return self.sampler.backbone(**built, use_cache=False, longrl_kv=meta).last_hidden_state

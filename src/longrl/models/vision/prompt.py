@@ -34,6 +34,12 @@ class VisionPrompt:
             return torch.arange(length)
         return continued_positions(self.mrope, self.rope_delta, length)
 
+    def positions_after(self, before: torch.Tensor) -> torch.Tensor:
+        """[3, L] mRoPE positions, on ``before``'s device, of this block placed inside a sequence after a token at
+        position ``before`` (a 0-d tensor; mRoPE positions are relative to where they start: the block's own, moved
+        to follow it)."""
+        return self.mrope.to(before.device) + (before + 1)
+
 
 @dataclass(eq=False)
 class SequenceImages:
@@ -57,7 +63,7 @@ class SequenceImages:
                else torch.arange(length)[None].repeat(3, 1)).clone()
         for at, block in self.blocks:
             n = len(block)
-            pos[:, at:at + n] = block.mrope + (pos[0, at - 1] + 1)  # (the token before a block is text)
+            pos[:, at:at + n] = block.positions_after(pos[0, at - 1])  # (the token before a block is text)
             pos[:, at + n:] += block.rope_delta
         return pos
 
