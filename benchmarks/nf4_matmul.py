@@ -124,14 +124,25 @@ def same_with_fixup(linear, xs: dict, groups: dict, cfg: dict, rows: list, M: in
     return True
 
 
+def packed_group(name: str, dev, fp8: bool = False):
+    """GROUPS[name] as the packed decode holds it: random NF4 (or FP8) weights, then LoRA A rows (bf16, std 0.02)."""
+    ns, r, K = GROUPS[name]
+    if fp8:
+        from longrl.ops import fp8_matmul as fm
+
+        ws = [fp8_weight(n, K, dev, seed=i) for i, n in enumerate(ns)]
+        a = torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02
+        return fm.fp8_group([q for q, _ in ws], [s for _, s in ws], a)
+    params = [quantized(n, K, dev, seed=i) for i, n in enumerate(ns)]
+    return nm.nf4_group(params, torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02)
+
+
 def sweep(dev) -> tuple[list[dict], dict]:
     """Every group at each decode row count under each launch choice; the choice with the least summed time of a
     layer's four groups per row count ('best')."""
     groups = {}
-    for name, (ns, r, K) in GROUPS.items():
-        params = [quantized(n, K, dev, seed=i) for i, n in enumerate(ns)]
-        a = torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02
-        g = nm.nf4_group(params, a)
+    for name in GROUPS:
+        g = packed_group(name, dev)
         groups[name] = (g, nm.nf4_group_weight(g, torch.bfloat16))
     rows, best = [], {}
     for M in SWEEP_ROWS:
@@ -214,10 +225,8 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
     from longrl.ops import fp8_matmul as fm
 
     groups = {}
-    for name, (ns, r, K) in GROUPS.items():
-        ws = [fp8_weight(n, K, dev, seed=i) for i, n in enumerate(ns)]
-        a = torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02
-        g = fm.fp8_group([q for q, _ in ws], [s for _, s in ws], a)
+    for name in GROUPS:
+        g = packed_group(name, dev, fp8=True)
         groups[name] = (g, fm.fp8_group_weight(g, torch.bfloat16))
     rows, best = [], {}
     for M in (128, 32, 8):

@@ -4,7 +4,8 @@
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         python3 benchmarks/product_once.py --group "gate/up + A" --rows 16 [--fp8] [--launch '{"lut": 5}']
 
-The group's NF4 (or FP8) weights and LoRA A rows as benchmarks/nf4_matmul.py builds them; x random bf16 rows.
+The group's NF4 (or FP8) weights and LoRA A rows as benchmarks/nf4_matmul.py builds them (packed_group); x random
+bf16 rows.
 Prints the launch used; times nothing (the profiler does).
 """
 
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from nf4_matmul import GROUPS, fp8_weight, quantized  # noqa: E402
+from nf4_matmul import GROUPS, packed_group  # noqa: E402
 
 from longrl.ops import fp8_matmul as fm  # noqa: E402
 from longrl.ops import nf4_matmul as nm  # noqa: E402
@@ -36,16 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("product_once.py needs a CUDA device")
-    ns, r, K = GROUPS[args.group]
-    dense = torch.randn(r, K, dtype=torch.bfloat16, device="cuda") * 0.02
-    if args.fp8:
-        ws = [fp8_weight(n, K, "cuda", seed=i) for i, n in enumerate(ns)]
-        group, linear, table = fm.fp8_group([q for q, _ in ws], [s for _, s in ws], dense), fm.fp8_group_linear, \
-            fm.LAUNCH
-    else:
-        group = nm.nf4_group([quantized(n, K, "cuda", seed=i) for i, n in enumerate(ns)], dense)
-        linear, table = nm.nf4_group_linear, nm.LAUNCH
-    x = torch.randn(args.rows, K, dtype=torch.bfloat16, device="cuda")
+    group = packed_group(args.group, "cuda", fp8=args.fp8)
+    linear, table = (fm.fp8_group_linear, fm.LAUNCH) if args.fp8 else (nm.nf4_group_linear, nm.LAUNCH)
+    x = torch.randn(args.rows, group.K, dtype=torch.bfloat16, device="cuda")
     print("launch", nm.launch_for(args.rows, args.launch, table), flush=True)
     for _ in range(args.calls):
         linear(x, group, launch=args.launch)
