@@ -43,7 +43,7 @@ GROUPS = {"q/k/v + A": ((4096, 1024, 1024), 96, 4096), "o + A": ((4096,), 32, 40
           "gate/up + A": ((14336, 14336), 64, 4096), "down + A": ((4096,), 32, 14336)}
 DECODE_ROWS = (16, 128)
 FP8_ROWS = (1, 8, 16, 32, 128)
-SWEEP_ROWS = (128, 16)  # the rollout's first
+SWEEP_ROWS = (128, 32, 16)  # the rollout's first
 TRAIN_ROWS = (2048,)  # training-side products (a micro-batch's tokens): bitsandbytes keeps these
 
 
@@ -59,7 +59,7 @@ def quantized(N: int, K: int, dev, seed: int = 0):
 
 
 def sweep_choices(M: int) -> list[dict]:
-    """Launch choices tried at M rows (where the rollout benchmark runs: 128 rows; and 16)."""
+    """Launch choices tried at M rows (128, where the rollout benchmark runs; 32 and 16)."""
     def c(bn, w, st, lut=3, swap=True, **more):
         return dict(bn=bn, swap=swap, join=True, lut=lut, warps=w, stages=st, programs=264, **more)
 
@@ -73,16 +73,21 @@ def sweep_choices(M: int) -> list[dict]:
     # 64 and 72 let 7 programs share an SM at 16 rows, spilling 15 and 3 registers a loop in the CPU's sm_90 build;
     # at 128 rows 128 registers spill 16 and a 64-row tile of 4 warps at 2 stages fits 2 programs without a cap);
     # kord: the values paired in k order by the permutes, 0.8-0.9 fewer instructions a code (decode_product_sass.md)
+    # The first sweep of 2026-12-06 (nf4_matmul_h100_call1.md) tried the alternatives above at 16 and 128 rows:
+    # kord was the fastest at 16 rows (lut 4, 98.6 µs a layer at 528 programs), 64-row tiles of 4 warps at 3 stages
+    # at 128 (lut 5, 209.8 µs at 396 programs, kord not tried there). What follows is the second: kord and stage
+    # counts around those winners, and 32 rows (issue 43's middle target) with a list of its own.
     if M >= 128:
-        return [c(128, 8, 2), c(128, 4, 2), c(64, 4, 2), c(64, 8, 2), c(128, 8, 3), c(128, 8, 2, lut=1),
-                c(128, 8, 3, lut=4), c(128, 8, 2, lut=4), c(128, 8, 3, lut=5), c(128, 8, 3, lut=6),
-                c(128, 8, 2, lut=5), c(64, 4, 2, lut=5), c(64, 4, 3, lut=5), c(64, 8, 2, lut=5),
-                c(128, 8, 3, lut=5, kord=True), c(128, 8, 2, lut=5, kord=True), c(64, 4, 2, lut=5, kord=True)]
-    return [c(128, 4, 3), c(64, 4, 3), c(128, 4, 3, lut=1), c(128, 4, 3, lut=4), c(64, 4, 3, lut=4),
-            c(128, 4, 2, lut=4), c(256, 8, 3, lut=4), c(64, 4, 3, lut=5), c(64, 4, 3, lut=6), c(128, 4, 3, lut=5),
-            c(32, 4, 3, lut=4), c(32, 2, 3, lut=4), c(32, 4, 3, lut=5), c(64, 4, 3, lut=4, maxnreg=64),
-            c(64, 4, 2, lut=4), c(64, 4, 2, lut=4, maxnreg=64), c(64, 4, 4, lut=4), c(64, 4, 3, lut=4, maxnreg=72),
-            c(64, 4, 3, lut=4, kord=True), c(128, 4, 3, lut=4, kord=True), c(64, 4, 3, lut=5, kord=True)]
+        return [c(64, 4, 3, lut=5), c(64, 4, 3, lut=5, kord=True), c(64, 4, 4, lut=5, kord=True),
+                c(64, 4, 3, lut=4, kord=True), c(64, 4, 3, lut=6, kord=True), c(128, 8, 3, lut=5, kord=True),
+                c(32, 4, 3, lut=5, kord=True), c(64, 8, 3, lut=5, kord=True)]
+    if M >= 32:
+        return [c(64, 4, 3, lut=5), c(64, 4, 3, lut=5, kord=True), c(64, 4, 3, lut=4, kord=True),
+                c(64, 4, 4, lut=5, kord=True), c(128, 4, 3, lut=5, kord=True), c(128, 8, 3, lut=5, kord=True),
+                c(32, 4, 3, lut=5, kord=True), c(32, 4, 3, lut=4, kord=True)]
+    return [c(64, 4, 3, lut=4), c(64, 4, 3, lut=4, kord=True), c(64, 4, 4, lut=4, kord=True),
+            c(64, 4, 2, lut=4, kord=True), c(64, 4, 3, lut=5, kord=True), c(64, 4, 3, lut=6, kord=True),
+            c(32, 4, 3, lut=4, kord=True), c(64, 4, 3, lut=4, kord=True, maxnreg=72)]
 
 
 def table(dev, bw: float) -> list[dict]:

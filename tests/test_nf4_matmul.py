@@ -413,7 +413,8 @@ def test_group_kernel_on_the_gpu_equals_the_twin(M):
     112 chunks, split) under every launch choice of the table, the other operand order and the register gather,
     against the float32
     product of the twin's bf16 weight."""
-    from longrl.ops.nf4_matmul import LAUNCH, PERMUTE_FALLBACKS, nf4_group, nf4_group_linear, nf4_group_weight
+    from longrl.ops.nf4_matmul import (LAUNCH, PERMUTE_FALLBACKS, launch_for, nf4_group, nf4_group_linear,
+                                       nf4_group_weight, twin_options)
 
     torch.manual_seed(M)
     cases = [(nf4_group([_quantized(n, 4096, seed=n, device="cuda")[0] for n in (512, 128, 128)],
@@ -422,12 +423,14 @@ def test_group_kernel_on_the_gpu_equals_the_twin(M):
              nf4_group([_quantized(256, 14336, seed=3, device="cuda")[0]], None, None)]
     for g in cases:
         x = torch.randn(M, g.K, dtype=torch.bfloat16, device="cuda")
-        W = nf4_group_weight(g, torch.bfloat16).float()  # the kernel's operands, exactly
-        exact = x.float() @ W.t() + (g.bias.float() if g.bias is not None else 0)
-        scale = x.float().abs() @ W.abs().t()
         choices = [dict(c) for c in {tuple(sorted(c.items())) for c in LAUNCH.values()}]  # the table's, once each
         PERMUTE_FALLBACKS.clear()
         for i, cfg in enumerate(choices + [dict(swap=False, bn=64, warps=4, stages=2, programs=132), dict(lut=1)]):
+            # the weights this choice multiplies, exactly (luts 4-6 round or scale them otherwise: twin_options)
+            lut = launch_for(M, cfg)[1]["lut"]  # (a choice's missing keys are the table entry's)
+            W = nf4_group_weight(g, torch.bfloat16, **twin_options(lut)).float()
+            exact = x.float() @ W.t() + (g.bias.float() if g.bias is not None else 0)
+            scale = x.float().abs() @ W.abs().t()
             got = nf4_group_linear(x, g, launch=cfg).float()
             assert got.shape == exact.shape
             # one bfloat16 rounding of the result (2^-8 relative) plus float32 sums in another order

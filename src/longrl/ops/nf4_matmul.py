@@ -71,10 +71,11 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # tree of selects; 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared
 # memory one element at a time: far slower), warps, pipeline stages, and the programs the K split aims at (split =
 # ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the
-# table below is its fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_sweep.md: at 16 rows lut 4
-# a layer's products in 111 µs, lut 5 129 against lut 4's 128 at 264 programs, lut 3's best 150; at 128 rows lut 5
-# 225 µs, lut 4 253 in the sweep before, 276 at 264 programs in the same run), 32 and 64 rows taking the 128-row
-# choice. Their weights differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs
+# table below is its fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_call1.md: at 16 rows lut 4
+# with kord a layer's products in 98.6 µs at 528 programs, 98.9 with fixup, 112.4 the day's table before kord,
+# lut 5 with kord 114.1 against lut 4's 110.3 at 264 programs, lut 3's best 148; at 128 rows lut 5 in 64-row
+# tiles of 4 warps, 209.8 µs at 396 programs, 253.7 in 128-row tiles of 8 warps, lut 4's best 276.6), 32 and 64
+# rows taking the 128-row choice. Their weights differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs
 # move from the trainer's by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums
 # of the trainer's own weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's
 # log-probs in any case. permutes_packed guards lut 3's assumption. kord (absent: off; luts 4 to 6): the permutes
@@ -86,12 +87,13 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # off): with several K splits and one m tile, each row tile's last program to finish sums the splits' partials (an
 # arrival count a tile, NF4Group.locks) instead of _split_sum_kernel's launch after the product (127 launches,
 # ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an H100); the same sums in the same order, so bit for bit the
-# same result. On at 16 rows, where the sweep found it fastest (H100, 2026-12-06: a layer's products 112.4 µs
-# against 116.6 without); at 128 rows it was slower.
-LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True),
-          32: dict(bn=128, swap=True, join=True, lut=5, warps=8, stages=3, programs=132),
-          64: dict(bn=128, swap=True, join=True, lut=5, warps=8, stages=3, programs=132),
-          128: dict(bn=128, swap=True, join=True, lut=5, warps=8, stages=3, programs=132)}
+# same result. On at 16 rows, where a sweep found it fastest (H100, 2026-12-06: a layer's products 112.4 µs
+# against 116.6 without) and the next tied it (98.9 against 98.6 with kord), for one launch less; at 128 rows it
+# was slower.
+LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, kord=True),
+          32: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396),
+          64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396),
+          128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
