@@ -351,7 +351,7 @@ def captures(stats: dict, seconds: float) -> dict:
     """A timed call's CUDA-graph captures (a call captures its own: its cache and slots are its own), their host
     seconds and the call's seconds."""
     return dict(captures=stats.get("graph_captures", 0), capture_s=stats.get("graph_capture_s", 0.0),
-                call_s=seconds)
+                setup_s=stats.get("prepare_s", 0.0) + stats.get("release_s", 0.0), call_s=seconds)
 
 
 def anatomy_table(real: list[dict]) -> list[str]:
@@ -362,7 +362,8 @@ def anatomy_table(real: list[dict]) -> list[str]:
             return "– | – | – | –"
         if "profile_error" in a:
             return f"{a['wall_ms_step']:.2f} | {a['profile_error']} | – | –"
-        graphs = (f"{a['captures']} ({a['capture_s']:.2f} of {a['call_s']:.2f} s)" if "captures" in a else "–")
+        graphs = (f"{a['captures']} ({a['capture_s']:.2f} s), setup {a.get('setup_s', 0.0):.2f} s, of "
+                  f"{a['call_s']:.2f} s" if "captures" in a else "–")
         if "kernel_ms_step" not in a:
             return f"{a['wall_ms_step']:.2f} | – | – | {graphs}"
         return f"{a['wall_ms_step']:.2f} | {a['kernel_ms_step']:.2f} | {a['launches_step']:.0f} | {graphs}"
@@ -375,7 +376,9 @@ def anatomy_table(real: list[dict]) -> list[str]:
            "time over the steps of a profiled call of the same setting (torch.profiler; a CUDA graph's kernels "
            "counted one by one), launches a step: kernel and graph launches. Kernel time far below the wall "
            "time: the step waits on the host. Graphs: the timed call's CUDA-graph captures (each call captures its "
-           "own), with their host seconds of the call's. (– on the CPU.)", "",
+           "own) and their host seconds; setup: the call's host seconds setting the model up and undoing it "
+           "(Sampler.last_stats prepare_s + release_s: LoRA fused, packed weights, the call's buffers); of the "
+           "call's seconds. (– on the CPU.)", "",
            "| policy | temperature | sequences | k_max | plain: wall ms | kernel ms | launches | graphs | "
            "speculating: wall ms | kernel ms | launches | graphs | with step graphs: wall ms | kernel ms | launches "
            "| graphs |",

@@ -227,8 +227,14 @@ class Sampler:
         start = time.perf_counter()
         with self.prepared() as (fused, quant, packed):
             run = _Run(self, prompt_ids, num_generations, params, multi_turn, vision)  # after the preparations: the
-            rollout = run.execute()  # KV cache is sized from what they leave free
-        self.last_stats = {**run.stats, "seconds": time.perf_counter() - start, "lora_fused": fused,
+            ready = time.perf_counter()  # KV cache is sized from what they leave free
+            rollout = run.execute()
+            done = time.perf_counter()
+        end = time.perf_counter()
+        # host seconds around the decoding: the model set up for the call and the call's buffers (prepare_s), and
+        # undone (release_s); a call of few steps pays them as it pays its graph captures
+        self.last_stats = {**run.stats, "seconds": end - start, "prepare_s": ready - start, "release_s": end - done,
+                           "lora_fused": fused,
                            "vision_tower_calls": run.features.tower_calls if run.features is not None else 0,
                            "fast_decode": self.fast is not None,
                            # 0 after a fallback (and without Triton: the modules' own forward)
