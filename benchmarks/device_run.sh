@@ -31,6 +31,8 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
+#   overhead   call_overhead.py: a short rollout call's fixed host costs (captures, set-up) beside its decode steps,
+#              SmolLM2-135M shape, 8/32/128 sequences (OSEQ), min_decode_batch 1 and 16 (OMIN), plain and ngram
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
 #   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min)
@@ -446,6 +448,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
+        overhead) stage overhead 200 python3 benchmarks/call_overhead.py --shape smollm2-135m \
+                --sequences ${OSEQ:-8 32 128} --min-batch ${OMIN:-1 16} --tag "${OTAG:-}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
                 ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" ;;

@@ -205,6 +205,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         bos_token_id=151643,
         eos_token_id=151643,
     ),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (dimensions only): the real model of the speculative and learning runs
+    "smollm2-135m": dict(
+        arch="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # CPU test shape (llama architecture)
     "tiny": dict(
         arch="llama",

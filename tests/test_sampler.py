@@ -344,6 +344,28 @@ def test_sampled_completions_do_not_depend_on_the_slot_layout():
     assert len({len(c) for c in wide.completion_ids}) > 1  # lengths differ: the layouts really diverge
 
 
+def test_a_decode_batch_floor_keeps_the_completions_and_compacts_less():
+    """Sampler(min_decode_batch=m): the same seeded completions and log-probs as the default's (each random number
+    is keyed by sequence and position, each row's step reads its own state), with no compaction below m rows;
+    batch_buckets lists the buckets from the floor."""
+    from longrl.rollout.sampler import batch_buckets
+
+    assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(8, 4) == [4, 8] and batch_buckets(8, 16) == [8]
+    assert batch_buckets(40, 16) == [16, 32, 40] and batch_buckets(1, 16) == [1]
+    model, tok = tiny_model(seed=5)
+    params = SamplingParams(max_new_tokens=20, seed=3, top_p=0.9, stop_token_ids=(13, 8))
+    runs = {}
+    for floor in (1, 8):
+        sampler = Sampler(model, tok, sync_every=2, min_decode_batch=floor)
+        runs[floor] = (sampler.generate(PROMPTS, 2, params), sampler.last_stats["compactions"])
+    (base, compacted), (floored, none) = runs[1], runs[8]
+    assert floored.completion_ids == base.completion_ids and floored.logprobs == base.logprobs
+    assert compacted > 0 and none == 0  # the default compacted into smaller buckets; 8 rows, one bucket, never
+    assert len({len(c) for c in base.completion_ids}) > 1
+    with pytest.raises(ValueError, match="min_decode_batch"):
+        Sampler(model, tok, min_decode_batch=0)
+
+
 def test_first_tokens_of_many_completions_follow_the_model():
     """One prompt, 6,000 completions of one token: the first-token frequencies pass a chi-square test against
     the model's softmax(z / T) (the sampler end to end: prefill, admission, keyed draws)."""

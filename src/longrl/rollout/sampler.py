@@ -102,9 +102,10 @@ def _model_dims(model) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes a step may run at: powers of two below ``max_batch``, and ``max_batch``."""
-    sizes = [1 << i for i in range(max(1, max_batch).bit_length()) if (1 << i) < max_batch]
+def batch_buckets(max_batch: int, smallest: int = 1) -> list[int]:
+    """Decode batch sizes a step may run at: powers of two from ``smallest`` below ``max_batch``, and
+    ``max_batch``."""
+    sizes = [1 << i for i in range(max(1, max_batch).bit_length()) if smallest <= (1 << i) < max_batch]
     return sizes + [max_batch]
 
 
@@ -129,6 +130,9 @@ class Sampler:
     chunks of plain steps while speculation does not pay (rollout/spec_schedule.py); False: every chunk speculates.
     speculative_schedule: how the fallback prices a verify step: "measured" (the call's own step times, read through
     ``Sampler.clock``) or "bytes" (a byte model: the same choices, and tokens, on every run with a seed).
+    min_decode_batch: the fewest rows a decode step runs (slots compact into batch buckets of powers of two from
+    it, each bucket its own CUDA graphs): a call captures its graphs anew, at a cost of host time that a call of few
+    steps does not win back, while a step of few rows reads the same weights whatever its row count.
     speculative_graphs: with "ngram" and CUDA graphs, a whole queued verify step (drafts, forward, acceptance, kept
     tokens) replays as one CUDA graph (rollout/verify_steps.py _queued_graph); off (the default until measured on a
     GPU): the verify forward alone is a graph and the rest launches eagerly.
@@ -147,7 +151,8 @@ class Sampler:
                  nf4_kernel: bool = True, pack_projections: bool = True, memory_cap_bytes: int | None = None,
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
                  fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True,
-                 speculative_graphs: bool = False, speculative_schedule: str = "measured"):
+                 speculative_graphs: bool = False, speculative_schedule: str = "measured",
+                 min_decode_batch: int = 1):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -156,11 +161,14 @@ class Sampler:
             raise ValueError(f"max_draft_tokens must be >= 1; got {max_draft_tokens}")
         if speculative_schedule not in ("measured", "bytes"):
             raise ValueError(f"speculative_schedule must be measured or bytes; got {speculative_schedule!r}")
+        if min_decode_batch < 1:
+            raise ValueError(f"min_decode_batch must be >= 1; got {min_decode_batch}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.fp8_kernel = fp8_kernel
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
+        self.min_decode_batch = min_decode_batch
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
         self.use_triton = self.device.type == "cuda" and triton_available()
@@ -384,7 +392,7 @@ class _Run(VerifySteps):
         # each entry's prompt's mRoPE rope delta (0: 1-D positions): token i after the prompt sits at i + delta
         self.entry_delta = torch.zeros(self.num_entries, dtype=torch.long, device=device)
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
-        self.buckets = batch_buckets(self.num_slots)
+        self.buckets = batch_buckets(self.num_slots, sampler.min_decode_batch)
         # batch bucket → its captured decode forward; ("verify", bucket, k) → its verify forward (_verify_forward);
         # ("queued", bucket, k, width) → a whole queued verify step (verify_steps._queued_graph)
         self.graphs: dict = {}
