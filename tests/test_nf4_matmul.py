@@ -72,7 +72,7 @@ KERNEL_CHECK = textwrap.dedent('''
     # registers (join) or read as even and odd k, M from 1 to 65; lut 4 (the scale after each block's product), 5
     # and 6 (the looked-up values scaled in 16 bits or float32) against their own exact products (twin_options),
     # with the values in k order (kord: here the pairing PRMT_ASM_K makes, _kord_pairs, put in order by _kord_tile),
-    # K whole chunks or not
+    # K whole chunks or not, two chunks a loop iteration (unroll: splits of an even and an odd count of chunks)
     for rows, K, M, R, bias, launch in [([128, 64, 70], 320, 17, 5, True, dict(swap=False)),
                                         ([48, 80], 1280, 1, 3, False, dict(programs=64, join=False, lut=1)),
                                         ([96], 576, 33, 0, True, dict(bn=32, programs=8, swap=False, join=False, lut=0)),
@@ -86,7 +86,9 @@ KERNEL_CHECK = textwrap.dedent('''
                                         ([64, 64], 128, 65, 7, False, dict(lut=6)),
                                         ([128, 64, 70], 320, 17, 5, True, dict(lut=4, kord=True)),
                                         ([48, 80], 1280, 3, 3, False, dict(lut=5, kord=True, programs=64, swap=False)),
-                                        ([96], 576, 33, 0, True, dict(lut=6, kord=True, bn=32, programs=8))]:
+                                        ([96], 576, 33, 0, True, dict(lut=6, kord=True, bn=32, programs=8)),
+                                        ([128, 64, 70], 1280, 17, 5, True, dict(lut=4, kord=True, unroll=2)),
+                                        ([48, 80], 576, 3, 3, False, dict(lut=5, unroll=2, programs=4))]:
         ws = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
         dense = torch.randn(R, K, dtype=torch.float16) if R else None
         biases = [torch.randn(n, dtype=torch.float16) if i != 1 else None for i, n in enumerate(rows)] if bias else None
@@ -236,7 +238,8 @@ def test_group_twin_stacks_bitsandbytes_weights():
                                        (128, dict(lut=5, bn=128, warps=8)), (128, dict(lut=6)),
                                        (1, dict(lut=4, kord=True)), (16, dict(lut=4, kord=True)),
                                        (16, dict(lut=5, kord=True, bn=128)), (128, dict(lut=5, kord=True)),
-                                       (128, dict(lut=6, kord=True, bn=64, warps=4))])
+                                       (128, dict(lut=6, kord=True, bn=64, warps=4)),
+                                       (16, dict(lut=4, kord=True, unroll=2)), (128, dict(lut=5, kord=True, unroll=2))])
 def test_lut4_kernel_on_the_gpu_equals_its_twin(M, launch):
     """The one-table byte permutes on the GPU (any layout of the bytes, the 4-warp 128-row tile included): lut 4
     against its twin x · (cast(code) · absmax)ᵀ summed in float32, luts 5 and 6 (the values scaled before the

@@ -83,7 +83,9 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # interleaving of the high- and low-nibble values after them: 5.2 instructions a code in the sm_90 SASS at 16 rows
 # against 6.1 (lut 4), 5.7 against 6.6 at 128 rows (lut 5; decode_product_sass.md); it assumes each thread's four
 # bytes consecutive in one row, as lut 3 does (permutes_packed; where not, the build runs without it). maxnreg
-# (absent: the compiler's choice): registers a thread at most, so that more programs share an SM. fixup (absent:
+# (absent: the compiler's choice): registers a thread at most, so that more programs share an SM. unroll (absent:
+# 1; luts 3 to 6): chunks of K an iteration of the K loop (Triton's loop_unroll_factor), more loads and lookups in
+# flight for the latency-bound few-row products. fixup (absent:
 # off): with several K splits and one m tile, each row tile's last program to finish sums the splits' partials (an
 # arrival count a tile, NF4Group.locks) instead of _split_sum_kernel's launch after the product (127 launches,
 # ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an H100); the same sums in the same order, so bit for bit the
@@ -397,7 +399,8 @@ if triton is not None:
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles,
                           HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
                           JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False, KORD: tl.constexpr = False):
+                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False, KORD: tl.constexpr = False,
+                          UNROLL: tl.constexpr = 1):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
@@ -452,8 +455,8 @@ if triton is not None:
             if LUT >= 4:  # one table for every row and block (the scale comes after the lookup): built once
                 U0, U1, U2, U3, V0, V1, V2, V3 = _prmt_tables(1.0, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
                                                               c10, c11, c12, c13, c14, c15, x_dtype)
-            if LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only)
-                for c in range(c_start, c_stop):
+            if LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only); UNROLL chunks an iteration
+                for c in tl.range(c_start, c_stop, loop_unroll_factor=UNROLL):
                     k = c * 128 + tl.arange(0, 64)
                     for blk in tl.static_range(2):
                         kb = k + 64 * blk
@@ -734,7 +737,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
             g.N01, NQ, R, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
             LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None, KORD=kord,
-            num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
+            UNROLL=cfg.get("unroll", 1), num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
         if not (lut == 3 or kord) or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
