@@ -167,18 +167,20 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
             for k in args.k:
                 if past_deadline(args, f"{policy}, temperature {T}, {n_seq} sequences, k {k}"):
                     return rows
-                plain = Sampler(model, tok)
+                plain = Sampler(model, tok, min_decode_batch=args.min_decode_batch)
 
                 def speculative(fallback: bool, graphs: bool = False, schedule: str = "measured") -> Sampler:
                     return Sampler(model, tok, speculative="ngram", max_draft_tokens=k, speculative_fallback=fallback,
                                    fast_verify=args.fast_verify == "on", speculative_graphs=graphs,
-                                   speculative_schedule=schedule)
+                                   speculative_schedule=schedule, min_decode_batch=args.min_decode_batch)
                 # the schedule's plain chunks where speculation misses the break-even (priced by the call's step
                 # times, the default, or by bytes), every chunk speculating, and that with each whole queued step a
                 # CUDA graph
-                specs = {"measured": speculative(True), "bytes": speculative(True, schedule="bytes"),
-                         "always": speculative(False),
-                         "always, step graphs": speculative(False, graphs=True)}
+                makers = {"measured": lambda: speculative(True), "bytes": lambda: speculative(True, schedule="bytes"),
+                          "always": lambda: speculative(False),
+                          "always, step graphs": lambda: speculative(False, graphs=True)}
+                chosen = [{"graphs": "always, step graphs"}.get(n, n) for n in args.schedules]
+                specs = {name: make() for name, make in makers.items() if name in chosen}
                 # warm-ups: compiles, and each sampler's own first call (then it forgets what that call taught it)
                 for sampler in (plain, *specs.values()):
                     sampler.generate(prompts, G, SamplingParams(**{**params.__dict__, "seed": 0}))
@@ -303,6 +305,11 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=0,
                     help="(i) also after this many GRPO steps of learning_real.py's task (0: untrained only)")
     ap.add_argument("--tag", default="", help="appended to the result file's name (an earlier file is not replaced)")
+    ap.add_argument("--min-decode-batch", type=int, default=1, help="(i): Sampler(min_decode_batch) of every sampler")
+    ap.add_argument("--schedules", nargs="+", default=["measured", "bytes", "always", "graphs"],
+                    choices=["measured", "bytes", "always", "graphs"],
+                    help="(i): the speculative samplers run (graphs: always, step graphs; the step anatomy is taken "
+                         "with always and graphs)")
     ap.add_argument("--policies", default="untrained,trained",
                     help="with --train-steps, which policies (i) rolls out: untrained, trained or both")
     args = ap.parse_args()
