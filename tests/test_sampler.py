@@ -366,6 +366,31 @@ def test_a_decode_batch_floor_keeps_the_completions_and_compacts_less():
         Sampler(model, tok, min_decode_batch=0)
 
 
+@pytest.mark.parametrize("floor", [1, 8])
+def test_free_rows_in_the_decode_batch_read_one_position(monkeypatch, floor):
+    """A finished sequence's slot (released, or left behind by a compaction) that stays inside the decode batch
+    reads one suffix position, not the finished sequence's whole store: before every decode step each free row of
+    the batch has write_index 0 and is inactive."""
+    from longrl.rollout import sampler as sampler_module
+
+    seen = {"free_rows": 0}
+    step = sampler_module._Run._decode_step
+
+    def checked(run, batch):
+        free = [i for i in range(batch) if run.host.sequence[i] < 0]
+        seen["free_rows"] += len(free)
+        if free:
+            rows = torch.tensor(free)
+            assert not run.state.active[rows].any() and (run.state.write_index[rows] == 0).all(), free
+        step(run, batch)
+
+    monkeypatch.setattr(sampler_module._Run, "_decode_step", checked)
+    model, tok = tiny_model(seed=5)
+    params = SamplingParams(max_new_tokens=20, seed=3, top_p=0.9, stop_token_ids=(13, 8))
+    Sampler(model, tok, sync_every=2, min_decode_batch=floor).generate(PROMPTS, 2, params)
+    assert seen["free_rows"] > 0
+
+
 def test_first_tokens_of_many_completions_follow_the_model():
     """One prompt, 6,000 completions of one token: the first-token frequencies pass a chi-square test against
     the model's softmax(z / T) (the sampler end to end: prefill, admission, keyed draws)."""

@@ -770,6 +770,7 @@ class _Run(VerifySteps):
         seq = self.host.sequence[slot]
         prompt = seq // self.G
         self.host.reset(slot)
+        self.state.free(slot)
         self.slots_changed = True
         self.unfinished[prompt] -= 1
         if self.drafts is not None:

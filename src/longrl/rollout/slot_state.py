@@ -50,12 +50,19 @@ class SlotTensors:
 
     def compact(self, src: torch.Tensor) -> None:
         """Move rows ``src`` [n] (ascending) of every tensor to rows 0 … n−1, in place (captured CUDA graphs keep
-        reading these tensors); rows n and on become inactive. Only ``active`` matters in a free slot: a decode
-        step changes nothing of an inactive row, and starting a sequence sets every field."""
+        reading these tensors); rows n and on become free (:meth:`free`)."""
         dst = torch.arange(len(src), device=src.device)
         for t in self.all():
             t[dst] = t[src]
-        self.active[len(src):] = False
+        self.free(slice(len(src), None))
+
+    def free(self, rows) -> None:
+        """Rows ``rows`` (an index or a slice) hold no sequence: inactive, and their store read up to index 0 only.
+        A free row inside the decode batch still runs its step (a decode step changes nothing of an inactive row,
+        and starting a sequence sets every field), so its attention reads one suffix position rather than the
+        finished sequence's whole store."""
+        self.active[rows] = False
+        self.write_index[rows] = 0
 
 
 FREE_SLOT = dict(sequence=-1, generated=0, checked=0, turn_start=0)  # each SlotBook field's free value
