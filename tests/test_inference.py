@@ -196,7 +196,8 @@ def test_train_generate_and_eval_build_the_same_sampler(tmp_path, monkeypatch, c
     keys = ["generation.kv_cache_dtype=fp8", "generation.kv_cache_gib=0.25", "generation.sync_every=3",
             "generation.cuda_graphs=false", "generation.fast_decode=false", "generation.fuse_lora=false",
             "generation.nf4_kernel=false", "generation.pack_projections=false", "train.gpu_memory_gib=7",
-            "generation.speculative=ngram", "generation.max_draft_tokens=3", "generation.speculative_schedule=bytes"]
+            "generation.speculative=ngram", "generation.max_draft_tokens=3", "generation.speculative_schedule=bytes",
+            "generation.min_decode_batch=4"]
     out = tmp_path / "out"
     cfg = load_config(None, QUICK + ["train.max_steps=1", f"output.output_dir={out}", "lora.enabled=true"] + keys,
                       base=demo_config())
@@ -209,7 +210,8 @@ def test_train_generate_and_eval_build_the_same_sampler(tmp_path, monkeypatch, c
     assert main(["eval", str(config), "--from", str(out), "--data", str(data), "--n", "2"]) == 0
     capsys.readouterr()
     expected = dict(kv_cache_bytes=2**28, memory_cap_bytes=7 * 2**30, kv_cache_dtype="fp8", cuda_graphs=False,
-                    sync_every=3, fast_decode=False, fuse_lora=False, nf4_kernel=False, pack_projections=False,
+                    sync_every=3, min_decode_batch=4, fast_decode=False, fuse_lora=False, nf4_kernel=False,
+                    pack_projections=False,
                     speculative="ngram", max_draft_tokens=3, speculative_schedule="bytes")
     assert built == [expected] * 3  # the trainer's, generate's and eval's
 
