@@ -70,28 +70,26 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # cast(cast(code)·absmax) (twin_options gives each one's twin); 1 a register gather from them, tl.gather; 2 a
 # tree of selects; 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared
 # memory one element at a time: far slower), warps, pipeline stages, and the programs the K split aims at (split =
-# ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the
-# table below is its fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_call1.md: at 16 rows lut 4
-# with kord a layer's products in 98.6 µs at 528 programs, 98.9 with fixup, 112.4 the day's table before kord,
-# lut 5 with kord 114.1 against lut 4's 110.3 at 264 programs, lut 3's best 148; at 128 rows lut 5 in 64-row
-# tiles of 4 warps, 209.8 µs at 396 programs, 253.7 in 128-row tiles of 8 warps, lut 4's best 276.6), 32 and 64
-# rows taking the 128-row choice. Their weights differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs
-# move from the trainer's by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums
-# of the trainer's own weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's
-# log-probs in any case. permutes_packed guards lut 3's assumption. kord (absent: off; luts 4 to 6): the permutes
-# pair the values in k order (PRMT_ASM_K, its selectors made once for four bytes), so the tile needs no
-# interleaving of the high- and low-nibble values after them: 5.2 instructions a code in the sm_90 SASS at 16 rows
-# against 6.1 (lut 4), 5.7 against 6.6 at 128 rows (lut 5; decode_product_sass.md); it assumes each thread's four
-# bytes consecutive in one row, as lut 3 does (permutes_packed; where not, the build runs without it). maxnreg
-# (absent: the compiler's choice): registers a thread at most, so that more programs share an SM. unroll (absent:
-# 1; luts 3 to 6): chunks of K an iteration of the K loop (Triton's loop_unroll_factor), more loads and lookups in
-# flight for the latency-bound few-row products. fixup (absent:
+# ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the table
+# below is its fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_call1.md: at 16 rows lut 4 with kord a
+# layer's products in 98.6 µs at 528 programs, 98.9 with fixup, 112.4 the day's table before kord, lut 5 with kord 114.1
+# against lut 4's 110.3 at 264 programs, lut 3's best 148; at 128 rows lut 5 in 64-row tiles of 4 warps, 209.8 µs at 396
+# programs, 253.7 in 128-row tiles of 8 warps, lut 4's best 276.6), 32 and 64 rows taking the 128-row choice. Their
+# weights differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs move from the
+# trainer's by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums of the trainer's
+# own weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
+# permutes_packed guards lut 3's assumption. kord (absent: off; luts 4 to 6): the permutes pair the values in k order
+# (PRMT_ASM_K, its selectors made once for four bytes), so the tile needs no interleaving of the high- and low-nibble
+# values after them: 5.2 instructions a code in the sm_90 SASS at 16 rows against 6.1 (lut 4), 5.7 against 6.6 at 128
+# rows (lut 5; decode_product_sass.md); it assumes each thread's four bytes consecutive in one row, as lut 3 does
+# (permutes_packed; where not, the build runs without it). maxnreg (absent: the compiler's choice): registers a thread
+# at most, so that more programs share an SM. unroll (absent: 1; luts 3 to 6): chunks of K an iteration of the K loop
+# (Triton's loop_unroll_factor), more loads and lookups in flight for the latency-bound few-row products. fixup (absent:
 # off): with several K splits and one m tile, each row tile's last program to finish sums the splits' partials (an
-# arrival count a tile, NF4Group.locks) instead of _split_sum_kernel's launch after the product (127 launches,
-# ≈ 0.33 ms of a 5.9 ms 8B decode step at 8 rows on an H100); the same sums in the same order, so bit for bit the
-# same result. On at 16 rows, where a sweep found it fastest (H100, 2026-12-06: a layer's products 112.4 µs
-# against 116.6 without) and the next tied it (98.9 against 98.6 with kord), for one launch less; at 128 rows it
-# was slower.
+# arrival count a tile, NF4Group.locks) instead of _split_sum_kernel's launch after the product (127 launches, ≈ 0.33 ms
+# of a 5.9 ms 8B decode step at 8 rows on an H100); the same sums in the same order, so bit for bit the same result. On
+# at 16 rows, where a sweep found it fastest (H100, 2026-12-06: a layer's products 112.4 µs against 116.6 without) and
+# the next tied it (98.9 against 98.6 with kord), for one launch less; at 128 rows it was slower.
 LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, kord=True),
           32: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396),
           64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396),

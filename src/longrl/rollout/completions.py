@@ -36,7 +36,8 @@ def build_sampler(model, tokenizer, gen, *, max_length: int, memory_cap_bytes: i
     return Sampler(model, tokenizer, kv_cache_bytes=int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None,
                    memory_cap_bytes=memory_cap_bytes, kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
                    sync_every=gen.sync_every, min_decode_batch=gen.min_decode_batch, fast_decode=gen.fast_decode,
-                   fuse_lora=gen.fuse_lora, nf4_kernel=gen.nf4_kernel, pack_projections=gen.pack_projections and pack_projections,
+                   fuse_lora=gen.fuse_lora, nf4_kernel=gen.nf4_kernel,
+                   pack_projections=gen.pack_projections and pack_projections,
                    speculative=gen.speculative, max_draft_tokens=gen.max_draft_tokens,
                    speculative_schedule=gen.speculative_schedule)
 
