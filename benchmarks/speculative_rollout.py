@@ -305,7 +305,8 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=0,
                     help="(i) also after this many GRPO steps of learning_real.py's task (0: untrained only)")
     ap.add_argument("--tag", default="", help="appended to the result file's name (an earlier file is not replaced)")
-    ap.add_argument("--min-decode-batch", type=int, default=1, help="(i): Sampler(min_decode_batch) of every sampler")
+    ap.add_argument("--min-decode-batch", type=int, default=None,
+                    help="(i): Sampler(min_decode_batch) of every sampler (default: the sampler's)")
     ap.add_argument("--schedules", nargs="+", default=["measured", "bytes", "always", "graphs"],
                     choices=["measured", "bytes", "always", "graphs"],
                     help="(i): the speculative samplers run (graphs: always, step graphs; the step anatomy is taken "

@@ -364,6 +364,7 @@ def test_a_decode_batch_floor_keeps_the_completions_and_compacts_less():
     assert len({len(c) for c in base.completion_ids}) > 1
     with pytest.raises(ValueError, match="min_decode_batch"):
         Sampler(model, tok, min_decode_batch=0)
+    assert Sampler(model, tok).min_decode_batch == 1  # the default without CUDA graphs (16 with them)
 
 
 @pytest.mark.parametrize("floor", [1, 8])

@@ -103,7 +103,8 @@ def _check_generation(cfg: Config) -> None:
     _check(gen.repetition_penalty > 0, "generation.repetition_penalty", gen.repetition_penalty, "> 0")
     _check(gen.kv_cache_gib >= 0, "generation.kv_cache_gib", gen.kv_cache_gib, ">= 0 (0: automatic)")
     _check(gen.sync_every >= 1, "generation.sync_every", gen.sync_every, ">= 1")
-    _check(gen.min_decode_batch >= 1, "generation.min_decode_batch", gen.min_decode_batch, ">= 1")
+    _check(gen.min_decode_batch is None or gen.min_decode_batch >= 1, "generation.min_decode_batch",
+           gen.min_decode_batch, ">= 1 or null")
     _check(all(isinstance(s, str) and s for s in gen.stop_strings), "generation.stop_strings", gen.stop_strings,
            "non-empty strings")
     _check(1 <= gen.max_draft_tokens <= 16, "generation.max_draft_tokens", gen.max_draft_tokens, "an integer 1-16")

@@ -102,6 +102,12 @@ def _model_dims(model) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
 
 
+# the decode batch floor with CUDA graphs (Sampler min_decode_batch None): on an H100, SmolLM2-135M's shape with
+# LoRA, calls of 8 / 32 / 128 sequences ran 1.20 / 1.16 / 1.20 × the tokens/s of floor 1, capturing 1 / 2 / 4
+# batch sizes' graphs instead of 3 / 4 / 7 (benchmarks/results/call_overhead_smollm2-135m_h100_calls3.md)
+GRAPHED_MIN_DECODE_BATCH = 16
+
+
 def batch_buckets(max_batch: int, smallest: int = 1) -> list[int]:
     """Decode batch sizes a step may run at: powers of two from ``smallest`` below ``max_batch``, and
     ``max_batch``."""
@@ -132,7 +138,9 @@ class Sampler:
     ``Sampler.clock``) or "bytes" (a byte model: the same choices, and tokens, on every run with a seed).
     min_decode_batch: the fewest rows a decode step runs (slots compact into batch buckets of powers of two from
     it, each bucket its own CUDA graphs): a call captures its graphs anew, at a cost of host time that a call of few
-    steps does not win back, while a step of few rows reads the same weights whatever its row count.
+    steps does not win back, while a step of few rows reads the same weights whatever its row count (a free row in
+    the batch reads one position of its store). None: GRAPHED_MIN_DECODE_BATCH with CUDA graphs, else 1 (without
+    graphs a smaller batch is only cheaper).
     speculative_graphs: with "ngram" and CUDA graphs, a whole queued verify step (drafts, forward, acceptance, kept
     tokens) replays as one CUDA graph (rollout/verify_steps.py _queued_graph); off (the default until measured on a
     GPU): the verify forward alone is a graph and the rest launches eagerly.
@@ -152,7 +160,7 @@ class Sampler:
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
                  fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True,
                  speculative_graphs: bool = False, speculative_schedule: str = "measured",
-                 min_decode_batch: int = 1):
+                 min_decode_batch: int | None = None):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -161,18 +169,18 @@ class Sampler:
             raise ValueError(f"max_draft_tokens must be >= 1; got {max_draft_tokens}")
         if speculative_schedule not in ("measured", "bytes"):
             raise ValueError(f"speculative_schedule must be measured or bytes; got {speculative_schedule!r}")
-        if min_decode_batch < 1:
-            raise ValueError(f"min_decode_batch must be >= 1; got {min_decode_batch}")
+        if min_decode_batch is not None and min_decode_batch < 1:
+            raise ValueError(f"min_decode_batch must be >= 1 or None; got {min_decode_batch}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.fp8_kernel = fp8_kernel
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
-        self.min_decode_batch = min_decode_batch
         self.backbone, self.head, self.logit_spec = model_parts(model)
         self.device = self.head.weight.device
         self.use_triton = self.device.type == "cuda" and triton_available()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and _graph_safe(model, self.use_triton)
+        self.min_decode_batch = min_decode_batch or (GRAPHED_MIN_DECODE_BATCH if self.cuda_graphs else 1)
         self.fast_verify = self.use_triton if fast_verify is None else bool(fast_verify)
         self.layers, self.kv_heads, self.head_dim = _model_dims(model)
         self.family = vision_family(base_model(model).config)  # None: a text-only model
