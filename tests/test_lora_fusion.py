@@ -39,8 +39,9 @@ def test_fused_forward_equals_peft(targets):
         with fused_lora(model, torch.float32) as fused:
             got = model(input_ids=ids).logits
             hooks = sum(len(m._forward_hooks) for m in model.modules())
+            inside = model.get_model_status().enabled  # PEFT's own adapters switched off (the hooks add them)
         after = model(input_ids=ids).logits
-    assert fused
+    assert fused and inside is False and model.get_model_status().enabled is True
     adapted = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
     assert hooks == adapted  # one delta per adapted projection
     with torch.no_grad():
