@@ -414,8 +414,8 @@ def test_k_ordered_prmt_lookup_asm_replayed_on_the_cpu():
 def test_group_kernel_on_the_gpu_equals_the_twin(M):
     """bf16 on the GPU: a q/k/v-like group with LoRA A rows and a bias, and a down-like weight (K = 14,336 in
     112 chunks, split) under every launch choice of the table, the other operand order and the register gather,
-    against the float32
-    product of the twin's bf16 weight."""
+    each against the float32 product of its own lookup's bf16 weights (twin_options: luts 4-6 round or scale them
+    otherwise than bitsandbytes)."""
     from longrl.ops.nf4_matmul import (LAUNCH, PERMUTE_FALLBACKS, launch_for, nf4_group, nf4_group_linear,
                                        nf4_group_weight, twin_options)
 
