@@ -20,7 +20,6 @@ tokens, so each sampled token stops its sequence with probability about 1/--mean
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,18 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_setup import random_model, random_prompts  # noqa: E402
+from bench_setup import random_model, random_prompts, sync  # noqa: E402
 from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.rollout.sampler import Sampler  # noqa: E402
 from longrl.rollout.sampling import SamplingParams  # noqa: E402
 
 G = 8
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def stop_ids(vocab: int, mean_tokens: int, seed: int = 0) -> list[int]:
