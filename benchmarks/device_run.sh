@@ -21,6 +21,7 @@
 #              sweep of the folding SiLU·up kernel's launch choices (~2 min; GTAG names the file; rollout8b/rollout15
 #              with GLUE_FROM=benchmarks/results/decode_glue_h200<GTAG>.json run its fastest choice)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
+#   sampgpu    the sampler's GPU tests (CUDA graphs, free rows, the decode floor; ~1 min)
 #   nf4sweep   the same, first the packed decode's NF4 groups under a sweep of launch choices (~2 min); rollout8b
 #              with NF4_FROM=benchmarks/results/nf4_matmul_<card>_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
 #              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side)
@@ -260,6 +261,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
+        sampgpu) stage sampgpu 150 python3 -m pytest -q -m gpu tests/test_sampler_gpu.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
