@@ -16,12 +16,12 @@
 #
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
+#   sampgpu    the sampler's GPU tests (CUDA graphs, free rows, the decode floor; ~1 min)
 #   gpucheck   benchmarks/gpu_kernel_checks.py: sampling / decode attention / merge kernels at their edges (~1 min)
 #   glue       decode glue kernels (SiLU·up, rotary/KV store), plain and with the packed decode's LoRA fold, and a
 #              sweep of the folding SiLU·up kernel's launch choices (~2 min; GTAG names the file; rollout8b/rollout15
 #              with GLUE_FROM=benchmarks/results/decode_glue_h200<GTAG>.json run its fastest choice)
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
-#   sampgpu    the sampler's GPU tests (CUDA graphs, free rows, the decode floor; ~1 min)
 #   nf4sweep   the same, first the packed decode's NF4 groups under a sweep of launch choices (~2 min); rollout8b
 #              with NF4_FROM=benchmarks/results/nf4_matmul_<card>_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
 #              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side)
