@@ -71,10 +71,14 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # tree of selects; 0 a load from the 16-entry table in memory, which Triton's pipeliner stages through shared
 # memory one element at a time: far slower), warps, pipeline stages, and the programs the K split aims at (split =
 # ⌈programs / row tiles⌉, each split ≥ 4 chunks). benchmarks/nf4_matmul.py --sweep times the alternatives; the table
-# below is its fastest at 16 and 128 rows on an H100 (2026-12-06, nf4_matmul_h100_call1.md: at 16 rows lut 4 with kord a
-# layer's products in 98.6 µs at 528 programs, 98.9 with fixup, 112.4 the day's table before kord, lut 5 with kord 114.1
-# against lut 4's 110.3 at 264 programs, lut 3's best 148; at 128 rows lut 5 in 64-row tiles of 4 warps, 209.8 µs at 396
-# programs, 253.7 in 128-row tiles of 8 warps, lut 4's best 276.6), 32 and 64 rows taking the 128-row choice. Their
+# below is its fastest at 16, 32 and 128 rows on an H100 (2026-12-06: nf4_matmul_h100_call1.md, then around its
+# winners nf4_matmul_h100_sweep.md): at 16 rows lut 4 with kord a layer's products in 99.2 µs at 528 programs with
+# fixup (98.6 and 99.5 without, 112.4 the day's first table, lut 5 with kord 113.7 against lut 4's 109.0 at 264
+# programs, lut 3's best 148); at 32 rows lut 5 with kord, 114.4 µs at 528 programs with fixup (116.0 without, lut 4
+# 144.9 at best, bf16 168.1); at 128 rows lut 5 with kord in 64-row tiles of 4 warps, 199.6 µs at 396 programs
+# (209.8 without kord, 242.3 in 128-row tiles of 8 warps, lut 4's best 223.1, bf16 180.8), 64 rows taking the
+# 128-row choice; unroll 2 was slower at every row count (113.9 against 109.0 µs at 16 rows, 342.5 against 205.5 at
+# 128). Their
 # weights differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs move from the
 # trainer's by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums of the trainer's
 # own weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
@@ -88,12 +92,12 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # off): with several K splits and one m tile, each row tile's last program to finish sums the splits' partials (an
 # arrival count a tile, NF4Group.locks) instead of _split_sum_kernel's launch after the product (127 launches, ≈ 0.33 ms
 # of a 5.9 ms 8B decode step at 8 rows on an H100); the same sums in the same order, so bit for bit the same result. On
-# at 16 rows, where a sweep found it fastest (H100, 2026-12-06: a layer's products 112.4 µs against 116.6 without) and
-# the next tied it (98.9 against 98.6 with kord), for one launch less; at 128 rows it was slower.
+# at 16 and 32 rows, where the sweeps found it fastest or tied (H100, 2026-12-06: 112.4 µs against 116.6 without, then
+# 99.2 against 99.5 with kord at 16 rows; 114.4 against 116.0 at 32), for one launch less; at 128 rows it was slower.
 LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, kord=True),
-          32: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396),
-          64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396),
-          128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396)}
+          32: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=528, fixup=True, kord=True),
+          64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396, kord=True),
+          128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396, kord=True)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
