@@ -73,7 +73,13 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     except RuntimeError as e:  # timings that cannot be compared (rollout_speed.derive says why): the cell's result
         return {**out, "error": str(e)[:240]}
     r = results["cell"]
-    return {**out, **{k: r[k] for k in ("seconds", "prefill_s", "tokens_per_s", "peak_gib", "kv_gib")},
+    # the timed call's fixed host costs (Sampler.last_stats): set-up and undoing, and its CUDA-graph captures; the
+    # same for the one-token call that prices the prefill
+    fixed = {"setup_s": r["stats"]["prepare_s"] + r["stats"]["release_s"],
+             "capture_s": r["stats"].get("graph_capture_s", 0.0), "captures": r["stats"].get("graph_captures", 0),
+             "prefill_setup_s": r["prefill_stats"]["prepare_s"] + r["prefill_stats"]["release_s"],
+             "prefill_capture_s": r["prefill_stats"].get("graph_capture_s", 0.0)}
+    return {**out, **fixed, **{k: r[k] for k in ("seconds", "prefill_s", "tokens_per_s", "peak_gib", "kv_gib")},
             **({k: r[k] for k in ("decode_bandwidth_gbs", "roofline_fraction")} if "roofline_fraction" in r else {})}
 
 
@@ -85,21 +91,27 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              f"{args.shape}, random weights, LoRA r = 32 unmerged, G = {G}, {args.new_tokens} new tokens a sequence "
              "after a prompt of `context` tokens; × bf16: the base's tokens/s over the bf16 base's in the same cell."
              + (f" NF4 launch table: {meta['nf4_launch']}." if "nf4" in args.bases and meta.get("nf4_launch") else "")
-             + (f" FP8 launch table: {meta['fp8_launch']}." if "fp8" in args.bases and meta.get("fp8_launch") else ""),
-             "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             + (f" FP8 launch table: {meta['fp8_launch']}." if "fp8" in args.bases and meta.get("fp8_launch") else "")
+             + " Call: the timed call's seconds; of them set-up (the model set up for the call and undone: "
+             "Sampler.last_stats prepare_s + release_s) and graphs (its CUDA-graph captures' host seconds); prefill: "
+             "a one-token call's seconds (its own set-up included).",
+             "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB | "
+             "call s | set-up s | graphs s | prefill s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     bf16 = {(r["kv"], r["context"], r["rows"]): r.get("tokens_per_s") for r in rows if r["base"] == "bf16"}
     for r in sorted(rows, key=lambda r: (r["kv"], r["context"], r["rows"], args.bases.index(r["base"]))):
         if "error" in r:
             lines.append(f"| {r['base']} | {r['kv']} | {r['context']:,} | {r['rows']} | – | – | – | – | "
-                         f"{r['error'][:90]} |")
+                         f"{r['error'][:90]} | – | – | – | – |")
             continue
         ref = bf16.get((r["kv"], r["context"], r["rows"]))
         ratio = f"{r['tokens_per_s'] / ref:.2f}×" if ref else "–"
         frac = (f"{r['decode_bandwidth_gbs']:,.0f} | {100 * r['roofline_fraction']:.0f}%"
                 if "roofline_fraction" in r else "– | –")
+        fixed = (f"{r['seconds']:.3f} | {r['setup_s']:.3f} | {r['capture_s']:.3f} | {r['prefill_s']:.3f}"
+                 if "setup_s" in r else f"{r['seconds']:.3f} | – | – | {r['prefill_s']:.3f}")  # older logs: no set-up
         lines.append(f"| {r['base']} | {r['kv']} | {r['context']:,} | {r['rows']} | {r['tokens_per_s']:,.0f} | "
-                     f"{ratio} | {frac} | {r['peak_gib']:.2f} |")
+                     f"{ratio} | {frac} | {r['peak_gib']:.2f} | {fixed} |")
     return lines
 
 

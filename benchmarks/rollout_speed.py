@@ -126,6 +126,7 @@ def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_d
     first = sampler.generate(prompts, G, one)  # prefill + first token
     sync()
     prefill_s = time.perf_counter() - t
+    prefill_stats = dict(sampler.last_stats)
     t = time.perf_counter()
     out = sampler.generate(prompts, G, params)
     sync()
@@ -134,7 +135,7 @@ def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_d
     if fast_decode and not sampler.last_stats["fast_decode"]:  # a fallback must not pass for the fast path's figure
         raise RuntimeError("the fast decode step fell back to transformers' forward (see the log's warning)")
     return dict(seconds=total_s, prefill_s=prefill_s, peak_gib=_peak_above(base),
-                kv_gib=sampler.last_stats["kv_cache_bytes"] / GIB, stats=sampler.last_stats)
+                kv_gib=sampler.last_stats["kv_cache_bytes"] / GIB, stats=sampler.last_stats, prefill_stats=prefill_stats)
 
 
 def four_bit_model(shape: str, dev):
@@ -330,7 +331,7 @@ def main() -> None:
         step_bytes, _ = model_bytes(model)
         r = run_longrl(model, prompts, args.G, N)
         results["longrl-nolora"] = {**r, "step_weight_bytes": step_bytes, "weights_gib": model_bytes(model)[1] / GIB}
-        print("longrl-nolora", {k: v for k, v in r.items() if k != "stats"}, flush=True)
+        print("longrl-nolora", {k: v for k, v in r.items() if not k.endswith("stats")}, flush=True)
     model = apply_lora(model, bench_lora())
     if args.profile:
         profile_decode(args, model, prompts)
@@ -388,7 +389,7 @@ def main() -> None:
         except Exception as e:  # a baseline that fails is reported, not hidden
             r = {"error": f"{type(e).__name__}: {e}"[:300]}
         results[name] = r
-        print(name, {k: v for k, v in r.items() if k != "stats"}, flush=True)
+        print(name, {k: v for k, v in r.items() if not k.endswith("stats")}, flush=True)
         derive(results, n_seq, N, Lp, kv_token, args.prompts)
         write_tables(args, results, bf16_weight_bytes)  # after every impl: a later one that hangs loses nothing
 
