@@ -15,11 +15,16 @@ tokens, so each sampled token stops its sequence with probability about 1/--mean
 
     python benchmarks/call_overhead.py --shape smollm2-135m --sequences 8 32 128 --min-batch 1 16
     python benchmarks/call_overhead.py --shape tiny --sequences 8 --calls 1      # CPU smoke run (no graphs)
+
+--host-profile N adds, for each setting, one more call under cProfile: the N functions of longrl's package with the
+most cumulative seconds (host time; a function that waits for the GPU, .tolist() or a synchronize, carries the wait).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -64,6 +69,21 @@ def measure(sampler: Sampler, prompts, params: SamplingParams, calls: int) -> di
                 accepted=stats.get("spec_accepted_per_step"), all_seconds=[r[0] for r in runs])
 
 
+def host_profile(sampler: Sampler, prompts, params: SamplingParams, top: int) -> list[dict]:
+    """One call under cProfile: longrl's ``top`` functions by cumulative seconds (file:line name, calls, own and
+    cumulative seconds)."""
+    profiler = cProfile.Profile()
+    sync()
+    profiler.enable()
+    sampler.generate(prompts, G, params)
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = [dict(function=f"{Path(f).name}:{line} {name}", calls=calls, own_s=own, cumulative_s=cum)
+            for (f, line, name), (_, calls, own, cum, _) in stats.items() if "/longrl/" in f.replace("\\", "/")]
+    return sorted(rows, key=lambda r: -r["cumulative_s"])[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="smollm2-135m")
@@ -75,6 +95,8 @@ def main() -> None:
     ap.add_argument("--mean-tokens", type=int, default=32)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="one more call a setting under cProfile: longrl's N functions by cumulative seconds")
     args = ap.parse_args()
     if args.calls < 1 or args.mean_tokens < 1 or any(s % G for s in args.sequences):
         ap.error(f"--calls and --mean-tokens are >= 1 and --sequences multiples of G = {G}")
@@ -93,8 +115,10 @@ def main() -> None:
                                   speculative_fallback=False)
                 row = dict(sequences=sequences, speculative=spec, min_batch=smallest,
                            **measure(sampler, prompts, params, args.calls))
+                if args.host_profile:
+                    row["host_profile"] = host_profile(sampler, prompts, params, args.host_profile)
                 rows.append(row)
-                print(row, flush=True)
+                print({k: v for k, v in row.items() if k != "host_profile"}, flush=True)
                 del sampler
     meta = run_meta(shape=args.shape, G=G, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                     mean_tokens=args.mean_tokens, calls=args.calls, seconds=time.perf_counter() - begin)
@@ -114,6 +138,13 @@ def main() -> None:
     lines += [f"| {r['sequences']} | {r['speculative']} | {r['min_batch']} | {r['seconds']:.3f} | "
               f"{r['tokens_s']:,.0f} | {r['decode_steps']} | {r['wall_ms_step']:.2f} | {r['captures']} | "
               f"{r['capture_s']:.3f} | {r['prepare_s'] + r['release_s']:.3f} | {r['compactions']} |" for r in rows]
+    for r in rows:
+        if r.get("host_profile"):
+            lines += ["", f"### Host profile: {r['sequences']} sequences, speculative {r['speculative']}, min batch "
+                      f"{r['min_batch']} (one call under cProfile; longrl's functions by cumulative seconds)", "",
+                      "| function | calls | own s | cumulative s |", "| --- | --- | --- | --- |"]
+            lines += [f"| `{h['function']}` | {h['calls']} | {h['own_s']:.4f} | {h['cumulative_s']:.4f} |"
+                      for h in r["host_profile"]]
     write_result(f"call_overhead_{args.shape}_{card_tag()}{args.tag}", dict(meta=meta, rows=rows), lines + [""])
 
 
