@@ -412,3 +412,32 @@ def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
         fast.release_packing()
     assert not fast.packs and all(b.weight.untyped_storage().nbytes() == b.weight.numel() * 4 for b in bases)
     assert all(torch.equal(b.weight, w) for b, w in zip(bases, weights))
+
+
+def test_a_missing_bitsandbytes_is_looked_up_once(monkeypatch):
+    """Without bitsandbytes every projection's NF4 check says so, and the import is tried once, not once a
+    projection and call (a failed import searches the whole path each time)."""
+    import sys
+
+    from longrl.rollout import fast_decode
+
+    tries = []
+
+    class NoBitsandbytes:  # an import finder that counts and refuses bitsandbytes
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.split(".")[0] == "bitsandbytes":
+                tries.append(name)
+                raise ImportError("no bitsandbytes here")
+            return None
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "bitsandbytes"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NoBitsandbytes(), *sys.meta_path])
+    fast_decode._linear4bit_class.cache_clear()
+    try:
+        reasons = [fast_decode._nf4_reason([torch.nn.Linear(4, 4)]) for _ in range(20)]
+    finally:
+        fast_decode._linear4bit_class.cache_clear()  # the next test finds bitsandbytes again where it is installed
+    assert reasons == ["bitsandbytes is not installed"] * 20
+    assert len(tries) == 1

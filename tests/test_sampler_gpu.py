@@ -121,6 +121,33 @@ def test_packed_decode_lora_folds_round_like_their_twins_on_cuda():
         assert units(f.decode_silu_mul(g, u, True, lora), f.decode_silu_mul_reference(g, u, lora))
 
 
+@pytest.mark.parametrize("n", [1, 8, 257, 4096])
+def test_uniform_kernel_equals_its_twin_on_cuda_and_in_a_graph(n):
+    """The uniforms' compiled kernel (what uniform_for runs on CUDA) gives the PyTorch twin's bits, eagerly and
+    replayed from a CUDA graph with new sequence ids and positions."""
+    from longrl.rollout import sampling
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    seq = torch.randint(-2 ** 62, 2 ** 62, (n,), device="cuda", generator=g)
+    pos = torch.randint(0, 1 << 20, (n,), device="cuda", generator=g)
+    for seed in (0, 11, 2 ** 40 + 3, -5):
+        got = sampling.uniform_for(seed, seq, pos)
+        assert torch.equal(got.view(torch.int64), sampling.uniform_reference(seed, seq, pos).view(torch.int64))
+    assert not sampling._UNIFORM_FAILED
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sampling.uniform_for(9, seq, pos)  # compiled before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampling.uniform_for(9, seq, pos)
+    seq.copy_(torch.randint(-2 ** 62, 2 ** 62, (n,), device="cuda", generator=g))
+    pos.add_(1)
+    graph.replay()
+    assert torch.equal(out.view(torch.int64), sampling.uniform_reference(9, seq, pos).view(torch.int64))
+
+
 @pytest.mark.parametrize("V, T", [(128_256, 1.0), (151_936, 0.7), (3001, 1.3)])
 def test_fused_sampling_kernel_equals_the_pytorch_path_on_cuda(V, T):
     """The compiled temperature-sampling kernel against next_tokens' PyTorch path on the same uniforms: the same

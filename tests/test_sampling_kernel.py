@@ -145,3 +145,66 @@ def test_a_triton_that_does_not_import_is_not_available(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+UNIFORM_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.rollout.sampling import uniform_reference
+    from longrl.rollout.sampling_kernel import UNIFORM_BLOCK, splitmix64_int, uniform_triton
+
+    g = torch.Generator().manual_seed(3)
+    big = 2 ** 63 - 1
+    # seeds: small (Triton's 32-bit argument), past 2^31 and 2^63's edge (64-bit), negative, a salted one
+    seeds = [0, 1, 7, 2 ** 31 + 5, big, -3, -(2 ** 63), 123456789 ^ 0x5EED5A17]
+    for n in [1, 7, UNIFORM_BLOCK, UNIFORM_BLOCK + 1, 3 * UNIFORM_BLOCK - 5]:  # odd and block-crossing
+        seq = torch.randint(-big, big, (n,), generator=g)
+        pos = torch.randint(-big, big, (n,), generator=g)
+        seq[:2] = torch.tensor([0, -1])[:n]
+        pos[:1] = big
+        for seed in seeds:
+            want = uniform_reference(seed, seq, pos)
+            got = uniform_triton(seed, seq, pos)
+            assert got.dtype == torch.float64 and got.shape == seq.shape
+            assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (n, seed)
+            assert bool(((got >= 0) & (got < 1)).all())
+    # the host's hash of the seed is the tensor one's (two's complement for negative seeds)
+    for seed in seeds:
+        t = uniform_reference.__globals__["_splitmix64"](torch.tensor([seed]))
+        assert int(t) % 2 ** 64 == splitmix64_int(seed), seed
+    assert uniform_triton(5, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    print("uniform ok")
+''')
+
+
+def test_uniform_kernel_equals_its_twin_bit_for_bit():
+    """The uniforms' one-launch kernel gives the PyTorch twin's float64 bits for any int64 sequence ids, positions
+    and seed (extremes, negatives; odd and block-crossing sizes)."""
+    pytest.importorskip("triton")
+    assert "uniform ok" in run_interpreted(UNIFORM_CHECK)
+
+
+def test_uniform_for_takes_the_twin_on_the_cpu_and_after_a_kernel_failure(monkeypatch, caplog):
+    """uniform_for keeps the PyTorch ops off CUDA; where the kernel fails it warns once and stays on them."""
+    from longrl.rollout import sampling, sampling_kernel
+
+    seq, pos = torch.arange(6), torch.arange(6) * 3
+    assert torch.equal(sampling.uniform_for(4, seq, pos), sampling.uniform_reference(4, seq, pos))
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no compiler for this GPU")
+
+    class FakeCuda(torch.Tensor):  # a CPU tensor that says it is on CUDA: uniform_for tries the kernel
+        @property
+        def is_cuda(self):
+            return True
+
+    monkeypatch.setattr(sampling_kernel, "uniform_triton", broken)
+    monkeypatch.setattr(sampling, "triton_available", lambda: True)
+    monkeypatch.setattr(sampling, "_UNIFORM_FAILED", [])
+    fake = seq.as_subclass(FakeCuda)
+    for _ in range(2):
+        got = sampling.uniform_for(4, fake, pos)
+        assert torch.equal(got.as_subclass(torch.Tensor), sampling.uniform_reference(4, seq, pos))
+    assert len(calls) == 1 and "uniform kernel failed" in caplog.text

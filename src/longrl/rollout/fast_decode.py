@@ -43,6 +43,7 @@ memory); release gives every weight its own storage again.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,10 +74,20 @@ class QuantKernel:
     linear: Callable  # (x [B, in], operands) → [B, Σ out (+ rows)]
 
 
-def _nf4_reason(bases: list) -> str | None:
+@functools.cache
+def _linear4bit_class() -> type | None:
+    """bitsandbytes' Linear4bit, or None where it does not import: looked up once (a failed import searches the
+    whole path again each time: the sampler asks for every projection of every call)."""
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:  # no 4-bit layers without bitsandbytes
+        return None
+    return Linear4bit
+
+
+def _nf4_reason(bases: list) -> str | None:
+    Linear4bit = _linear4bit_class()
+    if Linear4bit is None:
         return "bitsandbytes is not installed"
     if not all(isinstance(b, Linear4bit) and getattr(b.weight, "quant_state", None) is not None for b in bases):
         return "not bitsandbytes 4-bit layers"

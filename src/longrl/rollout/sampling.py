@@ -114,10 +114,29 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def uniform_for(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """u ∈ [0, 1) float64 [B] from (seed, sequence id [B], position [B]); 53 random bits each."""
+def uniform_reference(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """u ∈ [0, 1) float64 [B] from (seed, sequence id [B], position [B]); 53 random bits each:
+    u = (splitmix64(splitmix64(splitmix64(seed) ⊕ sequence) ⊕ position) >> 11) / 2⁵³ (the plain twin of
+    sampling_kernel.uniform_triton)."""
     z = _splitmix64(_splitmix64(_splitmix64(torch.full_like(sequence, seed)) ^ sequence) ^ position)
     return _shift_right(z, 11).to(torch.float64) / float(2 ** 53)
+
+
+def uniform_for(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """:func:`uniform_reference`'s uniforms: on CUDA with Triton from one kernel launch (the same bits), else
+    from its PyTorch ops."""
+    if sequence.is_cuda and sequence.shape == position.shape and triton_available() and not _UNIFORM_FAILED:
+        try:
+            from .sampling_kernel import uniform_triton
+
+            return uniform_triton(seed, sequence, position)
+        except Exception as e:  # noqa: BLE001 - the kernel could not build here: the PyTorch ops, from now on
+            _UNIFORM_FAILED.append(f"{type(e).__name__}: {str(e)[:300]}")
+            log.warning("the uniform kernel failed (%s); drawing uniforms with PyTorch ops", _UNIFORM_FAILED[0])
+    return uniform_reference(seed, sequence, position)
+
+
+_UNIFORM_FAILED: list[str] = []  # why the uniform kernel could not run in this process (then it is not tried again)
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor, position: torch.Tensor,

@@ -16,6 +16,11 @@ not monotonic across entries without mass, and counting entries below the target
 (and tokens past the vocabulary) on the GPU. The draw is the reference's, min{v : CDF_v > u · total}, up to
 rounding where u · total falls within ~1e-7 of a boundary; it reads the logits about once (the PyTorch path:
 about eight passes over [B, V] and ~25 launches).
+
+The uniforms themselves, u = splitmix64(splitmix64(splitmix64(seed) ⊕ sequence) ⊕ position) >> 11 over 2⁵³
+(:func:`~longrl.rollout.sampling.uniform_reference`), come from one launch of :func:`uniform_triton` (in uint64:
+wrapping products, logical shifts), bit for bit the twin's; the twin's ~40 element-wise launches a decode step
+were host time a small model's step waits for.
 """
 
 from __future__ import annotations
@@ -79,6 +84,49 @@ if triton is not None:
         tl.store(LOGPROBS + row, x_token - (top + tl.log(total).to(tl.float32)))
 
 
+    @triton.jit
+    def _splitmix64(x):
+        """splitmix64's finaliser on uint64 (products wrap, shifts are logical on unsigned integers)."""
+        z = x + 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit(do_not_specialize=["seed_mix"])
+    def _uniform_kernel(SEQ, POS, U, seed_mix, B, BLOCK: tl.constexpr):
+        """U[i] = (splitmix64(splitmix64(seed_mix ⊕ SEQ[i]) ⊕ POS[i]) >> 11) / 2⁵³, seed_mix = splitmix64(seed)
+        (the host's, as an integer in [0, 2⁶⁴))."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < B
+        seq = tl.load(SEQ + i, mask=inside, other=0).to(tl.uint64, bitcast=True)
+        pos = tl.load(POS + i, mask=inside, other=0).to(tl.uint64, bitcast=True)
+        z = _splitmix64(_splitmix64(seed_mix.to(tl.uint64) ^ seq) ^ pos)
+        tl.store(U + i, (z >> 11).to(tl.float64) / 9007199254740992.0, mask=inside)
+
+
+UNIFORM_BLOCK = 256  # rows a program of _uniform_kernel
+
+
+def splitmix64_int(x: int) -> int:
+    """splitmix64's finaliser on a Python integer modulo 2⁶⁴ (the seed's hash, computed once on the host)."""
+    mask = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def uniform_triton(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """u ∈ [0, 1) float64 [B] from (seed, sequence id [B] long, position [B] long) in one launch: bit for bit
+    :func:`~longrl.rollout.sampling.uniform_reference`."""
+    seq, pos = sequence.to(torch.long).contiguous(), position.to(torch.long).contiguous()
+    u = torch.empty(seq.shape, dtype=torch.float64, device=seq.device)
+    if seq.numel():
+        _uniform_kernel[(triton.cdiv(seq.numel(), UNIFORM_BLOCK),)](seq, pos, u, splitmix64_int(seed), seq.numel(),
+                                                                    BLOCK=UNIFORM_BLOCK)
+    return u
+
+
 def sample_with_temperature(logits: torch.Tensor, u: torch.Tensor, temperature: float,
                             block: int = SAMPLE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] long, log-probs [B] float32) drawn from softmax(logits / T) for logits [B, V] float32 at
@@ -97,4 +145,4 @@ def sample_with_temperature(logits: torch.Tensor, u: torch.Tensor, temperature: 
     return tokens, logprobs
 
 
-__all__ = ["sample_with_temperature", "SAMPLE_BLOCK"]
+__all__ = ["sample_with_temperature", "uniform_triton", "splitmix64_int", "SAMPLE_BLOCK"]
