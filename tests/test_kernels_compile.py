@@ -441,3 +441,19 @@ def test_sampling_kernel_builds(vocab):
                               dict(NB=nb, NBP=triton.next_power_of_2(nb), BLOCK=sk.SAMPLE_BLOCK),
                               num_warps=sk.SAMPLE_WARPS)
     assert "div.rn.f32" in kernel.asm["ptx"]  # x / T rounded as PyTorch's division (not div.full's approximation)
+
+
+@pytest.mark.parametrize("seed_type", ["i32", "i64", "u64"])  # Triton types a Python int by its range
+def test_uniform_kernel_builds_with_logical_shifts_and_an_unsigned_conversion(seed_type):
+    """The uniforms' kernel in sm_90 code: splitmix64's shifts logical (shr.u64: an arithmetic one would smear the
+    sign bit and differ from the twin's), the 53 bits converted as unsigned, no float step in the hash."""
+    from longrl.rollout import sampling_kernel as sk
+
+    kernel = compile_for_sm90(sk._uniform_kernel, {"SEQ": "*i64", "POS": "*i64", "U": "*fp64", "seed_mix": seed_type,
+                                                   "B": "i32"}, dict(BLOCK=sk.UNIFORM_BLOCK), num_warps=4)
+    ops = Counter(line.split()[0] for line in kernel.asm["ptx"].splitlines() if line.startswith("\t") and
+                  line.split() and line.split()[0][0].isalpha())
+    per_thread = ops["cvt.rn.f64.u64"]  # the uniforms a thread makes: one conversion each
+    assert per_thread >= 1 and ops["shr.s64"] == 0
+    # each: two splitmix64 rounds of three logical shifts and two wrapping 64-bit products, then >> 11
+    assert ops["shr.u64"] == 7 * per_thread and ops["mul.lo.s64"] + ops["mul.lo.u64"] == 4 * per_thread, ops
