@@ -74,14 +74,14 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # below is its fastest at 16, 32 and 128 rows on an H100 (2026-12-06: nf4_matmul_h100_call1.md, then around its
 # winners nf4_matmul_h100_sweep.md): at 16 rows lut 4 with kord a layer's products in 99.2 µs at 528 programs with
 # fixup (98.6 and 99.5 without, 112.4 the day's first table, lut 5 with kord 113.7 against lut 4's 109.0 at 264
-# programs, lut 3's best 148); at 32 rows lut 5 with kord, 114.4 µs at 528 programs with fixup (116.0 without, lut 4
-# 144.9 at best, bf16 168.1); at 128 rows lut 5 with kord in 64-row tiles of 4 warps, 199.6 µs at 396 programs
-# (209.8 without kord, 242.3 in 128-row tiles of 8 warps, lut 4's best 223.1, bf16 180.8), 64 rows taking the
-# 128-row choice; unroll 2 was slower at every row count (113.9 against 109.0 µs at 16 rows, 342.5 against 205.5 at
-# 128). Their
-# weights differ from the trainer's by bf16 roundings; on SmolLM2-135M the sampled tokens' log-probs move from the
-# trainer's by 0.041 on average with lut 4, 0.042 with lut 5, against 0.036 for lut 3's float32 sums of the trainer's
-# own weights (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
+# programs, lut 3's best 148); at 32 rows lut 5 with kord, 114.4 µs at 528 programs with fixup (116.0 without; at
+# 264 programs 122.2, and 136.3 without kord; lut 4's best 128.5; bf16 168.1); at 128 rows lut 5 with kord in 64-row
+# tiles of 4 warps, 199.6 µs at 396 programs (209.8 without kord the day before, 242.3 in 128-row tiles of 8 warps,
+# lut 4's best 223.1, bf16 180.8), 64 rows taking the 128-row choice; unroll 2 was slower at every row count (113.9
+# against 109.0 µs at 16 rows, 342.5 against 205.5 at 128). Their weights differ from the trainer's by bf16
+# roundings; on SmolLM2-135M the sampled tokens' log-probs move from the trainer's by 0.041 on average with lut 4,
+# 0.042 with lut 5, against 0.036 for lut 3's float32 sums of the trainer's own weights
+# (nf4_scale_after_mismatch_cpu.md), and the rollout correction weighs the sampler's log-probs in any case.
 # permutes_packed guards lut 3's assumption. kord (absent: off; luts 4 to 6): the permutes pair the values in k order
 # (PRMT_ASM_K, its selectors made once for four bytes), so the tile needs no interleaving of the high- and low-nibble
 # values after them: 5.2 instructions a code in the sm_90 SASS at 16 rows against 6.1 (lut 4), 5.7 against 6.6 at 128
