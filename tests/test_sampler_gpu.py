@@ -303,3 +303,75 @@ def test_a_queued_verify_step_never_waits_for_the_host(penalty):
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         assert bool((run.state.generated[:batch] > before).any())  # the steps emitted tokens
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+@pytest.mark.parametrize("lora", [False, True])
+def test_whole_step_graphs_equal_forward_graphs(lora, slots):
+    """Sampler(step_graphs=True): each plain decode step one CUDA graph (forward, draw, bookkeeping) gives the
+    forward-only graphs' tokens and log-probs under one seed, as sequences stop at different steps (batch buckets
+    shrink: compaction), with few slots (admissions mid-call); one capture a bucket after its eager first step."""
+    from test_sampler import PROMPTS, tiny_model
+
+    model, tok = tiny_model(seed=2, lora=lora)
+    model = model.cuda()
+    n = 30
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=n, temperature=0.9, seed=5, stop_token_ids=(3, 7, 11))
+    runs, stats = [], []
+    for step_graphs in (False, True):
+        sampler = Sampler(model, tok, kv_cache_bytes=per * (slots * n + 3 * 9) if slots else None, sync_every=4,
+                          min_decode_batch=1, step_graphs=step_graphs)
+        assert sampler.step_graphs is step_graphs
+        runs.append(sampler.generate(PROMPTS, 4, params))
+        stats.append(dict(sampler.last_stats))
+    assert runs[1].completion_ids == runs[0].completion_ids
+    assert len({len(c) for c in runs[0].completion_ids}) > 1  # the sequences stopped at different steps
+    assert runs[1].logprobs == runs[0].logprobs  # the same kernels on the same inputs: the same bits
+    assert 1 <= stats[1]["graph_captures"] <= stats[1]["decode_steps"]
+
+
+def test_a_whole_step_graph_replays_without_host_reads():
+    """A graphed plain decode step (after its eager first step and its capture) runs with CUDA's synchronisation
+    check set to error, and emits a token per active row each replay."""
+    from test_sampler import PROMPTS, tiny_model
+
+    from longrl.rollout.sampler import _Run
+
+    model, tok = tiny_model(seed=3, lora=True)
+    sampler = Sampler(model.cuda(), tok, step_graphs=True)
+    with sampler.prepared():
+        run = _Run(sampler, PROMPTS, 2, SamplingParams(max_new_tokens=40, temperature=1.0, seed=2))
+        run._admit()
+        run._refresh_members()
+        batch = run._bucket(len(PROMPTS) * 2)
+        for _ in range(2):  # eager, then captured and replayed
+            run._decode_step(batch)
+        torch.cuda.synchronize()
+        assert ("step", batch) in run.graphs
+        before = run.state.generated[:batch].clone()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                run._decode_step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        active = run.state.active[:batch]
+        assert bool((run.state.generated[:batch] - before)[active].eq(3).all())
+
+
+def test_whole_step_graphs_leave_other_draws_to_forward_graphs():
+    """With top-p (the PyTorch draw, not checked for host reads) the decode step keeps the forward-only graph:
+    the same tokens as without step_graphs, and no whole-step graph."""
+    from test_sampler import PROMPTS, tiny_model
+
+    model, tok = tiny_model(seed=4)
+    model = model.cuda()
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1)
+    forward_only = Sampler(model, tok)
+    plain = forward_only.generate(PROMPTS, 2, params)
+    sampler = Sampler(model, tok, step_graphs=True)
+    assert sampler.generate(PROMPTS, 2, params).completion_ids == plain.completion_ids
+    # the same forward-only graphs: one a bucket from the first step, none held back for a whole-step capture
+    assert sampler.last_stats["graph_captures"] == forward_only.last_stats["graph_captures"] >= 1

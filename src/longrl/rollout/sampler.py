@@ -46,7 +46,7 @@ from .drafts import DraftHistory
 from .fast_decode import FP8_KERNEL, NF4_KERNEL, FastDecoder
 from .kv_quant import FP8
 from .lora_fusion import fused_lora
-from .sampling import SamplingParams, next_tokens, stop_index, triton_available
+from .sampling import SamplingParams, draws_fused, next_tokens, stop_index, triton_available
 from .slot_state import SlotBook, SlotTensors
 from .spec_schedule import SpeculationSchedule
 from .verify_steps import VerifySteps
@@ -144,6 +144,10 @@ class Sampler:
     speculative_graphs: with "ngram" and CUDA graphs, a whole queued verify step (drafts, forward, acceptance, kept
     tokens) replays as one CUDA graph (rollout/verify_steps.py _queued_graph); off (the default until measured on a
     GPU): the verify forward alone is a graph and the rest launches eagerly.
+    step_graphs: with CUDA graphs and plain temperature sampling (the fused sampling kernel), a whole plain decode
+    step (forward, the draw, the slots' bookkeeping: ~25 launches after the forward) replays as one CUDA graph a
+    batch bucket (_Run._graphed_step), so that a small model's step does not wait on the host's launches; off (the
+    default until measured on a GPU): the forward alone is a graph.
     nf4_kernel / fp8_kernel: with fast_decode and Triton, decode products over an NF4 / FP8 base read the quantized
     weights directly (ops/nf4_matmul.py, ops/fp8_matmul.py; FastDecoder.prepare_quantized); off, or where a
     shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
@@ -160,7 +164,7 @@ class Sampler:
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
                  fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True,
                  speculative_graphs: bool = False, speculative_schedule: str = "measured",
-                 min_decode_batch: int | None = None):
+                 min_decode_batch: int | None = None, step_graphs: bool = False):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -194,6 +198,7 @@ class Sampler:
         self.speculative_schedule = speculative_schedule
         self._schedules: dict[int, SpeculationSchedule] = {}  # number of sequences → the measured schedule it left
         self.speculative_graphs = speculative_graphs and self.cuda_graphs
+        self.step_graphs = step_graphs and self.cuda_graphs
         self.draft_history = DraftHistory(DRAFT_HISTORY_TOKENS, DRAFT_HISTORY_PROMPTS) if self.device_drafting else None
 
     clock = staticmethod(time.perf_counter)  # seconds, for the measured speculation schedule and the spec_* timings
@@ -712,7 +717,44 @@ class _Run(VerifySteps):
 
     def _decode_step(self, batch: int) -> None:
         """One token for each active slot of slots 0 … batch−1, on the device (inactive rows keep their state)."""
+        if self.sampler.step_graphs and self._step_graphable(batch):
+            self._graphed_step(batch)
+            return
         self._run_forward(batch)
+        self._draw(batch)
+
+    def _step_graphable(self, batch: int) -> bool:
+        """Whether a whole decode step can be one CUDA graph: its draw is the fused kernel's (no host reads; the
+        PyTorch path's top-k/top-p searches are not checked for them) and that kernel has not failed here."""
+        seen = self.state.seen[:batch] if self.state.seen is not None else None
+        return draws_fused(self.step_logits[:batch], self.params, seen)
+
+    def _graphed_step(self, batch: int) -> None:
+        """A decode step replayed as one CUDA graph a batch bucket: its first step runs eagerly (kernels built, no
+        forward-only graph captured), the second is captured whole and replayed, the later ones replayed. The graph
+        reads and writes only the call's persistent tensors (the slots' state, compacted in place, the cache, the
+        logits buffer), so a replay is the step on the state it finds; the call's seed and temperature are baked
+        in, as the call's graphs are its own."""
+        key = ("step", batch)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self.graphs_seen:
+                self.graphs_seen.add(key)
+                self._forward(batch)
+                self._draw(batch)
+                return
+            start = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._forward(batch)
+                self._draw(batch)
+            self.graphs[key] = graph
+            self._count_capture(start)
+        graph.replay()
+
+    def _draw(self, batch: int) -> None:
+        """The step's tokens from its logits, and the slots' bookkeeping: tokens, log-probs, counts, positions,
+        the next input, and which rows stop (device work only)."""
         state = self.state
         rows = torch.arange(batch, device=self.sampler.device)
         act = state.active[:batch]

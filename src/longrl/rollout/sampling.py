@@ -180,6 +180,12 @@ def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams, seen: t
     return fused and plain and logits.dtype == torch.float32 and logits.stride(-1) == 1
 
 
+def draws_fused(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> bool:
+    """Whether :func:`next_tokens` (``fused`` left to its default) draws these rows with the fused kernel now: it
+    applies and has not failed in this process (no host reads then: a CUDA graph can hold the draw)."""
+    return fused_sampling_applies(logits, params, seen, None) and not _FUSED_FAILED
+
+
 @functools.cache
 def triton_available() -> bool:
     """Whether Triton imports (installed is not enough: one built for another torch or CUDA raises ImportError)."""
