@@ -14,6 +14,8 @@ Completions end as a trained policy's do, at varied lengths: a random 1/--mean-t
 tokens, so each sampled token stops its sequence with probability about 1/--mean-tokens (up to --new-tokens).
 
     python benchmarks/call_overhead.py --shape smollm2-135m --sequences 8 32 128 --min-batch 1 16
+    python benchmarks/call_overhead.py --shape smollm2-135m --sequences 8 32 --min-batch 16 --speculative off \
+        --step-graphs off on          # whole-step graphs against the forward's alone
     python benchmarks/call_overhead.py --shape tiny --sequences 8 --calls 1      # CPU smoke run (no graphs)
 
 --host-profile N adds, for each setting, one more call under cProfile: the N functions of longrl's package with the
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--mean-tokens", type=int, default=32)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--step-graphs", nargs="+", default=["off"], choices=["off", "on"],
+                    help="Sampler(step_graphs): each plain decode step one CUDA graph (on) or the forward alone (off)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="one more call a setting under cProfile: longrl's N functions by cumulative seconds")
     args = ap.parse_args()
@@ -110,10 +114,10 @@ def main() -> None:
     for sequences in args.sequences:
         prompts = random_prompts(sequences // G, args.prompt_len, vocab)
         for spec in args.speculative:
-            for smallest in args.min_batch:
+            for smallest, whole in [(m, w) for m in args.min_batch for w in args.step_graphs]:
                 sampler = Sampler(model, None, min_decode_batch=smallest, speculative=spec, max_draft_tokens=2,
-                                  speculative_fallback=False)
-                row = dict(sequences=sequences, speculative=spec, min_batch=smallest,
+                                  speculative_fallback=False, step_graphs=whole == "on")
+                row = dict(sequences=sequences, speculative=spec, min_batch=smallest, step_graphs=whole,
                            **measure(sampler, prompts, params, args.calls))
                 if args.host_profile:
                     row["host_profile"] = host_profile(sampler, prompts, params, args.host_profile)
@@ -130,18 +134,20 @@ def main() -> None:
              f"1/{args.mean_tokens} of the vocabulary stops a sequence (up to {args.new_tokens} tokens). Each row: "
              f"the median of {args.calls} timed call(s) after a warm-up call. Captures: the call's CUDA-graph "
              "captures and their host seconds; set-up: Sampler.last_stats prepare_s + release_s (the model set up "
-             "for the call and undone); min batch: Sampler(min_decode_batch); ngram: k = 2, every chunk "
+             "for the call and undone); min batch: Sampler(min_decode_batch); step graphs: Sampler(step_graphs), "
+             "each plain decode step one CUDA graph (off: the forward alone); ngram: k = 2, every chunk "
              "speculating (random weights accept nearly nothing: the verify steps' overheads).", "",
-             "| sequences | speculative | min batch | call s | tokens/s | decode steps | wall ms a step | captures "
-             "| capture s | set-up s | compactions |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['sequences']} | {r['speculative']} | {r['min_batch']} | {r['seconds']:.3f} | "
+             "| sequences | speculative | min batch | step graphs | call s | tokens/s | decode steps | wall ms a step "
+             "| captures | capture s | set-up s | compactions |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['sequences']} | {r['speculative']} | {r['min_batch']} | {r['step_graphs']} | {r['seconds']:.3f} | "
               f"{r['tokens_s']:,.0f} | {r['decode_steps']} | {r['wall_ms_step']:.2f} | {r['captures']} | "
               f"{r['capture_s']:.3f} | {r['prepare_s'] + r['release_s']:.3f} | {r['compactions']} |" for r in rows]
     for r in rows:
         if r.get("host_profile"):
             lines += ["", f"### Host profile: {r['sequences']} sequences, speculative {r['speculative']}, min batch "
-                      f"{r['min_batch']} (one call under cProfile; longrl's functions by cumulative seconds)", "",
+                      f"{r['min_batch']}, step graphs {r['step_graphs']} (one call under cProfile; longrl's functions "
+                      "by cumulative seconds)", "",
                       "| function | calls | own s | cumulative s |", "| --- | --- | --- | --- |"]
             lines += [f"| `{h['function']}` | {h['calls']} | {h['own_s']:.4f} | {h['cumulative_s']:.4f} |"
                       for h in r["host_profile"]]

@@ -16,7 +16,10 @@
 #
 # Stages:
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
-#   sampgpu    the sampler's GPU tests (CUDA graphs, free rows, the decode floor; ~1 min)
+#   sampgpu    the sampler's GPU tests (CUDA graphs, free rows, the decode floor, whole-step graphs, the uniforms'
+#              kernel; ~1 min)
+#   stepgraphs call_overhead.py with Sampler(step_graphs) off and on, plain calls of 8, 32, 128 sequences (OSEQ) on
+#              SmolLM2's shape (SGSHAPE: another, e.g. llama-3.1-8b) (~1-2 min)
 #   gpucheck   benchmarks/gpu_kernel_checks.py: sampling / decode attention / merge kernels at their edges (~1 min)
 #   glue       decode glue kernels (SiLU·up, rotary/KV store), plain and with the packed decode's LoRA fold, and a
 #              sweep of the folding SiLU·up kernel's launch choices (~2 min; GTAG names the file; rollout8b/rollout15
@@ -450,6 +453,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
+        stepgraphs) stage stepgraphs 240 python3 benchmarks/call_overhead.py --shape "${SGSHAPE:-smollm2-135m}" \
+                --sequences ${OSEQ:-8 32 128} --min-batch 16 --speculative off --step-graphs off on --calls 5 \
+                --tag "_stepgraphs${OTAG:-}" ;;
         overhead) stage overhead 200 python3 benchmarks/call_overhead.py --shape smollm2-135m \
                 --sequences ${OSEQ:-8 32 128} --min-batch ${OMIN:-1 16} --tag "${OTAG:-}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
