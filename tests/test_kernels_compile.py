@@ -443,7 +443,7 @@ def test_sampling_kernel_builds(vocab):
     assert "div.rn.f32" in kernel.asm["ptx"]  # x / T rounded as PyTorch's division (not div.full's approximation)
 
 
-@pytest.mark.parametrize("seed_type", ["i32", "i64", "u64"])  # Triton types a Python int by its range
+@pytest.mark.parametrize("seed_type", ["i32", "u32", "i64", "u64"])  # Triton types a Python int by its range
 def test_uniform_kernel_builds_with_logical_shifts_and_an_unsigned_conversion(seed_type):
     """The uniforms' kernel in sm_90 code: splitmix64's shifts logical (shr.u64: an arithmetic one would smear the
     sign bit and differ from the twin's), the 53 bits converted as unsigned, no float step in the hash."""

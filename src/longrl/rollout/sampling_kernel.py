@@ -83,7 +83,6 @@ if triton is not None:
         tl.store(TOKENS + row, (beta * BLOCK + j).to(tl.int64))
         tl.store(LOGPROBS + row, x_token - (top + tl.log(total).to(tl.float32)))
 
-
     @triton.jit
     def _splitmix64(x):
         """splitmix64's finaliser on uint64 (products wrap, shifts are logical on unsigned integers)."""
