@@ -18,6 +18,8 @@
 #   kernel     decode attention Triton vs PyTorch twin on the GPU + the GPU test files (sampler, memory, NF4) (~1.5 min)
 #   sampgpu    the sampler's GPU tests (CUDA graphs, free rows, the decode floor, whole-step graphs, the uniforms'
 #              kernel; ~1 min)
+#   uniforms   benchmarks/uniform_speed.py: the sampling uniforms' PyTorch twin against their one-launch kernel, host
+#              and GPU µs a call, bit for bit checked (~20 s)
 #   stepgraphs call_overhead.py with Sampler(step_graphs) off and on, plain calls of 8, 32, 128 sequences (OSEQ) on
 #              SmolLM2's shape (SGSHAPE: another, e.g. llama-3.1-8b) (~1-2 min)
 #   gpucheck   benchmarks/gpu_kernel_checks.py: sampling / decode attention / merge kernels at their edges (~1 min)
@@ -453,6 +455,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
+        uniforms) stage uniforms 60 python3 benchmarks/uniform_speed.py --tag "${UTAG:-}" ;;
         stepgraphs) stage stepgraphs 240 python3 benchmarks/call_overhead.py --shape "${SGSHAPE:-smollm2-135m}" \
                 --sequences ${OSEQ:-8 32 128} --min-batch 16 --speculative off --step-graphs off on --calls 5 \
                 --tag "_stepgraphs${OTAG:-}" ;;
