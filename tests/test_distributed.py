@@ -217,6 +217,13 @@ def _assert_same_run(history, reference, weights=None, reference_weights=None, t
     if reference_weights is not None:
         assert weights.keys() == reference_weights.keys()
         for k in reference_weights:
+            if k.endswith("k_proj.bias"):
+                # a key bias adds one constant to each query's scores, which the softmax cancels: its gradient is
+                # zero up to rounding, and Adam scales that rounding up to the learning rate's size, one way on one
+                # process and another on two (1.9e-5 apart on a bias of 1.7e-5 at most, seen on one CPU); it stays
+                # within those steps' reach (these runs: at most 2 steps of 3e-3 from a zero start)
+                assert weights[k].abs().max() <= 1e-2 and reference_weights[k].abs().max() <= 1e-2, k
+                continue
             torch.testing.assert_close(weights[k], reference_weights[k], rtol=tol, atol=tol, msg=k)
 
 
