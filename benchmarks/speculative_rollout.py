@@ -167,12 +167,13 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
             for k in args.k:
                 if past_deadline(args, f"{policy}, temperature {T}, {n_seq} sequences, k {k}"):
                     return rows
-                plain = Sampler(model, tok, min_decode_batch=args.min_decode_batch)
+                plain = Sampler(model, tok, min_decode_batch=args.min_decode_batch, step_graphs=args.step_graphs)
 
                 def speculative(fallback: bool, graphs: bool = False, schedule: str = "measured") -> Sampler:
                     return Sampler(model, tok, speculative="ngram", max_draft_tokens=k, speculative_fallback=fallback,
                                    fast_verify=args.fast_verify == "on", speculative_graphs=graphs,
-                                   speculative_schedule=schedule, min_decode_batch=args.min_decode_batch)
+                                   speculative_schedule=schedule, min_decode_batch=args.min_decode_batch,
+                                   step_graphs=args.step_graphs)
                 # the schedule's plain chunks where speculation misses the break-even (priced by the call's step
                 # times, the default, or by bytes), every chunk speculating, and that with each whole queued step a
                 # CUDA graph
@@ -307,6 +308,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to the result file's name (an earlier file is not replaced)")
     ap.add_argument("--min-decode-batch", type=int, default=None,
                     help="(i): Sampler(min_decode_batch) of every sampler (default: the sampler's)")
+    ap.add_argument("--step-graphs", action="store_true",
+                    help="(i): Sampler(step_graphs=True) for every sampler: each plain decode step one CUDA graph")
     ap.add_argument("--schedules", nargs="+", default=["measured", "bytes", "always", "graphs"],
                     choices=["measured", "bytes", "always", "graphs"],
                     help="(i): the speculative samplers run (graphs: always, step graphs; the step anatomy is taken "
