@@ -390,7 +390,13 @@ def write(args, r: dict, smoke: dict) -> None:
                   **{"fast_decode": "–", "lora_fused": "–", "packed_groups": 0, "nf4_projections": 0,
                      **r.get("sampler_stats", {})})
               + f" Training: fused RMSNorm/SiLU·up/rotary attention modules {r.get('fused_layers', 0)}, fused LoRA in the update "
-              f"{r.get('fused_lora_training', False)}.",
+              f"{r.get('fused_lora_training', False)}."
+              + (" Of the generation phase, the sampler's fixed host costs: {graph_captures} CUDA-graph captures in "
+                 "{graph_capture_s:.2f} s, the model set up for the rollout and undone in {setup:.2f} s.".format(
+                     graph_captures=r["sampler_stats"].get("graph_captures", 0),
+                     graph_capture_s=r["sampler_stats"].get("graph_capture_s", 0.0),
+                     setup=r["sampler_stats"]["prepare_s"] + r["sampler_stats"]["release_s"])
+                 if "prepare_s" in r.get("sampler_stats", {}) else ""),
               "", f"Budget: train.gpu_memory_gib = {args.gpu_memory_gib or 'none'}; allocator cap "
               f"{r.get('cap') or 'none'}. KV cache dtype {args.kv_cache_dtype}; layout "
               f"{'auto (planner)' if args.auto_layout else 'offloading pinned'}: {r.get('layout')}. "

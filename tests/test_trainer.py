@@ -329,6 +329,9 @@ def test_generate_batch_and_train_on_batch_are_one_step_apart(tmp_path):
     batches = [t.generate_batch() for t in trainers]  # same seed, same prompts and samples
     a, b = trainers
     assert {"generation_time_s", "rewards_time_s", "reference_time_s"} <= a.phase_stats.keys()
+    # the rollout's fixed costs apart: no CUDA graphs on the CPU; the set-up a part of the generation phase
+    assert a.phase_stats["generation_capture_time_s"] == 0.0
+    assert 0 < a.phase_stats["generation_setup_time_s"] < a.phase_stats["generation_time_s"]
     assert len(batches[0].completion_ids) == 4 * 4 and batches[0].ref_logps is not None
     assert batches[0].completion_ids == batches[1].completion_ids
     given = copy.copy(batches[1])

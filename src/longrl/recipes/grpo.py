@@ -383,6 +383,12 @@ class GRPOTrainer:
                 rollout = sample(self.model, self.tokenizer, prompt_ids, G, cfg.generation, params,
                                  self.sampler, self.device, vision=vision)
                 vision = repeat_groups(vision, G)  # [P·G]: a completion's prompt's (the same object for the group)
+        if self.sampler is not None and self.sampler.last_stats:  # the rollout's fixed host costs, apart from its
+            # decoding: its CUDA-graph captures (each call captures its own; with each its eager warm-up step, where
+            # a process's first use compiles the decode kernels) and the model set up for it and undone
+            stats = self.sampler.last_stats
+            self.phase_stats["generation_capture_time_s"] = float(stats.get("graph_capture_s", 0.0))
+            self.phase_stats["generation_setup_time_s"] = float(stats["prepare_s"] + stats["release_s"])
         if self.sampler is not None and self.sampler.speculative:  # verify steps, drafts, accepted (the sampler's)
             self.phase_stats.update({f"speculative/{k[5:]}": float(v) for k, v in self.sampler.last_stats.items()
                                      if k.startswith("spec_")})
