@@ -406,10 +406,11 @@ class _Run(VerifySteps):
         self.entry_delta = torch.zeros(self.num_entries, dtype=torch.long, device=device)
         self.slots_changed = False  # members / entry_len are rebuilt before the next decode step when set
         self.buckets = batch_buckets(self.num_slots, sampler.min_decode_batch)
-        # batch bucket → its captured decode forward; ("verify", bucket, k) → its verify forward (_verify_forward);
-        # ("queued", bucket, k, width) → a whole queued verify step (verify_steps._queued_graph)
+        # batch bucket → its captured decode forward; ("step", bucket) → a whole plain decode step (_graphed_step);
+        # ("verify", bucket, k) → its verify forward (_verify_forward); ("queued", bucket, k, width) → a whole queued
+        # verify step (verify_steps._queued_graph)
         self.graphs: dict = {}
-        self.graphs_seen: set = set()  # queued verify steps' keys run once eagerly (_queued_graph captures the next)
+        self.graphs_seen: set = set()  # whole steps' keys run once eagerly (the next step is captured)
         self.verify_drafts: dict[int, torch.Tensor] = {}  # k → [slots, k] long: a fast verify step's drafts (input)
         self.verify_logits: torch.Tensor | None = None  # [rows, V] float32: a fast verify step's logits (output)
         self.graph_pool = torch.cuda.graph_pool_handle() if sampler.cuda_graphs else None
