@@ -364,7 +364,7 @@ def test_a_decode_batch_floor_keeps_the_completions_and_compacts_less():
     # the log-probs up to float32 rounding: a product over 8 rows may block its sums unlike one over fewer (seen on
     # some CPUs' kernels, 2.4e-7)
     torch.testing.assert_close(torch.tensor(sum(floored.logprobs, [])), torch.tensor(sum(base.logprobs, [])),
-                               atol=1e-6, rtol=0)
+                               atol=1e-5, rtol=0)
     assert compacted > 0 and none == 0  # the default compacted into smaller buckets; 8 rows, one bucket, never
     assert len({len(c) for c in base.completion_ids}) > 1
     with pytest.raises(ValueError, match="min_decode_batch"):
