@@ -172,6 +172,17 @@ UNIFORM_CHECK = textwrap.dedent('''
         t = uniform_reference.__globals__["_splitmix64"](torch.tensor([seed]))
         assert int(t) % 2 ** 64 == splitmix64_int(seed), seed
     assert uniform_triton(5, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    # the kernel at seed hashes of each width Triton types an argument by (i32, u32, i64, u64), against the formula
+    # in Python integers (a seed's hash below 2^32 is rare, so the seeds above seldom reach the narrow ones)
+    from longrl.rollout.sampling_kernel import _uniform_kernel
+    seq, pos = torch.tensor([0, 1, -1, 12345, -(2 ** 63)]), torch.tensor([0, 7, 2 ** 62, -1, 3])
+    for mix in [0, 5, 2 ** 31 + 1, 2 ** 40 + 3, 2 ** 63 + 7, 2 ** 64 - 1]:
+        u = torch.empty(5, dtype=torch.float64)
+        _uniform_kernel[(1,)](seq, pos, u, mix, 5, BLOCK=8)
+        m = 2 ** 64
+        want = [(splitmix64_int(splitmix64_int(mix ^ (a % m)) ^ (b % m)) >> 11) / 2 ** 53
+                for a, b in zip(seq.tolist(), pos.tolist())]
+        assert u.tolist() == want, (mix, u.tolist(), want)
     print("uniform ok")
 ''')
 
