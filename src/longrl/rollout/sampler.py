@@ -731,27 +731,35 @@ class _Run(VerifySteps):
         return draws_fused(self.step_logits[:batch], self.params, seen)
 
     def _graphed_step(self, batch: int) -> None:
-        """A decode step replayed as one CUDA graph a batch bucket: its first step runs eagerly (kernels built, no
-        forward-only graph captured), the second is captured whole and replayed, the later ones replayed. The graph
-        reads and writes only the call's persistent tensors (the slots' state, compacted in place, the cache, the
-        logits buffer), so a replay is the step on the state it finds; the call's seed and temperature are baked
-        in, as the call's graphs are its own."""
-        key = ("step", batch)
+        """A decode step replayed as one CUDA graph a batch bucket (_whole_step_graph: no forward-only graph is
+        captured). The graph reads and writes only the call's persistent tensors (the slots' state, compacted in
+        place, the cache, the logits buffer), so a replay is the step on the state it finds; the call's seed and
+        temperature are baked in, as the call's graphs are its own."""
+        def step() -> None:
+            self._forward(batch)
+            self._draw(batch)
+
+        self._whole_step_graph(("step", batch), step, step)
+
+    def _whole_step_graph(self, key, eager, captured) -> bool:
+        """A whole step (its device work on fixed shapes) as the CUDA graph of ``key``: the first step runs
+        ``eager`` (kernels built, buffers allocated), the second is ``captured`` and replayed, the later ones
+        replayed. Returns whether this call captured the graph."""
         graph = self.graphs.get(key)
-        if graph is None:
+        new = graph is None
+        if new:
             if key not in self.graphs_seen:
                 self.graphs_seen.add(key)
-                self._forward(batch)
-                self._draw(batch)
-                return
+                eager()
+                return False
             start = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._forward(batch)
-                self._draw(batch)
+                captured()
             self.graphs[key] = graph
             self._count_capture(start)
         graph.replay()
+        return new
 
     def _draw(self, batch: int) -> None:
         """The step's tokens from its logits, and the slots' bookkeeping: tokens, log-probs, counts, positions,

@@ -114,6 +114,16 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
+def splitmix64_int(x: int) -> int:
+    """:func:`_splitmix64` on a Python integer, modulo 2⁶⁴ (the seed's hash, computed once on the host for
+    sampling_kernel.uniform_triton)."""
+    mask = (1 << 64) - 1
+    z = (x + _GOLDEN) & mask
+    z = ((z ^ (z >> 30)) * _MIX1) & mask
+    z = ((z ^ (z >> 27)) * _MIX2) & mask
+    return z ^ (z >> 31)
+
+
 def uniform_reference(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """u ∈ [0, 1) float64 [B] from (seed, sequence id [B], position [B]); 53 random bits each:
     u = (splitmix64(splitmix64(splitmix64(seed) ⊕ sequence) ⊕ position) >> 11) / 2⁵³ (the plain twin of
@@ -147,7 +157,7 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Te
     temporaries within the planner's sampling chunk); the result does not depend on it. Plain temperature
     sampling of float32 logits runs as one Triton kernel (``fused``; default: on CUDA with Triton), the same
     draw up to rounding at a CDF boundary (rollout/sampling_kernel.py)."""
-    if fused_sampling_applies(logits, params, seen, fused) and not _FUSED_FAILED:
+    if draws_fused(logits, params, seen, fused):
         try:
             from .sampling_kernel import sample_with_temperature
 
@@ -180,10 +190,11 @@ def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams, seen: t
     return fused and plain and logits.dtype == torch.float32 and logits.stride(-1) == 1
 
 
-def draws_fused(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> bool:
-    """Whether :func:`next_tokens` (``fused`` left to its default) draws these rows with the fused kernel now: it
-    applies and has not failed in this process (no host reads then: a CUDA graph can hold the draw)."""
-    return fused_sampling_applies(logits, params, seen, None) and not _FUSED_FAILED
+def draws_fused(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
+                fused: bool | None = None) -> bool:
+    """Whether :func:`next_tokens` draws these rows with the fused kernel now: it applies (``fused`` as there) and
+    has not failed in this process (no host reads then: a CUDA graph can hold the draw)."""
+    return fused_sampling_applies(logits, params, seen, fused) and not _FUSED_FAILED
 
 
 @functools.cache

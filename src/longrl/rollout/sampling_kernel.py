@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import splitmix64_int
+
 try:
     import triton
     import triton.language as tl
@@ -106,15 +108,6 @@ if triton is not None:
 UNIFORM_BLOCK = 256  # rows a program of _uniform_kernel
 
 
-def splitmix64_int(x: int) -> int:
-    """splitmix64's finaliser on a Python integer modulo 2⁶⁴ (the seed's hash, computed once on the host)."""
-    mask = (1 << 64) - 1
-    z = (x + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
-
-
 def uniform_triton(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """u ∈ [0, 1) float64 [B] from (seed, sequence id [B] long, position [B] long) in one launch: bit for bit
     :func:`~longrl.rollout.sampling.uniform_reference`."""
@@ -144,4 +137,4 @@ def sample_with_temperature(logits: torch.Tensor, u: torch.Tensor, temperature: 
     return tokens, logprobs
 
 
-__all__ = ["sample_with_temperature", "uniform_triton", "splitmix64_int", "SAMPLE_BLOCK"]
+__all__ = ["sample_with_temperature", "uniform_triton", "SAMPLE_BLOCK"]

@@ -14,7 +14,6 @@ The mixin reads the call's state as ``_Run`` holds it (``state``, ``host``, ``ca
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -81,26 +80,14 @@ class VerifySteps:
         return steps
 
     def _queued_graph(self, batch: int, k: int, width: int) -> None:
-        """A queued verify step replayed as one CUDA graph a (batch, k, width): its first step runs eagerly (kernels
-        built, the verify forward's own graph captured, buffers allocated), the second is captured whole and
-        replayed, the later ones replayed. The graph reads and writes only the call's persistent tensors (the slots'
-        state, the cache, the draft sources and counters), so a replay is the step on the state it finds."""
+        """A queued verify step replayed as one CUDA graph a (batch, k, width) (sampler._Run._whole_step_graph: its
+        eager first step also captures the verify forward's own graph). The graph reads and writes only the call's
+        persistent tensors (the slots' state, the cache, the draft sources and counters), so a replay is the step on
+        the state it finds."""
         self._verify_buffers(batch, k)  # (outside the capture; a new logits buffer drops the graphs using the old)
-        key = ("queued", batch, k, width)
-        graph = self.graphs.get(key)
-        if graph is None:
-            if key not in self.graphs_seen:
-                self.graphs_seen.add(key)
-                self._queued_verify(batch, k, width, True)
-                return
-            start = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._queued_verify(batch, k, width, True, whole_graph=True)
-            self.graphs[key] = graph
+        if self._whole_step_graph(("queued", batch, k, width), lambda: self._queued_verify(batch, k, width, True),
+                                  lambda: self._queued_verify(batch, k, width, True, whole_graph=True)):
             self.stats["spec_step_graphs"] = self.stats.get("spec_step_graphs", 0) + 1
-            self._count_capture(start)
-        graph.replay()
 
     def _verify_cost_ratio(self, k: int, decoding: list[int]) -> float:
         """spec_schedule.verify_cost_ratio for the decoding slots' sequences now (the host's token counts)."""
