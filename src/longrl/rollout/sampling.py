@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory.planner import sampling_rows
+from .splitmix import GOLDEN, MIX1, MIX2
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,6 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams, seen: to
     return torch.log_softmax(filter_logits(z / max(params.temperature, 1e-6), params), dim=-1)
 
 
-_GOLDEN, _MIX1, _MIX2 = (0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64,
-                         0x94D049BB133111EB - 2 ** 64)  # splitmix64 constants as signed int64
-
-
 def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic on signed integers)."""
     return (x >> k) & ((1 << (64 - k)) - 1)
@@ -108,20 +105,10 @@ def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 finaliser on int64 tensors (wrapping arithmetic): a bijective, well-mixed hash."""
-    z = x + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = x + GOLDEN
+    z = (z ^ _shift_right(z, 30)) * MIX1
+    z = (z ^ _shift_right(z, 27)) * MIX2
     return z ^ _shift_right(z, 31)
-
-
-def splitmix64_int(x: int) -> int:
-    """:func:`_splitmix64` on a Python integer, modulo 2⁶⁴ (the seed's hash, computed once on the host for
-    sampling_kernel.uniform_triton)."""
-    mask = (1 << 64) - 1
-    z = (x + _GOLDEN) & mask
-    z = ((z ^ (z >> 30)) * _MIX1) & mask
-    z = ((z ^ (z >> 27)) * _MIX2) & mask
-    return z ^ (z >> 31)
 
 
 def uniform_reference(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import splitmix64_int
+from .splitmix import splitmix64_int
 
 try:
     import triton
