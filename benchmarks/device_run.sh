@@ -37,6 +37,9 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
+#   halves     the NF4 halves layout (ops/nf4_halves.py): its GPU tests, then nf4_matmul.py --sweep --halves
+#              --table-only --skip-table: LAUNCH's entry against the halves choices at 128, 32, 16 rows (~3 min;
+#              carry .whl_bnb; HTAG names the file)
 #   overhead   call_overhead.py: a short rollout call's fixed host costs (captures, set-up) beside its decode steps,
 #              SmolLM2-135M shape, 8/32/128 sequences (OSEQ), min_decode_batch 1 and 16 (OMIN), plain and ngram
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
@@ -266,6 +269,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
+        halves) stage halvesgpu 90 python3 -m pytest -q -m gpu tests/test_nf4_halves.py
+            stage halves 240 python3 benchmarks/nf4_matmul.py --sweep --halves --table-only --skip-table ;;
         sampgpu) stage sampgpu 150 python3 -m pytest -q -m gpu tests/test_sampler_gpu.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
             --profile-variants "${PVARIANTS:-packed,hf}" \

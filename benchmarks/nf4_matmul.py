@@ -146,9 +146,9 @@ def packed_group(name: str, dev, fp8: bool = False):
     return nm.nf4_group(params, torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02)
 
 
-def sweep(dev) -> tuple[list[dict], dict]:
+def sweep(dev, halves: bool = False, table_only: bool = False) -> tuple[list[dict], dict]:
     """Every group at each decode row count under each launch choice; the choice with the least summed time of a
-    layer's four groups per row count ('best')."""
+    layer's four groups per row count ('best'). table_only: LAUNCH's entry alone (then the halves choices)."""
     groups = {}
     for name in GROUPS:
         g = packed_group(name, dev)
@@ -159,8 +159,9 @@ def sweep(dev) -> tuple[list[dict], dict]:
         bf16 = {name: graph_seconds(lambda: torch.nn.functional.linear(xs[name], W)) for name, (_, W) in groups.items()}
         totals = []
 
-        def record(cfg: dict, per: dict) -> None:  # a timed launch choice: a row, and a candidate for 'best'
-            totals.append((sum(per.values()), cfg))
+        def record(cfg: dict, per: dict, candidate: bool = True) -> None:  # a timed launch choice: a row, and
+            if candidate:  # (unless it runs on the halves layout) a candidate for 'best'
+                totals.append((sum(per.values()), cfg))
             rows.append(dict(M=M, **cfg, us={k: v * 1e6 for k, v in per.items()}, layer_us=sum(per.values()) * 1e6,
                              bf16_us={k: v * 1e6 for k, v in bf16.items()}, bf16_layer_us=sum(bf16.values()) * 1e6))
             print(rows[-1], flush=True)
@@ -169,30 +170,58 @@ def sweep(dev) -> tuple[list[dict], dict]:
             return {name: graph_seconds(lambda: nm.nf4_group_linear(xs[name], g, launch=cfg))
                     for name, (g, _) in groups.items()}
 
-        for cfg in sweep_choices(M):
-            try:
+        def checked(cfg: dict) -> dict | None:  # timed, its results checked first; a launch choice that fails to
+            try:  # build or is wrong is reported (a row), not hidden
                 for name, (g, W) in groups.items():
                     got = nm.nf4_group_linear(xs[name], g, launch=cfg).float()
                     want = torch.nn.functional.linear(xs[name].float(), W.float())
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
                         raise RuntimeError(f"{name}: result off by {float((got - want).abs().max()):.3g}")
-                per = timed(cfg)
-            except Exception as e:  # a launch choice that fails to build or is wrong is reported, not hidden
+                return timed(cfg)
+            except Exception as e:
                 rows.append(dict(M=M, **cfg, error=f"{type(e).__name__}: {e}"[:200]))
                 print(rows[-1], flush=True)
-                continue
-            record(cfg, per)
+                return None
+
+        for cfg in ([dict(nm.launch_for(M)[1])] if table_only else sweep_choices(M)):
+            if (per := checked(cfg)) is not None:
+                record(cfg, per)
+        if halves:  # the same groups with their codes in the halves layout (ops/nf4_halves.py), beside the above
+            for g, _ in groups.values():
+                nm.set_halves(g, True)
+            try:
+                for cfg in halves_choices(M):
+                    if (per := checked(cfg)) is not None:
+                        record(cfg, per, candidate=False)
+            finally:
+                for g, _ in groups.values():
+                    nm.set_halves(g, False)
         if not totals:
             continue
         top = min(totals, key=lambda t: t[0])[1]
-        for programs in (132, 396, 528, 792, 1056):  # the K split's target, for the fastest build (528 was the most
-            # tried until 2026-12-06, and the fastest at 16 rows: more splits may still help the few-row products)
+        for programs in () if table_only else (132, 396, 528, 792, 1056):  # the K split's target, for the fastest
+            # build (528 was the most tried until 2026-12-06, and the fastest at 16 rows: more splits may still help
+            # the few-row products)
             record({**top, "programs": programs}, timed({**top, "programs": programs}))
         fixup = {**min(totals, key=lambda t: t[0])[1], "fixup": True}  # the fastest, its splits summed by their last
-        if same_with_fixup(nm.nf4_group_linear, xs, groups, fixup, rows, M):  # programs rather than a second launch
-            record(fixup, timed(fixup))
+        if not table_only and same_with_fixup(nm.nf4_group_linear, xs, groups, fixup, rows, M):  # programs
+            record(fixup, timed(fixup))  # rather than a second launch
         best[M] = min(totals, key=lambda t: t[0])[1]
     return rows, best
+
+
+def halves_choices(M: int) -> list[dict]:
+    """Launch choices on codes in the halves layout ("halves" marks them; the group's layout is what selects the
+    kernel's path): bytes a lookup (pack), luts 4 and 5, stages, tiles, the K split's target, fixup."""
+    def c(bn=64, w=4, st=3, lut=4, pack=2, programs=528, **more):
+        return dict(bn=bn, swap=True, join=True, lut=lut, warps=w, stages=st, programs=programs, fixup=True,
+                    halves=True, pack=pack, **more)
+
+    if M >= 64:
+        return [c(lut=5, programs=396), c(lut=5, pack=4, programs=396), c(lut=4, programs=396),
+                c(lut=5, st=4, programs=396), c(128, 8, lut=5, programs=396), c(lut=5, programs=264)]
+    return [c(lut=4), c(lut=4, pack=4), c(lut=5), c(lut=4, st=4), c(lut=4, st=2), c(128, 4, lut=4),
+            c(lut=4, programs=792), c(lut=4, programs=396), c(lut=4, maxnreg=72), c(32, 4, lut=4)]
 
 
 def fp8_weight(N: int, K: int, dev, seed: int = 0):
@@ -302,6 +331,12 @@ def fp8_lines(rows: list[dict], sweep_rows: list[dict], best: dict) -> list[str]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also time the packed decode's groups under launch choices")
+    ap.add_argument("--halves", action="store_true", help="with --sweep: also the groups with their codes in the "
+                    "halves layout (ops/nf4_halves.py) under halves_choices, beside the bitsandbytes order")
+    ap.add_argument("--table-only", action="store_true", help="with --sweep: LAUNCH's own entry at each row count "
+                    "instead of sweep_choices (with --halves: the halves layout's choices against today's table)")
+    ap.add_argument("--skip-table", action="store_true", help="leave out the per-shape table (the sweep alone)")
+    ap.add_argument("--sweep-rows", default="", help="comma-separated row counts for --sweep (default 128,32,16)")
     ap.add_argument("--fp8", action="store_true", help="also time an FP8 base's products (and sweep them with "
                     "--sweep) in the same run")
     args = ap.parse_args()
@@ -311,8 +346,12 @@ def main() -> None:
 
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    sweep_rows, best = sweep(dev) if args.sweep else ([], {})
-    if best:  # each bucket takes the fastest choice of the nearest swept row count at or above it
+    if args.sweep_rows:
+        global SWEEP_ROWS
+        SWEEP_ROWS = tuple(int(m) for m in args.sweep_rows.split(","))
+    sweep_rows, best = sweep(dev, args.halves, args.table_only) if args.sweep else ([], {})
+    if best and not args.table_only:  # each bucket takes the fastest choice of the nearest swept row count at or
+        # above it
         nm.LAUNCH.update({b: best[min((m for m in best if m >= b), default=max(best))] for b in nm.LAUNCH})
         write_result(f"nf4_matmul_{card_tag()}_sweep", {"best": {str(b): c for b, c in nm.LAUNCH.items()}, "sweep": sweep_rows},
                      [f"NF4 launch sweep (fastest per row count): {best}"])  # (rollout_speed --nf4-launch, at once)
@@ -323,7 +362,7 @@ def main() -> None:
         fm.LAUNCH.update({b: fp8_best[min((m for m in fp8_best if m >= b), default=max(fp8_best))] for b in fm.LAUNCH})
         write_result(f"fp8_matmul_{card_tag()}_sweep", {"best": {str(b): c for b, c in fm.LAUNCH.items()},
                                                "sweep": fp8_sweep_rows}, [f"FP8 launch sweep: {fp8_best}"])
-    rows = table(dev, bw)
+    rows = [] if args.skip_table else table(dev, bw)
     fp8_rows = fp8_table(dev) if args.fp8 else []
     meta = run_meta(copy_bandwidth_gbs=bw / 1e9, bitsandbytes=bitsandbytes.__version__, launch=dict(nm.LAUNCH))
     lines = [f"# NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, {meta['gpu']}", "",
@@ -346,7 +385,8 @@ def main() -> None:
                   "| rows | bn | lut | warps | stages | programs | " + " | ".join(names) +
                   " | layer µs | bf16 layer µs | × bf16 |", "|---" * (9 + len(names)) + "|"]
         for r in sweep_rows:
-            head = (f"| {r['M']} | {r['bn']} | {r['lut']}{', kord' if r.get('kord') else ''} | {r['warps']}"
+            head = (f"| {r['M']} | {r['bn']} | {r['lut']}{', kord' if r.get('kord') else ''}"
+                    f"{', halves, pack ' + str(r['pack']) if r.get('halves') else ''} | {r['warps']}"
                     f"{' (maxnreg ' + str(r['maxnreg']) + ')' if r.get('maxnreg') else ''} | {r['stages']}"
                     f"{' (unroll ' + str(r['unroll']) + ')' if r.get('unroll', 1) > 1 else ''} | "
                     f"{r['programs']}{' + fixup' if r.get('fixup') else ''} | ")
@@ -358,7 +398,7 @@ def main() -> None:
                          f"{r['bf16_layer_us'] / r['layer_us']:.2f} |")
     if args.fp8:
         lines += fp8_lines(fp8_rows, fp8_sweep_rows, fp8_best)
-    write_result(f"nf4_matmul_{card_tag()}" + ("_fp8" if args.fp8 else ""),
+    write_result(f"nf4_matmul_{card_tag()}" + ("_fp8" if args.fp8 else "") + ("_halves" if args.halves else ""),
                  {**meta, "rows": rows, "sweep": sweep_rows, "best": {str(m): c for m, c in best.items()},
                   "fp8_rows": fp8_rows, "fp8_sweep": fp8_sweep_rows}, lines)
 

@@ -292,10 +292,20 @@ def test_nf4_group_kernel_builds_with_packed_permutes(rows, spread):
 
 
 def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3, swap: bool = True, join: bool = True,
-               fixup: bool = False, kord: bool = False, dtype: str = "bf16", unroll: int = 1):
+               fixup: bool = False, kord: bool = False, dtype: str = "bf16", unroll: int = 1, pack: int = 0):
     """The NF4 group product compiled for sm_90 at ``rows`` rows of x (activations ``dtype``), with the 8B shapes'
-    alignments."""
+    alignments; ``pack`` 2 or 4: on codes in the halves layout (ops/nf4_halves.py), that many bytes a lookup."""
+    import torch
+
+    from longrl.ops import nf4_halves as nh
     from longrl.ops import nf4_matmul as nm
+
+    halves = dict(HALVES=False, PACK=4, LOOKUP="", LOOKUP_CONS="")
+    if pack:
+        table = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379,
+                 0.4407, 0.5626, 0.7230, 1.0]  # (NF4's, rounded: any 16 values build the same instructions)
+        halves = dict(HALVES=True, PACK=pack, LOOKUP=nh.lookup_ptx(nh.table_planes(table, torch.bfloat16), pack),
+                      LOOKUP_CONS=nh.lookup_constraints(pack))
 
     ptrs = dict(X=f"*{dtype}", P0="*u8", P1="*u8", P2="*u8", S="*fp32", CODE="*fp32", D=f"*{dtype}", BIAS=f"*{dtype}",
                 Y="*fp32", OUT=f"*{dtype}", LOCK="*i32")
@@ -304,7 +314,7 @@ def _nf4_build(rows: int, lut: int, bn: int, warps: int, stages: int = 3, swap: 
     signature = {name: {**ptrs, **ints}[name] for name in nm._nf4_group_kernel.arg_names if name in {**ptrs, **ints}}
     return compile_for_sm90(nm._nf4_group_kernel, signature,
                             dict(HAS_BIAS=False, BM=rows, BN=bn, SWAP=swap, JOIN=join, LUT=lut, EVEN_K=True, ASM=True,
-                                 FIXUP=fixup, SUM_BIAS=fixup, KORD=kord, UNROLL=unroll),
+                                 FIXUP=fixup, SUM_BIAS=fixup, KORD=kord, UNROLL=unroll, **halves),
                             num_warps=warps, num_stages=stages,
                             aligned=[*ptrs, "K", "KB", "N0", "N01", "NQ", "stride_xm", "stride_ym", "stride_ys"])
 
@@ -457,3 +467,20 @@ def test_uniform_kernel_builds_with_logical_shifts_and_an_unsigned_conversion(se
     assert per_thread >= 1 and ops["shr.s64"] == 0
     # each: two splitmix64 rounds of three logical shifts and two wrapping 64-bit products, then >> 11
     assert ops["shr.u64"] == 7 * per_thread and ops["mul.lo.s64"] + ops["mul.lo.u64"] == 4 * per_thread, ops
+
+
+@pytest.mark.parametrize("rows, lut, pack", [(16, 4, 2), (32, 5, 4), (128, 5, 2)])
+def test_nf4_halves_layout_loop_keeps_the_looked_up_tile_in_registers(rows, lut, pack):
+    """On codes in the halves layout (ops/nf4_halves.py) the lookup's only operand is the byte tile, so Triton loads
+    the bytes in the tensor-core operand's layout: the NF4 loop (the one with the lookup's permutes) stores nothing
+    to shared memory and reads no tile back (no STS, no LDSM), where the k-ordered build of the same launch writes
+    its looked-up 16-bit tile and reads it back every block; no spills."""
+    def nf4_loop(kernel):
+        return Counter(_opcodes(max(_sass_loops(kernel), key=lambda body: sum("PRMT" in i for i in body))))
+
+    halves = nf4_loop(_nf4_build(rows, lut, 64, 4, fixup=True, pack=pack))
+    kord = nf4_loop(_nf4_build(rows, lut, 64, 4, fixup=True, kord=True))
+    assert halves["PRMT"] >= 128 and halves["HGMMA"] > 0
+    assert halves["STS"] == 0 and halves["LDSM"] == 0 and halves["STL"] + halves["LDL"] == 0, halves
+    if rows <= 32:  # (at 128 rows the k-ordered build's tile goes another way)
+        assert kord["STS"] > 0 and kord["LDSM"] > 0, kord

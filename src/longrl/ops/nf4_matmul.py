@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .nf4_halves import from_halves_, halves_codes, halves_ok, lookup_constraints, lookup_ptx, table_planes, to_halves_
 
 try:
     import triton
@@ -145,6 +147,9 @@ class NF4Group:
     dense: torch.Tensor | None = None  # [R, K] 16-bit rows after the NF4 ones (LoRA A), or None
     bias: torch.Tensor | None = None  # [Σ N_i + R] (zeros on the dense rows), or None
     locks: torch.Tensor | None = None  # int32 [row tiles]: split_locks, the fixup launch choice's counts
+    halves: bool = False  # the codes in the halves layout (ops/nf4_halves.py; set_halves), not bitsandbytes' order
+    table: tuple | None = None  # the code's 16 values on the host (set_halves: the lookup's immediates)
+    lookups: dict = field(default_factory=dict)  # (dtype, pack) → the halves lookup's PTX
 
     def __post_init__(self):
         if self.locks is None:
@@ -196,6 +201,25 @@ def nf4_group(weights: list, dense: torch.Tensor | None = None, biases: list | N
                     dense.contiguous() if dense is not None else None, bias)
 
 
+def set_halves(group: NF4Group, on: bool) -> None:
+    """Put the group's NF4 codes into the halves layout (on) or back into bitsandbytes' order, in place: the
+    weights' own bytes change, so whatever else reads them (bitsandbytes' forward) must wait for the way back."""
+    if on == group.halves:
+        return
+    if on and not halves_ok(group.K):
+        raise ValueError(f"set_halves: the halves layout needs K a multiple of 128; got {group.K}")
+    if on and group.table is None:
+        group.table = tuple(float(v) for v in group.code.tolist())
+    for packed in group.packed:
+        (to_halves_ if on else from_halves_)(packed, group.K)
+    group.halves = on
+
+
+def bnb_codes(group: NF4Group, packed: torch.Tensor) -> torch.Tensor:
+    """One of the group's weights' codes in bitsandbytes' order (a copy when the group is in the halves layout)."""
+    return halves_codes(packed, group.K) if group.halves else packed
+
+
 def check_dense(dense: torch.Tensor | None, K: int, what: str) -> None:
     """Refuse a group's dense rows that are not [R, K]."""
     if dense is not None and (dense.dim() != 2 or dense.shape[1] != K):
@@ -226,6 +250,7 @@ def nf4_group_weight(group: NF4Group, dtype: torch.dtype, scale_after: bool = Fa
         raise ValueError(f"nf4_group_weight: rounded is one of {ROUNDINGS}, not {rounded!r}")
     parts, start = [], 0
     for packed, n in zip(group.packed, group.rows):
+        packed = bnb_codes(group, packed)
         absmax = group.scales[:, start:start + n].t().reshape(-1)  # [n·K/64], row-major blocks
         if scale_after or rounded:
             unscaled = dequantize_nf4(packed, torch.ones_like(absmax), group.code, n, group.K, dtype).float()
@@ -402,13 +427,15 @@ if triton is not None:
                           HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
                           JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                           FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False, KORD: tl.constexpr = False,
-                          UNROLL: tl.constexpr = 1):
+                          UNROLL: tl.constexpr = 1, HALVES: tl.constexpr = False, LOOKUP: tl.constexpr = "",
+                          LOOKUP_CONS: tl.constexpr = "", PACK: tl.constexpr = 4):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
         to split ps's float32 slice of Y, or (one split) to Y itself with the bias, cast. FIXUP (one m tile, several
         splits): the tile's last program sums the splits into OUT (_last_split_sums; LOCK: a count a row tile,
-        SUM_BIAS: with the bias)."""
+        SUM_BIAS: with the bias). HALVES (SWAP, LUT 4 to 6, K a multiple of 128): the codes in the halves layout
+        (ops/nf4_halves.py), looked up PACK bytes at a time by the PTX LOOKUP (constraints LOOKUP_CONS)."""
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -457,7 +484,33 @@ if triton is not None:
             if LUT >= 4:  # one table for every row and block (the scale comes after the lookup): built once
                 U0, U1, U2, U3, V0, V1, V2, V3 = _prmt_tables(1.0, c00, c01, c02, c03, c04, c05, c06, c07, c08, c09,
                                                               c10, c11, c12, c13, c14, c15, x_dtype)
-            if LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only); UNROLL chunks an iteration
+            if HALVES:  # byte j of chunk c: k0 + j (high nibble), k0 + 64 + j (low); both blocks from one lookup
+                for c in tl.range(c_start, c_stop, loop_unroll_factor=UNROLL):
+                    k0 = c * 128 + j  # [64] the chunk's first block in k order (+ 64: its second)
+                    byte = tl.load(w_rows[:, None] + (c * 64 + j)[None, :], mask=n_ok[:, None], other=0)  # [BN, 64]
+                    x0 = tl.load(x_rows[None, :] + k0[:, None], mask=m_ok[None, :], other=0.0)  # [64, BM]
+                    x1 = tl.load(x_rows[None, :] + (k0 + 64)[:, None], mask=m_ok[None, :], other=0.0)
+                    s0 = tl.load(S + (2 * c) * NQ + n, mask=n_ok, other=0.0)  # [BN] the two blocks' scales
+                    s1 = tl.load(S + (2 * c + 1) * NQ + n, mask=n_ok, other=0.0)
+                    if ASM:  # one operand (the bytes): its layout conversion moves ahead of it, onto the load
+                        w0, w1 = tl.inline_asm_elementwise(LOOKUP, LOOKUP_CONS, [byte], dtype=(x_dtype, x_dtype),
+                                                           is_pure=True, pack=PACK)
+                    else:  # (Triton's interpreter runs no PTX: the same values from the table in memory)
+                        w0 = tl.load(CODE + (byte >> 4).to(tl.int32)).to(x_dtype)  # W[n, k0 + j] unscaled
+                        w1 = tl.load(CODE + (byte & 15).to(tl.int32)).to(x_dtype)  # W[n, k0 + 64 + j]
+                    if LUT == 4:
+                        acc += tl.dot(w0, x0, out_dtype=tl.float32) * s0[:, None]
+                        acc += tl.dot(w1, x1, out_dtype=tl.float32) * s1[:, None]
+                    else:
+                        if LUT == 5:
+                            w0 = (w0 * s0.to(x_dtype)[:, None]).to(x_dtype)
+                            w1 = (w1 * s1.to(x_dtype)[:, None]).to(x_dtype)
+                        else:
+                            w0 = (w0.to(tl.float32) * s0[:, None]).to(x_dtype)
+                            w1 = (w1.to(tl.float32) * s1[:, None]).to(x_dtype)
+                        acc += tl.dot(w0, x0, out_dtype=tl.float32)
+                        acc += tl.dot(w1, x1, out_dtype=tl.float32)
+            elif LUT >= 3:  # a block at a time, looked up by byte permutes (GPU only); UNROLL chunks an iteration
                 for c in tl.range(c_start, c_stop, loop_unroll_factor=UNROLL):
                     k = c * 128 + tl.arange(0, 64)
                     for blk in tl.static_range(2):
@@ -727,6 +780,8 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     lut, asm = cfg["lut"], not _interpreting()
     if lut not in range(7):
         raise ValueError(f"nf4_group_linear: launch choice lut is 0 to 6, not {lut!r}")
+    if group.halves:
+        return _halves_linear(x2, lead, group, cfg, g, out, target, dense, bias, asm)
     key = (BM, BN, cfg["swap"], cfg["warps"], cfg["stages"], K % CHUNK == 0, x.dtype)
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
@@ -754,6 +809,34 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
         log.warning("nf4_matmul: the byte-permute lookup does not fit this build's layout (rows %d, tile %d, %d "
                     "warps); using the register gather for it", BM, BN, cfg["warps"])
         lut = 1
+    if not fixup:
+        sum_splits(target, group.bias, out)
+    return out.view(*lead, NT)
+
+
+def _halves_lookup(group: NF4Group, dtype: torch.dtype, pack: int) -> tuple[str, str]:
+    key = (dtype, pack)
+    if key not in group.lookups:
+        group.lookups[key] = lookup_ptx(table_planes(list(group.table), dtype), pack)
+    return group.lookups[key], lookup_constraints(pack)
+
+
+def _halves_linear(x2, lead, group: NF4Group, cfg: dict, g: GroupGrid, out, target, dense, bias, asm: bool):
+    """nf4_group_linear's launch for a group in the halves layout: the weight tile on the left (swap), luts 4 to 6
+    (lut 3 and below, which build a table a block, take 4), launch choice ``pack`` (2 or 4: bytes a lookup)."""
+    M, K, NQ, NT = x2.shape[0], group.K, group.nf4_rows, group.out_features
+    lut = max(4, cfg["lut"])
+    pack = cfg.get("pack", 4)
+    ptx, cons = _halves_lookup(group, x2.dtype, pack)
+    fixup = fixes_up(cfg, g, group.locks)
+    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and asm else {}
+    p = group.packed + [group.packed[0]] * (MAX_NF4 - len(group.packed))
+    _nf4_group_kernel[g.grid](
+        x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, out, group.locks, M, K, K // 2, g.N0,
+        g.N01, NQ, NT - NQ, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
+        HAS_BIAS=group.bias is not None and g.split == 1, BM=g.BM, BN=g.BN, SWAP=True, JOIN=True, LUT=lut,
+        EVEN_K=True, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None, UNROLL=cfg.get("unroll", 1), HALVES=True,
+        LOOKUP=ptx, LOOKUP_CONS=cons, PACK=pack, num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
     if not fixup:
         sum_splits(target, group.bias, out)
     return out.view(*lead, NT)

@@ -1,0 +1,170 @@
+"""The NF4 codes' halves layout (ops/nf4_halves.py): an exact in-place byte permutation and its inverse, its lookup
+PTX replayed on the CPU, and the product on halves groups against the plain twin (Triton's interpreter, float16;
+bf16 on the GPU)."""
+
+import random
+import textwrap
+
+import pytest
+import torch
+from interpreter import run_interpreted
+
+from longrl.ops import nf4_halves as nh
+
+
+def _codes_in_k_order(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1)
+
+
+@pytest.mark.parametrize("N, K", [(1, 128), (3, 384), (17, 1280)])
+def test_halves_layout_pairs_each_chunks_two_blocks_and_round_trips(N, K):
+    torch.manual_seed(N * K)
+    packed = torch.randint(0, 256, (N * K // 2,), dtype=torch.uint8)
+    original = packed.clone()
+    codes = _codes_in_k_order(packed).view(-1, 128)  # [chunks, 128] in k order
+    nh.to_halves_(packed, K)
+    assert torch.equal(packed.view(-1, 64) >> 4, codes[:, :64])  # high nibbles: the chunk's first block
+    assert torch.equal(packed.view(-1, 64) & 15, codes[:, 64:])  # low: its second
+    assert torch.equal(nh.halves_codes(packed, K), original)  # a copy back, the halves untouched
+    assert not torch.equal(packed, original) or N * K < 256
+    nh.from_halves_(packed, K)
+    assert torch.equal(packed, original)
+
+
+def test_halves_layout_converts_in_slices(monkeypatch):
+    monkeypatch.setattr(nh, "SLICE_CHUNKS", 3)  # 10 chunks: slices of 3, 3, 3, 1
+    packed = torch.randint(0, 256, (10 * 64,), dtype=torch.uint8)
+    original = packed.clone()
+    want = nh.to_halves_(packed.clone(), 128 * 10)
+    monkeypatch.setattr(nh, "SLICE_CHUNKS", 1 << 18)
+    assert torch.equal(nh.to_halves_(packed, 128 * 10), want)
+    assert torch.equal(nh.from_halves_(packed, 128 * 10), original)
+
+
+def test_halves_layout_refuses_partial_chunks():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        nh.to_halves_(torch.zeros(96, dtype=torch.uint8), 192)
+    with pytest.raises(ValueError, match="uint8"):
+        nh.to_halves_(torch.zeros(64, dtype=torch.int8), 128)
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX prmt.b32 (default mode): byte k of the result is byte (nibble k of c) & 7 of {b, a}, its sign replicated
+    when the nibble's bit 3 is set."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for k in range(4):
+        nib = (c >> 4 * k) & 0xF
+        byte = src[nib & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * k
+    return out
+
+
+def _run(ptx: str, regs: dict) -> dict:
+    """Execute the lookup's PTX (mov, and, or, shr, prmt) on the registers ``regs``."""
+    ops = {"mov.b32": lambda v: v[0], "and.b32": lambda v: v[0] & v[1], "or.b32": lambda v: v[0] | v[1],
+           "shr.b32": lambda v: v[0] >> v[1], "prmt.b32": lambda v: _prmt(*v)}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}.":
+            continue
+        op, rest = line.split(None, 1)
+        d, *args = [a.strip() for a in rest.split(",")]
+        v = [int(a, 16) if a.startswith("0x") else int(a) if a.isdigit() else regs[a] for a in args]
+        regs[d] = ops[op](v) & 0xFFFFFFFF
+    return regs
+
+
+@pytest.mark.parametrize("pack", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lookup_ptx_gives_each_bytes_two_table_values(pack, dtype):
+    """The lookup PTX, replayed: for random tables and code bytes, its first output holds each byte's high-nibble
+    entry, its second the low-nibble entry, in element order (two 16-bit values a register), the table's bits
+    exactly those of dtype(code)."""
+    rng = random.Random(pack)
+    for _ in range(200):
+        code = [rng.uniform(-1, 1) for _ in range(16)]
+        bits = [b & 0xFFFF for b in torch.tensor(code).to(dtype).view(torch.int16).tolist()]
+        ptx = nh.lookup_ptx(nh.table_planes(code, dtype), pack)
+        w = rng.getrandbits(8 * pack)
+        regs = _run(ptx, {f"${pack}": w})
+        values = [regs[f"${r}"] >> 16 * h & 0xFFFF for r in range(pack) for h in (0, 1)]
+        code_bytes = [(w >> 8 * i) & 0xFF for i in range(pack)]
+        assert values[:pack] == [bits[b >> 4] for b in code_bytes]
+        assert values[pack:] == [bits[b & 15] for b in code_bytes]
+    assert nh.lookup_constraints(pack).count("=r") == pack
+    with pytest.raises(ValueError):
+        nh.lookup_ptx(nh.table_planes(code, dtype), 8)
+
+
+HALVES_CHECK = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import torch
+    from test_nf4_matmul import _quantized
+    from longrl.ops import nf4_matmul as nm
+
+    # (rows of each weight, K, rows of x, 16-bit rows, bias, launch): K splits, tiles shrunk to the weights' bounds,
+    # a partial last tile, luts 4, 5, 6 (3 runs as 4), fixup
+    cases = [([64, 48, 40], 384, 5, 3, True, dict(lut=4, programs=1000)),
+             ([80], 1280, 17, 0, False, dict(lut=5, programs=1000, fixup=True)),
+             ([32, 16], 256, 1, 7, True, dict(lut=6, bn=32)),
+             ([48], 128, 33, 0, False, dict(lut=3))]
+    for rows, K, M, R, bias, launch in cases:
+        torch.manual_seed(K + M)
+        params = [_quantized(n, K, seed=n + i)[0] for i, n in enumerate(rows)]
+        dense = torch.randn(R, K, dtype=torch.float16) if R else None
+        biases = [torch.randn(n, dtype=torch.float16) for n in rows] if bias else None
+        g = nm.nf4_group(params, dense, biases)
+        x = torch.randn(M, K, dtype=torch.float16)
+        lut = max(4, launch["lut"])
+        before = [p.clone() for p in g.packed]
+        want = nm.nf4_group_reference(x, g, **nm.twin_options(lut)).float()
+        nm.set_halves(g, True)
+        assert g.halves and not all(torch.equal(a, b) for a, b in zip(g.packed, before))
+        assert torch.equal(nm.nf4_group_reference(x, g, **nm.twin_options(lut)).float(), want)  # twin reads either
+        got = nm.nf4_group_linear(x, g, launch=launch).float()
+        scale = x.float().abs() @ nm.nf4_group_weight(g, torch.float32).abs().t()
+        assert ((got - want).abs() <= 2 ** -9 * scale + 1e-3).all(), (rows, K, M, float((got - want).abs().max()))
+        nm.set_halves(g, False)
+        assert all(torch.equal(a, b) for a, b in zip(g.packed, before))  # the weights' bytes back as they were
+    print("halves ok")
+''')
+
+
+def test_halves_kernel_equals_the_twin_under_the_interpreter():
+    """The product on halves-layout groups (Triton's interpreter: the table in memory stands in for the PTX lookup
+    tested above) against the plain twin of the same launch choice's roundings, over odd shapes; the group's
+    codes back bit for bit after set_halves(False)."""
+    pytest.importorskip("bitsandbytes")
+    assert "halves ok" in run_interpreted(HALVES_CHECK)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 16, 33, 128])
+@pytest.mark.parametrize("launch", [dict(lut=4, pack=2), dict(lut=5, pack=4), dict(lut=5, pack=2, fixup=True)])
+def test_halves_kernel_on_the_gpu_equals_the_twin(M, launch):
+    """bf16 on the GPU: the PTX lookup in the halves layout against the twin of its roundings (q/k/v-like group with
+    LoRA A rows and biases, K = 4,096), and the codes restored bit for bit."""
+    pytest.importorskip("bitsandbytes")
+    from test_nf4_matmul import _quantized
+
+    from longrl.ops import nf4_matmul as nm
+
+    torch.manual_seed(M)
+    K, rows = 4096, [256, 64, 64]
+    params = [_quantized(n, K, seed=i, device="cuda")[0] for i, n in enumerate(rows)]
+    g = nm.nf4_group(params, torch.randn(32, K, dtype=torch.bfloat16, device="cuda") * 0.02,
+                     [torch.randn(n, dtype=torch.bfloat16, device="cuda") for n in rows])
+    x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+    want = nm.nf4_group_reference(x, g, **nm.twin_options(launch["lut"])).float()
+    before = [p.clone() for p in g.packed]
+    nm.set_halves(g, True)
+    try:
+        got = nm.nf4_group_linear(x, g, launch={**nm.LAUNCH[16], "kord": False, **launch}).float()
+    finally:
+        nm.set_halves(g, False)
+    assert all(torch.equal(a, b) for a, b in zip(g.packed, before))
+    scale = x.float().abs() @ nm.nf4_group_weight(g, torch.float32).abs().t()
+    assert ((got - want).abs() <= 2 ** -8 * scale + 1e-2).all(), float((got - want).abs().max())
