@@ -168,3 +168,42 @@ def test_halves_kernel_on_the_gpu_equals_the_twin(M, launch):
     assert all(torch.equal(a, b) for a, b in zip(g.packed, before))
     scale = x.float().abs() @ nm.nf4_group_weight(g, torch.float32).abs().t()
     assert ((got - want).abs() <= 2 ** -8 * scale + 1e-2).all(), float((got - want).abs().max())
+
+
+def test_a_sampler_call_keeps_the_halves_layout_inside_and_undoes_it_whatever_happens():
+    """Sampler.prepared with the NF4 kernel: the groups' codes are in the halves layout for the call, in
+    bitsandbytes' order inside module_order (a forward through the modules: prefill, extend steps), and back in
+    that order after a call that raised."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longrl.config.schema import LoraConfig
+    from longrl.models import apply_lora
+    from longrl.models.quantize import quantize_model
+    from longrl.rollout import Sampler
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).to(torch.float16).eval()
+    quantize_model(model, torch.randint(0, 97, (2, 16)), exception_budget=0.0)
+    model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+    codes = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+
+    def same() -> bool:
+        return all(torch.equal(p, codes[n]) for n, p in model.named_parameters() if n in codes)
+
+    sampler = Sampler(model, None)
+    sampler.use_triton = True  # (the routing as on a GPU; no kernel runs here)
+    with pytest.raises(RuntimeError, match="a failure mid-call"):
+        with sampler.prepared():
+            assert len(sampler.fast.halves) == 4 * 2 and not same()
+            with sampler.module_order():
+                assert same()
+            assert not same()
+            raise RuntimeError("a failure mid-call")
+    assert same() and sampler.fast.halves == []
+    off = Sampler(model, None, nf4_halves=False)
+    off.use_triton = True
+    with off.prepared() as (_, quant, _):  # off: routed, the codes in bitsandbytes' order
+        assert quant["nf4"] == 7 * 2 and off.fast.halves == [] and same()

@@ -461,19 +461,24 @@ SAMPLER_CHECK = textwrap.dedent('''
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    codes = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
     runs = []
-    for nf4 in (False, True):
-        sampler = Sampler(model, None, nf4_kernel=nf4)
+    for nf4, halves in ((False, False), (True, False), (True, True)):
+        sampler = Sampler(model, None, nf4_kernel=nf4, nf4_halves=halves)
         sampler.use_triton = True  # the fused decode kernels through the interpreter
         r = sampler.generate(prompts, 2, SamplingParams(max_new_tokens=6, temperature=0))
         runs.append((r, sampler.last_stats))
-    (plain, s0), (fast, s1) = runs
-    assert s0["nf4_projections"] == 0 and s1["nf4_projections"] == 7 * 2, (s0, s1)
+        # the codes as they were after the call (the halves layout undone)
+        assert all(torch.equal(p, codes[n]) for n, p in model.named_parameters() if n in codes)
+    (plain, s0), (fast, s1), (halved, s2) = runs
+    assert s0["nf4_projections"] == 0 and s1["nf4_projections"] == s2["nf4_projections"] == 7 * 2, (s0, s1)
     assert s1["packed_groups"] == 4 * 2, s1  # q/k/v + A, o + A, gate/up + A, down + A: one NF4 product each
     assert s1["lora_fused"] and s1["fast_decode"]
-    assert fast.completion_ids == plain.completion_ids, (fast.completion_ids, plain.completion_ids)
-    a = torch.tensor(sum(fast.logprobs, [])); b = torch.tensor(sum(plain.logprobs, []))
-    assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+    assert s1["nf4_halves_groups"] == 0 and s2["nf4_halves_groups"] == 4 * 2, s2  # (K 128 and 256: whole chunks)
+    for fast_run in (fast, halved):  # (the halved call's prefill reads bitsandbytes' order: module_order)
+        assert fast_run.completion_ids == plain.completion_ids, (fast_run.completion_ids, plain.completion_ids)
+        a = torch.tensor(sum(fast_run.logprobs, [])); b = torch.tensor(sum(plain.logprobs, []))
+        assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
     print("sampler ok")
 ''')
 
@@ -482,7 +487,8 @@ def test_sampler_with_the_nf4_product_equals_bitsandbytes_path():
     """generation.nf4_kernel: a QLoRA model's decode steps through the grouped 4-bit products (each layer's
     q/k/v, o, gate/up and down with their LoRA A rows, the B products folded into the glue kernels) give
     bitsandbytes' path's tokens (greedy) and log-probs (float16, through the interpreter), on every projection of
-    every layer."""
+    every layer; with the codes in bitsandbytes' order and in the halves layout (Sampler(nf4_halves)), which
+    the call undoes (the model's codes after it equal those before, byte for byte)."""
     assert "sampler ok" in run_interpreted(SAMPLER_CHECK)
 
 

@@ -307,17 +307,21 @@ def test_a_queued_verify_step_never_waits_for_the_host(penalty):
 
 @pytest.mark.parametrize("slots", [None, 3])
 @pytest.mark.parametrize("lora", [False, True])
-def test_whole_step_graphs_equal_forward_graphs(lora, slots):
+@pytest.mark.parametrize("extra_stops", [0, 2000])
+def test_whole_step_graphs_equal_forward_graphs(lora, slots, extra_stops):
     """Sampler(step_graphs=True): each plain decode step one CUDA graph (forward, draw, bookkeeping) gives the
     forward-only graphs' tokens and log-probs under one seed, as sequences stop at different steps (batch buckets
-    shrink: compaction), with few slots (admissions mid-call); one capture a bucket after its eager first step."""
+    shrink: compaction), with few slots (admissions mid-call); one capture a bucket after its eager first step.
+    With thousands of stop ids (here ids past the vocabulary as well) the step still captures (a table lookup, where
+    torch.isin sorts and could not be captured)."""
     from test_sampler import PROMPTS, tiny_model
 
     model, tok = tiny_model(seed=2, lora=lora)
     model = model.cuda()
     n = 30
     per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
-    params = SamplingParams(max_new_tokens=n, temperature=0.9, seed=5, stop_token_ids=(3, 7, 11))
+    stops = (3, 7, 11) + tuple(range(len(tok), len(tok) + extra_stops))
+    params = SamplingParams(max_new_tokens=n, temperature=0.9, seed=5, stop_token_ids=stops)
     runs, stats = [], []
     for step_graphs in (False, True):
         sampler = Sampler(model, tok, kv_cache_bytes=per * (slots * n + 3 * 9) if slots else None, sync_every=4,

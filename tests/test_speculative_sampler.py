@@ -15,7 +15,7 @@ from longrl.config import Config, ConfigError, load_config
 from longrl.config.demo import demo_config
 from longrl.config.validation import validate
 from longrl.rollout import Sampler, SamplingParams
-from longrl.rollout.draft_book import kept_counts
+from longrl.rollout.draft_book import kept_counts, stop_table
 from longrl.rollout.sampler import MultiTurn, _Run
 from longrl.rollout.sampling import sampling_distribution
 from test_agents_multiturn import STOP, ScriptedHandler
@@ -268,7 +268,13 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(fast_verify
 def test_kept_counts_end_after_the_first_stop_among_the_emitted():
     tokens = torch.tensor([[5, 7, 3, 7], [7, 5, 5, -1], [5, 5, 5, 5], [9, 7, -1, -1]])
     emitted = torch.tensor([4, 3, 4, 2])
-    assert kept_counts(tokens, emitted, torch.tensor([7])).tolist() == [2, 1, 4, 2]
+    assert kept_counts(tokens, emitted, stop_table([7, 10 ** 6], 16, "cpu")).tolist() == [2, 1, 4, 2]
+
+
+def test_stop_table_marks_the_stop_ids_inside_the_vocabulary():
+    table = stop_table([3, 3, 0, 15, 16, -2], 16, "cpu")
+    assert table.dtype == torch.bool and table.nonzero().flatten().tolist() == [0, 3, 15]
+    assert not stop_table([], 4, "cpu").any()
 
 
 # ----------------------------------------------------------------------------------------------- config

@@ -41,25 +41,41 @@ def _chunks(packed: torch.Tensor, K: int) -> torch.Tensor:
     return packed.view(-1, CHUNK // 2)  # [N·K/128, 64]
 
 
+def scratch_for(packed: torch.Tensor) -> torch.Tensor:
+    """The temporaries of a conversion, allocated before any byte changes (so that running out of memory leaves the
+    codes as they were): uint8 [min(chunks, SLICE_CHUNKS), 192]."""
+    chunks = min(packed.numel() // (CHUNK // 2), SLICE_CHUNKS)
+    return torch.empty(chunks, CHUNK + CHUNK // 2, dtype=torch.uint8, device=packed.device)
+
+
 @torch.no_grad()
-def to_halves_(packed: torch.Tensor, K: int) -> torch.Tensor:
-    """Re-pair a weight's codes (uint8, bitsandbytes' order, rows K wide) into the halves layout, in place."""
+def to_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Re-pair a weight's codes (uint8, bitsandbytes' order, rows K wide) into the halves layout, in place, a slice
+    of chunks at a time through ``scratch`` (:func:`scratch_for`; made here when None)."""
     chunks = _chunks(packed, K)
+    scratch = scratch_for(packed) if scratch is None else scratch
     for start in range(0, chunks.shape[0], SLICE_CHUNKS):
         v = chunks[start:start + SLICE_CHUNKS]
-        codes = torch.stack((v >> 4, v & 15), dim=-1).view(-1, CHUNK)  # [c, 128] in k order
-        v.copy_((codes[:, :CHUNK // 2] << 4) | codes[:, CHUNK // 2:])
+        codes, high = scratch[:len(v), :CHUNK], scratch[:len(v), CHUNK:]  # [c, 128] in k order; [c, 64]
+        torch.bitwise_right_shift(v, 4, out=codes[:, 0::2])
+        torch.bitwise_and(v, 15, out=codes[:, 1::2])
+        torch.bitwise_left_shift(codes[:, :CHUNK // 2], 4, out=high)
+        torch.bitwise_or(high, codes[:, CHUNK // 2:], out=v)
     return packed
 
 
 @torch.no_grad()
-def from_halves_(packed: torch.Tensor, K: int) -> torch.Tensor:
+def from_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Undo :func:`to_halves_` in place: the codes back in bitsandbytes' order."""
     chunks = _chunks(packed, K)
+    scratch = scratch_for(packed) if scratch is None else scratch
     for start in range(0, chunks.shape[0], SLICE_CHUNKS):
         v = chunks[start:start + SLICE_CHUNKS]
-        codes = torch.cat((v >> 4, v & 15), dim=-1).view(-1, CHUNK // 2, 2)  # [c, 64 pairs (2i, 2i + 1)]
-        v.copy_((codes[..., 0] << 4) | codes[..., 1])
+        codes, high = scratch[:len(v), :CHUNK], scratch[:len(v), CHUNK:]
+        torch.bitwise_right_shift(v, 4, out=codes[:, :CHUNK // 2])  # code(k0 + j)
+        torch.bitwise_and(v, 15, out=codes[:, CHUNK // 2:])  # code(k0 + 64 + j)
+        torch.bitwise_left_shift(codes[:, 0::2], 4, out=high)  # code(k0 + 2i) << 4
+        torch.bitwise_or(high, codes[:, 1::2], out=v)
     return packed
 
 

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .nf4_halves import from_halves_, halves_codes, halves_ok, lookup_constraints, lookup_ptx, table_planes, to_halves_
+from .nf4_halves import (from_halves_, halves_codes, halves_ok, lookup_constraints, lookup_ptx, scratch_for,
+                         table_planes, to_halves_)
 
 try:
     import triton
@@ -100,6 +101,14 @@ LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, progra
           32: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=528, fixup=True, kord=True),
           64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396, kord=True),
           128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396, kord=True)}
+# the launch table of groups whose codes take the halves layout (set_halves; ops/nf4_halves.py), the fastest of
+# benchmarks/nf4_matmul.py --sweep --halves --table-only on an H200 (2026-12-06, nf4_matmul_h200_halves.md: a
+# layer's four packed products at 16 rows 92.4 µs against LAUNCH's 98.9 on the same card, at 32 rows 111.7 against
+# 116.7, at 128 rows 202.5 against 201.4); pack: code bytes a lookup (2 beat 4 at every row count)
+HALVES_LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, pack=2),
+                 32: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, pack=2),
+                 64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=264, fixup=True, pack=2),
+                 128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=264, fixup=True, pack=2)}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
@@ -210,8 +219,9 @@ def set_halves(group: NF4Group, on: bool) -> None:
         raise ValueError(f"set_halves: the halves layout needs K a multiple of 128; got {group.K}")
     if on and group.table is None:
         group.table = tuple(float(v) for v in group.code.tolist())
+    scratch = scratch_for(max(group.packed, key=torch.Tensor.numel))  # (before any byte changes)
     for packed in group.packed:
-        (to_halves_ if on else from_halves_)(packed, group.K)
+        (to_halves_ if on else from_halves_)(packed, group.K, scratch)
     group.halves = on
 
 
@@ -769,7 +779,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     lead, x2 = matrix_rows(x, K)
     M, NQ, NT = x2.shape[0], group.nf4_rows, group.out_features
     R = NT - NQ
-    BM, cfg = launch_for(M, launch)
+    BM, cfg = launch_for(M, launch, HALVES_LAUNCH if group.halves else None)
     g = group_grid(M, group.rows, R, K, CHUNK, BM, cfg)
     BN, split = g.BN, g.split
     out = torch.empty(M, NT, dtype=x.dtype, device=x.device)

@@ -107,14 +107,25 @@ class DraftBook:
             self.groups.pop(sequence // self.G).finish()
 
 
-def kept_counts(tokens: torch.Tensor, emitted: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+def stop_table(stop_ids, vocab: int, device) -> torch.Tensor:
+    """is_stop [vocab] bool: True at each stop token id (ids outside the vocabulary, which no sampled token can be,
+    left out). is_stop[tokens] is a gather, which a CUDA graph captures at any number of stop ids (torch.isin
+    sorts, and synchronises, once they are many)."""
+    table = torch.zeros(vocab, dtype=torch.bool, device=device)
+    ids = [int(t) for t in set(stop_ids) if 0 <= int(t) < vocab]
+    if ids:
+        table[torch.tensor(ids, dtype=torch.long, device=device)] = True
+    return table
+
+
+def kept_counts(tokens: torch.Tensor, emitted: torch.Tensor, is_stop: torch.Tensor) -> torch.Tensor:
     """Tokens a verify step keeps per row: its ``emitted`` [B] tokens (tokens [B, k + 1], the first emitted[b] of
-    row b valid), cut after the first stop token among them (what follows a stop is never part of the sequence).
-    [B] long."""
+    row b valid), cut after the first stop token among them (is_stop: :func:`stop_table`; what follows a stop is
+    never part of the sequence). [B] long."""
     j = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, k + 1]
-    stop = torch.isin(tokens, stop_ids) & (j < emitted[:, None])  # [B, k + 1]
+    stop = is_stop[tokens] & (j < emitted[:, None])  # [B, k + 1]
     first = stop.to(torch.uint8).argmax(1)  # the first stop's index (0 where there is none)
     return torch.where(stop.any(1), first + 1, emitted)
 
 
-__all__ = ["DraftBook", "GroupDrafts", "ProposerFactory", "SpeculativeCounts", "kept_counts"]
+__all__ = ["DraftBook", "GroupDrafts", "ProposerFactory", "SpeculativeCounts", "kept_counts", "stop_table"]

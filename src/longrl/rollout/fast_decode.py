@@ -43,6 +43,7 @@ memory); release gives every weight its own storage again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -52,7 +53,8 @@ import torch
 from ..models.fp8_linear import FP8Linear
 from ..models.vision import FAMILIES as VISION_FAMILIES
 from ..ops.fp8_matmul import fp8_group, fp8_group_linear, fp8_groupable
-from ..ops.nf4_matmul import groupable, nf4_group, nf4_group_linear
+from ..ops.nf4_halves import halves_ok
+from ..ops.nf4_matmul import NF4Group, groupable, nf4_group, nf4_group_linear, set_halves
 from .attention import DecodeMeta, decode_attend
 from .fused_ops import LoraFold, add_rmsnorm, decode_silu_mul, rotary_kv
 from .lora_fusion import fused_adder
@@ -184,13 +186,17 @@ class FastDecoder:
         #                        None, QuantKernel), for one rollout
         self.quant_packs: dict = {}  # (layer index, first projection's name) → _Pack of quantized bases
         self.packs: dict = {}  # (layer index, first projection's name) → _Pack, for one rollout
+        self.halves: list = []  # NF4Groups whose codes take the halves layout during the rollout
 
-    def prepare_quantized(self, pack: bool = True, kernels: tuple = (NF4_KERNEL, FP8_KERNEL)) -> dict:
+    def prepare_quantized(self, pack: bool = True, kernels: tuple = (NF4_KERNEL, FP8_KERNEL),
+                          halves: bool = False) -> dict:
         """Route the projections over quantized bases through ``kernels``' products for the coming rollout (call
         inside the sampler's fused-LoRA context, before :meth:`prepare_packing` and before its graphs are captured),
         grouped by layer when ``pack`` (module docstring); returns how many projections each kernel took, by name.
         The operands (NF4's expanded block scales: 4 bytes per 64 parameters; the groups' copies of the A rows)
-        live until :meth:`release_quantized`."""
+        live until :meth:`release_quantized`. ``halves``: the NF4 groups' codes re-paired in place into the halves
+        layout (ops/nf4_halves.py) until then; a forward through the modules meanwhile runs inside
+        :meth:`module_order`."""
         self.quant, self.quant_packs = {}, {}
         routed = {}  # module → (base, adder, kernel)
         for layer in self.layers:
@@ -219,10 +225,35 @@ class FastDecoder:
         counts = {k.name: 0 for k in kernels}
         for *_, kernel in self.quant.values():
             counts[kernel.name] += 1
+        self.halves = [g for g in self._nf4_operands() if halves_ok(g.K)] if halves else []
+        self.set_halves(True)
         return counts
 
+    def _nf4_operands(self) -> list:
+        """The NF4 groups of this rollout (packed and single), each once."""
+        ops = [p.quant for p in self.quant_packs.values()] + [o for _, o, _, _ in self.quant.values()]
+        return list({id(o): o for o in ops if isinstance(o, NF4Group)}.values())
+
+    def set_halves(self, on: bool) -> None:
+        """The halves groups' codes into the halves layout (on) or back into bitsandbytes' order; each group's
+        weights change in place, only where their layout differs."""
+        for group in self.halves:
+            set_halves(group, on)
+
+    @contextlib.contextmanager
+    def module_order(self):
+        """The NF4 weights in bitsandbytes' order for a forward through the modules (prefill, extend steps: they
+        dequantize with bitsandbytes), in the halves layout again after it."""
+        self.set_halves(False)
+        try:
+            yield
+        finally:
+            self.set_halves(True)
+
     def release_quantized(self) -> None:
-        self.quant, self.quant_packs = {}, {}
+        """The NF4 weights back in bitsandbytes' order, the routing dropped (callable again after a failure)."""
+        self.set_halves(False)
+        self.quant, self.quant_packs, self.halves = {}, {}, []
 
     def prepare_packing(self) -> int:
         """Pack each layer's q/k/v and gate/up base weights, and o/down's when they have fused adapters (see the

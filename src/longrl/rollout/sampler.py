@@ -41,7 +41,7 @@ from ..ops.logprobs import head_logits
 from .attention import (SAMPLER_ATTENTION, DecodeMeta, ExtendMeta, KVCache, PrefillMeta, register_sampler_attention,
                         unsupported_reason)
 from .device_drafts import DeviceDrafts
-from .draft_book import DraftBook, ProposerFactory, SpeculativeCounts
+from .draft_book import DraftBook, ProposerFactory, SpeculativeCounts, stop_table
 from .drafts import DraftHistory
 from .fast_decode import FP8_KERNEL, NF4_KERNEL, FastDecoder
 from .kv_quant import FP8
@@ -151,6 +151,9 @@ class Sampler:
     nf4_kernel / fp8_kernel: with fast_decode and Triton, decode products over an NF4 / FP8 base read the quantized
     weights directly (ops/nf4_matmul.py, ops/fp8_matmul.py; FastDecoder.prepare_quantized); off, or where a
     shape is not the kernel's, the layer's own forward (bitsandbytes' call; the FP8 layer's dequantize-then-multiply).
+    nf4_halves: with the NF4 kernel, the NF4 weights' codes re-paired in place into the halves layout for the call
+    (ops/nf4_halves.py: the decode product keeps its looked-up tile in registers; back in bitsandbytes' order around
+    every forward through the modules, prefill and extend steps, and at the call's end, whatever happens).
     fast_verify: run speculative verify steps as decode steps over virtual rows (_Run._verify_forward: the fast
     decode path or transformers' forward with DecodeMeta, the decode attention kernel, CUDA graphs per batch bucket
     and draft count); True: where Triton runs, and with the PyTorch twins (tests); False: the extend forward
@@ -164,7 +167,7 @@ class Sampler:
                  kv_cache_dtype: str = "bf16", speculative: str | ProposerFactory = "off", max_draft_tokens: int = 4,
                  fp8_kernel: bool = True, fast_verify: bool | None = None, speculative_fallback: bool = True,
                  speculative_graphs: bool = False, speculative_schedule: str = "measured",
-                 min_decode_batch: int | None = None, step_graphs: bool = False):
+                 min_decode_batch: int | None = None, step_graphs: bool = False, nf4_halves: bool = True):
         if kv_cache_dtype not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be bf16 or fp8; got {kv_cache_dtype!r}")
         if not (callable(speculative) or speculative in ("off", "ngram")):
@@ -176,7 +179,7 @@ class Sampler:
         if min_decode_batch is not None and min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1 or None; got {min_decode_batch}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
-        self.fp8_kernel = fp8_kernel
+        self.fp8_kernel, self.nf4_halves = fp8_kernel, nf4_halves
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
@@ -250,6 +253,7 @@ class Sampler:
             run = _Run(self, prompt_ids, num_generations, params, multi_turn, vision)  # after the preparations: the
             ready = time.perf_counter()  # KV cache is sized from what they leave free
             rollout = run.execute()
+            halves = len(self.fast.halves) if self.fast is not None else 0
             done = time.perf_counter()
         end = time.perf_counter()
         # host seconds around the decoding: the model set up for the call and the call's buffers (prepare_s), and
@@ -262,6 +266,7 @@ class Sampler:
                            "nf4_projections": quant.get("nf4", 0) if self.fast is not None else 0,
                            "fp8_projections": quant.get("fp8", 0) if self.fast is not None else 0,
                            "packed_groups": packed if self.fast is not None else 0,
+                           "nf4_halves_groups": halves,  # NF4 groups read in the halves layout
                            "tokens": sum(len(c) for c in rollout.completion_ids)}
         log.debug("rollout: %(tokens)d tokens in %(seconds).2f s; %(slots)d slots, %(prefills)d prefills, "
                   "%(compactions)d compactions, %(decode_steps)d decode steps", self.last_stats)
@@ -284,9 +289,11 @@ class Sampler:
             fused = restore.enter_context(fused_lora(self.model, self.compute_dtype) if self.fuse_lora
                                           else contextlib.nullcontext(False))
             kernels = tuple(k for k, on in ((NF4_KERNEL, self.nf4_kernel), (FP8_KERNEL, self.fp8_kernel)) if on)
-            quant = (self.fast.prepare_quantized(self.pack_projections, kernels)
-                     if kernels and self.fast is not None and self.use_triton else {})
             restore.callback(self._release_quantized)
+            if self.fast is not None:  # the NF4 codes back in bitsandbytes' order, even after a fallback dropped
+                restore.callback(self.fast.set_halves, False)  # the decoder
+            quant = (self.fast.prepare_quantized(self.pack_projections, kernels, halves=self.nf4_halves)
+                     if kernels and self.fast is not None and self.use_triton else {})
             # the packer is kept: a failing first fast step drops self.fast, and the weights must leave the packed
             # buffers whatever happens
             packer = self.fast if self.pack_projections else None
@@ -327,6 +334,11 @@ class Sampler:
     def _release_quantized(self) -> None:
         if self.fast is not None:  # (None after a fallback: the dropped decoder's routing went with it)
             self.fast.release_quantized()
+
+    def module_order(self):
+        """The context of a forward through the model's modules during a call (prefill, extend steps, the decode
+        fallback): NF4 codes in bitsandbytes' order inside it (FastDecoder.module_order)."""
+        return self.fast.module_order() if self.fast is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------ model calls
     @property
@@ -396,7 +408,7 @@ class _Run(VerifySteps):
                                           track_seen=params.repetition_penalty != 1.0, device=device,
                                           draft_k_max=sampler.max_draft_tokens if sampler.device_drafting else 0)
         self.host = SlotBook.free(self.num_slots)
-        self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], dtype=torch.long, device=device)
+        self.is_stop = stop_table(params.stop_token_ids, vocab, device)  # [V] bool
         self.step_logits = torch.zeros(self.num_slots, vocab, dtype=torch.float32, device=device)  # [slots, V]
         # prefix-store entries: each prompt's last logits, and the slots reading each entry (the grouped kernel's table)
         self.prompt_logits = torch.zeros(self.num_entries, vocab, dtype=torch.float32, device=device)
@@ -598,7 +610,8 @@ class _Run(VerifySteps):
                     inputs = language_model_inputs(sampler.model, ids, positions, placements, self.features)
                     if sampler.family.image_blocks:  # each image's tokens attend both ways (Gemma 3)
                         meta.mask = image_block_mask(placements, len(chunk), width, device)
-                hidden = sampler.backbone(**inputs, use_cache=False, longrl_kv=meta).last_hidden_state
+                with sampler.module_order():
+                    hidden = sampler.backbone(**inputs, use_cache=False, longrl_kv=meta).last_hidden_state
                 self.prompt_logits[entries] = sampler.logits(hidden[torch.arange(len(chunk), device=device), last])
             self.stats["prefills"] += 1
 
@@ -641,7 +654,7 @@ class _Run(VerifySteps):
                                 + self._rope_shift(slots))
         state.write_index[rows], state.generated[rows] = index, index + 1
         state.turn_limit[rows] = torch.clamp(index + params.max_new_tokens, max=self.max_tokens)
-        state.active[rows] = ~(torch.isin(tok, self.stop_ids) | (state.generated[rows] >= state.turn_limit[rows]))
+        state.active[rows] = ~(self.is_stop[tok] | (state.generated[rows] >= state.turn_limit[rows]))
         for slot, at in zip(slots, first):
             self.host.turn_start[slot] = at
             self.host.generated[slot] = self.host.checked[slot] = at + 1
@@ -681,6 +694,7 @@ class _Run(VerifySteps):
         except Exception as e:  # noqa: BLE001 - any build failure of the fused kernels
             log.warning("the fast decode path failed (%s: %s); decoding with transformers' forward",
                         type(e).__name__, str(e)[:300])
+            sampler.fast.set_halves(False)  # (the modules' forward reads bitsandbytes' order)
             sampler.fast = None
             return None
         sampler.fast_proven = True
@@ -780,7 +794,7 @@ class _Run(VerifySteps):
         state.write_index[:batch] += step
         state.position[:batch] += step
         state.last_token[:batch] = torch.where(act, tok, state.last_token[:batch])
-        done = act & (torch.isin(tok, self.stop_ids) | (state.generated[:batch] >= state.turn_limit[:batch]))
+        done = act & (self.is_stop[tok] | (state.generated[:batch] >= state.turn_limit[:batch]))
         state.active[:batch] = act & ~done
 
     # ------------------------------------------------------------------------------------------ host checks
@@ -1005,6 +1019,7 @@ class _Run(VerifySteps):
                         p.prompt.positions_after(positions[p.row, p.start - 1])
             built = language_model_inputs(self.sampler.model, inputs, positions, list(placements), self.features,
                                           positions=mrope)
+        else:
+            built = dict(input_ids=inputs, position_ids=positions)
+        with self.sampler.module_order():
             return self.sampler.backbone(**built, use_cache=False, longrl_kv=meta).last_hidden_state
-        return self.sampler.backbone(input_ids=inputs, position_ids=positions, use_cache=False,
-                                     longrl_kv=meta).last_hidden_state

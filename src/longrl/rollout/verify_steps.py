@@ -299,7 +299,7 @@ class VerifySteps:
         act [b] bool: the rows that decode (None: all); the others keep their state."""
         state = self.state
         b, width = result.tokens.shape
-        keep = kept_counts(result.tokens, result.accepted + 1, self.stop_ids)  # [b], ≥ 1
+        keep = kept_counts(result.tokens, result.accepted + 1, self.is_stop)  # [b], ≥ 1
         j = torch.arange(width, device=rows.device)[None]  # [1, k + 1]
         kept = j < keep[:, None]  # [b, k + 1]
         generated = state.generated[rows]
@@ -321,7 +321,7 @@ class VerifySteps:
         if state.seen is not None:
             state.seen[at_row, tokens] = True if act is None else state.seen[at_row, tokens] | act[:, None]
         last = result.tokens.gather(1, last_j)[:, 0]  # [b]
-        ended = torch.isin(last, self.stop_ids) | (generated + keep >= state.turn_limit[rows])
+        ended = self.is_stop[last] | (generated + keep >= state.turn_limit[rows])
         if act is not None:
             last = torch.where(act, last, state.last_token[rows])
             ended = ended | ~act
