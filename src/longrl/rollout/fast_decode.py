@@ -226,7 +226,11 @@ class FastDecoder:
         for *_, kernel in self.quant.values():
             counts[kernel.name] += 1
         self.halves = [g for g in self._nf4_operands() if halves_ok(g.K)] if halves else []
-        self.set_halves(True)
+        try:
+            self.set_halves(True)
+        except BaseException:  # (out of memory for the scratch: the groups already done go back)
+            self.set_halves(False)
+            raise
         return counts
 
     def _nf4_operands(self) -> list:

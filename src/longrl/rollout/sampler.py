@@ -180,6 +180,7 @@ class Sampler:
             raise ValueError(f"min_decode_batch must be >= 1 or None; got {min_decode_batch}")
         self.model, self.tokenizer, self.fuse_lora, self.nf4_kernel = model, tokenizer, fuse_lora, nf4_kernel
         self.fp8_kernel, self.nf4_halves = fp8_kernel, nf4_halves
+        self.halved = None  # the FastDecoder whose NF4 codes are in the halves layout during a call
         self.memory_cap_bytes, self.kv_fp8 = memory_cap_bytes, kv_cache_dtype == "fp8"
         self.pack_projections = pack_projections
         self.kv_cache_bytes, self.sync_every, self.prefill_tokens = kv_cache_bytes, sync_every, prefill_tokens
@@ -290,10 +291,11 @@ class Sampler:
                                           else contextlib.nullcontext(False))
             kernels = tuple(k for k, on in ((NF4_KERNEL, self.nf4_kernel), (FP8_KERNEL, self.fp8_kernel)) if on)
             restore.callback(self._release_quantized)
-            if self.fast is not None:  # the NF4 codes back in bitsandbytes' order, even after a fallback dropped
-                restore.callback(self.fast.set_halves, False)  # the decoder
-            quant = (self.fast.prepare_quantized(self.pack_projections, kernels, halves=self.nf4_halves)
-                     if kernels and self.fast is not None and self.use_triton else {})
+            quant = {}
+            if kernels and self.fast is not None and self.use_triton:
+                quant = self.fast.prepare_quantized(self.pack_projections, kernels, halves=self.nf4_halves)
+                self.halved = self.fast  # its NF4 codes back in bitsandbytes' order at the end, even after a
+                restore.callback(self._undo_halves)  # fallback dropped the decoder
             # the packer is kept: a failing first fast step drops self.fast, and the weights must leave the packed
             # buffers whatever happens
             packer = self.fast if self.pack_projections else None
@@ -335,10 +337,16 @@ class Sampler:
         if self.fast is not None:  # (None after a fallback: the dropped decoder's routing went with it)
             self.fast.release_quantized()
 
+    def _undo_halves(self) -> None:
+        """The NF4 codes of the decoder that took the halves layout back in bitsandbytes' order (idempotent)."""
+        if self.halved is not None:
+            self.halved.set_halves(False)
+            self.halved = None
+
     def module_order(self):
         """The context of a forward through the model's modules during a call (prefill, extend steps, the decode
         fallback): NF4 codes in bitsandbytes' order inside it (FastDecoder.module_order)."""
-        return self.fast.module_order() if self.fast is not None else contextlib.nullcontext()
+        return self.halved.module_order() if self.halved is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------ model calls
     @property
@@ -694,7 +702,7 @@ class _Run(VerifySteps):
         except Exception as e:  # noqa: BLE001 - any build failure of the fused kernels
             log.warning("the fast decode path failed (%s: %s); decoding with transformers' forward",
                         type(e).__name__, str(e)[:300])
-            sampler.fast.set_halves(False)  # (the modules' forward reads bitsandbytes' order)
+            sampler._undo_halves()  # (the modules' forward reads bitsandbytes' order)
             sampler.fast = None
             return None
         sampler.fast_proven = True
