@@ -41,6 +41,29 @@ def test_halves_layout_converts_in_slices(monkeypatch):
     assert torch.equal(nh.from_halves_(packed, 128 * 10), original)
 
 
+REPAIR_CHECK = textwrap.dedent('''
+    import torch
+    from longrl.ops import nf4_halves as nh
+
+    for chunks in (1, 31, 32, 33, 70):  # one program's block of 32 chunks, and across blocks
+        torch.manual_seed(chunks)
+        packed = torch.randint(0, 256, (chunks * 64,), dtype=torch.uint8)
+        want = nh.to_halves_(packed.clone(), 128, kernel=False)
+        got = packed.clone()
+        nh._repair_kernel[(-(-chunks // nh.REPAIR_BLOCK),)](got, chunks, TO_HALVES=True, BLOCK=nh.REPAIR_BLOCK)
+        assert torch.equal(got, want), chunks
+        nh._repair_kernel[(-(-chunks // nh.REPAIR_BLOCK),)](got, chunks, TO_HALVES=False, BLOCK=nh.REPAIR_BLOCK)
+        assert torch.equal(got, packed), chunks
+    print("repair ok")
+''')
+
+
+def test_in_place_kernel_equals_the_pytorch_path_both_ways():
+    """The CUDA path's one-launch in-place kernel (Triton's interpreter) against the PyTorch twin, both ways, at
+    chunk counts inside one program's block and across blocks."""
+    assert "repair ok" in run_interpreted(REPAIR_CHECK)
+
+
 def test_halves_layout_refuses_partial_chunks():
     with pytest.raises(ValueError, match="multiple of 128"):
         nh.to_halves_(torch.zeros(96, dtype=torch.uint8), 192)
@@ -161,7 +184,9 @@ def test_halves_kernel_on_the_gpu_equals_the_twin(M, launch):
     want = nm.nf4_group_reference(x, g, **nm.twin_options(launch["lut"])).float()
     before = [p.clone() for p in g.packed]
     nm.set_halves(g, True)
+    via_twin = [nh.to_halves_(p.clone(), K, kernel=False) for p in before]
     try:
+        assert all(torch.equal(a, b) for a, b in zip(g.packed, via_twin))  # the in-place kernel as its twin
         got = nm.nf4_group_linear(x, g, launch={**nm.LAUNCH[16], "kord": False, **launch}).float()
     finally:
         nm.set_halves(g, False)

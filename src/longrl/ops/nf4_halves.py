@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton: the PyTorch path
+    triton = None
+
 CHUNK = 128  # codes of a row a chunk (64 bytes): the product's step along K
 SLICE_CHUNKS = 1 << 18  # chunks converted at once (16 MiB of codes, ~48 MiB of temporaries)
 
@@ -41,18 +47,65 @@ def _chunks(packed: torch.Tensor, K: int) -> torch.Tensor:
     return packed.view(-1, CHUNK // 2)  # [N·K/128, 64]
 
 
-def scratch_for(packed: torch.Tensor) -> torch.Tensor:
-    """The temporaries of a conversion, allocated before any byte changes (so that running out of memory leaves the
-    codes as they were): uint8 [min(chunks, SLICE_CHUNKS), 192]."""
+def scratch_for(packed: torch.Tensor) -> torch.Tensor | None:
+    """The temporaries of a conversion on the PyTorch path, allocated before any byte changes (so that running out
+    of memory leaves the codes as they were): uint8 [min(chunks, SLICE_CHUNKS), 192]; None where the in-place kernel
+    runs (it needs none)."""
+    if triton is not None and packed.is_cuda:
+        return None
     chunks = min(packed.numel() // (CHUNK // 2), SLICE_CHUNKS)
     return torch.empty(chunks, CHUNK + CHUNK // 2, dtype=torch.uint8, device=packed.device)
 
 
+if triton is not None:
+    @triton.jit
+    def _repair_kernel(P, n_chunks, TO_HALVES: tl.constexpr, BLOCK: tl.constexpr):
+        """Chunks [BLOCK·pid, BLOCK·(pid + 1)) of P (uint8 [n_chunks, 64]) re-paired in place: into the halves
+        layout (TO_HALVES), or back. Each program reads its chunks whole before it writes them (a barrier between)."""
+        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] chunks
+        j = tl.arange(0, 64)  # [64] bytes written
+        ok = (c < n_chunks)[:, None]
+        row = P + c.to(tl.int64)[:, None] * 64  # [BLOCK, 1]
+        if TO_HALVES:  # byte j ← code(k0 + j) << 4 | code(k0 + 64 + j); code(k0 + 2i + h) is byte i's nibble h
+            first = tl.load(row + j[None, :] // 2, mask=ok, other=0)
+            second = tl.load(row + 32 + j[None, :] // 2, mask=ok, other=0)
+            odd = (j % 2 == 1)[None, :]
+            hi = tl.where(odd, first & 15, first >> 4)
+            lo = tl.where(odd, second & 15, second >> 4)
+        else:  # byte i ← code(k0 + 2i) << 4 | code(k0 + 2i + 1); code(k0 + j) is byte j's high nibble, code(k0 + 64
+            # + j) its low one
+            low = (j >= 32)[None, :]
+            src = tl.where(low, 2 * j[None, :] - 64, 2 * j[None, :])  # [1, 64] the byte holding code(k0 + 2i)
+            a = tl.load(row + src, mask=ok, other=0)
+            b = tl.load(row + src + 1, mask=ok, other=0)
+            hi = tl.where(low, a & 15, a >> 4)
+            lo = tl.where(low, b & 15, b >> 4)
+        new = ((hi << 4) | lo).to(tl.uint8)
+        tl.debug_barrier()  # every byte of these chunks read before any is written
+        tl.store(row + j[None, :], new, mask=ok)
+
+
+REPAIR_BLOCK = 32  # chunks a program of the in-place kernel
+
+
+def _repair_on_device(packed: torch.Tensor, to_halves: bool) -> bool:
+    """Run the in-place Triton kernel where it can (CUDA, Triton installed); False: the caller's PyTorch path."""
+    if triton is None or not packed.is_cuda:
+        return False
+    n = packed.numel() // (CHUNK // 2)
+    _repair_kernel[(triton.cdiv(n, REPAIR_BLOCK),)](packed, n, TO_HALVES=to_halves, BLOCK=REPAIR_BLOCK)
+    return True
+
+
 @torch.no_grad()
-def to_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Re-pair a weight's codes (uint8, bitsandbytes' order, rows K wide) into the halves layout, in place, a slice
-    of chunks at a time through ``scratch`` (:func:`scratch_for`; made here when None)."""
+def to_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None,
+               kernel: bool = True) -> torch.Tensor:
+    """Re-pair a weight's codes (uint8, bitsandbytes' order, rows K wide) into the halves layout, in place: on CUDA
+    by one Triton launch (no temporaries); otherwise (or ``kernel`` False: the twin) a slice of chunks at a time
+    through ``scratch`` (:func:`scratch_for`; made here when None)."""
     chunks = _chunks(packed, K)
+    if kernel and _repair_on_device(packed, True):
+        return packed
     scratch = scratch_for(packed) if scratch is None else scratch
     for start in range(0, chunks.shape[0], SLICE_CHUNKS):
         v = chunks[start:start + SLICE_CHUNKS]
@@ -65,9 +118,12 @@ def to_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def from_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Undo :func:`to_halves_` in place: the codes back in bitsandbytes' order."""
+def from_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None,
+                 kernel: bool = True) -> torch.Tensor:
+    """Undo :func:`to_halves_` in place: the codes back in bitsandbytes' order (the same two paths)."""
     chunks = _chunks(packed, K)
+    if kernel and _repair_on_device(packed, False):
+        return packed
     scratch = scratch_for(packed) if scratch is None else scratch
     for start in range(0, chunks.shape[0], SLICE_CHUNKS):
         v = chunks[start:start + SLICE_CHUNKS]
