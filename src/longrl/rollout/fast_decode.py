@@ -226,6 +226,9 @@ class FastDecoder:
         for *_, kernel in self.quant.values():
             counts[kernel.name] += 1
         self.halves = [g for g in self._nf4_operands() if halves_ok(g.K)] if halves else []
+        if self.halves:  # every group's 16 code values read to the host at once (one synchronisation, not one a group)
+            for group, table in zip(self.halves, torch.stack([g.code.float() for g in self.halves]).tolist()):
+                group.table = tuple(table)
         try:
             self.set_halves(True)
         except BaseException:  # (out of memory for the scratch: the groups already done go back)
