@@ -31,6 +31,11 @@ K is split over programs so that a small group still fills the GPU; the splits' 
 a fixed order by a second kernel, or (launch choice ``fixup``) by each tile's last program (the same result every
 call, and either way).
 
+A group may hold its codes in the *halves* layout instead (:func:`set_halves`, ops/nf4_halves.py: byte j of a chunk
+holds k0 + j and k0 + 64 + j), read by the same kernel's HALVES path: one lookup of the byte tile (its only operand,
+so that Triton loads the bytes in the tensor-core operand's register layout) gives both blocks' values, each block
+multiplied by its contiguous 64 elements of x, with :data:`HALVES_LAUNCH`'s choices.
+
 :func:`nf4_group_reference` is the plain twin (bitsandbytes' dequantized weights stacked, then ``F.linear``;
 ``scale_after=True``: lut 4's code values scaled after each block's product; :func:`twin_options` gives each
 lookup's);
