@@ -110,7 +110,7 @@ def kv_token_bytes(cfg, dtype=torch.bfloat16) -> int:
 
 
 def run_longrl(model, prompts, G, N, *, cuda_graphs=True, fuse_lora=True, fast_decode=True, pack=True,
-               nf4_kernel=False, fp8_kernel=False, kv_cache_dtype="bf16", nf4_halves=True):
+               nf4_kernel=False, fp8_kernel=False, kv_cache_dtype="bf16", nf4_halves=False):
     sampler = Sampler(model, None, cuda_graphs=cuda_graphs, fuse_lora=fuse_lora, fast_decode=fast_decode,
                       pack_projections=pack, nf4_kernel=nf4_kernel, fp8_kernel=fp8_kernel,
                       kv_cache_dtype=kv_cache_dtype, nf4_halves=nf4_halves)

@@ -218,7 +218,7 @@ def test_a_sampler_call_keeps_the_halves_layout_inside_and_undoes_it_whatever_ha
     def same() -> bool:
         return all(torch.equal(p, codes[n]) for n, p in model.named_parameters() if n in codes)
 
-    sampler = Sampler(model, None)
+    sampler = Sampler(model, None, nf4_halves=True)
     sampler.use_triton = True  # (the routing as on a GPU; no kernel runs here)
     with pytest.raises(RuntimeError, match="a failure mid-call"):
         with sampler.prepared():
@@ -228,7 +228,7 @@ def test_a_sampler_call_keeps_the_halves_layout_inside_and_undoes_it_whatever_ha
             assert not same()
             raise RuntimeError("a failure mid-call")
     assert same() and sampler.fast.halves == []
-    off = Sampler(model, None, nf4_halves=False)
+    off = Sampler(model, None)
     off.use_triton = True
-    with off.prepared() as (_, quant, _):  # off: routed, the codes in bitsandbytes' order
+    with off.prepared() as (_, quant, _):  # off (the default): routed, the codes in bitsandbytes' order
         assert quant["nf4"] == 7 * 2 and off.fast.halves == [] and same()
