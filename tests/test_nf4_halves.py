@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 from interpreter import run_interpreted
+from ptx_emulator import run_ptx
 
 from longrl.ops import nf4_halves as nh
 
@@ -71,33 +72,6 @@ def test_halves_layout_refuses_partial_chunks():
         nh.to_halves_(torch.zeros(64, dtype=torch.int8), 128)
 
 
-def _prmt(a: int, b: int, c: int) -> int:
-    """PTX prmt.b32 (default mode): byte k of the result is byte (nibble k of c) & 7 of {b, a}, its sign replicated
-    when the nibble's bit 3 is set."""
-    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-    out = 0
-    for k in range(4):
-        nib = (c >> 4 * k) & 0xF
-        byte = src[nib & 7]
-        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * k
-    return out
-
-
-def _run(ptx: str, regs: dict) -> dict:
-    """Execute the lookup's PTX (mov, and, or, shr, prmt) on the registers ``regs``."""
-    ops = {"mov.b32": lambda v: v[0], "and.b32": lambda v: v[0] & v[1], "or.b32": lambda v: v[0] | v[1],
-           "shr.b32": lambda v: v[0] >> v[1], "prmt.b32": lambda v: _prmt(*v)}
-    for line in ptx.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}.":
-            continue
-        op, rest = line.split(None, 1)
-        d, *args = [a.strip() for a in rest.split(",")]
-        v = [int(a, 16) if a.startswith("0x") else int(a) if a.isdigit() else regs[a] for a in args]
-        regs[d] = ops[op](v) & 0xFFFFFFFF
-    return regs
-
-
 @pytest.mark.parametrize("pack", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lookup_ptx_gives_each_bytes_two_table_values(pack, dtype):
@@ -110,7 +84,7 @@ def test_lookup_ptx_gives_each_bytes_two_table_values(pack, dtype):
         bits = [b & 0xFFFF for b in torch.tensor(code).to(dtype).view(torch.int16).tolist()]
         ptx = nh.lookup_ptx(nh.table_planes(code, dtype), pack)
         w = rng.getrandbits(8 * pack)
-        regs = _run(ptx, {f"${pack}": w})
+        regs = run_ptx(ptx, {f"${pack}": w})
         values = [regs[f"${r}"] >> 16 * h & 0xFFFF for r in range(pack) for h in (0, 1)]
         code_bytes = [(w >> 8 * i) & 0xFF for i in range(pack)]
         assert values[:pack] == [bits[b >> 4] for b in code_bytes]
@@ -200,19 +174,11 @@ def test_a_sampler_call_keeps_the_halves_layout_inside_and_undoes_it_whatever_ha
     bitsandbytes' order inside module_order (a forward through the modules: prefill, extend steps), and back in
     that order after a call that raised."""
     pytest.importorskip("bitsandbytes")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_nf4_matmul import tiny_qlora
 
-    from longrl.config.schema import LoraConfig
-    from longrl.models import apply_lora
-    from longrl.models.quantize import quantize_model
     from longrl.rollout import Sampler
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg).to(torch.float16).eval()
-    quantize_model(model, torch.randint(0, 97, (2, 16)), exception_budget=0.0)
-    model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+    model = tiny_qlora()
     codes = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
 
     def same() -> bool:

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 from interpreter import run_interpreted
+from ptx_emulator import run_ptx
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -332,32 +333,10 @@ def test_bf16_kernel_on_the_gpu_equals_bitsandbytes(M):
     assert ((got - want).abs() <= 2 ** -10 * scale).all()
 
 
-def _prmt(a: int, b: int, c: int) -> int:
-    """PTX prmt.b32 (default mode): byte k of the result is byte (nibble k of c) & 7 of the pair {b, a}, its sign
-    replicated when the nibble's bit 3 is set."""
-    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-    out = 0
-    for k in range(4):
-        nib = (c >> 4 * k) & 0xF
-        byte = src[nib & 7]
-        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * k
-    return out
-
-
 def _run_asm(asm: str, w: int, planes: list[int]) -> dict:
-    """The registers after running a lookup's PTX (and, or, shr, prmt) with its code bytes w in $4 and the table's
-    planes L0..L3, H0..H3 in $5.. (each four times: pack=4)."""
-    regs = {"$4": w, **{f"${5 + 4 * i + r}": p for i, p in enumerate(planes) for r in range(4)}}
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}.":
-            continue
-        op, rest = line.split(None, 1)
-        d, *args = [a.strip() for a in rest.split(",")]
-        v = [int(a, 16) if a.startswith("0x") else int(a) if a.isdigit() else regs[a] for a in args]
-        regs[d] = {"and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1],
-                   "shr.b32": lambda: v[0] >> v[1], "prmt.b32": lambda: _prmt(*v)}[op]() & 0xFFFFFFFF
-    return regs
+    """The registers after running a lookup's PTX with its code bytes w in $4 and the table's planes L0..L3, H0..H3
+    in $5.. (each four times: pack=4)."""
+    return run_ptx(asm, {"$4": w, **{f"${5 + 4 * i + r}": p for i, p in enumerate(planes) for r in range(4)}})
 
 
 def test_prmt_lookup_asm_replayed_on_the_cpu():
@@ -442,20 +421,30 @@ def test_group_kernel_on_the_gpu_equals_the_twin(M):
                 assert not PERMUTE_FALLBACKS, PERMUTE_FALLBACKS
 
 
-SAMPLER_CHECK = textwrap.dedent('''
-    import torch
+def tiny_qlora():
+    """A 2-layer float16 Llama (hidden 128, MLP 256, vocab 97) with every projection in NF4 and LoRA r = 4."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from longrl.config.schema import LoraConfig
     from longrl.models import apply_lora
     from longrl.models.quantize import quantize_model
-    from longrl.rollout import Sampler, SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = LlamaForCausalLM(cfg).to(torch.float16).eval()
     quantize_model(model, torch.randint(0, 97, (2, 16)), exception_budget=0.0)
-    model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+    return apply_lora(model, LoraConfig(r=4, alpha=8.0))
+
+
+SAMPLER_CHECK = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import torch
+    from test_nf4_matmul import tiny_qlora
+    from longrl.rollout import Sampler, SamplingParams
+
+    model = tiny_qlora()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -97,42 +97,43 @@ def _repair_on_device(packed: torch.Tensor, to_halves: bool) -> bool:
     return True
 
 
-@torch.no_grad()
-def to_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None,
-               kernel: bool = True) -> torch.Tensor:
-    """Re-pair a weight's codes (uint8, bitsandbytes' order, rows K wide) into the halves layout, in place: on CUDA
-    by one Triton launch (no temporaries); otherwise (or ``kernel`` False: the twin) a slice of chunks at a time
-    through ``scratch`` (:func:`scratch_for`; made here when None)."""
+def _repair_(packed: torch.Tensor, K: int, scratch, kernel: bool, to_halves: bool) -> torch.Tensor:
+    """The in-place change of a weight's codes either way: on CUDA one Triton launch (no temporaries); otherwise
+    (or ``kernel`` False: the twin) a slice of chunks at a time through ``scratch`` (:func:`scratch_for`; made here
+    when None): each chunk's codes into k order, then paired again."""
     chunks = _chunks(packed, K)
-    if kernel and _repair_on_device(packed, True):
+    if kernel and _repair_on_device(packed, to_halves):
         return packed
     scratch = scratch_for(packed) if scratch is None else scratch
+    half = CHUNK // 2
     for start in range(0, chunks.shape[0], SLICE_CHUNKS):
         v = chunks[start:start + SLICE_CHUNKS]
         codes, high = scratch[:len(v), :CHUNK], scratch[:len(v), CHUNK:]  # [c, 128] in k order; [c, 64]
-        torch.bitwise_right_shift(v, 4, out=codes[:, 0::2])
-        torch.bitwise_and(v, 15, out=codes[:, 1::2])
-        torch.bitwise_left_shift(codes[:, :CHUNK // 2], 4, out=high)
-        torch.bitwise_or(high, codes[:, CHUNK // 2:], out=v)
+        # from bitsandbytes' bytes, code(k0 + 2i + h) is byte i's nibble h; from the halves, code(k0 + j) is byte
+        # j's high nibble and code(k0 + 64 + j) its low one
+        first, second = (codes[:, 0::2], codes[:, 1::2]) if to_halves else (codes[:, :half], codes[:, half:])
+        torch.bitwise_right_shift(v, 4, out=first)
+        torch.bitwise_and(v, 15, out=second)
+        # the halves pair codes j and 64 + j; bitsandbytes' order 2i and 2i + 1
+        first, second = (codes[:, :half], codes[:, half:]) if to_halves else (codes[:, 0::2], codes[:, 1::2])
+        torch.bitwise_left_shift(first, 4, out=high)
+        torch.bitwise_or(high, second, out=v)
     return packed
+
+
+@torch.no_grad()
+def to_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None,
+               kernel: bool = True) -> torch.Tensor:
+    """Re-pair a weight's codes (uint8, bitsandbytes' order, rows K wide) into the halves layout, in place
+    (:func:`_repair_`'s two paths)."""
+    return _repair_(packed, K, scratch, kernel, True)
 
 
 @torch.no_grad()
 def from_halves_(packed: torch.Tensor, K: int, scratch: torch.Tensor | None = None,
                  kernel: bool = True) -> torch.Tensor:
-    """Undo :func:`to_halves_` in place: the codes back in bitsandbytes' order (the same two paths)."""
-    chunks = _chunks(packed, K)
-    if kernel and _repair_on_device(packed, False):
-        return packed
-    scratch = scratch_for(packed) if scratch is None else scratch
-    for start in range(0, chunks.shape[0], SLICE_CHUNKS):
-        v = chunks[start:start + SLICE_CHUNKS]
-        codes, high = scratch[:len(v), :CHUNK], scratch[:len(v), CHUNK:]
-        torch.bitwise_right_shift(v, 4, out=codes[:, :CHUNK // 2])  # code(k0 + j)
-        torch.bitwise_and(v, 15, out=codes[:, CHUNK // 2:])  # code(k0 + 64 + j)
-        torch.bitwise_left_shift(codes[:, 0::2], 4, out=high)  # code(k0 + 2i) << 4
-        torch.bitwise_or(high, codes[:, 1::2], out=v)
-    return packed
+    """Undo :func:`to_halves_` in place: the codes back in bitsandbytes' order."""
+    return _repair_(packed, K, scratch, kernel, False)
 
 
 def halves_codes(packed: torch.Tensor, K: int) -> torch.Tensor:
