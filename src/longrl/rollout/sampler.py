@@ -596,34 +596,38 @@ class _Run(VerifySteps):
 
     def _prefill(self, prompts: list[int]) -> None:
         """Run the prompts (right-padded, in chunks of ≤ prefill_tokens) and keep each one's last logits."""
-        sampler, device = self.sampler, self.sampler.device
+        sampler = self.sampler
         if self.device_drafts is not None:  # each entry's fixed draft sources: earlier completions, the prompt
             for q in prompts:
                 self.device_drafts.open_entry(self.entry_of[q], self.prompts[q],
                                               sampler.draft_history.completions(self.prompts[q]))
         per_forward = max(1, sampler.prefill_tokens // self.max_prompt_len)
-        for first in range(0, len(prompts), per_forward):
-            chunk = prompts[first:first + per_forward]
-            width = max(len(self.prompts[q]) for q in chunk)
-            ids = pad_right([self.prompts[q] for q in chunk], 0, width).to(device)  # [n, width]
-            entries = torch.tensor([self.entry_of[q] for q in chunk], device=device)
-            last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=device)
-            positions = torch.arange(width, device=device)[None].expand(len(chunk), -1)
-            self.entry_delta[entries] = torch.tensor([v.rope_delta if v is not None else 0
-                                                      for v in (self.vision[q] for q in chunk)], device=device)
-            meta = PrefillMeta(self.cache, entries)
-            with sampler.compute_context():
-                inputs = dict(input_ids=ids, position_ids=positions)
-                if any(self.vision[q] is not None for q in chunk):  # image features in place, mRoPE positions
-                    placements = [Placement(row, 0, len(self.prompts[q]), self.vision[q])
-                                  for row, q in enumerate(chunk)]
-                    inputs = language_model_inputs(sampler.model, ids, positions, placements, self.features)
-                    if sampler.family.image_blocks:  # each image's tokens attend both ways (Gemma 3)
-                        meta.mask = image_block_mask(placements, len(chunk), width, device)
-                with sampler.module_order():
-                    hidden = sampler.backbone(**inputs, use_cache=False, longrl_kv=meta).last_hidden_state
-                self.prompt_logits[entries] = sampler.logits(hidden[torch.arange(len(chunk), device=device), last])
-            self.stats["prefills"] += 1
+        with sampler.module_order():  # (once for all the chunks)
+            for first in range(0, len(prompts), per_forward):
+                self._prefill_chunk(prompts[first:first + per_forward])
+
+    def _prefill_chunk(self, chunk: list[int]) -> None:
+        """Prefill one chunk of prompts (a forward through the modules) and keep each one's last logits."""
+        sampler, device = self.sampler, self.sampler.device
+        width = max(len(self.prompts[q]) for q in chunk)
+        ids = pad_right([self.prompts[q] for q in chunk], 0, width).to(device)  # [n, width]
+        entries = torch.tensor([self.entry_of[q] for q in chunk], device=device)
+        last = torch.tensor([len(self.prompts[q]) - 1 for q in chunk], device=device)
+        positions = torch.arange(width, device=device)[None].expand(len(chunk), -1)
+        self.entry_delta[entries] = torch.tensor([v.rope_delta if v is not None else 0
+                                                  for v in (self.vision[q] for q in chunk)], device=device)
+        meta = PrefillMeta(self.cache, entries)
+        with sampler.compute_context():
+            inputs = dict(input_ids=ids, position_ids=positions)
+            if any(self.vision[q] is not None for q in chunk):  # image features in place, mRoPE positions
+                placements = [Placement(row, 0, len(self.prompts[q]), self.vision[q])
+                              for row, q in enumerate(chunk)]
+                inputs = language_model_inputs(sampler.model, ids, positions, placements, self.features)
+                if sampler.family.image_blocks:  # each image's tokens attend both ways (Gemma 3)
+                    meta.mask = image_block_mask(placements, len(chunk), width, device)
+            hidden = sampler.backbone(**inputs, use_cache=False, longrl_kv=meta).last_hidden_state
+            self.prompt_logits[entries] = sampler.logits(hidden[torch.arange(len(chunk), device=device), last])
+        self.stats["prefills"] += 1
 
     def _start(self, admitted: list[tuple[int, int]]) -> None:
         """Point each admitted (slot, sequence) at its prompt's prefix entry and sample its first token from the
