@@ -12,8 +12,10 @@ tensor-core operand's register layout (its layout conversion moves ahead of an e
 instead of writing the looked-up 16-bit tile to shared memory and reading it back each chunk, as the k-order
 layout needs (the values of a byte there are neighbours in k, so they must be interleaved after the lookup).
 
-The change is made in place on a weight's own bytes (no second copy), a chunk at a time, and undone the same way;
-both are exact byte permutations (tests/test_nf4_halves.py). It needs K a multiple of 128.
+The change is made in place on a weight's own bytes (no second copy), and undone the same way: on CUDA by one Triton
+launch a weight (each program reads its chunks whole before it writes them), elsewhere by PyTorch ops a slice of
+chunks at a time through a scratch buffer allocated first (the launch's twin). Both ways are exact byte permutations
+(tests/test_nf4_halves.py). It needs K a multiple of 128.
 
 :func:`lookup_ptx` is the lookup: the 16 table entries of the activations' dtype, as two byte planes of four
 registers set from immediates, selected by byte permutes (PRMT) by each byte's nibbles.

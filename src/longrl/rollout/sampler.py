@@ -278,8 +278,8 @@ class Sampler:
     @contextlib.contextmanager
     def prepared(self):
         """The model set up for a sampler call: eval mode, the sampler's attention, LoRA fused, NF4/FP8 projections
-        and packed weights as configured; all undone on exit, in reverse order, whatever happens. Yields (LoRA fused,
-        {kernel: quantized projections}, packed groups)."""
+        (with nf4_halves, their codes in the halves layout) and packed weights as configured; all undone on exit, in
+        reverse order, whatever happens. Yields (LoRA fused, {kernel: quantized projections}, packed groups)."""
         register_sampler_attention()
         base = base_model(self.model)
         # a vision-language model switches its language model only (its vision tower keeps its own attention)
