@@ -138,7 +138,7 @@
 #   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
-#              (~7 min)
+#              (~7 min; B20K_ARGS=--nf4-halves: the NF4 codes in the halves layout during the rollout)
 #   e2e20k4    budget20k without the budget: the same 4-bit, FP8-KV whole step uncapped, for the step time beside it
 #              (~7 min)
 #   e2e20k_cap40  grpo_e2e 8B bf16 base, 20,480 x 8, train.gpu_memory_gib=40 (bf16 KV), auto layout, 1 step (~5 min)
@@ -428,7 +428,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --prompts 1 --completion 1536 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --auto-layout ;;
         budget20k) stage budget20k 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
             --completion 19968 --steps 1 --no-cli-smoke --load-in-4bit --gpu-memory-gib 22 --kv-cache-dtype fp8 \
-            --auto-layout ;;
+            --auto-layout ${B20K_ARGS:-} ;;
         e2e20k4) stage e2e20k4 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \
             --completion 19968 --steps 1 --no-cli-smoke --load-in-4bit --kv-cache-dtype fp8 --auto-layout ;;
         e2e20k_cap40) stage e2e20k_cap40 560 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 1 \

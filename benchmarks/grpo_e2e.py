@@ -64,7 +64,7 @@ def run_loop(args, root: Path) -> dict:
     cfg.train.gpu_memory_gib, cfg.generation.kv_cache_dtype = args.gpu_memory_gib, args.kv_cache_dtype
     cfg.model.load_in_4bit = args.load_in_4bit  # the planner counts NF4 bytes
     cfg.model.load_in_fp8 = args.load_in_fp8  # and FP8 bytes
-    cfg.generation.nf4_kernel = args.nf4_kernel
+    cfg.generation.nf4_kernel, cfg.generation.nf4_halves = args.nf4_kernel, args.nf4_halves
     cfg.lora = lora
     cfg.data.source, cfg.data.max_prompt_length, cfg.data.shuffle = str(data), args.prompt_len, False
     cfg.generation.max_completion_length, cfg.generation.ignore_eos = args.completion, True
@@ -290,6 +290,8 @@ def main() -> None:
                     "commands); files get _nf4k")
     ap.add_argument("--bnb-decode", action="store_true", help="with --load-in-4bit: generation.nf4_kernel off "
                     "(decode products through bitsandbytes' own call, as before 2026-12-01); files keep _4bit alone")
+    ap.add_argument("--nf4-halves", action="store_true", help="with --load-in-4bit: generation.nf4_halves (the NF4 "
+                    "codes in the halves layout during each rollout); files get _halves")
     ap.add_argument("--load-in-fp8", action="store_true", help="FP8 e4m3 base (128 x 128 block scales) with dynamic "
                     "16-bit exceptions, decode products on longrl's FP8 kernel (longrl only); files get _fp8")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0, help="train.gpu_memory_gib: the run's budget (the "
@@ -305,11 +307,13 @@ def main() -> None:
         ap.error("--nf4-kernel / --bnb-decode need --load-in-4bit")
     if args.nf4_kernel and args.bnb_decode:
         ap.error("--nf4-kernel and --bnb-decode exclude each other")
+    if args.nf4_halves and (not args.load_in_4bit or args.bnb_decode):
+        ap.error("--nf4-halves needs --load-in-4bit and the NF4 kernel (not --bnb-decode)")
     args.nf4_kernel = args.load_in_4bit and not args.bnb_decode
     if args.load_in_4bit and args.load_in_fp8:
         ap.error("--load-in-4bit and --load-in-fp8 exclude each other")
     if args.load_in_4bit:
-        args.tag = "_4bit" + ("_nf4k" if args.nf4_kernel else "") + args.tag
+        args.tag = "_4bit" + ("_nf4k" if args.nf4_kernel else "") + ("_halves" if args.nf4_halves else "") + args.tag
     if args.load_in_fp8:
         args.tag = "_fp8" + args.tag
     import logging

@@ -198,3 +198,23 @@ def test_a_sampler_call_keeps_the_halves_layout_inside_and_undoes_it_whatever_ha
     off.use_triton = True
     with off.prepared() as (_, quant, _):  # off (the default): routed, the codes in bitsandbytes' order
         assert quant["nf4"] == 7 * 2 and off.fast.halves == [] and same()
+
+
+def test_config_key_needs_the_nf4_kernel_and_reaches_the_sampler():
+    """generation.nf4_halves: refused without generation.nf4_kernel (a ConfigError naming the key), and handed to
+    the sampler the trainer builds."""
+    from test_sampler import tiny_model
+
+    from longrl.config import Config, ConfigError
+    from longrl.config.validation import validate
+    from longrl.rollout.completions import build_sampler
+
+    cfg = Config()
+    cfg.generation.nf4_halves, cfg.generation.nf4_kernel = True, False
+    with pytest.raises(ConfigError, match="generation.nf4_halves"):
+        validate(cfg, require_rewards=False)
+    cfg.generation.nf4_kernel = True
+    validate(cfg, require_rewards=False)
+    model, tok = tiny_model(seed=0)
+    assert build_sampler(model, tok, cfg.generation, max_length=64).nf4_halves is True
+    assert build_sampler(model, tok, Config().generation, max_length=64).nf4_halves is False

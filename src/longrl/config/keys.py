@@ -22,7 +22,7 @@ from .trl_names import SFT_NAMES, TRL_NAMES
 RESUMABLE_CHANGES = ("train.max_steps", "sft.num_train_epochs", "output.", "generation.backend",
                      "generation.cuda_graphs", "generation.kv_cache_gib", "generation.kv_cache_dtype",
                      "generation.sync_every", "generation.min_decode_batch", "train.gpu_memory_gib",
-                     "train.cpu_threads", "generation.fast_decode", "generation.fuse_lora", "generation.nf4_kernel",
+                     "train.cpu_threads", "generation.fast_decode", "generation.fuse_lora", "generation.nf4_kernel", "generation.nf4_halves",
                      "generation.pack_projections",
                      "generation.speculative", "generation.max_draft_tokens", "generation.speculative_schedule",
                      "train.micro_batch_tokens", "train.micro_batch_size", "train.logprob_chunk_size",

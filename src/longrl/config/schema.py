@@ -113,6 +113,9 @@ class GenerationConfig:
     nf4_kernel: bool = True  # with fast_decode and a 4-bit base: decode products read the NF4 weights directly
     #                          (ops/nf4_matmul.py, grouped as the packed decode) instead of bitsandbytes' call
     #                          (1.57x its tokens/s in the 8B rollout; false: bitsandbytes' call)
+    nf4_halves: bool = False  # with nf4_kernel: the NF4 codes re-paired in place into the halves layout during a
+    #   rollout (ops/nf4_halves.py; back in bitsandbytes' order around prefill and after it): faster decode steps
+    #   (+15% at 8 rows on an H100), each rollout paying the layout change; off until its whole calls are measured
     pack_projections: bool = True  # with fast_decode: q/k/v and gate/up (+ LoRA A rows) one product a group
     #                                during rollouts (weights moved into one buffer a group, back after it)
     fuse_lora: bool = True  # rollouts add LoRA deltas by fused products (false: PEFT's forward)

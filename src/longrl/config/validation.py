@@ -108,6 +108,8 @@ def _check_generation(cfg: Config) -> None:
     _check(all(isinstance(s, str) and s for s in gen.stop_strings), "generation.stop_strings", gen.stop_strings,
            "non-empty strings")
     _check(1 <= gen.max_draft_tokens <= 16, "generation.max_draft_tokens", gen.max_draft_tokens, "an integer 1-16")
+    _check(not gen.nf4_halves or gen.nf4_kernel, "generation.nf4_halves", gen.nf4_halves,
+           "false without generation.nf4_kernel (the halves layout is read by longrl's NF4 decode product only)")
     _check(gen.speculative == "off" or gen.backend == "longrl", "generation.speculative", gen.speculative,
            "off with generation.backend=hf (speculative rollouts verify drafts inside longrl's sampler; transformers' "
            "generate has no exact speculative sampling without a draft model)")

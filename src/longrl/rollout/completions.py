@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 def build_sampler(model, tokenizer, gen, *, max_length: int, memory_cap_bytes: int | None = None,
                   pack_projections: bool = True) -> Sampler | None:
     """longrl's sampler with every sampler setting of generation config ``gen`` (kv_cache_gib, kv_cache_dtype,
-    cuda_graphs, sync_every, min_decode_batch, fast_decode, fuse_lora, nf4_kernel, pack_projections, speculative,
-    max_draft_tokens, speculative_schedule), or None when ``gen.backend`` is hf or the model needs transformers'
+    cuda_graphs, sync_every, min_decode_batch, fast_decode, fuse_lora, nf4_kernel, nf4_halves, pack_projections,
+    speculative, max_draft_tokens, speculative_schedule), or None when ``gen.backend`` is hf or the model needs transformers'
     generate for sequences of ``max_length`` tokens (the reason logged).
     ``memory_cap_bytes``: the run's GPU budget (train.gpu_memory_gib), which the KV cache stays within;
     ``pack_projections`` False keeps the weights where they are whatever ``gen`` says (FSDP2's unsharded weights)."""
@@ -36,7 +36,7 @@ def build_sampler(model, tokenizer, gen, *, max_length: int, memory_cap_bytes: i
     return Sampler(model, tokenizer, kv_cache_bytes=int(gen.kv_cache_gib * 2**30) if gen.kv_cache_gib > 0 else None,
                    memory_cap_bytes=memory_cap_bytes, kv_cache_dtype=gen.kv_cache_dtype, cuda_graphs=gen.cuda_graphs,
                    sync_every=gen.sync_every, min_decode_batch=gen.min_decode_batch, fast_decode=gen.fast_decode,
-                   fuse_lora=gen.fuse_lora, nf4_kernel=gen.nf4_kernel,
+                   fuse_lora=gen.fuse_lora, nf4_kernel=gen.nf4_kernel, nf4_halves=gen.nf4_halves,
                    pack_projections=gen.pack_projections and pack_projections,
                    speculative=gen.speculative, max_draft_tokens=gen.max_draft_tokens,
                    speculative_schedule=gen.speculative_schedule)
