@@ -211,7 +211,8 @@ def test_train_generate_and_eval_build_the_same_sampler(tmp_path, monkeypatch, c
     capsys.readouterr()
     expected = dict(kv_cache_bytes=2**28, memory_cap_bytes=7 * 2**30, kv_cache_dtype="fp8", cuda_graphs=False,
                     sync_every=3, min_decode_batch=4, fast_decode=False, fuse_lora=False, nf4_kernel=False,
-                    pack_projections=False, speculative="ngram", max_draft_tokens=3, speculative_schedule="bytes")
+                    nf4_halves=False, pack_projections=False, speculative="ngram", max_draft_tokens=3,
+                    speculative_schedule="bytes")
     assert built == [expected] * 3  # the trainer's, generate's and eval's
 
 
