@@ -795,12 +795,17 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     lut, asm = cfg["lut"], not _interpreting()
     if lut not in range(7):
         raise ValueError(f"nf4_group_linear: launch choice lut is 0 to 6, not {lut!r}")
-    if group.halves:
-        return _halves_linear(x2, lead, group, cfg, g, out, target, dense, bias, asm)
+    halves = {}
+    if group.halves:  # (ops/nf4_halves.py) the weight tile on the left, luts 4 to 6 (those below, which build a table
+        # a block, take 4), launch choice ``pack`` bytes a lookup; the lookup needs no particular byte layout
+        cfg, lut, pack = {**cfg, "swap": True}, max(4, lut), cfg.get("pack", 4)
+        ptx, cons = _halves_lookup(group, x.dtype, pack)
+        halves = dict(HALVES=True, LOOKUP=ptx, LOOKUP_CONS=cons, PACK=pack)
     key = (BM, BN, cfg["swap"], cfg["warps"], cfg["stages"], K % CHUNK == 0, x.dtype)
     if lut == 3 and asm and key in PERMUTE_FALLBACKS:
         lut = 1
-    kord = bool(cfg.get("kord")) and lut >= 4 and not (asm and ("kord", *key) in PERMUTE_FALLBACKS)
+    kord = (bool(cfg.get("kord")) and lut >= 4 and not halves
+            and not (asm and ("kord", *key) in PERMUTE_FALLBACKS))
     fixup = fixes_up(cfg, g, group.locks)
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and asm else {}  # registers a thread, at most
     for _ in range(2):
@@ -809,7 +814,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
             g.N01, NQ, R, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
             LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None, KORD=kord,
-            UNROLL=cfg.get("unroll", 1), num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
+            UNROLL=cfg.get("unroll", 1), num_warps=cfg["warps"], num_stages=cfg["stages"], **halves, **regs)
         if not (lut == 3 or kord) or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:
@@ -834,27 +839,6 @@ def _halves_lookup(group: NF4Group, dtype: torch.dtype, pack: int) -> tuple[str,
     if key not in group.lookups:
         group.lookups[key] = lookup_ptx(table_planes(list(group.table), dtype), pack)
     return group.lookups[key], lookup_constraints(pack)
-
-
-def _halves_linear(x2, lead, group: NF4Group, cfg: dict, g: GroupGrid, out, target, dense, bias, asm: bool):
-    """nf4_group_linear's launch for a group in the halves layout: the weight tile on the left (swap), luts 4 to 6
-    (lut 3 and below, which build a table a block, take 4), launch choice ``pack`` (2 or 4: bytes a lookup)."""
-    M, K, NQ, NT = x2.shape[0], group.K, group.nf4_rows, group.out_features
-    lut = max(4, cfg["lut"])
-    pack = cfg.get("pack", 4)
-    ptx, cons = _halves_lookup(group, x2.dtype, pack)
-    fixup = fixes_up(cfg, g, group.locks)
-    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and asm else {}
-    p = group.packed + [group.packed[0]] * (MAX_NF4 - len(group.packed))
-    _nf4_group_kernel[g.grid](
-        x2, p[0], p[1], p[2], group.scales, group.code, dense, bias, target, out, group.locks, M, K, K // 2, g.N0,
-        g.N01, NQ, NT - NQ, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
-        HAS_BIAS=group.bias is not None and g.split == 1, BM=g.BM, BN=g.BN, SWAP=True, JOIN=True, LUT=lut,
-        EVEN_K=True, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None, UNROLL=cfg.get("unroll", 1), HALVES=True,
-        LOOKUP=ptx, LOOKUP_CONS=cons, PACK=pack, num_warps=cfg["warps"], num_stages=cfg["stages"], **regs)
-    if not fixup:
-        sum_splits(target, group.bias, out)
-    return out.view(*lead, NT)
 
 
 def nf4_linear(x: torch.Tensor, packed, absmax, code, N: int, K: int, bias=None, use_triton: bool = True):
