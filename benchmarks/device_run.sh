@@ -37,6 +37,9 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
+#   mma        the few-row NF4 CUDA kernel (ops/nf4_mma.py, built by NVRTC): its GPU tests, then nf4_matmul.py --sweep
+#              --mma --table-only --skip-table: LAUNCH's entry against the kernel's choices at 8, 16, 32 rows
+#              (MMA_ROWS) (~3 min; carry .whl_bnb)
 #   halvesgpu  the NF4 halves layout's GPU tests alone (~40 s)
 #   halves     the NF4 halves layout (ops/nf4_halves.py): its GPU tests, then nf4_matmul.py --sweep --halves
 #              --table-only --skip-table: LAUNCH's entry against the halves choices at 128, 32, 16 rows (~3 min;
@@ -271,6 +274,9 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
+        mma) stage mmagpu 150 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
+            stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
+                --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
         halvesgpu) stage halvesgpu 90 python3 -m pytest -q -m gpu tests/test_nf4_halves.py ;;
         halves) stage halvesgpu 90 python3 -m pytest -q -m gpu tests/test_nf4_halves.py
             stage halves 240 python3 benchmarks/nf4_matmul.py --sweep --halves --table-only --skip-table ;;

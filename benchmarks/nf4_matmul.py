@@ -146,9 +146,10 @@ def packed_group(name: str, dev, fp8: bool = False):
     return nm.nf4_group(params, torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02)
 
 
-def sweep(dev, halves: bool = False, table_only: bool = False) -> tuple[list[dict], dict]:
+def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False) -> tuple[list[dict], dict]:
     """Every group at each decode row count under each launch choice; the choice with the least summed time of a
-    layer's four groups per row count ('best'). table_only: LAUNCH's entry alone (then the halves choices)."""
+    layer's four groups per row count ('best'). table_only: LAUNCH's entry alone (then the halves choices). mma:
+    also the few-row CUDA kernel (ops/nf4_mma.py) under mma_choices, at up to 32 rows."""
     groups = {}
     for name in GROUPS:
         g = packed_group(name, dev)
@@ -173,6 +174,9 @@ def sweep(dev, halves: bool = False, table_only: bool = False) -> tuple[list[dic
         def checked(cfg: dict) -> dict | None:  # timed, its results checked first; a launch choice that fails to
             try:  # build or is wrong is reported (a row), not hidden
                 for name, (g, W) in groups.items():
+                    if cfg.get("mma") and nm.nf4_mma_linear(xs[name], g, cfg) is None:  # (not a silent fallback)
+                        from longrl.ops import cuda_build
+                        raise RuntimeError(f"the CUDA kernel did not run: {cuda_build.FAILURES}")
                     got = nm.nf4_group_linear(xs[name], g, launch=cfg).float()
                     want = torch.nn.functional.linear(xs[name].float(), W.float())
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
@@ -184,6 +188,9 @@ def sweep(dev, halves: bool = False, table_only: bool = False) -> tuple[list[dic
                 return None
 
         for cfg in ([dict(nm.launch_for(M)[1])] if table_only else sweep_choices(M)):
+            if (per := checked(cfg)) is not None:
+                record(cfg, per)
+        for cfg in mma_choices(M) if mma and M <= 32 else ():
             if (per := checked(cfg)) is not None:
                 record(cfg, per)
         if halves:  # the same groups with their codes in the halves layout (ops/nf4_halves.py), beside the above
@@ -208,6 +215,13 @@ def sweep(dev, halves: bool = False, table_only: bool = False) -> tuple[list[dic
             record(fixup, timed(fixup))  # rather than a second launch
         best[M] = min(totals, key=lambda t: t[0])[1]
     return rows, best
+
+
+def mma_choices(M: int) -> list[dict]:
+    """The few-row CUDA kernel's choices (ops/nf4_mma.py; "mma" marks them): the items a launch aims at (waves of
+    the warps the GPU holds) and the 64-wide blocks of K an item reads at least."""
+    entry = dict(nm.launch_for(M)[1])
+    return [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((1, 4), (2, 4), (1, 8), (0.5, 4), (4, 4))]
 
 
 def halves_choices(M: int) -> list[dict]:
@@ -333,6 +347,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the packed decode's groups under launch choices")
     ap.add_argument("--halves", action="store_true", help="with --sweep: also the groups with their codes in the "
                     "halves layout (ops/nf4_halves.py) under halves_choices, beside the bitsandbytes order")
+    ap.add_argument("--mma", action="store_true", help="with --sweep: also the few-row CUDA kernel "
+                    "(ops/nf4_mma.py) under mma_choices at up to 32 rows")
     ap.add_argument("--table-only", action="store_true", help="with --sweep: LAUNCH's own entry at each row count "
                     "instead of sweep_choices (with --halves: the halves layout's choices against today's table)")
     ap.add_argument("--skip-table", action="store_true", help="leave out the per-shape table (the sweep alone)")
@@ -349,7 +365,7 @@ def main() -> None:
     if args.sweep_rows:
         global SWEEP_ROWS
         SWEEP_ROWS = tuple(int(m) for m in args.sweep_rows.split(","))
-    sweep_rows, best = sweep(dev, args.halves, args.table_only) if args.sweep else ([], {})
+    sweep_rows, best = sweep(dev, args.halves, args.table_only, args.mma) if args.sweep else ([], {})
     if best and not args.table_only:  # each bucket takes the fastest choice of the nearest swept row count at or
         # above it
         nm.LAUNCH.update({b: best[min((m for m in best if m >= b), default=max(best))] for b in nm.LAUNCH})
@@ -386,7 +402,9 @@ def main() -> None:
                   " | layer µs | bf16 layer µs | × bf16 |", "|---" * (9 + len(names)) + "|"]
         for r in sweep_rows:
             head = (f"| {r['M']} | {r['bn']} | {r['lut']}{', kord' if r.get('kord') else ''}"
-                    f"{', halves, pack ' + str(r['pack']) if r.get('halves') else ''} | {r['warps']}"
+                    f"{', halves, pack ' + str(r['pack']) if r.get('halves') else ''}"
+                    f"{', CUDA mma, waves ' + str(r['waves']) + ', blocks ' + str(r['min_blocks']) if r.get('mma') else ''}"
+                    f" | {r['warps']}"
                     f"{' (maxnreg ' + str(r['maxnreg']) + ')' if r.get('maxnreg') else ''} | {r['stages']}"
                     f"{' (unroll ' + str(r['unroll']) + ')' if r.get('unroll', 1) > 1 else ''} | "
                     f"{r['programs']}{' + fixup' if r.get('fixup') else ''} | ")
@@ -398,7 +416,8 @@ def main() -> None:
                          f"{r['bf16_layer_us'] / r['layer_us']:.2f} |")
     if args.fp8:
         lines += fp8_lines(fp8_rows, fp8_sweep_rows, fp8_best)
-    write_result(f"nf4_matmul_{card_tag()}" + ("_fp8" if args.fp8 else "") + ("_halves" if args.halves else ""),
+    write_result(f"nf4_matmul_{card_tag()}" + ("_fp8" if args.fp8 else "") + ("_halves" if args.halves else "")
+                 + ("_mma" if args.mma else ""),
                  {**meta, "rows": rows, "sweep": sweep_rows, "best": {str(m): c for m, c in best.items()},
                   "fp8_rows": fp8_rows, "fp8_sweep": fp8_sweep_rows}, lines)
 

@@ -53,6 +53,7 @@ import torch
 
 from .nf4_halves import (from_halves_, halves_codes, halves_ok, lookup_constraints, lookup_ptx, scratch_for,
                          table_planes, to_halves_)
+from .nf4_mma import nf4_mma_linear
 
 try:
     import triton
@@ -785,6 +786,10 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
     M, NQ, NT = x2.shape[0], group.nf4_rows, group.out_features
     R = NT - NQ
     BM, cfg = launch_for(M, launch, HALVES_LAUNCH if group.halves else None)
+    if cfg.get("mma") and not _interpreting():  # the few-row CUDA kernel (ops/nf4_mma.py), where it applies
+        y = nf4_mma_linear(x2, group, cfg)
+        if y is not None:
+            return y.view(*lead, NT)
     g = group_grid(M, group.rows, R, K, CHUNK, BM, cfg)
     BN, split = g.BN, g.split
     out = torch.empty(M, NT, dtype=x.dtype, device=x.device)

@@ -1,0 +1,99 @@
+"""The few-row NF4 group product as a CUDA kernel (nf4_mma.cu), built at first use by NVRTC (ops/cuda_build.py).
+
+Triton's lookup of the NF4 codes costs 5 to 6.4 instructions a code in the sm_90 SASS (byte permutes on the
+table's planes, ops/nf4_matmul.py), and at 8-16 rows a layer's products run at a fraction of the copy bandwidth,
+bound by instructions and their latencies (H200 and H100 equally: 98.9 and 99.2 µs a layer at 16 rows). This
+kernel turns a code byte into the tensor cores' register of two values with one conflict-free shared-memory load
+(a 256-entry table of value pairs, a copy a lane) and feeds mma.sync directly, with the codes read where
+bitsandbytes keeps them (the k order permuted alike in x and W, so no re-layout):
+
+    y[m, n] = Σ_b absmax[n, b] · Σ_{k in b} x[m, k] · cast(code[q[n, k]])     (lut 4's arithmetic; its twin:
+                                                                               nf4_group_reference(scale_after=True))
+
+for x of at most :data:`MAX_ROWS` rows, K a multiple of 64, 16-bit x, on sm_80 and newer. :func:`nf4_mma_linear`
+returns None where it does not apply or the build is missing (the caller's Triton path runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import cuda_build
+
+SOURCE = Path(__file__).with_name("nf4_mma.cu").read_text()
+MAX_ROWS = 32  # rows of x: n8 tiles 1, 2 or 4
+WARPS = 4  # a block's warps (nf4_mma.cu WARPS)
+UNIT = 32  # rows of the group a work item owns (nf4_mma.cu UNIT)
+BLOCK = 64  # K a code block (one absmax)
+
+
+def why_not(x2: torch.Tensor, group) -> str | None:
+    """Why the kernel cannot take this product (None: it can)."""
+    if not x2.is_cuda or torch.cuda.get_device_capability(x2.device)[0] < 8:
+        return "not a CUDA device of compute capability 8.0 or newer"
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        return f"x in {x2.dtype}"
+    if not 1 <= x2.shape[0] <= MAX_ROWS:
+        return f"{x2.shape[0]} rows of x (1 to {MAX_ROWS})"
+    if group.halves:
+        return "the codes in the halves layout"
+    if group.K % BLOCK:
+        return f"K = {group.K} (a multiple of {BLOCK})"
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        return "x's rows not 16-byte aligned"
+    if any(p.data_ptr() % 16 for p in group.packed):
+        return "codes not 16-byte aligned"
+    if group.dense is not None and (group.dense.dtype != x2.dtype or group.dense.data_ptr() % 16):
+        return "dense rows not in x's dtype or not 16-byte aligned"
+    return None
+
+
+def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the 16 code values' 16-bit patterns as int32 [16], the bias in float32 or None), made once a group."""
+    key = ("mma", dtype)
+    if key not in group.lookups:
+        code16 = group.code.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+        bias = group.bias.float().contiguous() if group.bias is not None else None
+        group.lookups[key] = (code16.contiguous(), bias)
+    return group.lookups[key]
+
+
+def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch.Tensor | None:
+    """x2 [M, K] → [M, Σ N_i + R] (module docstring), or None where the kernel does not apply or was not built.
+    launch: ``waves`` (items ≈ waves × the warps the GPU holds at once; default 1), ``min_blocks`` (64-wide
+    blocks of K an item at least; default 4)."""
+    if why_not(x2, group) is not None:
+        return None
+    launch = launch or {}
+    M, K = x2.shape
+    nt8 = 1 if M <= 8 else 2 if M <= 16 else 4
+    half = x2.dtype == torch.float16
+    kernel = cuda_build.build(SOURCE, "nf4_mma", [f"-DNT8={nt8}", f"-DHALF={int(half)}"], x2.device)
+    if kernel is None:
+        return None
+    code16, bias = _operands(group, x2.dtype)
+    NQ, NT = group.nf4_rows, group.out_features
+    R = NT - NQ
+    dense_units, units = -(-R // UNIT), -(-R // UNIT) + -(-NQ // UNIT)
+    n_blocks = K // BLOCK
+    sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
+    resident = sms * max(1, kernel.blocks_per_sm(WARPS * 32))  # blocks the GPU holds at once
+    want = int(launch.get("waves", 1.0) * resident * WARPS)
+    split = max(1, min(n_blocks // launch.get("min_blocks", 4), -(-want // units)))
+    per_split = -(-n_blocks // split)
+    split = -(-n_blocks // per_split)
+    grid = min(resident, -(-units * split // WARPS))
+    out = torch.empty(M, NT, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(split, M, NT, dtype=torch.float32, device=x2.device) if split > 1 else out
+    rows = group.rows
+    N0 = rows[0]
+    N01 = N0 + (rows[1] if len(rows) > 1 else NQ)
+    p = group.packed + [group.packed[0]] * (3 - len(group.packed))
+    dense = group.dense if group.dense is not None else x2
+    kernel.launch((grid, 1, 1), (WARPS * 32, 1, 1), [
+        x2, cuda_build.I64(x2.stride(0)), M, p[0], p[1], p[2], N0, N01, NQ, group.scales, dense, R,
+        bias if bias is not None else code16, bias is not None, code16, part, out, group.locks,
+        K, NT, dense_units, units, split, per_split])
+    return out
