@@ -41,6 +41,9 @@ def _library(kind: str) -> ctypes.CDLL | None:
         names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
         for root in sys.path:  # nvidia-cuda-nvrtc-cu12 (nvidia/cuda_nvrtc/lib), the CUDA 13 wheels (nvidia/cu13/lib)
             names += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")), reverse=True)
+        for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):  # a toolkit
+            if home:
+                names += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
     lib = None
     for name in names:
         try:
