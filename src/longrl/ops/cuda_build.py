@@ -15,7 +15,7 @@ import glob
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -94,12 +94,16 @@ class Kernel:
     registers: int
     device: int
 
+    occupancy: dict = field(default_factory=dict)  # (threads, shared) → blocks_per_sm
+
     def blocks_per_sm(self, threads: int, shared: int = 0) -> int:
-        """Blocks of ``threads`` threads one multiprocessor holds at once (the driver's occupancy)."""
-        out = ctypes.c_int()
-        _check(_library("driver").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(out), self.function, threads, ctypes.c_size_t(shared)), "occupancy", _library("driver"))
-        return out.value
+        """Blocks of ``threads`` threads one multiprocessor holds at once (the driver's occupancy; asked once)."""
+        if (threads, shared) not in self.occupancy:
+            out = ctypes.c_int()
+            _check(_library("driver").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(out), self.function, threads, ctypes.c_size_t(shared)), "occupancy", _library("driver"))
+            self.occupancy[threads, shared] = out.value
+        return self.occupancy[threads, shared]
 
     def launch(self, grid: tuple, block: tuple, args: list, shared: int = 0) -> None:
         """Launch on the current stream of the kernel's device; tensors go by address, I64 as 64-bit, other ints
