@@ -60,15 +60,24 @@ def build(base: str, shape: str, dev):
 def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N: int, bandwidth: float) -> dict:
     """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic). Base nf4h:
     the NF4 model with its codes in the halves layout during a call (Sampler(nf4_halves=True)); nf4: in
-    bitsandbytes' order (the sampler's default). (Results of 2026-12-06 before this change name the halves nf4 and
+    bitsandbytes' order (the sampler's default); nf4m: nf4 with the products of up to 32 rows on the CUDA kernel
+    (ops/nf4_mma.py, launch choice mma). (Results of 2026-12-06 before this change name the halves nf4 and
     bitsandbytes' order nf4k.)"""
     prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
     out = dict(base=base, rows=len(prompts) * G, context=context, kv=kv)
+    from longrl.ops import nf4_matmul
+
+    table = dict(nf4_matmul.LAUNCH)
+    if base == "nf4m":  # the few-row CUDA kernel (ops/nf4_mma.py) for the products of up to 32 rows
+        nf4_matmul.LAUNCH.update({b: {**c, "mma": True} for b, c in table.items() if b <= 32})
     try:
-        r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base in ("nf4", "nf4h"), fp8_kernel=base == "fp8",
+        r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base in ("nf4", "nf4h", "nf4m"), fp8_kernel=base == "fp8",
                           kv_cache_dtype=kv, nf4_halves=base == "nf4h")
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (KV cache too large) is a result
         return {**out, "error": f"{type(e).__name__}: {e}"[:240]}
+    finally:
+        nf4_matmul.LAUNCH.clear()
+        nf4_matmul.LAUNCH.update(table)
     results = {"copy_bandwidth_gbs": bandwidth / 1e9, "cell": {**r, "step_weight_bytes": step_bytes}}
     try:
         rs.derive(results, len(prompts) * G, N, context, rs.kv_token_bytes(model.config, KV_DTYPES[kv]),
@@ -123,7 +132,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--bases", default="bf16,nf4,fp8", help="bf16, nf4 (the sampler's default: codes in "
                     "bitsandbytes' order), nf4h (NF4 in the halves layout during a call; measured beside nf4's cell on "
-                    "the same model: name nf4 too), fp8")
+                    "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py; likewise), fp8")
     ap.add_argument("--rows", default="8,32,128")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")
@@ -153,12 +162,12 @@ def main() -> None:
     cells = len(args.bases) * len(kvs) * len(contexts) * len(row_counts)
     stem = f"rollout_matrix_{args.shape}_{card_tag()}{args.tag}"
     t0, rows = time.perf_counter(), []
-    for base in (b for b in args.bases if b != "nf4h"):  # (nf4h: measured beside nf4, on the same model)
+    for base in (b for b in args.bases if b not in ("nf4h", "nf4m")):  # (nf4h, nf4m: beside nf4, on its model)
         model, step_bytes = build(base, args.shape, dev)
         for kv in kvs:
             for context in contexts:
                 for n in row_counts:
-                    for variant in (base, "nf4h") if base == "nf4" and "nf4h" in args.bases else (base,):
+                    for variant in [base] + [v for v in ("nf4h", "nf4m") if base == "nf4" and v in args.bases]:
                         rows.append(cell(model, variant, step_bytes, n, context, kv, args.new_tokens, bandwidth))
                         print({k: v for k, v in rows[-1].items()}, flush=True)
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
