@@ -123,6 +123,12 @@ class Kernel:
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         stream = torch.cuda.current_stream(self.device).cuda_stream
         driver = _library("driver")
+        if torch.cuda.current_device() != self.device:  # (the module lives in its device's primary context)
+            with torch.cuda.device(self.device):
+                torch.cuda.current_stream()  # (makes that context current on this thread)
+                _check(driver.cuLaunchKernel(self.function, *grid, *block, shared, ctypes.c_void_p(stream), params,
+                                             None), "cuLaunchKernel", driver)
+            return
         _check(driver.cuLaunchKernel(self.function, *grid, *block, shared, ctypes.c_void_p(stream), params, None),
                "cuLaunchKernel", driver)
 
