@@ -55,6 +55,10 @@ def scratch_for(packed: torch.Tensor) -> torch.Tensor | None:
     runs (it needs none)."""
     if triton is not None and packed.is_cuda:
         return None
+    return _slice_scratch(packed)
+
+
+def _slice_scratch(packed: torch.Tensor) -> torch.Tensor:
     chunks = min(packed.numel() // (CHUNK // 2), SLICE_CHUNKS)
     return torch.empty(chunks, CHUNK + CHUNK // 2, dtype=torch.uint8, device=packed.device)
 
@@ -106,7 +110,7 @@ def _repair_(packed: torch.Tensor, K: int, scratch, kernel: bool, to_halves: boo
     chunks = _chunks(packed, K)
     if kernel and _repair_on_device(packed, to_halves):
         return packed
-    scratch = scratch_for(packed) if scratch is None else scratch
+    scratch = _slice_scratch(packed) if scratch is None else scratch  # (the twin on CUDA too)
     half = CHUNK // 2
     for start in range(0, chunks.shape[0], SLICE_CHUNKS):
         v = chunks[start:start + SLICE_CHUNKS]
