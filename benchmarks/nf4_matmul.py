@@ -221,7 +221,8 @@ def mma_choices(M: int) -> list[dict]:
     """The few-row CUDA kernel's choices (ops/nf4_mma.py; "mma" marks them): the items a launch aims at (waves of
     the warps the GPU holds) and the 64-wide blocks of K an item reads at least."""
     entry = dict(nm.launch_for(M)[1])
-    return [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((1, 4), (2, 4), (1, 8), (0.5, 4), (4, 4))]
+    return [dict(entry, mma=True, waves=w, min_blocks=b)
+            for w, b in ((1, 16), (0.5, 16), (1, 8), (2, 8), (1, 32), (0.5, 32), (0.25, 16))]
 
 
 def halves_choices(M: int) -> list[dict]:

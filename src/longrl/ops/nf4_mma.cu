@@ -15,10 +15,13 @@
 // float32 sum, then acc += absmax[row] · sum (float32): the weights are cast(code)·absmax, ops/nf4_matmul.py's lut 4
 // (nf4_group_reference(scale_after=True) is the twin).
 //
-// Work: items (32 rows of the group: two m16 tiles, one K split) taken by warps in turn (a persistent grid that
-// builds the table once a block). The dense rows D (16-bit, the LoRA A rows) come first, read as they are. With
-// several K splits each item writes float32 partials, and the last of a row unit's items to finish (an arrival count
-// a unit, left zero) adds them in split order: the same result every call.
+// Work: items (32 rows of the group: two m16 tiles, one range of K) taken by blocks in turn (a persistent grid that
+// builds the table once a block); a block's four warps split the item's range of K and add their sums through shared
+// memory in warp order. The dense rows D (16-bit, the LoRA A rows) come first, read as they are. With several K
+// splits each item writes float32 partials, and the last of a row unit's items to finish (an arrival count a unit,
+// left zero) adds them in split order, a round of splits' loads at a time: the same result every call.
+// (A first version took items a warp at a time and added the partials one load after another: its time grew with
+// the splits, 134 µs a layer at 8 rows on an H100 at best against Triton's 97; nf4_matmul_h100_mma.md.)
 
 #ifndef NT8
 #define NT8 1
@@ -33,6 +36,8 @@
 #define UNR (4 / NT8)  // blocks of K a pass loads before its products (registers: x's fragments grow with NT8)
 #endif
 #define UNIT 32    // rows of the group an item owns
+#define NV (8 * NT8)  // a lane's sums: [tile 2][n8 tile NT8][4]
+#define ROUND (4 / NT8)  // splits' partials a round of the last item's loads (32 registers)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -161,6 +166,74 @@ __device__ __forceinline__ void dense_pass(float (&acc)[2][NT8][4], const u16* c
     }
 }
 
+// Warp 0's sums of an item (acc[t][j][e]: output column col0 + 16t + g + 8 (e / 2), x row 8j + 2q + (e % 2)): the
+// output, or (several splits) the split's float32 partials, and for the unit's last split to arrive the partials of
+// all splits added in split order (loads a round of ROUND splits at a time), the bias, the output; its count reset.
+__device__ __forceinline__ void finish(float (&acc)[2][NT8][4], const bool (&rok)[2][2], int lane, int q, int g,
+                                       int unit, int s, int M, int NT, int col0, int split, int has_bias,
+                                       const float* __restrict__ BIAS, float* __restrict__ PART,
+                                       u16* __restrict__ OUT, int* __restrict__ LOCK) {
+    if (split > 1) {
+        const long long plane = (long long)M * NT;
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int j = 0; j < NT8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int m = 8 * j + 2 * q + (e & 1), col = col0 + 16 * t + g + 8 * (e >> 1);
+                    if (m < M && rok[t][e >> 1]) PART[s * plane + (long long)m * NT + col] = acc[t][j][e];
+                }
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) last = atomicAdd(LOCK + unit, 1) == split - 1;
+        last = __shfl_sync(0xffffffffu, last, 0);
+        if (!last) return;
+        __threadfence();
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int j = 0; j < NT8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.f;
+        for (int p0 = 0; p0 < split; p0 += ROUND) {
+            float got[ROUND][2][NT8][4];
+#pragma unroll
+            for (int p = 0; p < ROUND; ++p)
+#pragma unroll
+                for (int t = 0; t < 2; ++t)
+#pragma unroll
+                    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int m = 8 * j + 2 * q + (e & 1), col = col0 + 16 * t + g + 8 * (e >> 1);
+                            got[p][t][j][e] = p0 + p < split && m < M && rok[t][e >> 1]
+                                ? __ldcg(PART + (p0 + p) * plane + (long long)m * NT + col) : 0.f;
+                        }
+#pragma unroll
+            for (int p = 0; p < ROUND; ++p)
+#pragma unroll
+                for (int t = 0; t < 2; ++t)
+#pragma unroll
+                    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[t][j][e] += got[p][t][j][e];
+        }
+        if (lane == 0) LOCK[unit] = 0;
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int j = 0; j < NT8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = 8 * j + 2 * q + (e & 1), col = col0 + 16 * t + g + 8 * (e >> 1);
+                if (m < M && rok[t][e >> 1])
+                    OUT[(long long)m * NT + col] = to16(acc[t][j][e] + (has_bias ? BIAS[col] : 0.f));
+            }
+}
+
 __shared__ __align__(16) u32 nf4_pairs[256 * COPIES];  // the table (at file scope: PTX names it plainly)
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma(
@@ -188,10 +261,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma(
     const int n_blocks = K / 64;
     const long long KB = K / 2;
     const int items = units * split;
+    __shared__ float others[WARPS - 1][NV][32];  // warps 1.. hand their sums to warp 0 (a lane's column: no conflicts)
 
-    for (int item = blockIdx.x * WARPS + warp; item < items; item += gridDim.x * WARPS) {
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int unit = item / split, s = item - unit * split;
-        const int b_lo = s * per_split, b_hi = min(b_lo + per_split, n_blocks);
+        const int i_lo = s * per_split, i_hi = min(i_lo + per_split, n_blocks);  // the item's blocks of K
+        const int per_warp = (i_hi - i_lo + WARPS - 1) / WARPS;                  // this warp's share of them
+        const int b_lo = min(i_lo + warp * per_warp, i_hi), b_hi = min(b_lo + per_warp, i_hi);
         const bool dense = unit < dense_units;
         const int row0 = dense ? unit * UNIT : (unit - dense_units) * UNIT;  // first row among D's or the NF4 rows
         const int col0 = dense ? NQ + row0 : row0;                           // its output column
@@ -255,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma(
 #pragma unroll
                 for (int j = 0; j < NT8; ++j) xp[j] += UNR * 64;
             }
-            for (; b < b_hi; ++b) {  // the split's last blocks, fewer than a pass
+            for (; b < b_hi; ++b) {  // the warp's last blocks, fewer than a pass
                 nf4_pass<1>(acc, cp, sp, NQ, xp, tab, lane4);
 #pragma unroll
                 for (int t = 0; t < 2; ++t)
@@ -269,52 +345,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma(
             }
         }
 
-        // acc[t][j][e]: output column col0 + 16t + g + 8 (e / 2), x row 8j + 2q + (e % 2)
-        if (split == 1) {
+        // the warps' sums into warp 0's, added in warp order (the same result every call)
+        float* mine = &acc[0][0][0];
+        if (warp > 0) {
 #pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-                for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int m = 8 * j + 2 * q + (e & 1), col = col0 + 16 * t + g + 8 * (e >> 1);
-                        if (m < M && rok[t][e >> 1])
-                            OUT[(long long)m * NT + col] = to16(acc[t][j][e] + (has_bias ? BIAS[col] : 0.f));
-                    }
-            continue;
+            for (int v = 0; v < NV; ++v) others[warp - 1][v][lane] = mine[v];
         }
-        const long long plane = (long long)M * NT;
+        __syncthreads();
+        if (warp == 0) {
 #pragma unroll
-        for (int t = 0; t < 2; ++t)
+            for (int w = 0; w < WARPS - 1; ++w)
 #pragma unroll
-            for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int m = 8 * j + 2 * q + (e & 1), col = col0 + 16 * t + g + 8 * (e >> 1);
-                    if (m < M && rok[t][e >> 1]) PART[s * plane + (long long)m * NT + col] = acc[t][j][e];
-                }
-        __threadfence();
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) last = atomicAdd(LOCK + unit, 1) == split - 1;
-        last = __shfl_sync(0xffffffffu, last, 0);
-        if (!last) continue;
-        __threadfence();
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int m = 8 * j + 2 * q + (e & 1), col = col0 + 16 * t + g + 8 * (e >> 1);
-                    if (m < M && rok[t][e >> 1]) {
-                        const long long at = (long long)m * NT + col;
-                        float sum = 0.f;
-#pragma unroll 1
-                        for (int p = 0; p < split; ++p) sum += __ldcg(PART + p * plane + at);
-                        OUT[at] = to16(sum + (has_bias ? BIAS[col] : 0.f));
-                    }
-                }
-        if (lane == 0) LOCK[unit] = 0;
+                for (int v = 0; v < NV; ++v) mine[v] += others[w][v][lane];
+            finish(acc, rok, lane, q, g, unit, s, M, NT, col0, split, has_bias, BIAS, PART, OUT, LOCK);
+        }
+        __syncthreads();  // (others is free for the next item)
     }
 }

@@ -25,7 +25,7 @@ from . import cuda_build
 SOURCE = Path(__file__).with_name("nf4_mma.cu").read_text()
 MAX_ROWS = 32  # rows of x: n8 tiles 1, 2 or 4
 WARPS = 4  # a block's warps (nf4_mma.cu WARPS)
-UNIT = 32  # rows of the group a work item owns (nf4_mma.cu UNIT)
+UNIT = 32  # rows of the group a work item owns (nf4_mma.cu UNIT; its K range shared by a block's warps)
 BLOCK = 64  # K a code block (one absmax)
 
 
@@ -62,8 +62,8 @@ def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | N
 
 def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch.Tensor | None:
     """x2 [M, K] → [M, Σ N_i + R] (module docstring), or None where the kernel does not apply or was not built.
-    launch: ``waves`` (items ≈ waves × the warps the GPU holds at once; default 1), ``min_blocks`` (64-wide
-    blocks of K an item at least; default 4)."""
+    launch: ``waves`` (items ≈ waves × the blocks the GPU holds at once; default 1), ``min_blocks`` (64-wide blocks
+    of K an item at least, shared by its warps; default 16)."""
     if why_not(x2, group) is not None:
         return None
     launch = launch or {}
@@ -80,11 +80,11 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     n_blocks = K // BLOCK
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
     resident = sms * max(1, kernel.blocks_per_sm(WARPS * 32))  # blocks the GPU holds at once
-    want = int(launch.get("waves", 1.0) * resident * WARPS)
-    split = max(1, min(n_blocks // launch.get("min_blocks", 4), -(-want // units)))
+    want = int(launch.get("waves", 1.0) * resident)  # items: a block's four warps share one's range of K
+    split = max(1, min(n_blocks // launch.get("min_blocks", 16), -(-want // units)))
     per_split = -(-n_blocks // split)
     split = -(-n_blocks // per_split)
-    grid = min(resident, -(-units * split // WARPS))
+    grid = min(resident, units * split)
     out = torch.empty(M, NT, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, NT, dtype=torch.float32, device=x2.device) if split > 1 else out
     rows = group.rows
