@@ -140,8 +140,8 @@ def build(source: str, name: str, options: list[str], device: torch.device) -> K
     key = (hash(source), name, tuple(options), index)
     if key in _BUILT:
         return _BUILT[key]
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # (loading a module is not a stream's work: build it outside a
-        return None  # capture, at the eager warm-up a captured step has first)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None  # (loading a module is no stream's work: built outside a capture, at its eager warm-up step)
     kernel = None
     try:
         nvrtc, driver = _library("nvrtc"), _library("driver")
