@@ -118,7 +118,7 @@
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the issue's four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8; nf4h: NF4 in the
-#              halves layout, beside nf4), rows (8, 32, 128),
+#              halves layout, nf4m: NF4 with the few-row CUDA kernel, each beside nf4), rows (8, 32, 128),
 #              context (1K, 16K) and KV cache (bf16, FP8), every pair in one run (issue 43's table; carry .whl_bnb,
 #              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an
 #              NF4 launch table, e.g. benchmarks/results/nf4_matmul_${CARD}_sweep.json; MTAG the file's tag) (~10 min)
