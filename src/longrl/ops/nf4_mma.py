@@ -50,6 +50,22 @@ def why_not(x2: torch.Tensor, group) -> str | None:
     return None
 
 
+def split_for(units: int, n_blocks: int, resident: int, min_blocks: int, fixup_blocks: float) -> tuple[int, int]:
+    """(K splits, blocks of K a split) for ``units`` row units of ``n_blocks`` blocks on a grid holding
+    ``resident`` blocks at once: the split whose items finish soonest, counting whole waves of items (a wave
+    part-full costs a full one) times the blocks an item reads, plus ``fixup_blocks`` for partial sums; each split
+    at least ``min_blocks`` blocks (the fewest splits on a tie). E.g. 898 units of 64 blocks on 660: one split
+    takes 2 waves × 64, two 3 × 32."""
+    best = None
+    for split in range(1, max(1, n_blocks // max(1, min_blocks)) + 1):
+        per_split = -(-n_blocks // split)
+        split = -(-n_blocks // per_split)  # (no empty split)
+        cost = -(-units * split // resident) * per_split + (fixup_blocks if split > 1 else 0)
+        if best is None or cost < best[0]:
+            best = (cost, split, per_split)
+    return best[1], best[2]
+
+
 def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the 16 code values' 16-bit patterns as int32 [16], the bias in float32 or None), made once a group."""
     key = ("mma", dtype)
@@ -62,8 +78,8 @@ def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | N
 
 def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch.Tensor | None:
     """x2 [M, K] → [M, Σ N_i + R] (module docstring), or None where the kernel does not apply or was not built.
-    launch: ``waves`` (items ≈ waves × the blocks the GPU holds at once; default 1), ``min_blocks`` (64-wide blocks
-    of K an item at least, shared by its warps; default 16)."""
+    launch: ``min_blocks`` (64-wide blocks of K an item at least, shared by its block's warps; default 16) and
+    ``fixup_blocks`` (what a split's partial sums cost, in a block's time; default 2): see :func:`split_for`."""
     if why_not(x2, group) is not None:
         return None
     launch = launch or {}
@@ -80,10 +96,8 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     n_blocks = K // BLOCK
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
     resident = sms * max(1, kernel.blocks_per_sm(WARPS * 32))  # blocks the GPU holds at once
-    want = int(launch.get("waves", 1.0) * resident)  # items: a block's four warps share one's range of K
-    split = max(1, min(n_blocks // launch.get("min_blocks", 16), -(-want // units)))
-    per_split = -(-n_blocks // split)
-    split = -(-n_blocks // per_split)
+    split, per_split = split_for(units, n_blocks, resident, launch.get("min_blocks", 16),
+                                 launch.get("fixup_blocks", 2))
     grid = min(resident, units * split)
     out = torch.empty(M, NT, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, NT, dtype=torch.float32, device=x2.device) if split > 1 else out
