@@ -221,8 +221,8 @@ def mma_choices(M: int) -> list[dict]:
     """The few-row CUDA kernel's choices (ops/nf4_mma.py; "mma" marks them): the 64-wide blocks of K an item reads
     at least and a split's cost in blocks (nf4_mma.split_for)."""
     entry = dict(nm.launch_for(M)[1])
-    return [dict(entry, mma=True, min_blocks=b, fixup_blocks=f)
-            for b, f in ((16, 2), (8, 2), (32, 2), (16, 0), (16, 8), (8, 8), (4, 4))]
+    return ([dict(entry, mma=True, min_blocks=b, fixup_blocks=f) for b, f in ((16, 2), (8, 2), (32, 2), (16, 8))]
+            + [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((0.5, 32), (0.5, 16), (0.25, 32))])
 
 
 def halves_choices(M: int) -> list[dict]:
@@ -404,7 +404,9 @@ def main() -> None:
         for r in sweep_rows:
             head = (f"| {r['M']} | {r['bn']} | {r['lut']}{', kord' if r.get('kord') else ''}"
                     f"{', halves, pack ' + str(r['pack']) if r.get('halves') else ''}"
-                    f"{', CUDA mma, blocks ' + str(r['min_blocks']) + ', fixup ' + str(r.get('fixup_blocks')) if r.get('mma') else ''}"
+                    f"{', CUDA mma, blocks ' + str(r['min_blocks']) if r.get('mma') else ''}"
+                    f"{', waves ' + str(r['waves']) if r.get('waves') else ''}"
+                    f"{', fixup ' + str(r['fixup_blocks']) if r.get('fixup_blocks') is not None else ''}"
                     f" | {r['warps']}"
                     f"{' (maxnreg ' + str(r['maxnreg']) + ')' if r.get('maxnreg') else ''} | {r['stages']}"
                     f"{' (unroll ' + str(r['unroll']) + ')' if r.get('unroll', 1) > 1 else ''} | "

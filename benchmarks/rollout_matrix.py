@@ -57,11 +57,14 @@ def build(base: str, shape: str, dev):
     return model, rs.model_bytes(model)[0] + extra
 
 
+VARIANTS = ("nf4h", "nf4m", "nf4t")  # NF4 ways measured beside nf4 on its model
+
+
 def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N: int, bandwidth: float) -> dict:
     """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic). Base nf4h:
     the NF4 model with its codes in the halves layout during a call (Sampler(nf4_halves=True)); nf4: in
     bitsandbytes' order (the sampler's default); nf4m: nf4 with the products of up to 32 rows on the CUDA kernel
-    (ops/nf4_mma.py, launch choice mma). (Results of 2026-12-06 before this change name the halves nf4 and
+    (ops/nf4_mma.py, launch choice mma); nf4t: nf4 on the Triton kernel alone (no mma anywhere). (Results of 2026-12-06 before this change name the halves nf4 and
     bitsandbytes' order nf4k.)"""
     prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
     out = dict(base=base, rows=len(prompts) * G, context=context, kv=kv)
@@ -70,8 +73,10 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     table = dict(nf4_matmul.LAUNCH)
     if base == "nf4m":  # the few-row CUDA kernel (ops/nf4_mma.py) for the products of up to 32 rows
         nf4_matmul.LAUNCH.update({b: {**c, "mma": True} for b, c in table.items() if b <= 32})
+    elif base == "nf4t":  # the Triton kernel alone
+        nf4_matmul.LAUNCH.update({b: {**c, "mma": False} for b, c in table.items()})
     try:
-        r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base in ("nf4", "nf4h", "nf4m"), fp8_kernel=base == "fp8",
+        r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base.startswith("nf4"), fp8_kernel=base == "fp8",
                           kv_cache_dtype=kv, nf4_halves=base == "nf4h")
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (KV cache too large) is a result
         return {**out, "error": f"{type(e).__name__}: {e}"[:240]}
@@ -132,7 +137,8 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--bases", default="bf16,nf4,fp8", help="bf16, nf4 (the sampler's default: codes in "
                     "bitsandbytes' order), nf4h (NF4 in the halves layout during a call; measured beside nf4's cell on "
-                    "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py; likewise), fp8")
+                    "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py, up to 32 rows; "
+                    "likewise), nf4t (nf4 on the Triton kernel alone; likewise), fp8")
     ap.add_argument("--rows", default="8,32,128")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")
@@ -162,12 +168,12 @@ def main() -> None:
     cells = len(args.bases) * len(kvs) * len(contexts) * len(row_counts)
     stem = f"rollout_matrix_{args.shape}_{card_tag()}{args.tag}"
     t0, rows = time.perf_counter(), []
-    for base in (b for b in args.bases if b not in ("nf4h", "nf4m")):  # (nf4h, nf4m: beside nf4, on its model)
+    for base in (b for b in args.bases if b not in VARIANTS):  # (the NF4 variants: beside nf4, on its model)
         model, step_bytes = build(base, args.shape, dev)
         for kv in kvs:
             for context in contexts:
                 for n in row_counts:
-                    for variant in [base] + [v for v in ("nf4h", "nf4m") if base == "nf4" and v in args.bases]:
+                    for variant in [base] + [v for v in VARIANTS if base == "nf4" and v in args.bases]:
                         rows.append(cell(model, variant, step_bytes, n, context, kv, args.new_tokens, bandwidth))
                         print({k: v for k, v in rows[-1].items()}, flush=True)
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,

@@ -79,7 +79,8 @@ def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | N
 def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch.Tensor | None:
     """x2 [M, K] → [M, Σ N_i + R] (module docstring), or None where the kernel does not apply or was not built.
     launch: ``min_blocks`` (64-wide blocks of K an item at least, shared by its block's warps; default 16) and
-    ``fixup_blocks`` (what a split's partial sums cost, in a block's time; default 2): see :func:`split_for`."""
+    ``fixup_blocks`` (what a split's partial sums cost, in a block's time; default 2): see :func:`split_for`; or
+    ``waves``: items ≈ waves × the blocks the GPU holds at once (each split still ≥ min_blocks)."""
     if why_not(x2, group) is not None:
         return None
     launch = launch or {}
@@ -96,8 +97,13 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     n_blocks = K // BLOCK
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
     resident = sms * max(1, kernel.blocks_per_sm(WARPS * 32))  # blocks the GPU holds at once
-    split, per_split = split_for(units, n_blocks, resident, launch.get("min_blocks", 16),
-                                 launch.get("fixup_blocks", 2))
+    if "waves" in launch:  # items ≈ waves × the blocks the GPU holds, each split at least min_blocks blocks
+        split = max(1, min(n_blocks // launch.get("min_blocks", 16), -(-int(launch["waves"] * resident) // units)))
+        per_split = -(-n_blocks // split)
+        split = -(-n_blocks // per_split)
+    else:
+        split, per_split = split_for(units, n_blocks, resident, launch.get("min_blocks", 16),
+                                     launch.get("fixup_blocks", 2))
     grid = min(resident, units * split)
     out = torch.empty(M, NT, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, NT, dtype=torch.float32, device=x2.device) if split > 1 else out
