@@ -10,6 +10,7 @@ path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import logging
@@ -93,7 +94,6 @@ class Kernel:
     module: ctypes.c_void_p
     registers: int
     device: int
-
     occupancy: dict = field(default_factory=dict)  # (threads, shared) → blocks_per_sm
 
     def blocks_per_sm(self, threads: int, shared: int = 0) -> int:
@@ -123,14 +123,11 @@ class Kernel:
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         stream = torch.cuda.current_stream(self.device).cuda_stream
         driver = _library("driver")
-        if torch.cuda.current_device() != self.device:  # (the module lives in its device's primary context)
-            with torch.cuda.device(self.device):
-                torch.cuda.current_stream()  # (makes that context current on this thread)
-                _check(driver.cuLaunchKernel(self.function, *grid, *block, shared, ctypes.c_void_p(stream), params,
-                                             None), "cuLaunchKernel", driver)
-            return
-        _check(driver.cuLaunchKernel(self.function, *grid, *block, shared, ctypes.c_void_p(stream), params, None),
-               "cuLaunchKernel", driver)
+        # (the module lives in its device's primary context: made current where another device is)
+        other = torch.cuda.current_device() != self.device
+        with torch.cuda.device(self.device) if other else contextlib.nullcontext():
+            _check(driver.cuLaunchKernel(self.function, *grid, *block, shared, ctypes.c_void_p(stream), params, None),
+                   "cuLaunchKernel", driver)
 
 
 def build(source: str, name: str, options: list[str], device: torch.device) -> Kernel | None:
