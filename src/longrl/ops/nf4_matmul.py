@@ -103,14 +103,7 @@ MAX_NF4 = 3  # NF4 weights one group stacks (q/k/v)
 # of a 5.9 ms 8B decode step at 8 rows on an H100); the same sums in the same order, so bit for bit the same result. On
 # at 16 and 32 rows, where the sweeps found it fastest or tied (H100, 2026-12-06: 112.4 µs against 116.6 without, then
 # 99.2 against 99.5 with kord at 16 rows; 114.4 against 116.0 at 32), for one launch less; at 128 rows it was slower.
-# mma (absent: off): the products of up to 32 rows on the CUDA kernel built at first use (ops/nf4_mma.py: a shared
-# table of value pairs feeding mma.sync, 2.6 instructions a code; lut 4's arithmetic), where it applies and was built
-# (else this entry's Triton choices); its own keys min_blocks, fixup_blocks or waves (nf4_mma_linear). On at up to
-# 8 rows, where it was the fastest (H100, 2026-12-07, nf4_matmul_h100_mma.md: a layer's products 87.0 µs against
-# 97.7 at waves 0.5, min_blocks 32; at 16 rows 100.6 against 98.6, at 32 rows 124.9 against 114.8: off there).
-LAUNCH = {8: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, kord=True,
-                  mma=True, waves=0.5, min_blocks=32),
-          16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, kord=True),
+LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, kord=True),
           32: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=528, fixup=True, kord=True),
           64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396, kord=True),
           128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=396, kord=True)}
@@ -122,6 +115,15 @@ HALVES_LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3,
                  32: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3, programs=528, fixup=True, pack=2),
                  64: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=264, fixup=True, pack=2),
                  128: dict(bn=64, swap=True, join=True, lut=5, warps=4, stages=3, programs=264, fixup=True, pack=2)}
+# launch choice mma (absent: off): the products of up to 32 rows on the CUDA kernel built at first use
+# (ops/nf4_mma.py: a shared table of value pairs feeding mma.sync, 2.6 instructions a code; lut 4's arithmetic),
+# where it applies and was built (else the entry's Triton choices run); its own keys min_blocks, fixup_blocks or
+# waves (nf4_mma_linear). MMA_LAUNCH: its fastest at 8 rows on an H100 (2026-12-07, nf4_matmul_h100_mma.md: a
+# layer's products 87.0 µs against the table's 97.7; at 16 rows 100.6 against 98.6, at 32 rows 124.9 against 114.8).
+# Off by default: the one whole call measured with it (its first choice, 103.1 µs a layer) decoded at 973 against
+# 1,067 GB/s, more time lost than its products' (rollout_matrix_llama-3.1-8b_h100_mma2.md); a call with MMA_LAUNCH
+# is unmeasured.
+MMA_LAUNCH = dict(mma=True, waves=0.5, min_blocks=32)
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
