@@ -142,7 +142,8 @@
 #   budget_small  grpo_e2e 8B 4-bit, train.gpu_memory_gib=22, FP8 KV, auto layout, 1 x 8 x 2,048, 1 step; then the
 #              same with a bf16 cache (the sampler mismatch metrics of each) (~2.5 min)
 #   budget20k  grpo_e2e 8B 4-bit, 20,480 x 8 (prompt 512), train.gpu_memory_gib=22, FP8 KV, auto layout, 1 step
-#              (~7 min; B20K_ARGS=--nf4-halves: the NF4 codes in the halves layout during the rollout)
+#              (~7 min; B20K_ARGS=--nf4-halves: the NF4 codes in the halves layout during the rollout; --nf4-mma:
+#              the products of up to 8 rows on the few-row CUDA kernel)
 #   e2e20k4    budget20k without the budget: the same 4-bit, FP8-KV whole step uncapped, for the step time beside it
 #              (~7 min)
 #   e2e20k_cap40  grpo_e2e 8B bf16 base, 20,480 x 8, train.gpu_memory_gib=40 (bf16 KV), auto layout, 1 step (~5 min)

@@ -292,6 +292,8 @@ def main() -> None:
                     "(decode products through bitsandbytes' own call, as before 2026-12-01); files keep _4bit alone")
     ap.add_argument("--nf4-halves", action="store_true", help="with --load-in-4bit: generation.nf4_halves (the NF4 "
                     "codes in the halves layout during each rollout); files get _halves")
+    ap.add_argument("--nf4-mma", action="store_true", help="with --load-in-4bit: the decode products of up to 8 rows "
+                    "on the few-row CUDA kernel (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH); files get _mma")
     ap.add_argument("--load-in-fp8", action="store_true", help="FP8 e4m3 base (128 x 128 block scales) with dynamic "
                     "16-bit exceptions, decode products on longrl's FP8 kernel (longrl only); files get _fp8")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0, help="train.gpu_memory_gib: the run's budget (the "
@@ -309,11 +311,18 @@ def main() -> None:
         ap.error("--nf4-kernel and --bnb-decode exclude each other")
     if args.nf4_halves and (not args.load_in_4bit or args.bnb_decode):
         ap.error("--nf4-halves needs --load-in-4bit and the NF4 kernel (not --bnb-decode)")
+    if args.nf4_mma and (not args.load_in_4bit or args.bnb_decode):
+        ap.error("--nf4-mma needs --load-in-4bit and the NF4 kernel (not --bnb-decode)")
+    if args.nf4_mma:
+        from longrl.ops import nf4_matmul
+
+        nf4_matmul.LAUNCH[8] = {**nf4_matmul.launch_for(8)[1], **nf4_matmul.MMA_LAUNCH}
     args.nf4_kernel = args.load_in_4bit and not args.bnb_decode
     if args.load_in_4bit and args.load_in_fp8:
         ap.error("--load-in-4bit and --load-in-fp8 exclude each other")
     if args.load_in_4bit:
-        args.tag = "_4bit" + ("_nf4k" if args.nf4_kernel else "") + ("_halves" if args.nf4_halves else "") + args.tag
+        args.tag = ("_4bit" + ("_nf4k" if args.nf4_kernel else "") + ("_halves" if args.nf4_halves else "")
+                    + ("_mma" if args.nf4_mma else "") + args.tag)
     if args.load_in_fp8:
         args.tag = "_fp8" + args.tag
     import logging
