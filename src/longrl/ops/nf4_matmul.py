@@ -173,7 +173,8 @@ class NF4Group:
     locks: torch.Tensor | None = None  # int32 [row tiles]: split_locks, the fixup launch choice's counts
     halves: bool = False  # the codes in the halves layout (ops/nf4_halves.py; set_halves), not bitsandbytes' order
     table: tuple | None = None  # the code's 16 values on the host (set_halves: the lookup's immediates)
-    lookups: dict = field(default_factory=dict)  # (dtype, pack) → the halves lookup's PTX
+    lookups: dict = field(default_factory=dict)  # (dtype, pack) → the halves lookup's PTX; ("mma", dtype):
+    # nf4_mma's operands
 
     def __post_init__(self):
         if self.locks is None:
