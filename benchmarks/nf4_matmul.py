@@ -13,6 +13,8 @@ replayed from a CUDA graph of 20 calls (as a captured decode step runs them: no 
     python benchmarks/nf4_matmul.py --sweep    # and the groups' sweep; its fastest choice per row count goes to
                                                # results/nf4_matmul_<card>_sweep.json "best" (rollout_speed.py --nf4-launch)
     python benchmarks/nf4_matmul.py --fp8 [--sweep]   # and, in the same run, an FP8 base's products (below)
+    python benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table --sweep-rows 8,16,32
+                                               # the table's entry against the few-row CUDA kernel (ops/nf4_mma.py)
 
 --fp8: the same shapes and groups with FP8 e4m3 weights in 128 × 128 blocks (src/longrl/ops/fp8_matmul.py): longrl's
 FP8 kernel (reads 1 byte a weight + 4 bytes a block: floor 1.0002 B/param) against the FP8 layer's own forward
