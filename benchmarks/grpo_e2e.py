@@ -316,7 +316,7 @@ def main() -> None:
     if args.nf4_mma:
         from longrl.ops import nf4_matmul
 
-        nf4_matmul.LAUNCH[8] = {**nf4_matmul.launch_for(8)[1], **nf4_matmul.MMA_LAUNCH}
+        nf4_matmul.LAUNCH.update(nf4_matmul.with_mma(nf4_matmul.LAUNCH))
     args.nf4_kernel = args.load_in_4bit and not args.bnb_decode
     if args.load_in_4bit and args.load_in_fp8:
         ap.error("--load-in-4bit and --load-in-fp8 exclude each other")

@@ -57,14 +57,14 @@ def build(base: str, shape: str, dev):
     return model, rs.model_bytes(model)[0] + extra
 
 
-VARIANTS = ("nf4h", "nf4m", "nf4t")  # NF4 ways measured beside nf4 on its model
+VARIANTS = ("nf4h", "nf4m")  # NF4 ways measured beside nf4 on its model
 
 
 def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N: int, bandwidth: float) -> dict:
     """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic). Base nf4h:
     the NF4 model with its codes in the halves layout during a call (Sampler(nf4_halves=True)); nf4: in
     bitsandbytes' order (the sampler's default); nf4m: nf4 with the products of up to 8 rows on the CUDA kernel
-    (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH); nf4t: nf4 on the Triton kernel alone (no mma anywhere). (Results of 2026-12-06 before this change name the halves nf4 and
+    (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH). (Results of 2026-12-06 before this change name the halves nf4 and
     bitsandbytes' order nf4k.)"""
     prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
     out = dict(base=base, rows=len(prompts) * G, context=context, kv=kv)
@@ -72,9 +72,7 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
 
     table = dict(nf4_matmul.LAUNCH)
     if base == "nf4m":  # the few-row CUDA kernel (ops/nf4_mma.py) at up to 8 rows, its fastest choice
-        nf4_matmul.LAUNCH[8] = {**nf4_matmul.launch_for(8)[1], **nf4_matmul.MMA_LAUNCH}
-    elif base == "nf4t":  # the Triton kernel alone
-        nf4_matmul.LAUNCH.update({b: {**c, "mma": False} for b, c in table.items()})
+        nf4_matmul.LAUNCH.update(nf4_matmul.with_mma(table))
     try:
         r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base.startswith("nf4"), fp8_kernel=base == "fp8",
                           kv_cache_dtype=kv, nf4_halves=base == "nf4h")
@@ -138,7 +136,7 @@ def main() -> None:
     ap.add_argument("--bases", default="bf16,nf4,fp8", help="bf16, nf4 (the sampler's default: codes in "
                     "bitsandbytes' order), nf4h (NF4 in the halves layout during a call; measured beside nf4's cell on "
                     "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py, up to 8 rows; "
-                    "likewise), nf4t (nf4 on the Triton kernel alone; likewise), fp8")
+                    "likewise), fp8")
     ap.add_argument("--rows", default="8,32,128")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")

@@ -113,3 +113,13 @@ def test_split_covers_k_and_counts_whole_waves(units, n_blocks, resident):
     assert split == 1 or per_split >= 4
     if (units, n_blocks, resident) == (898, 64, 660):  # one split: 2 waves × 64 blocks; two: 3 × 32 (+ 2)
         assert (split, per_split) != (1, 64)
+
+
+def test_with_mma_adds_an_eight_row_entry_and_leaves_the_table():
+    from longrl.ops import nf4_matmul as nm
+
+    before = {b: dict(c) for b, c in nm.LAUNCH.items()}
+    table = nm.with_mma(nm.LAUNCH)
+    assert nm.LAUNCH == before and not any(c.get("mma") for c in before.values())  # off by default
+    assert table[8] == {**before[16], **nm.MMA_LAUNCH}
+    assert nm.launch_for(8, table=table)[1]["mma"] and not nm.launch_for(9, table=table)[1].get("mma")

@@ -124,6 +124,12 @@ HALVES_LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3,
 # earlier choice (103.1 µs a layer), took as long as the table's (1.659 against 1.666 s at 8 rows,
 # rollout_matrix_llama-3.1-8b_h100_mma2.md).
 MMA_LAUNCH = dict(mma=True, waves=0.5, min_blocks=32)
+
+
+def with_mma(table: dict, rows: int = 8) -> dict:
+    """``table`` with an entry for up to ``rows`` rows that runs MMA_LAUNCH (its Triton choices: the table's for
+    those rows, where the kernel does not apply)."""
+    return {**table, rows: {**launch_for(rows, table=table)[1], **MMA_LAUNCH}}
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 
