@@ -40,6 +40,10 @@
 #   mma        the few-row NF4 CUDA kernel (ops/nf4_mma.py, built by NVRTC): its GPU tests, then nf4_matmul.py --sweep
 #              --mma --table-only --skip-table: LAUNCH's entry against the kernel's choices at 8, 16, 32 rows
 #              (MMA_ROWS) (~3 min; carry .whl_bnb)
+#   mmasweep   the mma stage's sweep alone, without its GPU tests (~2 min)
+#   ncumma     Nsight Compute on one product (benchmarks/product_once.py) at 8 rows: gate/up + A and down + A on the
+#              CUDA kernel (MMA_LAUNCH), gate/up + A on Triton's; speed of light, memory, warp stalls, occupancy
+#              (~2 min; NCU_ROWS another row count)
 #   halvesgpu  the NF4 halves layout's GPU tests alone (~40 s)
 #   halves     the NF4 halves layout (ops/nf4_halves.py): its GPU tests, then nf4_matmul.py --sweep --halves
 #              --table-only --skip-table: LAUNCH's entry against the halves choices at 128, 32, 16 rows (~3 min;
@@ -257,6 +261,23 @@ install_us() {  # Unsloth and what it imports that the GPU image lacks, into /tm
     done
 }
 
+ncu_product() {  # ncu_product GROUP ROWS LAUNCH_JSON KERNEL_REGEX: one product under Nsight Compute (its 4th call)
+    ncu --kernel-name "regex:$4" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section InstructionStats python3 benchmarks/product_once.py --group "$1" \
+        --rows "$2" ${3:+--launch "$3"}
+}
+
+ncu_mma() {
+    local rows=${NCU_ROWS:-8} mma
+    mma=$(python3 -c "import json; from longrl.ops import nf4_matmul as nm; print(json.dumps(nm.MMA_LAUNCH))")
+    ncu_product "gate/up + A" "$rows" "$mma" nf4_mma
+    ncu_product "down + A" "$rows" "$mma" nf4_mma
+    ncu_product "gate/up + A" "$rows" "" _group_kernel
+}
+
+export -f ncu_product ncu_mma
+
 PLAN_LENGTHS=${PLAN_LENGTHS:-196608,202220,204800}
 export PLAN_LENGTHS
 
@@ -278,6 +299,9 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         mma) stage mmagpu 150 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
             stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
                 --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
+        mmasweep) stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
+                --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
+        ncumma) stage ncumma 200 ncu_mma ;;
         halvesgpu) stage halvesgpu 90 python3 -m pytest -q -m gpu tests/test_nf4_halves.py ;;
         halves) stage halvesgpu 90 python3 -m pytest -q -m gpu tests/test_nf4_halves.py
             stage halves 240 python3 benchmarks/nf4_matmul.py --sweep --halves --table-only --skip-table ;;
