@@ -41,8 +41,8 @@
 #              --mma --table-only --skip-table: LAUNCH's entry against the kernel's choices at 8, 16, 32 rows
 #              (MMA_ROWS) (~3 min; carry .whl_bnb)
 #   mmasweep   the mma stage's sweep alone, without its GPU tests (~2 min)
-#   ncumma     Nsight Compute on one product (benchmarks/product_once.py) at 8 rows: gate/up + A and down + A on the
-#              CUDA kernel (MMA_LAUNCH), gate/up + A on Triton's; speed of light, memory, warp stalls, occupancy
+#   ncumma     Nsight Compute on one product (benchmarks/product_once.py) at 8 rows, gate/up + A: on the CUDA kernel
+#              (MMA_LAUNCH), the staged CUDA kernel and Triton's; speed of light, memory, warp stalls, occupancy
 #              (~2 min; NCU_ROWS another row count)
 #   halvesgpu  the NF4 halves layout's GPU tests alone (~40 s)
 #   halves     the NF4 halves layout (ops/nf4_halves.py): its GPU tests, then nf4_matmul.py --sweep --halves
@@ -125,7 +125,9 @@
 #              halves layout, nf4m: NF4 with the few-row CUDA kernel, each beside nf4), rows (8, 32, 128),
 #              context (1K, 16K) and KV cache (bf16, FP8), every pair in one run (issue 43's table; carry .whl_bnb,
 #              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an
-#              NF4 launch table, e.g. benchmarks/results/nf4_matmul_${CARD}_sweep.json; MTAG the file's tag) (~10 min)
+#              NF4 launch table, e.g. benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a
+#              JSON entry or a --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag)
+#              (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
@@ -272,7 +274,7 @@ ncu_mma() {
     local rows=${NCU_ROWS:-8} mma
     mma=$(python3 -c "import json; from longrl.ops import nf4_matmul as nm; print(json.dumps(nm.MMA_LAUNCH))")
     ncu_product "gate/up + A" "$rows" "$mma" nf4_mma
-    ncu_product "down + A" "$rows" "$mma" nf4_mma
+    ncu_product "gate/up + A" "$rows" '{"mma": true, "staged": true, "min_blocks": 16}' nf4_mma_staged
     ncu_product "gate/up + A" "$rows" "" _group_kernel
 }
 
@@ -502,7 +504,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --sequences ${OSEQ:-8 32 128} --min-batch ${OMIN:-1 16} --tag "${OTAG:-}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
-                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" ;;
+                ${MNF4:+--nf4-launch "$MNF4"} ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} \
+                --tag "${MTAG:-}" ;;
         visiona|visionb) if [ "$s" = visiona ]; then
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
                     --deadline 500

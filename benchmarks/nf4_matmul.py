@@ -220,11 +220,14 @@ def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False
 
 
 def mma_choices(M: int) -> list[dict]:
-    """The few-row CUDA kernel's choices (ops/nf4_mma.py; "mma" marks them): the 64-wide blocks of K an item reads
-    at least and a split's cost in blocks (nf4_mma.split_for)."""
+    """The few-row CUDA kernels' choices (ops/nf4_mma.py; "mma" marks them, "staged" the staged kernel with its
+    stages): the 64-wide blocks of K an item reads at least and a split's cost in blocks (nf4_mma.split_for), or
+    the items in waves of the resident blocks."""
     entry = dict(nm.launch_for(M)[1])
     return ([dict(entry, mma=True, min_blocks=b, fixup_blocks=f) for b, f in ((16, 2), (8, 2), (32, 2), (16, 8))]
-            + [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((0.5, 32), (0.5, 16), (0.25, 32))])
+            + [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((0.5, 32), (0.5, 16), (0.25, 32))]
+            + [dict(entry, mma=True, staged=True, mma_stages=s, min_blocks=b) for s in (3, 4, 2) for b in (16, 8)]
+            + [dict(entry, mma=True, staged=True, mma_stages=s, waves=w, min_blocks=8) for s in (3, 4) for w in (1, 2)])
 
 
 def halves_choices(M: int) -> list[dict]:
@@ -407,6 +410,7 @@ def main() -> None:
             head = (f"| {r['M']} | {r['bn']} | {r['lut']}{', kord' if r.get('kord') else ''}"
                     f"{', halves, pack ' + str(r['pack']) if r.get('halves') else ''}"
                     f"{', CUDA mma, blocks ' + str(r['min_blocks']) if r.get('mma') else ''}"
+                    f"{', staged ' + str(r['mma_stages']) if r.get('staged') else ''}"
                     f"{', waves ' + str(r['waves']) if r.get('waves') else ''}"
                     f"{', fixup ' + str(r['fixup_blocks']) if r.get('fixup_blocks') is not None else ''}"
                     f" | {r['warps']}"

@@ -58,6 +58,18 @@ def build(base: str, shape: str, dev):
 
 
 VARIANTS = ("nf4h", "nf4m")  # NF4 ways measured beside nf4 on its model
+MMA_CHOICE: dict | None = None  # nf4m's launch at up to 8 rows (--mma-launch)
+
+
+def mma_choice(spec: str) -> dict:
+    """--mma-launch: a JSON launch entry, or a benchmarks/nf4_matmul.py --sweep --mma result whose fastest at 8 rows
+    is taken where it is the CUDA kernel's (else, and by default, nf4_matmul.MMA_LAUNCH)."""
+    from longrl.ops import nf4_matmul
+
+    if spec.lstrip().startswith("{"):
+        return json.loads(spec)
+    best = json.loads(Path(spec).read_text()).get("best", {}).get("8") if spec else None
+    return best if best and best.get("mma") else dict(nf4_matmul.MMA_LAUNCH)
 
 
 def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N: int, bandwidth: float) -> dict:
@@ -72,7 +84,7 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
 
     table = dict(nf4_matmul.LAUNCH)
     if base == "nf4m":  # the few-row CUDA kernel (ops/nf4_mma.py) at up to 8 rows, its fastest choice
-        nf4_matmul.LAUNCH.update(nf4_matmul.with_mma(table))
+        nf4_matmul.LAUNCH.update(nf4_matmul.with_mma(table, launch=MMA_CHOICE))
     try:
         r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base.startswith("nf4"), fp8_kernel=base == "fp8",
                           kv_cache_dtype=kv, nf4_halves=base == "nf4h")
@@ -107,6 +119,8 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              "after a prompt of `context` tokens; × bf16: the base's tokens/s over the bf16 base's in the same cell."
              + (f" NF4 launch table: {meta['nf4_launch']}." if "nf4" in args.bases and meta.get("nf4_launch") else "")
              + (f" FP8 launch table: {meta['fp8_launch']}." if "fp8" in args.bases and meta.get("fp8_launch") else "")
+             + (f" nf4m at up to 8 rows: {meta['mma_launch']}." if "nf4m" in args.bases and meta.get("mma_launch")
+                else "")
              + " Call: the timed call's seconds; of them set-up (the model set up for the call and undone: "
              "Sampler.last_stats prepare_s + release_s) and graphs (its CUDA-graph captures' host seconds); prefill: "
              "a one-token call's seconds (its own set-up included).",
@@ -151,7 +165,13 @@ def main() -> None:
                     help="the NF4 product's launch table (rollout_speed.py's option: a JSON object or a "
                     "benchmarks/nf4_matmul.py --sweep result whose 'best' is taken)")
     ap.add_argument("--fp8-launch", default="", metavar="JSON|PATH", help="the FP8 product's, likewise")
+    ap.add_argument("--mma-launch", default="", metavar="JSON|PATH",
+                    help="nf4m's launch at up to 8 rows: a JSON entry or a benchmarks/nf4_matmul.py --sweep --mma "
+                    "result whose fastest at 8 rows is taken where it is the CUDA kernel's (default "
+                    "nf4_matmul.MMA_LAUNCH)")
     args = ap.parse_args()
+    global MMA_CHOICE
+    MMA_CHOICE = mma_choice(args.mma_launch)
     if args.from_log:
         return table_from_log(args)
     rs.use_product_launches(args.nf4_launch, args.fp8_launch)
@@ -176,7 +196,8 @@ def main() -> None:
                         print({k: v for k, v in rows[-1].items()}, flush=True)
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
                                     cells=f"{len(rows)} of {cells}", nf4_launch=rs.nf4_launch_table(),
-                                    fp8_launch=rs.fp8_launch_table())
+                                    fp8_launch=rs.fp8_launch_table(),
+                                    mma_launch=MMA_CHOICE)
                     if not args.smoke:  # after every cell: a run cut off keeps what it measured
                         write_result(stem, dict(meta=meta, rows=rows), report(meta, rows, args),
                                      echo=len(rows) == cells)

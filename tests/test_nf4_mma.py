@@ -1,7 +1,9 @@
-"""The few-row NF4 product's CUDA kernel (ops/nf4_mma.py, built at first use by NVRTC) against its twin, lut 4's
-x · (cast(code) · absmax)ᵀ in float32 (nf4_group_reference(scale_after=True)): odd and block-crossing shapes (rows
-that end inside a 32-row unit, weights that meet inside one, K not a multiple of the kernel's four-block pass, dense
-rows of odd count), 1 to 32 rows of x, one and several K splits, bfloat16 and float16, eagerly and in a CUDA graph.
+"""The few-row NF4 product's CUDA kernels (ops/nf4_mma.py, built at first use by NVRTC: nf4_mma.cu and the staged
+nf4_mma_staged.cu) against their twin, lut 4's x · (cast(code) · absmax)ᵀ in float32
+(nf4_group_reference(scale_after=True)): odd and block-crossing shapes (rows that end inside a 32- or 128-row unit,
+weights that meet inside one, three weights in one unit, K not a multiple of a four-block pass or stage, dense rows
+of odd count), 1 to 32 rows of x, one and several K splits, 2 to 4 stages, bfloat16 and float16, eagerly and in a
+CUDA graph.
 On the CPU: where it does not apply it says so and the caller's path runs."""
 
 import pytest
@@ -39,7 +41,13 @@ def _check(x, g, got):
 SHAPES = [((512, 128, 128), 4096, 96, True),   # q/k/v-like with LoRA A rows and a bias
           ((48, 16, 40), 320, 33, False),      # weights meeting inside a 32-row unit, 104 rows, 5 blocks, odd R
           ((256,), 14336, 0, False),           # down-like: 224 blocks, split
-          ((80,), 192, 0, True)]               # 3 blocks (less than a pass), rows ending inside a unit
+          ((80,), 192, 0, True),               # 3 blocks (less than a pass), rows ending inside a unit
+          ((144, 48, 100), 640, 40, True)]     # three weights in one 128-row unit, 10 blocks (2.5 stages)
+
+# each kernel with its K split chosen, one split, many splits (the staged one with 3, 2 and 4 stages)
+LAUNCHES = [dict(waves=1), dict(min_blocks=10 ** 6), dict(waves=8, min_blocks=1),
+            dict(staged=True, waves=1), dict(staged=True, mma_stages=2, min_blocks=10 ** 6),
+            dict(staged=True, mma_stages=4, waves=8, min_blocks=1)]
 
 
 @pytest.mark.gpu
@@ -54,9 +62,9 @@ def test_kernel_equals_the_twin(M, shape, dtype):
     rows, K, R, bias = shape
     g = _group(rows, K, R, bias, dtype, "cuda", seed=M)
     x = torch.randn(M, K, dtype=dtype, device="cuda")
-    for launch in (dict(waves=1), dict(min_blocks=10 ** 6), dict(waves=8, min_blocks=1)):  # split chosen, 1, many
+    for launch in LAUNCHES:
         got = nf4_mma_linear(x, g, launch)
-        assert got is not None, cuda_build.FAILURES
+        assert got is not None, (launch, cuda_build.FAILURES)
         _check(x, g, got)
         assert not g.locks.any()  # every arrival count back at zero
         assert torch.equal(nf4_mma_linear(x, g, launch), got)  # the same result every call
@@ -64,7 +72,8 @@ def test_kernel_equals_the_twin(M, shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_group_product_takes_the_kernel_and_a_cuda_graph_replays_it():
+@pytest.mark.parametrize("staged", [False, True])
+def test_group_product_takes_the_kernel_and_a_cuda_graph_replays_it(staged):
     """nf4_group_linear with the ``mma`` launch choice gives the kernel's result; captured in a CUDA graph (3 calls,
     splits summed by their last item) its replays give it again, the arrival counts back at zero."""
     from longrl.ops.nf4_matmul import nf4_group_linear
@@ -72,8 +81,8 @@ def test_group_product_takes_the_kernel_and_a_cuda_graph_replays_it():
 
     g = _group((512, 128, 128), 4096, 96, True, torch.bfloat16, "cuda")
     x = torch.randn(8, 4096, dtype=torch.bfloat16, device="cuda")
-    want = nf4_mma_linear(x, g)
-    launch = dict(mma=True)
+    launch = dict(mma=True, staged=staged)
+    want = nf4_mma_linear(x, g, launch)
     assert torch.equal(nf4_group_linear(x.view(2, 4, 4096), g, launch=launch).view(8, -1), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -95,6 +95,18 @@ class Kernel:
     registers: int
     device: int
     occupancy: dict = field(default_factory=dict)  # (threads, shared) → blocks_per_sm
+    shared_allowed: int = 48 * 1024  # dynamic shared memory bytes a launch may ask (allow_shared raises it)
+
+    def allow_shared(self, nbytes: int) -> bool:
+        """Let launches ask ``nbytes`` of dynamic shared memory (past the default 48 KiB: an opt-in per kernel);
+        False where the device cannot give it."""
+        if nbytes > self.shared_allowed:
+            driver = _library("driver")
+            with torch.cuda.device(self.device):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                if driver.cuFuncSetAttribute(self.function, 8, ctypes.c_int(nbytes)):
+                    return False
+            self.shared_allowed = nbytes
+        return True
 
     def blocks_per_sm(self, threads: int, shared: int = 0) -> int:
         """Blocks of ``threads`` threads one multiprocessor holds at once (the driver's occupancy; asked once)."""

@@ -126,10 +126,12 @@ HALVES_LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3,
 MMA_LAUNCH = dict(mma=True, waves=0.5, min_blocks=32)
 
 
-def with_mma(table: dict, rows: int = 8) -> dict:
-    """``table`` with an entry for up to ``rows`` rows that runs MMA_LAUNCH (its Triton choices: the table's for
-    those rows, where the kernel does not apply)."""
-    return {**table, rows: {**launch_for(rows, table=table)[1], **MMA_LAUNCH}}
+def with_mma(table: dict, rows: int = 8, launch: dict | None = None) -> dict:
+    """``table`` with an entry for up to ``rows`` rows that runs ``launch`` (default MMA_LAUNCH; its Triton choices:
+    the table's for those rows, where the kernel does not apply)."""
+    return {**table, rows: {**launch_for(rows, table=table)[1], **(launch or MMA_LAUNCH)}}
+
+
 MIN_CHUNKS_PER_SPLIT = 4
 MIN_BN = 16  # the smallest row tile (a tensor-core operand's side)
 

@@ -12,6 +12,10 @@ bitsandbytes keeps them (the k order permuted alike in x and W, so no re-layout)
 
 for x of at most :data:`MAX_ROWS` rows, K a multiple of 64, 16-bit x, on sm_80 and newer. :func:`nf4_mma_linear`
 returns None where it does not apply or the build is missing (the caller's Triton path runs).
+
+Two kernels compute it. nf4_mma.cu: a block's warps split an item's K range and load their codes into registers a
+pass at a time. nf4_mma_staged.cu (launch key ``staged``): the codes, their absmax and x staged in shared memory by
+cp.async ``mma_stages`` - 1 stages ahead of the products, a block's warps on the rows of one K range.
 """
 
 from __future__ import annotations
@@ -23,10 +27,19 @@ import torch
 from . import cuda_build
 
 SOURCE = Path(__file__).with_name("nf4_mma.cu").read_text()
+STAGED_SOURCE = Path(__file__).with_name("nf4_mma_staged.cu").read_text()
 MAX_ROWS = 32  # rows of x: n8 tiles 1, 2 or 4
-WARPS = 4  # a block's warps (nf4_mma.cu WARPS)
+WARPS = 4  # a block's warps (both kernels' WARPS)
 UNIT = 32  # rows of the group a work item owns (nf4_mma.cu UNIT; its K range shared by a block's warps)
+STAGED_UNIT = 32 * WARPS  # rows an item of the staged kernel owns (nf4_mma_staged.cu UNIT: 32 a warp)
+STAGE_BLOCKS = 4  # blocks of K a stage of the staged kernel (nf4_mma_staged.cu UNR)
 BLOCK = 64  # K a code block (one absmax)
+
+
+def staged_shared_bytes(nt8: int, stages: int) -> int:
+    """The staged kernel's dynamic shared memory: ``stages`` stages of an item's codes (32 bytes a row a block),
+    their absmax (4 bytes) and x's 8·nt8 rows (128 bytes a block)."""
+    return stages * STAGE_BLOCKS * (STAGED_UNIT * 32 + STAGED_UNIT * 4 + 8 * nt8 * 128)
 
 
 def why_not(x2: torch.Tensor, group) -> str | None:
@@ -80,23 +93,32 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     """x2 [M, K] → [M, Σ N_i + R] (module docstring), or None where the kernel does not apply or was not built.
     launch: ``min_blocks`` (64-wide blocks of K an item at least, shared by its block's warps; default 16) and
     ``fixup_blocks`` (what a split's partial sums cost, in a block's time; default 2): see :func:`split_for`; or
-    ``waves``: items ≈ waves × the blocks the GPU holds at once (each split still ≥ min_blocks)."""
+    ``waves``: items ≈ waves × the blocks the GPU holds at once (each split still ≥ min_blocks); ``staged``: the
+    staged kernel, with ``mma_stages`` stages (default 3; ``stages`` is the Triton kernel's)."""
     if why_not(x2, group) is not None:
         return None
     launch = launch or {}
     M, K = x2.shape
     nt8 = 1 if M <= 8 else 2 if M <= 16 else 4
-    half = x2.dtype == torch.float16
-    kernel = cuda_build.build(SOURCE, "nf4_mma", [f"-DNT8={nt8}", f"-DHALF={int(half)}"], x2.device)
-    if kernel is None:
+    options = [f"-DNT8={nt8}", f"-DHALF={int(x2.dtype == torch.float16)}"]
+    if launch.get("staged"):
+        stages = int(launch.get("mma_stages", 3))
+        shared, unit = staged_shared_bytes(nt8, stages), STAGED_UNIT
+        kernel = cuda_build.build(STAGED_SOURCE, "nf4_mma_staged", [*options, f"-DSTAGES={stages}"], x2.device)
+        if kernel is not None and not kernel.allow_shared(shared):
+            return None
+    else:
+        shared, unit = 0, UNIT
+        kernel = cuda_build.build(SOURCE, "nf4_mma", options, x2.device)
+    if kernel is None or kernel.blocks_per_sm(WARPS * 32, shared) < 1:
         return None
     code16, bias = _operands(group, x2.dtype)
     NQ, NT = group.nf4_rows, group.out_features
     R = NT - NQ
-    dense_units, units = -(-R // UNIT), -(-R // UNIT) + -(-NQ // UNIT)
+    dense_units, units = -(-R // unit), -(-R // unit) + -(-NQ // unit)
     n_blocks = K // BLOCK
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-    resident = sms * max(1, kernel.blocks_per_sm(WARPS * 32))  # blocks the GPU holds at once
+    resident = sms * kernel.blocks_per_sm(WARPS * 32, shared)  # blocks the GPU holds at once
     if "waves" in launch:  # items ≈ waves × the blocks the GPU holds, each split at least min_blocks blocks
         split = max(1, min(n_blocks // launch.get("min_blocks", 16), -(-int(launch["waves"] * resident) // units)))
         per_split = -(-n_blocks // split)
@@ -115,5 +137,5 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     kernel.launch((grid, 1, 1), (WARPS * 32, 1, 1), [
         x2, cuda_build.I64(x2.stride(0)), M, p[0], p[1], p[2], N0, N01, NQ, group.scales, dense, R,
         bias if bias is not None else code16, bias is not None, code16, part, out, group.locks,
-        K, NT, dense_units, units, split, per_split])
+        K, NT, dense_units, units, split, per_split], shared=shared)
     return out
