@@ -1,5 +1,5 @@
-// nf4_mma.cu's product (y = x · [W_0; W_1; W_2; D]ᵀ (+ bias), ≤ 8·NT8 rows of x, bitsandbytes NF4 codes in their own
-// layout, mma.sync m16n8k16, the same shared table of value pairs and the same permuted k order) with the codes, their
+// nf4_mma.cu's product (y = x · [W_0; W_1; W_2; D]ᵀ (+ bias), ≤ 8·NT8 rows of x, bitsandbytes NF4 codes in their
+// own layout, mma.sync m16n8k16, the same shared table of value pairs and the same permuted k order) with the codes, their
 // absmax and x staged in shared memory by cp.async, STAGES - 1 stages of UNR blocks of K ahead of the products.
 //
 // Why: nf4_mma.cu's warps each load a pass of codes into registers and wait for them before their products, so a
@@ -42,6 +42,7 @@
 #define SCALE_BYTES (UNR * UNIT * 4)
 #define X_BYTES (UNR * XR * 128)
 #define STAGE_BYTES (CODE_BYTES + SCALE_BYTES + X_BYTES)
+#define XCOPIES (X_BYTES / 16 / (WARPS * 32))  // x's 16-byte copies a thread a stage
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -201,7 +202,7 @@ extern __shared__ __align__(128) unsigned char stages[];  // STAGES × STAGE_BYT
 extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
     const u16* __restrict__ X, long long sx, int M,                 // x [M, K], row stride sx (elements)
     const unsigned char* __restrict__ P0, const unsigned char* __restrict__ P1,
-    const unsigned char* __restrict__ P2, int N0, int N01, int NQ,  // the NF4 weights' codes, rows [0,N0) [N0,N01) [N01,NQ)
+    const unsigned char* __restrict__ P2, int N0, int N01, int NQ,  // the NF4 codes: rows [0,N0) [N0,N01) [N01,NQ)
     const float* __restrict__ S,                                    // absmax [K/64, NQ]
     const u16* __restrict__ D, int R,                               // dense rows [R, K]
     const float* __restrict__ BIAS, int has_bias,                   // [NQ + R] float32
@@ -223,6 +224,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const u32 lane4 = lane * 4;
     const int n_blocks = K / 64;
+
+    // this thread's copies of x in a stage ([UNR][XR rows][8 chunks], 16 bytes each): the same every item
+    const u16* xsrc[XCOPIES];  // at block 0
+    u32 xdst[XCOPIES];         // its offset in a stage
+    int xblk[XCOPIES];         // its block of the stage
+    bool xok[XCOPIES];         // a row of x (else zeros)
+#pragma unroll
+    for (int i = 0; i < XCOPIES; ++i) {
+        const u32 slot = (tid >> 3) + 16 * i, m = slot % XR, c = tid & 7;
+        xblk[i] = slot / XR;
+        xok[i] = (int)m < M;
+        xsrc[i] = X + (long long)(xok[i] ? m : 0) * sx + xblk[i] * 64 + c * 8;
+        xdst[i] = CODE_BYTES + SCALE_BYTES + (xblk[i] * XR + m) * 128 + ((c ^ (m & 1)) << 4);
+    }
     const long long KB = K / 2;
     const int items = units * split;
 
@@ -286,30 +301,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
             }
             const int n_stages = (i_hi - i_lo + UNR - 1) / UNR;
 
+            // absmax: this thread's row (tid) of the unit, UNR blocks a stage
+            const bool sok = row0 + tid < NQ;
+            const float* srow = S + (sok ? row0 + tid : 0);
+
             auto load = [&](int st) {  // stage st of the item into its slot of the ring
                 const u32 at = ring + (st % STAGES) * STAGE_BYTES;
                 const int b0 = i_lo + st * UNR;
-                const int c = tid & 7, u = c >> 1;
-                const bool kok = b0 + u < i_hi;
+                const long long code_at = (long long)b0 * 32, scale_at = (long long)b0 * NQ;
+                const bool kok = b0 + ((tid & 7) >> 1) < i_hi;  // (the chunk's block)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    const int r = 16 * i + (tid >> 3);
-                    cp16(at + r * 128 + ((c ^ ((r & 3) << 1)) << 4), crow[i] + (long long)b0 * 32,
-                         kok && cok[i]);
+                    const u32 r = 16 * i + (tid >> 3);
+                    cp16(at + r * 128 + (((tid & 7) ^ ((r & 3) << 1)) << 4), crow[i] + code_at, kok && cok[i]);
                 }
 #pragma unroll
-                for (int i = 0; i < UNR * UNIT / (WARPS * 32); ++i) {  // absmax: [UNR][UNIT], 4 bytes each
-                    const int idx = tid + i * WARPS * 32, uu = idx / UNIT, r = idx - uu * UNIT;
-                    const bool ok = b0 + uu < i_hi && row0 + r < NQ;
-                    cp4(at + CODE_BYTES + idx * 4, ok ? S + (long long)(b0 + uu) * NQ + row0 + r : S, ok);
-                }
+                for (int u = 0; u < UNR; ++u)  // absmax [UNR][UNIT]
+                    cp4(at + CODE_BYTES + (u * UNIT + tid) * 4, srow + scale_at + (long long)u * NQ,
+                        sok && b0 + u < i_hi);
 #pragma unroll
-                for (int i = 0; i < UNR * XR * 8 / (WARPS * 32); ++i) {  // x: [UNR][XR][8 chunks]
-                    const int idx = tid + i * WARPS * 32, cc = idx & 7, m = (idx >> 3) % XR, uu = (idx >> 3) / XR;
-                    const bool ok = b0 + uu < i_hi && m < M;
-                    cp16_l1(at + CODE_BYTES + SCALE_BYTES + ((uu * XR + m) * 128) + ((cc ^ (m & 1)) << 4),
-                            ok ? X + (long long)m * sx + (long long)(b0 + uu) * 64 + cc * 8 : X, ok);
-                }
+                for (int i = 0; i < XCOPIES; ++i)
+                    cp16_l1(at + xdst[i], xsrc[i] + (long long)b0 * 64, xok[i] && b0 + xblk[i] < i_hi);
             };
 
 #pragma unroll
