@@ -113,13 +113,16 @@ def test_a_build_without_the_compiler_library_is_refused_with_its_reason(monkeyp
     assert any("NVRTC" in why for why in cuda_build.FAILURES.values())
 
 
-@pytest.mark.parametrize("units, n_blocks, resident", [(898, 64, 660), (129, 224, 660), (3, 5, 132), (1, 1, 1)])
-def test_split_covers_k_and_counts_whole_waves(units, n_blocks, resident):
+@pytest.mark.parametrize("granule", [1, 4])
+@pytest.mark.parametrize("units, n_blocks, resident", [(898, 64, 660), (129, 224, 660), (3, 5, 132), (1, 1, 1),
+                                                       (49, 64, 264), (33, 10, 264)])
+def test_split_covers_k_and_counts_whole_waves(units, n_blocks, resident, granule):
     from longrl.ops.nf4_mma import split_for
 
-    split, per_split = split_for(units, n_blocks, resident, min_blocks=4, fixup_blocks=2)
+    split, per_split = split_for(units, n_blocks, resident, min_blocks=4, fixup_blocks=2, granule=granule)
     assert (split - 1) * per_split < n_blocks <= split * per_split  # every block once, no empty split
     assert split == 1 or per_split >= 4
+    assert per_split % granule == 0  # whole stages
     if (units, n_blocks, resident) == (898, 64, 660):  # one split: 2 waves × 64 blocks; two: 3 × 32 (+ 2)
         assert (split, per_split) != (1, 64)
 

@@ -63,20 +63,26 @@ def why_not(x2: torch.Tensor, group) -> str | None:
     return None
 
 
-def split_for(units: int, n_blocks: int, resident: int, min_blocks: int, fixup_blocks: float) -> tuple[int, int]:
+def split_for(units: int, n_blocks: int, resident: int, min_blocks: int, fixup_blocks: float,
+              granule: int = 1) -> tuple[int, int]:
     """(K splits, blocks of K a split) for ``units`` row units of ``n_blocks`` blocks on a grid holding
     ``resident`` blocks at once: the split whose items finish soonest, counting whole waves of items (a wave
     part-full costs a full one) times the blocks an item reads, plus ``fixup_blocks`` for partial sums; each split
-    at least ``min_blocks`` blocks (the fewest splits on a tie). E.g. 898 units of 64 blocks on 660: one split
-    takes 2 waves × 64, two 3 × 32."""
+    at least ``min_blocks`` blocks and a multiple of ``granule`` (the staged kernel's stage), the fewest splits on a
+    tie. E.g. 898 units of 64 blocks on 660: one split takes 2 waves × 64, two 3 × 32."""
     best = None
     for split in range(1, max(1, n_blocks // max(1, min_blocks)) + 1):
-        per_split = -(-n_blocks // split)
+        per_split = _granular(-(-n_blocks // split), granule)
         split = -(-n_blocks // per_split)  # (no empty split)
         cost = -(-units * split // resident) * per_split + (fixup_blocks if split > 1 else 0)
         if best is None or cost < best[0]:
             best = (cost, split, per_split)
     return best[1], best[2]
+
+
+def _granular(per_split: int, granule: int) -> int:
+    """per_split rounded up to a multiple of granule."""
+    return -(-per_split // granule) * granule
 
 
 def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,12 +109,12 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     options = [f"-DNT8={nt8}", f"-DHALF={int(x2.dtype == torch.float16)}"]
     if launch.get("staged"):
         stages = int(launch.get("mma_stages", 3))
-        shared, unit = staged_shared_bytes(nt8, stages), STAGED_UNIT
+        shared, unit, granule = staged_shared_bytes(nt8, stages), STAGED_UNIT, STAGE_BLOCKS
         kernel = cuda_build.build(STAGED_SOURCE, "nf4_mma_staged", [*options, f"-DSTAGES={stages}"], x2.device)
         if kernel is not None and not kernel.allow_shared(shared):
             return None
     else:
-        shared, unit = 0, UNIT
+        shared, unit, granule = 0, UNIT, 1
         kernel = cuda_build.build(SOURCE, "nf4_mma", options, x2.device)
     if kernel is None or kernel.blocks_per_sm(WARPS * 32, shared) < 1:
         return None
@@ -121,11 +127,11 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     resident = sms * kernel.blocks_per_sm(WARPS * 32, shared)  # blocks the GPU holds at once
     if "waves" in launch:  # items ≈ waves × the blocks the GPU holds, each split at least min_blocks blocks
         split = max(1, min(n_blocks // launch.get("min_blocks", 16), -(-int(launch["waves"] * resident) // units)))
-        per_split = -(-n_blocks // split)
+        per_split = _granular(-(-n_blocks // split), granule)
         split = -(-n_blocks // per_split)
     else:
         split, per_split = split_for(units, n_blocks, resident, launch.get("min_blocks", 16),
-                                     launch.get("fixup_blocks", 2))
+                                     launch.get("fixup_blocks", 2), granule)
     grid = min(resident, units * split)
     out = torch.empty(M, NT, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, NT, dtype=torch.float32, device=x2.device) if split > 1 else out
