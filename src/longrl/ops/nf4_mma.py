@@ -26,8 +26,10 @@ import torch
 
 from . import cuda_build
 
-SOURCE = Path(__file__).with_name("nf4_mma.cu").read_text()
-STAGED_SOURCE = Path(__file__).with_name("nf4_mma_staged.cu").read_text()
+_HERE = Path(__file__).parent
+_COMMON = (_HERE / "nf4_mma_common.cuh").read_text()  # what both kernels share, put before each
+SOURCE = _COMMON + (_HERE / "nf4_mma.cu").read_text()
+STAGED_SOURCE = _COMMON + (_HERE / "nf4_mma_staged.cu").read_text()
 MAX_ROWS = 32  # rows of x: n8 tiles 1, 2 or 4
 WARPS = 4  # a block's warps (both kernels' WARPS)
 UNIT = 32  # rows of the group a work item owns (nf4_mma.cu UNIT; its K range shared by a block's warps)

@@ -1,6 +1,6 @@
 // nf4_mma.cu's product (y = x · [W_0; W_1; W_2; D]ᵀ (+ bias), ≤ 8·NT8 rows of x, bitsandbytes NF4 codes in their
-// own layout, mma.sync m16n8k16, the same shared table of value pairs and the same permuted k order) with the codes, their
-// absmax and x staged in shared memory by cp.async, STAGES - 1 stages of UNR blocks of K ahead of the products.
+// own layout, after nf4_mma_common.cuh: the same table lookup, k order, arithmetic and epilogue) with the codes,
+// their absmax and x staged in shared memory by cp.async, STAGES - 1 stages of UNR blocks of K ahead of the products.
 //
 // Why: nf4_mma.cu's warps each load a pass of codes into registers and wait for them before their products, so a
 // warp has bytes in flight only part of the time (gate/up at 8 rows read 1.4 TB/s of an H100's 3.0). Here the loads
@@ -21,61 +21,18 @@
 // Blocks past the item's range and rows past the weights' or x's are zero-filled (cp.async with no source bytes):
 // their products add exact zeros.
 
-#ifndef NT8
-#define NT8 1
-#endif
-#ifndef HALF
-#define HALF 0
-#endif
 #ifndef STAGES
 #define STAGES 3
 #endif
 
-#define WARPS 4
-#define COPIES 32
 #define UNR 4                    // blocks of K a stage
 #define UNIT (32 * WARPS)        // rows of the group an item owns
 #define XR (8 * NT8)             // rows of x
-#define NV (8 * NT8)             // a lane's sums: [tile 2][n8 tile NT8][4]
-#define ROUND (4 / NT8)          // splits' partials a round of the last item's loads
 #define CODE_BYTES (UNIT * 128)
 #define SCALE_BYTES (UNR * UNIT * 4)
 #define X_BYTES (UNR * XR * 128)
 #define STAGE_BYTES (CODE_BYTES + SCALE_BYTES + X_BYTES)
 #define XCOPIES (X_BYTES / 16 / (WARPS * 32))  // x's 16-byte copies a thread a stage
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if HALF
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-#endif
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma0(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {  // d = a · b
-#if HALF
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
-#endif
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
-}
-
-__device__ __forceinline__ u16 to16(float f) {  // round to nearest even
-    u16 h;
-#if HALF
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
 
 __device__ __forceinline__ u32 ld32(u32 address) {
     u32 v;
@@ -115,36 +72,6 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"
 template <int N>
 __device__ __forceinline__ void wait_stages() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
-// One block of K of the dense rows (dp: the lane's rows [tile][half], at this lane's 16 elements of the block).
-__device__ __forceinline__ void dense_pass(float (&acc)[2][NT8][4], const u16* const (&dp)[2][2],
-                                           const u16* const (&xp)[NT8]) {
-    uint4 xv[NT8][2], dv[2][2][2];
-#pragma unroll
-    for (int j = 0; j < NT8; ++j) {
-        xv[j][0] = __ldg((const uint4*)xp[j]);
-        xv[j][1] = __ldg((const uint4*)xp[j] + 1);
-    }
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            dv[t][h][0] = __ldg((const uint4*)dp[t][h]);
-            dv[t][h][1] = __ldg((const uint4*)dp[t][h] + 1);
-        }
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        const u32* r0 = (const u32*)&dv[t][0][0];  // 8 words: elements 2i, 2i + 1 of the lane's 16
-        const u32* r8 = (const u32*)&dv[t][1][0];
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-#pragma unroll
-            for (int j = 0; j < NT8; ++j) {
-                const u32* xw = (const u32*)&xv[j][0];
-                mma(acc[t][j], r0[2 * st], r8[2 * st], r0[2 * st + 1], r8[2 * st + 1], xw[2 * st], xw[2 * st + 1]);
-            }
-    }
-}
-
 // The products of one stage (at shared address `stage`) into acc: lane (g, q) of warp `warp`, rows
 // 32 warp + 16 t + 8 h + g of the unit.
 __device__ __forceinline__ void stage_products(float (&acc)[2][NT8][4], u32 stage, u32 tab, u32 lane4, int warp,
@@ -167,57 +94,15 @@ __device__ __forceinline__ void stage_products(float (&acc)[2][NT8][4], u32 stag
             const float s0 = __uint_as_float(ld32(scales + (u * UNIT + r0) * 4));
             const float s8 = __uint_as_float(ld32(scales + (u * UNIT + r0 + 8) * 4));
             const u32 w0[2] = {c0.x, c0.y}, w8[2] = {c8.x, c8.y};
-            float blk[NT8][4];
-#pragma unroll
-            for (int st = 0; st < 4; ++st) {
-                // bytes 2st and 2st + 1 of the lane's eight (nf4_mma.cu's k order)
-                const u32 a = w0[st >> 1] >> (16 * (st & 1)), c = w8[st >> 1] >> (16 * (st & 1));
-                const u32 a0 = ld32(tab + (((a << 7) & 0x7F80u) | lane4));
-                const u32 a2 = ld32(tab + (((a >> 1) & 0x7F80u) | lane4));
-                const u32 a1 = ld32(tab + (((c << 7) & 0x7F80u) | lane4));
-                const u32 a3 = ld32(tab + (((c >> 1) & 0x7F80u) | lane4));
-#pragma unroll
-                for (int j = 0; j < NT8; ++j) {
-                    const u32* xw = (const u32*)&xv[j][0];
-                    if (st == 0)
-                        mma0(blk[j], a0, a1, a2, a3, xw[0], xw[1]);
-                    else
-                        mma(blk[j], a0, a1, a2, a3, xw[2 * st], xw[2 * st + 1]);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NT8; ++j) {
-                acc[t][j][0] = fmaf(s0, blk[j][0], acc[t][j][0]);  // (row g)
-                acc[t][j][1] = fmaf(s0, blk[j][1], acc[t][j][1]);
-                acc[t][j][2] = fmaf(s8, blk[j][2], acc[t][j][2]);  // (row g + 8)
-                acc[t][j][3] = fmaf(s8, blk[j][3], acc[t][j][3]);
-            }
+            tile_block(acc[t], w0, w8, s0, s8, xv, tab, lane4);
         }
     }
 }
 
-__shared__ __align__(16) u32 nf4_pairs[256 * COPIES];  // the table (static: its address folds into the loads)
 extern __shared__ __align__(128) unsigned char stages[];  // STAGES × STAGE_BYTES
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
-    const u16* __restrict__ X, long long sx, int M,                 // x [M, K], row stride sx (elements)
-    const unsigned char* __restrict__ P0, const unsigned char* __restrict__ P1,
-    const unsigned char* __restrict__ P2, int N0, int N01, int NQ,  // the NF4 codes: rows [0,N0) [N0,N01) [N01,NQ)
-    const float* __restrict__ S,                                    // absmax [K/64, NQ]
-    const u16* __restrict__ D, int R,                               // dense rows [R, K]
-    const float* __restrict__ BIAS, int has_bias,                   // [NQ + R] float32
-    const u32* __restrict__ CODE16,                                 // [16] the code values' 16-bit patterns
-    float* __restrict__ PART, u16* __restrict__ OUT, int* __restrict__ LOCK,  // [split, M, NT], [M, NT], [units]
-    int K, int NT, int dense_units, int units, int split, int per_split) {
-    for (int e = threadIdx.x; e < 256; e += blockDim.x) {
-        const u32 v = CODE16[e >> 4] | (CODE16[e & 15] << 16);
-        uint4* row = (uint4*)(nf4_pairs + e * COPIES);
-#pragma unroll
-        for (int c = 0; c < COPIES / 4; ++c) row[c] = make_uint4(v, v, v, v);
-    }
-    __syncthreads();
-    u32 tab;
-    asm("mov.u32 %0, nf4_pairs;" : "=r"(tab));
+extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(NF4_MMA_PARAMS) {
+    const u32 tab = build_table(CODE16);
     const u32 ring = (u32)__cvta_generic_to_shared(stages);
     __shared__ int last_flag;
 
@@ -242,20 +127,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
     const int items = units * split;
 
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-        const int unit = item / split, s = item - unit * split;
-        const int i_lo = s * per_split, i_hi = min(i_lo + per_split, n_blocks);  // the item's blocks of K
-        const bool dense = unit < dense_units;
-        const int row0 = dense ? unit * UNIT : (unit - dense_units) * UNIT;  // first row among D's or the NF4 rows
-        const int col0 = dense ? NQ + row0 : row0;                           // its output column
-        const int rows = dense ? R : NQ;
+        const Item it = item_at(item, split, per_split, n_blocks, dense_units, UNIT, NQ, R);
+        const int unit = it.unit, s = it.s, i_lo = it.i_lo, i_hi = it.i_hi, row0 = it.row0, col0 = it.col0;
+        const int rows = it.rows;
+        const bool dense = it.dense;
 
         float acc[2][NT8][4];
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.f;
+        zero(acc);
         bool rok[2][2];  // this lane's rows 32 warp + 16 t + 8 h + g inside the weights
 #pragma unroll
         for (int t = 0; t < 2; ++t)
@@ -275,17 +153,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
 #pragma unroll
             for (int j = 0; j < NT8; ++j)
                 xp[j] = X + (long long)(8 * j + g < M ? 8 * j + g : 0) * sx + (long long)i_lo * 64 + q * 16;
-            if (row0 + 32 * warp < rows) {
-                for (int b = i_lo; b < i_hi; ++b) {
-                    dense_pass(acc, dp, xp);
-#pragma unroll
-                    for (int t = 0; t < 2; ++t)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) dp[t][h] += 64;
-#pragma unroll
-                    for (int j = 0; j < NT8; ++j) xp[j] += 64;
-                }
-            }
+            if (row0 + 32 * warp < rows) dense_blocks(acc, dp, xp, i_lo, i_hi);
         } else {
             // this thread's copies: code rows 16 i + tid / 8 (tile i of the unit), chunk tid % 8
             const unsigned char* crow[8];
@@ -344,16 +212,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
         // to arrive the partials of all splits added in split order, the bias, the output; its count reset
         const int colw = col0 + 32 * warp;
         if (split > 1) {
-            const long long plane = (long long)M * NT;
-#pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-                for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int m = 8 * j + 2 * q + (e & 1), col = colw + 16 * t + g + 8 * (e >> 1);
-                        if (m < M && rok[t][e >> 1]) PART[s * plane + (long long)m * NT + col] = acc[t][j][e];
-                    }
+            store_partials(acc, rok, q, g, s, M, NT, colw, PART);
             __threadfence();
             __syncthreads();
             if (tid == 0) last_flag = atomicAdd(LOCK + unit, 1) == split - 1;
@@ -362,46 +221,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) nf4_mma_staged(
             __syncthreads();  // (last_flag is free for the next item)
             if (!last) continue;
             __threadfence();
-#pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-                for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.f;
-            for (int p0 = 0; p0 < split; p0 += ROUND) {
-                float got[ROUND][2][NT8][4];
-#pragma unroll
-                for (int p = 0; p < ROUND; ++p)
-#pragma unroll
-                    for (int t = 0; t < 2; ++t)
-#pragma unroll
-                        for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int m = 8 * j + 2 * q + (e & 1), col = colw + 16 * t + g + 8 * (e >> 1);
-                                got[p][t][j][e] = p0 + p < split && m < M && rok[t][e >> 1]
-                                    ? __ldcg(PART + (p0 + p) * plane + (long long)m * NT + col) : 0.f;
-                            }
-#pragma unroll
-                for (int p = 0; p < ROUND; ++p)
-#pragma unroll
-                    for (int t = 0; t < 2; ++t)
-#pragma unroll
-                        for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) acc[t][j][e] += got[p][t][j][e];
-            }
+            add_partials(acc, rok, q, g, split, M, NT, colw, PART);
             if (tid == 0) LOCK[unit] = 0;
         }
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int j = 0; j < NT8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int m = 8 * j + 2 * q + (e & 1), col = colw + 16 * t + g + 8 * (e >> 1);
-                    if (m < M && rok[t][e >> 1])
-                        OUT[(long long)m * NT + col] = to16(acc[t][j][e] + (has_bias ? BIAS[col] : 0.f));
-                }
+        store_output(acc, rok, q, g, M, NT, colw, has_bias, BIAS, OUT);
     }
 }
