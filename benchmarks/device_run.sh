@@ -37,9 +37,9 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
-#   mma        the few-row NF4 CUDA kernel (ops/nf4_mma.py, built by NVRTC): its GPU tests, then nf4_matmul.py --sweep
-#              --mma --table-only --skip-table: LAUNCH's entry against the kernel's choices at 8, 16, 32 rows
-#              (MMA_ROWS) (~3 min; carry .whl_bnb)
+#   mma        the few-row NF4 CUDA kernels (ops/nf4_mma.py, built by NVRTC): their GPU tests, then nf4_matmul.py --sweep
+#              --mma --table-only --skip-table: LAUNCH's entry against both kernels' choices at 8, 16, 32 rows
+#              (MMA_ROWS) (~5 min; carry .whl_bnb)
 #   mmasweep   the mma stage's sweep alone, without its GPU tests (~2 min)
 #   ncumma     Nsight Compute on one product (benchmarks/product_once.py) at 8 rows, gate/up + A: on the CUDA kernel
 #              (MMA_LAUNCH), the staged CUDA kernel and Triton's; speed of light, memory, warp stalls, occupancy
@@ -298,7 +298,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
-        mma) stage mmagpu 150 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
+        mma) stage mmagpu 240 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
             stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
                 --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
         mmasweep) stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
