@@ -37,8 +37,8 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
-#   mma        the few-row NF4 CUDA kernels (ops/nf4_mma.py, built by NVRTC): their GPU tests, then nf4_matmul.py --sweep
-#              --mma --table-only --skip-table: LAUNCH's entry against both kernels' choices at 8, 16, 32 rows
+#   mma        the few-row NF4 CUDA kernels (ops/nf4_mma.py, built by NVRTC): their GPU tests, then nf4_matmul.py
+#              --sweep --mma --table-only --skip-table: LAUNCH's entry against both kernels' choices at 8, 16, 32 rows
 #              (MMA_ROWS) (~5 min; carry .whl_bnb)
 #   mmasweep   the mma stage's sweep alone, without its GPU tests (~2 min)
 #   ncumma     Nsight Compute on one product (benchmarks/product_once.py) at 8 rows, gate/up + A: on the CUDA kernel
@@ -504,8 +504,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --sequences ${OSEQ:-8 32 128} --min-batch ${OMIN:-1 16} --tag "${OTAG:-}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
-                ${MNF4:+--nf4-launch "$MNF4"} ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} \
-                --tag "${MTAG:-}" ;;
+                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" \
+                ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} ;;
         visiona|visionb) if [ "$s" = visiona ]; then
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
                     --deadline 500

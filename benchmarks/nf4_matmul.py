@@ -227,7 +227,8 @@ def mma_choices(M: int) -> list[dict]:
     return ([dict(entry, mma=True, min_blocks=b, fixup_blocks=f) for b, f in ((16, 2), (8, 2), (32, 2), (16, 8))]
             + [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((0.5, 32), (0.5, 16), (0.25, 32))]
             + [dict(entry, mma=True, staged=True, mma_stages=s, min_blocks=b) for s in (3, 4, 2) for b in (16, 8)]
-            + [dict(entry, mma=True, staged=True, mma_stages=s, waves=w, min_blocks=8) for s in (3, 4) for w in (1, 2)])
+            + [dict(entry, mma=True, staged=True, mma_stages=s, waves=w, min_blocks=8)
+               for s in (3, 4) for w in (1, 2)])
 
 
 def halves_choices(M: int) -> list[dict]:
