@@ -149,8 +149,8 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--bases", default="bf16,nf4,fp8", help="bf16, nf4 (the sampler's default: codes in "
                     "bitsandbytes' order), nf4h (NF4 in the halves layout during a call; measured beside nf4's cell on "
-                    "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py, up to 8 rows; "
-                    "likewise), fp8")
+                    "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py, up to 8 "
+                    "rows; likewise), fp8")
     ap.add_argument("--rows", default="8,32,128")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")

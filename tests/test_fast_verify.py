@@ -36,8 +36,8 @@ def check_verify_forward(use_triton: bool, kv_cache_dtype: str, k: int = 5, seed
     keys/values by the virtual-row forward equal the extend forward's on the same cache: logits at each row's n + 1
     real positions, the slot stores (dequantized when FP8) at every position either wrote for a real token, and
     nothing else of the cache changed. Returns the rows compared. On the Triton kernels (the interpreter: the
-    approximate exp, other summation orders) the logits agree to 2e-3 (the head is scaled × 16) and an FP8 store's values to one code
-    step (a key on a rounding boundary may land on either side)."""
+    approximate exp, other summation orders) the logits agree to 2e-3 (the head is scaled × 16) and an FP8 store's
+    values to one code step (a key on a rounding boundary may land on either side)."""
     logit_tol = 2e-3 if use_triton else 2e-4
     kv_tol = dict(atol=2e-2, rtol=0.13) if use_triton and kv_cache_dtype == "fp8" else dict(atol=1e-4, rtol=1e-4)
     model, tok = peaked_model(seed=seed)

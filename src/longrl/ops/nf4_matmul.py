@@ -118,11 +118,11 @@ HALVES_LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3,
 # launch choice mma (absent: off): the products of up to 32 rows on the CUDA kernel built at first use
 # (ops/nf4_mma.py: a shared table of value pairs feeding mma.sync, 2.6 instructions a code; lut 4's arithmetic),
 # where it applies and was built (else the entry's Triton choices run); its own keys min_blocks, fixup_blocks or
-# waves (nf4_mma_linear). MMA_LAUNCH: its fastest at 8 rows on an H100 (2026-12-07, nf4_matmul_h100_mma.md: a
-# layer's products 87.0 µs against the table's 97.7; at 16 rows 100.6 against 98.6, at 32 rows 124.9 against 114.8).
-# Off by default until a whole call with MMA_LAUNCH is measured: the one call measured with the kernel, on an
-# earlier choice (103.1 µs a layer), took as long as the table's (1.659 against 1.666 s at 8 rows,
-# rollout_matrix_llama-3.1-8b_h100_mma2.md).
+# waves, and staged with mma_stages for the staged kernel (nf4_mma_linear). MMA_LAUNCH: its fastest at 8 rows on an
+# H100 (2026-12-07, nf4_matmul_h100_mma.md: a layer's products 87.0 µs against the table's 97.7; at 16 rows 100.6
+# against 98.6, at 32 rows 124.9 against 114.8). Off by default until a whole call with MMA_LAUNCH is measured: the
+# one call measured with the kernel, on an earlier choice (103.1 µs a layer), took as long as the table's (1.659
+# against 1.666 s at 8 rows, rollout_matrix_llama-3.1-8b_h100_mma2.md).
 MMA_LAUNCH = dict(mma=True, waves=0.5, min_blocks=32)
 
 

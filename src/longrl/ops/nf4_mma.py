@@ -74,17 +74,19 @@ def split_for(units: int, n_blocks: int, resident: int, min_blocks: int, fixup_b
     tie. E.g. 898 units of 64 blocks on 660: one split takes 2 waves × 64, two 3 × 32."""
     best = None
     for split in range(1, max(1, n_blocks // max(1, min_blocks)) + 1):
-        per_split = _granular(-(-n_blocks // split), granule)
-        split = -(-n_blocks // per_split)  # (no empty split)
+        split, per_split = _whole_splits(n_blocks, split, granule)
         cost = -(-units * split // resident) * per_split + (fixup_blocks if split > 1 else 0)
         if best is None or cost < best[0]:
             best = (cost, split, per_split)
     return best[1], best[2]
 
 
-def _granular(per_split: int, granule: int) -> int:
-    """per_split rounded up to a multiple of granule."""
-    return -(-per_split // granule) * granule
+def _whole_splits(n_blocks: int, split: int, granule: int) -> tuple[int, int]:
+    """(splits, blocks a split) for about ``split`` splits of ``n_blocks``: each a multiple of ``granule`` blocks,
+    none empty."""
+    per_split = -(-n_blocks // split)
+    per_split = -(-per_split // granule) * granule  # (rounded up to whole granules)
+    return -(-n_blocks // per_split), per_split
 
 
 def _operands(group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,8 +131,7 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     resident = sms * kernel.blocks_per_sm(WARPS * 32, shared)  # blocks the GPU holds at once
     if "waves" in launch:  # items ≈ waves × the blocks the GPU holds, each split at least min_blocks blocks
         split = max(1, min(n_blocks // launch.get("min_blocks", 16), -(-int(launch["waves"] * resident) // units)))
-        per_split = _granular(-(-n_blocks // split), granule)
-        split = -(-n_blocks // per_split)
+        split, per_split = _whole_splits(n_blocks, split, granule)
     else:
         split, per_split = split_for(units, n_blocks, resident, launch.get("min_blocks", 16),
                                      launch.get("fixup_blocks", 2), granule)
