@@ -29,7 +29,8 @@
 #   nf4        the NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, 8B projection shapes (~1 min)
 #   nf4sweep   the same, first the packed decode's NF4 groups under a sweep of launch choices (~2 min); rollout8b
 #              with NF4_FROM=benchmarks/results/nf4_matmul_<card>_sweep.json runs its fastest (IMPLS=longrl,longrl-4bit,
-#              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side)
+#              longrl-4bit-bnb: bf16 vs 4-bit rollouts side by side); NF4SWEEP_ARGS adds arguments (--skip-table,
+#              --sweep-rows 32,16)
 #   nf4fast    nf4sweep (lut 3 and lut 4 choices), then the 8B rollout bf16 beside 4-bit on the sweep's fastest (~7 min;
 #              carry .whl_bnb)
 #   fp8fast    fp8sweep (default and f16 choices), then the 8B rollout bf16 beside the FP8 base, 4 x 8 x 512 after 512,
@@ -122,9 +123,9 @@
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the issue's four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8; nf4h: NF4 in the
-#              halves layout, nf4m: NF4 with the few-row CUDA kernel, each beside nf4), rows (8, 32, 128),
-#              context (1K, 16K) and KV cache (bf16, FP8), every pair in one run (issue 43's table; carry .whl_bnb,
-#              the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an
+#              halves layout, nf4m: NF4 with the few-row CUDA kernel, nf4t: NF4 on the table MNF4T, `auto` this
+#              card's nf4sweep result; each beside nf4), rows (8, 32, 128), context (1K, 16K) and KV cache (bf16,
+#              FP8), every pair in one run (issue 43's table; carry .whl_bnb, the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an
 #              NF4 launch table, e.g. benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a
 #              JSON entry or a --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag)
 #              (~10 min)
@@ -295,7 +296,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         gpucheck) stage gpucheck 120 python3 benchmarks/gpu_kernel_checks.py ;;
         glue) stage glue 200 python3 benchmarks/decode_glue_speed.py --tag "${GTAG:-}" ;;
         nf4) stage nf4 120 python3 benchmarks/nf4_matmul.py ;;
-        nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ;;
+        nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ${NF4SWEEP_ARGS:-} ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
         mma) stage mmagpu 240 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
@@ -505,6 +506,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
                 ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" \
+                ${MNF4T:+--nf4t-launch "${MNF4T/#auto/benchmarks/results/nf4_matmul_${CARD}_sweep.json}"} \
                 ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} ;;
         visiona|visionb) if [ "$s" = visiona ]; then
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \

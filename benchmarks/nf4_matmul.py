@@ -7,7 +7,10 @@ bf16 packed product of the same group.
 Bytes a call must read: bf16 weight 2 B/param; NF4 0.5 B/param + a float32 scale per 64 (0.0625 B/param);
 bitsandbytes' batched path moves ~4.5 B/param (reads 4 bits, writes and reads back 16). GB/s below count the
 kernel's own floor bytes (0.5625 B/param for NF4, 2 for bf16) over the time. Every time is GPU time per call
-replayed from a CUDA graph of 20 calls (as a captured decode step runs them: no host launch cost).
+replayed from a CUDA graph of 20 calls (as a captured decode step runs them: no host launch cost), the calls in
+turn on copies of the weights that read more than twice the L2 cache between two reads of one copy: from DRAM, as
+in a decode step (results_io.l2_copies; until 2026-12-07 every call read one copy, and the weights that fit in the
+L2, an 8B layer's q/k/v, o and down on an H100, were timed at L2's bandwidth).
 
     python benchmarks/nf4_matmul.py            # the table
     python benchmarks/nf4_matmul.py --sweep    # and the groups' sweep; its fastest choice per row count goes to
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import card_tag, copy_bandwidth, graph_seconds, run_meta, write_result  # noqa: E402
+from results_io import card_tag, cold_seconds, copy_bandwidth, l2_copies, run_meta, write_result  # noqa: E402
 
 from longrl.ops import nf4_matmul as nm  # noqa: E402
 
@@ -106,14 +110,17 @@ def table(dev, bw: float) -> list[dict]:
         ops = nm.nf4_operands(param)
         group = nm.nf4_group([param])
         Wd = nm.dequantize_nf4(*ops, torch.bfloat16)
+        params = [param] + [quantized(N, K, dev) for _ in range(l2_copies(N * K * 9 // 16, dev) - 1)]  # (cold L2)
+        nf4s = [group] + [nm.nf4_group([q]) for q in params[1:]]
+        Wds = [Wd] + [Wd.clone() for _ in range(l2_copies(Wd.nbytes, dev) - 1)]
         for M in DECODE_ROWS + TRAIN_ROWS:
             x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
             want = bnb.matmul_4bit(x, param.t(), quant_state=state)
             got = nm.nf4_group_linear(x, group)
             err = float(((got.float() - want.float()).abs() / (want.float().abs() + 1e-2)).max())
-            t_bnb = graph_seconds(lambda: bnb.matmul_4bit(x, param.t(), quant_state=state))
-            t_nf4 = graph_seconds(lambda: nm.nf4_group_linear(x, group))
-            t_bf16 = graph_seconds(lambda: torch.nn.functional.linear(x, Wd))
+            t_bnb = cold_seconds([partial(bnb.matmul_4bit, x, q.t(), quant_state=q.quant_state) for q in params])
+            t_nf4 = cold_seconds([partial(nm.nf4_group_linear, x, g) for g in nf4s])
+            t_bf16 = cold_seconds([partial(torch.nn.functional.linear, x, W) for W in Wds])
             nf4_bytes, bf16_bytes = N * K * (0.5 + 4 / 64), N * K * 2
             rows.append(dict(shape=name, M=M, bnb_us=t_bnb * 1e6, nf4_us=t_nf4 * 1e6, bf16_us=t_bf16 * 1e6,
                              nf4_gbs=nf4_bytes / t_nf4 / 1e9, bf16_gbs=bf16_bytes / t_bf16 / 1e9,
@@ -148,18 +155,28 @@ def packed_group(name: str, dev, fp8: bool = False):
     return nm.nf4_group(params, torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02)
 
 
+def group_bytes(g) -> int:
+    """The bytes a product of group g reads from its weights: NF4 codes (or FP8 codes), scales, dense rows."""
+    parts = [*g.packed, g.scales] if hasattr(g, "packed") else [*g.codes, *g.scales]
+    return sum(t.nbytes for t in parts) + (g.dense.nbytes if g.dense is not None else 0)
+
+
 def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False) -> tuple[list[dict], dict]:
     """Every group at each decode row count under each launch choice; the choice with the least summed time of a
     layer's four groups per row count ('best'). table_only: LAUNCH's entry alone (then the halves choices). mma:
     also the few-row CUDA kernel (ops/nf4_mma.py) under mma_choices, at up to 32 rows."""
-    groups = {}
+    groups, copies = {}, {}  # copies: each group's and its bf16 weight's copies, timed in turn (cold L2)
     for name in GROUPS:
         g = packed_group(name, dev)
-        groups[name] = (g, nm.nf4_group_weight(g, torch.bfloat16))
+        W = nm.nf4_group_weight(g, torch.bfloat16)
+        groups[name] = (g, W)
+        copies[name] = ([g] + [packed_group(name, dev) for _ in range(l2_copies(group_bytes(g), dev) - 1)],
+                        [W] + [W.clone() for _ in range(l2_copies(W.nbytes, dev) - 1)])
     rows, best = [], {}
     for M in SWEEP_ROWS:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
-        bf16 = {name: graph_seconds(lambda: torch.nn.functional.linear(xs[name], W)) for name, (_, W) in groups.items()}
+        bf16 = {name: cold_seconds([partial(torch.nn.functional.linear, xs[name], W) for W in copies[name][1]])
+                for name in groups}
         totals = []
 
         def record(cfg: dict, per: dict, candidate: bool = True) -> None:  # a timed launch choice: a row, and
@@ -170,8 +187,8 @@ def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False
             print(rows[-1], flush=True)
 
         def timed(cfg: dict) -> dict:
-            return {name: graph_seconds(lambda: nm.nf4_group_linear(xs[name], g, launch=cfg))
-                    for name, (g, _) in groups.items()}
+            return {name: cold_seconds([partial(nm.nf4_group_linear, xs[name], c, launch=cfg) for c in copies[name][0]])
+                    for name in groups}
 
         def checked(cfg: dict) -> dict | None:  # timed, its results checked first; a launch choice that fails to
             try:  # build or is wrong is reported (a row), not hidden
@@ -196,15 +213,17 @@ def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False
             if (per := checked(cfg)) is not None:
                 record(cfg, per)
         if halves:  # the same groups with their codes in the halves layout (ops/nf4_halves.py), beside the above
-            for g, _ in groups.values():
-                nm.set_halves(g, True)
+            for gs, _ in copies.values():
+                for g in gs:
+                    nm.set_halves(g, True)
             try:
                 for cfg in halves_choices(M):
                     if (per := checked(cfg)) is not None:
                         record(cfg, per, candidate=False)
             finally:
-                for g, _ in groups.values():
-                    nm.set_halves(g, False)
+                for gs, _ in copies.values():
+                    for g in gs:
+                        nm.set_halves(g, False)
         if not totals:
             continue
         top = min(totals, key=lambda t: t[0])[1]
@@ -263,14 +282,18 @@ def fp8_table(dev) -> list[dict]:
         q, s = fp8_weight(N, K, dev)
         group = fm.fp8_group([q], [s])
         Wd = dequantize_fp8(q, s, torch.bfloat16)
+        weights = [(q, s)] + [fp8_weight(N, K, dev) for _ in range(l2_copies(fp8_bytes(N, K), dev) - 1)]  # (cold)
+        fp8s = [group] + [fm.fp8_group([a], [b]) for a, b in weights[1:]]
+        Wds = [Wd] + [Wd.clone() for _ in range(l2_copies(Wd.nbytes, dev) - 1)]
         for M in FP8_ROWS:
             x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
             want = torch.nn.functional.linear(x.float(), Wd.float())
             got = fm.fp8_group_linear(x, group).float()
             err = float(((got - want).abs() / (want.abs() + 1e-2)).max())
-            t_fp8 = graph_seconds(lambda: fm.fp8_group_linear(x, group))
-            t_deq = graph_seconds(lambda: torch.nn.functional.linear(x, dequantize_fp8(q, s, torch.bfloat16)))
-            t_bf16 = graph_seconds(lambda: torch.nn.functional.linear(x, Wd))
+            t_fp8 = cold_seconds([partial(fm.fp8_group_linear, x, g) for g in fp8s])
+            t_deq = cold_seconds([lambda a=a, b=b: torch.nn.functional.linear(x, dequantize_fp8(a, b, torch.bfloat16))
+                                  for a, b in weights])
+            t_bf16 = cold_seconds([partial(torch.nn.functional.linear, x, W) for W in Wds])
             rows.append(dict(shape=name, M=M, fp8_us=t_fp8 * 1e6, dequant_us=t_deq * 1e6, bf16_us=t_bf16 * 1e6,
                              fp8_gbs=fp8_bytes(N, K) / t_fp8 / 1e9, bf16_gbs=N * K * 2 / t_bf16 / 1e9,
                              max_rel_err=err))
@@ -283,14 +306,22 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
     per row count ('best')."""
     from longrl.ops import fp8_matmul as fm
 
-    groups = {}
+    groups, copies = {}, {}  # copies as in sweep (cold L2)
     for name in GROUPS:
         g = packed_group(name, dev, fp8=True)
-        groups[name] = (g, fm.fp8_group_weight(g, torch.bfloat16))
+        W = fm.fp8_group_weight(g, torch.bfloat16)
+        groups[name] = (g, W)
+        copies[name] = ([g] + [packed_group(name, dev, fp8=True) for _ in range(l2_copies(group_bytes(g), dev) - 1)],
+                        [W] + [W.clone() for _ in range(l2_copies(W.nbytes, dev) - 1)])
+
+    def timed(name: str, cfg: dict) -> float:
+        return cold_seconds([partial(fm.fp8_group_linear, xs[name], c, launch=cfg) for c in copies[name][0]])
+
     rows, best = [], {}
     for M in (128, 32, 8):
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
-        bf16 = sum(graph_seconds(lambda: torch.nn.functional.linear(xs[n], W)) for n, (_, W) in groups.items())
+        bf16 = sum(cold_seconds([partial(torch.nn.functional.linear, xs[n], W) for W in copies[n][1]])
+                   for n in groups)
         totals = []
         # f16 (float16 codes, the scale after each block's product: 0.53-0.85x the instructions a weight at 16-64
         # rows in the SASS, more at 128, decode_product_sass.md) on each choice beside the default
@@ -305,7 +336,7 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
                     want = torch.nn.functional.linear(xs[name].float(), W.float())
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
                         raise RuntimeError(f"{name}: off by {float((got - want).abs().max()):.3g}")
-                    total += graph_seconds(lambda: fm.fp8_group_linear(xs[name], g, launch=cfg))
+                    total += timed(name, cfg)
             except Exception as e:  # reported, not hidden
                 rows.append(dict(M=M, **cfg, error=f"{type(e).__name__}: {e}"[:200]))
                 continue
@@ -315,7 +346,7 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
         cfg = {**min(totals, key=lambda t: t[0])[1], "fixup": True} if totals else None
         if cfg and same_with_fixup(fm.fp8_group_linear, xs, groups, cfg, rows, M):  # the fastest, splits summed by
             # their last programs
-            total = sum(graph_seconds(lambda: fm.fp8_group_linear(xs[n], g, launch=cfg)) for n, (g, _) in groups.items())
+            total = sum(timed(n, cfg) for n in groups)
             totals.append((total, cfg))
             rows.append(dict(M=M, **cfg, layer_us=total * 1e6, bf16_layer_us=bf16 * 1e6))
             print(rows[-1], flush=True)
@@ -387,10 +418,12 @@ def main() -> None:
                                                "sweep": fp8_sweep_rows}, [f"FP8 launch sweep: {fp8_best}"])
     rows = [] if args.skip_table else table(dev, bw)
     fp8_rows = fp8_table(dev) if args.fp8 else []
-    meta = run_meta(copy_bandwidth_gbs=bw / 1e9, bitsandbytes=bitsandbytes.__version__, launch=dict(nm.LAUNCH))
+    meta = run_meta(copy_bandwidth_gbs=bw / 1e9, bitsandbytes=bitsandbytes.__version__, launch=dict(nm.LAUNCH),
+                    l2_cold=True)
     lines = [f"# NF4 decode product: bitsandbytes vs longrl's 4-bit kernel vs bf16, {meta['gpu']}", "",
              f"{meta['date']}; torch {meta['torch']}, bitsandbytes {meta['bitsandbytes']}.  ", f"`{meta['command']}`",
-             "", f"Copy bandwidth {bw / 1e9:,.0f} GB/s. GPU time a call from CUDA graphs of 20 calls. GB/s: floor bytes "
+             "", f"Copy bandwidth {bw / 1e9:,.0f} GB/s. GPU time a call from CUDA graphs of 20 calls on copies of the "
+             "weights (cold L2). GB/s: floor bytes "
              "(NF4 0.5625 B/param, bf16 2 B/param) / time. longrl's launch table (LAUNCH, after the sweep): "
              f"{meta['launch']}.", "",
              "| weight | rows | bitsandbytes µs | longrl NF4 µs | bf16 µs | NF4 GB/s | bf16 GB/s | × bitsandbytes "

@@ -93,6 +93,25 @@ def graph_seconds(fn, calls: int = 20, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def l2_copies(nbytes: int, device=None) -> int:
+    """How many copies of an operand of ``nbytes`` a timing cycles through so that between two reads of one copy
+    the others read at least twice the GPU's L2 cache: each read comes from DRAM, as in a decode step, whose other
+    layers read gigabytes between two reads of one weight (an 8B layer's q/k/v, o and down fit in an H100's 50 MB
+    L2, so timing one copy over and over measures L2's bandwidth, not the product's)."""
+    l2 = torch.cuda.get_device_properties(device or torch.cuda.current_device()).L2_cache_size
+    return 1 + max(1, -(-2 * l2 // max(1, nbytes)))
+
+
+def cold_seconds(fns: list, calls: int = 20, reps: int = 20) -> float:
+    """graph_seconds of fns[0](), fns[1](), ... in turn, one a captured call: the calls of one operation on its
+    copies (l2_copies), each called once first (compiles, per-operand caches and allocations stay out of the
+    capture)."""
+    for fn in fns:
+        fn()
+    turn = iter(range(1 << 62))
+    return graph_seconds(lambda: fns[next(turn) % len(fns)](), calls, reps)
+
+
 def kernel_times(prof) -> dict:
     """{kernel or op name: (self GPU µs, calls)} of a finished torch.profiler profile."""
     out = {}

@@ -57,8 +57,9 @@ def build(base: str, shape: str, dev):
     return model, rs.model_bytes(model)[0] + extra
 
 
-VARIANTS = ("nf4h", "nf4m")  # NF4 ways measured beside nf4 on its model
+VARIANTS = ("nf4h", "nf4m", "nf4t")  # NF4 ways measured beside nf4 on its model
 MMA_CHOICE: dict | None = None  # nf4m's launch at up to 8 rows (--mma-launch)
+NF4T_TABLE: dict = {}  # nf4t's launch table by rows (--nf4t-launch)
 
 
 def mma_choice(spec: str) -> dict:
@@ -76,7 +77,7 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic). Base nf4h:
     the NF4 model with its codes in the halves layout during a call (Sampler(nf4_halves=True)); nf4: in
     bitsandbytes' order (the sampler's default); nf4m: nf4 with the products of up to 8 rows on the CUDA kernel
-    (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH). (Results of 2026-12-06 before this change name the halves nf4 and
+    (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH); nf4t: nf4 on another launch table (--nf4t-launch). (Results of 2026-12-06 before this change name the halves nf4 and
     bitsandbytes' order nf4k.)"""
     prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
     out = dict(base=base, rows=len(prompts) * G, context=context, kv=kv)
@@ -85,6 +86,8 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     table = dict(nf4_matmul.LAUNCH)
     if base == "nf4m":  # the few-row CUDA kernel (ops/nf4_mma.py) at up to 8 rows, its fastest choice
         nf4_matmul.LAUNCH.update(nf4_matmul.with_mma(table, launch=MMA_CHOICE))
+    if base == "nf4t":
+        nf4_matmul.LAUNCH.update(NF4T_TABLE)
     try:
         r = rs.run_longrl(model, prompts, G, N, nf4_kernel=base.startswith("nf4"), fp8_kernel=base == "fp8",
                           kv_cache_dtype=kv, nf4_halves=base == "nf4h")
@@ -121,6 +124,7 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              + (f" FP8 launch table: {meta['fp8_launch']}." if "fp8" in args.bases and meta.get("fp8_launch") else "")
              + (f" nf4m at up to 8 rows: {meta['mma_launch']}." if "nf4m" in args.bases and meta.get("mma_launch")
                 else "")
+             + (f" nf4t's launch table: {meta['nf4t_launch']}." if "nf4t" in args.bases else "")
              + " Call: the timed call's seconds; of them set-up (the model set up for the call and undone: "
              "Sampler.last_stats prepare_s + release_s) and graphs (its CUDA-graph captures' host seconds); prefill: "
              "a one-token call's seconds (its own set-up included).",
@@ -150,7 +154,7 @@ def main() -> None:
     ap.add_argument("--bases", default="bf16,nf4,fp8", help="bf16, nf4 (the sampler's default: codes in "
                     "bitsandbytes' order), nf4h (NF4 in the halves layout during a call; measured beside nf4's cell on "
                     "the same model: name nf4 too), nf4m (nf4 with the few-row CUDA kernel, ops/nf4_mma.py, up to 8 "
-                    "rows; likewise), fp8")
+                    "rows; likewise), nf4t (nf4 on --nf4t-launch's table; likewise), fp8")
     ap.add_argument("--rows", default="8,32,128")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")
@@ -169,9 +173,13 @@ def main() -> None:
                     help="nf4m's launch at up to 8 rows: a JSON entry or a benchmarks/nf4_matmul.py --sweep --mma "
                     "result whose fastest at 8 rows is taken where it is the CUDA kernel's (default "
                     "nf4_matmul.MMA_LAUNCH)")
+    ap.add_argument("--nf4t-launch", default="", metavar="JSON|PATH",
+                    help="nf4t's launch table (as --nf4-launch; nf4 keeps the other), e.g. a sweep's result beside "
+                    "today's table in one run")
     args = ap.parse_args()
     global MMA_CHOICE
     MMA_CHOICE = mma_choice(args.mma_launch)
+    NF4T_TABLE.update(rs.launch_table(args.nf4t_launch))
     if args.from_log:
         return table_from_log(args)
     rs.use_product_launches(args.nf4_launch, args.fp8_launch)
@@ -197,7 +205,7 @@ def main() -> None:
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
                                     cells=f"{len(rows)} of {cells}", nf4_launch=rs.nf4_launch_table(),
                                     fp8_launch=rs.fp8_launch_table(),
-                                    mma_launch=MMA_CHOICE)
+                                    mma_launch=MMA_CHOICE, nf4t_launch=NF4T_TABLE)
                     if not args.smoke:  # after every cell: a run cut off keeps what it measured
                         write_result(stem, dict(meta=meta, rows=rows), report(meta, rows, args),
                                      echo=len(rows) == cells)

@@ -469,9 +469,17 @@ def use_product_launches(nf4: str, fp8: str) -> None:
 
     for spec, module, name in ((nf4, nf4_matmul, "NF4"), (fp8, fp8_matmul, "FP8")):
         if spec:
-            chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
-            module.LAUNCH.update({int(k): v for k, v in chosen.items()})
+            module.LAUNCH.update(launch_table(spec))
             print(f"{name} launch:", module.LAUNCH, flush=True)
+
+
+def launch_table(spec: str) -> dict:
+    """A launch table by rows from a JSON object or a benchmarks/nf4_matmul.py sweep result whose 'best' is taken
+    ({} when empty)."""
+    if not spec:
+        return {}
+    chosen = json.loads(spec) if spec.lstrip().startswith("{") else json.loads(Path(spec).read_text())["best"]
+    return {int(k): v for k, v in chosen.items()}
 
 
 def nf4_launch_table() -> dict:

@@ -95,11 +95,12 @@ class Kernel:
     registers: int
     device: int
     occupancy: dict = field(default_factory=dict)  # (threads, shared) → blocks_per_sm
-    shared_allowed: int = 48 * 1024  # dynamic shared memory bytes a launch may ask (allow_shared raises it)
+    shared_allowed: int = 0  # dynamic shared memory bytes the kernel was opted in to (allow_shared raises it)
 
     def allow_shared(self, nbytes: int) -> bool:
-        """Let launches ask ``nbytes`` of dynamic shared memory (past the default 48 KiB: an opt-in per kernel);
-        False where the device cannot give it."""
+        """Let launches ask ``nbytes`` of dynamic shared memory; False where the device cannot give it. Static
+        and dynamic shared memory together past 48 KiB need this opt-in per kernel, so it is asked for any size
+        (a kernel with 33 KB of static tables and 45 KB of stages did not launch without it)."""
         if nbytes > self.shared_allowed:
             driver = _library("driver")
             with torch.cuda.device(self.device):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
