@@ -125,10 +125,10 @@
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8; nf4h: NF4 in the
 #              halves layout, nf4m: NF4 with the few-row CUDA kernel, nf4t: NF4 on the table MNF4T, `auto` this
 #              card's nf4sweep result; each beside nf4), rows (8, 32, 128), context (1K, 16K) and KV cache (bf16,
-#              FP8), every pair in one run (issue 43's table; carry .whl_bnb, the bitsandbytes 0.50.2 wheel, for the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an
-#              NF4 launch table, e.g. benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a
-#              JSON entry or a --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag)
-#              (~10 min)
+#              FP8), every pair in one run (issue 43's table; carry .whl_bnb, the bitsandbytes 0.50.2 wheel, for
+#              the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an NF4 launch table, e.g.
+#              benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a JSON entry or a
+#              --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);

@@ -77,8 +77,8 @@ def cell(model, base: str, step_bytes: int, rows: int, context: int, kv: str, N:
     """One measurement: tokens/s and the decode roofline fraction (rollout_speed.derive's arithmetic). Base nf4h:
     the NF4 model with its codes in the halves layout during a call (Sampler(nf4_halves=True)); nf4: in
     bitsandbytes' order (the sampler's default); nf4m: nf4 with the products of up to 8 rows on the CUDA kernel
-    (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH); nf4t: nf4 on another launch table (--nf4t-launch). (Results of 2026-12-06 before this change name the halves nf4 and
-    bitsandbytes' order nf4k.)"""
+    (ops/nf4_mma.py, nf4_matmul.MMA_LAUNCH); nf4t: nf4 on another launch table (--nf4t-launch). (Results of
+    2026-12-06 before this change name the halves nf4 and bitsandbytes' order nf4k.)"""
     prompts = random_prompts(max(1, rows // G), context, model.config.vocab_size)
     out = dict(base=base, rows=len(prompts) * G, context=context, kv=kv)
     from longrl.ops import nf4_matmul
