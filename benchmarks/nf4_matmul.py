@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import card_tag, cold_seconds, copy_bandwidth, l2_copies, run_meta, write_result  # noqa: E402
 
 from longrl.ops import nf4_matmul as nm  # noqa: E402
+from longrl.ops import nf4_mma  # noqa: E402
 
 SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 1024x4096": (1024, 4096), "gate/up 14336x4096": (14336, 4096),
           "down 4096x14336": (4096, 14336)}
@@ -193,7 +194,8 @@ def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False
         def checked(cfg: dict) -> dict | None:  # timed, its results checked first; a launch choice that fails to
             try:  # build or is wrong is reported (a row), not hidden
                 for name, (g, W) in groups.items():
-                    if cfg.get("mma") and nm.nf4_mma_linear(xs[name], g, cfg) is None:  # (not a silent fallback)
+                    if (cfg.get("mma") and nf4_mma.takes(g, cfg)  # (not a silent fallback)
+                            and nm.nf4_mma_linear(xs[name], g, cfg) is None):
                         from longrl.ops import cuda_build
                         raise RuntimeError(f"the CUDA kernel did not run: {cuda_build.FAILURES}")
                     got = nm.nf4_group_linear(xs[name], g, launch=cfg).float()
@@ -243,7 +245,11 @@ def mma_choices(M: int) -> list[dict]:
     stages): the 64-wide blocks of K an item reads at least and a split's cost in blocks (nf4_mma.split_for), or
     the items in waves of the resident blocks."""
     entry = dict(nm.launch_for(M)[1])
-    return ([dict(entry, mma=True, min_blocks=b, fixup_blocks=f) for b, f in ((16, 2), (8, 2), (32, 2), (16, 8))]
+    # min_bytes: the kernel on the groups of at least 16 MiB of codes (gate/up and down at the 8B shape), Triton's
+    # on the others (nf4_mma.takes)
+    return ([dict(entry, mma=True, min_blocks=32, fixup_blocks=2, min_bytes=16 << 20),
+             dict(entry, mma=True, waves=0.5, min_blocks=32, min_bytes=16 << 20)]
+            + [dict(entry, mma=True, min_blocks=b, fixup_blocks=f) for b, f in ((16, 2), (8, 2), (32, 2), (16, 8))]
             + [dict(entry, mma=True, waves=w, min_blocks=b) for w, b in ((0.5, 32), (0.5, 16), (0.25, 32))]
             + [dict(entry, mma=True, staged=True, mma_stages=s, min_blocks=b) for s in (3, 4, 2) for b in (16, 8)]
             + [dict(entry, mma=True, staged=True, mma_stages=s, waves=w, min_blocks=8)
@@ -444,6 +450,7 @@ def main() -> None:
             head = (f"| {r['M']} | {r['bn']} | {r['lut']}{', kord' if r.get('kord') else ''}"
                     f"{', halves, pack ' + str(r['pack']) if r.get('halves') else ''}"
                     f"{', CUDA mma, blocks ' + str(r['min_blocks']) if r.get('mma') else ''}"
+                    f"{', from ' + str(r['min_bytes'] >> 20) + ' MiB' if r.get('min_bytes') else ''}"
                     f"{', staged ' + str(r['mma_stages']) if r.get('staged') else ''}"
                     f"{', waves ' + str(r['waves']) if r.get('waves') else ''}"
                     f"{', fixup ' + str(r['fixup_blocks']) if r.get('fixup_blocks') is not None else ''}"

@@ -135,3 +135,13 @@ def test_with_mma_adds_an_eight_row_entry_and_leaves_the_table():
     assert nm.LAUNCH == before and not any(c.get("mma") for c in before.values())  # off by default
     assert table[8] == {**before[16], **nm.MMA_LAUNCH}
     assert nm.launch_for(8, table=table)[1]["mma"] and not nm.launch_for(9, table=table)[1].get("mma")
+
+
+def test_min_bytes_leaves_small_groups_to_the_triton_path():
+    from types import SimpleNamespace
+
+    from longrl.ops import nf4_mma
+
+    group = SimpleNamespace(packed=[torch.zeros(3000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)])
+    assert nf4_mma.takes(group, {}) and nf4_mma.takes(group, {"min_bytes": 4000})
+    assert not nf4_mma.takes(group, {"min_bytes": 4001})

@@ -65,6 +65,14 @@ def why_not(x2: torch.Tensor, group) -> str | None:
     return None
 
 
+def takes(group, launch: dict) -> bool:
+    """Whether a launch entry gives ``group`` to the kernel by its size: its NF4 code bytes at least the entry's
+    ``min_bytes`` (default 0). Read cold from DRAM at 8 rows (H100, 2026-12-07, nf4_matmul_h100_mma.md) the kernel
+    beat Triton's on gate/up (59 MB of codes: 44.8 against 48.4 µs) and down (29 MB: 26.4 against 26.9) and lost on
+    q/k/v (13 MB: 16.2 against 14.9) and o (8 MB: 14.8 against 11.6)."""
+    return sum(p.numel() for p in group.packed) >= launch.get("min_bytes", 0)
+
+
 def split_for(units: int, n_blocks: int, resident: int, min_blocks: int, fixup_blocks: float,
               granule: int = 1) -> tuple[int, int]:
     """(K splits, blocks of K a split) for ``units`` row units of ``n_blocks`` blocks on a grid holding
@@ -104,10 +112,11 @@ def nf4_mma_linear(x2: torch.Tensor, group, launch: dict | None = None) -> torch
     launch: ``min_blocks`` (64-wide blocks of K an item at least, shared by its block's warps; default 16) and
     ``fixup_blocks`` (what a split's partial sums cost, in a block's time; default 2): see :func:`split_for`; or
     ``waves``: items ≈ waves × the blocks the GPU holds at once (each split still ≥ min_blocks); ``staged``: the
-    staged kernel, with ``mma_stages`` stages (default 3; ``stages`` is the Triton kernel's)."""
-    if why_not(x2, group) is not None:
-        return None
+    staged kernel, with ``mma_stages`` stages (default 3; ``stages`` is the Triton kernel's); ``min_bytes``: groups
+    of fewer code bytes are left to the caller's Triton path (:func:`takes`)."""
     launch = launch or {}
+    if why_not(x2, group) is not None or not takes(group, launch):
+        return None
     M, K = x2.shape
     nt8 = 1 if M <= 8 else 2 if M <= 16 else 4
     options = [f"-DNT8={nt8}", f"-DHALF={int(x2.dtype == torch.float16)}"]
