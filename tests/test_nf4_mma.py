@@ -137,6 +137,24 @@ def test_with_mma_adds_an_eight_row_entry_and_leaves_the_table():
     assert nm.launch_for(8, table=table)[1]["mma"] and not nm.launch_for(9, table=table)[1].get("mma")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_min_bytes_runs_a_small_group_on_the_entrys_triton_choice_and_a_large_one_on_the_kernel():
+    from longrl.ops import nf4_matmul as nm
+    from longrl.ops.nf4_mma import nf4_mma_linear
+
+    small, large = _group((80,), 192, 0, True, torch.bfloat16, "cuda"), _group((256,), 14336, 0, False,
+                                                                                 torch.bfloat16, "cuda", seed=1)
+    entry = dict(nm.launch_for(8)[1])
+    launch = {**entry, "mma": True, "waves": 1, "min_bytes": 10 ** 5}  # codes: small 7,680 bytes, large 1.8 MB
+    for g, kernel in ((small, False), (large, True)):
+        x = torch.randn(8, g.K, dtype=torch.bfloat16, device="cuda")
+        got = nm.nf4_group_linear(x, g, launch=launch)
+        direct = nf4_mma_linear(x, g, launch)
+        assert (direct is not None) == kernel
+        assert torch.equal(got, direct if kernel else nm.nf4_group_linear(x, g, launch=entry))
+
+
 def test_min_bytes_leaves_small_groups_to_the_triton_path():
     from types import SimpleNamespace
 

@@ -118,12 +118,14 @@ HALVES_LAUNCH = {16: dict(bn=64, swap=True, join=True, lut=4, warps=4, stages=3,
 # launch choice mma (absent: off): the products of up to 32 rows on the CUDA kernel built at first use
 # (ops/nf4_mma.py: a shared table of value pairs feeding mma.sync, 2.6 instructions a code; lut 4's arithmetic),
 # where it applies and was built (else the entry's Triton choices run); its own keys min_blocks, fixup_blocks or
-# waves, and staged with mma_stages for the staged kernel (nf4_mma_linear). MMA_LAUNCH: its fastest at 8 rows on an
-# H100 (2026-12-07, nf4_matmul_h100_mma.md: a layer's products 87.0 µs against the table's 97.7; at 16 rows 100.6
-# against 98.6, at 32 rows 124.9 against 114.8). Off by default until a whole call with MMA_LAUNCH is measured: the
-# one call measured with the kernel, on an earlier choice (103.1 µs a layer), took as long as the table's (1.659
-# against 1.666 s at 8 rows, rollout_matrix_llama-3.1-8b_h100_mma2.md).
-MMA_LAUNCH = dict(mma=True, waves=0.5, min_blocks=32)
+# waves, staged with mma_stages for the staged kernel, and min_bytes (nf4_mma_linear). Timed with the weights read
+# from DRAM (H100, 2026-12-07, nf4_matmul_h100_mma.md) the kernel beats the table's Triton choice only on the large
+# groups at 8 rows (gate/up 44.8 against 48.4 µs, down 26.4 against 26.9; q/k/v 16.2 against 14.9, o 14.8 against
+# 11.6), and a whole 8-row call on it for every group was slower (1,306 against 1,348 tokens/s,
+# rollout_matrix_llama-3.1-8b_h100_cold.md). MMA_LAUNCH gives it the groups of at least 16 MiB of codes: ≈ 97.7
+# against 101.8 µs a layer by those per-group times, not yet measured as one launch or in a whole call. Off by
+# default until a whole call with it is faster.
+MMA_LAUNCH = dict(mma=True, min_blocks=32, fixup_blocks=2, min_bytes=16 << 20)
 
 
 def with_mma(table: dict, rows: int = 8, launch: dict | None = None) -> dict:
