@@ -98,7 +98,7 @@ def l2_copies(nbytes: int, device=None) -> int:
     the others read at least twice the GPU's L2 cache: each read comes from DRAM, as in a decode step, whose other
     layers read gigabytes between two reads of one weight (an 8B layer's q/k/v, o and down fit in an H100's 50 MB
     L2, so timing one copy over and over measures L2's bandwidth, not the product's)."""
-    l2 = torch.cuda.get_device_properties(device or torch.cuda.current_device()).L2_cache_size
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).L2_cache_size
     return 1 + max(1, -(-2 * l2 // max(1, nbytes)))
 
 
