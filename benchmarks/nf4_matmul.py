@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import card_tag, cold_seconds, copy_bandwidth, l2_copies, run_meta, write_result  # noqa: E402
+from results_io import card_tag, cold_copies, cold_seconds, copy_bandwidth, run_meta, write_result  # noqa: E402
 
 from longrl.ops import nf4_matmul as nm  # noqa: E402
 from longrl.ops import nf4_mma  # noqa: E402
@@ -111,9 +111,9 @@ def table(dev, bw: float) -> list[dict]:
         ops = nm.nf4_operands(param)
         group = nm.nf4_group([param])
         Wd = nm.dequantize_nf4(*ops, torch.bfloat16)
-        params = [param] + [quantized(N, K, dev) for _ in range(l2_copies(N * K * 9 // 16, dev) - 1)]  # (cold L2)
+        params = cold_copies(param, group_bytes(group), lambda: quantized(N, K, dev), dev)  # (cold L2)
         nf4s = [group] + [nm.nf4_group([q]) for q in params[1:]]
-        Wds = [Wd] + [Wd.clone() for _ in range(l2_copies(Wd.nbytes, dev) - 1)]
+        Wds = cold_copies(Wd, Wd.nbytes, Wd.clone, dev)
         for M in DECODE_ROWS + TRAIN_ROWS:
             x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
             want = bnb.matmul_4bit(x, param.t(), quant_state=state)
@@ -156,6 +156,20 @@ def packed_group(name: str, dev, fp8: bool = False):
     return nm.nf4_group(params, torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02)
 
 
+def group_copies(name: str, dev, fp8: bool = False) -> tuple:
+    """(GROUPS[name] as packed_group makes it, its bf16 weight, (the group's copies, the weight's copies)) for the
+    sweeps' cold timing."""
+    g = packed_group(name, dev, fp8=fp8)
+    if fp8:
+        from longrl.ops import fp8_matmul as fm
+
+        W = fm.fp8_group_weight(g, torch.bfloat16)
+    else:
+        W = nm.nf4_group_weight(g, torch.bfloat16)
+    return g, W, (cold_copies(g, group_bytes(g), lambda: packed_group(name, dev, fp8=fp8), dev),
+                  cold_copies(W, W.nbytes, W.clone, dev))
+
+
 def group_bytes(g) -> int:
     """The bytes a product of group g reads from its weights: NF4 codes (or FP8 codes), scales, dense rows."""
     parts = [*g.packed, g.scales] if hasattr(g, "packed") else [*g.codes, *g.scales]
@@ -168,11 +182,8 @@ def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False
     also the few-row CUDA kernel (ops/nf4_mma.py) under mma_choices, at up to 32 rows."""
     groups, copies = {}, {}  # copies: each group's and its bf16 weight's copies, timed in turn (cold L2)
     for name in GROUPS:
-        g = packed_group(name, dev)
-        W = nm.nf4_group_weight(g, torch.bfloat16)
+        g, W, copies[name] = group_copies(name, dev)
         groups[name] = (g, W)
-        copies[name] = ([g] + [packed_group(name, dev) for _ in range(l2_copies(group_bytes(g), dev) - 1)],
-                        [W] + [W.clone() for _ in range(l2_copies(W.nbytes, dev) - 1)])
     rows, best = [], {}
     for M in SWEEP_ROWS:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
@@ -288,9 +299,9 @@ def fp8_table(dev) -> list[dict]:
         q, s = fp8_weight(N, K, dev)
         group = fm.fp8_group([q], [s])
         Wd = dequantize_fp8(q, s, torch.bfloat16)
-        weights = [(q, s)] + [fp8_weight(N, K, dev) for _ in range(l2_copies(fp8_bytes(N, K), dev) - 1)]  # (cold)
+        weights = cold_copies((q, s), fp8_bytes(N, K), lambda: fp8_weight(N, K, dev), dev)  # (cold L2)
         fp8s = [group] + [fm.fp8_group([a], [b]) for a, b in weights[1:]]
-        Wds = [Wd] + [Wd.clone() for _ in range(l2_copies(Wd.nbytes, dev) - 1)]
+        Wds = cold_copies(Wd, Wd.nbytes, Wd.clone, dev)
         for M in FP8_ROWS:
             x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
             want = torch.nn.functional.linear(x.float(), Wd.float())
@@ -314,11 +325,8 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
 
     groups, copies = {}, {}  # copies as in sweep (cold L2)
     for name in GROUPS:
-        g = packed_group(name, dev, fp8=True)
-        W = fm.fp8_group_weight(g, torch.bfloat16)
+        g, W, copies[name] = group_copies(name, dev, fp8=True)
         groups[name] = (g, W)
-        copies[name] = ([g] + [packed_group(name, dev, fp8=True) for _ in range(l2_copies(group_bytes(g), dev) - 1)],
-                        [W] + [W.clone() for _ in range(l2_copies(W.nbytes, dev) - 1)])
 
     def timed(name: str, cfg: dict) -> float:
         return cold_seconds([partial(fm.fp8_group_linear, xs[name], c, launch=cfg) for c in copies[name][0]])

@@ -102,6 +102,11 @@ def l2_copies(nbytes: int, device=None) -> int:
     return 1 + max(1, -(-2 * l2 // max(1, nbytes)))
 
 
+def cold_copies(first, nbytes: int, make, device=None) -> list:
+    """[first] and make()'s further copies of an operand of ``nbytes``, l2_copies of them in all."""
+    return [first] + [make() for _ in range(l2_copies(nbytes, device) - 1)]
+
+
 def cold_seconds(fns: list, calls: int = 20, reps: int = 20) -> float:
     """graph_seconds of fns[0](), fns[1](), ... in turn, one a captured call: the calls of one operation on its
     copies (l2_copies), each called once first (compiles, per-operand caches and allocations stay out of the
