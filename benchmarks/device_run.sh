@@ -38,6 +38,8 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
+#   pdlgpu     the GPU tests of the kernels launched dependently (ops/dependent_launch.py): its own, the sampler's, the
+#              FP8 cache's, the NF4 and FP8 products' (~4 min; carry .whl_bnb)
 #   mma        the few-row NF4 CUDA kernels (ops/nf4_mma.py, built by NVRTC): their GPU tests, then nf4_matmul.py
 #              --sweep --mma --table-only --skip-table: LAUNCH's entry against both kernels' choices at 8, 16, 32 rows
 #              (MMA_ROWS) (~5 min; carry .whl_bnb)
@@ -128,7 +130,8 @@
 #              FP8), every pair in one run (issue 43's table; carry .whl_bnb, the bitsandbytes 0.50.2 wheel, for
 #              the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an NF4 launch table, e.g.
 #              benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a JSON entry or a
-#              --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag) (~10 min)
+#              --sweep --mma result, `auto` this card's (run mmasweep first); MLAUNCHES=serial,dependent: each cell
+#              without and with programmatic dependent launch; MTAG the file's tag) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
@@ -299,6 +302,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ${NF4SWEEP_ARGS:-} ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
+        pdlgpu) stage pdlgpu 300 python3 -m pytest -q -m gpu tests/test_dependent_launch.py tests/test_sampler_gpu.py \
+                tests/test_kv_fp8_gpu.py tests/test_nf4_matmul.py tests/test_nf4_mma.py tests/test_fp8_gpu.py ;;
         mma) stage mmagpu 240 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
             stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
                 --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
@@ -505,7 +510,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --sequences ${OSEQ:-8 32 128} --min-batch ${OMIN:-1 16} --tag "${OTAG:-}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
-                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" \
+                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" ${MLAUNCHES:+--launches "$MLAUNCHES"} \
                 ${MNF4T:+--nf4t-launch "${MNF4T/#auto/benchmarks/results/nf4_matmul_${CARD}_sweep.json}"} \
                 ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} ;;
         visiona|visionb) if [ "$s" = visiona ]; then

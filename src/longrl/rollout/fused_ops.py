@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import dependent_launch
 from ..ops.rmsnorm import rmsnorm_reference
 from ..ops.rotary import rotate_half
 from ..ops.swiglu import silu_mul_reference
@@ -90,10 +91,14 @@ def decode_silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, lora: "LoraF
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 if triton is not None:
+    from ..ops.dependent_launch import wait_for_inputs
+
     @triton.jit
-    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, stride_delta, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, stride_delta, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """One program per row: h ← cast(h + δ) in place; x = cast(w · cast(h · rsqrt(mean(h²) + ε))). δ's rows at
         their own stride (a packed product's column block)."""
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < d
@@ -123,12 +128,14 @@ if triton is not None:
     def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
                           stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV, SLOTS,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
         (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at their own strides (column
         blocks of one packed product's output, or separate tensors). R > 0: each head first gets its LoRA delta,
         Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32 and rounded once. HAS_SLOTS:
         row b's key/value go to slot SLOTS[b] (else slot b)."""
+        wait_for_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -196,10 +203,12 @@ if triton is not None:
         return s.to(tl.float32) * uf
 
     @triton.jit
-    def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """y = cast(cast(g / (1 + e^−g)) · u) with PyTorch's float32 arithmetic: the accurate exp (tl.exp is the
         approximate ex2 on NVIDIA GPUs; Triton's CPU interpreter has only that one) and IEEE division. g and u
         [rows, width] at their own row strides (one program a row and block of columns); y contiguous."""
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < width
@@ -211,11 +220,12 @@ if triton is not None:
     @triton.jit
     def _silu_mul_lora_kernel(G, U, Y, XA, BG, BU, rows, width, stride_g, stride_u, stride_xa, LO_G, LO_U,
                               R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              ACCURATE_EXP: tl.constexpr, DOT16: tl.constexpr):
+                              ACCURATE_EXP: tl.constexpr, DOT16: tl.constexpr, PDL: tl.constexpr = False):
         """A [BM, BN] tile of y = silu(g') · u' with g' = cast(g + xa[:, LO_G:LO_G + R] · BG), u' likewise (BG, BU:
         (s B)ᵀ [R, width]), rounded as _silu_mul_kernel rounds. The small products accumulate in float32, where the
         products of 16-bit inputs are exact: DOT16 feeds the 16-bit operands to the tensor cores as they are; else
         (Triton's interpreter, whose 16-bit dot is unusable) they are widened and multiplied in IEEE float32."""
+        wait_for_inputs(PDL)
         m = tl.program_id(1) * BM + tl.arange(0, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         j = tl.arange(0, RP)
@@ -264,7 +274,7 @@ def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
     _add_rmsnorm_kernel[(B,)](h, delta if delta is not None else h, weight, x, d, float(eps),
                               delta.stride(0) if delta is not None else d,
                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d),
-                              num_warps=8 if d >= 2048 else 4)
+                              num_warps=8 if d >= 2048 else 4, **dependent_launch.options(h))
     return h, x
 
 
@@ -294,7 +304,8 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0),
         xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v, slots if slots is not None else write_index,
         HQ=hq, HKV=hkv, D=D, HALF=D // 2, R=r, RP=triton.next_power_of_2(max(r, 1)),
-        HAS_NORM=q_norm is not None, HAS_SLOTS=slots is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
+        HAS_NORM=q_norm is not None, HAS_SLOTS=slots is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION,
+        **dependent_launch.options(q))
     return out
 
 
@@ -326,8 +337,9 @@ def decode_silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool,
             gate, up, y, xa, lora.b_t[0], lora.b_t[1], rows, width, gate.stride(0), up.stride(0), xa.stride(0),
             lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=bn,
             ACCURATE_EXP=not INTERPRETED, DOT16=not INTERPRETED and xa.dtype == gate.dtype != torch.float32,
-            num_warps=LAUNCH["silu_lora_warps"])
+            num_warps=LAUNCH["silu_lora_warps"], **dependent_launch.options(y))
     else:
         _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](gate, up, y, width, gate.stride(0), up.stride(0),
-                                                           BLOCK=1024, ACCURATE_EXP=not INTERPRETED, num_warps=4)
+                                                           BLOCK=1024, ACCURATE_EXP=not INTERPRETED, num_warps=4,
+                                                           **dependent_launch.options(y))
     return y.view(shape)
