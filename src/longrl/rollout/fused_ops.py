@@ -6,6 +6,8 @@ launch regardless of size, which over a model's layers is a large share of a dec
 arithmetic, rounding to the activations' dtype wherever transformers does (``cast`` below), in three kernels:
 
     add_rmsnorm:   h ← cast(h + δ);  x = cast(w ⊙ cast(h · rsqrt(mean(h²) + ε)))           (statistics in float32)
+                   (δ ← cast(δ + xa · (s B)ᵀ) first, when the packed decode folds o's or down's LoRA delta in: a
+                   program a row and column block, the row's last to arrive norming the whole row)
     rotary_kv:     t ← cast(t + xa_t · (s B_t)ᵀ)   q, k, v's LoRA deltas, when the packed decode folds them in
                    t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
                    t ← cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))   for q and k;  k, v → the slot store
@@ -38,21 +40,24 @@ except ImportError:  # CPU installs without Triton use the twins
 
 
 # ---------------------------------------------------------------------------------------------- PyTorch twins
-def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(h + δ, RMSNorm(h + δ)) for rows h, δ [B, d], as transformers' residual add and LlamaRMSNorm."""
+def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                          lora: "LoraFold | None" = None):
+    """(h + δ, RMSNorm(h + δ)) for rows h, δ [B, d], as transformers' residual add and LlamaRMSNorm; δ first gets
+    the LoRA delta of ``lora`` (a lone projection's: o or down), rounded once."""
     if delta is not None:
-        h = h + delta
+        h = h + _with_lora(delta, lora, 0)
     return h, rmsnorm_reference(h, weight, eps)
 
 
 @dataclass
 class LoraFold:
-    """LoRA deltas of q, k, v to add inside :func:`rotary_kv`: t ← round(t + (A x)[:, lo:lo + r] · (s B)ᵀ) per
-    projection, with A x the columns of ``xa`` [B, ≥ lo + r] from ``lo`` and ``b_t`` = (s B)ᵀ [r, out]."""
+    """LoRA deltas for a glue kernel to add (q, k, v's inside :func:`rotary_kv`, gate and up's inside
+    :func:`decode_silu_mul`, o's or down's inside :func:`add_rmsnorm`): t ← round(t + (A x)[:, lo:lo + r] · (s B)ᵀ)
+    per projection, with A x the columns of ``xa`` [B, ≥ lo + r] from ``lo`` and ``b_t`` = (s B)ᵀ [r, out]."""
 
     xa: torch.Tensor
-    lo: tuple  # (q, k, v) column offsets into xa
-    b_t: tuple  # (q, k, v) [r, out] in the projections' dtype, contiguous
+    lo: tuple  # column offsets into xa, one a projection
+    b_t: tuple  # [r, out] a projection, in the projections' dtype, contiguous
     r: int
 
 
@@ -94,6 +99,14 @@ if triton is not None:
     from ..ops.dependent_launch import wait_for_inputs
 
     @triton.jit
+    def _norm_store(h, W, X_ROW, cols, ok, d, eps):
+        """x = cast(w · cast(h · rsqrt(mean(h²) + ε))) of a whole row h (the activations' dtype), stored at X_ROW."""
+        hf = h.to(tl.float32)
+        y = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / d + eps)).to(h.dtype)
+        w = tl.load(W + cols, mask=ok, other=0.0)
+        tl.store(X_ROW + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X_ROW.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, stride_delta, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False):
         """One program per row: h ← cast(h + δ) in place; x = cast(w · cast(h · rsqrt(mean(h²) + ε))). δ's rows at
@@ -107,10 +120,39 @@ if triton is not None:
             h = (h.to(tl.float32) + tl.load(DELTA + row * stride_delta + cols, mask=ok, other=0.0).to(tl.float32)).to(
                 h.dtype)
             tl.store(H + row * d + cols, h, mask=ok)
-        hf = h.to(tl.float32)
-        y = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / d + eps)).to(h.dtype)
-        w = tl.load(W + cols, mask=ok, other=0.0)
-        tl.store(X + row * d + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+        _norm_store(h, W, X + row * d, cols, ok, d, eps)
+
+    @triton.jit
+    def _add_lora_rmsnorm_kernel(H, DELTA, XA, B_T, W, X, COUNT, d, eps, stride_delta, stride_xa,
+                                 R: tl.constexpr, RP: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr,
+                                 PDL: tl.constexpr = False):
+        """Program (row b, column block c of BC): δ' = cast(δ + xa[b, :R] · B_T[:, cols]) (a lone projection's LoRA
+        delta, B_T = (s B)ᵀ [R, d], summed in float32 and rounded once, as a product adding into its output), then
+        h ← cast(h + δ') in place. The row's program that arrives last (COUNT[b]: its count of arrivals, back to 0
+        after) reads the whole row back and writes x = cast(w · cast(h · rsqrt(mean(h²) + ε))), as
+        _add_rmsnorm_kernel does: the LoRA B product of o or down and the next norm in one launch, its B read by a
+        program a column block rather than one a row."""
+        wait_for_inputs(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        ok = cols < d
+        j = tl.arange(0, RP)
+        j_ok = j < R
+        xa = tl.load(XA + row * stride_xa + j, mask=j_ok, other=0.0).to(tl.float32)  # [RP]
+        b = tl.load(B_T + j[:, None] * d + cols[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)  # [RP, BC]
+        delta = tl.load(DELTA + row * stride_delta + cols, mask=ok, other=0.0)
+        delta = (delta.to(tl.float32) + tl.sum(b.to(tl.float32) * xa[:, None], 0)).to(delta.dtype)
+        h = tl.load(H + row * d + cols, mask=ok, other=0.0)
+        h = (h.to(tl.float32) + delta.to(tl.float32)).to(h.dtype)
+        tl.store(H + row * d + cols, h, mask=ok)
+        tl.debug_barrier()  # every thread's block stored before the count (released with it)
+        arrived = tl.atomic_add(COUNT + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            all_cols = tl.arange(0, BLOCK)
+            all_ok = all_cols < d
+            h_row = tl.load(H + row * d + all_cols, mask=all_ok, other=0.0, cache_modifier=".cg")  # (L2: never stale)
+            _norm_store(h_row, W, X + row * d, all_cols, all_ok, d, eps)
+            tl.store(COUNT + row, 0)
 
     @triton.jit
     def _lora_head(lo, hi, XA_ROW, B_T, width, cols, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
@@ -265,12 +307,30 @@ INTERPRETED = triton is not None and type(_silu_mul_kernel).__name__ == "Interpr
 LAUNCH = dict(silu_lora_bm=32, silu_lora_bn=64, silu_lora_warps=8)
 
 
-def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
-    """(h + δ, RMSNorm(h + δ)); with Triton h is updated in place (it must be a contiguous [B, d] buffer)."""
+ADD_LORA_BLOCK = 256  # columns a program of the LoRA-folding add + RMSNorm kernel (its B tile [r, 256] in registers)
+
+
+def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool, lora: "LoraFold | None" = None,
+                counts: torch.Tensor | None = None):
+    """(h + δ, RMSNorm(h + δ)), δ with a lone projection's LoRA delta first when ``lora`` is given; with Triton h is
+    updated in place (it must be a contiguous [B, d] buffer). ``counts``: int32 zeros, one a row at least, that the
+    LoRA-folding kernel counts its programs' arrivals in (and leaves zero); without them the delta is added by
+    PyTorch before the plain kernel."""
     if not use_triton or (delta is not None and (delta.dtype != h.dtype or delta.dim() != 2 or delta.stride(-1) != 1)):
-        return add_rmsnorm_reference(h, delta, weight, eps)  # the kernel keeps h's dtype; PyTorch would promote
+        return add_rmsnorm_reference(h, delta, weight, eps, lora)  # the kernel keeps h's dtype; PyTorch would promote
     B, d = h.shape
     x = torch.empty(B, d, dtype=torch.result_type(weight, h), device=h.device)
+    if lora is not None:
+        b_t, xa = lora.b_t[0], _rows(lora.xa)
+        if (counts is None or counts.numel() < B or b_t.dtype != h.dtype or not b_t.is_contiguous()
+                or b_t.shape != (lora.r, d)):
+            delta = _with_lora(delta, lora, 0)
+        else:
+            _add_lora_rmsnorm_kernel[(B, triton.cdiv(d, ADD_LORA_BLOCK))](
+                h, delta, xa[:, lora.lo[0]:], b_t, weight, x, counts, d, float(eps), delta.stride(0), xa.stride(0),
+                R=lora.r, RP=max(2, triton.next_power_of_2(lora.r)), BC=ADD_LORA_BLOCK, BLOCK=triton.next_power_of_2(d),
+                num_warps=4, **dependent_launch.options(h))
+            return h, x
     _add_rmsnorm_kernel[(B,)](h, delta if delta is not None else h, weight, x, d, float(eps),
                               delta.stride(0) if delta is not None else d,
                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d),
