@@ -42,8 +42,9 @@ def _dependent_launches(tree: ast.Module):
             yield ast.unparse(node.func.value), node.lineno
 
 
-# the decode step's kernels: glue, attention, the FP8 cache's store, the NF4 and FP8 products and their split sums
-DECODE_KERNELS = {"_add_rmsnorm_kernel", "_rotary_kv_kernel", "_silu_mul_kernel", "_silu_mul_lora_kernel",
+# the decode step's kernels: glue (o's and down's LoRA fold too), attention, the FP8 cache's store, the NF4 and FP8
+# products and their split sums
+DECODE_KERNELS = {"_add_rmsnorm_kernel", "_add_lora_rmsnorm_kernel", "_rotary_kv_kernel", "_silu_mul_kernel", "_silu_mul_lora_kernel",
                   "_prefix_kernel", "_chunk_kernel", "_merge_kernel", "_store_kernel", "_nf4_group_kernel",
                   "_split_sum_kernel", "_fp8_group_kernel"}
 MODULES = sorted(p for p in SRC.rglob("*.py") if "dependent_launch.options" in p.read_text() or "PDL" in p.read_text())
