@@ -112,6 +112,11 @@ def test_the_wait_compiles_to_griddepcontrol_for_sm90():
     assert "griddepcontrol.wait" in ptx[True] and "griddepcontrol.launch_dependents" in ptx[True]
     assert ptx[True].index("griddepcontrol.wait") < ptx[True].index("ld.global")  # before the first load
     assert "griddepcontrol" not in ptx[False]
+    # o's and down's LoRA fold (rank 32, an 8B row of 4,096 in blocks of 256) builds for sm_90 too, waiting first
+    fold = compile_for_sm90(fo._add_lora_rmsnorm_kernel, dict(sig, XA="*bf16", B_T="*bf16", COUNT="*i32",
+                                                              stride_xa="i32"),
+                            dict(R=32, RP=32, BC=fo.ADD_LORA_BLOCK, BLOCK=4096, PDL=True), num_warps=4, launch_pdl=True)
+    assert "griddepcontrol.wait" in fold.asm["ptx"] and "atom.global.gpu.acq_rel.add" in fold.asm["ptx"]
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
