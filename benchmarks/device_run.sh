@@ -55,8 +55,8 @@
 #              SmolLM2-135M shape, 8/32/128 sequences (OSEQ), min_decode_batch 1 and 16 (OMIN), plain and ngram
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
-#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min; PSERIAL=1:
-#              without dependent launches, whose kernel times would include each kernel's wait for the one ahead)
+#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min; PLAUNCHES=
+#              dependent: with programmatic dependent launch, whose kernel times include each one's wait for the last)
 #   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
 #              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min;
 #              PROFILE_KV=fp8: the FP8 cache alone)
@@ -132,7 +132,7 @@
 #              the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an NF4 launch table, e.g.
 #              benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a JSON entry or a
 #              --sweep --mma result, `auto` this card's (run mmasweep first); MLAUNCHES=serial,dependent: each cell
-#              without and with programmatic dependent launch; MTAG the file's tag) (~10 min)
+#              without and with programmatic dependent launch (ops/dependent_launch.py); MTAG the file's tag) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
@@ -319,7 +319,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
         profile8b4) stage profile8b4 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants packed --profile-4bit --tag "${PTAG:-_fast}_4bit" ${PSERIAL:+--serial-launches} ;;
+            --profile-variants packed --profile-4bit --tag "${PTAG:-_fast}_4bit" ${PLAUNCHES:+--launches "$PLAUNCHES"} ;;
         profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;

@@ -127,21 +127,21 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              + (f" nf4m at up to 8 rows: {meta['mma_launch']}." if "nf4m" in args.bases and meta.get("mma_launch")
                 else "")
              + (f" nf4t's launch table: {meta['nf4t_launch']}." if "nf4t" in args.bases else "")
-             + (" serial: the decode kernels launched without programmatic dependent launch (ops/dependent_launch.py), "
-                "× bf16 against bf16 serial." if "serial" in args.launches else "")
+             + (" dependent: the decode kernels launched with programmatic dependent launch (ops/dependent_launch.py), "
+                "× bf16 against bf16 dependent." if "dependent" in args.launches else "")
              + " Call: the timed call's seconds; of them set-up (the model set up for the call and undone: "
              "Sampler.last_stats prepare_s + release_s) and graphs (its CUDA-graph captures' host seconds); prefill: "
              "a one-token call's seconds (its own set-up included).",
              "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB | "
              "call s | set-up s | graphs s | prefill s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    def launches(r):  # (results before the launches axis: dependent where supported)
-        return r.get("launches", "dependent")
+    def launches(r):  # (results before the launches axis: serial)
+        return r.get("launches", "serial")
 
     bf16 = {(r["kv"], r["context"], r["rows"], launches(r)): r.get("tokens_per_s") for r in rows if r["base"] == "bf16"}
     for r in sorted(rows, key=lambda r: (r["kv"], r["context"], r["rows"], args.bases.index(r["base"]),
-                                         launches(r) != "serial")):
-        name = r["base"] + (" serial" if launches(r) == "serial" else "")
+                                         launches(r) == "dependent")):
+        name = r["base"] + (" dependent" if launches(r) == "dependent" else "")
         if "error" in r:
             lines.append(f"| {name} | {r['kv']} | {r['context']:,} | {r['rows']} | – | – | – | – | "
                          f"{r['error'][:90]} | – | – | – | – |")
@@ -168,9 +168,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--launches", default="dependent", help="dependent (the sampler's default where the GPU and "
-                    "Triton support programmatic dependent launch), serial (without it), or both: "
-                    "serial,dependent (each cell twice, in that order)")
+    ap.add_argument("--launches", default="serial", help="serial (the sampler's default), dependent (with "
+                    "programmatic dependent launch where the GPU and Triton support it: ops/dependent_launch.py), or "
+                    "both: serial,dependent (each cell twice, in that order)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape and sizes: the program runs; writes nothing")
     ap.add_argument("--from-log", default="", metavar="PATH",

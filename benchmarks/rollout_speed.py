@@ -299,11 +299,12 @@ def main() -> None:
     ap.add_argument("--glue-launch", default="", metavar="JSON|PATH",
                     help="launch choices of the LoRA-folding SiLU·up kernel (fused_ops.LAUNCH entries), as a JSON "
                     "object or a decode_glue_speed.py result whose fastest choice at this shape is taken")
-    ap.add_argument("--serial-launches", action="store_true",
-                    help="the decode kernels launched without programmatic dependent launch (ops/dependent_launch.py): "
-                    "with it, a profile's kernel times include each kernel's wait for the one ahead")
+    ap.add_argument("--launches", choices=("serial", "dependent"), default="serial",
+                    help="the decode kernels launched as the sampler's default does (serial) or with programmatic "
+                    "dependent launch (ops/dependent_launch.py; a profile's kernel times then include each kernel's "
+                    "wait for the one ahead)")
     args = ap.parse_args()
-    with dependent_launches(not args.serial_launches):
+    with dependent_launches(args.launches == "dependent"):
         measure(args)
 
 

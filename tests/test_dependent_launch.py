@@ -85,15 +85,18 @@ def test_launches_stay_plain_on_the_cpu_and_when_switched_off(monkeypatch):
         device = torch.device("cuda", 0)
 
     monkeypatch.setattr(dl, "supported", lambda device: True)
-    assert dl.options(OnAGpu()) == {"PDL": True, "launch_pdl": True}
-    with dl.dependent_launches(False):
+    default = dl.options(OnAGpu())
+    assert default in ({"PDL": True, "launch_pdl": True}, {"PDL": False})
+    with dl.dependent_launches(True):
+        assert dl.options(OnAGpu()) == {"PDL": True, "launch_pdl": True}
+        with dl.dependent_launches(False):
+            assert dl.options(OnAGpu()) == {"PDL": False}
+            assert dl.options(torch.zeros(2)) == {"PDL": False}
+        assert dl.options(OnAGpu())["PDL"]
+        monkeypatch.setattr(dl, "supported", lambda device: False)
         assert dl.options(OnAGpu()) == {"PDL": False}
-        with dl.dependent_launches(True):
-            assert dl.options(OnAGpu())["PDL"]
-        assert dl.options(OnAGpu()) == {"PDL": False}
-    assert dl.options(OnAGpu())["PDL"]
-    monkeypatch.setattr(dl, "supported", lambda device: False)
-    assert dl.options(OnAGpu()) == {"PDL": False}
+    monkeypatch.setattr(dl, "supported", lambda device: True)
+    assert dl.options(OnAGpu()) == default  # the default back after the contexts
 
 
 def test_the_wait_compiles_to_griddepcontrol_for_sm90():

@@ -30,7 +30,10 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
-_ON = [True]  # dependent launches where the device and Triton support them (dependent_launches() switches)
+# dependent launches where the device and Triton support them; dependent_launches() switches. Off by default until
+# their GPU tests (tests/test_dependent_launch.py) have run on a GPU and the rollout matrix has timed them
+# (benchmarks/rollout_matrix.py --launches serial,dependent)
+_ON = [False]
 
 
 @contextlib.contextmanager
