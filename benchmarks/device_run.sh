@@ -38,8 +38,8 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
-#   pdlgpu     the GPU tests of the kernels launched dependently (ops/dependent_launch.py): its own, the sampler's, the
-#              FP8 cache's, the NF4 and FP8 products' (~4 min; carry .whl_bnb)
+#   pdlgpu     the GPU tests of the kernels launched dependently (ops/dependent_launch.py): its own, the sampler's
+#              (the LoRA folds' included), the NF4 product's (~3 min; carry .whl_bnb)
 #   mma        the few-row NF4 CUDA kernels (ops/nf4_mma.py, built by NVRTC): their GPU tests, then nf4_matmul.py
 #              --sweep --mma --table-only --skip-table: LAUNCH's entry against both kernels' choices at 8, 16, 32 rows
 #              (MMA_ROWS) (~5 min; carry .whl_bnb)
@@ -303,8 +303,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ${NF4SWEEP_ARGS:-} ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
-        pdlgpu) stage pdlgpu 300 python3 -m pytest -q -m gpu tests/test_dependent_launch.py tests/test_sampler_gpu.py \
-                tests/test_kv_fp8_gpu.py tests/test_nf4_matmul.py tests/test_nf4_mma.py tests/test_fp8_gpu.py ;;
+        pdlgpu) stage pdlgpu 240 python3 -m pytest -q -m gpu tests/test_dependent_launch.py tests/test_sampler_gpu.py \
+                tests/test_nf4_matmul.py ;;
         mma) stage mmagpu 240 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
             stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
                 --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
