@@ -38,8 +38,6 @@
 #   fp8sweep   nf4_matmul.py --fp8 --sweep: the FP8 decode product's launch choices (fp8_matmul.LAUNCH is unmeasured;
 #              rollout_speed.py --fp8-launch benchmarks/results/fp8_matmul_h200_sweep.json runs the fastest) (~4 min)
 #   nf4gpu     the NF4 GPU tests alone (~40 s)
-#   pdlgpu     the GPU tests of the kernels launched dependently (ops/dependent_launch.py): its own, the sampler's
-#              (the LoRA folds' included), the NF4 product's (~3 min; carry .whl_bnb)
 #   mma        the few-row NF4 CUDA kernels (ops/nf4_mma.py, built by NVRTC): their GPU tests, then nf4_matmul.py
 #              --sweep --mma --table-only --skip-table: LAUNCH's entry against both kernels' choices at 8, 16, 32 rows
 #              (MMA_ROWS) (~5 min; carry .whl_bnb)
@@ -55,8 +53,7 @@
 #              SmolLM2-135M shape, 8/32/128 sequences (OSEQ), min_decode_batch 1 and 16 (OMIN), plain and ngram
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
-#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min; PLAUNCHES=
-#              dependent: with programmatic dependent launch, whose kernel times include each one's wait for the last)
+#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min)
 #   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
 #              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min;
 #              PROFILE_KV=fp8: the FP8 cache alone)
@@ -131,8 +128,7 @@
 #              FP8), every pair in one run (issue 43's table; carry .whl_bnb, the bitsandbytes 0.50.2 wheel, for
 #              the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an NF4 launch table, e.g.
 #              benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a JSON entry or a
-#              --sweep --mma result, `auto` this card's (run mmasweep first); MLAUNCHES=serial,dependent: each cell
-#              without and with programmatic dependent launch (ops/dependent_launch.py); MTAG the file's tag) (~10 min)
+#              --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
@@ -303,8 +299,6 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
         nf4sweep) stage nf4sweep 240 python3 benchmarks/nf4_matmul.py --sweep ${NF4SWEEP_ARGS:-} ;;
         fp8sweep) stage fp8sweep 300 python3 benchmarks/nf4_matmul.py --fp8 --sweep ;;
         nf4gpu) stage nf4gpu 90 python3 -m pytest -q -m gpu tests/test_nf4_matmul.py ;;
-        pdlgpu) stage pdlgpu 240 python3 -m pytest -q -m gpu tests/test_dependent_launch.py tests/test_sampler_gpu.py \
-                tests/test_nf4_matmul.py ;;
         mma) stage mmagpu 240 python3 -m pytest -q -m gpu tests/test_nf4_mma.py
             stage mma 240 python3 benchmarks/nf4_matmul.py --sweep --mma --table-only --skip-table \
                 --sweep-rows "${MMA_ROWS:-8,16,32}" ;;
@@ -319,7 +313,7 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --profile-variants "${PVARIANTS:-packed,hf}" \
             --tag "${PTAG:-_fast}" ;;
         profile8b4) stage profile8b4 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants packed --profile-4bit --tag "${PTAG:-_fast}_4bit" ${PLAUNCHES:+--launches "$PLAUNCHES"} ;;
+            --profile-variants packed --profile-4bit --tag "${PTAG:-_fast}_4bit" ;;
         profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;
@@ -511,7 +505,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --sequences ${OSEQ:-8 32 128} --min-batch ${OMIN:-1 16} --tag "${OTAG:-}" ;;
         matrix) stage matrix 560 python3 benchmarks/rollout_matrix.py --bases "${MBASES:-bf16,nf4,fp8}" \
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
-                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" ${MLAUNCHES:+--launches "$MLAUNCHES"} \
+                ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" \
                 ${MNF4T:+--nf4t-launch "${MNF4T/#auto/benchmarks/results/nf4_matmul_${CARD}_sweep.json}"} \
                 ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} ;;
         visiona|visionb) if [ "$s" = visiona ]; then

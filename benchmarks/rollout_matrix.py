@@ -12,7 +12,6 @@ A cell whose KV cache cannot fit the GPU is reported as such (the sampler's own 
     python benchmarks/rollout_matrix.py                       # GPU: the whole table (~10 min on an H200)
     python benchmarks/rollout_matrix.py --bases bf16,fp8 --rows 8,32 --contexts 1024 --kv bf16
     python benchmarks/rollout_matrix.py --bases bf16,nf4 --nf4-launch benchmarks/results/nf4_matmul_h100_sweep.json
-    python benchmarks/rollout_matrix.py --bases bf16,nf4 --rows 8 --launches serial,dependent
     python benchmarks/rollout_matrix.py --smoke               # CPU, tiny shape: the program runs; nothing written
 
 The table is rewritten after every cell, so a run cut off by a time limit leaves the cells it finished (its header
@@ -41,7 +40,6 @@ from bench_setup import bench_lora, random_model, random_prompts  # noqa: E402
 from results_io import card_tag, copy_bandwidth, run_meta, write_result  # noqa: E402
 
 from longrl.models import apply_lora  # noqa: E402
-from longrl.ops.dependent_launch import dependent_launches  # noqa: E402
 
 G = 8
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -127,32 +125,25 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              + (f" nf4m at up to 8 rows: {meta['mma_launch']}." if "nf4m" in args.bases and meta.get("mma_launch")
                 else "")
              + (f" nf4t's launch table: {meta['nf4t_launch']}." if "nf4t" in args.bases else "")
-             + (" dependent: the decode kernels launched with programmatic dependent launch (ops/dependent_launch.py), "
-                "× bf16 against bf16 dependent." if "dependent" in args.launches else "")
              + " Call: the timed call's seconds; of them set-up (the model set up for the call and undone: "
              "Sampler.last_stats prepare_s + release_s) and graphs (its CUDA-graph captures' host seconds); prefill: "
              "a one-token call's seconds (its own set-up included).",
              "", "| base | KV cache | context | rows | tokens/s | × bf16 | decode GB/s | of roofline | peak GiB | "
              "call s | set-up s | graphs s | prefill s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    def launches(r):  # (results before the launches axis: serial)
-        return r.get("launches", "serial")
-
-    bf16 = {(r["kv"], r["context"], r["rows"], launches(r)): r.get("tokens_per_s") for r in rows if r["base"] == "bf16"}
-    for r in sorted(rows, key=lambda r: (r["kv"], r["context"], r["rows"], args.bases.index(r["base"]),
-                                         launches(r) == "dependent")):
-        name = r["base"] + (" dependent" if launches(r) == "dependent" else "")
+    bf16 = {(r["kv"], r["context"], r["rows"]): r.get("tokens_per_s") for r in rows if r["base"] == "bf16"}
+    for r in sorted(rows, key=lambda r: (r["kv"], r["context"], r["rows"], args.bases.index(r["base"]))):
         if "error" in r:
-            lines.append(f"| {name} | {r['kv']} | {r['context']:,} | {r['rows']} | – | – | – | – | "
+            lines.append(f"| {r['base']} | {r['kv']} | {r['context']:,} | {r['rows']} | – | – | – | – | "
                          f"{r['error'][:90]} | – | – | – | – |")
             continue
-        ref = bf16.get((r["kv"], r["context"], r["rows"], launches(r)))
+        ref = bf16.get((r["kv"], r["context"], r["rows"]))
         ratio = f"{r['tokens_per_s'] / ref:.2f}×" if ref else "–"
         frac = (f"{r['decode_bandwidth_gbs']:,.0f} | {100 * r['roofline_fraction']:.0f}%"
                 if "roofline_fraction" in r else "– | –")
         fixed = (f"{r['seconds']:.3f} | {r['setup_s']:.3f} | {r['capture_s']:.3f} | {r['prefill_s']:.3f}"
                  if "setup_s" in r else f"{r['seconds']:.3f} | – | – | {r['prefill_s']:.3f}")  # older logs: no set-up
-        lines.append(f"| {name} | {r['kv']} | {r['context']:,} | {r['rows']} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['base']} | {r['kv']} | {r['context']:,} | {r['rows']} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {frac} | {r['peak_gib']:.2f} | {fixed} |")
     return lines
 
@@ -168,9 +159,6 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--launches", default="serial", help="serial (the sampler's default), dependent (with "
-                    "programmatic dependent launch where the GPU and Triton support it: ops/dependent_launch.py), or "
-                    "both: serial,dependent (each cell twice, in that order)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape and sizes: the program runs; writes nothing")
     ap.add_argument("--from-log", default="", metavar="PATH",
@@ -203,9 +191,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     kvs, contexts, row_counts = args.kv.split(","), [int(c) for c in args.contexts.split(",")], \
         [int(r) for r in args.rows.split(",")]
-    if any(x not in ("serial", "dependent") for x in args.launches.split(",")):
-        raise SystemExit(f"--launches: serial and/or dependent, not {args.launches!r}")
-    cells = len(args.bases) * len(kvs) * len(contexts) * len(row_counts) * len(args.launches.split(","))
+    cells = len(args.bases) * len(kvs) * len(contexts) * len(row_counts)
     stem = f"rollout_matrix_{args.shape}_{card_tag()}{args.tag}"
     t0, rows = time.perf_counter(), []
     for base in (b for b in args.bases if b not in VARIANTS):  # (the NF4 variants: beside nf4, on its model)
@@ -214,11 +200,8 @@ def main() -> None:
             for context in contexts:
                 for n in row_counts:
                     for variant in [base] + [v for v in VARIANTS if base == "nf4" and v in args.bases]:
-                        for launches in args.launches.split(","):
-                            with dependent_launches(launches == "dependent"):
-                                rows.append({**cell(model, variant, step_bytes, n, context, kv, args.new_tokens,
-                                                    bandwidth), "launches": launches})
-                            print({k: v for k, v in rows[-1].items()}, flush=True)
+                        rows.append(cell(model, variant, step_bytes, n, context, kv, args.new_tokens, bandwidth))
+                        print({k: v for k, v in rows[-1].items()}, flush=True)
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
                                     cells=f"{len(rows)} of {cells}", nf4_launch=rs.nf4_launch_table(),
                                     fp8_launch=rs.fp8_launch_table(),

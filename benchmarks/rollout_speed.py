@@ -40,7 +40,6 @@ from bench_setup import add_shape_args, bench_lora, random_model, random_prompts
 from results_io import RESULTS, card_tag, copy_bandwidth, kernel_times, run_meta, write_result  # noqa: E402
 
 from longrl.models import apply_lora, base_model  # noqa: E402
-from longrl.ops.dependent_launch import dependent_launches  # noqa: E402
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
 from longrl.rollout.attention import KVCache, decode_attention_reference  # noqa: E402
 
@@ -299,16 +298,7 @@ def main() -> None:
     ap.add_argument("--glue-launch", default="", metavar="JSON|PATH",
                     help="launch choices of the LoRA-folding SiLU·up kernel (fused_ops.LAUNCH entries), as a JSON "
                     "object or a decode_glue_speed.py result whose fastest choice at this shape is taken")
-    ap.add_argument("--launches", choices=("serial", "dependent"), default="serial",
-                    help="the decode kernels launched as the sampler's default does (serial) or with programmatic "
-                    "dependent launch (ops/dependent_launch.py; a profile's kernel times then include each kernel's "
-                    "wait for the one ahead)")
     args = ap.parse_args()
-    with dependent_launches(args.launches == "dependent"):
-        measure(args)
-
-
-def measure(args) -> None:
     if args.launch:
         from longrl.rollout import decode_kernel
 

@@ -180,52 +180,6 @@ def test_triton_kernels_equal_their_twins(seed):
     assert "fused ops ok" in run_interpreted(KERNEL_CHECK, seed)
 
 
-# add_rmsnorm with o's or down's LoRA delta folded in: several column blocks a row (the module's block made small), the
-# last one partial, ranks that are not powers of two, δ and A x as column blocks of one packed product; the kernel (not
-# the twin's PyTorch delta) must run, and leave the arrival counts at zero. A delta past the counts' rows, or without
-# them, is added by PyTorch before the plain kernel.
-ADD_LORA_CHECK = textwrap.dedent('''
-    import torch
-    from longrl.rollout import fused_ops as f
-
-    def close(got, want):  # bf16: as KERNEL_CHECK (the interpreter's bf16 casts round their own way); float32: the
-        if want.dtype == torch.bfloat16:  # r-term sums in another order
-            return bool(((got.float() - want.float()).abs() <= 2 ** -5 * want.float().abs().clamp(min=1)).all())
-        return torch.allclose(got, want, 2e-5, 2e-5)
-
-    def no_twin(*args):
-        raise AssertionError("add_rmsnorm added the LoRA delta with PyTorch, not in the kernel")
-
-    torch.manual_seed(int(__import__("sys").argv[1]))
-    f.ADD_LORA_BLOCK = 32
-    with_lora = f._with_lora
-    checked = 0
-    for dtype in (torch.float32, torch.bfloat16):
-        for B, d, r in ((1, 32, 1), (3, 100, 3), (5, 256, 16), (2, 70, 32)):
-            h, w = torch.randn(B, d).to(dtype), (1 + 0.3 * torch.randn(d)).to(dtype)
-            packed = torch.randn(B, d + r + 7).to(dtype)  # o's output, then its A x
-            delta, xa = packed[:, :d], packed[:, d + 3:d + 3 + r]
-            lora = f.LoraFold(xa, (0,), ((0.3 * torch.randn(r, d)).to(dtype),), r)
-            want = f.add_rmsnorm_reference(h.clone(), delta, w, 1e-5, lora)
-            counts = torch.zeros(B + 3, dtype=torch.int32)
-            f._with_lora = no_twin
-            got = f.add_rmsnorm(h.clone(), delta, w, 1e-5, True, lora, counts)
-            f._with_lora = with_lora
-            assert not counts.any(), counts
-            assert close(got[0], want[0]) and close(got[1], want[1]), ("add_rmsnorm lora", dtype, B, d, r)
-            for few in (None, torch.zeros(B - 1, dtype=torch.int32)):  # no counts, too few: PyTorch's delta
-                fell = f.add_rmsnorm(h.clone(), delta, w, 1e-5, True, lora, few)
-                assert close(fell[0], want[0]) and close(fell[1], want[1]), ("fallback", dtype, B, d, r)
-            checked += 1
-    print("add lora ok", checked)
-''')
-
-
-def test_add_rmsnorm_folds_a_lone_projections_lora_delta_like_its_twin():
-    pytest.importorskip("triton")
-    assert "add lora ok 8" in run_interpreted(ADD_LORA_CHECK, "0")
-
-
 # The rotary kernel with and without LoRA folded in, with and without the per-head norms, ranks that are not powers of
 # two, q/k/v and A x as column blocks of one packed product, several row counts. Inputs are multiples of 1/8: every
 # float32 sum is exact in any order, so the kernel must equal its twin bit for bit.
@@ -446,10 +400,8 @@ def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
         assert fast.prepare_packing() == 4 * COMMON["num_hidden_layers"]
         pack = fast.packs[(0, "q_proj")]
         assert pack.group is not None and pack.bias is not None
-        # the B products: into the glue kernel after each product (o's and down's: the next add_rmsnorm)
-        assert all(fast.packs[(0, n)].fold is not None for n in ("q_proj", "o_proj", "gate_proj", "down_proj"))
-        assert fast.packs[(0, "o_proj")].fold[0] == (0,) and fast.row_counts is not None
-        assert fast.row_counts.dtype == torch.int32 and not fast.row_counts.any()
+        assert pack.fold is not None and fast.packs[(0, "gate_proj")].fold is not None  # B: into the glue kernels
+        assert fast.packs[(0, "o_proj")].fold is None
         assert fast.packs[(0, "o_proj")].group is not None and fast.packs[(0, "down_proj")].a_start == 48
         rows = sum(b.out_features for b in bases)
         assert pack.weight.shape == (rows + 3 * 4, COMMON["hidden_size"])  # three adapters of rank 4
@@ -459,7 +411,7 @@ def test_packing_puts_a_groups_weights_and_a_rows_in_one_buffer():
         assert torch.equal(pack.bias[rows:], torch.zeros(12))
         fast.release_packing()
     assert not fast.packs and all(b.weight.untyped_storage().nbytes() == b.weight.numel() * 4 for b in bases)
-    assert all(torch.equal(b.weight, w) for b, w in zip(bases, weights)) and fast.row_counts is None
+    assert all(torch.equal(b.weight, w) for b, w in zip(bases, weights))
 
 
 def test_a_missing_bitsandbytes_is_looked_up_once(monkeypatch):

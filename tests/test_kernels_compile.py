@@ -24,9 +24,6 @@ def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_
                      **options):
     """``aligned``: arguments known divisible by 16, as Triton specialises them at a launch (pointers of fresh
     tensors, sizes such as 4,096)."""
-    # constexprs left to their defaults, as a launch leaves them (e.g. PDL: ops/dependent_launch.py)
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
-                     and p.name not in signature}, **constexprs}
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
     try:

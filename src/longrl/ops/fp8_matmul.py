@@ -36,8 +36,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs without Triton use the twin
     triton = None
-from . import dependent_launch
-from .dependent_launch import wait_for_inputs
 
 MAX_FP8 = 3  # FP8 weights one group stacks (q/k/v)
 CHUNK = FP8_BLOCK  # elements of K a program reads per step: one block column
@@ -169,7 +167,7 @@ if triton is not None:
     def _fp8_group_kernel(X, P0, P1, P2, S0, S1, S2, D, BIAS, Y, OUT, LOCK, M, K, KB, N0, N01, NQ, R, stride_xm,
                           stride_ym, stride_ys, n_chunks, chunks_per_split, dense_tiles, HAS_BIAS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, EVEN_K: tl.constexpr, F16: tl.constexpr,
-                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
+                          FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D, the rest the FP8
         rows; an FP8 tile lies inside one weight (P0 rows [0, N0), P1 [N0, N01), P2 [N01, NQ)), whose scales are
         S0, S1, S2. acc [BN, BM] (weight tile on the left) goes to split ps's float32 slice of Y, or (one split)
@@ -177,7 +175,6 @@ if triton is not None:
         float16 tensor cores, p a power of two a row of x from its largest |x| in this program's range of K
         (_pow2_scale), each chunk's product times its rows' scales and the sum times 1/p (the f16 choice). FIXUP:
         the tile's last program sums the splits into OUT (nf4_matmul._last_split_sums)."""
-        wait_for_inputs(PDL)
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -267,7 +264,7 @@ def fp8_group_linear(x: torch.Tensor, group: FP8Group, use_triton: bool = True,
         x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
         HAS_BIAS=group.bias is not None and g.split == 1, BM=BM, BN=g.BN, EVEN_K=K % CHUNK == 0,
         F16=cfg.get("f16", False), FIXUP=fixup, SUM_BIAS=group.bias is not None, num_warps=cfg["warps"],
-        num_stages=cfg["stages"], **dependent_launch.options(out))
+        num_stages=cfg["stages"])
     if not fixup:
         sum_splits(target, group.bias, out)
     return out.view(*lead, NT)

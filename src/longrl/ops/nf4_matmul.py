@@ -60,8 +60,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs without Triton use the twin
     triton = None
-from . import dependent_launch
-from .dependent_launch import wait_for_inputs
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +464,7 @@ if triton is not None:
                           JOIN: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                           FIXUP: tl.constexpr = False, SUM_BIAS: tl.constexpr = False, KORD: tl.constexpr = False,
                           UNROLL: tl.constexpr = 1, HALVES: tl.constexpr = False, LOOKUP: tl.constexpr = "",
-                          LOOKUP_CONS: tl.constexpr = "", PACK: tl.constexpr = 4, PDL: tl.constexpr = False):
+                          LOOKUP_CONS: tl.constexpr = "", PACK: tl.constexpr = 4):
         """Program (row tile, K split, m tile). Row tiles [0, dense_tiles) are the 16-bit rows D (first, so that
         their heavier programs start early), the rest the NF4 rows; an NF4 tile lies inside one weight (P0 rows
         [0, N0), P1 [N0, N01), P2 [N01, NQ)). acc is [BN, BM] (SWAP: weight tile on the left) or [BM, BN]; it goes
@@ -474,7 +472,6 @@ if triton is not None:
         splits): the tile's last program sums the splits into OUT (_last_split_sums; LOCK: a count a row tile,
         SUM_BIAS: with the bias). HALVES (SWAP, LUT 4 to 6, K a multiple of 128): the codes in the halves layout
         (ops/nf4_halves.py), looked up PACK bytes at a time by the PTX LOOKUP (constraints LOOKUP_CONS)."""
-        wait_for_inputs(PDL)
         pn, ps, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         m_ok = m < M
@@ -666,10 +663,8 @@ if triton is not None:
             _last_split_sums(Y, OUT, BIAS, LOCK + pn, stride_ys, offs, mask, col, c_ok, SWAP, SUM_BIAS)
 
     @triton.jit
-    def _split_sum_kernel(PART, BIAS, Y, total, NT, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr = False):
+    def _split_sum_kernel(PART, BIAS, Y, total, NT, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         """Y[i] = cast(Σ_s PART[s, i] (+ bias[i mod NT])), the splits added in order."""
-        wait_for_inputs(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
         acc = tl.zeros([BLOCK], tl.float32)
@@ -795,8 +790,7 @@ def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
         return
     total, NT, block = out.numel(), out.shape[-1], 1024
     _split_sum_kernel[(-(-total // block),)](target, bias if bias is not None else out, out, total, NT,
-                                             target.shape[0], HAS_BIAS=bias is not None, BLOCK=block,
-                                             **dependent_launch.options(out))
+                                             target.shape[0], HAS_BIAS=bias is not None, BLOCK=block)
 
 
 def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
@@ -845,8 +839,7 @@ def nf4_group_linear(x: torch.Tensor, group: NF4Group, use_triton: bool = True,
             g.N01, NQ, R, x2.stride(0), NT, M * NT, g.n_chunks, g.per_split, g.dense_tiles,
             HAS_BIAS=group.bias is not None and split == 1, BM=BM, BN=BN, SWAP=cfg["swap"], JOIN=cfg["join"],
             LUT=lut, EVEN_K=K % CHUNK == 0, ASM=asm, FIXUP=fixup, SUM_BIAS=group.bias is not None, KORD=kord,
-            UNROLL=cfg.get("unroll", 1), num_warps=cfg["warps"], num_stages=cfg["stages"], **halves, **regs,
-            **dependent_launch.options(out))
+            UNROLL=cfg.get("unroll", 1), num_warps=cfg["warps"], num_stages=cfg["stages"], **halves, **regs)
         if not (lut == 3 or kord) or not asm or _checked(kernel):
             break
         # the byte permutes read four bytes of one row a thread; this build spread them (its result is discarded:

@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import dependent_launch
-from ..ops.dependent_launch import wait_for_inputs
 from .kv_quant import EXP_LIMIT, round_e4m3, scale_exponent
 
 Q_EXP_LIMIT = tl.constexpr(EXP_LIMIT)  # the query split's exponent bound, kv_quant's (a constexpr kernels can read)
@@ -276,13 +274,11 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
                    stride_epp, stride_eph, stride_mem, NPART,
                    NSUB, REP: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK: tl.constexpr, PCHUNK: tl.constexpr, PREC: tl.constexpr,
-                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   DYNAMIC_STOP: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, V_WHOLE: tl.constexpr):
     """One program per (prompt entry p, key head h, prompt chunk c × member subgroup g): the queries of up to GS
     sequences sharing prompt p (GS × REP ≤ 64 rows; NSUB subgroups cover its G) against p's keys
     [c·PCHUNK, (c+1)·PCHUNK), read once for them; writes each row's partial into column c of the partial buffers
     (nothing when the chunk is past the prompt: its m stays −inf)."""
-    wait_for_inputs(PDL)
     p = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2) // NSUB
@@ -323,7 +319,7 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
                   CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  V_WHOLE: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
+                  V_WHOLE: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -336,7 +332,6 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
 
     HAS_SLOTS: row b's suffix is slot SLOTS[b]'s store (a verify step's virtual rows: several rows read one slot, each
     to its own length); else slot b's."""
-    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -429,11 +424,9 @@ def _merge_rows(M, L, ACC, rows, row_ok, NPART, RB: tl.constexpr, DP: tl.constex
 
 
 @triton.jit
-def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr):
     """One program per output row (sequence, query head): OUT[row] = the merge of its NPART partial columns
     (_merge_rows)."""
-    wait_for_inputs(PDL)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     dims = tl.arange(0, DP)
     o = _merge_rows(M, L, ACC, rows, rows >= 0, NPART, 1, DP, NP, CB, "")
@@ -538,7 +531,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
             *v_strides[:3], *e_strides[:2], members.stride(0), npart, n_sub, REP=rep, G=G, GS=gs,
             R=prefix_rows, D=D, DP=DP, BLOCK=block_p, PCHUNK=pchunk, PREC=prec,
             DYNAMIC_STOP=DYNAMIC_STOP, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre,), block_p),
-            num_warps=max(warps, prefix_rows // 16), num_stages=stages, **regs, **dependent_launch.options(q))  # a warp for each 16 rows at least
+            num_warps=max(warps, prefix_rows // 16), num_stages=stages, **regs)  # a warp for each 16 rows at least
     rb = triton.next_power_of_2(rep)
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
@@ -549,7 +542,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
         COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s),
         HAS_SLOTS=slots is not None, num_warps=warps,
-        num_stages=stages, **regs, **dependent_launch.options(q))
+        num_stages=stages, **regs)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out
@@ -566,5 +559,4 @@ def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: tor
     """out [rows, D] ← the merge of each row's ``npart`` partial softmaxes: m, l [rows · npart] float32,
     acc [rows · npart, DP] float32 (column c of row r at r · npart + c; a column whose m is −inf is skipped)."""
     np_, cb = _merge_blocks(npart)
-    _merge_kernel[(out.shape[0],)](m, l, acc, out, npart, D=out.shape[1], DP=acc.shape[1], NP=np_, CB=cb, num_warps=4,
-                                   **dependent_launch.options(out))
+    _merge_kernel[(out.shape[0],)](m, l, acc, out, npart, D=out.shape[1], DP=acc.shape[1], NP=np_, CB=cb, num_warps=4)

@@ -35,9 +35,8 @@ on by default) the base weights of each layer's q/k/v and of its gate/up project
 live in one buffer a group, as views (the parameters keep their objects and names), followed by the rows of their
 stacked LoRA A matrices (rollout/lora_fusion.py); o_proj and down_proj get their own A rows appended likewise. A
 decode step then reads each group with one product, e.g. [W_q; W_k; W_v; A_qkv] x, instead of three base products
-and an A product; the B products are added inside the glue kernel after each product (fused_ops.LoraFold: q/k/v's in
-rotary_kv, gate/up's in decode_silu_mul, o's and down's in the next add_rmsnorm): 4 products a layer instead of 7 base
-and 11 LoRA ones.
+and an A product; q/k/v's and gate/up's B products are added inside rotary_kv and decode_silu_mul (fused_ops.LoraFold),
+o/down's by their adapters from the A x of their product: 4 base and 2 LoRA products a layer instead of 7 and 11.
 Moving the weights costs one copy of them at each end of a rollout (never more than one group's worth of extra
 memory); release gives every weight its own storage again.
 """
@@ -65,7 +64,6 @@ PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "
 # sibling projections read by one product; a lone projection only when its adapter's A rows ride along
 PACKED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                  ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
-ROW_COUNTS = 8192  # decode rows (a verify step's virtual rows included) whose o/down LoRA deltas fold into add_rmsnorm
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class _Pack:
     adders: list  # each base's fused-adapter delta hook (lora_fusion.fused_adder) or None
     group: object = None  # lora_fusion._Group fed A x from rows [a_start:] of the product
     a_start: int = 0
-    fold: tuple | None = None  # (column offsets into A x, (s B)ᵀ each, r) for the glue kernel after the product
+    fold: tuple | None = None  # q/k/v or gate/up: (column offsets into A x, (s B)ᵀ each, r) for the glue kernel
     quant: object = None  # a quantized base's operands (NF4Group, FP8Group; ``weight`` is then None)
     kernel: QuantKernel | None = None  # the product reading ``quant``
 
@@ -189,7 +187,6 @@ class FastDecoder:
         self.quant_packs: dict = {}  # (layer index, first projection's name) → _Pack of quantized bases
         self.packs: dict = {}  # (layer index, first projection's name) → _Pack, for one rollout
         self.halves: list = []  # NF4Groups whose codes take the halves layout during the rollout
-        self.row_counts: torch.Tensor | None = None  # [ROW_COUNTS] int32 zeros: add_rmsnorm's LoRA fold counts in
 
     def prepare_quantized(self, pack: bool = True, kernels: tuple = (NF4_KERNEL, FP8_KERNEL),
                           halves: bool = False) -> dict:
@@ -280,8 +277,6 @@ class FastDecoder:
                     if pack is not None:
                         self.packs[(i, names[0])] = pack
         _return_cached_blocks(any(p.weight.is_cuda for p in self.packs.values()))
-        if any(len(p.bases) == 1 and p.fold is not None for p in [*self.packs.values(), *self.quant_packs.values()]):
-            self.row_counts = torch.zeros(ROW_COUNTS, dtype=torch.int32, device=self.body.embed_tokens.weight.device)
         return len(self.packs) + len(self.quant_packs)
 
     def release_packing(self) -> None:
@@ -289,7 +284,6 @@ class FastDecoder:
         last view before the next group's weights are copied (one group's worth of extra memory at most, while the
         rollout's KV cache may still be allocated). A group leaves the registry only once all its weights are out, so
         a release that fails part-way (out of memory) can be called again and finishes the job."""
-        self.row_counts = None
         cuda = any(p.weight.is_cuda for p in self.packs.values())
         with torch.inference_mode(False), torch.no_grad():
             while self.packs:
@@ -304,8 +298,8 @@ class FastDecoder:
 
     def _project_folded(self, i: int, first: str, modules: list, x: torch.Tensor):
         """(the projections' outputs, the LoRA deltas the next glue kernel adds or None): with a packed group whose
-        adapters fold (q/k/v → rotary_kv, gate/up → decode_silu_mul, o or down → add_rmsnorm), the base outputs and
-        A x from one product, the B products left to the kernel; otherwise the outputs with their deltas added."""
+        adapters fold (q/k/v → rotary_kv, gate/up → decode_silu_mul), the base outputs and A x from one product, the
+        B products left to the kernel; otherwise the outputs with their deltas added."""
         pack = self.packs.get((i, first)) or self.quant_packs.get((i, first))
         if pack is None or pack.fold is None:
             return self._project_group(i, first, modules, x), None
@@ -355,11 +349,11 @@ class FastDecoder:
         tri, cache = meta.use_triton, meta.cache
         h = self.body.embed_tokens(ids)  # [B, d]
         cos, sin = self.rotary(h, positions)  # [B, D] each
-        delta = fold = None  # the last down projection's output and its LoRA delta, for the next add and norm
+        delta = None
         stage = _fp8_stage(cache, ids.shape[0]) if cache.fp8 else None
         for i, layer in enumerate(self.layers):
             norm = layer.input_layernorm
-            h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri, fold, self.row_counts)
+            h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             attn = layer.self_attn
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_norm else (None, None)
             qkv, lora = self._project_folded(i, "q_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x)
@@ -375,15 +369,15 @@ class FastDecoder:
             if cache.fp8:
                 cache.write_decode(i, k_at[:, :, 0], v_at[:, :, 0], meta.write_index, tri, meta.slots)
             out = decode_attend(q, i, meta, attn.scaling).to(q.dtype)  # [B, Hq, D]
-            (delta,), fold = self._project_folded(i, "o_proj", [attn.o_proj], out.reshape(out.shape[0], -1))
+            delta = self._project_group(i, "o_proj", [attn.o_proj], out.reshape(out.shape[0], -1))[0]
             norm = layer.post_attention_layernorm
-            h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri, fold, self.row_counts)
+            h, x = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)
             mlp = layer.mlp
             gate_up, lora = self._project_folded(i, "gate_proj", [mlp.gate_proj, mlp.up_proj], x)
             h_mlp = decode_silu_mul(*gate_up, tri, lora=lora)
-            (delta,), fold = self._project_folded(i, "down_proj", [mlp.down_proj], h_mlp)
+            delta = self._project_group(i, "down_proj", [mlp.down_proj], h_mlp)[0]
         norm = self.body.norm
-        return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri, fold, self.row_counts)[1]
+        return add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, tri)[1]
 
 
 def _fp8_stage(cache, rows: int) -> tuple:
@@ -424,7 +418,7 @@ def _lora_rows(modules: list, bases: list, dtype: torch.dtype):
                 and all(p[1] == n[0] for p, n in zip(spans, spans[1:])) and spans[-1][1] == g.a_t.shape[1]):
             fold = None
             ranks = {a.rows[1] - a.rows[0] for a in adders}
-            if len(ranks) == 1 and all(a.b_t.dtype == dtype for a in adders):  # q/k/v, gate/up; o, down alone
+            if len(bases) > 1 and len(ranks) == 1 and all(a.b_t.dtype == dtype for a in adders):  # q/k/v, gate/up
                 fold = (tuple(a.rows[0] for a in adders), tuple(a.b_t for a in adders), ranks.pop())
             return adders, g, g.a_t.t(), fold
     return adders, None, None, None

@@ -6,8 +6,6 @@ launch regardless of size, which over a model's layers is a large share of a dec
 arithmetic, rounding to the activations' dtype wherever transformers does (``cast`` below), in three kernels:
 
     add_rmsnorm:   h ← cast(h + δ);  x = cast(w ⊙ cast(h · rsqrt(mean(h²) + ε)))           (statistics in float32)
-                   (δ ← cast(δ + xa · (s B)ᵀ) first, when the packed decode folds o's or down's LoRA delta in: a
-                   program a row and column block, the row's last to arrive norming the whole row)
     rotary_kv:     t ← cast(t + xa_t · (s B_t)ᵀ)   q, k, v's LoRA deltas, when the packed decode folds them in
                    t ← cast(w_t ⊙ cast(t · rsqrt(mean(t²) + ε)))   per head, when the model norms q/k (Qwen3)
                    t ← cast(cast(t ⊙ cos) + cast(rotate_half(t) ⊙ sin))   for q and k;  k, v → the slot store
@@ -26,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import dependent_launch
 from ..ops.rmsnorm import rmsnorm_reference
 from ..ops.rotary import rotate_half
 from ..ops.swiglu import silu_mul_reference
@@ -40,24 +37,21 @@ except ImportError:  # CPU installs without Triton use the twins
 
 
 # ---------------------------------------------------------------------------------------------- PyTorch twins
-def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                          lora: "LoraFold | None" = None):
-    """(h + δ, RMSNorm(h + δ)) for rows h, δ [B, d], as transformers' residual add and LlamaRMSNorm; δ first gets
-    the LoRA delta of ``lora`` (a lone projection's: o or down), rounded once."""
+def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h + δ, RMSNorm(h + δ)) for rows h, δ [B, d], as transformers' residual add and LlamaRMSNorm."""
     if delta is not None:
-        h = h + _with_lora(delta, lora, 0)
+        h = h + delta
     return h, rmsnorm_reference(h, weight, eps)
 
 
 @dataclass
 class LoraFold:
-    """LoRA deltas for a glue kernel to add (q, k, v's inside :func:`rotary_kv`, gate and up's inside
-    :func:`decode_silu_mul`, o's or down's inside :func:`add_rmsnorm`): t ← round(t + (A x)[:, lo:lo + r] · (s B)ᵀ)
-    per projection, with A x the columns of ``xa`` [B, ≥ lo + r] from ``lo`` and ``b_t`` = (s B)ᵀ [r, out]."""
+    """LoRA deltas of q, k, v to add inside :func:`rotary_kv`: t ← round(t + (A x)[:, lo:lo + r] · (s B)ᵀ) per
+    projection, with A x the columns of ``xa`` [B, ≥ lo + r] from ``lo`` and ``b_t`` = (s B)ᵀ [r, out]."""
 
     xa: torch.Tensor
-    lo: tuple  # column offsets into xa, one a projection
-    b_t: tuple  # [r, out] a projection, in the projections' dtype, contiguous
+    lo: tuple  # (q, k, v) column offsets into xa
+    b_t: tuple  # (q, k, v) [r, out] in the projections' dtype, contiguous
     r: int
 
 
@@ -96,22 +90,10 @@ def decode_silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, lora: "LoraF
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 if triton is not None:
-    from ..ops.dependent_launch import wait_for_inputs
-
     @triton.jit
-    def _norm_store(h, W, X_ROW, cols, ok, d, eps):
-        """x = cast(w · cast(h · rsqrt(mean(h²) + ε))) of a whole row h (the activations' dtype), stored at X_ROW."""
-        hf = h.to(tl.float32)
-        y = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / d + eps)).to(h.dtype)
-        w = tl.load(W + cols, mask=ok, other=0.0)
-        tl.store(X_ROW + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X_ROW.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, stride_delta, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False):
+    def _add_rmsnorm_kernel(H, DELTA, W, X, d, eps, stride_delta, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         """One program per row: h ← cast(h + δ) in place; x = cast(w · cast(h · rsqrt(mean(h²) + ε))). δ's rows at
         their own stride (a packed product's column block)."""
-        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < d
@@ -120,39 +102,10 @@ if triton is not None:
             h = (h.to(tl.float32) + tl.load(DELTA + row * stride_delta + cols, mask=ok, other=0.0).to(tl.float32)).to(
                 h.dtype)
             tl.store(H + row * d + cols, h, mask=ok)
-        _norm_store(h, W, X + row * d, cols, ok, d, eps)
-
-    @triton.jit
-    def _add_lora_rmsnorm_kernel(H, DELTA, XA, B_T, W, X, COUNT, d, eps, stride_delta, stride_xa,
-                                 R: tl.constexpr, RP: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr,
-                                 PDL: tl.constexpr = False):
-        """Program (row b, column block c of BC): δ' = cast(δ + xa[b, :R] · B_T[:, cols]) (a lone projection's LoRA
-        delta, B_T = (s B)ᵀ [R, d], summed in float32 and rounded once, as a product adding into its output), then
-        h ← cast(h + δ') in place. The row's program that arrives last (COUNT[b]: its count of arrivals, back to 0
-        after) reads the whole row back and writes x = cast(w · cast(h · rsqrt(mean(h²) + ε))), as
-        _add_rmsnorm_kernel does: the LoRA B product of o or down and the next norm in one launch, its B read by a
-        program a column block rather than one a row."""
-        wait_for_inputs(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        ok = cols < d
-        j = tl.arange(0, RP)
-        j_ok = j < R
-        xa = tl.load(XA + row * stride_xa + j, mask=j_ok, other=0.0).to(tl.float32)  # [RP]
-        b = tl.load(B_T + j[:, None] * d + cols[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)  # [RP, BC]
-        delta = tl.load(DELTA + row * stride_delta + cols, mask=ok, other=0.0)
-        delta = (delta.to(tl.float32) + tl.sum(b.to(tl.float32) * xa[:, None], 0)).to(delta.dtype)
-        h = tl.load(H + row * d + cols, mask=ok, other=0.0)
-        h = (h.to(tl.float32) + delta.to(tl.float32)).to(h.dtype)
-        tl.store(H + row * d + cols, h, mask=ok)
-        tl.debug_barrier()  # every thread's block stored before the count (released with it)
-        arrived = tl.atomic_add(COUNT + row, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            all_cols = tl.arange(0, BLOCK)
-            all_ok = all_cols < d
-            h_row = tl.load(H + row * d + all_cols, mask=all_ok, other=0.0, cache_modifier=".cg")  # (L2: never stale)
-            _norm_store(h_row, W, X + row * d, all_cols, all_ok, d, eps)
-            tl.store(COUNT + row, 0)
+        hf = h.to(tl.float32)
+        y = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / d + eps)).to(h.dtype)
+        w = tl.load(W + cols, mask=ok, other=0.0)
+        tl.store(X + row * d + cols, (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _lora_head(lo, hi, XA_ROW, B_T, width, cols, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
@@ -170,14 +123,12 @@ if triton is not None:
     def _rotary_kv_kernel(Q, K, V, COS, SIN, KC, VC, WIDX, QW, KW, QO, eps, stride_cs, stride_ch, stride_ct,
                           stride_q, stride_k, stride_v, XA, stride_xa, LO_Q, LO_K, LO_V, BQ, BK, BV, SLOTS,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          HAS_NORM: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, HAS_SLOTS: tl.constexpr):
         """One program per (sequence b, head): heads < HQ are query heads (rotated into QO), the others key heads
         (rotated, with their value head, into the slot store at WIDX[b]). q, k, v rows at their own strides (column
         blocks of one packed product's output, or separate tensors). R > 0: each head first gets its LoRA delta,
         Σ_j xa[b, LO + j] · Bᵀ[j, head rows] (B*: (s B)ᵀ [R, out]), added in float32 and rounded once. HAS_SLOTS:
         row b's key/value go to slot SLOTS[b] (else slot b)."""
-        wait_for_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -245,12 +196,10 @@ if triton is not None:
         return s.to(tl.float32) * uf
 
     @triton.jit
-    def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                         PDL: tl.constexpr = False):
+    def _silu_mul_kernel(G, U, Y, width, stride_g, stride_u, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
         """y = cast(cast(g / (1 + e^−g)) · u) with PyTorch's float32 arithmetic: the accurate exp (tl.exp is the
         approximate ex2 on NVIDIA GPUs; Triton's CPU interpreter has only that one) and IEEE division. g and u
         [rows, width] at their own row strides (one program a row and block of columns); y contiguous."""
-        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < width
@@ -262,12 +211,11 @@ if triton is not None:
     @triton.jit
     def _silu_mul_lora_kernel(G, U, Y, XA, BG, BU, rows, width, stride_g, stride_u, stride_xa, LO_G, LO_U,
                               R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              ACCURATE_EXP: tl.constexpr, DOT16: tl.constexpr, PDL: tl.constexpr = False):
+                              ACCURATE_EXP: tl.constexpr, DOT16: tl.constexpr):
         """A [BM, BN] tile of y = silu(g') · u' with g' = cast(g + xa[:, LO_G:LO_G + R] · BG), u' likewise (BG, BU:
         (s B)ᵀ [R, width]), rounded as _silu_mul_kernel rounds. The small products accumulate in float32, where the
         products of 16-bit inputs are exact: DOT16 feeds the 16-bit operands to the tensor cores as they are; else
         (Triton's interpreter, whose 16-bit dot is unusable) they are widened and multiplied in IEEE float32."""
-        wait_for_inputs(PDL)
         m = tl.program_id(1) * BM + tl.arange(0, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         j = tl.arange(0, RP)
@@ -307,34 +255,16 @@ INTERPRETED = triton is not None and type(_silu_mul_kernel).__name__ == "Interpr
 LAUNCH = dict(silu_lora_bm=32, silu_lora_bn=64, silu_lora_warps=8)
 
 
-ADD_LORA_BLOCK = 256  # columns a program of the LoRA-folding add + RMSNorm kernel (its B tile [r, 256] in registers)
-
-
-def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool, lora: "LoraFold | None" = None,
-                counts: torch.Tensor | None = None):
-    """(h + δ, RMSNorm(h + δ)), δ with a lone projection's LoRA delta first when ``lora`` is given; with Triton h is
-    updated in place (it must be a contiguous [B, d] buffer). ``counts``: int32 zeros, one a row at least, that the
-    LoRA-folding kernel counts its programs' arrivals in (and leaves zero); without them the delta is added by
-    PyTorch before the plain kernel."""
+def add_rmsnorm(h, delta, weight, eps: float, use_triton: bool):
+    """(h + δ, RMSNorm(h + δ)); with Triton h is updated in place (it must be a contiguous [B, d] buffer)."""
     if not use_triton or (delta is not None and (delta.dtype != h.dtype or delta.dim() != 2 or delta.stride(-1) != 1)):
-        return add_rmsnorm_reference(h, delta, weight, eps, lora)  # the kernel keeps h's dtype; PyTorch would promote
+        return add_rmsnorm_reference(h, delta, weight, eps)  # the kernel keeps h's dtype; PyTorch would promote
     B, d = h.shape
     x = torch.empty(B, d, dtype=torch.result_type(weight, h), device=h.device)
-    if lora is not None:
-        b_t, xa = lora.b_t[0], _rows(lora.xa)
-        if (counts is None or counts.numel() < B or b_t.dtype != h.dtype or not b_t.is_contiguous()
-                or b_t.shape != (lora.r, d)):
-            delta = _with_lora(delta, lora, 0)
-        else:
-            _add_lora_rmsnorm_kernel[(B, triton.cdiv(d, ADD_LORA_BLOCK))](
-                h, delta, xa[:, lora.lo[0]:], b_t, weight, x, counts, d, float(eps), delta.stride(0), xa.stride(0),
-                R=lora.r, RP=max(2, triton.next_power_of_2(lora.r)), BC=ADD_LORA_BLOCK, BLOCK=triton.next_power_of_2(d),
-                num_warps=4, **dependent_launch.options(h))
-            return h, x
     _add_rmsnorm_kernel[(B,)](h, delta if delta is not None else h, weight, x, d, float(eps),
                               delta.stride(0) if delta is not None else d,
                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d),
-                              num_warps=8 if d >= 2048 else 4, **dependent_launch.options(h))
+                              num_warps=8 if d >= 2048 else 4)
     return h, x
 
 
@@ -364,8 +294,7 @@ def rotary_kv(q, k, v, cos, sin, k_cache, v_cache, write_index, use_triton: bool
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0), v.stride(0),
         xa, xa.stride(0), lo_q, lo_k, lo_v, b_q, b_k, b_v, slots if slots is not None else write_index,
         HQ=hq, HKV=hkv, D=D, HALF=D // 2, R=r, RP=triton.next_power_of_2(max(r, 1)),
-        HAS_NORM=q_norm is not None, HAS_SLOTS=slots is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION,
-        **dependent_launch.options(q))
+        HAS_NORM=q_norm is not None, HAS_SLOTS=slots is not None, num_warps=1, enable_fp_fusion=ROTARY_FP_FUSION)
     return out
 
 
@@ -397,9 +326,8 @@ def decode_silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool,
             gate, up, y, xa, lora.b_t[0], lora.b_t[1], rows, width, gate.stride(0), up.stride(0), xa.stride(0),
             lora.lo[0], lora.lo[1], R=lora.r, RP=max(16, triton.next_power_of_2(lora.r)), BM=bm, BN=bn,
             ACCURATE_EXP=not INTERPRETED, DOT16=not INTERPRETED and xa.dtype == gate.dtype != torch.float32,
-            num_warps=LAUNCH["silu_lora_warps"], **dependent_launch.options(y))
+            num_warps=LAUNCH["silu_lora_warps"])
     else:
         _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](gate, up, y, width, gate.stride(0), up.stride(0),
-                                                           BLOCK=1024, ACCURATE_EXP=not INTERPRETED, num_warps=4,
-                                                           **dependent_launch.options(y))
+                                                           BLOCK=1024, ACCURATE_EXP=not INTERPRETED, num_warps=4)
     return y.view(shape)

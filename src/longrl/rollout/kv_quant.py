@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from ..memory.planner import value_capacity  # T' (planner.V_ALIGN: the e4m3 decode attention's key block)
-from ..ops import dependent_launch
 from .sampling import triton_available
 
 FP8 = torch.float8_e4m3fn
@@ -99,8 +98,6 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..ops.dependent_launch import wait_for_inputs
-
     @triton.jit
     def scale_exponent(amax, EXP_LIMIT: tl.constexpr):
         """e (int32) with amax ≤ 448 · 2^e, the smallest such, clamped to ±EXP_LIMIT (exponent_reference's rule,
@@ -132,10 +129,9 @@ if triton_available():
     def _store_kernel(K, V, KC, VC, KE, VE, WIDX, SLOTS, stride_kb, stride_kh, stride_vb, stride_vh,
                       stride_cs, stride_ch, stride_ct, stride_vcs, stride_vch, stride_vcd, stride_es, stride_eh,
                       D: tl.constexpr, DP: tl.constexpr, FP8_MAX: tl.constexpr, EXP_LIMIT: tl.constexpr,
-                      HAS_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
+                      HAS_SLOTS: tl.constexpr):
         """One program per (row b, key head h): k[b, h], v[b, h] quantized into position WIDX[b] of slot b, or of slot
         SLOTS[b] (HAS_SLOTS) (the key store [S, Hkv, T, D], the value store position-minor [S, Hkv, D, T'])."""
-        wait_for_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dims = tl.arange(0, DP)
@@ -172,4 +168,4 @@ def store_decode(k, v, k_cache, v_cache, k_exp, v_exp, write_index, use_triton: 
                           v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
                           vc.stride(2), k_exp.stride(0), k_exp.stride(1),
                           D=D, DP=triton.next_power_of_2(D), FP8_MAX=FP8_MAX, EXP_LIMIT=EXP_LIMIT,
-                          HAS_SLOTS=slots is not None, num_warps=1, **dependent_launch.options(k))
+                          HAS_SLOTS=slots is not None, num_warps=1)
