@@ -53,7 +53,8 @@
 #              SmolLM2-135M shape, 8/32/128 sequences (OSEQ), min_decode_batch 1 and 16 (OMIN), plain and ngram
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
-#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min)
+#   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min; both
+#              profile 16 prompts x 8 = 128 rows; PPROMPTS=1: 8 rows)
 #   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
 #              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min;
 #              PROFILE_KV=fp8: the FP8 cache alone)
@@ -310,10 +311,10 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             stage halves 240 python3 benchmarks/nf4_matmul.py --sweep --halves --table-only --skip-table ;;
         sampgpu) stage sampgpu 150 python3 -m pytest -q -m gpu tests/test_sampler_gpu.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants "${PVARIANTS:-packed,hf}" \
+            --profile-variants "${PVARIANTS:-packed,hf}" --prompts "${PPROMPTS:-16}" \
             --tag "${PTAG:-_fast}" ;;
         profile8b4) stage profile8b4 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants packed --profile-4bit --tag "${PTAG:-_fast}_4bit" ;;
+            --profile-variants packed --profile-4bit --prompts "${PPROMPTS:-16}" --tag "${PTAG:-_fast}_4bit" ;;
         profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;
