@@ -311,10 +311,10 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             stage halves 240 python3 benchmarks/nf4_matmul.py --sweep --halves --table-only --skip-table ;;
         sampgpu) stage sampgpu 150 python3 -m pytest -q -m gpu tests/test_sampler_gpu.py ;;
         profile8b) stage profile8b 200 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants "${PVARIANTS:-packed,hf}" --prompts "${PPROMPTS:-16}" \
+            --profile-variants "${PVARIANTS:-packed,hf}" ${PPROMPTS:+--prompts "$PPROMPTS"} \
             --tag "${PTAG:-_fast}" ;;
         profile8b4) stage profile8b4 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants packed --profile-4bit --prompts "${PPROMPTS:-16}" --tag "${PTAG:-_fast}_4bit" ;;
+            --profile-variants packed --profile-4bit ${PPROMPTS:+--prompts "$PPROMPTS"} --tag "${PTAG:-_fast}_4bit" ;;
         profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;

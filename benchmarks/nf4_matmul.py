@@ -156,9 +156,9 @@ def packed_group(name: str, dev, fp8: bool = False):
     return nm.nf4_group(params, torch.randn(r, K, dtype=torch.bfloat16, device=dev) * 0.02)
 
 
-def group_copies(name: str, dev, fp8: bool = False) -> tuple:
-    """(GROUPS[name] as packed_group makes it, its bf16 weight, (the group's copies, the weight's copies)) for the
-    sweeps' cold timing."""
+def group_copies(name: str, dev, fp8: bool = False) -> tuple[list, list]:
+    """(copies of GROUPS[name] as packed_group makes it, copies of its bf16 weight) for the sweeps' cold timing;
+    the first of each is the one the sweeps check results on."""
     g = packed_group(name, dev, fp8=fp8)
     if fp8:
         from longrl.ops import fp8_matmul as fm
@@ -166,8 +166,8 @@ def group_copies(name: str, dev, fp8: bool = False) -> tuple:
         W = fm.fp8_group_weight(g, torch.bfloat16)
     else:
         W = nm.nf4_group_weight(g, torch.bfloat16)
-    return g, W, (cold_copies(g, group_bytes(g), lambda: packed_group(name, dev, fp8=fp8), dev),
-                  cold_copies(W, W.nbytes, W.clone, dev))
+    return (cold_copies(g, group_bytes(g), lambda: packed_group(name, dev, fp8=fp8), dev),
+            cold_copies(W, W.nbytes, W.clone, dev))
 
 
 def group_bytes(g) -> int:
@@ -182,8 +182,8 @@ def sweep(dev, halves: bool = False, table_only: bool = False, mma: bool = False
     also the few-row CUDA kernel (ops/nf4_mma.py) under mma_choices, at up to 32 rows."""
     groups, copies = {}, {}  # copies: each group's and its bf16 weight's copies, timed in turn (cold L2)
     for name in GROUPS:
-        g, W, copies[name] = group_copies(name, dev)
-        groups[name] = (g, W)
+        copies[name] = group_copies(name, dev)
+        groups[name] = (copies[name][0][0], copies[name][1][0])
     rows, best = [], {}
     for M in SWEEP_ROWS:
         xs = {name: torch.randn(M, g.K, dtype=torch.bfloat16, device=dev) for name, (g, _) in groups.items()}
@@ -325,8 +325,8 @@ def fp8_sweep(dev) -> tuple[list[dict], dict]:
 
     groups, copies = {}, {}  # copies as in sweep (cold L2)
     for name in GROUPS:
-        g, W, copies[name] = group_copies(name, dev, fp8=True)
-        groups[name] = (g, W)
+        copies[name] = group_copies(name, dev, fp8=True)
+        groups[name] = (copies[name][0][0], copies[name][1][0])
 
     def timed(name: str, cfg: dict) -> float:
         return cold_seconds([partial(fm.fp8_group_linear, xs[name], c, launch=cfg) for c in copies[name][0]])
