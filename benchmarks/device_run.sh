@@ -192,14 +192,17 @@
 #   scale1s    the training step of scale1 alone, one-process path only, SCREPS measured reps (default 2), SCNR layers
 #              not recomputed (model.no_recompute_layers; default -1: the planner's choice), SCLAYOUT=qlora for the
 #              4-bit base (~2 min)
-#   grpous     issue 43: longrl's default trainer step (grpo_memory --impls longrl) then Unsloth 2026.10.9's GRPO step
+#   grpous     issue 43: longrl's default trainer step (grpo_scale.py --phases train: the trainer's own reference
+#              pass and update, the planner's layout) then Unsloth 2026.10.9's GRPO step
 #              (benchmarks/grpo_unsloth.py, its own process: reference + policy through its UnslothGRPOTrainer), 8B
-#              shape, 20,480 x 8, same ids, GUREPS (1) warmed reps each; ULAYOUTS (unsloth,frugal) the Unsloth layouts
-#              (its GRPOConfig defaults 4 x 2; 1 x 8), ULEN the lengths. Carry .whl (trl, dill, multiprocess) and .whl_us:
+#              shape, 20,480 x 8 (random ids, each benchmark its own), GUREPS (1) warmed reps each; ULAYOUTS
+#              (unsloth,frugal) the Unsloth layouts (its GRPOConfig defaults 4 x 2; 1 x 8), ULEN the lengths. Carry
+#              .whl (trl, dill, multiprocess) and .whl_us:
 #              unsloth (its wheel without the studio/ and unsloth_cli/ folders, which it never imports), unsloth_zoo,
 #              datasets 4.8.5 (unsloth wants < 5), and in .whl_us/opt pillow and requests (+ urllib3, idna, certifi,
-#              charset_normalizer), installed only where they do not import; with UARGS=--load-in-4bit also .whl_bnb
-#              (~7-9 min; files grpo_memory_llama-3.1-8b_side_unsloth.md and grpo_memory_llama-3.1-8b_unsloth.md)
+#              charset_normalizer), installed only where they do not import; and .whl_bnb (Unsloth's model
+#              patching imports bitsandbytes for a 16-bit base too) (~6 min; files
+#              grpo_scale_phases_llama-3.1-8b_gpu_side_unsloth.md and grpo_memory_llama-3.1-8b_unsloth.md)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -258,7 +261,7 @@ install_us() {  # Unsloth and what it imports that the GPU image lacks, into /tm
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_us .whl_us/*.whl \
         .whl/trl-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl >/dev/null 2>&1 || echo "unsloth wheel install failed"
     local w name
-    for w in .whl_us/opt/*.whl; do
+    for w in $(ls .whl_us/opt/*.whl 2>/dev/null); do  # (optional: the GPU image has them)
         name=${w##*/}; name=${name%%-*}; [ "$name" = pillow ] && name=PIL
         python3 -c "import $name" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
             --no-cache-dir --target /tmp/site_us "$w" >/dev/null 2>&1 || echo "$name wheel install failed"
@@ -382,9 +385,10 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --impls longrl-reuse --mlp-tile 4096 --reps 0 --profile --check-equality --tag prof_20k ;;
         rope20k) stage rope20k 300 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths 20480 \
             --impls longrl-reuse+fused+flora --mlp-tile "${RTILES:-4096,8192}" --reps 2 --tag "${RTAG:-target_rope_20k}" ;;
-        grpous) install_us
-            stage grpous_longrl 200 python3 benchmarks/grpo_memory.py --shape llama-3.1-8b --lengths "${ULEN:-20480}" \
-                --impls longrl --reps "${GUREPS:-1}" ${UARGS:-} --tag side_unsloth
+        grpous) install_us; install_bnb  # (Unsloth's model patching imports bitsandbytes even for a 16-bit base)
+            stage grpous_longrl 300 python3 benchmarks/grpo_scale.py --layouts lora --gpus "" --with-single --phases train \
+                --prompts-per-gpu 1 --completion $((${ULEN:-20480} - 512)) --reps "${GUREPS:-1}" --timeout 280 \
+                --no-recompute -1 --tag _side_unsloth
             PYTHONPATH=/tmp/site_us:$PYTHONPATH stage grpous_unsloth 360 python3 benchmarks/grpo_unsloth.py \
                 --shape llama-3.1-8b --lengths "${ULEN:-20480}" --layouts "${ULAYOUTS:-unsloth,frugal}" \
                 --reps "${GUREPS:-1}" ${UARGS:-} ;;
