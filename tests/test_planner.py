@@ -639,27 +639,32 @@ def test_fused_rmsnorm_kernels_keep_16_bit_inputs_in_the_prediction():
 
 
 def test_layers_not_recomputed_fill_the_planners_share_of_plentiful_memory():
-    """model.no_recompute_layers left null: with memory to spare (the 8B 20K job on 139 GiB) the planner takes the
-    last layers out of checkpointing while the step fits in NO_RECOMPUTE_SHARE of the memory, as many as fit and no
-    more; each counts kept + 3 T I b. In a 40 GiB budget, with MLP tiles, or pinned, it takes what it is given."""
-    from longrl.memory.planner import NO_RECOMPUTE_SHARE, layer_kept_bytes, plan_for_config
+    """model.no_recompute_layers left null: with memory to spare (the 8B 20K job on an 80 GB card) the planner takes
+    the last layers out of checkpointing while the step fits in KEPT_LAYERS_SHARE of the memory, as many as fit and
+    no more; each counts kept + 3 T I b. With more memory (139 GiB) every layer; in a 40 GiB budget, with MLP tiles,
+    or pinned, it takes what it is given."""
+    from longrl.memory.planner import KEPT_LAYERS_SHARE, layer_kept_bytes, plan_for_config
 
     job = ("generation.max_completion_length=19968", "train.prompts_per_step=1")
-    plan = plan_for_config(_run_cfg(*job), _llama_config(), 139 * GIB, 500 * GIB)
+    card = int(78.55 * GIB)  # an H100's free memory
+    plan = plan_for_config(_run_cfg(*job), _llama_config(), card, 500 * GIB)
     W, T = plan.no_recompute_layers, plan.micro_batch_tokens
     assert 0 < W < 32 and plan.offload and plan.mlp_tile_tokens is None
-    share = int(139 * GIB * NO_RECOMPUTE_SHARE * safety_fraction())
+    share = int(card * KEPT_LAYERS_SHARE * safety_fraction())
     assert plan.predicted_gpu_bytes <= share
     per_layer = layer_kept_bytes(LLAMA_8B, T, 2, tile=T, lora_r=32, offload=False, norm_bytes=2) + 3 * T * 14336 * 2
     assert plan.parts_gpu_bytes["layers not recomputed"] == W * per_layer
-    more = plan_for_config(_run_cfg(*job, f"model.no_recompute_layers={W + 1}"), _llama_config(), 139 * GIB, 500 * GIB)
+    more = plan_for_config(_run_cfg(*job, f"model.no_recompute_layers={W + 1}"), _llama_config(), card, 500 * GIB)
     assert more.no_recompute_layers == W + 1 and more.predicted_gpu_bytes > share  # one more would not fit
     assert more.gpu_resident_layers <= 32 - (W + 1)  # the checkpointed layers' inputs only
-    budget = plan_for_config(_run_cfg(*job, "train.gpu_memory_gib=40"), _llama_config(), 139 * GIB, 500 * GIB)
-    tiled = plan_for_config(_run_cfg(*job, "train.mlp_tile_tokens=4096"), _llama_config(), 139 * GIB, 500 * GIB)
-    pinned = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=0"), _llama_config(), 139 * GIB, 500 * GIB)
+    budget = plan_for_config(_run_cfg(*job, "train.gpu_memory_gib=40"), _llama_config(), card, 500 * GIB)
+    tiled = plan_for_config(_run_cfg(*job, "train.mlp_tile_tokens=4096"), _llama_config(), card, 500 * GIB)
+    pinned = plan_for_config(_run_cfg(*job, "model.no_recompute_layers=0"), _llama_config(), card, 500 * GIB)
     assert budget.no_recompute_layers == tiled.no_recompute_layers == pinned.no_recompute_layers == 0
     assert "layers not recomputed" not in pinned.parts_gpu_bytes
+    roomy = plan_for_config(_run_cfg(*job), _llama_config(), 139 * GIB, 500 * GIB)
+    assert roomy.no_recompute_layers == 32
+    assert roomy.predicted_gpu_bytes <= 139 * GIB * KEPT_LAYERS_SHARE * safety_fraction()
     assert pinned.predicted_gpu_bytes < plan.predicted_gpu_bytes
     assert "layers not recomputed" in plan.table()
 
