@@ -785,8 +785,9 @@ def attention_kernel_of(cfg, shape: ModelShape, compute_bytes: int) -> str:
 # it only when it fits in this fraction of the memory, else it recomputes (offloaded checkpointing)
 NO_RECOMPUTE_SHARE = 0.6
 # the checkpointed layouts take their last layers out of checkpointing while the step fits in this fraction of the
-# memory (times safety_fraction). Each such layer's term (kept + 3 T I b) was measured to err high: 8B at 20,480 x 8,
-# predicted 44.39 GiB for 41.75 measured with 6 layers (H100), 75.79 for 72.40 with 19 (H200)
+# memory (times safety_fraction). The prediction with such layers (kept + 3 T I b each) erred high in every run
+# measured, the 8B 20,480 x 8 training step: 6 and 14 layers (H100) 44.39 / 63.28 GiB predicted for 41.75 / 60.61
+# measured, 19 and 32 (H200) 75.79 / 106.50 for 72.40 / 102.88 (docs/memory.md)
 KEPT_LAYERS_SHARE = 0.85
 
 
