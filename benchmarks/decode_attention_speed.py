@@ -51,17 +51,28 @@ def step_inputs(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: i
     return args, grouping, 2 * Hkv * D * torch.empty((), dtype=dtype).element_size() * (P * Lp + B * s)
 
 
-def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, s_short: int, dev) -> list[dict]:
-    """Time every launch choice of SWEEP at suffix s and at the short suffix s_short (a rollout passes through
-    both; the fixed cost of a call shows at the short one); those that do not build, e.g. over shared memory,
-    skipped and said; each checked against the reference."""
+def sweep_choices(programs: str = "", prefix_programs: str = "") -> list[dict]:
+    """SWEEP, its target program counts replaced by the comma-separated lists given (empty: SWEEP's own)."""
+    pr = sorted({int(x) for x in programs.split(",")}) if programs else sorted({c["programs"] for c in SWEEP})
+    pp = (sorted({int(x) for x in prefix_programs.split(",")}) if prefix_programs
+          else sorted({c["prefix_programs"] for c in SWEEP}))
+    shapes = sorted({(c["block"], c["warps"], c["stages"]) for c in SWEEP})
+    return [dict(block=b, warps=w, stages=st, programs=n, prefix_programs=m) for b, w, st in shapes for n in pr
+            for m in pp]
+
+
+def sweep(P: int, G: int, Hq: int, Hkv: int, D: int, Lp: int, T: int, s: int, s_short: int, dev,
+          choices: list[dict] | None = None) -> list[dict]:
+    """Time every launch choice of ``choices`` (default SWEEP) at suffix s and at the short suffix s_short (a
+    rollout passes through both; the fixed cost of a call shows at the short one); those that do not build, e.g.
+    over shared memory, skipped and said; each checked against the reference."""
     from longrl.rollout.decode_kernel import decode_attention_triton
 
     args, kw, kv_bytes = step_inputs(P, G, Hq, Hkv, D, Lp, T, s, torch.bfloat16, dev)
     short_args, _, _ = step_inputs(P, G, Hq, Hkv, D, Lp, T, s_short, torch.bfloat16, dev)
     ref = decode_attention_reference(*args).float()
     rows = []
-    for launch in SWEEP:
+    for launch in choices or SWEEP:
         try:
             err = float((decode_attention_triton(*args, **kw, launch=launch).float() - ref).abs().max())
             t = graph_seconds(lambda: decode_attention_triton(*args, **kw, launch=launch))
@@ -111,6 +122,9 @@ def main() -> None:
     ap.add_argument("--suffix", default="1,128,512,1024", help="valid suffix lengths to time")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch choices (SWEEP) at the "
                     "longest suffix")
+    ap.add_argument("--sweep-programs", default="", help="the sweep's target programs for the sequences' own keys, "
+                    "comma-separated (default: SWEEP's 2048,4096,8192; fewer programs: fewer partials to merge)")
+    ap.add_argument("--sweep-prefix-programs", default="", help="the same for the shared prompts (default 128,512)")
     ap.add_argument("--breakdown", action="store_true", help="also the GPU time of each kernel of a call at every "
                     "suffix (profiled graph replays)")
     ap.add_argument("--tag", default="")
@@ -151,7 +165,8 @@ def main() -> None:
     if args.sweep:
         suffixes = [int(x) for x in args.suffix.split(",")]
         s_max, s_min = max(suffixes), min(suffixes)
-        swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, s_min, dev)
+        swept = sweep(args.prompts, args.G, Hq, Hkv, D, args.prompt_len, args.max_suffix, s_max, s_min, dev,
+                      sweep_choices(args.sweep_programs, args.sweep_prefix_programs))
         ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"] + r["us_short"])
         keys = tuple(SWEEP[0])  # block, warps, stages, programs, prefix_programs (LAUNCH also has fp8_f16)
         head = "/".join(str(LAUNCH[k]) for k in keys)
