@@ -132,7 +132,8 @@
 #              FP8), every pair in one run (issue 43's table; carry .whl_bnb, the bitsandbytes 0.50.2 wheel, for
 #              the NF4 base; MBASES, MROWS, MCONTEXTS, MKV narrow it; MNF4: an NF4 launch table, e.g.
 #              benchmarks/results/nf4_matmul_${CARD}_sweep.json; MMA_FROM: nf4m's launch, a JSON entry or a
-#              --sweep --mma result, `auto` this card's (run mmasweep first); MTAG the file's tag) (~10 min)
+#              --sweep --mma result, `auto` this card's (run mmasweep first); MATTN: decode attention launch
+#              choices for every cell, e.g. '{"counters": true}'; MTAG the file's tag) (~10 min)
 #   visiona / visionb / visionc  benchmarks/vision_grpo.py's modes (issue 44): (a) the whole 4-bit step in 15 GiB,
 #              (b) the longest completions in 22 GiB, (c) longrl beside the per-completion layout and TRL 1.15 (bf16;
 #              VARMS narrows the arms); carry .whl_bnb for (a) and (b), .whl (trl, datasets) for (c) (~9 min each);
@@ -518,7 +519,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
                 --rows "${MROWS:-8,32,128}" --contexts "${MCONTEXTS:-1024,16384}" --kv "${MKV:-bf16,fp8}" \
                 ${MNF4:+--nf4-launch "$MNF4"} --tag "${MTAG:-}" \
                 ${MNF4T:+--nf4t-launch "${MNF4T/#auto/benchmarks/results/nf4_matmul_${CARD}_sweep.json}"} \
-                ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} ;;
+                ${MMA_FROM:+--mma-launch "${MMA_FROM/#auto/benchmarks/results/nf4_matmul_${CARD}_mma.json}"} \
+                ${MATTN:+--attention-launch "$MATTN"} ;;
         visiona|visionb) if [ "$s" = visiona ]; then
                 stage visiona 560 python3 benchmarks/vision_grpo.py --budget-gib 15 --load-in-4bit --completion 2048 \
                     --deadline 500

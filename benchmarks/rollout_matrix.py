@@ -125,6 +125,8 @@ def report(meta: dict, rows: list[dict], args) -> list[str]:
              + (f" nf4m at up to 8 rows: {meta['mma_launch']}." if "nf4m" in args.bases and meta.get("mma_launch")
                 else "")
              + (f" nf4t's launch table: {meta['nf4t_launch']}." if "nf4t" in args.bases else "")
+             + (f" Decode attention launch choices over decode_kernel.LAUNCH: {meta['attention_launch']}."
+                if meta.get("attention_launch") else "")
              + " Call: the timed call's seconds; of them set-up (the model set up for the call and undone: "
              "Sampler.last_stats prepare_s + release_s) and graphs (its CUDA-graph captures' host seconds); prefill: "
              "a one-token call's seconds (its own set-up included).",
@@ -176,6 +178,10 @@ def main() -> None:
     ap.add_argument("--nf4t-launch", default="", metavar="JSON|PATH",
                     help="nf4t's launch table (as --nf4-launch; nf4 keeps the other), e.g. a sweep's result beside "
                     "today's table in one run")
+    ap.add_argument("--attention-launch", default="", metavar="JSON|PATH",
+                    help="decode attention launch choices for every cell (rollout_speed.py's --launch: "
+                    "decode_kernel.LAUNCH entries as JSON, e.g. '{\"counters\": true}', or a "
+                    "benchmarks/decode_attention_speed.py --sweep result whose fastest row is taken)")
     args = ap.parse_args()
     global MMA_CHOICE
     MMA_CHOICE = mma_choice(args.mma_launch)
@@ -183,6 +189,11 @@ def main() -> None:
     if args.from_log:
         return table_from_log(args)
     rs.use_product_launches(args.nf4_launch, args.fp8_launch)
+    attention_launch = rs.launch_overrides(args.attention_launch, "--attention-launch") if args.attention_launch else {}
+    if attention_launch:
+        from longrl.rollout import decode_kernel
+
+        decode_kernel.LAUNCH.update(attention_launch)
     if args.smoke:
         args.shape, args.bases, args.rows, args.contexts, args.kv, args.new_tokens = "tiny", "bf16,fp8", "8", "16", \
             "bf16,fp8", 4
@@ -205,7 +216,8 @@ def main() -> None:
                     meta = run_meta(seconds=round(time.perf_counter() - t0), copy_bandwidth_gbs=bandwidth / 1e9,
                                     cells=f"{len(rows)} of {cells}", nf4_launch=rs.nf4_launch_table(),
                                     fp8_launch=rs.fp8_launch_table(),
-                                    mma_launch=MMA_CHOICE, nf4t_launch=NF4T_TABLE)
+                                    mma_launch=MMA_CHOICE, nf4t_launch=NF4T_TABLE,
+                                    attention_launch=attention_launch)
                     if not args.smoke:  # after every cell: a run cut off keeps what it measured
                         write_result(stem, dict(meta=meta, rows=rows), report(meta, rows, args),
                                      echo=len(rows) == cells)

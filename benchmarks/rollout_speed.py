@@ -240,19 +240,19 @@ def _launch_spec(flag: str, spec: str, known: dict, from_file) -> dict:
     return chosen
 
 
-def launch_overrides(spec: str) -> dict:
+def launch_overrides(spec: str, option: str = "--launch") -> dict:
     """decode_kernel.LAUNCH entries from a JSON object, or the fastest row of a decode_attention_speed.py result's
-    sweep."""
+    sweep (``option``: the command-line option errors name)."""
     from longrl.rollout.decode_kernel import LAUNCH
 
     def fastest(result: dict) -> dict:
         rows = [r for r in result.get("sweep", []) if "us" in r]
         if not rows:
-            raise SystemExit(f"--launch {spec}: no timed sweep row in it (run decode_attention_speed.py --sweep)")
+            raise SystemExit(f"{option} {spec}: no timed sweep row in it (run decode_attention_speed.py --sweep)")
         best = min(rows, key=lambda r: r["us"] + r.get("us_short", 0.0))  # both ends of a rollout, where swept
         return {k: best[k] for k in LAUNCH if k in best}
 
-    return _launch_spec("--launch", spec, LAUNCH, fastest)
+    return _launch_spec(option, spec, LAUNCH, fastest)
 
 
 def glue_launch(spec: str, shape: str) -> dict:

@@ -31,9 +31,13 @@ KERNEL_CHECK = textwrap.dedent('''
         ref = decode_attention_reference(*args)
         # the default launch (on these few programs: chunks of one block), then few programs: chunks of many blocks,
         # a prompt's keys in chunks of up to 1,024
+        counters = torch.full((S * Hkv,), -8388608, dtype=torch.int32)  # at rest (decode_kernel.COUNT0)
         for kw in ({}, dict(members=members, prompt_len=entry_len),
                    dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw), ref, atol=1e-5, rtol=1e-5)
+            kept = decode_attention_triton(*args, **{**kw, "launch": {**kw.get("launch", {}), "counters": True}},
+                                           counters=counters)  # unfilled partials, counters kept across calls
+            torch.testing.assert_close(kept, ref, atol=1e-5, rtol=1e-5)
     print("kernel ok")
 ''')
 
@@ -99,6 +103,28 @@ FUSED_CHECK = textwrap.dedent('''
                 finally:
                     dk._chunk_kernel = kernel
                 torch.testing.assert_close(again, fused, rtol=0, atol=0, equal_nan=True)
+                # persistent counters, partials left unfilled (here 3.0: a finite m, so a column read that no
+                # program wrote would count): the merge reads the written columns alone, bit for bit the filled
+                # call's result
+                dk._scratch, scratch = (lambda shape, device: torch.full(shape, 3.0)), dk._scratch
+                try:
+                    counters = torch.full((S * Hkv + 3,), dk.COUNT0, dtype=torch.int32)
+                    for _ in range(2):  # the second call on the counters the first left
+                        kept = dk.decode_attention_triton(*args, **kw, counters=counters, launch=dict(counters=True))
+                        torch.testing.assert_close(kept, fused, rtol=0, atol=0, equal_nan=True)
+                        assert bool((counters == dk.COUNT0).all()), counters  # back at rest
+                    # off by default: the counters are not touched
+                    off = dk.decode_attention_triton(*args, **kw, counters=torch.zeros(S * Hkv, dtype=torch.int32))
+                    torch.testing.assert_close(off, fused, rtol=0, atol=0, equal_nan=True)
+                    if "members" in kw:  # a slot its entry does not list (a free one): its suffix alone, as filled
+                        unlisted = members.clone()
+                        unlisted[pidx[3], 3] = -1
+                        filled = dk.decode_attention_triton(*args, members=unlisted, prompt_len=entry_len)
+                        kept = dk.decode_attention_triton(*args, members=unlisted, prompt_len=entry_len,
+                                                          counters=counters, launch=dict(counters=True))
+                        torch.testing.assert_close(kept, filled, rtol=0, atol=0, equal_nan=True)
+                finally:
+                    dk._scratch = scratch
     print("fused ok")
 ''')
 
@@ -117,7 +143,11 @@ SAMPLER_CHECK = textwrap.dedent('''
     stop = expected[0][3]
     cut = [e[:e.index(stop) + 1] if stop in e else e for e in expected]
     per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
-    for kv in (None, per * (3 * n + 3 * 9)):  # all at once; 3 slots (queueing, refills, compaction)
+    from longrl.rollout import decode_kernel
+    # all at once; 3 slots (queueing, refills, compaction); 3 slots with the cache's merge counters kept across
+    # layers and steps (the partials unfilled)
+    for kv, counters in ((None, False), (per * (3 * n + 3 * 9), False), (per * (3 * n + 3 * 9), True)):
+        decode_kernel.LAUNCH["counters"] = counters
         sampler = Sampler(model, tok, kv_cache_bytes=kv, sync_every=2)
         sampler.use_triton = True
         r = sampler.generate(PROMPTS, 2, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=(stop,)))
@@ -135,7 +165,8 @@ def test_fused_merge_equals_the_merge_launch():
     """The merge inside the chunk launch (the last live chunk program of a (sequence, key head) merges its rows)
     against the separate merge launch, bit for bit, and the reference: rows of one live chunk, of several, of a
     prompt only, of no keys, the programs run in either order; its counter buffer at rest after each launch and
-    kept across calls."""
+    kept across calls. With the caller's counters and unfilled (NaN) partials: the same result bit for bit, the
+    counters back at rest."""
     assert "fused ok" in run_interpreted(FUSED_CHECK)
 
 

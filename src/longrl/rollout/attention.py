@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, store_rows, value_capacity
 
 SAMPLER_ATTENTION = "longrl_sampler"
+# the resting value of the Triton decode attention's merge counters (decode_kernel.COUNT0): float32 −inf's int32 bits
+MERGE_COUNT0 = -8388608  # 0xFF800000
 
 
 @dataclass
@@ -45,6 +47,9 @@ class KVCache:
     k_stage: torch.Tensor | None = None  # [S, Hkv, 1, D] in the compute dtype
     v_stage: torch.Tensor | None = None
     stage_index: torch.Tensor | None = None  # [S] long zeros: position 0 of the stage
+    # int32 [S · Hkv] at MERGE_COUNT0: the Triton decode attention's merge counters, kept from call to call (each
+    # call leaves them at rest; decode_kernel.decode_attention_triton's ``counters``)
+    counters: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, *, layers: int, kv_heads: int, head_dim: int, prefix_slots: int, prefix_len: int, slots: int,
@@ -59,6 +64,7 @@ class KVCache:
             v_suf = (*suf[:3], head_dim, value_capacity(suffix_len))
         cache = cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(v_pre, dtype=dtype, device=device),
                     torch.zeros(suf, dtype=dtype, device=device), torch.zeros(v_suf, dtype=dtype, device=device))
+        cache.counters = torch.full((slots * kv_heads,), MERGE_COUNT0, dtype=torch.int32, device=device)
         if dtype == FP8:
             exp = dict(dtype=torch.int8, device=device)
             cache.k_pre_e, cache.v_pre_e = torch.zeros(pre[:-1], **exp), torch.zeros(pre[:-1], **exp)
@@ -311,7 +317,7 @@ def decode_attend(q: torch.Tensor, layer: int, meta: DecodeMeta, scale: float) -
         from .decode_kernel import decode_attention_triton
 
         return decode_attention_triton(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp,
-                                       slots=meta.slots)
+                                       slots=meta.slots, counters=cache.counters)
     return decode_attention_reference(*args, members=meta.members, prompt_len=meta.entry_len, kv_exp=exp,
                                       slots=meta.slots)
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import MERGE_COUNT0
 from .kv_quant import EXP_LIMIT, round_e4m3, scale_exponent
 
 Q_EXP_LIMIT = tl.constexpr(EXP_LIMIT)  # the query split's exponent bound, kv_quant's (a constexpr kernels can read)
@@ -38,8 +39,11 @@ BLOCK = 32
 # fp8_ss (e4m3 products): the codes through e4m3 pointers, so that the products read the pipeline's shared-memory
 # tiles instead of bitcasting them in registers (fewer registers a thread, room for one more pipeline buffer);
 # maxnreg: registers a thread at most (ptxas's .maxnreg; 168 lets 3 programs of 4 warps share an SM)
+# counters: with a persistent counter buffer (decode_attention_triton's ``counters``, the sampler's KVCache.counters)
+# the fused merge reads only the columns the lengths say were written, so the partials need no −inf fill: one launch
+# a layer less (off until timed on a GPU)
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
-              fp8_mma=False, fp8_ss=False, maxnreg=None)
+              fp8_mma=False, fp8_ss=False, maxnreg=None, counters=False)
 # an FP8 cache's own choices over LAUNCH (``launch`` still overrides both) where it cannot take FP8_LAUNCH: with the
 # values position-minor, float16 products with the exponents loaded ahead, 2 warps and 3 pipeline stages (the
 # fastest of the FP8 sweep with these products; docs/performance.md)
@@ -52,7 +56,7 @@ FP8_F16_LAUNCH = dict(block=32, warps=2, stages=3, fp8_mma=False, fp8_f16=True, 
 FP8_LAUNCH = dict(block=128, warps=4, stages=3, fp8_mma=True, fp8_f16=True, fp8_prefetch=True)
 # the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
 # initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
-COUNT0 = -8388608  # 0xFF800000
+COUNT0 = MERGE_COUNT0  # 0xFF800000
 
 
 @triton.jit
@@ -311,7 +315,7 @@ def _prefix_kernel(Q, KP, VP, KPE, VPE, MEMBERS, PLEN_P, M_OUT, L_OUT, ACC_OUT, 
 
 @triton.jit
 def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, COUNT, OUT, KPE, VPE, KSE, VSE, SLOTS,
-                  scale,
+                  MEMBERS, PLEN_P, stride_mem, G, PCHUNK, scale,
                   stride_qb, stride_qh, stride_pp, stride_ph, stride_pt, stride_sb, stride_sh, stride_st,
                   stride_vpp, stride_vph, stride_vp, stride_vsb, stride_vsh, stride_vs,
                   stride_epp, stride_eph, stride_esb, stride_esh, NPART,
@@ -319,7 +323,8 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
                   DP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
                   DYNAMIC_STOP: tl.constexpr, FUSED: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
                   CB: tl.constexpr, COUNT0: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  V_WHOLE: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                  V_WHOLE: tl.constexpr, HAS_SLOTS: tl.constexpr, WRITTEN: tl.constexpr = False,
+                  GP: tl.constexpr = 1):
     """One program per (sequence b, key head h, chunk c): chunks c < NPRE cover b's prompt prefix (per sequence,
     when there is no prefix table), the others b's own suffix. Writes partial column FIRST + c (nothing for a
     chunk past the keys: its m stays −inf and the merge skips it).
@@ -331,7 +336,11 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
     to COUNT0.
 
     HAS_SLOTS: row b's suffix is slot SLOTS[b]'s store (a verify step's virtual rows: several rows read one slot, each
-    to its own length); else slot b's."""
+    to its own length); else slot b's.
+
+    WRITTEN (FUSED): the merge reads only the columns this call wrote for row b, from the lengths (the live counts,
+    not every column with unwritten ones at m = −inf: the partial buffers need no fill. The grouped prefix columns
+    [0, FIRST) are b's when MEMBERS[PIDX[b], :G] (GP ≥ G) lists b, the first ⌈PLEN_P[PIDX[b]] / PCHUNK⌉ of them."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -386,27 +395,52 @@ def _chunk_kernel(Q, KP, VP, KS, VS, PIDX, PLEN, SLEN, M_OUT, L_OUT, ACC_OUT, CO
             tl.store(counter, COUNT0)
             heads = tl.arange(0, RB)
             out_rows = b.to(tl.int64) * hq + h * REP + heads
+            if WRITTEN:
+                n_gp = _grouped_columns(PIDX, MEMBERS, PLEN_P, stride_mem, G, b, FIRST, PCHUNK, GP)
+                n_pp = tl.minimum(tl.cdiv(p_len, CHUNK), NPRE)
+                n_sp = live - n_pp
+            else:
+                n_gp, n_pp, n_sp = FIRST, NPRE, NPART - FIRST - NPRE
             o = _merge_rows(M_OUT, L_OUT, ACC_OUT, out_rows, heads < REP, NPART, RB, DP, NP, CB,
-                            ".cg")  # .cg: from L2, where the other programs' stores are (not a stale L1 line)
+                            ".cg",  # .cg: from L2, where the other programs' stores are (not a stale L1 line)
+                            n_gp, FIRST, FIRST + n_pp, FIRST + NPRE, FIRST + NPRE + n_sp, WRITTEN)
             tl.store(OUT + out_rows[:, None] * D + dims[None, :], o.to(OUT.dtype.element_ty),
                      mask=(heads < REP)[:, None] & (dims[None, :] < D))
 
 
 @triton.jit
+def _grouped_columns(PIDX, MEMBERS, PLEN_P, stride_mem, G, b, FIRST, PCHUNK, GP: tl.constexpr):
+    """How many of the grouped prefix columns [0, FIRST) the prefix launch wrote for row b: ⌈PLEN_P[e] / PCHUNK⌉
+    (at most FIRST) where e = PIDX[b]'s member list MEMBERS[e, :G] holds b (GP ≥ G), else none."""
+    entry = tl.load(PIDX + b).to(tl.int64)
+    j = tl.arange(0, GP)
+    slot = tl.load(MEMBERS + entry * stride_mem + j, mask=j < G, other=-1)
+    listed = tl.sum((slot == b).to(tl.int32), axis=0) > 0
+    n = tl.minimum(tl.cdiv(tl.maximum(tl.load(PLEN_P + entry).to(tl.int32), 0), PCHUNK), FIRST)
+    return tl.where(listed, n, 0)
+
+
+@triton.jit
 def _merge_rows(M, L, ACC, rows, row_ok, NPART, RB: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr,
-                CB: tl.constexpr, CACHE: tl.constexpr):
+                CB: tl.constexpr, CACHE: tl.constexpr, A_END=0, B_START=0, B_END=0, C_START=0, C_END=0,
+                WRITTEN: tl.constexpr = False):
     """o [RB, DP]: o_r = Σ_c e^(m_c−M) acc_c / Σ_c e^(m_c−M) l_c over the NPART partial columns of each row
     rows [RB] (column c of row r at r · NPART + c; a column whose m is −inf is skipped; a row not row_ok: NaN), in
     one pass over blocks of CB columns (a long tail of small batches has hundreds): each block's m, l and acc are
     loaded together (cache modifier CACHE) and folded in with a running maximum (the sums rescaled by
-    e^(M_old−M_new) when it grows; with one block, as usual, that is the plain formula)."""
+    e^(M_old−M_new) when it grows; with one block, as usual, that is the plain formula). WRITTEN: only the columns
+    [0, A_END) ∪ [B_START, B_END) ∪ [C_START, C_END) are read (the others count as m = −inf, unread)."""
     dims = tl.arange(0, DP)
     top = tl.full([RB], float("-inf"), tl.float32)
     denom = tl.zeros([RB], tl.float32)
     acc = tl.zeros([RB, DP], tl.float32)
     for c0 in range(0, NP, CB):
         cols = c0 + tl.arange(0, CB)
-        inb = row_ok[:, None] & (cols < NPART)[None, :]  # [RB, CB]
+        col_ok = cols < NPART
+        if WRITTEN:
+            col_ok = col_ok & ((cols < A_END) | ((cols >= B_START) & (cols < B_END))
+                               | ((cols >= C_START) & (cols < C_END)))
+        inb = row_ok[:, None] & col_ok[None, :]  # [RB, CB]
         cell = rows[:, None] * NPART + cols[None, :]
         m = tl.load(M + cell, mask=inb, other=float("-inf"), cache_modifier=CACHE)
         l = tl.load(L + cell, mask=inb, other=0.0, cache_modifier=CACHE)
@@ -441,9 +475,14 @@ def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int =
     return min(1024, max(block, chunk))
 
 
+def _scratch(shape, device) -> torch.Tensor:
+    """A float32 buffer of ``shape`` whose contents the kernels write before they read (uninitialised)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_suf, suffix_len, scale,
                             members=None, prompt_len=None, launch: dict | None = None, fused_merge: bool = True,
-                            kv_exp=None, slots=None):
+                            kv_exp=None, slots=None, counters=None):
     """Same arguments and result as the reference: q [B, Hq, D] → [B, Hq, D]; slots [B] (optional): row b reads
     slot slots[b]'s suffix store instead of slot b's (a verify step's virtual rows).
 
@@ -455,7 +494,11 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
     of LAUNCH and FP8_LAUNCH (for tuning; the result does not depend on them beyond float32 summation order).
-    ``fused_merge`` False: merge the partials in a launch of their own (merge_partials; for comparison)."""
+    ``fused_merge`` False: merge the partials in a launch of their own (merge_partials; for comparison).
+
+    counters: int32 [≥ B · Hkv] at COUNT0, kept from call to call (each call leaves them at COUNT0): with the launch
+    choice ``counters`` on and the fused merge, the merge's counters, and its partials are left unfilled (the merge
+    reads the columns the lengths say were written); otherwise (or when too short) unused."""
     launch = {**LAUNCH, **(FP8_LAUNCH if kv_exp is not None else {}), **(launch or {})}
     block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     B, Hq, D = q.shape
@@ -508,11 +551,16 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     # m of every column starts at −inf (a prefix column of a slot no entry lists is never written); l and acc are
     # read only where m was written. Fused: the counters [B · Hkv] are m's tail, the same fill (COUNT0: −inf's bits)
     cells = B * Hq * npart
-    m_fill = torch.full((cells + (B * Hkv if fused_merge else 0),), float("-inf"), dtype=torch.float32,
-                        device=q.device)
-    m_part, count = m_fill[:cells], m_fill[cells:].view(torch.int32)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(cells, DP, dtype=torch.float32, device=q.device)
+    written = bool(fused_merge and launch.get("counters") and counters is not None and counters.numel() >= B * Hkv)
+    if written:  # no fill: the merge reads only written columns, and the counters rest at COUNT0 between calls
+        assert counters.dtype == torch.int32, "the merge's counters are int32"
+        m_part, count = _scratch((cells,), q.device), counters[:B * Hkv]
+    else:
+        m_fill = torch.full((cells + (B * Hkv if fused_merge else 0),), float("-inf"), dtype=torch.float32,
+                            device=q.device)
+        m_part, count = m_fill[:cells], m_fill[cells:].view(torch.int32)
+    l_part = _scratch((cells,), q.device)
+    acc_part = _scratch((cells, DP), q.device)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     strides = (q.stride(0), q.stride(1), k_pre.stride(0), k_pre.stride(1), k_pre.stride(2))
     # the values' (entry or slot, head, position or, position-minor, dimension) strides
@@ -536,12 +584,14 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
-        kpe, vpe, kse, vse, slots if slots is not None else prefix_index, float(scale), *strides, k_suf.stride(0),
+        kpe, vpe, kse, vse, slots if slots is not None else prefix_index,
+        members if grouped else prefix_index, prompt_len if grouped else prefix_len,
+        members.stride(0) if grouped else 0, G, pchunk, float(scale), *strides, k_suf.stride(0),
         k_suf.stride(1), k_suf.stride(2), *v_strides,
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
         COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s),
-        HAS_SLOTS=slots is not None, num_warps=warps,
+        HAS_SLOTS=slots is not None, WRITTEN=written, GP=triton.next_power_of_2(max(G, 1)), num_warps=warps,
         num_stages=stages, **regs)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
