@@ -54,7 +54,8 @@
 #   profile8b  GPU time per kernel of 8B decode steps alone (128 steps), fast path and transformers + PEFT (~2 min);
 #              PVARIANTS=packed,fused,hf picks the paths (default packed,hf), PTAG=... the file's tag
 #   profile8b4 profile8b's packed path on the 4-bit (NF4) model, decode products on the NF4 kernel (~2 min; both
-#              profile 16 prompts x 8 = 128 rows; PPROMPTS=1: 8 rows)
+#              profile 16 prompts x 8 = 128 rows; PPROMPTS=1: 8 rows; LAUNCH_FROM: decode attention launch choices,
+#              as rollout8b's, e.g. '{"counters": true}')
 #   profile8b_kv  profile8b's packed path at 16 sequences of their own 16,128-token prompt, bf16 then FP8 KV cache
 #              (kv_fp8_speed's 16 x 1 whole-model case): where the decode step's time goes with each (~4 min;
 #              PROFILE_KV=fp8: the FP8 cache alone)
@@ -321,7 +322,8 @@ print('triton vs twin on the GPU, max abs err', r.check_kernel(torch.device('cud
             --profile-variants "${PVARIANTS:-packed,hf}" ${PPROMPTS:+--prompts "$PPROMPTS"} \
             --tag "${PTAG:-_fast}" ;;
         profile8b4) stage profile8b4 240 python3 benchmarks/rollout_speed.py --shape llama-3.1-8b --profile 129 \
-            --profile-variants packed --profile-4bit ${PPROMPTS:+--prompts "$PPROMPTS"} --tag "${PTAG:-_fast}_4bit" ;;
+            --profile-variants packed --profile-4bit ${PPROMPTS:+--prompts "$PPROMPTS"} \
+            ${LAUNCH_FROM:+--launch "$LAUNCH_FROM"} --tag "${PTAG:-_fast}_4bit" ;;
         profile8b_kv) for kv in ${PROFILE_KV:-bf16 fp8}; do stage profile8b_$kv 210 python3 benchmarks/rollout_speed.py \
             --shape llama-3.1-8b --prompts 16 --G 1 --prompt-len 16128 --profile 65 --profile-variants packed --impls longrl \
             --kv-cache-dtype $kv --tag _16k_$kv; done ;;
