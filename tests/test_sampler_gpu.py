@@ -379,3 +379,48 @@ def test_whole_step_graphs_leave_other_draws_to_forward_graphs():
     assert sampler.generate(PROMPTS, 2, params).completion_ids == plain.completion_ids
     # the same forward-only graphs: one a bucket from the first step, none held back for a whole-step capture
     assert sampler.last_stats["graph_captures"] == forward_only.last_stats["graph_captures"] >= 1
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("slots", [None, 3])
+def test_attention_counters_on_cuda_graphs_equal_the_filled_partials(kv_cache_dtype, slots, monkeypatch):
+    """The decode attention's launch choice `counters` (the KV cache's merge counters kept from call to call, the
+    partials unfilled) on CUDA graphs: plain greedy's tokens and log-probs as with the filled partials; then the
+    kernel alone, replayed from a graph, within float32 rounding of the filled call and its counters back at rest."""
+    from test_fast_verify import VERIFY_PROMPTS
+    from test_speculative_sampler import assert_same_rollout, peaked_model
+
+    from longrl.rollout import decode_kernel as dk
+    from longrl.rollout.attention import MERGE_COUNT0
+
+    model, tok = peaked_model(seed=3)
+    model = model.cuda()
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=per * (slots * 40 + 3 * 11) if slots else None)
+    params = SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
+    filled = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
+    monkeypatch.setitem(dk.LAUNCH, "counters", True)
+    kept = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
+    assert_same_rollout(kept, filled, tol=1e-4)
+
+    torch.manual_seed(0)
+    P, G, Hq, Hkv, Lp, T, D = 2, 8, 32, 8, 1000, 300, 128
+    dev = torch.device("cuda")
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    k_pre, v_pre, k_suf, v_suf, q = mk(P, Hkv, Lp, D), mk(P, Hkv, Lp, D), mk(P * G, Hkv, T, D), mk(P * G, Hkv, T, D), \
+        mk(P * G, Hq, D)
+    pidx = torch.arange(P * G, device=dev) // G
+    slen = torch.randint(1, T + 1, (P * G,), device=dev)
+    args = (q, k_pre, v_pre, pidx, torch.full((P * G,), Lp, device=dev), k_suf, v_suf, slen, D ** -0.5)
+    grouping = dict(members=torch.arange(P * G, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
+    counters = torch.full((P * G * Hkv,), MERGE_COUNT0, dtype=torch.int32, device=dev)
+    ref = dk.decode_attention_triton(*args, **grouping, launch=dict(counters=False))
+    out = dk.decode_attention_triton(*args, **grouping, counters=counters)  # warm-up (builds the kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dk.decode_attention_triton(*args, **grouping, counters=counters)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+        assert bool((counters == MERGE_COUNT0).all())
