@@ -88,7 +88,7 @@
 #   attn8b     the first part of attn alone (8B heads, sweep + breakdown; ~2.5 min)
 #   attnrows8  decode attention at the matrix's 8-row cell (8B heads, 1 prompt x 8, prompt 1,024, 256-position
 #              slot store): each kernel's GPU time and a sweep down to few programs (fewer partial columns for the
-#              fused merge to read; ~2 min)
+#              fused merge to read: 2 to 8 suffix and 2 to 32 prompt columns at these sizes; ~3 min)
 #   attn       decode attention alone (Triton vs SDPA, CUDA-graph timed) against its KV bytes: 8B heads 16 x 8 at
 #              T=1,024, 1.5B heads 64 x 8 (both with a sweep of the kernels' launch choices at the shortest and longest
 #              suffix, and each kernel's GPU time), 8B 2 x 8 at 16K (~4 min)
@@ -382,8 +382,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         e2e8b_b4) stage e2e8b_b4 480 python3 benchmarks/grpo_e2e.py --shape llama-3.1-8b --prompts 2 --completion 16384 \
             --steps 1 --no-cli-smoke --load-in-4bit --tag "${ETAG:-}" ;;
         attn8b) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph ;;
-        attnrows8) stage attnrows8 200 python3 benchmarks/decode_attention_speed.py --prompts 1 --prompt-len 1024 \
-            --max-suffix 256 --suffix 1,128,256 --sweep --breakdown --sweep-programs 128,256,512,1024,2048 \
+        attnrows8) stage attnrows8 240 python3 benchmarks/decode_attention_speed.py --prompts 1 --prompt-len 1024 \
+            --max-suffix 256 --suffix 1,128,256 --sweep --breakdown --sweep-programs 128,256,512 \
             --sweep-prefix-programs 16,32,64,128,512 --tag _rows8 ;;
         attn) stage attn 180 python3 benchmarks/decode_attention_speed.py --sweep --breakdown --tag _graph \
             && stage attn15 150 python3 benchmarks/decode_attention_speed.py --prompts 64 --heads 12,2,128 --sweep \
