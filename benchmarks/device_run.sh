@@ -123,8 +123,8 @@
 #   fp8k128    the default FP8 launch (blocks of 128) against its twin on the GPU alone (~1 min)
 #   newgpu     the GPU tests of the grouped rows, KL reference, FP8 base, vision sampler, fast verify, compiled
 #              kernels and sampler (the 2026-12-05 list; ~3.5 min)
-#   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows (~1 min; SPEC_CONTEXTS,
-#              SPEC_ROWS narrow it, SPEC_LIMIT its seconds)
+#   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows, each also as a
+#              whole-step CUDA graph (~2 min; SPEC_CONTEXTS, SPEC_ROWS narrow it, SPEC_LIMIT its seconds)
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8; nf4h: NF4 in the
@@ -507,7 +507,7 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
         newgpu) stage newgpu 300 python3 -m pytest -q tests/test_shared_prompt_gpu.py tests/test_kl_reference_gpu.py \
             tests/test_fp8_gpu.py tests/test_vision_sampler_gpu.py tests/test_fast_verify.py tests/test_kernels_compile.py \
             tests/test_fp8_matmul.py tests/test_sampler_gpu.py ;;
-        specverify) stage specverify "${SPEC_LIMIT:-120}" python3 benchmarks/speculative_rollout.py --parts ii --reps 5 \
+        specverify) stage specverify "${SPEC_LIMIT:-200}" python3 benchmarks/speculative_rollout.py --parts ii --reps 5 \
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;

@@ -216,11 +216,13 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
     return rows
 
 
-def step_seconds(fn, restore, reps: int) -> float:
-    """Median wall seconds of fn() over ``reps`` calls after a warm-up one (compiles, graph captures), the slot
-    state restored before each call, outside the timing."""
-    restore()
-    fn()
+def step_seconds(fn, restore, reps: int, warmups: int = 1) -> float:
+    """Median wall seconds of fn() over ``reps`` calls after ``warmups`` untimed ones (compiles, graph captures; a
+    whole-step graph's first call runs eagerly and its second captures: 2), the slot state restored before each
+    call, outside the timing."""
+    for _ in range(warmups):
+        restore()
+        fn()
     times = []
     for _ in range(reps):
         restore()
@@ -265,6 +267,11 @@ def verify_cost(args, device) -> list[dict]:
                 t_step = step_seconds(lambda: run._decode_step(batch), restore, args.reps)
                 row = dict(context=context, rows=n_rows, step_s=t_step)
                 row["step_forward_s"] = step_seconds(lambda: run._run_forward(batch), restore, args.reps)
+                graphs = device.type == "cuda" and sampler.cuda_graphs
+                if graphs:  # each plain step one CUDA graph (Sampler(step_graphs)), where it applies
+                    sampler.step_graphs = run._step_graphable(batch)
+                    row["step_graph_s"] = step_seconds(lambda: run._decode_step(batch), restore, args.reps, 2)
+                    sampler.step_graphs = False
                 for k in args.k:
                     # a verify step as rollouts run it: device drafts, verify forward, acceptance, state updates
                     width = int(state.generated[:n_rows].max()) + k + 1
@@ -273,6 +280,12 @@ def verify_cost(args, device) -> list[dict]:
                         row[f"{name}_k{k}_s"] = step_seconds(
                             lambda: run._queued_verify(batch, k, width, run._fast_verify_fits(batch, k)), restore,
                             args.reps)
+                    if graphs and run._fast_verify_fits(batch, k):  # each whole queued verify step one graph
+                        sampler.speculative_graphs = True  # (Sampler(speculative_graphs); its source width a
+                        pow2 = min(run.max_tokens, 1 << max(0, width - 1).bit_length())  # power of two, as a call's)
+                        row[f"graph_k{k}_s"] = step_seconds(lambda: run._queued_graph(batch, k, pow2), restore,
+                                                            args.reps, 2)
+                        sampler.speculative_graphs = False
                     drafts = torch.zeros(batch, k, dtype=torch.long, device=state.tokens.device)
                     drafts[:n_rows] = torch.randint(3, vocab, (n_rows, k), generator=g).to(drafts.device)
                     sampler.fast_verify = True
@@ -442,12 +455,20 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
     lines += ["## (ii) 8B shape (random weights): a verify step of k + 1 tokens against a one-token step", "",
               "One prompt of C tokens shared by R rows; wall ms a step (plain: CUDA graph and fast decode path; "
               "verify: virtual rows on the decode path, CUDA graph, + acceptance; twin: the eager extend forward + "
-              "acceptance); fwd: the forwards alone (decode step's graph; the verify's). PROJECTED speed-up = "
-              "(1 + a) · t_step / t_verify, a = SmolLM2's accepted drafts per verify step at the same k (temperature "
-              "1, later step) — a projection, not a measurement.", "",
-              "| context | rows | step ms | step fwd ms | " + " | ".join(
-                  f"k={k}: verify ms | fwd ms | twin ms | projected ×" for k in args.k) + " |",
-              "| --- | --- | --- | --- | " + " | ".join("--- | --- | --- | ---" for _ in args.k) + " |"]
+              "acceptance); fwd: the forwards alone (decode step's graph; the verify's); graph: each whole step one "
+              "CUDA graph (plain: Sampler(step_graphs), verify: Sampler(speculative_graphs); CUDA only). PROJECTED "
+              "speed-up = (1 + a) · t_step / t_verify, and with whole-step graphs (1 + a) · t_step graph / t_verify "
+              "graph, a = SmolLM2's accepted drafts per verify step at the same k (temperature 1, later step) — a "
+              "projection, not a measurement.", "",
+              "| context | rows | step ms | step fwd ms | step graph ms | " + " | ".join(
+                  f"k={k}: verify ms | fwd ms | twin ms | graph ms | projected × | with graphs ×" for k in args.k)
+              + " |",
+              "| --- | --- | --- | --- | --- | " + " | ".join("--- | --- | --- | --- | --- | ---" for _ in args.k)
+              + " |"]
+
+    def ms(c: dict, key: str) -> str:
+        return f"{1e3 * c[key]:.2f}" if key in c else "–"
+
     for c in cost:
         cells = []
         for k in args.k:
@@ -455,10 +476,12 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                       and r["call"].startswith("later") and r["schedule"] == "always"),
                      None)  # (the trained policy's where it ran)
             proj = "–" if a is None else f"{(1 + a) * c['step_s'] / c[f'verify_k{k}_s']:.2f}"
-            cells.append(f"{1e3 * c[f'verify_k{k}_s']:.2f} | {1e3 * c[f'verify_forward_k{k}_s']:.2f} | "
-                         f"{1e3 * c[f'twin_k{k}_s']:.2f} | {proj}")
-        lines.append(f"| {c['context']} | {c['rows']} | {1e3 * c['step_s']:.2f} | {1e3 * c['step_forward_s']:.2f} | "
-                     + " | ".join(cells) + " |")
+            graphed = ("–" if a is None or f"graph_k{k}_s" not in c or "step_graph_s" not in c
+                       else f"{(1 + a) * c['step_graph_s'] / c[f'graph_k{k}_s']:.2f}")
+            cells.append(f"{ms(c, f'verify_k{k}_s')} | {ms(c, f'verify_forward_k{k}_s')} | {ms(c, f'twin_k{k}_s')} | "
+                         f"{ms(c, f'graph_k{k}_s')} | {proj} | {graphed}")
+        lines.append(f"| {c['context']} | {c['rows']} | {ms(c, 'step_s')} | {ms(c, 'step_forward_s')} | "
+                     f"{ms(c, 'step_graph_s')} | " + " | ".join(cells) + " |")
     return lines
 
 
