@@ -19,11 +19,12 @@ cache = ("*fp8e4nv" if ss else "*u8") if fp8 else "*bf16"
 strides = {n: "i64" for n in ("stride_qb", "stride_qh", "stride_pp", "stride_ph", "stride_pt", "stride_epp", "stride_eph")}
 v_strides = ("stride_vpp", "stride_vph", "stride_vp", "stride_vsb", "stride_vsh", "stride_vs")
 sig = dict(Q="*bf16", KP=cache, VP=cache, KS=cache, VS=cache, PIDX="*i64", PLEN="*i64", SLEN="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8", KSE="*i8", VSE="*i8", SLOTS="*i64", scale="fp32",
-           **strides, stride_sb="i64", stride_sh="i64", stride_st="i64", **{n: "i64" for n in v_strides}, stride_esb="i64", stride_esh="i64", NPART="i32", FIRST="i32", NPRE="i32")
-order = ["Q","KP","VP","KS","VS","PIDX","PLEN","SLEN","M_OUT","L_OUT","ACC_OUT","COUNT","OUT","KPE","VPE","KSE","VSE","SLOTS","scale","stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st",*v_strides,"stride_epp","stride_eph","stride_esb","stride_esh","NPART","FIRST","NPRE"]
+           **strides, stride_sb="i64", stride_sh="i64", stride_st="i64", **{n: "i64" for n in v_strides}, stride_esb="i64", stride_esh="i64", NPART="i32", FIRST="i32", NPRE="i32",
+           MEMBERS="*i64", PLEN_P="*i64", stride_mem="i64", G="i32", PCHUNK="i32")
+order = ["Q","KP","VP","KS","VS","PIDX","PLEN","SLEN","M_OUT","L_OUT","ACC_OUT","COUNT","OUT","KPE","VPE","KSE","VSE","SLOTS","MEMBERS","PLEN_P","stride_mem","G","PCHUNK","scale","stride_qb","stride_qh","stride_pp","stride_ph","stride_pt","stride_sb","stride_sh","stride_st",*v_strides,"stride_epp","stride_eph","stride_esb","stride_esh","NPART","FIRST","NPRE"]
 sig = {k: sig[k] for k in order}
 rb = 4; np_, cb = dk._merge_blocks(2, rb)
-consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=bool(fp8), HAS_SLOTS=False)
+consts = dict(REP=4, R=16, D=128, DP=128, BLOCK=block, CHUNK=1024, PREC="tf32", DYNAMIC_STOP=True, FUSED=True, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=bool(fp8), HAS_SLOTS=False, WRITTEN=False, GP=1)
 sig.update({k: "constexpr" for k in consts})
 aligned = [k for k in order if sig[k].startswith("*") or k.startswith("stride")]  # as a launch specialises them
 attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}

@@ -13,6 +13,7 @@ KERNEL_CHECK = textwrap.dedent('''
     import torch
     from longrl.rollout.attention import decode_attention_reference
     from longrl.rollout.decode_kernel import decode_attention_triton
+    from longrl.rollout.merge_counters import merge_counters
 
     torch.manual_seed(int(__import__("sys").argv[1]))
     for (P, S, Hq, Hkv, Lp, T, D) in [(3, 7, 8, 2, 77, 131, 32), (2, 5, 6, 2, 64, 65, 16), (1, 3, 4, 4, 1, 1, 16),
@@ -31,7 +32,7 @@ KERNEL_CHECK = textwrap.dedent('''
         ref = decode_attention_reference(*args)
         # the default launch (on these few programs: chunks of one block), then few programs: chunks of many blocks,
         # a prompt's keys in chunks of up to 1,024
-        counters = torch.full((S * Hkv,), -8388608, dtype=torch.int32)  # at rest (decode_kernel.COUNT0)
+        counters = merge_counters(S * Hkv, "cpu")  # at rest
         for kw in ({}, dict(members=members, prompt_len=entry_len),
                    dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw), ref, atol=1e-5, rtol=1e-5)

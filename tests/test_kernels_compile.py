@@ -18,13 +18,17 @@ from longrl.rollout import fused_ops as fo  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes a block may use on sm_90
+# the chunk kernel's arguments for its merge's written-columns rule (the grouped prefix's member lists and lengths)
+CHUNK_MEMBER_ARGS = dict(MEMBERS="*i64", PLEN_P="*i64", stride_mem="i64", G="i32", PCHUNK="i32")
 
 
 def compile_for_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2, aligned=(),
                      **options):
     """``aligned``: arguments known divisible by 16, as Triton specialises them at a launch (pointers of fresh
-    tensors, sizes such as 4,096)."""
+    tensors, sizes such as 4,096). Constexprs not given take the kernel's defaults, as a launch does."""
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    signature = {p.name: signature[p.name] for p in fn.params}  # the kernel's order: attrs below go by position
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
     try:
         kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), target=SM90,
@@ -45,7 +49,8 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
     # the 16-bit cache (FP8=False): the FP8 cache's exponent pointers are typed but unread
     common = dict(Q=dtype, KP=dtype, VP=dtype, KPE="*i8", VPE="*i8", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
                   scale="fp32", NPART="i32")
-    for fused, npart in ((True, 2), (True, 33), (False, 2)):  # the merge in the chunk launch, or not
+    # the merge in the chunk launch (reading every column, or the written ones: the counters option), or not
+    for fused, npart, written in ((True, 2, False), (True, 33, False), (True, 33, True), (False, 2, False)):
         rb = triton.next_power_of_2(rep)
         np_, cb = dk._merge_blocks(npart, rb)
         kernel = compile_for_sm90(
@@ -53,10 +58,11 @@ def test_decode_attention_kernels_build(dtype, prec, head_dim, rep, members):
             {**common, "KS": dtype, "VS": dtype, "PIDX": "*i64", "PLEN": "*i64", "SLEN": "*i64", "COUNT": "*i32",
              "OUT": dtype, **strides, "stride_sb": "i64", "stride_sh": "i64", "stride_st": "i64", "FIRST": "i32",
              "NPRE": "i32", "KSE": "*i8", "VSE": "*i8", "SLOTS": "*i64", "stride_esb": "i64", "stride_esh": "i64",
-             **{n: "i64" for n in ("stride_vsb", "stride_vsh", "stride_vs")}},
+             **{n: "i64" for n in ("stride_vsb", "stride_vsh", "stride_vs")}, **CHUNK_MEMBER_ARGS},
             dict(REP=rep, R=max(16, triton.next_power_of_2(rep)), D=head_dim, DP=head_dim, BLOCK=dk.BLOCK, CHUNK=1024,
                  PREC=prec, DYNAMIC_STOP=True, FUSED=fused, RB=rb, NP=np_, CB=cb, COUNT0=dk.COUNT0, FP8=False,
-                 PREFETCH=False, V_WHOLE=False, HAS_SLOTS=members == 8),  # (8: a verify step's virtual rows)
+                 PREFETCH=False, V_WHOLE=False, HAS_SLOTS=members == 8,  # (8: a verify step's virtual rows)
+                 WRITTEN=written, GP=triton.next_power_of_2(members)),
             num_warps=4)
         if fused:  # the counter taken with release-acquire at GPU scope after a CTA barrier; partials read from L2
             lines = kernel.asm["ptx"].splitlines()
@@ -121,7 +127,7 @@ def _fp8_chunk_signature() -> dict:
     return dict(Q="*bf16", KP="*u8", VP="*u8", KS="*u8", VS="*u8", PIDX="*i64", PLEN="*i64", SLEN="*i64",
                 M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32", COUNT="*i32", OUT="*bf16", KPE="*i8", VPE="*i8",
                 KSE="*i8", VSE="*i8", SLOTS="*i64", scale="fp32", **{n: "i64" for n in strides}, NPART="i32", FIRST="i32",
-                NPRE="i32")
+                NPRE="i32", **CHUNK_MEMBER_ARGS)
 
 
 def test_fp8_cache_widening_to_float16_has_no_per_value_float32_step():

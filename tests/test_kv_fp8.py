@@ -226,7 +226,8 @@ def test_fp8_rollouts_log_probs_within_tolerance_and_slot_moves_keep_the_scales(
     narrow = narrow_sampler.generate(prompts, 2, params)
     assert narrow_sampler.last_stats["slots"] == 3 and narrow_sampler.last_stats["compactions"] > 0
     stage = 3 * (2 * 2 * 16 * 4 + 8)  # the decode step's float32 keys/values before quantization, and their index
-    assert narrow_sampler.last_stats["kv_cache_bytes"] - stage <= budget  # the stores: within the budget
+    counters = 3 * 2 * 4  # the decode attention's merge counters: one int32 a slot and key head
+    assert narrow_sampler.last_stats["kv_cache_bytes"] - stage - counters <= budget  # the stores: within the budget
     assert narrow.completion_ids == wide.completion_ids
     torch.testing.assert_close(torch.tensor(sum(narrow.logprobs, [])), torch.tensor(sum(wide.logprobs, [])))
     diffs = []

@@ -243,6 +243,15 @@ def test_packing_and_release_hold_one_group_of_extra_memory_at_most():
         assert abs(torch.cuda.memory_allocated() - before) <= slack
 
 
+def _peaked_greedy_setup(peaked_model, seed: int, kv_cache_dtype: str, slots: int | None):
+    """(model on CUDA, tokenizer, Sampler keywords, greedy SamplingParams) of the speculative tests' peaked model:
+    ``slots`` decode slots of 40 positions (None: every sequence at once)."""
+    model, tok = peaked_model(seed=seed)
+    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=per * (slots * 40 + 3 * 11) if slots else None)
+    return model.cuda(), tok, kw, SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("slots", [None, 3, 1])
 def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, slots):
@@ -254,11 +263,7 @@ def test_speculative_verify_on_cuda_graphs_equals_plain_greedy(kv_cache_dtype, s
     from test_fast_verify import VERIFY_PROMPTS, check_verify_forward, random_drafts
     from test_speculative_sampler import assert_same_rollout, peaked_model
 
-    model, tok = peaked_model(seed=2)
-    model = model.cuda()
-    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
-    kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=per * (slots * 40 + 3 * 11) if slots else None)
-    params = SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
+    model, tok, kw, params = _peaked_greedy_setup(peaked_model, 2, kv_cache_dtype, slots)
     plain = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
     # host drafts; device drafts, the verify forward a graph; device drafts, each whole queued step a graph
     for speculative, whole in ((random_drafts(5, 1), False), ("ngram", False), ("ngram", True)):
@@ -391,13 +396,9 @@ def test_attention_counters_on_cuda_graphs_equal_the_filled_partials(kv_cache_dt
     from test_speculative_sampler import assert_same_rollout, peaked_model
 
     from longrl.rollout import decode_kernel as dk
-    from longrl.rollout.attention import MERGE_COUNT0
+    from longrl.rollout.merge_counters import COUNT0, merge_counters
 
-    model, tok = peaked_model(seed=3)
-    model = model.cuda()
-    per = KVCache.nbytes(layers=2, kv_heads=2, head_dim=16, tokens=1, dtype=torch.float32)
-    kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=per * (slots * 40 + 3 * 11) if slots else None)
-    params = SamplingParams(max_new_tokens=32, temperature=0, stop_token_ids=(3,))
+    model, tok, kw, params = _peaked_greedy_setup(peaked_model, 3, kv_cache_dtype, slots)
     filled = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
     monkeypatch.setitem(dk.LAUNCH, "counters", True)
     kept = Sampler(model, tok, **kw).generate(VERIFY_PROMPTS, 3, params)
@@ -413,7 +414,7 @@ def test_attention_counters_on_cuda_graphs_equal_the_filled_partials(kv_cache_dt
     slen = torch.randint(1, T + 1, (P * G,), device=dev)
     args = (q, k_pre, v_pre, pidx, torch.full((P * G,), Lp, device=dev), k_suf, v_suf, slen, D ** -0.5)
     grouping = dict(members=torch.arange(P * G, device=dev).view(P, G), prompt_len=torch.full((P,), Lp, device=dev))
-    counters = torch.full((P * G * Hkv,), MERGE_COUNT0, dtype=torch.int32, device=dev)
+    counters = merge_counters(P * G * Hkv, dev)
     ref = dk.decode_attention_triton(*args, **grouping, launch=dict(counters=False))
     out = dk.decode_attention_triton(*args, **grouping, counters=counters)  # warm-up (builds the kernels)
     graph = torch.cuda.CUDAGraph()
@@ -423,4 +424,4 @@ def test_attention_counters_on_cuda_graphs_equal_the_filled_partials(kv_cache_dt
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
-        assert bool((counters == MERGE_COUNT0).all())
+        assert bool((counters == COUNT0).all())

@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from .kv_quant import FP8, dequantize, dequantize_values, quantize_reference, store_decode, store_rows, value_capacity
+from .merge_counters import merge_counters
 
 SAMPLER_ATTENTION = "longrl_sampler"
-# the resting value of the Triton decode attention's merge counters (decode_kernel.COUNT0): float32 −inf's int32 bits
-MERGE_COUNT0 = -8388608  # 0xFF800000
 
 
 @dataclass
@@ -47,8 +46,8 @@ class KVCache:
     k_stage: torch.Tensor | None = None  # [S, Hkv, 1, D] in the compute dtype
     v_stage: torch.Tensor | None = None
     stage_index: torch.Tensor | None = None  # [S] long zeros: position 0 of the stage
-    # int32 [S · Hkv] at MERGE_COUNT0: the Triton decode attention's merge counters, kept from call to call (each
-    # call leaves them at rest; decode_kernel.decode_attention_triton's ``counters``)
+    # int32 [S · Hkv] at rest: the Triton decode attention's merge counters, kept from call to call (each call leaves
+    # them at rest; rollout/merge_counters.py, decode_kernel.decode_attention_triton's ``counters``)
     counters: torch.Tensor | None = None
 
     @classmethod
@@ -64,7 +63,7 @@ class KVCache:
             v_suf = (*suf[:3], head_dim, value_capacity(suffix_len))
         cache = cls(torch.zeros(pre, dtype=dtype, device=device), torch.zeros(v_pre, dtype=dtype, device=device),
                     torch.zeros(suf, dtype=dtype, device=device), torch.zeros(v_suf, dtype=dtype, device=device))
-        cache.counters = torch.full((slots * kv_heads,), MERGE_COUNT0, dtype=torch.int32, device=device)
+        cache.counters = merge_counters(slots * kv_heads, device)
         if dtype == FP8:
             exp = dict(dtype=torch.int8, device=device)
             cache.k_pre_e, cache.v_pre_e = torch.zeros(pre[:-1], **exp), torch.zeros(pre[:-1], **exp)

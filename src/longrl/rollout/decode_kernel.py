@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import MERGE_COUNT0
 from .kv_quant import EXP_LIMIT, round_e4m3, scale_exponent
+from .merge_counters import COUNT0
 
 Q_EXP_LIMIT = tl.constexpr(EXP_LIMIT)  # the query split's exponent bound, kv_quant's (a constexpr kernels can read)
 
@@ -39,7 +39,8 @@ BLOCK = 32
 # fp8_ss (e4m3 products): the codes through e4m3 pointers, so that the products read the pipeline's shared-memory
 # tiles instead of bitcasting them in registers (fewer registers a thread, room for one more pipeline buffer);
 # maxnreg: registers a thread at most (ptxas's .maxnreg; 168 lets 3 programs of 4 warps share an SM)
-# counters: with a persistent counter buffer (decode_attention_triton's ``counters``, the sampler's KVCache.counters)
+# counters: with a persistent counter buffer (decode_attention_triton's ``counters``, the sampler's KVCache.counters;
+# rollout/merge_counters.py; on the filled path the counters sit at the tail of the partials' m, filled with it)
 # the fused merge reads only the columns the lengths say were written, so the partials need no −inf fill: one launch
 # a layer less (off until timed on a GPU)
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
@@ -54,9 +55,6 @@ FP8_F16_LAUNCH = dict(block=32, warps=2, stages=3, fp8_mma=False, fp8_f16=True, 
 # warps=4). The FP8 cache's default, blocks of 128 and 3 stages: its fastest launch (docs/performance.md).
 # Heads below 32 (an e4m3 product's k-dimension is a multiple of 32) take FP8_F16_LAUNCH.
 FP8_LAUNCH = dict(block=128, warps=4, stages=3, fp8_mma=True, fp8_f16=True, fp8_prefetch=True)
-# the resting value of the fused merge's counters: the int32 bits of float32 −inf, so that one torch.full(−inf)
-# initialises them with the partials' m (they sit at its tail); the merging program puts its counter back to it
-COUNT0 = MERGE_COUNT0  # 0xFF800000
 
 
 @triton.jit
