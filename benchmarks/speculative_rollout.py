@@ -281,10 +281,9 @@ def verify_cost(args, device) -> list[dict]:
                             lambda: run._queued_verify(batch, k, width, run._fast_verify_fits(batch, k)), restore,
                             args.reps)
                     if graphs and run._fast_verify_fits(batch, k):  # each whole queued verify step one graph
-                        sampler.speculative_graphs = True  # (Sampler(speculative_graphs); its source width a
-                        pow2 = min(run.max_tokens, 1 << max(0, width - 1).bit_length())  # power of two, as a call's)
-                        row[f"graph_k{k}_s"] = step_seconds(lambda: run._queued_graph(batch, k, pow2), restore,
-                                                            args.reps, 2)
+                        sampler.speculative_graphs = True  # (Sampler(speculative_graphs), a call's source width)
+                        row[f"graph_k{k}_s"] = step_seconds(
+                            lambda: run._queued_graph(batch, k, run._graph_width(width)), restore, args.reps, 2)
                         sampler.speculative_graphs = False
                     drafts = torch.zeros(batch, k, dtype=torch.long, device=state.tokens.device)
                     drafts[:n_rows] = torch.randint(3, vocab, (n_rows, k), generator=g).to(drafts.device)

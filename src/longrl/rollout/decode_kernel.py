@@ -546,17 +546,20 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     n_suf = max(1, -(-T // chunk))
     n_pre = 0 if grouped else -(-Lp // chunk)
     npart = first + n_pre + n_suf
-    # m of every column starts at −inf (a prefix column of a slot no entry lists is never written); l and acc are
-    # read only where m was written. Fused: the counters [B · Hkv] are m's tail, the same fill (COUNT0: −inf's bits)
     cells = B * Hq * npart
     written = bool(fused_merge and launch.get("counters") and counters is not None and counters.numel() >= B * Hkv)
     if written:  # no fill: the merge reads only written columns, and the counters rest at COUNT0 between calls
         assert counters.dtype == torch.int32, "the merge's counters are int32"
         m_part, count = _scratch((cells,), q.device), counters[:B * Hkv]
-    else:
+    else:  # m of every column starts at −inf (a prefix column of a slot no entry lists is never written); l and acc
+        # are read only where m was written. Fused: the counters [B · Hkv] are m's tail, the same fill (COUNT0)
         m_fill = torch.full((cells + (B * Hkv if fused_merge else 0),), float("-inf"), dtype=torch.float32,
                             device=q.device)
         m_part, count = m_fill[:cells], m_fill[cells:].view(torch.int32)
+    # the written-columns rule's member lists: fixed placeholders where it is off, so that the filled path keeps
+    # the kernel variants it had (Triton specialises integer arguments by value)
+    member_args = ((members, prompt_len, members.stride(0), G, pchunk) if written and grouped
+                   else (prefix_index, prefix_len, 0, 0, 1))
     l_part = _scratch((cells,), q.device)
     acc_part = _scratch((cells, DP), q.device)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
@@ -582,15 +585,13 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     np_, cb = _merge_blocks(npart, rb)
     _chunk_kernel[(B, Hkv, n_pre + n_suf)](
         q, k_pre, v_pre, k_suf, v_suf, prefix_index, prefix_len, suffix_len, m_part, l_part, acc_part, count, out,
-        kpe, vpe, kse, vse, slots if slots is not None else prefix_index,
-        members if grouped else prefix_index, prompt_len if grouped else prefix_len,
-        members.stride(0) if grouped else 0, G, pchunk, float(scale), *strides, k_suf.stride(0),
-        k_suf.stride(1), k_suf.stride(2), *v_strides,
+        kpe, vpe, kse, vse, slots if slots is not None else prefix_index, *member_args, float(scale), *strides,
+        k_suf.stride(0), k_suf.stride(1), k_suf.stride(2), *v_strides,
         *e_strides, npart, FIRST=first, NPRE=n_pre, REP=rep, R=max(16, triton.next_power_of_2(rep)), D=D, DP=DP,
         BLOCK=block_s, CHUNK=chunk, PREC=prec, DYNAMIC_STOP=DYNAMIC_STOP, FUSED=fused_merge, RB=rb, NP=np_, CB=cb,
         COUNT0=COUNT0, FP8=fp8, PREFETCH=prefetch, V_WHOLE=whole((v_pre, v_suf), block_s),
-        HAS_SLOTS=slots is not None, WRITTEN=written, GP=triton.next_power_of_2(max(G, 1)), num_warps=warps,
-        num_stages=stages, **regs)
+        HAS_SLOTS=slots is not None, WRITTEN=written, GP=triton.next_power_of_2(max(member_args[3], 1)),
+        num_warps=warps, num_stages=stages, **regs)
     if not fused_merge:
         merge_partials(m_part, l_part, acc_part, out.view(B * Hq, D), npart)
     return out

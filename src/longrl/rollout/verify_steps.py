@@ -57,8 +57,8 @@ class VerifySteps:
         width = min(self.max_tokens, max(self.host.generated[i] for i in decoding) + steps * (k + 1))
         fast = self._fast_verify_fits(batch, k)
         whole = fast and self.sampler.speculative_graphs
-        if whole:  # a graph's source width: the next power of two (few captures a call)
-            width = min(self.max_tokens, 1 << max(0, width - 1).bit_length())
+        if whole:
+            width = self._graph_width(width)
         for _ in range(steps):
             if whole:
                 self._queued_graph(batch, k, width)
@@ -78,6 +78,11 @@ class VerifySteps:
             self.schedule.record(self.spec_accepted, ratio, k)
         self.spec_k = max(1, next_k)
         return steps
+
+    def _graph_width(self, width: int) -> int:
+        """A whole queued verify step's source width: ``width`` rounded up to a power of two, at most the call's
+        token limit (few graph captures a call)."""
+        return min(self.max_tokens, 1 << max(0, width - 1).bit_length())
 
     def _queued_graph(self, batch: int, k: int, width: int) -> None:
         """A queued verify step replayed as one CUDA graph a (batch, k, width) (sampler._Run._whole_step_graph: its
