@@ -125,6 +125,8 @@
 #              kernels and sampler (the 2026-12-05 list; ~3.5 min)
 #   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows, each also as a
 #              whole-step CUDA graph (~2 min; SPEC_CONTEXTS, SPEC_ROWS narrow it, SPEC_LIMIT its seconds)
+#   attnab     benchmarks/attention_ab.py: whole rollout calls under decode attention launch choices, interleaved in
+#              one process (ABVARIANTS: the JSON variants separated by ';', the first the reference; ABROWS, ABBASES, ABREPS; ~3 min)
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the issue's four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8; nf4h: NF4 in the
@@ -509,6 +511,9 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             tests/test_fp8_matmul.py tests/test_sampler_gpu.py ;;
         specverify) stage specverify "${SPEC_LIMIT:-200}" python3 benchmarks/speculative_rollout.py --parts ii --reps 5 \
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
+        attnab) IFS=';' read -ra variants <<< "${ABVARIANTS:-{\};{\"counters\": true\}}"
+            stage attnab "${AB_LIMIT:-240}" python3 benchmarks/attention_ab.py --bases "${ABBASES:-bf16,nf4}" \
+            --rows "${ABROWS:-8,32}" --reps "${ABREPS:-3}" --variants "${variants[@]}" --tag "${ABTAG:-}" ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
         uniforms) stage uniforms 60 python3 benchmarks/uniform_speed.py --tag "${UTAG:-}" ;;

@@ -31,10 +31,11 @@ KERNEL_CHECK = textwrap.dedent('''
         args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
         ref = decode_attention_reference(*args)
         # the default launch (on these few programs: chunks of one block), then few programs: chunks of many blocks,
-        # a prompt's keys in chunks of up to 1,024
+        # a prompt's keys in chunks of up to 1,024; a least chunk (100: rounded up to 128) over blocks of 64
         counters = merge_counters(S * Hkv, "cpu")  # at rest
         for kw in ({}, dict(members=members, prompt_len=entry_len),
-                   dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1))):
+                   dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1)),
+                   dict(members=members, prompt_len=entry_len, launch=dict(block=64, min_chunk=100))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw), ref, atol=1e-5, rtol=1e-5)
             kept = decode_attention_triton(*args, **{**kw, "launch": {**kw.get("launch", {}), "counters": True}},
                                            counters=counters)  # unfilled partials, counters kept across calls
@@ -203,3 +204,15 @@ def test_any_interpreter_setting_runs_the_kernels_to_chunk_end():
     out = subprocess.run([sys.executable, "-c", SHORT_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=900,
                          env={**os.environ, "TRITON_INTERPRET": "true"})
     assert out.returncode == 0 and "kernel ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_least_chunk_rounds_up_to_a_power_of_two_and_keeps_the_1024_cap():
+    """min_chunk's arithmetic (_chunk_size's ``least``): 8 rows × 8 key heads over a 256-position store split into
+    chunks of one 32-key block by default, of 128 keys with a least chunk of 100; a 20K store keeps 1,024."""
+    from longrl.rollout import decode_kernel as dk
+
+    assert dk._chunk_size(256, 64, 32, 2048) == 32
+    assert dk._chunk_size(256, 64, 32, 2048, least=100) == 128
+    assert dk._chunk_size(256, 64, 64, 128) == 128  # few target programs: the same chunks
+    assert dk._chunk_size(20480, 64, 32, 2048, least=128) == 1024
+    assert dk._chunk_size(20480, 64, 32, 2048, least=4096) == 1024

@@ -43,8 +43,10 @@ BLOCK = 32
 # rollout/merge_counters.py; on the filled path the counters sit at the tail of the partials' m, filled with it)
 # the fused merge reads only the columns the lengths say were written, so the partials need no −inf fill: one launch
 # a layer less (off until timed on a GPU)
+# min_chunk: keys a per-sequence program reads at least (None: one block). Few short sequences otherwise split into
+# many tiny chunks (8 rows × 8 key heads over 256 positions: 8 columns of 32), whose partials the merge then reads
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
-              fp8_mma=False, fp8_ss=False, maxnreg=None, counters=False)
+              fp8_mma=False, fp8_ss=False, maxnreg=None, counters=False, min_chunk=None)
 # an FP8 cache's own choices over LAUNCH (``launch`` still overrides both) where it cannot take FP8_LAUNCH: with the
 # values position-minor, float16 products with the exponents loaded ahead, 2 warps and 3 pipeline stages (the
 # fastest of the FP8 sweep with these products; docs/performance.md)
@@ -465,12 +467,12 @@ def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: 
     tl.store(OUT + rows[:, None] * D + dims[None, :], o.to(OUT.dtype.element_ty), mask=dims[None, :] < D)
 
 
-def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048) -> int:
-    """Keys per program: enough chunks that ``programs`` × chunks ≳ ``target`` programs, each chunk block–1024
-    positions (a power of two: few compiled variants)."""
+def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048, least: int | None = None) -> int:
+    """Keys per program: enough chunks that ``programs`` × chunks ≳ ``target`` programs, each chunk
+    max(block, least)–1024 positions (a power of two: few compiled variants)."""
     want = max(1, -(-target // max(programs, 1)))
     chunk = triton.next_power_of_2(max(1, -(-positions // want)))
-    return min(1024, max(block, chunk))
+    return min(1024, max(block, triton.next_power_of_2(least or 1), chunk))
 
 
 def _scratch(shape, device) -> torch.Tensor:
@@ -542,7 +544,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     pchunk = _chunk_size(Lp, P * Hkv * n_sub, block_p, launch["prefix_programs"]) if grouped else block_p
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
     # per sequence: its prefix and suffix in chunks (at least one suffix chunk: the fused merge's taker of last resort)
-    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block_s, launch["programs"])
+    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block_s, launch["programs"], launch.get("min_chunk"))
     n_suf = max(1, -(-T // chunk))
     n_pre = 0 if grouped else -(-Lp // chunk)
     npart = first + n_pre + n_suf
