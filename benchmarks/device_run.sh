@@ -126,7 +126,8 @@
 #   specverify speculative_rollout.py's (ii): the 8B verify step against a decode step, virtual rows, each also as a
 #              whole-step CUDA graph (~2 min; SPEC_CONTEXTS, SPEC_ROWS narrow it, SPEC_LIMIT its seconds)
 #   attnab     benchmarks/attention_ab.py: whole rollout calls under decode attention launch choices, interleaved in
-#              one process (ABVARIANTS: the JSON variants separated by ';', the first the reference; ABROWS, ABBASES, ABREPS; ~3 min)
+#              one process (ABVARIANTS: the JSON variants separated by ";", the first the reference; ABROWS,
+#              ABBASES, ABCTX the prompt length, ABREPS; ~3 min)
 #   sharedwarm shared_prompt_speed.py, grouped rows vs separate, the issue's four cases, each way's second step
 #              timed (--repeat 2: the pinned pool warm) (~8 min; SHCASES replaces the cases)
 #   matrix     benchmarks/rollout_matrix.py: rollout tokens/s and roofline by base (bf16, NF4, FP8; nf4h: NF4 in the
@@ -513,7 +514,8 @@ print('TRL stack', transformers.__version__, trl.__version__, peft.__version__, 
             --contexts ${SPEC_CONTEXTS:-1024 16384} --rows ${SPEC_ROWS:-8 16 32} ;;
         attnab) IFS=';' read -ra variants <<< "${ABVARIANTS:-{\};{\"counters\": true\}}"
             stage attnab "${AB_LIMIT:-240}" python3 benchmarks/attention_ab.py --bases "${ABBASES:-bf16,nf4}" \
-            --rows "${ABROWS:-8,32}" --reps "${ABREPS:-3}" --variants "${variants[@]}" --tag "${ABTAG:-}" ;;
+            --rows "${ABROWS:-8,32}" --context "${ABCTX:-1024}" --reps "${ABREPS:-3}" --variants "${variants[@]}" \
+            --tag "${ABTAG:-}" ;;
         sharedwarm) stage sharedwarm 560 python3 benchmarks/shared_prompt_speed.py --repeat 2 --tag _warm \
             --cases "${SHCASES:-16384:1024,4096:1024,512:20480,32768:1024}" ;;
         uniforms) stage uniforms 60 python3 benchmarks/uniform_speed.py --tag "${UTAG:-}" ;;

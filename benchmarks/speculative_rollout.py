@@ -280,14 +280,17 @@ def verify_cost(args, device) -> list[dict]:
                         row[f"{name}_k{k}_s"] = step_seconds(
                             lambda: run._queued_verify(batch, k, width, run._fast_verify_fits(batch, k)), restore,
                             args.reps)
+                    sampler.fast_verify = True  # (the twin's loop left it off: the graph runs the decode path)
                     if graphs and run._fast_verify_fits(batch, k):  # each whole queued verify step one graph
                         sampler.speculative_graphs = True  # (Sampler(speculative_graphs), a call's source width)
-                        row[f"graph_k{k}_s"] = step_seconds(
-                            lambda: run._queued_graph(batch, k, run._graph_width(width)), restore, args.reps, 2)
+                        try:
+                            row[f"graph_k{k}_s"] = step_seconds(
+                                lambda: run._queued_graph(batch, k, run._graph_width(width)), restore, args.reps, 2)
+                        except Exception as e:  # noqa: BLE001 - a failed capture is a result (the row says why)
+                            row[f"graph_k{k}_error"] = f"{type(e).__name__}: {e}"[:200]
                         sampler.speculative_graphs = False
                     drafts = torch.zeros(batch, k, dtype=torch.long, device=state.tokens.device)
                     drafts[:n_rows] = torch.randint(3, vocab, (n_rows, k), generator=g).to(drafts.device)
-                    sampler.fast_verify = True
                     row[f"verify_forward_k{k}_s"] = step_seconds(lambda: run._fast_verify(batch, k, drafts),
                                                                  restore, args.reps)
                 rows.append(row)
