@@ -169,16 +169,17 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                     return rows
                 plain = Sampler(model, tok, min_decode_batch=args.min_decode_batch, step_graphs=args.step_graphs)
 
-                def speculative(fallback: bool, graphs: bool = False, schedule: str = "measured") -> Sampler:
+                def speculative(fallback: bool, graphs: bool = True, schedule: str = "measured") -> Sampler:
                     return Sampler(model, tok, speculative="ngram", max_draft_tokens=k, speculative_fallback=fallback,
                                    fast_verify=args.fast_verify == "on", speculative_graphs=graphs,
                                    speculative_schedule=schedule, min_decode_batch=args.min_decode_batch,
                                    step_graphs=args.step_graphs)
                 # the schedule's plain chunks where speculation misses the break-even (priced by the call's step
-                # times, the default, or by bytes), every chunk speculating, and that with each whole queued step a
-                # CUDA graph
+                # times, the default, or by bytes), every chunk speculating with the verify forward alone a CUDA
+                # graph, and with each whole queued step a graph (the sampler's default since 2026-12-07; results
+                # before then ran measured and bytes without)
                 makers = {"measured": lambda: speculative(True), "bytes": lambda: speculative(True, schedule="bytes"),
-                          "always": lambda: speculative(False),
+                          "always": lambda: speculative(False, graphs=False),
                           "always, step graphs": lambda: speculative(False, graphs=True)}
                 chosen = [{"graphs": "always, step graphs"}.get(n, n) for n in args.schedules]
                 specs = {name: make() for name, make in makers.items() if name in chosen}
@@ -435,8 +436,10 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   "(plain and speculative calls draw with different seeds: equal up to sampling noise). Schedule: "
                   "measured (the default) and bytes, plain chunks "
                   "while speculation misses the break-even, a verify step priced by the call's own step times or "
-                  "by a byte model (verify steps / decode steps shows the share speculating); always, every chunk speculating; always, step graphs: and each whole queued "
-                  "step a CUDA graph (Sampler(speculative_graphs=True); on CUDA only). Verify steps: "
+                  "by a byte model (verify steps / decode steps shows the share speculating), each whole queued "
+                  "verify step a CUDA graph (Sampler(speculative_graphs), the default; on CUDA only); always, every "
+                  "chunk speculating, the verify forward alone a graph; always, step graphs: and each whole queued "
+                  "step a graph. Verify steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",
                   "| policy | temperature | sequences | k_max | call | schedule | plain tokens/s | speculative tokens/s "

@@ -30,12 +30,13 @@ KERNEL_CHECK = textwrap.dedent('''
         members[pidx, torch.arange(S)] = torch.arange(S)
         args = (q, k_pre, v_pre, pidx, entry_len[pidx], k_suf, v_suf, slen, D ** -0.5)
         ref = decode_attention_reference(*args)
-        # the default launch (on these few programs: chunks of one block), then few programs: chunks of many blocks,
-        # a prompt's keys in chunks of up to 1,024; a least chunk (100: rounded up to 128) over blocks of 64
+        # the default launch (these calls have few (row, key head) pairs: LAUNCH["few"]'s blocks of 64 and chunks
+        # of at least 128 keys), the table without it (chunks of one block), then few programs: chunks of many
+        # blocks, a prompt's keys in chunks of up to 1,024
         counters = merge_counters(S * Hkv, "cpu")  # at rest
         for kw in ({}, dict(members=members, prompt_len=entry_len),
-                   dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1)),
-                   dict(members=members, prompt_len=entry_len, launch=dict(block=64, min_chunk=100))):
+                   dict(members=members, prompt_len=entry_len, launch=dict(few=None)),
+                   dict(members=members, prompt_len=entry_len, launch=dict(programs=32, prefix_programs=1))):
             torch.testing.assert_close(decode_attention_triton(*args, **kw), ref, atol=1e-5, rtol=1e-5)
             kept = decode_attention_triton(*args, **{**kw, "launch": {**kw.get("launch", {}), "counters": True}},
                                            counters=counters)  # unfilled partials, counters kept across calls
@@ -48,6 +49,8 @@ FUSED_CHECK = textwrap.dedent('''
     from triton.runtime import interpreter
     from longrl.rollout import decode_kernel as dk
     from longrl.rollout.attention import decode_attention_reference
+
+    dk.LAUNCH["few"] = None  # the table's chunks of one block at these sizes (the live-chunk arithmetic below)
 
     class SharedCounter:  # _chunk_kernel launched with one counter buffer kept across calls: the kernel resets it
         def __init__(self, kernel):
@@ -216,3 +219,19 @@ def test_a_least_chunk_rounds_up_to_a_power_of_two_and_keeps_the_1024_cap():
     assert dk._chunk_size(256, 64, 64, 128) == 128  # few target programs: the same chunks
     assert dk._chunk_size(20480, 64, 32, 2048, least=128) == 1024
     assert dk._chunk_size(20480, 64, 32, 2048, least=4096) == 1024
+
+
+def test_few_pairs_take_their_own_choices_and_the_caller_still_decides():
+    """_launch_for: a 16-bit cache's call of at most few["pairs"] (row, key head) pairs takes the few-pair blocks
+    and least chunk; one more pair, an FP8 cache, or few turned off keep the table; the caller's entries win."""
+    from longrl.rollout import decode_kernel as dk
+
+    few = dk.LAUNCH["few"]
+    small = dk._launch_for(few["pairs"], False, None)
+    assert (small["block"], small["min_chunk"]) == (few["block"], few["min_chunk"])
+    large = dk._launch_for(few["pairs"] + 1, False, None)
+    assert (large["block"], large["min_chunk"]) == (dk.LAUNCH["block"], dk.LAUNCH["min_chunk"])
+    assert dk._launch_for(8, True, None)["block"] == dk.FP8_LAUNCH["block"]  # an FP8 cache: its own blocks
+    assert dk._launch_for(8, False, {"few": None})["block"] == dk.LAUNCH["block"]
+    assert dk._launch_for(8, False, {"block": 32})["block"] == 32
+    assert dk._launch_for(8, False, {"counters": True})["min_chunk"] == few["min_chunk"]

@@ -42,11 +42,17 @@ BLOCK = 32
 # counters: with a persistent counter buffer (decode_attention_triton's ``counters``, the sampler's KVCache.counters;
 # rollout/merge_counters.py; on the filled path the counters sit at the tail of the partials' m, filled with it)
 # the fused merge reads only the columns the lengths say were written, so the partials need no −inf fill: one launch
-# a layer less (off until timed on a GPU)
+# a layer less (off: 0.982-1.005 × the seconds of whole 8B calls on an H100, within their noise; docs/rollouts.md)
 # min_chunk: keys a per-sequence program reads at least (None: one block). Few short sequences otherwise split into
 # many tiny chunks (8 rows × 8 key heads over 256 positions: 8 columns of 32), whose partials the merge then reads
+# few: the choices over the rest of LAUNCH for a 16-bit cache where the call has at most ``pairs`` (row, key head)
+# pairs (None: never): blocks of 64 keys, chunks of at least 128. Whole 8B rollout calls on an H100
+# (benchmarks/attention_ab.py): 0.953-0.979 × the seconds in three of four cells at 8-32 sequences (16-32 decode
+# rows × 8 key heads), 1.000 × in the fourth, equal at 16K-token prompts (chunks of 1,024 either way); forced at
+# 128 rows (1,024 pairs) the same choices took 1.013-1.016 ×, hence the cap
 LAUNCH = dict(block=BLOCK, warps=4, stages=2, programs=2048, prefix_programs=512, fp8_f16=False, fp8_prefetch=False,
-              fp8_mma=False, fp8_ss=False, maxnreg=None, counters=False, min_chunk=None)
+              fp8_mma=False, fp8_ss=False, maxnreg=None, counters=False, min_chunk=None,
+              few=dict(pairs=256, block=64, min_chunk=128))
 # an FP8 cache's own choices over LAUNCH (``launch`` still overrides both) where it cannot take FP8_LAUNCH: with the
 # values position-minor, float16 products with the exponents loaded ahead, 2 warps and 3 pipeline stages (the
 # fastest of the FP8 sweep with these products; docs/performance.md)
@@ -467,6 +473,15 @@ def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: 
     tl.store(OUT + rows[:, None] * D + dims[None, :], o.to(OUT.dtype.element_ty), mask=dims[None, :] < D)
 
 
+def _launch_for(pairs: int, fp8: bool, launch: dict | None) -> dict:
+    """A call's launch choices: LAUNCH, then its ``few`` choices where a 16-bit cache's call has at most
+    few["pairs"] (row, key head) pairs, then FP8_LAUNCH for an FP8 cache, then the caller's ``launch``."""
+    chosen = {**LAUNCH, **(launch or {})}
+    few = chosen.get("few")
+    small = {k: v for k, v in few.items() if k != "pairs"} if few and not fp8 and pairs <= few["pairs"] else {}
+    return {**LAUNCH, **small, **(FP8_LAUNCH if fp8 else {}), **(launch or {})}
+
+
 def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048, least: int | None = None) -> int:
     """Keys per program: enough chunks that ``programs`` × chunks ≳ ``target`` programs, each chunk
     max(block, least)–1024 positions (a power of two: few compiled variants)."""
@@ -493,16 +508,17 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
 
     members [P, G] (slot of each sequence of prompt entry p, −1 for none) and prompt_len [P]: read each prompt's
     keys once for all its sequences (every slot < B must be listed under its entry). ``launch`` overrides entries
-    of LAUNCH and FP8_LAUNCH (for tuning; the result does not depend on them beyond float32 summation order).
+    of LAUNCH, its ``few`` choices and FP8_LAUNCH (_launch_for; for tuning: the result does not depend on them beyond
+    float32 summation order).
     ``fused_merge`` False: merge the partials in a launch of their own (merge_partials; for comparison).
 
     counters: int32 [≥ B · Hkv] at COUNT0, kept from call to call (each call leaves them at COUNT0): with the launch
     choice ``counters`` on and the fused merge, the merge's counters, and its partials are left unfilled (the merge
     reads the columns the lengths say were written); otherwise (or when too short) unused."""
-    launch = {**LAUNCH, **(FP8_LAUNCH if kv_exp is not None else {}), **(launch or {})}
-    block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     B, Hq, D = q.shape
     P, Hkv, Lp = k_pre.shape[0], k_pre.shape[1], k_pre.shape[2]
+    launch = _launch_for(B * Hkv, kv_exp is not None, launch)
+    block, warps, stages = launch["block"], launch["warps"], launch["stages"]
     T = k_suf.shape[2]
     q = q.contiguous()
     fp8 = (3 if launch["fp8_mma"] else 2 if launch["fp8_f16"] else 1) if kv_exp is not None else 0
