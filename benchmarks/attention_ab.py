@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import rollout_speed as rs  # noqa: E402
-from bench_setup import bench_lora, random_model, random_prompts, sync  # noqa: E402
+from bench_setup import random_prompts, sync  # noqa: E402
 from results_io import card_tag, run_meta, write_result  # noqa: E402
+from rollout_matrix import build  # noqa: E402
 
-from longrl.models import apply_lora  # noqa: E402
 from longrl.rollout import Sampler, SamplingParams, decode_kernel  # noqa: E402
 
 G = 8
@@ -124,11 +124,7 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     t0, cells = time.perf_counter(), []
     for base in args.bases.split(","):
-        if base == "bf16":
-            model = apply_lora(random_model(args.shape, dev), bench_lora())
-            model.config.use_cache = True
-        else:
-            model = rs.quantized_model(base, args.shape, dev)
+        model, _ = build(base, args.shape, dev)  # (the matrix's models: LoRA r = 32 on bf16, NF4 or FP8)
         for rows in (int(r) for r in args.rows.split(",")):
             cells.append(cell(model, base, rows, args.context, args.new_tokens, variants, args.reps))
             print(json.dumps(cells[-1]), flush=True)

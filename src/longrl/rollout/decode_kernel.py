@@ -476,10 +476,10 @@ def _merge_kernel(M, L, ACC, OUT, NPART, D: tl.constexpr, DP: tl.constexpr, NP: 
 def _launch_for(pairs: int, fp8: bool, launch: dict | None) -> dict:
     """A call's launch choices: LAUNCH, then its ``few`` choices where a 16-bit cache's call has at most
     few["pairs"] (row, key head) pairs, then FP8_LAUNCH for an FP8 cache, then the caller's ``launch``."""
-    chosen = {**LAUNCH, **(launch or {})}
-    few = chosen.get("few")
+    launch = launch or {}
+    few = launch.get("few", LAUNCH["few"])
     small = {k: v for k, v in few.items() if k != "pairs"} if few and not fp8 and pairs <= few["pairs"] else {}
-    return {**LAUNCH, **small, **(FP8_LAUNCH if fp8 else {}), **(launch or {})}
+    return {**LAUNCH, **small, **(FP8_LAUNCH if fp8 else {}), **launch}
 
 
 def _chunk_size(positions: int, programs: int, block: int = BLOCK, target: int = 2048, least: int | None = None) -> int:
@@ -560,7 +560,7 @@ def decode_attention_triton(q, k_pre, v_pre, prefix_index, prefix_len, k_suf, v_
     pchunk = _chunk_size(Lp, P * Hkv * n_sub, block_p, launch["prefix_programs"]) if grouped else block_p
     first = -(-Lp // pchunk) if grouped else 0  # columns [0, first): the grouped prefix partials
     # per sequence: its prefix and suffix in chunks (at least one suffix chunk: the fused merge's taker of last resort)
-    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block_s, launch["programs"], launch.get("min_chunk"))
+    chunk = _chunk_size(T if grouped else Lp + T, B * Hkv, block_s, launch["programs"], launch["min_chunk"])
     n_suf = max(1, -(-T // chunk))
     n_pre = 0 if grouped else -(-Lp // chunk)
     npart = first + n_pre + n_suf
