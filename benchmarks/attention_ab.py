@@ -121,7 +121,9 @@ def main() -> None:
     variants = variants_of(args.variants)
     if args.smoke:
         args.shape, args.bases, args.rows, args.context, args.new_tokens, args.reps = "tiny", "bf16", "8", 16, 4, 2
-    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("attention_ab.py times whole rollout calls on a GPU; no GPU here (--smoke runs it on the CPU)")
+    dev = torch.device("cuda" if not args.smoke else "cpu")
     t0, cells = time.perf_counter(), []
     for base in args.bases.split(","):
         model, _ = build(base, args.shape, dev)  # (the matrix's models: LoRA r = 32 on bf16, NF4 or FP8)
