@@ -37,6 +37,7 @@ labelled as such.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -52,7 +53,23 @@ from real_models import SMOLLM2_MISSING, smollm2_gguf  # noqa: E402
 from results_io import card_tag, run_meta, write_result  # noqa: E402
 
 from longrl.rollout import Sampler, SamplingParams  # noqa: E402
+from longrl.rollout import verify_steps  # noqa: E402
 from longrl.rollout.sampler import _Run  # noqa: E402
+
+FLOOR_1 = "always, step graphs, width floor 1"  # the schedule "graphs-w1": whole-step graphs of every width
+
+
+@contextlib.contextmanager
+def width_floor(schedule: str):
+    """verify_steps.GRAPH_WIDTH_FLOOR at 1 inside for the FLOOR_1 schedule (each power-of-two source width its own
+    graph, as before the floor), put back on exit; unchanged for the others."""
+    kept = verify_steps.GRAPH_WIDTH_FLOOR
+    if schedule == FLOOR_1:
+        verify_steps.GRAPH_WIDTH_FLOOR = 1
+    try:
+        yield
+    finally:
+        verify_steps.GRAPH_WIDTH_FLOOR = kept
 
 G = 8
 T0 = time.perf_counter()  # --deadline counts from here
@@ -180,12 +197,14 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                 # before then ran measured and bytes without)
                 makers = {"measured": lambda: speculative(True), "bytes": lambda: speculative(True, schedule="bytes"),
                           "always": lambda: speculative(False, graphs=False),
-                          "always, step graphs": lambda: speculative(False, graphs=True)}
-                chosen = [{"graphs": "always, step graphs"}.get(n, n) for n in args.schedules]
+                          "always, step graphs": lambda: speculative(False, graphs=True),
+                          FLOOR_1: lambda: speculative(False, graphs=True)}
+                chosen = [{"graphs": "always, step graphs", "graphs-w1": FLOOR_1}.get(n, n) for n in args.schedules]
                 specs = {name: make() for name, make in makers.items() if name in chosen}
                 # warm-ups: compiles, and each sampler's own first call (then it forgets what that call taught it)
-                for sampler in (plain, *specs.values()):
-                    sampler.generate(prompts, G, SamplingParams(**{**params.__dict__, "seed": 0}))
+                for name, sampler in (("plain", plain), *specs.items()):
+                    with width_floor(name):
+                        sampler.generate(prompts, G, SamplingParams(**{**params.__dict__, "seed": 0}))
                     sampler.forget_history()
                 s_plain, plain_stats, n_plain = median_call(plain, prompts, params, args.calls)
                 # the step anatomy (iii): kernel time and launches a step of a plain and a speculating call
@@ -195,8 +214,10 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                     seed = 2 + len(rows)  # (the same for both schedules)
                     for schedule, spec in specs.items():  # a first step forgets every earlier call; later steps
                         # draft from the calls before them too
-                        s, stats, n = median_call(spec, prompts, SamplingParams(**{**params.__dict__, "seed": seed}),
-                                                  args.calls, spec.forget_history if call == "first step" else None)
+                        with width_floor(schedule):
+                            s, stats, n = median_call(spec, prompts,
+                                                      SamplingParams(**{**params.__dict__, "seed": seed}), args.calls,
+                                                      spec.forget_history if call == "first step" else None)
                         if call == "first step" and schedule.startswith("always"):
                             graphs = schedule != "always"
                             anatomy["graphed" if graphs else "speculative"] = dict(
@@ -210,8 +231,11 @@ def rollouts(args, model, tok, make_prompts, policy: str, prior: list[dict] = ()
                                          accepted_per_step=stats["spec_accepted_per_step"],
                                          hit_rate=stats["spec_hit_rate"], verify_steps=stats["spec_verify_steps"],
                                          fallbacks=stats["spec_fallbacks"], decode_steps=stats["decode_steps"],
-                                         tokens=n, plain_tokens=n_plain, completions=len(prompts) * G, anatomy=anatomy if call == "first step" and schedule == "always, step graphs"
-                         else None))
+                                         tokens=n, plain_tokens=n_plain, completions=len(prompts) * G,
+                                         captures=stats.get("graph_captures", 0),
+                                         capture_s=stats.get("graph_capture_s", 0.0),
+                                         anatomy=anatomy if call == "first step" and schedule == "always, step graphs"
+                                         else None))
                         print(rows[-1], flush=True)
                 args.checkpoint([*prior, *rows])
     return rows
@@ -327,9 +351,10 @@ def main() -> None:
     ap.add_argument("--step-graphs", action="store_true",
                     help="(i): Sampler(step_graphs=True) for every sampler: each plain decode step one CUDA graph")
     ap.add_argument("--schedules", nargs="+", default=["measured", "bytes", "always", "graphs"],
-                    choices=["measured", "bytes", "always", "graphs"],
-                    help="(i): the speculative samplers run (graphs: always, step graphs; the step anatomy is taken "
-                         "with always and graphs)")
+                    choices=["measured", "bytes", "always", "graphs", "graphs-w1"],
+                    help="(i): the speculative samplers run (graphs: always, step graphs; graphs-w1: the same with "
+                         "verify_steps.GRAPH_WIDTH_FLOOR at 1, a graph for each power-of-two width; the step anatomy "
+                         "is taken with always and graphs)")
     ap.add_argument("--policies", default="untrained,trained",
                     help="with --train-steps, which policies (i) rolls out: untrained, trained or both")
     args = ap.parse_args()
@@ -439,18 +464,22 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   "by a byte model (verify steps / decode steps shows the share speculating), each whole queued "
                   "verify step a CUDA graph (Sampler(speculative_graphs), the default; on CUDA only); always, every "
                   "chunk speculating, the verify forward alone a graph; always, step graphs: and each whole queued "
-                  "step a graph. Verify steps: "
+                  "step a graph (a graph a batch size, k and source width: widths rounded up to powers of two of at "
+                  "least verify_steps.GRAPH_WIDTH_FLOOR, 256; width floor 1: every power of two). Graphs captured: "
+                  "the median call's CUDA-graph captures, plain and speculative, and their host seconds. Verify "
+                  "steps: "
                   + ("on the decode path (--fast-verify on)." if args.fast_verify == "on"
                      else "the extend forward, the twin (--fast-verify off)."), "",
                   "| policy | temperature | sequences | k_max | call | schedule | plain tokens/s | speculative tokens/s "
                   "| speed-up | accepted / step | hit rate | verify steps / decode steps | mean length, plain / "
-                  "speculative |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "speculative | graphs captured (host s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['policy']} | {r['temperature']} | {r['sequences']} | {r['k']} | {r['call']} | "
                   f"{r['schedule']} | {r['plain_tokens_s']:.0f} | "
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
                   f"{r['hit_rate']:.2f} | {r['verify_steps']} / {r['decode_steps']} | "
-                  f"{r['plain_tokens'] / r['completions']:.1f} / {r['tokens'] / r['completions']:.1f} |" for r in real]
+                  f"{r['plain_tokens'] / r['completions']:.1f} / {r['tokens'] / r['completions']:.1f} | "
+                  + (f"{r['captures']} ({r['capture_s']:.2f})" if "captures" in r else "–") + " |" for r in real]
         lines.append("")
         lines += anatomy_table(real)
     if meta.get("left_out"):

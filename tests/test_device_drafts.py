@@ -129,6 +129,34 @@ def test_propose_reads_the_entries_layout_and_the_slots_tokens():
         assert [r[:n] for r, n in zip(got.tolist(), found.tolist())] == want
 
 
+def test_a_wider_source_width_drafts_the_same():
+    """The whole-step graphs' widths are rounded up (verify_steps.GRAPH_WIDTH_FLOOR, powers of two): any width at
+    least every member's count, and every history column instead of those in use, give the same drafts."""
+    rng = random.Random(1)
+    for trial in range(20):
+        E, G, T, P, H, M = 2, 3, 40, 6, 12, rng.randint(2, 5)
+        slots = E * G
+        drafts = DeviceDrafts(E, P, H, "cpu", min_match=rng.randint(1, 2), max_match=M)
+        for e in range(E):
+            drafts.open_entry(e, [rng.randrange(3) for _ in range(rng.randint(1, P))],
+                              [[rng.randrange(3) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 2))])
+        tokens = torch.randint(0, 3, (slots, T))
+        generated = torch.randint(0, 9, (slots,))
+        members = torch.randperm(slots).view(E, G).clone()
+        entry = torch.zeros(slots, dtype=torch.long)
+        for e in range(E):
+            entry[members[e]] = e
+        prompt_len = drafts.prompt_len[entry]
+        rows = torch.arange(slots)
+        k = rng.randint(1, 4)
+        need = int(generated.max())
+        want = drafts.propose(tokens, generated, prompt_len, entry, members, rows, max(need, 1), k)
+        for width, every in ((need + rng.randint(1, 7), False), (T, True), (rng.randint(max(need, 1), T), True)):
+            got = drafts.propose(tokens, generated, prompt_len, entry, members, rows, width, k, every_column=every)
+            assert [r[:n] for r, n in zip(*(x.tolist() for x in got))] == \
+                [r[:n] for r, n in zip(*(x.tolist() for x in want))], (trial, width, every)
+
+
 def test_the_schedule_backs_off_after_chunks_that_do_not_pay():
     s = SpeculationSchedule(max_backoff=4, measured=False)
     assert s.speculate_next()

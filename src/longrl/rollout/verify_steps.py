@@ -26,6 +26,13 @@ from .spec_schedule import verify_cost_ratio
 from .speculative import SpeculativeResult, speculative_step
 
 
+# the fewest completion columns a whole queued verify step's drafts read (each width is its own CUDA graph): a graph
+# reads every history column (DRAFT_HISTORY_TOKENS, 8,192 a prompt) anyway, so G · 256 columns more cost a step
+# little, while each width a call reaches costs it a capture (≈ 40 ms of host time on an H100): completions of up to
+# 256 tokens take one width instead of up to nine
+GRAPH_WIDTH_FLOOR = 256
+
+
 class VerifySteps:
     """``_Run``'s speculative steps (module docstring)."""
 
@@ -80,9 +87,9 @@ class VerifySteps:
         return steps
 
     def _graph_width(self, width: int) -> int:
-        """A whole queued verify step's source width: ``width`` rounded up to a power of two, at most the call's
-        token limit (few graph captures a call)."""
-        return min(self.max_tokens, 1 << max(0, width - 1).bit_length())
+        """A whole queued verify step's source width: ``width`` rounded up to a power of two and to at least
+        GRAPH_WIDTH_FLOOR, at most the call's token limit (few graph captures a call)."""
+        return min(self.max_tokens, max(GRAPH_WIDTH_FLOOR, 1 << max(0, width - 1).bit_length()))
 
     def _queued_graph(self, batch: int, k: int, width: int) -> None:
         """A queued verify step replayed as one CUDA graph a (batch, k, width) (sampler._Run._whole_step_graph: its
