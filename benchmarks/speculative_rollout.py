@@ -369,6 +369,9 @@ def main() -> None:
         args.rows, args.contexts, args.reps, args.calls = [2], [32], 2, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     parts = set(args.parts.split(","))
+    if "ii" in parts and device.type != "cuda" and not args.smoke:  # (not an 8B model built on the CPU first)
+        ap.error("(ii) times the 8B shape's decode steps on a GPU and there is none here: --smoke runs it on the CPU, "
+                 "--parts i runs (i) only")
     import learning_real as lr
 
     task = lr.TASK if "i" in parts and args.train_steps else None
