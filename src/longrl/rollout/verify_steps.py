@@ -27,9 +27,9 @@ from .speculative import SpeculativeResult, speculative_step
 
 
 # the fewest completion columns a whole queued verify step's drafts read (each width is its own CUDA graph): a graph
-# reads every history column (DRAFT_HISTORY_TOKENS, 8,192 a prompt) anyway, so G · 256 columns more cost a step
-# little, while each width a call reaches costs it a capture (≈ 40 ms of host time on an H100): completions of up to
-# 256 tokens take one width instead of up to nine
+# reads every history column (DRAFT_HISTORY_TOKENS a prompt) anyway, so G · 256 columns more cost a step little,
+# while each width a call reaches costs it a capture (tens of ms of host time): completions of up to 256 tokens need
+# one width, not one for each power of two they pass (docs/rollouts.md, "Fewer widths a call")
 GRAPH_WIDTH_FLOOR = 256
 
 
