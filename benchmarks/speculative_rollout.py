@@ -41,6 +41,7 @@ import contextlib
 import statistics
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -59,17 +60,12 @@ from longrl.rollout.sampler import _Run  # noqa: E402
 FLOOR_1 = "always, step graphs, width floor 1"  # the schedule "graphs-w1": whole-step graphs of every width
 
 
-@contextlib.contextmanager
 def width_floor(schedule: str):
-    """verify_steps.GRAPH_WIDTH_FLOOR at 1 inside for the FLOOR_1 schedule (each power-of-two source width its own
-    graph, as before the floor), put back on exit; unchanged for the others."""
-    kept = verify_steps.GRAPH_WIDTH_FLOOR
+    """A context with verify_steps.GRAPH_WIDTH_FLOOR at 1 for the FLOOR_1 schedule (each power-of-two source width
+    its own graph, as before the floor); unchanged for the others."""
     if schedule == FLOOR_1:
-        verify_steps.GRAPH_WIDTH_FLOOR = 1
-    try:
-        yield
-    finally:
-        verify_steps.GRAPH_WIDTH_FLOOR = kept
+        return mock.patch.object(verify_steps, "GRAPH_WIDTH_FLOOR", 1)
+    return contextlib.nullcontext()
 
 G = 8
 T0 = time.perf_counter()  # --deadline counts from here
@@ -482,7 +478,7 @@ def report(args, real: list[dict], cost: list[dict], meta: dict) -> list[str]:
                   f"{r['spec_tokens_s']:.0f} | {r['speedup']:.2f}× | {r['accepted_per_step']:.2f} | "
                   f"{r['hit_rate']:.2f} | {r['verify_steps']} / {r['decode_steps']} | "
                   f"{r['plain_tokens'] / r['completions']:.1f} / {r['tokens'] / r['completions']:.1f} | "
-                  + (f"{r['captures']} ({r['capture_s']:.2f})" if "captures" in r else "–") + " |" for r in real]
+                  f"{r['captures']} ({r['capture_s']:.2f}) |" for r in real]
         lines.append("")
         lines += anatomy_table(real)
     if meta.get("left_out"):
